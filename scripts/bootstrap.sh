@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Creates .venv and installs topr-trl with the tested versions. Idempotent: a second run is a no-op
+# unless setup.cfg or constraints.txt changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${TOPR_VENV:-.venv}"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+stamp="$venv/.topr-installed-$(cat setup.cfg constraints.txt | sha1sum | cut -c1-12)"
+if [ ! -f "$stamp" ]; then
+  echo "[bootstrap] installing into $venv (first run takes a few minutes)" >&2
+  "$venv/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" >&2 || true
+  # The CPU build of torch goes in first: with no torch present, pip would pull several GB of CUDA wheels.
+  "$venv/bin/python" -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" >&2 || true
+  "$venv/bin/python" -c "import torch" || { echo "[bootstrap] torch failed to install" >&2; exit 1; }
+  # DS_BUILD_OPS=0: DeepSpeed builds a pure-Python wheel and JIT-compiles its ops when first used.
+  DS_BUILD_OPS=0 "$venv/bin/python" -m pip install -q -c constraints.txt -e ".[dev,deepspeed]" "torch==2.13.0" \
+    2>&1 | grep -v "is ignored" >&2 || true
+  "$venv/bin/python" -c "import topr_trl, deepspeed, pytest" || { echo "[bootstrap] install failed" >&2; exit 1; }
+  rm -f "$venv"/.topr-installed-*
+  touch "$stamp"
+fi

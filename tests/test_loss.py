@@ -1,0 +1,260 @@
+"""The loss module against hand-computed values and gradients (paper Eq. 7, 8, 12)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from topr_trl.loss import (
+    AGGREGATIONS,
+    MAX_LOG_RATIO,
+    PRESETS,
+    RATIO_LEVELS,
+    PolicyLossSpec,
+    TruncationLimits,
+    aggregate,
+    baseline_for_effective_proportion,
+    branch_losses,
+    effective_positive_proportion,
+    log_importance_ratio,
+    policy_per_token_loss,
+    signal_share_of_positives,
+    topr_loss,
+    truncated_ratio,
+)
+
+torch.set_default_dtype(torch.float64)
+
+
+def batch(seed=0, B=6, T=5):
+    generator = torch.Generator().manual_seed(seed)
+    logps = -torch.rand(B, T, generator=generator) * 2
+    behaviour = logps + torch.randn(B, T, generator=generator) * 0.3
+    mask = torch.ones(B, T)
+    mask[1, 3:] = 0
+    mask[4, 1:] = 0
+    signal = torch.tensor([1.0, -1.0, 0.5, -0.25, -2.0, 1.5])[:B]
+    return logps, behaviour, mask, signal
+
+
+def hand_weight(log_ratio, s, limits):
+    lower, upper = (limits.positive_lower, limits.positive_upper) if s >= 0 else (limits.negative_lower, limits.negative_upper)
+    return min(max(math.exp(min(log_ratio, MAX_LOG_RATIO)), lower), min(upper, math.exp(MAX_LOG_RATIO)))
+
+
+def hand_loss_and_grad(logps, behaviour, mask, signal, limits, level, aggregation, max_len=7):
+    """Loops over trajectories and tokens, written independently of the vectorised module."""
+    B, T = logps.shape
+    grad = torch.zeros(B, T)
+    contributions = torch.zeros(B, T)  # d loss / d logp for each token, before aggregation
+    for i in range(B):
+        tokens = [t for t in range(T) if mask[i, t] > 0]
+        s = float(signal[i])
+        for t in tokens:
+            if level == "token":
+                lr = float(logps[i, t] - behaviour[i, t])
+            else:
+                lr = sum(float(logps[i, u] - behaviour[i, u]) for u in tokens)
+                if level == "length_normalized":
+                    lr /= max(len(tokens), 1)
+            contributions[i, t] = -hand_weight(lr, s, limits) * s
+    n_tokens = float(mask.sum())
+    loss = 0.0
+    for i in range(B):
+        n_i = float(mask[i].sum())
+        for t in range(T):
+            if mask[i, t] == 0:
+                continue
+            if aggregation == "seq-mean-token-mean":
+                scale = 1.0 / (max(n_i, 1.0) * B)
+            elif aggregation in ("token-mean", "global-token-mean"):
+                scale = 1.0 / n_tokens
+            else:
+                scale = 1.0 / (B * max_len)
+            grad[i, t] = float(contributions[i, t]) * scale
+            loss += float(contributions[i, t]) * float(logps[i, t]) * scale
+    return loss, grad
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("level", RATIO_LEVELS)
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_loss_and_gradient_match_hand_computation(preset, level, aggregation):
+    logps, behaviour, mask, signal = batch()
+    logps.requires_grad_(True)
+    spec = PolicyLossSpec(limits=PRESETS[preset], ratio_level=level)
+    loss, _ = topr_loss(logps, behaviour, signal, mask, spec, aggregation, max_completion_length=7,
+                        num_tokens=mask.sum())
+    loss.backward()
+    expected_loss, expected_grad = hand_loss_and_grad(logps.detach(), behaviour, mask, signal, PRESETS[preset], level,
+                                                      aggregation)
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-9, abs=1e-12)
+    torch.testing.assert_close(logps.grad, expected_grad)
+
+
+def test_gradient_equals_eq8_computed_directly():
+    """A softmax policy over a small vocabulary: the TOPR gradient of Eq. 8 (divided by trajectory length),
+    built from per-trajectory grad log pi(tau) and stop-gradient weights, equals autograd of the loss."""
+    torch.manual_seed(0)
+    vocab, B, T = 7, 5, 4
+    theta = torch.randn(T, vocab, requires_grad=True)
+    tokens = torch.randint(vocab, (B, T))
+    mask = torch.ones(B, T)
+    mask[2, 2:] = 0
+    mu_logps = torch.log_softmax(torch.randn(T, vocab), -1).gather(-1, tokens.T).T
+    signal = torch.tensor([1.0, -1.0, -1.0, 1.0, -1.0])
+
+    def logps_of(params):
+        return torch.log_softmax(params, -1).gather(-1, tokens.T).T  # (B, T)
+
+    loss, _ = topr_loss(logps_of(theta), mu_logps, signal, mask)
+    (autograd_grad,) = torch.autograd.grad(loss, theta)
+
+    direct = torch.zeros_like(theta)
+    for i in range(B):
+        logp_tau = (logps_of(theta)[i] * mask[i]).sum()
+        (grad_log_pi,) = torch.autograd.grad(logp_tau, theta)
+        ratio = math.exp(logp_tau.detach().item() - float((mu_logps[i] * mask[i]).sum()))
+        weight = 1.0 if signal[i] >= 0 else min(ratio, 1.0)  # Eq. 8: SFT on positives, TIS on negatives
+        direct += weight * float(signal[i]) * grad_log_pi / mask[i].sum()
+    direct = -direct / B  # the loss is minimised: its gradient is minus the ascent direction
+    torch.testing.assert_close(autograd_grad, direct)
+
+
+def test_weights_are_stop_gradient():
+    logps, behaviour, mask, signal = batch()
+    logps.requires_grad_(True)
+    terms = policy_per_token_loss(logps, behaviour, signal, mask, PolicyLossSpec(limits=PRESETS["tis"]))
+    assert not terms.weights.requires_grad and not terms.log_ratio.requires_grad
+    # d/d logp of -w*s*logp with w constant is -w*s: no term from d w / d logp
+    terms.per_token_loss.sum().backward()
+    torch.testing.assert_close(logps.grad, (-terms.weights * signal.reshape(-1, 1)).expand_as(logps) * 1.0)
+
+
+def test_truncated_ratio_hand_values():
+    log_ratio = torch.tensor([math.log(0.5), math.log(2.0), -1e4, 1e4, 0.0])
+    torch.testing.assert_close(truncated_ratio(log_ratio, 0.0, 1.0), torch.tensor([0.5, 1.0, 0.0, 1.0, 1.0]))
+    torch.testing.assert_close(truncated_ratio(log_ratio, 1.0, 1.0), torch.ones(5))
+    untruncated = truncated_ratio(log_ratio, 0.0, math.inf)
+    torch.testing.assert_close(untruncated, torch.tensor([0.5, 2.0, 0.0, math.exp(MAX_LOG_RATIO), 1.0]))
+    torch.testing.assert_close(truncated_ratio(log_ratio, 0.0, 0.0), torch.zeros(5))
+
+
+def test_sequence_ratio_is_the_product_of_token_ratios():
+    logps, behaviour, mask, _ = batch()
+    product = torch.exp(log_importance_ratio(logps, behaviour, mask, "sequence")).squeeze(1)
+    expected = torch.tensor([math.prod(math.exp(float(logps[i, t] - behaviour[i, t]))
+                                       for t in range(logps.size(1)) if mask[i, t]) for i in range(logps.size(0))])
+    torch.testing.assert_close(product, expected)
+    geometric = torch.exp(log_importance_ratio(logps, behaviour, mask, "length_normalized")).squeeze(1)
+    torch.testing.assert_close(geometric, expected ** (1 / mask.sum(1)))
+
+
+def test_canonical_topr_positive_weight_is_one_and_negative_weight_in_unit_interval():
+    logps, behaviour, mask, signal = batch()
+    for shift in (-3.0, 0.0, 3.0):
+        terms = policy_per_token_loss(logps, behaviour + shift, signal, mask)
+        positive = terms.is_positive.squeeze(1)
+        assert torch.all(terms.weights[positive] == 1.0)
+        assert torch.all((terms.weights[~positive] >= 0) & (terms.weights[~positive] <= 1))
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("level", RATIO_LEVELS)
+@pytest.mark.parametrize("variant", ["topr", "ppo", "cispo", "kimi15"])
+def test_no_inf_or_nan_on_extreme_inputs(preset, level, variant):
+    B, T = 6, 4
+    logps = torch.full((B, T), -1.0, requires_grad=True)
+    behaviour = torch.tensor([[1e4] * T, [-1e4] * T, [1e4] * T, [-1e4] * T, [float("nan")] * T, [-math.inf] * T])
+    mask = torch.ones(B, T)
+    mask[2] = 0  # a fully masked row
+    spec = PolicyLossSpec(variant=variant, limits=PRESETS[preset], ratio_level=level)
+    for signal in (torch.tensor([1.0, -1, 1, -1, 1, -1]), torch.ones(B), -torch.ones(B), torch.zeros(B)):
+        for aggregation in AGGREGATIONS:
+            loss, terms = topr_loss(logps, behaviour, signal, mask, spec, aggregation, max_completion_length=T,
+                                    num_tokens=mask.sum())
+            (grad,) = torch.autograd.grad(loss, logps)
+            assert torch.isfinite(loss) and torch.isfinite(grad).all() and torch.isfinite(terms.weights).all()
+
+
+def test_zero_length_completions_and_empty_masks():
+    for logps, mask in ((torch.zeros(3, 0, requires_grad=True), torch.zeros(3, 0)),
+                        (torch.zeros(3, 4, requires_grad=True), torch.zeros(3, 4))):
+        for aggregation in AGGREGATIONS:
+            loss, _ = topr_loss(logps, logps.detach(), torch.tensor([1.0, -1.0, 0.0]), mask, aggregation=aggregation,
+                                max_completion_length=4, num_tokens=mask.sum())
+            (grad,) = torch.autograd.grad(loss, logps)
+            assert loss.item() == 0.0 and torch.all(grad == 0)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_branch_losses_add_up_to_the_loss(aggregation):
+    logps, behaviour, mask, signal = batch()
+    kwargs = dict(max_completion_length=7, num_tokens=mask.sum())
+    loss, terms = topr_loss(logps, behaviour, signal, mask, aggregation=aggregation, **kwargs)
+    positive, negative = branch_losses(terms.per_token_loss, terms.is_positive, mask, aggregation, **kwargs)
+    torch.testing.assert_close(positive + negative, loss)
+    assert positive.item() != 0 and negative.item() != 0
+
+
+def test_branch_weights_scale_each_branch():
+    logps, behaviour, mask, signal = batch()
+    base = policy_per_token_loss(logps, behaviour, signal, mask)
+    scaled = policy_per_token_loss(logps, behaviour, signal, mask, PolicyLossSpec(positive_weight=2.0, negative_weight=0.5))
+    factor = torch.where(base.is_positive, 2.0, 0.5)
+    torch.testing.assert_close(scaled.per_token_loss, base.per_token_loss * factor)
+
+
+def test_ppo_cispo_kimi15_hand_values():
+    logps = torch.tensor([[math.log(0.5)], [math.log(0.5)]], requires_grad=True)
+    behaviour = torch.log(torch.tensor([[0.25], [0.25]]))  # ratio 2 on both rows
+    mask = torch.ones(2, 1)
+    signal = torch.tensor([1.0, -1.0])
+    token = dict(ratio_level="token")
+    ppo = policy_per_token_loss(logps, behaviour, signal, mask, PolicyLossSpec(variant="ppo", **token))
+    # positive: min(2*1, 1.2*1) = 1.2 -> loss -1.2, clipped (no gradient); negative: min(-2, -1.2) = -2 -> loss 2
+    torch.testing.assert_close(ppo.per_token_loss.detach(), torch.tensor([[-1.2], [2.0]]))
+    (grad,) = torch.autograd.grad(ppo.per_token_loss.sum(), logps)
+    torch.testing.assert_close(grad, torch.tensor([[0.0], [2.0]]))  # d(-r*A)/dlogp = -r*A = 2 on the negative
+    cispo = policy_per_token_loss(logps, behaviour, signal, mask, PolicyLossSpec(variant="cispo", **token))
+    torch.testing.assert_close(cispo.weights, torch.tensor([[1.1], [1.1]]))
+    kimi = policy_per_token_loss(logps, behaviour, signal, mask, PolicyLossSpec(variant="kimi15", kimi15_tau=0.1, **token))
+    log2 = math.log(2)
+    expected = torch.tensor([[-math.log(0.5) + 0.05 * log2**2], [math.log(0.5) + 0.05 * log2**2]])
+    torch.testing.assert_close(kimi.per_token_loss.detach(), expected)
+
+
+def test_aggregate_rejects_missing_normaliser_and_unknown_mode():
+    x, m = torch.ones(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError, match="num_tokens"):
+        aggregate(x, m, "global-token-mean")
+    with pytest.raises(ValueError, match="max_completion_length"):
+        aggregate(x, m, "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="seq-mean-token-mean"):
+        aggregate(x, m, "mean")
+
+
+def test_truncation_limits_validation():
+    with pytest.raises(ValueError, match="lower <= upper"):
+        TruncationLimits(1.0, 0.5, 0.0, 1.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        TruncationLimits(0.0, 1.0, -0.1, 1.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(p=st.floats(0.01, 0.99), target=st.floats(0.01, 0.99))
+def test_baseline_solver_hits_target_effective_proportion(p, target):
+    c = baseline_for_effective_proportion(p, target)
+    assert -1 < c < 1
+    assert effective_positive_proportion(p, c) == pytest.approx(target, abs=1e-9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(n_pos=st.integers(1, 50), n_neg=st.integers(1, 50), c=st.floats(-0.95, 0.95))
+def test_measured_share_of_positives_equals_eq12_for_pm1_rewards(n_pos, n_neg, c):
+    rewards = torch.tensor([1.0] * n_pos + [-1.0] * n_neg)
+    measured = signal_share_of_positives(rewards - c).item()
+    p = n_pos / (n_pos + n_neg)
+    assert measured == pytest.approx(effective_positive_proportion(p, c), rel=1e-9)

@@ -1,0 +1,297 @@
+"""The TOPR loss family as pure tensor functions.
+
+Notation follows Le Roux, Bellemare et al., "Tapered Off-Policy REINFORCE" (arXiv:2503.14286). A batch holds
+B trajectories tau (prompt + completion) sampled from a behaviour policy mu; `per_token_logps` are log pi of the
+completion tokens under the policy being trained, `behaviour_logps` the same tokens under mu, `mask` marks
+the completion tokens that count, and `signal` is the per-trajectory R(tau) - c (or a group advantage).
+
+The TOPR gradient (Eq. 7) weights each trajectory's REINFORCE term by its importance ratio pi(tau)/mu(tau)
+truncated to [a+, b+] when the signal is non-negative and to [a-, b-] when it is negative; the truncated ratio
+is a constant (stop-gradient), and each trajectory's loss is divided by its length. Canonical TOPR is
+(a+, b+, a-, b-) = (1, 1, 0, 1): an SFT step on positives, truncated importance sampling on negatives.
+
+Every ratio is formed in log space and bounded above by `MAX_LOG_RATIO`, so no input (log-ratios of +-1e4,
+fully masked rows, empty batches) produces inf or NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+RatioLevel = Literal["sequence", "length_normalized", "token"]
+Aggregation = Literal["seq-mean-token-mean", "token-mean", "global-token-mean", "seq-mean-token-sum-norm"]
+
+RATIO_LEVELS: tuple[str, ...] = ("sequence", "length_normalized", "token")
+AGGREGATIONS: tuple[str, ...] = ("seq-mean-token-mean", "token-mean", "global-token-mean", "seq-mean-token-sum-norm")
+
+# exp(20) ~ 4.9e8. Only untruncated presets (an infinite upper limit) can reach it; beyond it a ratio would
+# overflow to inf in float32 and turn the loss into NaN, so it is treated as e^20.
+MAX_LOG_RATIO = 20.0
+
+
+@dataclass(frozen=True)
+class TruncationLimits:
+    """The four truncation limits of Eq. 7: the ratio of a trajectory with non-negative signal is clipped to
+    [positive_lower, positive_upper] (a+, b+), that of a negative one to [negative_lower, negative_upper] (a-, b-)."""
+
+    positive_lower: float
+    positive_upper: float
+    negative_lower: float
+    negative_upper: float
+
+    def __post_init__(self) -> None:
+        for branch in ("positive", "negative"):
+            lower, upper = getattr(self, f"{branch}_lower"), getattr(self, f"{branch}_upper")
+            if not (lower >= 0 and upper >= 0) or math.isnan(lower) or math.isnan(upper):
+                raise ValueError(f"{branch} truncation limits must be >= 0, got [{lower}, {upper}]")
+            if lower > upper:
+                raise ValueError(f"{branch} truncation limits must satisfy lower <= upper, got [{lower}, {upper}]")
+
+
+# Table 1 of the paper: each classical method is TOPR with particular limits (a+, b+, a-, b-).
+PRESETS: dict[str, TruncationLimits] = {
+    "sft": TruncationLimits(1.0, 1.0, 0.0, 0.0),
+    "naive_reinforce": TruncationLimits(1.0, 1.0, 1.0, 1.0),
+    "off_policy_reinforce": TruncationLimits(0.0, math.inf, 0.0, math.inf),
+    "tis": TruncationLimits(0.0, 1.0, 0.0, 1.0),
+    "topr": TruncationLimits(1.0, 1.0, 0.0, 1.0),
+}
+
+
+def log_importance_ratio(
+    per_token_logps: torch.Tensor,
+    behaviour_logps: torch.Tensor,
+    mask: torch.Tensor,
+    level: RatioLevel = "sequence",
+) -> torch.Tensor:
+    """log pi/mu at the requested level; differentiable with respect to `per_token_logps`.
+
+    - "sequence": log pi(tau)/mu(tau) = sum_t log pi(y_t)/mu(y_t), the paper's trajectory ratio; shape (B, 1).
+    - "length_normalized": the mean of the token log-ratios (geometric mean of token ratios, as GSPO and TRL's
+      `importance_sampling_level="sequence"`); shape (B, 1).
+    - "token": one log-ratio per token (ROLL, Trinity-RFT); shape (B, T).
+
+    Masked tokens and tokens whose behaviour log-prob is unknown (NaN, as vLLM reports some) contribute 0.
+    """
+    token_log_ratio = per_token_logps - behaviour_logps
+    keep = mask.bool() & ~torch.isnan(token_log_ratio)
+    token_log_ratio = torch.where(keep, token_log_ratio, torch.zeros_like(token_log_ratio))
+    # A -inf behaviour log-prob (a token mu could not have sampled) would make the sum inf - inf = NaN.
+    token_log_ratio = token_log_ratio.clamp(-1e6, 1e6)
+    if level == "token":
+        return token_log_ratio
+    sequence_log_ratio = token_log_ratio.sum(dim=-1, keepdim=True)
+    if level == "sequence":
+        return sequence_log_ratio
+    if level == "length_normalized":
+        return sequence_log_ratio / mask.sum(dim=-1, keepdim=True).clamp(min=1)
+    raise ValueError(f"Unknown ratio level {level!r}; expected one of {RATIO_LEVELS}")
+
+
+def truncated_ratio(log_ratio: torch.Tensor, lower: float, upper: float) -> torch.Tensor:
+    """[pi/mu] truncated to [lower, upper] (Eq. 7), as exp(clamp(log ratio, log lower, log upper)).
+
+    `lower` may be 0 and `upper` may be inf. The result is detached: the truncated ratio is a weight, not a
+    path for gradients.
+    """
+    if upper == 0:
+        return torch.zeros_like(log_ratio, requires_grad=False)
+    log_lower = math.log(lower) if lower > 0 else -math.inf
+    log_upper = min(math.log(upper) if upper < math.inf else math.inf, MAX_LOG_RATIO)
+    return log_ratio.detach().clamp(min=min(log_lower, log_upper), max=log_upper).exp()
+
+
+def tapered_weights(log_ratio: torch.Tensor, is_positive: torch.Tensor, limits: TruncationLimits) -> torch.Tensor:
+    """The tapered importance weight of Eq. 7: [pi/mu] in [a+, b+] where the signal is >= 0, in [a-, b-] where
+    it is < 0. `is_positive` is (B, 1) and broadcasts over a token-level `log_ratio`."""
+    positive = truncated_ratio(log_ratio, limits.positive_lower, limits.positive_upper)
+    negative = truncated_ratio(log_ratio, limits.negative_lower, limits.negative_upper)
+    return torch.where(is_positive, positive, negative)
+
+
+def aggregate(
+    per_token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: Aggregation = "seq-mean-token-mean",
+    *,
+    max_completion_length: int | None = None,
+    num_tokens: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """Reduce a (B, T) per-token loss to a scalar.
+
+    - "seq-mean-token-mean": each trajectory's loss divided by its length, then averaged over trajectories
+      (the paper; TRL's `grpo` normalisation). A fully masked row contributes 0.
+    - "token-mean": mean over the local batch's tokens (TRL's `bnpo`, ROLL's and verl's `token-mean`).
+    - "global-token-mean": sum divided by `num_tokens`, the token count of the whole accumulation window
+      across processes (TRL's `dapo`).
+    - "seq-mean-token-sum-norm": sum divided by B * `max_completion_length` (TRL's `dr_grpo`).
+    """
+    mask = mask.to(per_token_loss.dtype)
+    masked = per_token_loss * mask
+    if mode == "seq-mean-token-mean":
+        return (masked.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)).mean()
+    if mode == "token-mean":
+        return masked.sum() / mask.sum().clamp(min=1.0)
+    if mode == "global-token-mean":
+        if num_tokens is None:
+            raise ValueError("aggregation 'global-token-mean' needs `num_tokens`")
+        return masked.sum() / torch.as_tensor(num_tokens, dtype=masked.dtype).clamp(min=1.0)
+    if mode == "seq-mean-token-sum-norm":
+        if max_completion_length is None:
+            raise ValueError("aggregation 'seq-mean-token-sum-norm' needs `max_completion_length`")
+        return masked.sum() / (per_token_loss.size(0) * max_completion_length)
+    raise ValueError(f"Unknown aggregation {mode!r}; expected one of {AGGREGATIONS}")
+
+
+def ppo_clip_per_token_loss(
+    log_ratio: torch.Tensor, signal: torch.Tensor, epsilon_low: float, epsilon_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate -min(r A, clip(r, 1-eps_low, 1+eps_high) A) (ROLL's `ppo`; GRPO's loss).
+    `log_ratio` must carry the gradient. Returns the per-token loss and the effective (detached) weight."""
+    ratio = log_ratio.clamp(max=MAX_LOG_RATIO).exp()
+    clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
+    per_token_loss = -torch.min(ratio * signal, clipped * signal)
+    # The gradient of the surrogate is ratio * A * grad log pi where unclipped, 0 where clipped.
+    unclipped = (ratio * signal <= clipped * signal)
+    return per_token_loss, (ratio * unclipped).detach()
+
+
+def cispo_weights(log_ratio: torch.Tensor, epsilon_low: float, epsilon_high: float) -> torch.Tensor:
+    """CISPO's stop-gradient ratio clipped to [1 - eps_low, 1 + eps_high] (ROLL's `cispo`)."""
+    return truncated_ratio(log_ratio, max(1.0 - epsilon_low, 0.0), 1.0 + epsilon_high)
+
+
+def kimi15_per_token_loss(
+    per_token_logps: torch.Tensor, log_ratio: torch.Tensor, signal: torch.Tensor, tau: float
+) -> torch.Tensor:
+    """Kimi k1.5's REINFORCE with a squared log-ratio penalty, -A log pi + tau/2 (log pi/mu)^2 (ROLL's `kimi15`).
+    `log_ratio` must carry the gradient."""
+    return -signal * per_token_logps + 0.5 * tau * log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).pow(2)
+
+
+PG_VARIANTS: tuple[str, ...] = ("topr", "vanilla", "tis", "ppo", "cispo", "kimi15")
+
+
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """Everything that defines a policy loss of the family, resolved from `TOPRConfig`.
+
+    `variant` "topr", "vanilla" and "tis" are all Eq. 7 with different `limits`; "ppo", "cispo" and "kimi15"
+    are ROLL's other off-policy variants, kept so they can be compared in the same trainer.
+    """
+
+    variant: str = "topr"
+    limits: TruncationLimits = PRESETS["topr"]
+    ratio_level: RatioLevel = "sequence"
+    positive_weight: float = 1.0
+    negative_weight: float = 1.0
+    ppo_epsilon_low: float = 0.2
+    ppo_epsilon_high: float = 0.2
+    cispo_epsilon_low: float = 0.1
+    cispo_epsilon_high: float = 0.1
+    kimi15_tau: float = 0.1
+
+
+@dataclass
+class PolicyTerms:
+    """A per-token policy loss and the quantities its metrics are made of.
+
+    `per_token_loss` is (B, T) and carries the gradient; the rest is detached. `weights` (the multiplier of
+    s * grad log pi) and `log_ratio` are (B, 1) for sequence-level ratios and (B, T) for token-level ones.
+    `is_positive` is (B, 1): the branch each trajectory took (signal >= 0).
+    """
+
+    per_token_loss: torch.Tensor
+    weights: torch.Tensor
+    log_ratio: torch.Tensor
+    is_positive: torch.Tensor
+
+
+def policy_per_token_loss(
+    per_token_logps: torch.Tensor,
+    behaviour_logps: torch.Tensor,
+    signal: torch.Tensor,
+    mask: torch.Tensor,
+    spec: PolicyLossSpec = PolicyLossSpec(),
+) -> PolicyTerms:
+    """The per-token loss of `spec.variant`. For "topr" (and "vanilla", "tis") its gradient is Eq. 7:
+
+        -w(tau) * lambda(tau) * s(tau) * grad log pi(y_t),
+        w(tau) = [pi(tau)/mu(tau)] truncated to [a+, b+] if s(tau) >= 0, to [a-, b-] if s(tau) < 0  (stop-grad)
+
+    where s is `signal` (R(tau) - c in the paper, or a group advantage) and lambda the branch weight
+    (ROLL's `topr_{positive,negative}_weight`; 1 in the paper). Aggregated with "seq-mean-token-mean" and the
+    canonical limits, it is the TOPR objective of Eq. 8 divided by trajectory length. `signal` is (B,) or (B, 1).
+    """
+    signal = signal.reshape(-1, 1).to(per_token_logps.dtype)
+    is_positive = signal >= 0
+    log_ratio = log_importance_ratio(per_token_logps, behaviour_logps, mask, spec.ratio_level)
+    if spec.variant in ("topr", "vanilla", "tis"):
+        weights = tapered_weights(log_ratio, is_positive, spec.limits)
+        per_token_loss = -(weights * signal) * per_token_logps
+    elif spec.variant == "cispo":
+        weights = cispo_weights(log_ratio, spec.cispo_epsilon_low, spec.cispo_epsilon_high)
+        per_token_loss = -(weights * signal) * per_token_logps
+    elif spec.variant == "ppo":
+        per_token_loss, weights = ppo_clip_per_token_loss(log_ratio, signal, spec.ppo_epsilon_low, spec.ppo_epsilon_high)
+    elif spec.variant == "kimi15":
+        per_token_loss = kimi15_per_token_loss(per_token_logps, log_ratio, signal, spec.kimi15_tau)
+        weights = torch.ones_like(log_ratio)
+    else:
+        raise ValueError(f"Unknown policy-gradient variant {spec.variant!r}; expected one of {PG_VARIANTS}")
+    branch_weight = torch.where(
+        is_positive, torch.full_like(signal, spec.positive_weight), torch.full_like(signal, spec.negative_weight)
+    )
+    return PolicyTerms(per_token_loss * branch_weight, (weights * branch_weight).detach(), log_ratio.detach(), is_positive)
+
+
+def topr_loss(
+    per_token_logps: torch.Tensor,
+    behaviour_logps: torch.Tensor,
+    signal: torch.Tensor,
+    mask: torch.Tensor,
+    spec: PolicyLossSpec = PolicyLossSpec(),
+    aggregation: Aggregation = "seq-mean-token-mean",
+    **aggregate_kwargs,
+) -> tuple[torch.Tensor, PolicyTerms]:
+    """The scalar loss of `policy_per_token_loss` under `aggregation`, with its terms. With the defaults this
+    is the paper's TOPR loss: sequence ratios, canonical limits, each trajectory divided by its length."""
+    terms = policy_per_token_loss(per_token_logps, behaviour_logps, signal, mask, spec)
+    return aggregate(terms.per_token_loss, mask, aggregation, **aggregate_kwargs), terms
+
+
+def branch_losses(
+    per_token_loss: torch.Tensor, is_positive: torch.Tensor, mask: torch.Tensor, aggregation: Aggregation, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The aggregated loss restricted to the positive and to the negative branch; for every aggregation the
+    two add up to the whole loss."""
+    per_token_loss = per_token_loss.detach()
+    zero = torch.zeros_like(per_token_loss)
+    positive = aggregate(torch.where(is_positive, per_token_loss, zero), mask, aggregation, **kwargs)
+    negative = aggregate(torch.where(is_positive, zero, per_token_loss), mask, aggregation, **kwargs)
+    return positive, negative
+
+
+def effective_positive_proportion(p: float | torch.Tensor, c: float | torch.Tensor) -> float | torch.Tensor:
+    """Eq. 12: with rewards +1/-1, a proportion p of positives and baseline c, the share of the update that
+    comes from positives is p~ = p(1 - c) / (1 + (1 - 2p) c)."""
+    return p * (1 - c) / (1 + (1 - 2 * p) * c)
+
+
+def baseline_for_effective_proportion(p: float, target: float) -> float:
+    """The baseline c in (-1, 1) that makes Eq. 12's p~ equal `target`, for +1/-1 rewards and 0 < p < 1."""
+    if not (0 < p < 1 and 0 < target < 1):
+        raise ValueError(f"need 0 < p < 1 and 0 < target < 1, got p={p}, target={target}")
+    return (p - target) / (p + target * (1 - 2 * p))
+
+
+def signal_share_of_positives(signal: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The measured effective positive proportion: the share of sum |w * s| carried by trajectories with
+    s >= 0. With +1/-1 rewards, a constant baseline and unit weights it equals Eq. 12. NaN on an all-zero batch."""
+    magnitude = signal.abs() if weights is None else (weights * signal).abs()
+    total = magnitude.sum()
+    return torch.where(total > 0, magnitude[signal >= 0].sum() / total, torch.full_like(total, float("nan")))

@@ -1,0 +1,125 @@
+"""The built-in verifiable task: integer arithmetic with a checkable answer.
+
+Prompts are conversational (`[{"role": "user", "content": "23+58="}]`), the reference answer is a string,
+and `arithmetic_reward` follows TRL's reward-function signature, so the dataset and reward plug into
+GRPOTrainer and TOPRTrainer alike. Rewards are +1 for a correct answer and -1 otherwise, as in the paper.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+
+_FIRST_INTEGER = re.compile(r"-?\d+")
+
+
+def make_arithmetic_dataset(num_prompts: int, digits: int = 2, seed: int = 0, operators: str = "+") -> Dataset:
+    """`num_prompts` distinct problems `a<op>b=` with operands of up to `digits` digits."""
+    rng = random.Random(seed)
+    high = 10**digits - 1
+    if num_prompts > (high + 1) ** 2 * len(operators):
+        raise ValueError(f"only {(high + 1) ** 2 * len(operators)} distinct problems with {digits} digit(s)")
+    seen, prompts, answers = set(), [], []
+    while len(prompts) < num_prompts:
+        a, b, op = rng.randint(0, high), rng.randint(0, high), rng.choice(operators)
+        if (a, b, op) in seen:
+            continue
+        seen.add((a, b, op))
+        value = {"+": a + b, "-": a - b, "*": a * b}[op]
+        prompts.append([{"role": "user", "content": f"{a}{op}{b}="}])
+        answers.append(str(value))
+    return Dataset.from_dict({"prompt": prompts, "answer": answers})
+
+
+def completion_text(completion) -> str:
+    """The text of a completion, conversational (a list of messages) or plain."""
+    if isinstance(completion, list):
+        return "".join(message.get("content", "") for message in completion)
+    return completion
+
+
+def parse_answer(text: str) -> str | None:
+    """The first integer in the completion, or None when there is none (an invalid answer)."""
+    match = _FIRST_INTEGER.search(text)
+    return match.group(0) if match else None
+
+
+def arithmetic_reward(completions, answer, **kwargs) -> list[float]:
+    """+1 when the completion's first integer equals the reference answer, -1 otherwise (TRL signature)."""
+    return [
+        1.0 if parse_answer(completion_text(c)) == str(a) else -1.0 for c, a in zip(completions, answer, strict=True)
+    ]
+
+
+def _encode_example(tokenizer, prompt, answer) -> tuple[list[int], int]:
+    prompt_text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return list(prompt_ids) + answer_ids, len(prompt_ids)
+
+
+def warm_start(model, tokenizer, dataset: Dataset, steps: int, batch_size: int = 32, lr: float = 3e-3, seed: int = 0):
+    """Supervised warm-start on reference answers (cross-entropy on answer tokens only), so that RL starts
+    from a model that is right sometimes, as the paper's instruct models are."""
+    generator = torch.Generator().manual_seed(seed)
+    examples = [_encode_example(tokenizer, p, a) for p, a in zip(dataset["prompt"], dataset["answer"], strict=True)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=generator).tolist()]
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+        labels = torch.full((batch_size, width), -100)
+        attention = torch.zeros((batch_size, width), dtype=torch.long)
+        for row, (ids, prompt_length) in enumerate(batch):
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            labels[row, prompt_length : len(ids)] = torch.tensor(ids[prompt_length:])
+            attention[row, : len(ids)] = 1
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def accuracy(model, tokenizer, dataset: Dataset, max_new_tokens: int = 8, batch_size: int = 64) -> dict[str, float]:
+    """Greedy accuracy and invalid rate (no integer in the answer) on `dataset`."""
+    was_training = model.training
+    model.eval()
+    correct = invalid = 0
+    for start in range(0, len(dataset), batch_size):
+        rows = dataset[start : start + batch_size]
+        texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in rows["prompt"]]
+        encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        output = model.generate(
+            **encoded, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+        decoded = tokenizer.batch_decode(output[:, encoded["input_ids"].size(1) :], skip_special_tokens=True)
+        for text, reference in zip(decoded, rows["answer"], strict=True):
+            parsed = parse_answer(text)
+            invalid += parsed is None
+            correct += parsed == reference
+    model.train(was_training)
+    return {"accuracy": correct / len(dataset), "invalid_rate": invalid / len(dataset)}
+
+
+def build_warm_model(path: str | Path, digits: int = 2, warm_start_steps: int = 300, seed: int = 0, **model_kwargs):
+    """Build (or load, if `path` holds one) the tiny warm-started model of the built-in task."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .tiny import build_model, build_tokenizer, save_pretrained
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=seed, **model_kwargs)
+    warm_start(model, tokenizer, make_arithmetic_dataset(2000, digits=digits, seed=seed + 1000), warm_start_steps)
+    save_pretrained(model, tokenizer, path)
+    return model, tokenizer

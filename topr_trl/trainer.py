@@ -1,0 +1,303 @@
+"""`TOPRTrainer`: TRL's `GRPOTrainer` with the TOPR loss family."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+from trl.trainer.utils import get_config_model_id
+
+from .config import TOPRConfig
+from .loss import MAX_LOG_RATIO, PolicyTerms, aggregate, branch_losses, policy_per_token_loss
+
+# Per-trajectory metrics are reduced with one collective: these are the sums, in this order.
+_SUM_KEYS = (
+    "n_positive", "n_negative", "n_zero", "ratio_sum_positive", "ratio_sum_negative", "ratio_count_positive",
+    "ratio_count_negative", "weight_sum_positive", "weight_sum_negative", "truncated_negative", "mass_positive",
+    "mass_total", "nonfinite_loss",
+)
+
+
+class TOPRTrainer(GRPOTrainer):
+    """
+    Trainer for Tapered Off-Policy REINFORCE (TOPR, [arXiv:2503.14286](https://huggingface.co/papers/2503.14286)).
+
+    A drop-in replacement for [`~trl.GRPOTrainer`]: same constructor, datasets, reward functions, callbacks,
+    PEFT, vLLM generation, DeepSpeed and `accelerate launch`. With `loss_type="topr"` (the [`TOPRConfig`]
+    default) the policy loss is TOPR's tapered importance-sampled REINFORCE (Eq. 7); with any of TRL's loss
+    types the computation is GRPOTrainer's own. Only `_compute_loss` and the reward plumbing are overridden;
+    masking, KL (`beta > 0`), the entropy bonus, gradient-accumulation scaling and metrics work as in GRPO.
+    """
+
+    _tag_names = ["trl", "grpo", "topr"]
+    _name = "TOPR"
+    _paper = {
+        "title": "Tapered Off-Policy REINFORCE: Stable and efficient reinforcement learning for LLMs",
+        "id": "2503.14286",
+        "citation": textwrap.dedent("""\
+            @article{leroux2025tapered,
+                title        = {{Tapered Off-Policy REINFORCE: Stable and efficient reinforcement learning for LLMs}},
+                author       = {Nicolas Le Roux and Marc G. Bellemare and Jonathan Lebensold and Arnaud Bergeron and Joshua Greaves and Alex Fr{\\'e}chette and Carolyne Pelletier and Eric Thibodeau-Laufer and S{\\'a}ndor Toth and Sam Work},
+                year         = 2025,
+                eprint       = {arXiv:2503.14286},
+            }"""),
+    }
+
+    def __init__(self, model, reward_funcs=None, args: TOPRConfig | None = None, **kwargs):
+        if args is None:
+            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = TOPRConfig(f"{model_name.split('/')[-1]}-TOPR")
+        super().__init__(model, reward_funcs, args=args, **kwargs)
+        if self.loss_type != "topr":
+            return
+        self._loss_spec = args.policy_loss_spec
+        source = args.topr_behaviour_source
+        if source == "sampler" and not self.use_vllm and kwargs.get("rollout_func") is None:
+            raise ValueError(
+                "topr_behaviour_source='sampler' needs a generator that returns sampling log-probs: set "
+                "use_vllm=True or pass a rollout_func that returns `logprobs`; or use 'auto' or 'policy'."
+            )
+        if self.use_vllm and source in ("auto", "sampler"):
+            # mu is vLLM's own sampling distribution, so pi/mu already corrects the train/inference mismatch;
+            # TRL's separate correction on top would count it twice.
+            self.vllm_importance_sampling_correction = False
+
+    # ------------------------------------------------------------------ rewards and the paper's signal
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        infinite = torch.isinf(rewards_per_func)
+        if infinite.any():
+            name = self.reward_func_names[int(infinite.any(dim=0).nonzero()[0])]
+            raise ValueError(
+                f"Reward function '{name}' returned an infinite reward. Return a finite number, or None (or NaN) for "
+                "a completion it cannot score: such a completion is then left out of the update."
+            )
+        self._topr_rewards_per_func = rewards_per_func
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        output = super()._generate_and_score_completions(inputs)
+        if self.loss_type == "topr" and self.args.topr_signal == "reward":
+            output["topr_signal"] = self._local_reward_signal(len(inputs))
+        return output
+
+    def _local_reward_signal(self, local_batch_size: int) -> torch.Tensor:
+        """R(tau) - c for this process's completions, from the rewards of the whole (gathered) batch. A
+        completion no reward function could score (all None/NaN) gets signal 0: it does not move the policy."""
+        rewards_per_func = self._topr_rewards_per_func
+        weights = self.reward_weights.to(rewards_per_func.device)
+        rewards = (rewards_per_func * weights).nansum(dim=1)
+        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+        baseline = self.args.topr_baseline
+        if baseline == "group_mean":
+            num_generations = self.num_generations if self.model.training else self.num_generations_eval
+            grouped = rewards.view(-1, num_generations)
+            baseline_values = torch.nanmean(grouped, dim=1, keepdim=True).expand_as(grouped).reshape(-1)
+        elif baseline == "batch_mean":
+            baseline_values = torch.nanmean(rewards)
+        else:
+            baseline_values = baseline
+        signal = torch.nan_to_num(rewards - baseline_values, nan=0.0)
+        start = self.accelerator.process_index * local_batch_size
+        return signal[start : start + local_batch_size]
+
+    # ------------------------------------------------------------------ the loss
+    def _compute_loss(self, model, inputs):
+        if self.loss_type != "topr":
+            return super()._compute_loss(model, inputs)
+        mode = "train" if self.model.training else "eval"
+        completion_mask = inputs["completion_mask"]
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        per_token_logps, entropies, aux_loss = self._policy_logps_and_entropies(model, inputs)
+
+        signal = inputs["topr_signal"] if self.args.topr_signal == "reward" else inputs["advantages"]
+        signal = signal.reshape(-1, 1)
+        behaviour_logps = inputs.get("sampling_per_token_logps") if self._mu_is_sampler(inputs) else None
+        if behaviour_logps is None:
+            behaviour_logps = inputs.get("old_per_token_logps")
+        if behaviour_logps is None:  # on-policy and aligned: GRPO skipped the old log-probs, pi = mu
+            behaviour_logps = per_token_logps.detach()
+
+        terms = policy_per_token_loss(per_token_logps, behaviour_logps, signal, mask, self._loss_spec)
+        per_token_loss = terms.per_token_loss
+
+        entropy_mask = None
+        if self.top_entropy_quantile < 1.0:
+            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+            per_token_loss = per_token_loss * entropy_mask
+        if self.off_policy_mask_threshold is not None:
+            per_token_loss = per_token_loss * self.get_off_policy_mask(
+                advantages=signal,
+                per_token_logps=per_token_logps,
+                sampling_per_token_logps=inputs.get("sampling_per_token_logps", behaviour_logps),
+                mask=mask,
+                off_policy_threshold=self.off_policy_mask_threshold,
+            )
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
+        policy_per_token = per_token_loss
+
+        if self.beta != 0.0:
+            ref_logps = inputs["ref_per_token_logps"]
+            per_token_kl = torch.exp(ref_logps - per_token_logps) - (ref_logps - per_token_logps) - 1
+            if self.args.use_bias_correction_kl:
+                token_log_ratio = (per_token_logps - behaviour_logps).clamp(max=MAX_LOG_RATIO)
+                per_token_kl = per_token_kl * torch.exp(torch.nan_to_num(token_log_ratio, nan=0.0))
+            per_token_loss = per_token_loss + self.beta * per_token_kl
+
+        aggregation = self._aggregation_kwargs(inputs, mode)
+        loss = aggregate(per_token_loss, mask, **aggregation)
+        if aggregation["mode"] != "global-token-mean" and mode == "train":
+            # HF Trainer does not divide by the accumulation steps for GRPO-style trainers (loss_is_scaled_for_ga).
+            loss = loss / self.current_gradient_accumulation_steps
+        policy_loss = loss.detach()
+
+        if self._entropy_bonus_enabled:
+            loss = loss - self._entropy_bonus(entropies, mask, entropy_mask, mode)
+            self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+        if self.aux_loss_enabled:
+            normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+
+        self._log_policy_metrics(mode, terms, signal, mask, entropies, policy_per_token, aggregation, loss)
+        if self.beta != 0.0:
+            self._metrics[mode]["kl"].append(self._global_masked_mean(per_token_kl, mask))
+        return loss
+
+    def _mu_is_sampler(self, inputs) -> bool:
+        return self.args.topr_behaviour_source in ("auto", "sampler") and "sampling_per_token_logps" in inputs
+
+    def _policy_logps_and_entropies(self, model, inputs):
+        """The same forward pass GRPOTrainer's loss makes (multimodal inputs included)."""
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        multimodal_keys = (
+            "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+            "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+        )
+        return self._get_per_token_logps_and_entropies(
+            model,
+            input_ids,
+            attention_mask,
+            inputs["completion_ids"].size(1),
+            compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
+            **{key: inputs.get(key) for key in multimodal_keys},
+        )
+
+    def _aggregation_kwargs(self, inputs, mode: str) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"mode": self.args.topr_loss_aggregation}
+        if kwargs["mode"] == "global-token-mean":
+            # `num_items_in_batch` counts the tokens of the whole generation batch on all processes.
+            num_tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                num_tokens = num_tokens * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            kwargs["num_tokens"] = num_tokens
+        elif kwargs["mode"] == "seq-mean-token-sum-norm":
+            kwargs["max_completion_length"] = self.max_completion_length
+        return kwargs
+
+    def _entropy_bonus(self, entropies, mask, entropy_mask, mode: str) -> torch.Tensor:
+        """GRPOTrainer's entropy bonus (static or adaptive coefficient), scaled for gradient accumulation."""
+        effective_mask = mask if entropy_mask is None else mask * entropy_mask
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        mean_entropy = (entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation
+        if self.use_adaptive_entropy:
+            coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+        else:
+            coef = self.entropy_coef
+        if self.use_adaptive_entropy and mode == "train":
+            stats = torch.stack([(entropies * effective_mask).sum(), effective_mask.sum()]).detach()
+            self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+            if self.accelerator.sync_gradients:
+                window = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world_entropy = (window[0] / window[1].clamp(min=1.0)).item()
+                step = self.args.entropy_coef_delta
+                if world_entropy <= self.args.entropy_target:
+                    self.entropy_coef = min(self.entropy_coef + step, self.args.entropy_coef_max)
+                else:
+                    self.entropy_coef = max(self.entropy_coef - step, self.args.entropy_coef_min)
+                self._last_world_entropy = world_entropy
+                self._entropy_window_stats = None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        return coef * mean_entropy
+
+    # ------------------------------------------------------------------ metrics
+    def _global_masked_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
+        totals = torch.stack([(values * mask).sum(), mask.sum().to(values.dtype)]).detach()
+        totals = self.accelerator.reduce(totals, reduction="sum")
+        return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    def _log_policy_metrics(
+        self, mode, terms: PolicyTerms, signal, mask, entropies, policy_per_token, aggregation, loss
+    ) -> None:
+        """TOPR's metrics, reduced over processes with a fixed set of collectives (every rank logs every key).
+
+        Branches are by the sign of the signal; trajectories with zero signal (e.g. groups whose completions all
+        got the same reward, under the advantage signal) move nothing and are counted apart.
+        """
+        signal = signal.detach().float()
+        positive, negative = (signal > 0), (signal < 0)
+        sequence_level = terms.log_ratio.size(1) == 1
+        # Ratio statistics are per trajectory for sequence-level ratios, per completion token otherwise.
+        element_mask = torch.ones_like(terms.log_ratio) if sequence_level else mask.to(terms.log_ratio.dtype)
+        ratio = terms.log_ratio.float().clamp(max=MAX_LOG_RATIO).exp()
+        weights = terms.weights.float()
+        in_positive = (element_mask * positive).bool()
+        in_negative = (element_mask * negative).bool()
+        limits = self._loss_spec.limits
+        outside = (ratio < limits.negative_lower) | (ratio > min(limits.negative_upper, torch.finfo(ratio.dtype).max))
+        if self._loss_spec.variant not in ("topr", "vanilla", "tis"):
+            outside = ~torch.isclose(weights, ratio, rtol=1e-5, atol=1e-8)
+        mean_weight = weights if sequence_level else (weights * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+        magnitude = (mean_weight * signal).abs()
+        local = torch.stack([
+            positive.sum(), negative.sum(), (signal == 0).sum(),
+            ratio[in_positive].sum(), ratio[in_negative].sum(), in_positive.sum(), in_negative.sum(),
+            weights[in_positive].sum(), weights[in_negative].sum(), (outside & in_negative).sum(),
+            magnitude[signal >= 0].sum(), magnitude.sum(), (~torch.isfinite(loss.detach())).float(),
+        ]).float()
+        totals = dict(zip(_SUM_KEYS, self.accelerator.reduce(local, reduction="sum").tolist()))
+        extremes = torch.stack([
+            ratio[in_positive].min() if in_positive.any() else ratio.new_tensor(float("inf")),
+            ratio[in_negative].min() if in_negative.any() else ratio.new_tensor(float("inf")),
+            -ratio[in_positive].max() if in_positive.any() else ratio.new_tensor(float("inf")),
+            -ratio[in_negative].max() if in_negative.any() else ratio.new_tensor(float("inf")),
+        ])
+        extremes = self.accelerator.gather(extremes.unsqueeze(0)).min(dim=0).values.tolist()
+        extremes = [value if abs(value) != float("inf") else float("nan") for value in extremes]
+        branch_loss_kwargs = {("aggregation" if k == "mode" else k): v for k, v in aggregation.items()}
+        branch = torch.stack(branch_losses(policy_per_token, terms.is_positive, mask, **branch_loss_kwargs))
+        branch = self.accelerator.gather(branch.unsqueeze(0)).float().mean(dim=0).tolist()
+
+        def ratio_of(numerator: str, denominator: str) -> float:
+            return totals[numerator] / totals[denominator] if totals[denominator] > 0 else float("nan")
+
+        n_all = totals["n_positive"] + totals["n_negative"] + totals["n_zero"]
+        metrics = self._metrics[mode]
+        metrics["topr/positive_fraction"].append(totals["n_positive"] / max(n_all, 1.0))
+        metrics["topr/negative_fraction"].append(totals["n_negative"] / max(n_all, 1.0))
+        metrics["topr/effective_positive_proportion"].append(ratio_of("mass_positive", "mass_total"))
+        metrics["topr/ratio_positive/mean"].append(ratio_of("ratio_sum_positive", "ratio_count_positive"))
+        metrics["topr/ratio_positive/min"].append(extremes[0])
+        metrics["topr/ratio_positive/max"].append(-extremes[2])
+        metrics["topr/ratio_negative/mean"].append(ratio_of("ratio_sum_negative", "ratio_count_negative"))
+        metrics["topr/ratio_negative/min"].append(extremes[1])
+        metrics["topr/ratio_negative/max"].append(-extremes[3])
+        metrics["topr/weight_positive/mean"].append(ratio_of("weight_sum_positive", "ratio_count_positive"))
+        metrics["topr/weight_negative/mean"].append(ratio_of("weight_sum_negative", "ratio_count_negative"))
+        metrics["topr/negative_truncated_fraction"].append(ratio_of("truncated_negative", "ratio_count_negative"))
+        metrics["topr/loss_positive"].append(branch[0])
+        metrics["topr/loss_negative"].append(branch[1])
+        metrics["entropy"].append(self._global_masked_mean(entropies, mask))
+        if totals["nonfinite_loss"] > 0:
+            raise FloatingPointError(
+                f"TOPR loss is not finite on {int(totals['nonfinite_loss'])} process(es) at step "
+                f"{self.state.global_step}. Inputs were: positive ratio range [{extremes[0]}, {-extremes[2]}], "
+                f"negative ratio range [{extremes[1]}, {-extremes[3]}]. Check the reward functions and, in bf16/fp16, "
+                "the model's logits; rerun with bf16=False to rule out overflow."
+            )
