@@ -45,8 +45,11 @@ def build_tokenizer(alphabet: str = string.printable) -> PreTrainedTokenizerFast
     return wrapped
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, hidden_size: int = 64, num_layers: int = 2, seed: int = 0):
-    """A randomly initialised Qwen2 causal LM sized for CPU tests (about 0.1M parameters at the defaults)."""
+def build_model(
+    tokenizer: PreTrainedTokenizerFast, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, **config_overrides
+):
+    """A randomly initialised Qwen2 causal LM sized for CPU tests (about 0.1M parameters at the defaults).
+    `config_overrides` go to `Qwen2Config` (e.g. `initializer_range` for a more peaked random model)."""
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -60,6 +63,7 @@ def build_model(tokenizer: PreTrainedTokenizerFast, hidden_size: int = 64, num_l
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **config_overrides,
     )
     model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

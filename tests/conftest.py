@@ -1,0 +1,66 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from topr_trl.tasks import make_arithmetic_dataset  # noqa: E402
+from topr_trl.tiny import build_model, build_tokenizer, save_pretrained  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> str:
+    """A random-init tiny Qwen2 and character tokenizer saved to disk (loadable by path, no Hub)."""
+    tokenizer = build_tokenizer()
+    return str(save_pretrained(build_model(tokenizer, seed=0), tokenizer, tmp_path_factory.mktemp("tiny-model")))
+
+
+@pytest.fixture(scope="session")
+def behaviour_model_path(tmp_path_factory) -> str:
+    """A second tiny model with larger random weights, so its distribution is peaked where the policy's is
+    nearly uniform: a behaviour policy mu far from pi, as a different model generating the data would be."""
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=123, initializer_range=0.5)
+    return str(save_pretrained(model, tokenizer, tmp_path_factory.mktemp("behaviour")))
+
+
+@pytest.fixture(scope="session")
+def arithmetic_dataset():
+    return make_arithmetic_dataset(16, digits=1, seed=0)
+
+
+def small_config_kwargs(output_dir, **overrides) -> dict:
+    """Settings shared by the trainer tests: a few CPU steps on tiny batches, nothing written or reported."""
+    kwargs = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def parity_reward(completions, **kwargs) -> list[float]:
+    """+1 when the completion's character codes sum to an even number, else -1: a coin flip for a random-init
+    model, so groups have reward variance and every update is non-trivial."""
+    from topr_trl.tasks import completion_text
+
+    return [1.0 if sum(map(ord, completion_text(c))) % 2 == 0 else -1.0 for c in completions]

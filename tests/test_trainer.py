@@ -1,0 +1,193 @@
+"""TOPRTrainer as a drop-in GRPOTrainer: training, delegation to TRL's losses, off-policy data, metrics."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import GRPOConfig, GRPOTrainer
+
+from topr_trl import TOPRConfig, TOPRTrainer
+from topr_trl.rollout import make_behaviour_rollout
+from topr_trl.tasks import arithmetic_reward
+
+from .conftest import parity_reward, small_config_kwargs
+
+
+def logged_values(trainer, key) -> list[float]:
+    """Every value logged under `key` (TRL logs an empty metric, NaN, as None)."""
+    return [entry[key] for entry in trainer.state.log_history if entry.get(key) is not None]
+
+
+def train_once(trainer_class, config_class, model_path, dataset, output_dir, **overrides):
+    """The user's script: the only thing that differs between GRPO and TOPR is the two class names."""
+    args = config_class(**small_config_kwargs(output_dir, **overrides))
+    trainer = trainer_class(model=model_path, reward_funcs=parity_reward, args=args, train_dataset=dataset)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    changed = any(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
+    return trainer, changed
+
+
+@pytest.mark.parametrize("trainer_class,config_class", [(GRPOTrainer, GRPOConfig), (TOPRTrainer, TOPRConfig)])
+def test_drop_in_swap_trains(trainer_class, config_class, tiny_model_path, arithmetic_dataset, tmp_path):
+    trainer, changed = train_once(trainer_class, config_class, tiny_model_path, arithmetic_dataset, tmp_path)
+    assert changed
+    logged = trainer.state.log_history[0]
+    assert math.isfinite(logged["loss"])
+    if trainer_class is TOPRTrainer:
+        for key in ("topr/positive_fraction", "topr/effective_positive_proportion", "topr/ratio_negative/mean",
+                    "topr/weight_positive/mean", "topr/negative_truncated_fraction", "topr/loss_positive",
+                    "topr/loss_negative", "entropy"):
+            assert key in logged, key
+
+
+def test_default_loss_is_topr_and_on_policy_weights_are_one(tiny_model_path, arithmetic_dataset, tmp_path):
+    trainer, _ = train_once(TOPRTrainer, TOPRConfig, tiny_model_path, arithmetic_dataset, tmp_path, max_steps=3)
+    assert trainer.args.loss_type == "topr"
+    # On-policy and one update per generation: pi = mu, so every ratio and weight is exactly 1.
+    for key in ("topr/ratio_positive/mean", "topr/ratio_negative/mean", "topr/weight_negative/mean"):
+        assert logged_values(trainer, key) and all(v == pytest.approx(1.0) for v in logged_values(trainer, key)), key
+
+
+def make_inputs(trainer, seed=0):
+    """One generation batch, produced by the trainer itself (rewards, advantages, masks)."""
+    torch.manual_seed(seed)
+    batch = next(iter(trainer.get_train_dataloader()))
+    return trainer._prepare_inputs(batch)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo", "dr_grpo", "cispo"])
+def test_trl_loss_types_compute_exactly_what_grpo_computes(loss_type, tiny_model_path, arithmetic_dataset, tmp_path):
+    overrides = dict(loss_type=loss_type, num_iterations=2, beta=0.04, per_device_train_batch_size=8)
+    grpo = GRPOTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
+                       args=GRPOConfig(**small_config_kwargs(tmp_path / "g", **overrides)))
+    topr = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
+                       args=TOPRConfig(**small_config_kwargs(tmp_path / "t", **overrides)))
+    inputs = make_inputs(grpo)
+    with torch.no_grad():  # move the policy away from mu so that ratios and clipping are exercised
+        for p in list(grpo.model.parameters()) + list(topr.model.parameters()):
+            p.add_(0.05 * torch.sin(torch.arange(p.numel(), dtype=p.dtype)).view_as(p))
+    losses, grads = [], []
+    for trainer in (grpo, topr):
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, inputs)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters()]))
+    assert losses[0] != 0
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+
+
+def test_ppo_variant_reproduces_grpo_loss(tiny_model_path, arithmetic_dataset, tmp_path):
+    """pg_variant='ppo' with token ratios, the advantage signal and per-sequence aggregation is GRPO's own
+    `loss_type='grpo'`: an independent check of the TOPR code path against TRL."""
+    common = dict(num_iterations=2, per_device_train_batch_size=8)
+    grpo = GRPOTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
+                       args=GRPOConfig(**small_config_kwargs(tmp_path / "g", loss_type="grpo", **common)))
+    topr = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
+                       args=TOPRConfig(**small_config_kwargs(tmp_path / "t", pg_variant="ppo", topr_ratio_level="token",
+                                                             **common)))
+    inputs = make_inputs(grpo)
+    with torch.no_grad():
+        for p in list(grpo.model.parameters()) + list(topr.model.parameters()):
+            p.add_(0.05 * torch.sin(torch.arange(p.numel(), dtype=p.dtype)).view_as(p))
+    losses = [t.compute_loss(t.model, inputs) for t in (grpo, topr)]
+    torch.testing.assert_close(losses[0], losses[1])
+
+
+def test_off_policy_behaviour_model_tapers_negatives(tiny_model_path, behaviour_model_path, arithmetic_dataset, tmp_path):
+    behaviour = AutoModelForCausalLM.from_pretrained(behaviour_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(behaviour_model_path)
+    args = TOPRConfig(**small_config_kwargs(tmp_path, max_steps=4, per_device_train_batch_size=8))
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
+                          train_dataset=arithmetic_dataset, rollout_func=make_behaviour_rollout(behaviour, tokenizer))
+    trainer.train()
+    negative_weights = logged_values(trainer, "topr/weight_negative/mean")
+    positive_weights = logged_values(trainer, "topr/weight_positive/mean")
+    assert negative_weights and positive_weights
+    assert all(0 <= w < 1 for w in negative_weights)
+    assert all(w < 1 for w in logged_values(trainer, "topr/ratio_negative/min"))
+    assert all(w == 1.0 for w in positive_weights)
+    assert all(math.isfinite(loss) for loss in logged_values(trainer, "loss"))
+    # mu is another model: ratios are far from 1 on both branches; only the negatives' weights follow them
+    assert all(r != pytest.approx(1.0) for r in logged_values(trainer, "topr/ratio_positive/mean"))
+
+
+def test_reward_signal_with_baseline(tiny_model_path, arithmetic_dataset, tmp_path):
+    """topr_signal='reward': the signal is R - c, so with +1/-1 rewards and c=0.5 every positive carries 0.5 and
+    every negative -1.5, and the logged p~ follows Eq. 12."""
+    args = TOPRConfig(**small_config_kwargs(tmp_path, topr_signal="reward", topr_baseline=0.5,
+                                            per_device_train_batch_size=8))
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
+                          train_dataset=arithmetic_dataset)
+    inputs = make_inputs(trainer)
+    texts = trainer.processing_class.batch_decode(inputs["completion_ids"], skip_special_tokens=True)
+    expected = torch.tensor(parity_reward(texts)) - 0.5
+    torch.testing.assert_close(inputs["topr_signal"], expected)
+    assert set(expected.tolist()) == {0.5, -1.5}
+
+
+@pytest.mark.parametrize("baseline", ["group_mean", "batch_mean"])
+def test_mean_baselines_centre_the_signal(baseline, tiny_model_path, arithmetic_dataset, tmp_path):
+    args = TOPRConfig(**small_config_kwargs(tmp_path, topr_signal="reward", topr_baseline=baseline))
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=lambda completions, **kw: [float(len(c[0]["content"]))
+                                                                                         for c in completions],
+                          args=args, train_dataset=arithmetic_dataset)
+    trainer.train()  # fills the metrics through the full path
+    batch = next(iter(trainer.get_train_dataloader()))
+    output = trainer._generate_and_score_completions(batch)
+    signal = output["topr_signal"]
+    groups = signal.view(-1, 4) if baseline == "group_mean" else signal.view(1, -1)
+    torch.testing.assert_close(groups.mean(dim=1), torch.zeros(groups.size(0)), atol=1e-5, rtol=0)
+
+
+def test_reward_function_returning_none_or_nan_is_left_out(tiny_model_path, arithmetic_dataset, tmp_path):
+    def flaky_reward(completions, answer, **kwargs):
+        scores = parity_reward(completions)
+        return [None if i % 3 == 0 else (float("nan") if i % 3 == 1 else s) for i, s in enumerate(scores)]
+
+    for signal in ("advantage", "reward"):
+        args = TOPRConfig(**small_config_kwargs(tmp_path / signal, topr_signal=signal, max_steps=2))
+        trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=flaky_reward, args=args,
+                              train_dataset=arithmetic_dataset)
+        trainer.train()
+        assert all(math.isfinite(loss) for loss in logged_values(trainer, "loss"))
+
+
+def test_infinite_reward_raises_a_clear_error(tiny_model_path, arithmetic_dataset, tmp_path):
+    def broken_reward(completions, **kwargs):
+        return [math.inf] * len(completions)
+
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=broken_reward,
+                          args=TOPRConfig(**small_config_kwargs(tmp_path)), train_dataset=arithmetic_dataset)
+    with pytest.raises(ValueError, match="broken_reward.*infinite"):
+        trainer.train()
+
+
+def test_sampler_source_without_sampler_is_rejected(tiny_model_path, arithmetic_dataset, tmp_path):
+    args = TOPRConfig(**small_config_kwargs(tmp_path, topr_behaviour_source="sampler"))
+    with pytest.raises(ValueError, match="rollout_func"):
+        TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args, train_dataset=arithmetic_dataset)
+
+
+def test_num_iterations_makes_ratios_depart_from_one(tiny_model_path, arithmetic_dataset, tmp_path):
+    """With several updates per generation batch, mu is the policy at generation time: as pi moves, pi/mu != 1."""
+    args = TOPRConfig(**small_config_kwargs(tmp_path, num_iterations=4, max_steps=4, learning_rate=5e-2,
+                                            per_device_train_batch_size=8))
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
+                          train_dataset=arithmetic_dataset)
+    trainer.train()
+    ratios = logged_values(trainer, "topr/ratio_negative/mean") + logged_values(trainer, "topr/ratio_positive/mean")
+    assert any(abs(r - 1) > 1e-3 for r in ratios)
+
+
+def test_kl_entropy_bonus_and_accumulation(tiny_model_path, arithmetic_dataset, tmp_path):
+    args = TOPRConfig(**small_config_kwargs(tmp_path, beta=0.04, entropy_coef=0.01, gradient_accumulation_steps=2))
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
+                          train_dataset=arithmetic_dataset)
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert "kl" in logged and "policy_loss" in logged and "entropy_coef" in logged
+    assert math.isfinite(logged["loss"])
