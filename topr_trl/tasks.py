@@ -62,14 +62,35 @@ def _encode_example(tokenizer, prompt, answer) -> tuple[list[int], int]:
     return list(prompt_ids) + answer_ids, len(prompt_ids)
 
 
-def warm_start(model, tokenizer, dataset: Dataset, steps: int, batch_size: int = 32, lr: float = 3e-3, seed: int = 0):
+def warm_start(
+    model,
+    tokenizer,
+    dataset: Dataset,
+    steps: int,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    seed: int = 0,
+    target_accuracy: float | None = None,
+    eval_dataset: Dataset | None = None,
+    check_every: int = 10,
+):
     """Supervised warm-start on reference answers (cross-entropy on answer tokens only), so that RL starts
-    from a model that is right sometimes, as the paper's instruct models are."""
+    from a model that is right sometimes, as the paper's instruct models are.
+
+    With `target_accuracy`, stops at the first check (every `check_every` steps) where greedy accuracy on
+    `eval_dataset` reaches it: a tiny model learns arithmetic in a sudden jump, so a fixed step count would
+    land anywhere between 0 % and 90 %."""
+    if target_accuracy is not None and eval_dataset is None:
+        raise ValueError("target_accuracy needs an eval_dataset")
     generator = torch.Generator().manual_seed(seed)
     examples = [_encode_example(tokenizer, p, a) for p, a in zip(dataset["prompt"], dataset["answer"], strict=True)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
-    for _ in range(steps):
+    for step in range(steps):
+        if target_accuracy is not None and step % check_every == 0 and step > 0:
+            if accuracy(model, tokenizer, eval_dataset)["accuracy"] >= target_accuracy:
+                break
+            model.train()
         batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=generator).tolist()]
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
@@ -96,7 +117,7 @@ def accuracy(model, tokenizer, dataset: Dataset, max_new_tokens: int = 8, batch_
     for start in range(0, len(dataset), batch_size):
         rows = dataset[start : start + batch_size]
         texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in rows["prompt"]]
-        encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        encoded = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
         output = model.generate(
             **encoded, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
         )
@@ -109,8 +130,11 @@ def accuracy(model, tokenizer, dataset: Dataset, max_new_tokens: int = 8, batch_
     return {"accuracy": correct / len(dataset), "invalid_rate": invalid / len(dataset)}
 
 
-def build_warm_model(path: str | Path, digits: int = 2, warm_start_steps: int = 300, seed: int = 0, **model_kwargs):
-    """Build (or load, if `path` holds one) the tiny warm-started model of the built-in task."""
+def build_warm_model(
+    path: str | Path, digits: int = 2, target_accuracy: float = 0.15, max_steps: int = 3000, seed: int = 0, **model_kwargs
+):
+    """Build (or load, if `path` holds one) the tiny model of the built-in task, warm-started by SFT until its
+    greedy accuracy on problems outside the RL train and eval sets first reaches `target_accuracy`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .tiny import build_model, build_tokenizer, save_pretrained
@@ -120,6 +144,13 @@ def build_warm_model(path: str | Path, digits: int = 2, warm_start_steps: int = 
         return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=seed, **model_kwargs)
-    warm_start(model, tokenizer, make_arithmetic_dataset(2000, digits=digits, seed=seed + 1000), warm_start_steps)
+    warm_start(
+        model,
+        tokenizer,
+        make_arithmetic_dataset(2000, digits=digits, seed=seed + 1000),
+        max_steps,
+        target_accuracy=target_accuracy,
+        eval_dataset=make_arithmetic_dataset(100, digits=digits, seed=seed + 2000),
+    )
     save_pretrained(model, tokenizer, path)
     return model, tokenizer

@@ -1,17 +1,18 @@
 """A tiny causal LM and character tokenizer built locally, for the built-in task, tests and benchmarks.
 
 Nothing here touches the Hugging Face Hub: the tokenizer is trained with `tokenizers` on the task's own
-alphabet and the model is a randomly initialised Qwen2 from a config (optionally warm-started by SFT).
+alphabet and the model is a randomly initialised Llama-architecture model from a config (optionally warm-started by SFT).
 """
 
 from __future__ import annotations
 
+import json
 import string
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast
 
 BOS, EOS, PAD = "<|im_start|>", "<|im_end|>", "<pad>"
 CHAT_TEMPLATE = (
@@ -48,10 +49,10 @@ def build_tokenizer(alphabet: str = string.printable) -> PreTrainedTokenizerFast
 def build_model(
     tokenizer: PreTrainedTokenizerFast, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, **config_overrides
 ):
-    """A randomly initialised Qwen2 causal LM sized for CPU tests (about 0.1M parameters at the defaults).
-    `config_overrides` go to `Qwen2Config` (e.g. `initializer_range` for a more peaked random model)."""
+    """A randomly initialised Llama-architecture (Mistral) causal LM sized for CPU tests (about 0.1M parameters
+    at the defaults). `config_overrides` go to `MistralConfig` (e.g. `initializer_range` for a more peaked random model)."""
     torch.manual_seed(seed)
-    config = Qwen2Config(
+    config = MistralConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -65,7 +66,7 @@ def build_model(
         pad_token_id=tokenizer.pad_token_id,
         **config_overrides,
     )
-    model = Qwen2ForCausalLM(config)
+    model = MistralForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
@@ -76,4 +77,10 @@ def save_pretrained(model, tokenizer, path: str | Path) -> Path:
     path = Path(path)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    # AutoTokenizer must rebuild exactly this tokenizer, not a model-specific class with its own pre-tokenizer
+    # (why the tiny model is a Mistral: transformers maps Qwen2 checkpoints to Qwen2Tokenizer regardless).
+    config_file = path / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_file.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(tokenizer_config, indent=2))
     return path
