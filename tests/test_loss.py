@@ -25,7 +25,15 @@ from topr_trl.loss import (
     truncated_ratio,
 )
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def float64_by_default():
+    """Hand computations are in float64; restore the default so other test modules are unaffected."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 def batch(seed=0, B=6, T=5):

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
 import sys
@@ -24,7 +25,7 @@ TRAIN_DEFAULTS = dict(
     per_device_train_batch_size=16,
     num_generations=8,
     max_completion_length=6,
-    max_steps=150,
+    max_steps=200,
     learning_rate=2e-4,
     lr_scheduler_type="constant",
     logging_steps=10,
@@ -54,7 +55,7 @@ class TrainScriptArguments:
     task_train_prompts: int = field(default=1000, metadata={"help": "Built-in task: training prompts."})
     task_eval_prompts: int = field(default=200, metadata={"help": "Built-in task: held-out prompts for accuracy."})
     warm_start_accuracy: float = field(
-        default=0.15, metadata={"help": "Built-in tiny model: SFT warm-start until this greedy accuracy."}
+        default=0.3, metadata={"help": "Built-in tiny model: SFT warm-start until this greedy accuracy."}
     )
     base_model_dir: str = field(
         default="outputs/tiny-arithmetic-base", metadata={"help": "Where the built-in tiny model is cached."}
@@ -70,6 +71,17 @@ def resolve_reward(name: str):
     return getattr(importlib.import_module(module_name), function_name)
 
 
+def reject_unknown_flags(parser, argv: list[str]) -> None:
+    """Fail on a misspelt flag with the closest valid one, before anything heavy is loaded."""
+    known = {option for action in parser._actions for option in action.option_strings}
+    for argument in argv:
+        flag = argument.split("=", 1)[0]
+        if flag.startswith("--") and flag not in known:
+            close = difflib.get_close_matches(flag, known, n=1)
+            hint = f" Did you mean {close[0]}?" if close else ""
+            raise SystemExit(f"topr-trl train: unknown option {flag}.{hint}")
+
+
 def train(argv: list[str]) -> dict:
     from trl import ModelConfig, TrlParser, get_peft_config
 
@@ -79,6 +91,7 @@ def train(argv: list[str]) -> dict:
 
     parser = TrlParser((TrainScriptArguments, TOPRConfig, ModelConfig), prog="topr-trl train")
     parser.set_defaults(**TRAIN_DEFAULTS)
+    reject_unknown_flags(parser, argv)
     script_args, training_args, model_args = parser.parse_args_and_config(argv)
 
     builtin_task = script_args.dataset_name is None

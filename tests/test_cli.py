@@ -1,0 +1,37 @@
+"""The main job's command line, on tiny settings."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from topr_trl.cli import main, resolve_reward
+from topr_trl.tasks import arithmetic_reward
+
+
+def test_train_command_runs_the_builtin_job(tmp_path):
+    output = tmp_path / "run"
+    main(["train", "--max_steps", "2", "--task_train_prompts", "16", "--task_eval_prompts", "8",
+          "--warm_start_accuracy", "0", "--base_model_dir", str(tmp_path / "base"), "--output_dir", str(output),
+          "--per_device_train_batch_size", "4", "--num_generations", "4"])
+    summary = json.loads((output / "topr_summary.json").read_text())
+    assert set(summary) == {"before", "after"} and 0 <= summary["after"]["accuracy"] <= 1
+    assert (output / "model.safetensors").exists() and (tmp_path / "base" / "config.json").exists()
+
+
+def test_unknown_flag_is_rejected(tmp_path):
+    with pytest.raises(SystemExit, match="Did you mean --topr_preset"):
+        main(["train", "--topr_presett", "sft", "--output_dir", str(tmp_path)])
+
+
+def test_module_entry_point_without_command_prints_usage():
+    completed = subprocess.run([sys.executable, "-m", "topr_trl"], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 2 and "topr-trl train" in completed.stdout
+
+
+def test_reward_resolution():
+    assert resolve_reward("arithmetic") is arithmetic_reward
+    assert resolve_reward("topr_trl.tasks:arithmetic_reward") is arithmetic_reward
+    with pytest.raises(ValueError, match="arithmetic"):
+        resolve_reward("nonexistent")
