@@ -191,3 +191,15 @@ def test_kl_entropy_bonus_and_accumulation(tiny_model_path, arithmetic_dataset, 
     logged = trainer.state.log_history[0]
     assert "kl" in logged and "policy_loss" in logged and "entropy_coef" in logged
     assert math.isfinite(logged["loss"])
+
+
+def test_lora_training_changes_only_adapter_weights(tiny_model_path, arithmetic_dataset, tmp_path):
+    from peft import LoraConfig
+
+    args = TOPRConfig(**small_config_kwargs(tmp_path, learning_rate=5e-2))
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args, train_dataset=arithmetic_dataset,
+                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = {name for name, p in trainer.model.named_parameters() if not torch.equal(before[name], p)}
+    assert changed and all("lora_" in name for name in changed)
