@@ -109,13 +109,30 @@ def worker(options: dict) -> dict:
     timer = StepTimer()
     trainer = trainer_class(model=options["model_path"], reward_funcs=length_reward, args=args,
                             train_dataset=dataset, callbacks=[timer], **extra)
+    generation_seconds: list[float] = []
+    generate_and_score = trainer._generate_and_score_completions
+
+    def timed_generate_and_score(*a, **k):  # generation is the same work in every setting; time it apart
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        output = generate_and_score(*a, **k)
+        if cuda:
+            torch.cuda.synchronize()
+        generation_seconds.append(time.perf_counter() - start)
+        return output
+
+    trainer._generate_and_score_completions = timed_generate_and_score
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     times = timer.times[options["warmup"]:]
+    # One generation per optimizer step here (steps_per_generation == gradient_accumulation_steps == 1).
+    update_times = [t - g for t, g in zip(timer.times, generation_seconds, strict=True)][options["warmup"]:]
     tokens_per_step = options["batch_size"] * (options["prompt_length"] + options["completion_length"])
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"setting": options["setting"], "step_seconds": times, "tokens_per_step": tokens_per_step,
+    return {"setting": options["setting"], "step_seconds": times, "update_seconds": update_times,
+            "tokens_per_step": tokens_per_step,
             "peak_memory_mib": peak}
 
 
@@ -136,6 +153,7 @@ def summarise(results: dict[str, list[dict]]) -> dict:
         median = statistics.median(all_steps)
         table[setting] = {
             "median_step_s": median,
+            "median_update_s": statistics.median(t for r in runs for t in r["update_seconds"]),
             "spread_step_s": [min(per_run), max(per_run)],
             "tokens_per_s": runs[0]["tokens_per_step"] / median,
             "peak_memory_mib": statistics.median(r["peak_memory_mib"] for r in runs),
@@ -145,6 +163,7 @@ def summarise(results: dict[str, list[dict]]) -> dict:
         if numerator in table and denominator in table:
             ratios[name] = {
                 "step_time": table[numerator]["median_step_s"] / table[denominator]["median_step_s"],
+                "update_time": table[numerator]["median_update_s"] / table[denominator]["median_update_s"],
                 "peak_memory": table[numerator]["peak_memory_mib"] / table[denominator]["peak_memory_mib"],
             }
     return {"table": table, "ratios": ratios}
@@ -191,14 +210,16 @@ def main() -> None:
                   f"{statistics.median(results[setting][-1]['step_seconds']):.4f} s/step", flush=True)
     summary = summarise(results)
     summary["options"] = vars(options)
-    print(f"\n{'setting':<16} {'s/step (median)':>16} {'spread':>20} {'tokens/s':>10} {'peak MiB':>10}")
+    print(f"\n{'setting':<16} {'s/step':>8} {'spread of run medians':>22} {'s/update':>9} {'tokens/s':>9} "
+          f"{'peak MiB':>9}")
     for setting, row in summary["table"].items():
         spread = f"{row['spread_step_s'][0]:.4f}-{row['spread_step_s'][1]:.4f}"
-        print(f"{setting:<16} {row['median_step_s']:>16.4f} {spread:>20} {row['tokens_per_s']:>10.0f} "
-              f"{row['peak_memory_mib']:>10.0f}")
-    print()
+        print(f"{setting:<16} {row['median_step_s']:>8.4f} {spread:>22} {row['median_update_s']:>9.4f} "
+              f"{row['tokens_per_s']:>9.0f} {row['peak_memory_mib']:>9.0f}")
+    print("\n(s/update: the step without generation and scoring, i.e. the loss, backward and optimizer work)")
     for name, ratio in summary["ratios"].items():
-        print(f"{name:<28} step time {ratio['step_time']:.3f}   peak memory {ratio['peak_memory']:.3f}")
+        print(f"{name:<28} step time {ratio['step_time']:.3f}   update time {ratio['update_time']:.3f}   "
+              f"peak memory {ratio['peak_memory']:.3f}")
     if options.output:
         with open(options.output, "w") as handle:
             json.dump(summary, handle, indent=2)

@@ -203,3 +203,14 @@ def test_lora_training_changes_only_adapter_weights(tiny_model_path, arithmetic_
     trainer.train()
     changed = {name for name, p in trainer.model.named_parameters() if not torch.equal(before[name], p)}
     assert changed and all("lora_" in name for name in changed)
+
+
+def test_nan_loss_stops_training_with_a_clear_error(tiny_model_path, arithmetic_dataset, tmp_path):
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
+                          args=TOPRConfig(**small_config_kwargs(tmp_path, per_device_train_batch_size=8)))
+    batch = next(iter(trainer.get_train_dataloader()))
+    inputs = trainer._prepare_inputs(batch)
+    with torch.no_grad():
+        trainer.model.model.norm.weight.fill_(float("nan"))  # every log-prob, hence the loss, becomes NaN
+    with pytest.raises(FloatingPointError, match="not finite"):
+        trainer.compute_loss(trainer.model, inputs)

@@ -16,7 +16,7 @@ from .loss import MAX_LOG_RATIO, PolicyTerms, aggregate, branch_losses, policy_p
 _SUM_KEYS = (
     "n_positive", "n_negative", "n_zero", "ratio_sum_positive", "ratio_sum_negative", "ratio_count_positive",
     "ratio_count_negative", "weight_sum_positive", "weight_sum_negative", "truncated_negative", "mass_positive",
-    "mass_total", "nonfinite_loss",
+    "mass_total", "nonfinite_loss", "entropy_sum", "token_count",
 )
 
 
@@ -235,69 +235,76 @@ class TOPRTrainer(GRPOTrainer):
     def _log_policy_metrics(
         self, mode, terms: PolicyTerms, signal, mask, entropies, policy_per_token, aggregation, loss
     ) -> None:
-        """TOPR's metrics, reduced over processes with a fixed set of collectives (every rank logs every key).
+        """TOPR's metrics, reduced over processes with two collectives (every rank logs every key).
 
         Branches are by the sign of the signal; trajectories with zero signal (e.g. groups whose completions all
-        got the same reward, under the advantage signal) move nothing and are counted apart.
+        got the same reward, under the advantage signal) move nothing and are counted apart. Ratio statistics
+        are per trajectory for sequence-level ratios, per completion token for token-level ones.
         """
         signal = signal.detach().float()
-        positive, negative = (signal > 0), (signal < 0)
+        mask = mask.float()
+        positive, negative = signal > 0, signal < 0
         sequence_level = terms.log_ratio.size(1) == 1
-        # Ratio statistics are per trajectory for sequence-level ratios, per completion token otherwise.
-        element_mask = torch.ones_like(terms.log_ratio) if sequence_level else mask.to(terms.log_ratio.dtype)
+        element_mask = torch.ones_like(terms.log_ratio, dtype=torch.float) if sequence_level else mask
         ratio = terms.log_ratio.float().clamp(max=MAX_LOG_RATIO).exp()
         weights = terms.weights.float()
-        in_positive = (element_mask * positive).bool()
-        in_negative = (element_mask * negative).bool()
+        in_positive = element_mask * positive
+        in_negative = element_mask * negative
         limits = self._loss_spec.limits
-        outside = (ratio < limits.negative_lower) | (ratio > min(limits.negative_upper, torch.finfo(ratio.dtype).max))
-        if self._loss_spec.variant not in ("topr", "vanilla", "tis"):
+        if self._loss_spec.variant in ("topr", "vanilla", "tis"):
+            outside = (ratio < limits.negative_lower) | (ratio > limits.negative_upper)
+        else:
             outside = ~torch.isclose(weights, ratio, rtol=1e-5, atol=1e-8)
-        mean_weight = weights if sequence_level else (weights * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+        if sequence_level:
+            mean_weight = weights
+        else:
+            mean_weight = (weights * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
         magnitude = (mean_weight * signal).abs()
-        local = torch.stack([
+        sums = torch.stack([
             positive.sum(), negative.sum(), (signal == 0).sum(),
-            ratio[in_positive].sum(), ratio[in_negative].sum(), in_positive.sum(), in_negative.sum(),
-            weights[in_positive].sum(), weights[in_negative].sum(), (outside & in_negative).sum(),
-            magnitude[signal >= 0].sum(), magnitude.sum(), (~torch.isfinite(loss.detach())).float(),
+            (ratio * in_positive).sum(), (ratio * in_negative).sum(), in_positive.sum(), in_negative.sum(),
+            (weights * in_positive).sum(), (weights * in_negative).sum(), (outside * in_negative).sum(),
+            (magnitude * (signal >= 0)).sum(), magnitude.sum(), (~torch.isfinite(loss.detach())).sum(),
+            (entropies.detach() * mask).sum(), mask.sum(),
         ]).float()
-        totals = dict(zip(_SUM_KEYS, self.accelerator.reduce(local, reduction="sum").tolist()))
-        extremes = torch.stack([
-            ratio[in_positive].min() if in_positive.any() else ratio.new_tensor(float("inf")),
-            ratio[in_negative].min() if in_negative.any() else ratio.new_tensor(float("inf")),
-            -ratio[in_positive].max() if in_positive.any() else ratio.new_tensor(float("inf")),
-            -ratio[in_negative].max() if in_negative.any() else ratio.new_tensor(float("inf")),
-        ])
-        extremes = self.accelerator.gather(extremes.unsqueeze(0)).min(dim=0).values.tolist()
-        extremes = [value if abs(value) != float("inf") else float("nan") for value in extremes]
+        sums = dict(zip(_SUM_KEYS, self.accelerator.reduce(sums, reduction="sum").tolist()))
+
+        inf = torch.tensor(float("inf"), device=ratio.device)
         branch_loss_kwargs = {("aggregation" if k == "mode" else k): v for k, v in aggregation.items()}
-        branch = torch.stack(branch_losses(policy_per_token, terms.is_positive, mask, **branch_loss_kwargs))
-        branch = self.accelerator.gather(branch.unsqueeze(0)).float().mean(dim=0).tolist()
+        positive_loss, negative_loss = branch_losses(policy_per_token, terms.is_positive, mask, **branch_loss_kwargs)
+        per_rank = torch.stack([  # minima (maxima as negated minima), then the branch losses
+            torch.where(in_positive.bool(), ratio, inf).amin(), torch.where(in_negative.bool(), ratio, inf).amin(),
+            torch.where(in_positive.bool(), -ratio, inf).amin(), torch.where(in_negative.bool(), -ratio, inf).amin(),
+            positive_loss.float(), negative_loss.float(),
+        ])
+        gathered = self.accelerator.gather(per_rank.unsqueeze(0))
+        extremes = [v if abs(v) != float("inf") else float("nan") for v in gathered[:, :4].amin(dim=0).tolist()]
+        branch = gathered[:, 4:].mean(dim=0).tolist()
 
-        def ratio_of(numerator: str, denominator: str) -> float:
-            return totals[numerator] / totals[denominator] if totals[denominator] > 0 else float("nan")
+        def share(numerator: str, denominator: str) -> float:
+            return sums[numerator] / sums[denominator] if sums[denominator] > 0 else float("nan")
 
-        n_all = totals["n_positive"] + totals["n_negative"] + totals["n_zero"]
+        n_all = max(sums["n_positive"] + sums["n_negative"] + sums["n_zero"], 1.0)
         metrics = self._metrics[mode]
-        metrics["topr/positive_fraction"].append(totals["n_positive"] / max(n_all, 1.0))
-        metrics["topr/negative_fraction"].append(totals["n_negative"] / max(n_all, 1.0))
-        metrics["topr/effective_positive_proportion"].append(ratio_of("mass_positive", "mass_total"))
-        metrics["topr/ratio_positive/mean"].append(ratio_of("ratio_sum_positive", "ratio_count_positive"))
+        metrics["topr/positive_fraction"].append(sums["n_positive"] / n_all)
+        metrics["topr/negative_fraction"].append(sums["n_negative"] / n_all)
+        metrics["topr/effective_positive_proportion"].append(share("mass_positive", "mass_total"))
+        metrics["topr/ratio_positive/mean"].append(share("ratio_sum_positive", "ratio_count_positive"))
         metrics["topr/ratio_positive/min"].append(extremes[0])
         metrics["topr/ratio_positive/max"].append(-extremes[2])
-        metrics["topr/ratio_negative/mean"].append(ratio_of("ratio_sum_negative", "ratio_count_negative"))
+        metrics["topr/ratio_negative/mean"].append(share("ratio_sum_negative", "ratio_count_negative"))
         metrics["topr/ratio_negative/min"].append(extremes[1])
         metrics["topr/ratio_negative/max"].append(-extremes[3])
-        metrics["topr/weight_positive/mean"].append(ratio_of("weight_sum_positive", "ratio_count_positive"))
-        metrics["topr/weight_negative/mean"].append(ratio_of("weight_sum_negative", "ratio_count_negative"))
-        metrics["topr/negative_truncated_fraction"].append(ratio_of("truncated_negative", "ratio_count_negative"))
+        metrics["topr/weight_positive/mean"].append(share("weight_sum_positive", "ratio_count_positive"))
+        metrics["topr/weight_negative/mean"].append(share("weight_sum_negative", "ratio_count_negative"))
+        metrics["topr/negative_truncated_fraction"].append(share("truncated_negative", "ratio_count_negative"))
         metrics["topr/loss_positive"].append(branch[0])
         metrics["topr/loss_negative"].append(branch[1])
-        metrics["entropy"].append(self._global_masked_mean(entropies, mask))
-        if totals["nonfinite_loss"] > 0:
+        metrics["entropy"].append(share("entropy_sum", "token_count"))
+        if sums["nonfinite_loss"] > 0:
             raise FloatingPointError(
-                f"TOPR loss is not finite on {int(totals['nonfinite_loss'])} process(es) at step "
-                f"{self.state.global_step}. Inputs were: positive ratio range [{extremes[0]}, {-extremes[2]}], "
-                f"negative ratio range [{extremes[1]}, {-extremes[3]}]. Check the reward functions and, in bf16/fp16, "
-                "the model's logits; rerun with bf16=False to rule out overflow."
+                f"TOPR loss is not finite on {int(sums['nonfinite_loss'])} process(es) at step "
+                f"{self.state.global_step}. Ratio ranges: positives [{extremes[0]}, {-extremes[2]}], negatives "
+                f"[{extremes[1]}, {-extremes[3]}]. Check the reward functions and, in bf16/fp16, the model's "
+                "logits; rerun with bf16=False to rule out overflow."
             )
