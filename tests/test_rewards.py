@@ -53,6 +53,8 @@ SOLUTION_KEYS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_ve
         ("A: $.40", ".40"),
         ("The answer is 1/2 of the cake.", "1/2"),
         ("The answer is 3 + 4 = 7.", "7"),
+        ("The answer is 18. Then x = 4 is the rest.", "18"),
+        ("A: $<<9*2=18>>18", "18"),
         ("So the total is \\boxed{18}.", "18"),
         ("\\boxed{\\$1{,}200}", "1200"),
         ("\\boxed{\\frac{1}{2}}", "1/2"),

@@ -197,8 +197,9 @@ def extract_boxed(text: str) -> str | None:
 
 # Line-based markers: the answer is on the rest of the line (or on the next non-empty line when the marker
 # ends its line). "A:" only counts at the start of a line, so "Plan A: 3 apples" is not an answer.
-_LINE_MARKERS = re.compile(r"(?i:\banswer\s*(?:is|:))|####|(?m:^[ \t*]*A:)")
+_LINE_MARKERS = re.compile(r"(?i:\banswer\s*(?:is\s*:?|:))|####|(?m:^[ \t*]*A:)")
 _EQUALS = re.compile(r"=")
+_SENTENCE_END = re.compile(r"\.(?=\s|$)")
 
 
 def _marker_answers(text: str) -> list[tuple[int, str | None]]:
@@ -206,9 +207,10 @@ def _marker_answers(text: str) -> list[tuple[int, str | None]]:
     candidates: list[tuple[int, str | None]] = []
     for marker in _LINE_MARKERS.finditer(text):
         rest = text[marker.end() :].lstrip()
-        line = rest.split("\n", 1)[0]
-        # "The answer is 3 + 4 = 7": the value after the last "=" is the answer.
-        parts = _EQUALS.split(line)
+        line = _CALCULATOR_ANNOTATION.sub(" ", rest.split("\n", 1)[0])
+        sentence = _SENTENCE_END.split(line, maxsplit=1)[0]
+        # "The answer is 3 + 4 = 7.": the value after the sentence's last "=" is the answer.
+        parts = _EQUALS.split(sentence)
         number = _first_number(parts[-1]) if len(parts) > 1 else None
         candidates.append((marker.start(), number if number is not None else _first_number(line)))
     for position, content in _boxes(text):
@@ -223,10 +225,11 @@ def extract_gsm8k_answer(text: str, fallback_to_last_number: bool = True) -> str
 
     Looks for answer markers: `The answer is` (any case, also `final answer is`, `Answer:`), `####`, `A:` at
     the start of a line, and `\\boxed{...}`. The answer of a line marker is the first number on the rest of its
-    line (or after the last `=` on that line, for `The answer is 3 + 4 = 7`); that of a box is the first number
-    inside it. When several markers occur, the LAST one that carries a number wins. Calculator annotations
-    (`<<9*2=18>>`) are ignored by the fallback. With `fallback_to_last_number` (the default), a completion
-    without any usable marker is answered by its last number; without it, such a completion has no answer.
+    line, or the first number after the last `=` of that line's first sentence (`The answer is 3 + 4 = 7.`);
+    that of a box is the first number inside it. When several markers occur, the LAST one that carries a
+    number wins. Calculator annotations (`<<9*2=18>>`) are ignored. With `fallback_to_last_number` (the
+    default), a completion without any usable marker is answered by its last number; without it, such a
+    completion has no answer.
 
     Completions that keep writing after their answer (a base model starting a new `Q:` ... `A:`) should be
     stopped at a stop string: the last marker is the one that counts here."""
@@ -371,7 +374,11 @@ def classify_math(completion_text: str, reference: str, use_math_verify: bool = 
 def _make_class_reward(
     classify: Callable[[str, object], str], correct: float, incorrect: float, invalid: float | None, name: str, doc: str
 ):
-    rewards = {CORRECT: float(correct), INCORRECT: float(incorrect), INVALID: float(incorrect if invalid is None else invalid)}
+    rewards = {
+        CORRECT: float(correct),
+        INCORRECT: float(incorrect),
+        INVALID: float(incorrect if invalid is None else invalid),
+    }
 
     def reward(completions, answer, **kwargs) -> list[float]:
         return [rewards[classify(_completion_text(c), a)] for c, a in zip(completions, answer, strict=True)]

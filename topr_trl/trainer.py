@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+import warnings
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
 from .config import TOPRConfig
+from .offline import GroupShuffleSampler, validate_offline_dataset
 from .loss import MAX_LOG_RATIO, PolicyTerms, aggregate, branch_losses, policy_per_token_loss
 
 # Per-trajectory metrics are reduced with one collective: these are the sums, in this order.
@@ -49,7 +51,20 @@ class TOPRTrainer(GRPOTrainer):
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = TOPRConfig(f"{model_name.split('/')[-1]}-TOPR")
-        super().__init__(model, reward_funcs, args=args, **kwargs)
+        train_dataset = kwargs.get("train_dataset")
+        self._offline = "completion_ids" in (getattr(train_dataset, "column_names", None) or ())
+        if self._offline:
+            if kwargs.get("rollout_func") is not None:
+                raise ValueError("An offline train_dataset (with `completion_ids`) replaces generation: drop rollout_func.")
+            uses_groups = args.loss_type != "topr" or args.topr_signal == "advantage" or args.topr_baseline == "group_mean"
+            validate_offline_dataset(train_dataset, args.num_generations, needs_whole_groups=uses_groups)
+            # Replaying stored completions goes through GRPOTrainer's rollout_func path: prompts are tokenized and
+            # completions decoded and scored exactly as for generated ones, and mu's log-probs become the sampler's.
+            kwargs["rollout_func"] = self._replay_stored_completions
+        with warnings.catch_warnings():
+            if self._offline:
+                warnings.filterwarnings("ignore", message=".*rollout_func.*experimental")
+            super().__init__(model, reward_funcs, args=args, **kwargs)
         if self.loss_type != "topr":
             return
         self._loss_spec = args.policy_loss_spec
@@ -63,6 +78,28 @@ class TOPRTrainer(GRPOTrainer):
             # mu is vLLM's own sampling distribution, so pi/mu already corrects the train/inference mismatch;
             # TRL's separate correction on top would count it twice.
             self.vllm_importance_sampling_correction = False
+
+    # ------------------------------------------------------------------ offline data (Algorithm 1)
+    def _get_train_sampler(self, dataset=None):
+        if not self._offline:
+            return super()._get_train_sampler(dataset)
+        dataset = self.train_dataset if dataset is None else dataset
+        return GroupShuffleSampler(
+            dataset["prompt_index"],
+            batch_rows=self.args.generation_batch_size,
+            repeat_count=self.num_iterations * self.args.steps_per_generation,
+            shuffle=self.shuffle_dataset,
+            seed=self.args.seed,
+        )
+
+    def _replay_stored_completions(self, prompts: list, trainer) -> dict[str, list]:
+        rows = self._offline_rows
+        prompt_ids, _, _ = self._tokenize_prompts(prompts)
+        return {
+            "prompt_ids": [list(ids) for ids in prompt_ids],
+            "completion_ids": [list(row["completion_ids"]) for row in rows],
+            "logprobs": [list(row["behaviour_logps"]) for row in rows],
+        }
 
     # ------------------------------------------------------------------ rewards and the paper's signal
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -78,6 +115,7 @@ class TOPRTrainer(GRPOTrainer):
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        self._offline_rows = inputs if self._offline and self.model.training else None
         output = super()._generate_and_score_completions(inputs)
         if self.loss_type == "topr" and self.args.topr_signal == "reward":
             output["topr_signal"] = self._local_reward_signal(len(inputs))

@@ -1,0 +1,162 @@
+"""Offline TOPR: dataset generation (schema, EOS, resume), composition, and training without generation."""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from topr_trl import TOPRConfig, TOPRTrainer
+from topr_trl.offline import (
+    GroupShuffleSampler,
+    compose,
+    generate_offline_dataset,
+    load_offline_dataset,
+    proportion_of_positives,
+    stored_reward,
+)
+
+from .conftest import parity_reward, small_config_kwargs
+
+
+@pytest.fixture(scope="module")
+def behaviour(behaviour_model_path):
+    return AutoModelForCausalLM.from_pretrained(behaviour_model_path), AutoTokenizer.from_pretrained(behaviour_model_path)
+
+
+def generate(behaviour, prompts, directory, **kwargs):
+    model, tokenizer = behaviour
+    settings = dict(num_completions=4, max_new_tokens=6, prompts_per_shard=2, prompts_per_batch=2, show_progress=False)
+    settings.update(kwargs)
+    torch.manual_seed(0)
+    return generate_offline_dataset(model, tokenizer, prompts, parity_reward, directory, **settings)
+
+
+def test_schema_round_trip_and_eos_kept(behaviour, arithmetic_dataset, tmp_path):
+    prompts = arithmetic_dataset.select(range(5))
+    dataset = generate(behaviour, prompts, tmp_path)
+    assert len(dataset) == 20 and load_offline_dataset(tmp_path)["completion_ids"] == dataset["completion_ids"]
+    for column in ("prompt", "answer", "prompt_index", "sample_index", "completion", "completion_ids",
+                   "behaviour_logps", "truncated", "reward", "rewards/parity_reward"):
+        assert column in dataset.column_names, column
+    eos = behaviour[1].eos_token_id
+    assert any(dataset["truncated"]) or not all(dataset["truncated"])
+    for row in dataset:
+        assert (row["completion_ids"][-1] == eos) == (not row["truncated"])
+        assert len(row["behaviour_logps"]) == len(row["completion_ids"]) and max(row["behaviour_logps"]) <= 0
+        assert row["reward"] == row["rewards/parity_reward"] == parity_reward([row["completion"]])[0]
+    assert sorted(set(dataset["prompt_index"])) == list(range(5))
+
+
+def test_stored_logps_are_those_of_the_truncated_sampling_distribution(behaviour, arithmetic_dataset, tmp_path):
+    """With top_k=1 only the argmax survives truncation: renormalised, its probability is 1 (log-prob 0)."""
+    dataset = generate(behaviour, arithmetic_dataset.select(range(2)), tmp_path, top_k=1)
+    assert all(lp == pytest.approx(0.0, abs=1e-6) for row in dataset["behaviour_logps"] for lp in row)
+
+
+def test_interrupted_generation_resumes_without_loss_or_duplicates(behaviour, arithmetic_dataset, tmp_path):
+    prompts = arithmetic_dataset.select(range(6))
+    calls = {"n": 0}
+
+    def reward_that_dies_on_the_second_shard(completions, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt  # as if the job were killed while generating shard 2
+        return parity_reward(completions)
+
+    reward_that_dies_on_the_second_shard.__name__ = "parity_reward"
+    with pytest.raises(KeyboardInterrupt):
+        generate_offline_dataset(behaviour[0], behaviour[1], prompts, reward_that_dies_on_the_second_shard, tmp_path,
+                                 num_completions=4, max_new_tokens=6, prompts_per_shard=2, prompts_per_batch=2,
+                                 show_progress=False)
+    first_shard = load_offline_dataset(tmp_path)
+    assert len(first_shard) == 8
+    dataset = generate(behaviour, prompts, tmp_path)
+    keys = list(zip(dataset["prompt_index"], dataset["sample_index"]))
+    assert len(keys) == 24 and len(set(keys)) == 24
+    assert dataset.select(range(8))["completion_ids"] == first_shard["completion_ids"]  # not regenerated
+
+
+def test_resuming_with_other_settings_is_refused(behaviour, arithmetic_dataset, tmp_path):
+    generate(behaviour, arithmetic_dataset.select(range(2)), tmp_path)
+    with pytest.raises(ValueError, match="other settings"):
+        generate(behaviour, arithmetic_dataset.select(range(2)), tmp_path, temperature=0.5)
+
+
+def labelled(rewards_per_prompt):
+    rows = [{"prompt_index": p, "sample_index": s, "reward": r}
+            for p, rewards in enumerate(rewards_per_prompt) for s, r in enumerate(rewards)]
+    return Dataset.from_list(rows)
+
+
+def test_composition_strategies_produce_the_promised_counts():
+    data = labelled([[-1, 1, 1, -1], [-1, -1, -1, -1], [1, 1, 1, 1], [-1, -1, 1, -1]])
+    uniform, p = compose(data, "uniform")
+    assert len(uniform) == 16 and p == pytest.approx(7 / 16) == proportion_of_positives(data)
+    positives, p = compose(data, "positives_only")
+    assert len(positives) == 7 and p == 1.0
+    anna, p = compose(data, "anna_karenina")
+    # first correct per prompt (prompts 0, 2, 3 have one) + all 9 incorrect
+    assert len(anna) == 12 and p == pytest.approx(3 / 12)
+    assert [(r["prompt_index"], r["sample_index"]) for r in anna if r["reward"] > 0] == [(0, 1), (2, 0), (3, 2)]
+    for target in (0.1, 0.25, 0.5, 0.8):
+        subset, p = compose(data, "target_proportion", target_proportion=target)
+        assert abs(p - target) <= 1 / len(subset)
+    with pytest.raises(ValueError, match="anna_karenina"):
+        compose(data, "random")
+
+
+def test_group_sampler_keeps_groups_together_and_repeats_batches():
+    sampler = GroupShuffleSampler([0, 0, 1, 1, 2, 2, 3, 3], batch_rows=4, repeat_count=2, seed=1)
+    order = list(sampler)
+    assert len(order) == len(sampler) == 16
+    assert order[:4] == order[4:8] and order[8:12] == order[12:16]
+    for start in range(0, 16, 2):
+        assert order[start] // 2 == order[start + 1] // 2  # both rows of a group, side by side
+    assert sorted(set(order)) == list(range(8))
+
+
+def test_offline_training_uses_stored_completions_and_mu(behaviour, tiny_model_path, arithmetic_dataset, tmp_path):
+    dataset = generate(behaviour, arithmetic_dataset.select(range(8)), tmp_path / "data")
+    args = TOPRConfig(**small_config_kwargs(tmp_path / "run", max_steps=4, per_device_train_batch_size=8))
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args, train_dataset=dataset)
+    trainer.model.generate = None  # offline: the policy must never generate
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
+    history = [entry for entry in trainer.state.log_history if "topr/ratio_positive/mean" in entry]
+    ratios = [entry["topr/ratio_positive/mean"] for entry in history if entry["topr/ratio_positive/mean"] is not None]
+    assert ratios and all(abs(r - 1) > 1e-3 for r in ratios)  # mu is the behaviour model, not the policy
+    weights = [entry["topr/weight_negative/mean"] for entry in history if entry["topr/weight_negative/mean"] is not None]
+    assert weights and all(0 <= w <= 1 for w in weights)
+    assert all(math.isfinite(entry["loss"]) for entry in history)
+
+
+def test_offline_dataset_with_uneven_groups_needs_the_reward_signal(behaviour, tiny_model_path, arithmetic_dataset,
+                                                                   tmp_path):
+    dataset = generate(behaviour, arithmetic_dataset.select(range(4)), tmp_path / "data")
+    dataset = dataset.select([i for i in range(len(dataset)) if i != 3])
+    with pytest.raises(ValueError, match="num_generations"):
+        TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, train_dataset=dataset,
+                    args=TOPRConfig(**small_config_kwargs(tmp_path / "run")))
+    args = TOPRConfig(**small_config_kwargs(tmp_path / "run2", topr_signal="reward", topr_baseline=0.0, max_steps=1))
+    TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, train_dataset=dataset, args=args).train()
+
+
+def test_dataset_without_behaviour_logps_is_rejected(behaviour, tiny_model_path, arithmetic_dataset, tmp_path):
+    dataset = generate(behaviour, arithmetic_dataset.select(range(2)), tmp_path / "data").remove_columns(
+        "behaviour_logps")
+    with pytest.raises(ValueError, match="behaviour_logps"):
+        TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, train_dataset=dataset,
+                    args=TOPRConfig(**small_config_kwargs(tmp_path / "run")))
+
+
+def test_left_padded_prompts_get_the_same_log_probs(tiny_model_path):
+    """TRIBE's pitfall: left padding must not shift positions (transformers derives them from the mask)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    padded = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9]])
+    plain = model(input_ids=ids).logits[0, -3:]
+    shifted = model(input_ids=padded, attention_mask=(padded != 0).long()).logits[0, -3:]
+    torch.testing.assert_close(plain, shifted, atol=1e-4, rtol=1e-4)
