@@ -136,6 +136,55 @@ def worker(options: dict) -> dict:
             "peak_memory_mib": peak}
 
 
+def loss_only(options, model_path: str) -> dict:
+    """Loss + backward of each trainer on the *same* generated batch, interleaved call by call in one process:
+    the part of a step where TOPR and GRPO differ, free of generation noise."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    import torch
+    from trl import GRPOConfig, GRPOTrainer
+
+    from topr_trl import TOPRConfig, TOPRTrainer
+    from topr_trl.tasks import make_arithmetic_dataset
+
+    cuda = options.device == "cuda"
+    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=options.batch_size,
+                  num_generations=options.num_generations, max_completion_length=options.completion_length,
+                  generation_kwargs={"min_new_tokens": options.completion_length}, report_to="none",
+                  use_cpu=not cuda, bf16=options.bf16, gradient_checkpointing=False, seed=0)
+
+    def reward(completions, **kwargs):
+        return [float(hash(c[0]["content"]) % 3) for c in completions]
+
+    dataset = make_arithmetic_dataset(64, digits=2)
+    trainers = {
+        "grpo-grpo": GRPOTrainer(model=model_path, reward_funcs=reward, train_dataset=dataset,
+                                 args=GRPOConfig(loss_type="grpo", **common)),
+        "grpo-dapo": GRPOTrainer(model=model_path, reward_funcs=reward, train_dataset=dataset,
+                                 args=GRPOConfig(loss_type="dapo", **common)),
+        "topr-online": TOPRTrainer(model=model_path, reward_funcs=reward, train_dataset=dataset,
+                                   args=TOPRConfig(**common)),
+    }
+    first = next(iter(trainers.values()))
+    inputs = first._prepare_inputs(next(iter(first.get_train_dataloader())))
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    for repeat in range(options.repeats * options.steps + 3):
+        for name, trainer in trainers.items():
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            trainer.compute_loss(trainer.model, inputs).backward()
+            if cuda:
+                torch.cuda.synchronize()
+            if repeat >= 3:  # warm-up calls
+                times[name].append(time.perf_counter() - start)
+            trainer.model.zero_grad()
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    quartiles = {name: statistics.quantiles(values, n=4) for name, values in times.items()}
+    return {"median_loss_backward_s": medians, "quartiles_s": quartiles,
+            "ratios": {f"topr-online / {name}": medians["topr-online"] / medians[name]
+                       for name in ("grpo-grpo", "grpo-dapo")}}
+
+
 def build_model(shape: str, path: str) -> None:
     from topr_trl.tiny import build_model as build, build_tokenizer, save_pretrained
 
@@ -183,6 +232,8 @@ def main() -> None:
     parser.add_argument("--prompt-length", type=int, default=32)
     parser.add_argument("--completion-length", type=int, default=32)
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--loss-only", action="store_true",
+                        help="time only loss+backward on one shared batch, all trainers in one process")
     parser.add_argument("--output", help="write the results as JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -194,6 +245,17 @@ def main() -> None:
         options.completion_length, options.prompt_length = 8, 16
     model_path = tempfile.mkdtemp(prefix="topr-bench-model-")
     build_model(options.model, model_path)
+    if options.loss_only:
+        result = loss_only(options, model_path)
+        for name, median in result["median_loss_backward_s"].items():
+            print(f"{name:<14} loss+backward median {median * 1000:.2f} ms  quartiles "
+                  f"{[round(q * 1000, 2) for q in result['quartiles_s'][name]]}")
+        for name, ratio in result["ratios"].items():
+            print(f"{name:<28} {ratio:.3f}")
+        if options.output:
+            with open(options.output, "w") as handle:
+                json.dump({"loss_only": result, "options": vars(options)}, handle, indent=2)
+        return
     results: dict[str, list[dict]] = {name: [] for name in options.settings}
     for repeat in range(options.repeats):
         for setting in options.settings:  # interleaved: every round runs every setting once
