@@ -266,3 +266,32 @@ def test_measured_share_of_positives_equals_eq12_for_pm1_rewards(n_pos, n_neg, c
     measured = signal_share_of_positives(rewards - c).item()
     p = n_pos / (n_pos + n_neg)
     assert measured == pytest.approx(effective_positive_proportion(p, c), rel=1e-9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(n_pos=st.integers(1, 40), n_neg=st.integers(1, 40), target=st.floats(0.02, 0.98))
+def test_general_baseline_solver_matches_closed_form_for_pm1_rewards(n_pos, n_neg, target):
+    from topr_trl.loss import baseline_for_target_share
+
+    rewards = torch.tensor([1.0] * n_pos + [-1.0] * n_neg)
+    c = baseline_for_target_share(rewards, target)
+    p = n_pos / (n_pos + n_neg)
+    assert c == pytest.approx(baseline_for_effective_proportion(p, target), abs=1e-6)
+    assert signal_share_of_positives(rewards - c).item() == pytest.approx(target, abs=1e-6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(rewards=st.lists(st.floats(-5, 5), min_size=2, max_size=30), target=st.floats(0.05, 0.95))
+def test_general_baseline_solver_hits_target_share(rewards, target):
+    from topr_trl.loss import baseline_for_target_share
+
+    rewards = torch.tensor(rewards)
+    c = baseline_for_target_share(rewards, target)
+    if rewards.min() == rewards.max():
+        assert c == 0.0
+    else:
+        # the share jumps where c crosses a reward value; away from jumps it is hit exactly
+        share = signal_share_of_positives(rewards - c).item()
+        below = signal_share_of_positives(rewards - (c - 1e-6)).item()
+        above = signal_share_of_positives(rewards - (c + 1e-6)).item()
+        assert min(below, above) - 1e-4 <= target <= max(below, above) + 1e-4 or share == pytest.approx(target, abs=1e-4)

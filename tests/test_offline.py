@@ -160,3 +160,19 @@ def test_left_padded_prompts_get_the_same_log_probs(tiny_model_path):
     plain = model(input_ids=ids).logits[0, -3:]
     shifted = model(input_ids=padded, attention_mask=(padded != 0).long()).logits[0, -3:]
     torch.testing.assert_close(plain, shifted, atol=1e-4, rtol=1e-4)
+
+
+def test_dataset_scope_baseline_is_solved_once_from_the_dataset(behaviour, tiny_model_path, arithmetic_dataset,
+                                                                tmp_path):
+    from topr_trl.loss import baseline_for_target_share
+
+    dataset = generate(behaviour, arithmetic_dataset.select(range(8)), tmp_path / "data")
+    args = TOPRConfig(**small_config_kwargs(tmp_path / "run", topr_signal="reward", max_steps=3,
+                                            topr_target_effective_proportion=0.2, topr_baseline_scope="dataset"))
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args, train_dataset=dataset)
+    trainer.train()
+    expected = baseline_for_target_share(torch.tensor(dataset["reward"]), 0.2)
+    baselines = [entry["topr/baseline"] for entry in trainer.state.log_history if "topr/baseline" in entry]
+    assert len(baselines) == 3 and all(c == pytest.approx(expected) for c in baselines)
+    with pytest.raises(ValueError, match="offline"):
+        TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset, args=args)

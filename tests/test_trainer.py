@@ -214,3 +214,22 @@ def test_nan_loss_stops_training_with_a_clear_error(tiny_model_path, arithmetic_
         trainer.model.model.norm.weight.fill_(float("nan"))  # every log-prob, hence the loss, becomes NaN
     with pytest.raises(FloatingPointError, match="not finite"):
         trainer.compute_loss(trainer.model, inputs)
+
+
+def test_target_effective_proportion_per_batch(tiny_model_path, arithmetic_dataset, tmp_path):
+    args = TOPRConfig(**small_config_kwargs(tmp_path, topr_signal="reward", topr_target_effective_proportion=0.15,
+                                            per_device_train_batch_size=8, max_steps=3))
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
+                          train_dataset=arithmetic_dataset)
+    trainer.train()
+    baselines = logged_values(trainer, "topr/baseline")
+    shares = logged_values(trainer, "topr/effective_positive_proportion")
+    assert len(baselines) == 3 and all(-1 < c < 1 for c in baselines)
+    assert shares and all(share == pytest.approx(0.15, abs=1e-4) for share in shares)
+
+
+def test_target_effective_proportion_needs_the_reward_signal(tmp_path):
+    with pytest.raises(ValueError, match="topr_signal='reward'"):
+        TOPRConfig(**small_config_kwargs(tmp_path, topr_target_effective_proportion=0.15))
+    with pytest.raises(ValueError, match=r"\(0, 1\)"):
+        TOPRConfig(**small_config_kwargs(tmp_path, topr_signal="reward", topr_target_effective_proportion=1.5))

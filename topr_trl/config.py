@@ -16,6 +16,7 @@ LOSS_TYPES: tuple[str, ...] = ("topr", *TRL_LOSS_TYPES)
 SIGNALS: tuple[str, ...] = ("advantage", "reward")
 BASELINE_MODES: tuple[str, ...] = ("group_mean", "batch_mean")
 BEHAVIOUR_SOURCES: tuple[str, ...] = ("auto", "sampler", "policy")
+BASELINE_SCOPES: tuple[str, ...] = ("batch", "dataset")
 
 
 def check_choice(field_name: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -67,6 +68,13 @@ class TOPRConfig(GRPOConfig):
             The baseline c subtracted from the reward when `topr_signal="reward"`: a number, `"group_mean"` (the
             mean reward of the prompt's completions) or `"batch_mean"`. Raising c lowers the effective share of
             positives p~ = p(1-c)/(1+(1-2p)c); the paper finds p~ of 10-20 % best.
+        topr_target_effective_proportion (`float` or `None`, *optional*, defaults to `None`):
+            With `topr_signal="reward"`: instead of a fixed `topr_baseline`, pick c so that the effective
+            positive proportion p~ (Eq. 12, generalised to any rewards) equals this target; the paper finds
+            0.1-0.2 best. Logged as `topr/baseline`. `None` keeps the fixed baseline.
+        topr_baseline_scope (`str`, *optional*, defaults to `"batch"`):
+            Where the target baseline is solved: `"batch"` (every generation batch, online or offline) or
+            `"dataset"` (once, from the `reward` column of an offline dataset, the paper's setting).
         topr_positive_weight (`float`, *optional*, defaults to `1.0`):
             Multiplier of the positive branch (ROLL's `topr_positive_weight`). 1 in the paper.
         topr_negative_weight (`float`, *optional*, defaults to `1.0`):
@@ -123,6 +131,12 @@ class TOPRConfig(GRPOConfig):
         default="0.0",
         metadata={"help": "Baseline c for topr_signal='reward': a number, 'group_mean' or 'batch_mean'."},
     )
+    topr_target_effective_proportion: float | None = field(
+        default=None, metadata={"help": "Solve the baseline so that p~ (Eq. 12) hits this target (topr_signal='reward')."}
+    )
+    topr_baseline_scope: str = field(
+        default="batch", metadata={"help": "Where the target baseline is solved: 'batch' or 'dataset' (offline)."}
+    )
     topr_positive_weight: float = field(default=1.0, metadata={"help": "Multiplier of the positive branch."})
     topr_negative_weight: float = field(default=1.0, metadata={"help": "Multiplier of the negative branch."})
     topr_loss_aggregation: str = field(
@@ -148,6 +162,14 @@ class TOPRConfig(GRPOConfig):
         check_choice("topr_behaviour_source", self.topr_behaviour_source, BEHAVIOUR_SOURCES)
         check_choice("pg_variant", self.pg_variant, PG_VARIANTS)
         self.topr_baseline = self._parse_baseline(self.topr_baseline)
+        check_choice("topr_baseline_scope", self.topr_baseline_scope, BASELINE_SCOPES)
+        target = self.topr_target_effective_proportion
+        if target is not None:
+            if not (isinstance(target, (int, float)) and 0 < target < 1):
+                raise ValueError(f"`topr_target_effective_proportion` must be in (0, 1), got {target!r}.")
+            if self.topr_signal != "reward":
+                raise ValueError("`topr_target_effective_proportion` sets the baseline of R - c: it needs "
+                                 "topr_signal='reward'.")
         for name in ("topr_positive_weight", "topr_negative_weight", "cispo_epsilon_low", "cispo_epsilon_high",
                      "kimi15_tau"):
             value = getattr(self, name)

@@ -295,3 +295,24 @@ def signal_share_of_positives(signal: torch.Tensor, weights: torch.Tensor | None
     magnitude = signal.abs() if weights is None else (weights * signal).abs()
     total = magnitude.sum()
     return torch.where(total > 0, magnitude[signal >= 0].sum() / total, torch.full_like(total, float("nan")))
+
+
+def baseline_for_target_share(rewards: torch.Tensor, target: float, iterations: int = 60) -> float:
+    """The baseline c for which trajectories with R - c >= 0 carry a share `target` of sum |R - c|: the
+    effective positive proportion p~ of Eq. 12, generalised to any rewards (for +1/-1 rewards it equals
+    `baseline_for_effective_proportion`). The share decreases as c grows, so c is found by bisection between
+    the smallest and largest reward. NaN rewards are ignored; with fewer than two distinct rewards p~ cannot be
+    moved and 0 is returned."""
+    if not 0 < target < 1:
+        raise ValueError(f"target must be in (0, 1), got {target}")
+    rewards = rewards[~torch.isnan(rewards)].double()
+    if rewards.numel() == 0 or rewards.min() == rewards.max():
+        return 0.0
+    low, high = rewards.min().item(), rewards.max().item()
+    for _ in range(iterations):
+        middle = (low + high) / 2
+        if signal_share_of_positives(rewards - middle).item() > target:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2

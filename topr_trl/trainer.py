@@ -12,7 +12,14 @@ from trl.trainer.utils import get_config_model_id
 
 from .config import TOPRConfig
 from .offline import GroupShuffleSampler, validate_offline_dataset
-from .loss import MAX_LOG_RATIO, PolicyTerms, aggregate, branch_losses, policy_per_token_loss
+from .loss import (
+    MAX_LOG_RATIO,
+    PolicyTerms,
+    aggregate,
+    baseline_for_target_share,
+    branch_losses,
+    policy_per_token_loss,
+)
 
 # Per-trajectory metrics are reduced with one collective: these are the sums, in this order.
 _SUM_KEYS = (
@@ -61,6 +68,14 @@ class TOPRTrainer(GRPOTrainer):
             # Replaying stored completions goes through GRPOTrainer's rollout_func path: prompts are tokenized and
             # completions decoded and scored exactly as for generated ones, and mu's log-probs become the sampler's.
             kwargs["rollout_func"] = self._replay_stored_completions
+        self._dataset_baseline = None
+        if args.loss_type == "topr" and args.topr_target_effective_proportion is not None:
+            if args.topr_baseline_scope == "dataset":
+                if not self._offline or "reward" not in train_dataset.column_names:
+                    raise ValueError("topr_baseline_scope='dataset' solves the baseline from an offline dataset's "
+                                     "`reward` column; online, use topr_baseline_scope='batch'.")
+                rewards = torch.tensor([float("nan") if r is None else r for r in train_dataset["reward"]])
+                self._dataset_baseline = baseline_for_target_share(rewards, args.topr_target_effective_proportion)
         with warnings.catch_warnings():
             if self._offline:
                 warnings.filterwarnings("ignore", message=".*rollout_func.*experimental")
@@ -129,6 +144,12 @@ class TOPRTrainer(GRPOTrainer):
         rewards = (rewards_per_func * weights).nansum(dim=1)
         rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
         baseline = self.args.topr_baseline
+        if self._dataset_baseline is not None:
+            baseline = self._dataset_baseline
+        elif self.args.topr_target_effective_proportion is not None:
+            baseline = baseline_for_target_share(rewards, self.args.topr_target_effective_proportion)
+        if self.args.topr_target_effective_proportion is not None:
+            self._metrics["train" if self.model.training else "eval"]["topr/baseline"].append(float(baseline))
         if baseline == "group_mean":
             num_generations = self.num_generations if self.model.training else self.num_generations_eval
             grouped = rewards.view(-1, num_generations)
