@@ -2,6 +2,7 @@
 
     topr-trl train                      # tiny local model, built-in arithmetic task, CPU, a few minutes
     topr-trl train --config recipe.yaml --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name ...
+    topr-trl iterate --num_iterations 2 --composition anna_karenina   # offline TOPR, mu_i = pi_{i-1}
 
 `train` takes TRL's conventions: `--config file.yaml`, then any TOPRConfig / ModelConfig field as a flag.
 """
@@ -134,9 +135,66 @@ def train(argv: list[str]) -> dict:
     return summary
 
 
+@dataclass
+class IterateScriptArguments:
+    """Iterated offline TOPR (Algorithm 1, mu_i = pi_{i-1}) on the built-in task, or on a given model."""
+
+    output_dir: str = field(default="outputs/topr-iterations", metadata={"help": "One folder per iteration."})
+    model_name_or_path: str | None = field(default=None, metadata={"help": "mu_0; None: the built-in tiny model."})
+    num_iterations: int = field(default=1, metadata={"help": "Iterations K."})
+    num_completions: int = field(default=8, metadata={"help": "Completions sampled per prompt."})
+    composition: str = field(default="uniform", metadata={"help": "uniform, positives_only, anna_karenina, "
+                                                                  "target_proportion."})
+    target_proportion: float | None = field(default=None, metadata={"help": "For composition=target_proportion."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature."})
+    top_k: int = field(default=0, metadata={"help": "Top-k truncation (0: none; the paper uses 500)."})
+    max_new_tokens: int = field(default=6, metadata={"help": "Completion length cap."})
+    learning_rate: float = field(default=2e-4, metadata={"help": "TOPR learning rate."})
+    per_device_train_batch_size: int = field(default=16, metadata={"help": "Rows per optimizer step."})
+    task_digits: int = field(default=2, metadata={"help": "Built-in task: operand digits."})
+    task_train_prompts: int = field(default=256, metadata={"help": "Built-in task: prompts per iteration."})
+    task_eval_prompts: int = field(default=200, metadata={"help": "Built-in task: held-out prompts."})
+    warm_start_accuracy: float = field(default=0.3, metadata={"help": "Built-in model: SFT warm-start target."})
+    base_model_dir: str = field(default="outputs/tiny-arithmetic-base", metadata={"help": "Built-in model cache."})
+    seed: int = field(default=0, metadata={"help": "Seed of the built-in model and of sampling."})
+
+
+def iterate(argv: list[str]) -> list[dict]:
+    import torch
+    from transformers import HfArgumentParser
+
+    from .iterate import IterationSettings, run_iterations
+    from .tasks import accuracy, build_warm_model, make_arithmetic_dataset
+
+    parser = HfArgumentParser(IterateScriptArguments, prog="topr-trl iterate")
+    reject_unknown_flags(parser, argv)
+    (options,) = parser.parse_args_into_dataclasses(argv)
+    torch.manual_seed(options.seed)
+    if options.model_name_or_path is None:
+        build_warm_model(options.base_model_dir, digits=options.task_digits,
+                         target_accuracy=options.warm_start_accuracy, seed=options.seed)
+        options.model_name_or_path = options.base_model_dir
+    prompts = make_arithmetic_dataset(options.task_train_prompts, options.task_digits, seed=1)
+    held_out = make_arithmetic_dataset(options.task_eval_prompts, options.task_digits, seed=2)
+    settings = IterationSettings(
+        num_iterations=options.num_iterations, num_completions=options.num_completions,
+        temperature=options.temperature, top_k=options.top_k, max_new_tokens=options.max_new_tokens,
+        composition=options.composition, target_proportion=options.target_proportion,
+        train_overrides=dict(learning_rate=options.learning_rate, lr_scheduler_type="constant",
+                             per_device_train_batch_size=options.per_device_train_batch_size, use_cpu=True,
+                             bf16=False, gradient_checkpointing=False, logging_steps=10, seed=options.seed),
+    )
+    summaries = run_iterations(options.model_name_or_path, prompts, arithmetic_reward, options.output_dir, settings,
+                               evaluate=lambda model, tokenizer: accuracy(model, tokenizer, held_out))
+    for summary in summaries:
+        print(f"[topr-trl] iteration {summary['iteration']}: p={summary['proportion_of_positives']:.3f} "
+              f"before={summary.get('evaluation_before')} after={summary.get('evaluation')}", flush=True)
+    return summaries
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": train}
+    commands = {"train": train, "iterate": iterate}
     if not argv or argv[0] not in commands:
         print(__doc__)
         print(f"commands: {', '.join(commands)}")

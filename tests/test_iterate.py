@@ -1,0 +1,68 @@
+"""Iterated offline TOPR: mu_i = pi_{i-1}, finished iterations skipped, a killed training resumed."""
+
+import json
+
+import pytest
+from transformers import TrainerCallback
+
+from topr_trl.iterate import IterationSettings, run_iterations
+
+from .conftest import parity_reward
+
+
+def settings(**overrides):
+    base = dict(num_iterations=1, num_completions=4, max_new_tokens=6, prompts_per_shard=4, save_steps=2,
+                train_overrides=dict(per_device_train_batch_size=8, learning_rate=1e-2, use_cpu=True, bf16=False,
+                                     gradient_checkpointing=False, logging_steps=1, seed=0))
+    base.update(overrides)
+    return IterationSettings(**base)
+
+
+class KillAtStep(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_iterations_chain_models_and_skip_finished_ones(tiny_model_path, arithmetic_dataset, tmp_path):
+    prompts = arithmetic_dataset.select(range(8))
+    evaluate_calls = []
+
+    def evaluate(model, tokenizer):
+        evaluate_calls.append(1)
+        return {"calls": len(evaluate_calls)}
+
+    first = run_iterations(tiny_model_path, prompts, parity_reward, tmp_path, settings(), evaluate=evaluate)
+    assert len(first) == 1 and first[0]["behaviour_model"] == tiny_model_path and first[0]["rows"] == 32
+    assert "evaluation_before" in first[0] and first[0]["train_steps"] == 4  # 32 rows / 8 per step, one pass
+    shard_time = (tmp_path / "iteration-000" / "data" / "shard-00000").stat().st_mtime
+    both = run_iterations(tiny_model_path, prompts, parity_reward, tmp_path, settings(num_iterations=2,
+                                                                                   composition="anna_karenina"))
+    assert both[0] == first[0]  # finished iteration read back, not redone
+    assert (tmp_path / "iteration-000" / "data" / "shard-00000").stat().st_mtime == shard_time
+    assert both[1]["behaviour_model"] == str(tmp_path / "iteration-000" / "model")
+    assert both[1]["composition"] == "anna_karenina"
+    assert json.loads((tmp_path / "iteration-001" / "summary.json").read_text()) == both[1]
+
+
+def test_killed_training_resumes_from_its_checkpoint(tiny_model_path, arithmetic_dataset, tmp_path):
+    prompts = arithmetic_dataset.select(range(8))
+    with pytest.raises(KeyboardInterrupt):
+        run_iterations(tiny_model_path, prompts, parity_reward, tmp_path, settings(), callbacks=[KillAtStep(3)])
+    assert (tmp_path / "iteration-000" / "train" / "checkpoint-2").exists()
+    assert not (tmp_path / "iteration-000" / "summary.json").exists()
+    resumed_from = []
+
+    class Record(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            resumed_from.append(state.global_step)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            resumed_from.append(state.global_step)
+
+    summary = run_iterations(tiny_model_path, prompts, parity_reward, tmp_path, settings(), callbacks=[Record()])
+    assert summary[0]["train_steps"] == 4
+    assert resumed_from[1] == 3  # the first step run after resuming is step 3: steps 1-2 came from the checkpoint

@@ -1,0 +1,111 @@
+"""Iterated offline TOPR: mu_0 is the base model and mu_i = pi_{i-1}. Each iteration generates a dataset from
+mu_i, composes it, trains one TOPR pass, evaluates and saves the model.
+
+Layout under `output_dir`, one folder per iteration:
+
+    iteration-000/data/         generated shards (resumable, see topr_trl.offline)
+    iteration-000/train/        Trainer checkpoints (a killed run resumes from the last one)
+    iteration-000/model/        the trained policy, mu of the next iteration
+    iteration-000/summary.json  p of the composed data, evaluation, run times; written last: marks it done
+
+A run restarted with the same arguments skips finished iterations and resumes the unfinished one where it
+stopped: generation at the last complete shard, training at the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from datasets import Dataset
+
+
+@dataclass
+class IterationSettings:
+    """What each iteration does. `train_overrides` go to TOPRConfig (learning rate, batch size, ...)."""
+
+    num_iterations: int = 2
+    num_completions: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 512
+    composition: str = "uniform"
+    target_proportion: float | None = None
+    prompts_per_shard: int = 64
+    save_steps: int = 50
+    train_overrides: dict = field(default_factory=dict)
+
+
+def run_iterations(
+    base_model: str,
+    prompts: Dataset,
+    reward_funcs: Callable | Sequence[Callable],
+    output_dir: str | Path,
+    settings: IterationSettings = IterationSettings(),
+    evaluate: Callable[[object, object], dict] | None = None,
+    callbacks: list | None = None,
+) -> list[dict]:
+    """Run (or resume) `settings.num_iterations` iterations; returns each iteration's summary."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from .config import TOPRConfig
+    from .offline import compose, generate_offline_dataset, stored_reward
+    from .trainer import TOPRTrainer
+
+    output_dir = Path(output_dir)
+    summaries: list[dict] = []
+    behaviour_path = base_model
+    for iteration in range(settings.num_iterations):
+        folder = output_dir / f"iteration-{iteration:03d}"
+        summary_file = folder / "summary.json"
+        if summary_file.exists():
+            summaries.append(json.loads(summary_file.read_text()))
+            behaviour_path = str(folder / "model")
+            continue
+        started = time.time()
+        behaviour = AutoModelForCausalLM.from_pretrained(behaviour_path)
+        tokenizer = AutoTokenizer.from_pretrained(behaviour_path)
+        data = generate_offline_dataset(
+            behaviour, tokenizer, prompts, reward_funcs, folder / "data", num_completions=settings.num_completions,
+            temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+            max_new_tokens=settings.max_new_tokens, prompts_per_shard=settings.prompts_per_shard,
+        )
+        del behaviour
+        data, proportion = compose(data, settings.composition, target_proportion=settings.target_proportion)
+        grouped = settings.composition == "uniform"
+        config = dict(
+            output_dir=str(folder / "train"), num_train_epochs=1, save_strategy="steps",
+            save_steps=settings.save_steps, num_generations=settings.num_completions,
+            max_completion_length=settings.max_new_tokens, temperature=settings.temperature, report_to="none",
+        )
+        if not grouped:  # curated data no longer has whole groups: the paper's R - c signal
+            config.update(topr_signal="reward", topr_baseline=0.0)
+        config.update(settings.train_overrides)
+        args = TOPRConfig(**config)
+        trainer = TOPRTrainer(model=behaviour_path, reward_funcs=stored_reward, args=args, train_dataset=data,
+                              callbacks=callbacks)
+        before = evaluate(trainer.model, trainer.processing_class) if evaluate and iteration == 0 else None
+        trainer.train(resume_from_checkpoint=get_last_checkpoint(str(folder / "train")))
+        trainer.save_model(str(folder / "model"))
+        summary = {
+            "iteration": iteration,
+            "behaviour_model": behaviour_path,
+            "rows": len(data),
+            "proportion_of_positives": proportion,
+            "composition": settings.composition,
+            "train_steps": trainer.state.global_step,
+            "seconds": time.time() - started,
+        }
+        if before is not None:
+            summary["evaluation_before"] = before
+        if evaluate:
+            summary["evaluation"] = evaluate(trainer.model, trainer.processing_class)
+        summary_file.write_text(json.dumps(summary, indent=2))
+        summaries.append(summary)
+        behaviour_path = str(folder / "model")
+    return summaries
