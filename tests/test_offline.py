@@ -176,3 +176,25 @@ def test_dataset_scope_baseline_is_solved_once_from_the_dataset(behaviour, tiny_
     assert len(baselines) == 3 and all(c == pytest.approx(expected) for c in baselines)
     with pytest.raises(ValueError, match="offline"):
         TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset, args=args)
+
+
+def test_missing_behaviour_logps_are_recomputed_by_a_frozen_mu(behaviour, behaviour_model_path, tiny_model_path,
+                                                               arithmetic_dataset, tmp_path):
+    stored = generate(behaviour, arithmetic_dataset.select(range(2)), tmp_path / "data")
+    args = TOPRConfig(**small_config_kwargs(tmp_path / "run", per_device_train_batch_size=8,
+                                            topr_behaviour_model=behaviour_model_path))
+    with_column = TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, train_dataset=stored, args=args)
+    without = TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args,
+                          train_dataset=stored.remove_columns("behaviour_logps"))
+    assert with_column._behaviour_model is None and without._behaviour_model is not None
+    rows = [stored[i] for i in range(8)]
+    with_column.model.train()
+    without.model.train()
+    reference = with_column._generate_and_score_completions([dict(r) for r in rows])
+    recomputed = without._generate_and_score_completions(
+        [{k: v for k, v in r.items() if k != "behaviour_logps"} for r in rows])
+    mask = reference["completion_mask"].bool()
+    torch.testing.assert_close(recomputed["sampling_per_token_logps"][mask],
+                               reference["sampling_per_token_logps"][mask], atol=1e-4, rtol=1e-4)
+    without.train()
+    assert all(math.isfinite(entry["loss"]) for entry in without.state.log_history if "loss" in entry)

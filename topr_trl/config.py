@@ -91,6 +91,10 @@ class TOPRConfig(GRPOConfig):
             switched off, since pi/mu already corrects for the sampler. `"policy"`: the policy's log-probs at
             generation time (TRL's old log-probs), with TRL's vLLM correction kept. `"auto"`: the sampler's when
             the generator returned them, else the policy's.
+        topr_behaviour_model (`str` or `None`, *optional*, defaults to `None`):
+            Path or Hub id of mu for an offline dataset without a `behaviour_logps` column: mu's log-probs are then
+            computed by this frozen model (prepared like GRPO's reference model, so DeepSpeed ZeRO-3 shards it).
+            Costs one extra forward pass per batch; storing the log-probs at generation time avoids it.
         pg_variant (`str`, *optional*, defaults to `"topr"`):
             ROLL's `pg_variant`, to compare off-policy losses in one trainer with the same signal, ratio level,
             mu and aggregation: `"topr"` (Eq. 7 with the limits above), `"vanilla"` (REINFORCE, the
@@ -144,6 +148,9 @@ class TOPRConfig(GRPOConfig):
     )
     topr_behaviour_source: str = field(
         default="auto", metadata={"help": f"Where mu's log-probs come from: {list(BEHAVIOUR_SOURCES)}."}
+    )
+    topr_behaviour_model: str | None = field(
+        default=None, metadata={"help": "Frozen mu (path or hub id) for offline datasets without behaviour_logps."}
     )
     pg_variant: str = field(default="topr", metadata={"help": f"Off-policy loss variant: {list(PG_VARIANTS)}."})
     tis_lower_bound: float = field(default=0.0, metadata={"help": "pg_variant='tis': lower ratio bound."})

@@ -263,15 +263,18 @@ class GroupShuffleSampler(Sampler):
         return (total // self.batch_rows) * self.batch_rows * self.repeat_count
 
 
-def validate_offline_dataset(dataset: Dataset, num_generations: int, needs_whole_groups: bool) -> None:
+def validate_offline_dataset(
+    dataset: Dataset, num_generations: int, needs_whole_groups: bool, has_behaviour_model: bool = False
+) -> None:
     """Fail early, naming the problem, on a dataset TOPRTrainer cannot train from offline."""
     missing = [column for column in ("prompt", "completion_ids", "prompt_index") if column not in dataset.column_names]
     if missing:
         raise ValueError(f"offline train_dataset lacks columns {missing}; generate it with "
                          "topr_trl.offline.generate_offline_dataset (schema in its module docstring)")
-    if "behaviour_logps" not in dataset.column_names:
+    if "behaviour_logps" not in dataset.column_names and not has_behaviour_model:
         raise ValueError("offline train_dataset has no `behaviour_logps` column: the log-probs of mu are needed for "
-                         "pi/mu. Generate the dataset with topr_trl.offline.generate_offline_dataset, which stores them.")
+                         "pi/mu. Generate the dataset with topr_trl.offline.generate_offline_dataset, which stores "
+                         "them, or set topr_behaviour_model to the model that generated it.")
     if needs_whole_groups:
         sizes: dict[int, int] = {}
         for group in dataset["prompt_index"]:

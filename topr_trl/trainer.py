@@ -64,7 +64,8 @@ class TOPRTrainer(GRPOTrainer):
             if kwargs.get("rollout_func") is not None:
                 raise ValueError("An offline train_dataset (with `completion_ids`) replaces generation: drop rollout_func.")
             uses_groups = args.loss_type != "topr" or args.topr_signal == "advantage" or args.topr_baseline == "group_mean"
-            validate_offline_dataset(train_dataset, args.num_generations, needs_whole_groups=uses_groups)
+            validate_offline_dataset(train_dataset, args.num_generations, needs_whole_groups=uses_groups,
+                                     has_behaviour_model=getattr(args, "topr_behaviour_model", None) is not None)
             # Replaying stored completions goes through GRPOTrainer's rollout_func path: prompts are tokenized and
             # completions decoded and scored exactly as for generated ones, and mu's log-probs become the sampler's.
             kwargs["rollout_func"] = self._replay_stored_completions
@@ -80,6 +81,9 @@ class TOPRTrainer(GRPOTrainer):
             if self._offline:
                 warnings.filterwarnings("ignore", message=".*rollout_func.*experimental")
             super().__init__(model, reward_funcs, args=args, **kwargs)
+        self._behaviour_model = None
+        if self._offline and "behaviour_logps" not in train_dataset.column_names:
+            self._behaviour_model = self._load_frozen_behaviour_model(args.topr_behaviour_model)
         if self.loss_type != "topr":
             return
         self._loss_spec = args.policy_loss_spec
@@ -113,8 +117,38 @@ class TOPRTrainer(GRPOTrainer):
         return {
             "prompt_ids": [list(ids) for ids in prompt_ids],
             "completion_ids": [list(row["completion_ids"]) for row in rows],
-            "logprobs": [list(row["behaviour_logps"]) for row in rows],
+            "logprobs": None if self._behaviour_model is not None else [list(row["behaviour_logps"]) for row in rows],
         }
+
+    def _load_frozen_behaviour_model(self, name_or_path: str):
+        """mu as a frozen model, prepared the way GRPOTrainer prepares its reference model (ZeRO-3-safe: no
+        deep copy of a sharded policy, DeepSpeed shards this model itself)."""
+        from transformers import AutoModelForCausalLM
+        from trl.models import prepare_deepspeed, prepare_fsdp
+        from trl.trainer.grpo_trainer import add_fused_lm_head
+
+        model_init_kwargs = dict(self.args.model_init_kwargs or {})
+        model_init_kwargs.setdefault("dtype", self.model.dtype)
+        behaviour = AutoModelForCausalLM.from_pretrained(name_or_path, **model_init_kwargs)
+        behaviour.eval().requires_grad_(False)
+        # The same chunked, temperature-scaled log-prob head GRPOTrainer gives its policy and reference model.
+        add_fused_lm_head(behaviour, temperature=self.temperature, cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32)
+        if self.is_deepspeed_enabled:
+            return prepare_deepspeed(behaviour, self.accelerator)
+        if self.is_fsdp_enabled:
+            return prepare_fsdp(behaviour, self.accelerator)
+        return self.accelerator.prepare_model(behaviour, evaluation_mode=True)
+
+    @torch.no_grad()
+    def _behaviour_logps(self, output: dict[str, Any]) -> torch.Tensor:
+        """Per-token log-probs of the completions under the frozen mu, at the policy's sampling temperature."""
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        logps, _, _ = self._get_per_token_logps_and_entropies(
+            self._behaviour_model, input_ids, attention_mask, output["completion_ids"].size(1),
+            batch_size=self.args.per_device_train_batch_size,
+        )
+        return logps
 
     # ------------------------------------------------------------------ rewards and the paper's signal
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -132,6 +166,8 @@ class TOPRTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         self._offline_rows = inputs if self._offline and self.model.training else None
         output = super()._generate_and_score_completions(inputs)
+        if self._offline_rows is not None and self._behaviour_model is not None:
+            output["sampling_per_token_logps"] = self._behaviour_logps(output)
         if self.loss_type == "topr" and self.args.topr_signal == "reward":
             output["topr_signal"] = self._local_reward_signal(len(inputs))
         return output
