@@ -54,3 +54,11 @@ def test_one_offline_iteration_raises_accuracy_on_the_builtin_task(tmp_path):
     before, after = summary["evaluation_before"]["accuracy"], summary["evaluation"]["accuracy"]
     print(f"offline TOPR, one iteration: held-out accuracy {before:.3f} -> {after:.3f}")
     assert after >= before + 0.05
+
+
+def test_evaluate_command_is_wired(tiny_model_path, tmp_path):
+    main(["evaluate", "--model", tiny_model_path, "--k", "2", "--limit", "2", "--max_new_tokens", "4",
+          "--output_dir", str(tmp_path / "eval")])
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert "pass@1" in json.dumps(results)
+    assert (tmp_path / "eval" / "results.png").exists()

@@ -3,6 +3,7 @@
     topr-trl train                      # tiny local model, built-in arithmetic task, CPU, a few minutes
     topr-trl train --config recipe.yaml --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name ...
     topr-trl iterate --num_iterations 2 --composition anna_karenina   # offline TOPR, mu_i = pi_{i-1}
+    topr-trl evaluate --model outputs/topr-arithmetic --task arithmetic --k 8   # pass@1, pass@k, maj@k
 
 `train` takes TRL's conventions: `--config file.yaml`, then any TOPRConfig / ModelConfig field as a flag.
 """
@@ -194,7 +195,13 @@ def iterate(argv: list[str]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": train, "iterate": iterate}
+    from .evaluate import main as evaluate_main
+
+    commands = {
+        "train": train,
+        "iterate": iterate,
+        "evaluate": lambda arguments: evaluate_main(arguments, prog="topr-trl evaluate"),
+    }
     if not argv or argv[0] not in commands:
         print(__doc__)
         print(f"commands: {', '.join(commands)}")
