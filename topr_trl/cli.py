@@ -20,6 +20,12 @@ from pathlib import Path
 from .tasks import arithmetic_reward
 
 REWARD_FUNCTIONS = {"arithmetic": arithmetic_reward}
+TASKS = ("arithmetic", "gsm8k", "math500", "custom")
+
+
+def _task_reward_names(task: str) -> list[str]:
+    return {"arithmetic": ["arithmetic"], "gsm8k": ["topr_trl.rewards:gsm8k_reward"],
+            "math500": ["topr_trl.rewards:math_reward"]}.get(task, [])
 
 # The main job's defaults: sized for a 2-core CPU. Every one can be overridden on the command line or in YAML.
 TRAIN_DEFAULTS = dict(
@@ -44,14 +50,22 @@ TRAIN_DEFAULTS = dict(
 class TrainScriptArguments:
     """What to train on. With no model and no dataset, the built-in task and tiny model are used."""
 
-    dataset_name: str | None = field(
-        default=None, metadata={"help": "Hub id or local path of a prompt dataset; None: built-in arithmetic."}
+    task: str = field(
+        default="arithmetic",
+        metadata={"help": "arithmetic (built-in), gsm8k or math500 (loaders and rewards of topr_trl), or custom "
+                          "(--dataset_name with a `prompt` column and --reward_funcs)."},
     )
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "Hub id or local file of the dataset; None: the task's default."}
+    )
+    few_shot: int = field(default=0, metadata={"help": "gsm8k/math500: worked examples prepended to each prompt."})
+    dry_run: bool = field(default=False, metadata={"help": "Build and validate the configuration, then stop."})
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
-    reward_funcs: list[str] = field(
-        default_factory=lambda: ["arithmetic"],
-        metadata={"help": f"Reward functions: {sorted(REWARD_FUNCTIONS)} or 'package.module:function'."},
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={"help": f"Reward functions: {sorted(REWARD_FUNCTIONS)} or 'package.module:function'; "
+                          "None: the task's own."},
     )
     task_digits: int = field(default=2, metadata={"help": "Built-in task: operand digits."})
     task_train_prompts: int = field(default=1000, metadata={"help": "Built-in task: training prompts."})
@@ -74,14 +88,26 @@ def resolve_reward(name: str):
 
 
 def reject_unknown_flags(parser, argv: list[str]) -> None:
-    """Fail on a misspelt flag with the closest valid one, before anything heavy is loaded."""
-    known = {option for action in parser._actions for option in action.option_strings}
-    for argument in argv:
+    """Fail on a misspelt flag or YAML key with the closest valid one, before anything heavy is loaded."""
+    known = {option for action in parser._actions for option in action.option_strings} | {"--config"}
+    names = {action.dest for action in parser._actions}
+
+    def fail(kind: str, name: str, candidates) -> None:
+        close = difflib.get_close_matches(name, candidates, n=1)
+        hint = f" Did you mean {close[0]}?" if close else ""
+        raise SystemExit(f"topr-trl: unknown {kind} {name}.{hint}")
+
+    for index, argument in enumerate(argv):
         flag = argument.split("=", 1)[0]
         if flag.startswith("--") and flag not in known:
-            close = difflib.get_close_matches(flag, known, n=1)
-            hint = f" Did you mean {close[0]}?" if close else ""
-            raise SystemExit(f"topr-trl train: unknown option {flag}.{hint}")
+            fail("option", flag, known)
+        if flag == "--config":
+            path = argument.split("=", 1)[1] if "=" in argument else argv[index + 1]
+            import yaml
+
+            for key in (yaml.safe_load(Path(path).read_text()) or {}):
+                if key not in names:
+                    fail(f"key in {path}:", key, names)
 
 
 def train(argv: list[str]) -> dict:
@@ -95,8 +121,21 @@ def train(argv: list[str]) -> dict:
     parser.set_defaults(**TRAIN_DEFAULTS)
     reject_unknown_flags(parser, argv)
     script_args, training_args, model_args = parser.parse_args_and_config(argv)
+    from .config import check_choice
 
-    builtin_task = script_args.dataset_name is None
+    check_choice("task", script_args.task, TASKS)
+    reward_names = script_args.reward_funcs or _task_reward_names(script_args.task)
+    if not reward_names:
+        raise SystemExit("topr-trl train: --task custom needs --reward_funcs")
+    reward_funcs = [resolve_reward(name) for name in reward_names]
+    if script_args.dry_run:
+        print(f"[topr-trl] configuration valid: task={script_args.task} model={model_args.model_name_or_path} "
+              f"loss_type={training_args.loss_type} limits={training_args.topr_limits} rewards={reward_names}")
+        return {"dry_run": True}
+
+    builtin_task = script_args.task == "arithmetic"
+    if model_args.model_name_or_path is None and not builtin_task:
+        raise SystemExit("topr-trl train: --model_name_or_path is required outside the built-in task")
     if model_args.model_name_or_path is None:
         build_warm_model(script_args.base_model_dir, digits=script_args.task_digits,
                          target_accuracy=script_args.warm_start_accuracy, seed=training_args.seed)
@@ -104,6 +143,18 @@ def train(argv: list[str]) -> dict:
     if builtin_task:
         train_dataset = make_arithmetic_dataset(script_args.task_train_prompts, script_args.task_digits, seed=1)
         eval_dataset = make_arithmetic_dataset(script_args.task_eval_prompts, script_args.task_digits, seed=2)
+    elif script_args.task == "gsm8k":
+        from .datasets import load_gsm8k
+
+        train_dataset = load_gsm8k(script_args.dataset_train_split, source=script_args.dataset_name or "openai/gsm8k",
+                                   few_shot=script_args.few_shot)
+        eval_dataset = None
+    elif script_args.task == "math500":
+        from .datasets import load_math500
+
+        train_dataset = load_math500(source=script_args.dataset_name or "HuggingFaceH4/MATH-500",
+                                     few_shot=script_args.few_shot)
+        eval_dataset = None
     else:
         from datasets import load_dataset
 
@@ -113,7 +164,7 @@ def train(argv: list[str]) -> dict:
 
     trainer = TOPRTrainer(
         model=model_args.model_name_or_path,
-        reward_funcs=[resolve_reward(name) for name in script_args.reward_funcs],
+        reward_funcs=reward_funcs,
         args=training_args,
         train_dataset=train_dataset,
         peft_config=get_peft_config(model_args),
