@@ -233,3 +233,12 @@ def test_target_effective_proportion_needs_the_reward_signal(tmp_path):
         TOPRConfig(**small_config_kwargs(tmp_path, topr_target_effective_proportion=0.15))
     with pytest.raises(ValueError, match=r"\(0, 1\)"):
         TOPRConfig(**small_config_kwargs(tmp_path, topr_signal="reward", topr_target_effective_proportion=1.5))
+
+
+def test_model_card_cites_topr(tiny_model_path, arithmetic_dataset, tmp_path):
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
+                          args=TOPRConfig(**small_config_kwargs(tmp_path)))
+    trainer.create_model_card(model_name="tiny-topr")
+    card = (tmp_path / "README.md").read_text()
+    assert "2503.14286" in card and "Tapered Off-Policy REINFORCE" in card
+    assert "## TOPR configuration" in card and "| 1.0, 1.0, 0.0, 1.0 |" in card and "`topr_signal` | advantage" in card

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import textwrap
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,7 +12,6 @@ from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
 from .config import TOPRConfig
-from .offline import GroupShuffleSampler, validate_offline_dataset
 from .loss import (
     MAX_LOG_RATIO,
     PolicyTerms,
@@ -20,6 +20,7 @@ from .loss import (
     branch_losses,
     policy_per_token_loss,
 )
+from .offline import GroupShuffleSampler, validate_offline_dataset
 
 # Per-trajectory metrics are reduced with one collective: these are the sums, in this order.
 _SUM_KEYS = (
@@ -97,6 +98,23 @@ class TOPRTrainer(GRPOTrainer):
             # mu is vLLM's own sampling distribution, so pi/mu already corrects the train/inference mismatch;
             # TRL's separate correction on top would count it twice.
             self.vllm_importance_sampling_correction = False
+
+    def create_model_card(self, *args, **kwargs):
+        """TRL's model card (which cites TOPR through `_paper`), plus the TOPR configuration that trained it."""
+        super().create_model_card(*args, **kwargs)
+        card = Path(self.args.output_dir) / "README.md"
+        if self.loss_type != "topr" or not self.is_world_process_zero() or not card.exists():
+            return
+        spec = self._loss_spec
+        fields = ["pg_variant", "topr_preset", "topr_ratio_level", "topr_signal", "topr_baseline",
+                  "topr_target_effective_proportion", "topr_loss_aggregation", "topr_behaviour_source",
+                  "topr_positive_weight", "topr_negative_weight", "learning_rate", "beta", "num_generations",
+                  "temperature", "max_completion_length"]
+        rows = [f"| truncation limits (a+, b+, a-, b-) | {spec.limits.positive_lower}, {spec.limits.positive_upper}, "
+                f"{spec.limits.negative_lower}, {spec.limits.negative_upper} |"]
+        rows += [f"| `{name}` | {getattr(self.args, name)} |" for name in fields]
+        section = "\n## TOPR configuration\n\n| setting | value |\n|---|---|\n" + "\n".join(rows) + "\n"
+        card.write_text(card.read_text() + section)
 
     # ------------------------------------------------------------------ offline data (Algorithm 1)
     def _get_train_sampler(self, dataset=None):
