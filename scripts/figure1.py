@@ -62,6 +62,10 @@ def run(options) -> dict:
             if state.global_step % options.eval_every == 0:
                 self._evaluate(state.global_step)
 
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.curve[-1]["step"] != state.global_step:
+                self._evaluate(state.global_step)
+
     results: dict = {"options": vars(options), "runs": {}}
     for seed in options.seeds:
         torch.manual_seed(seed)
