@@ -79,7 +79,7 @@ def run(options) -> dict:
             started = time.time()
             args = TOPRConfig(
                 output_dir=str(work / f"run-{method}-seed{seed}"), per_device_train_batch_size=options.batch_size,
-                num_generations=8, max_completion_length=6, num_train_epochs=options.epochs,
+                num_generations=8, max_completion_length=6, topr_offline_epochs=options.epochs,
                 learning_rate=options.learning_rate, lr_scheduler_type="constant", max_grad_norm=1.0,
                 topr_signal="reward", topr_baseline=0.0, logging_steps=10, report_to="none",
                 save_strategy="no", use_cpu=True, bf16=False, gradient_checkpointing=False, seed=seed,

@@ -198,3 +198,22 @@ def test_missing_behaviour_logps_are_recomputed_by_a_frozen_mu(behaviour, behavi
                                reference["sampling_per_token_logps"][mask], atol=1e-4, rtol=1e-4)
     without.train()
     assert all(math.isfinite(entry["loss"]) for entry in without.state.log_history if "loss" in entry)
+
+
+@pytest.mark.parametrize("epochs,steps", [(None, 4), (2.0, 8)])
+def test_offline_data_gets_one_pass_by_default(epochs, steps, behaviour, tiny_model_path, arithmetic_dataset,
+                                               tmp_path):
+    dataset = generate(behaviour, arithmetic_dataset.select(range(8)), tmp_path / "data")  # 32 rows
+    extra = {} if epochs is None else {"topr_offline_epochs": epochs}
+    args = TOPRConfig(**small_config_kwargs(tmp_path / "run", max_steps=-1, per_device_train_batch_size=8, **extra))
+    assert args.num_train_epochs == 3.0  # TrainingArguments' default, meant for online training
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args, train_dataset=dataset)
+    trainer.train()
+    assert trainer.state.global_step == steps
+
+
+def test_generated_dataset_can_be_pushed(behaviour, arithmetic_dataset, tmp_path, monkeypatch):
+    pushed = []
+    monkeypatch.setattr(Dataset, "push_to_hub", lambda self, repo, private=True: pushed.append((repo, len(self), private)))
+    generate(behaviour, arithmetic_dataset.select(range(2)), tmp_path, push_to_hub="me/topr-data")
+    assert pushed == [("me/topr-data", 8, True)]

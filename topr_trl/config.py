@@ -95,6 +95,10 @@ class TOPRConfig(GRPOConfig):
             Path or Hub id of mu for an offline dataset without a `behaviour_logps` column: mu's log-probs are then
             computed by this frozen model (prepared like GRPO's reference model, so DeepSpeed ZeRO-3 shards it).
             Costs one extra forward pass per batch; storing the log-probs at generation time avoids it.
+        topr_offline_epochs (`float`, *optional*, defaults to `1.0`):
+            Passes over an offline `train_dataset` (one with `completion_ids`): the paper's Algorithm 1 makes one.
+            For offline data it replaces `num_train_epochs` (which keeps its meaning for online training); raise it
+            to reuse the data, as in the paper's far-off-policy experiments. `max_steps` > 0 still takes precedence.
         pg_variant (`str`, *optional*, defaults to `"topr"`):
             ROLL's `pg_variant`, to compare off-policy losses in one trainer with the same signal, ratio level,
             mu and aggregation: `"topr"` (Eq. 7 with the limits above), `"vanilla"` (REINFORCE, the
@@ -152,6 +156,9 @@ class TOPRConfig(GRPOConfig):
     topr_behaviour_model: str | None = field(
         default=None, metadata={"help": "Frozen mu (path or hub id) for offline datasets without behaviour_logps."}
     )
+    topr_offline_epochs: float = field(
+        default=1.0, metadata={"help": "Passes over an offline dataset (Algorithm 1: 1); replaces num_train_epochs."}
+    )
     pg_variant: str = field(default="topr", metadata={"help": f"Off-policy loss variant: {list(PG_VARIANTS)}."})
     tis_lower_bound: float = field(default=0.0, metadata={"help": "pg_variant='tis': lower ratio bound."})
     tis_upper_bound: float = field(default=1.0, metadata={"help": "pg_variant='tis': upper ratio bound."})
@@ -177,6 +184,8 @@ class TOPRConfig(GRPOConfig):
             if self.topr_signal != "reward":
                 raise ValueError("`topr_target_effective_proportion` sets the baseline of R - c: it needs "
                                  "topr_signal='reward'.")
+        if not (isinstance(self.topr_offline_epochs, (int, float)) and self.topr_offline_epochs > 0):
+            raise ValueError(f"`topr_offline_epochs` must be > 0, got {self.topr_offline_epochs!r}.")
         for name in ("topr_positive_weight", "topr_negative_weight", "cispo_epsilon_low", "cispo_epsilon_high",
                      "kimi15_tau"):
             value = getattr(self, name)

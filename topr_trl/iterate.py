@@ -79,7 +79,7 @@ def run_iterations(
         data, proportion = compose(data, settings.composition, target_proportion=settings.target_proportion)
         grouped = settings.composition == "uniform"
         config = dict(
-            output_dir=str(folder / "train"), num_train_epochs=1, save_strategy="steps",
+            output_dir=str(folder / "train"), save_strategy="steps",
             save_steps=settings.save_steps, num_generations=settings.num_completions,
             max_completion_length=settings.max_new_tokens, temperature=settings.temperature, report_to="none",
         )

@@ -89,12 +89,16 @@ def generate_offline_dataset(
     prompts_per_batch: int = 8,
     reward_weights: Sequence[float] | None = None,
     show_progress: bool = True,
+    push_to_hub: str | None = None,
+    private: bool = True,
 ) -> Dataset:
     """Sample `num_completions` completions per prompt from `model` (mu), score them, save them in shards.
 
     Defaults follow the paper (temperature 1; it uses top_k=500 and 512 new tokens). A shard is written
     atomically once all its prompts are done, so an interrupted run restarted with the same arguments
-    resumes after the last complete shard: no row is lost or duplicated. Returns the whole dataset.
+    resumes after the last complete shard: no row is lost or duplicated. Returns the whole dataset, which is
+    also pushed to the Hub repository `push_to_hub` when given (credentials from `huggingface-cli login` or
+    HF_TOKEN; never printed).
     """
     reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
     weights = list(reward_weights) if reward_weights is not None else [1.0] * len(reward_funcs)
@@ -139,7 +143,10 @@ def generate_offline_dataset(
         Dataset.from_list(rows).save_to_disk(str(temporary))
         temporary.rename(shard_dir)  # atomic: a shard directory is either complete or absent
     progress.close()
-    return load_offline_dataset(output_dir)
+    dataset = load_offline_dataset(output_dir)
+    if push_to_hub:
+        dataset.push_to_hub(push_to_hub, private=private)
+    return dataset
 
 
 def _score(rows: list[dict], reward_funcs: list[Callable], weights: list[float]) -> None:

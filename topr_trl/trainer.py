@@ -70,6 +70,8 @@ class TOPRTrainer(GRPOTrainer):
             # Replaying stored completions goes through GRPOTrainer's rollout_func path: prompts are tokenized and
             # completions decoded and scored exactly as for generated ones, and mu's log-probs become the sampler's.
             kwargs["rollout_func"] = self._replay_stored_completions
+            if isinstance(args, TOPRConfig):
+                args.num_train_epochs = args.topr_offline_epochs
         self._dataset_baseline = None
         if args.loss_type == "topr" and args.topr_target_effective_proportion is not None:
             if args.topr_baseline_scope == "dataset":
