@@ -28,9 +28,10 @@ import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
 from datasets import Dataset, concatenate_datasets, load_from_disk
 from torch.utils.data import Sampler
+
+from .rollout import sample_with_logps
 
 OFFLINE_COLUMNS = ("prompt_index", "sample_index", "completion", "completion_ids", "behaviour_logps", "truncated",
                    "reward")
@@ -39,39 +40,6 @@ _MANIFEST = "manifest.json"
 
 def _reward_name(function) -> str:
     return getattr(function, "__name__", type(function).__name__)
-
-
-@torch.no_grad()
-def _sample(model, tokenizer, prompts: list, n: int, temperature: float, top_p: float, top_k: int,
-            max_new_tokens: int) -> list[dict]:
-    """n completions for each prompt, with per-token log-probs of the exact sampling distribution."""
-    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) if isinstance(p, list) else p
-             for p in prompts for _ in range(n)]
-    encoded = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    encoded = {key: value.to(model.device) for key, value in encoded.items()}
-    output = model.generate(
-        **encoded, do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-        output_scores=True, return_dict_in_generate=True, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    new_tokens = output.sequences[:, encoded["input_ids"].size(1):]
-    # `scores` are the processed logits (temperature, top-k, top-p applied; masked tokens at -inf), so their
-    # log-softmax is the distribution the tokens were actually drawn from.
-    step_logps = torch.stack([torch.log_softmax(score.float(), dim=-1) for score in output.scores], dim=1)
-    token_logps = step_logps.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-    rows = []
-    for row in range(new_tokens.size(0)):
-        tokens = new_tokens[row].tolist()
-        stopped = tokenizer.eos_token_id in tokens
-        if stopped:
-            tokens = tokens[: tokens.index(tokenizer.eos_token_id) + 1]
-        rows.append({
-            "completion": tokenizer.decode(tokens, skip_special_tokens=True),
-            "completion_ids": tokens,
-            "behaviour_logps": token_logps[row, : len(tokens)].tolist(),
-            "truncated": not stopped,
-        })
-    return rows
 
 
 def generate_offline_dataset(
@@ -130,12 +98,14 @@ def generate_offline_dataset(
         rows = []
         for batch_start in range(start, stop, prompts_per_batch):
             batch = prompts.select(range(batch_start, min(batch_start + prompts_per_batch, stop)))
-            samples = _sample(model, tokenizer, batch["prompt"], num_completions, temperature, top_p, top_k,
-                              max_new_tokens)
+            samples = sample_with_logps(model, tokenizer, batch["prompt"], num_completions, temperature, top_p,
+                                        top_k, max_new_tokens)
             for offset, example in enumerate(batch):
                 for sample_index in range(num_completions):
+                    sample = dict(samples[offset * num_completions + sample_index])
+                    del sample["prompt_ids"]  # the trainer tokenizes prompts itself, with its own template
                     rows.append({**example, "prompt_index": batch_start + offset, "sample_index": sample_index,
-                                 **samples[offset * num_completions + sample_index]})
+                                 **sample})
             progress.update(len(batch))
         _score(rows, reward_funcs, weights)
         temporary = output_dir / f".shard-{shard:05d}.tmp"
