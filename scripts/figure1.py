@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+from experiments import mean_and_ci95, prepare_base, sample_fixed_dataset, train_offline
 
 METHODS = {
     # name: TOPRConfig overrides; every method uses the paper's signal R - c with +1/-1 rewards and c = 0
@@ -32,90 +29,37 @@ METHODS = {
 
 
 def run(options) -> dict:
-    import warnings
+    from topr_trl.tasks import make_arithmetic_dataset
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-
-    from topr_trl import TOPRConfig, TOPRTrainer
-    from topr_trl.offline import generate_offline_dataset, stored_reward
-    from topr_trl.tasks import accuracy, arithmetic_reward, build_warm_model, make_arithmetic_dataset
-
-    warnings.filterwarnings("ignore", message=".*unbounded.*")
     work = Path(options.work_dir)
-    base_dir = work / "base"
-    build_warm_model(base_dir, digits=2, target_accuracy=options.base_accuracy, seed=0)
+    base_dir = prepare_base(work, options.base_accuracy)
     held_out = make_arithmetic_dataset(options.eval_prompts, 2, seed=2)
-
-    class Evaluate(TrainerCallback):
-        def __init__(self, trainer_ref):
-            self.trainer_ref, self.curve = trainer_ref, []
-
-        def _evaluate(self, step):
-            trainer = self.trainer_ref[0]
-            self.curve.append({"step": step, **accuracy(trainer.model, trainer.processing_class, held_out)})
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self._evaluate(0)
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step % options.eval_every == 0:
-                self._evaluate(state.global_step)
-
-        def on_train_end(self, args, state, control, **kwargs):
-            if self.curve[-1]["step"] != state.global_step:
-                self._evaluate(state.global_step)
-
     results: dict = {"options": vars(options), "runs": {}}
     for seed in options.seeds:
-        torch.manual_seed(seed)
-        mu = AutoModelForCausalLM.from_pretrained(base_dir)
-        tokenizer = AutoTokenizer.from_pretrained(base_dir)
-        data = generate_offline_dataset(mu, tokenizer, make_arithmetic_dataset(options.prompts, 2, seed=100 + seed),
-                                        arithmetic_reward, work / f"data-seed{seed}", num_completions=8,
-                                        max_new_tokens=6, show_progress=False)
+        data = sample_fixed_dataset(base_dir, options.prompts, seed, work)
         positives = sum(r > 0 for r in data["reward"]) / len(data)
         for method in options.methods:
-            started = time.time()
-            args = TOPRConfig(
-                output_dir=str(work / f"run-{method}-seed{seed}"), per_device_train_batch_size=options.batch_size,
-                num_generations=8, max_completion_length=6, topr_offline_epochs=options.epochs,
-                learning_rate=options.learning_rate, lr_scheduler_type="constant", max_grad_norm=1.0,
-                topr_signal="reward", topr_baseline=0.0, logging_steps=10, report_to="none",
-                save_strategy="no", use_cpu=True, bf16=False, gradient_checkpointing=False, seed=seed,
-                disable_tqdm=True, **METHODS[method],
+            run_result = train_offline(
+                base_dir, data, work / f"run-{method}-seed{seed}", held_out, seed=seed, epochs=options.epochs,
+                batch_size=options.batch_size, learning_rate=options.learning_rate, eval_every=options.eval_every,
+                **METHODS[method],
             )
-            trainer_ref = []
-            evaluator = Evaluate(trainer_ref)
-            trainer = TOPRTrainer(model=str(base_dir), reward_funcs=stored_reward, args=args, train_dataset=data,
-                                  callbacks=[evaluator])
-            trainer_ref.append(trainer)
-            trainer.train()
-            results["runs"][f"{method}/seed{seed}"] = {
-                "method": method, "seed": seed, "curve": evaluator.curve, "dataset_positive_fraction": positives,
-                "seconds": time.time() - started,
-            }
-            final = evaluator.curve[-1]
-            print(f"[figure1] seed {seed} {method:<16} accuracy {evaluator.curve[0]['accuracy']:.3f} -> "
-                  f"{final['accuracy']:.3f}  invalid {final['invalid_rate']:.3f}  ({time.time() - started:.0f}s)",
-                  flush=True)
+            results["runs"][f"{method}/seed{seed}"] = {"method": method, "seed": seed,
+                                                       "dataset_positive_fraction": positives, **run_result}
+            curve = run_result["curve"]
+            print(f"[figure1] seed {seed} {method:<16} accuracy {curve[0]['accuracy']:.3f} -> "
+                  f"{curve[-1]['accuracy']:.3f}  invalid {curve[-1]['invalid_rate']:.3f}  "
+                  f"({run_result['seconds']:.0f}s)", flush=True)
     results["summary"] = summarise(results["runs"])
     return results
 
 
 def summarise(runs: dict) -> dict:
     """Per method: mean and 95 % t-interval half-width of the final accuracy and invalid rate over seeds."""
-    t95 = {1: float("nan"), 2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78}
     summary = {}
     for method in dict.fromkeys(run["method"] for run in runs.values()):
         finals = [run["curve"][-1] for run in runs.values() if run["method"] == method]
-        row = {}
-        for metric in ("accuracy", "invalid_rate"):
-            values = [f[metric] for f in finals]
-            mean = statistics.mean(values)
-            half = t95.get(len(values), 2.0) * statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
-            row[metric] = {"mean": mean, "ci95": half, "values": values}
-        summary[method] = row
+        summary[method] = {metric: mean_and_ci95([f[metric] for f in finals]) for metric in ("accuracy", "invalid_rate")}
     return summary
 
 

@@ -3,11 +3,14 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from topr_trl.cli import generate as main_generate
 from topr_trl.cli import iterate as main_iterate
 from topr_trl.cli import main, resolve_reward
+from topr_trl.offline import load_offline_dataset
 from topr_trl.tasks import arithmetic_reward
 
 
@@ -39,8 +42,8 @@ def test_reward_resolution():
 
 
 def test_iterate_command_runs_offline_iterations(tmp_path):
-    summaries = main_iterate(["--num_iterations", "1", "--task_train_prompts", "4", "--task_eval_prompts", "4",
-                              "--num_completions", "4", "--per_device_train_batch_size", "8",
+    summaries = main_iterate(["--iterations", "1", "--task_train_prompts", "4", "--task_eval_prompts", "4",
+                              "--num_generations", "4", "--per_device_train_batch_size", "8",
                               "--warm_start_accuracy", "0", "--base_model_dir", str(tmp_path / "base"),
                               "--output_dir", str(tmp_path / "iterations")])
     assert len(summaries) == 1 and summaries[0]["rows"] == 16 and "evaluation" in summaries[0]
@@ -62,3 +65,58 @@ def test_evaluate_command_is_wired(tiny_model_path, tmp_path):
     results = json.loads((tmp_path / "eval" / "results.json").read_text())
     assert "pass@1" in json.dumps(results)
     assert (tmp_path / "eval" / "results.png").exists()
+
+
+def test_generate_then_train_offline_with_lora(tmp_path):
+    """`topr-trl generate` writes an offline dataset; `topr-trl train --offline_dataset` trains a LoRA adapter on it
+    (stored rewards, no generation), changing only adapter weights."""
+    from safetensors.torch import load_file
+
+    base = tmp_path / "base"
+    summary = main_generate(["--task_train_prompts", "6", "--max_prompts", "4", "--num_generations", "4",
+                             "--warm_start_accuracy", "0", "--base_model_dir", str(base), "--backend", "transformers",
+                             "--prompts_per_shard", "2", "--output_dir", str(tmp_path / "data")])
+    assert summary["rows"] == 16 and 0 <= summary["proportion_of_positives"] <= 1
+    data = load_offline_dataset(tmp_path / "data")
+    assert data["prompt_index"] == [i for i in range(4) for _ in range(4)]
+
+    output = tmp_path / "run"
+    main(["train", "--offline_dataset", str(tmp_path / "data"), "--base_model_dir", str(base), "--num_generations",
+          "4", "--per_device_train_batch_size", "8", "--max_steps", "-1", "--task_eval_prompts", "4",
+          "--learning_rate", "1e-2", "--topr_signal", "reward", "--use_peft", "true", "--lora_r", "4", "--lora_target_modules", "q_proj",
+          "v_proj", "--output_dir", str(output)])
+    adapter = load_file(output / "adapter_model.safetensors")
+    assert adapter and all("lora_" in name for name in adapter)
+    assert any(tensor.abs().sum() > 0 for name, tensor in adapter.items() if "lora_B" in name)  # B starts at 0
+    assert not (output / "model.safetensors").exists()  # the base weights are not rewritten: only the adapter
+    assert json.loads((output / "topr_summary.json").read_text())["after"]["accuracy"] >= 0
+
+
+def test_iterate_runs_from_the_offline_recipe(tmp_path):
+    recipe = Path(__file__).resolve().parents[1] / "examples" / "recipes" / "offline_tiny_cpu.yaml"
+    (summary,) = main_iterate(["--config", str(recipe), "--task_train_prompts", "4", "--task_eval_prompts", "4",
+                               "--warm_start_accuracy", "0", "--base_model_dir", str(tmp_path / "base"),
+                               "--output_dir", str(tmp_path / "it"), "--composition", "anna_karenina"])
+    assert summary["composition"] == "anna_karenina" and summary["rows"] <= 32
+    assert (tmp_path / "it" / "iteration-000" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("command, flag, suggestion", [
+    ("generate", "--num_generation", "--num_generations"),
+    ("iterate", "--iteration", "--iterations"),
+    ("iterate", "--compositon", "--composition"),
+])
+def test_subcommands_reject_misspelt_flags(command, flag, suggestion, tmp_path):
+    with pytest.raises(SystemExit, match=f"Did you mean {suggestion}"):
+        main([command, flag, "2", "--output_dir", str(tmp_path)])
+
+
+def test_subcommands_dry_run_and_validate_choices(tmp_path, capsys):
+    main(["generate", "--dry_run", "true", "--output_dir", str(tmp_path)])
+    main(["iterate", "--dry_run", "true", "--output_dir", str(tmp_path)])
+    assert capsys.readouterr().out.count("configuration valid") == 2
+    assert not (tmp_path / "iteration-000").exists()
+    with pytest.raises(ValueError, match="Did you mean 'anna_karenina'"):
+        main(["iterate", "--dry_run", "true", "--composition", "anna_karenin", "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="Did you mean 'vllm'"):
+        main(["generate", "--dry_run", "true", "--backend", "vlm", "--output_dir", str(tmp_path)])

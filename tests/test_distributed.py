@@ -32,3 +32,53 @@ def test_two_process_runs_agree_across_ranks(launch, tiny_model_path, tmp_path):
     assert results[0]["checksum"] == results[1]["checksum"]
     assert all(math.isfinite(loss) for r in results for loss in r["losses"])
     assert (tmp_path / "out" / "config.json").exists()
+
+
+def launch_cli(launch: str, arguments: list[str]) -> subprocess.CompletedProcess:
+    # ZeRO-3 saves full weights only with zero3_save_16bit_model (set in examples/accelerate/zero3*.yaml)
+    saving = ["--zero3_save_16bit_model", "true"] if launch == "zero3" else []
+    command = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCHES[launch], *saving, "--num_processes",
+               "2", "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", "0", "-m", "topr_trl",
+               *arguments]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TRL_EXPERIMENTAL_SILENCE": "1"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_cli_train_under_accelerate_launch_saves_a_checkpoint_that_loads_back(launch, tmp_path):
+    """`accelerate launch ... -m topr_trl train` on 2 CPU processes: the built-in model is built once (main process
+    first), training runs, and both the Trainer checkpoint and the final model load back with the same weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    output = tmp_path / "run"
+    completed = launch_cli(launch, [
+        "train", "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2", "--task_train_prompts", "16",
+        "--task_eval_prompts", "8", "--warm_start_accuracy", "0", "--base_model_dir", str(tmp_path / "base"),
+        "--per_device_train_batch_size", "4", "--num_generations", "4", "--learning_rate", "1e-2",
+        "--topr_signal", "reward", "--output_dir", str(output)])
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert completed.stdout.count("held-out accuracy after training") == 1  # printed by the main process only
+    final = AutoModelForCausalLM.from_pretrained(output)
+    checkpoint = AutoModelForCausalLM.from_pretrained(output / "checkpoint-2")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    for (name, trained), saved, initial in zip(final.state_dict().items(), checkpoint.state_dict().values(),
+                                               base.state_dict().values(), strict=True):
+        assert torch.equal(trained, saved), name
+    assert any(not torch.equal(a, b) for a, b in zip(final.state_dict().values(), base.state_dict().values()))
+    assert json.loads((output / "topr_summary.json").read_text())["after"]["accuracy"] >= 0
+
+
+@pytest.mark.slow
+def test_cli_iterate_under_accelerate_launch(tmp_path):
+    """Two processes: the main one generates the iteration's data, both train on it, the iteration completes."""
+    completed = launch_cli("ddp", [
+        "iterate", "--task_train_prompts", "8", "--task_eval_prompts", "8", "--warm_start_accuracy", "0",
+        "--base_model_dir", str(tmp_path / "base"), "--num_generations", "4", "--per_device_train_batch_size", "4",
+        "--output_dir", str(tmp_path / "it")])
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    summary = json.loads((tmp_path / "it" / "iteration-000" / "summary.json").read_text())
+    assert summary["rows"] == 32 and summary["train_steps"] == 4  # 32 rows, 2 processes x 4 rows per step
+    assert len(list((tmp_path / "it" / "iteration-000" / "data").glob("shard-*"))) == 1

@@ -1,6 +1,7 @@
 """Every shipped recipe validates (dry run, no model loaded); launch configs and DeepSpeed JSONs are well-formed."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,12 +12,20 @@ from topr_trl.cli import main
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
+def documented_command(recipe: Path) -> str:
+    """The subcommand in the recipe's own usage line (`... -m topr_trl iterate --config ...`)."""
+    match = re.search(r"(?:-m topr_trl|topr-trl) (\w+) --config " + re.escape(f"examples/recipes/{recipe.name}"),
+                      recipe.read_text())
+    assert match, f"{recipe.name} has no usage line naming its subcommand"
+    return match.group(1)
+
+
 @pytest.mark.parametrize("recipe", sorted((EXAMPLES / "recipes").glob("*.yaml")), ids=lambda p: p.name)
 def test_recipe_validates(recipe, capsys):
     # GPU recipes ask for bf16 and vLLM, which TrainingArguments refuses on a CPU-only machine: override them
     # on the command line (which wins over the file, as in TRL) and validate everything else.
-    main(["train", "--config", str(recipe), "--dry_run", "true", "--use_cpu", "true", "--bf16", "false",
-          "--use_vllm", "false"])
+    main([documented_command(recipe), "--config", str(recipe), "--dry_run", "true", "--use_cpu", "true",
+          "--bf16", "false", "--use_vllm", "false"])
     assert "configuration valid" in capsys.readouterr().out
 
 

@@ -217,3 +217,63 @@ def test_generated_dataset_can_be_pushed(behaviour, arithmetic_dataset, tmp_path
     monkeypatch.setattr(Dataset, "push_to_hub", lambda self, repo, private=True: pushed.append((repo, len(self), private)))
     generate(behaviour, arithmetic_dataset.select(range(2)), tmp_path, push_to_hub="me/topr-data")
     assert pushed == [("me/topr-data", 8, True)]
+
+
+# ---------------------------------------------------------------------------------------------- vLLM backend
+def test_vllm_backend_writes_the_same_schema_with_processed_logps(behaviour_model_path, behaviour, arithmetic_dataset,
+                                                                   tmp_path, monkeypatch):
+    """Through a stand-in with vLLM's API (tests/fake_vllm.py): the engine is asked for processed log-probs, prompts
+    go in as the same token ids the transformers path uses, and the rows match that path's schema, with EOS kept and
+    log mu equal to log softmax(logits / T) of the model at every sampled token."""
+    from . import fake_vllm
+
+    fake_vllm.install(monkeypatch)
+    model, tokenizer = behaviour
+    prompts = arithmetic_dataset.select(range(3))
+    through_vllm = generate_offline_dataset(behaviour_model_path, tokenizer, prompts, parity_reward, tmp_path / "v",
+                                            num_completions=4, max_new_tokens=6, temperature=0.7, prompts_per_shard=2,
+                                            show_progress=False, backend="vllm", seed=3)
+    through_transformers = generate(behaviour, prompts, tmp_path / "t", temperature=0.7)
+    assert through_vllm.column_names == through_transformers.column_names
+    assert len(through_vllm) == len(through_transformers) == 12
+    engine = fake_vllm.LLM.instances[-1]
+    assert engine.logprobs_mode == "processed_logprobs"
+    expected_prompt = tokenizer(tokenizer.apply_chat_template(prompts[0]["prompt"], add_generation_prompt=True,
+                                                              tokenize=False), add_special_tokens=False)["input_ids"]
+    assert engine.requests[0] == expected_prompt
+    assert through_vllm["prompt_index"] == [0] * 4 + [1] * 4 + [2] * 4
+    for row in through_vllm:
+        assert (row["completion_ids"][-1] == tokenizer.eos_token_id) == (not row["truncated"])
+        prompt_ids = tokenizer(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False),
+                               add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt_ids + row["completion_ids"]])).logits[0].float()
+        steps = torch.log_softmax(logits[len(prompt_ids) - 1 : -1] / 0.7, -1)
+        expected = steps.gather(-1, torch.tensor(row["completion_ids"]).unsqueeze(-1)).squeeze(-1)
+        assert row["behaviour_logps"] == pytest.approx(expected.tolist(), abs=1e-4)
+        assert row["reward"] == parity_reward([row["completion"]])[0]
+
+
+def test_vllm_backend_maps_top_k(behaviour_model_path, behaviour, arithmetic_dataset, tmp_path, monkeypatch):
+    """top_k=1 reaches vLLM as top_k=1 (and top_k=0, "none", as vLLM's -1): only the argmax survives, log-prob 0."""
+    from . import fake_vllm
+
+    fake_vllm.install(monkeypatch)
+    dataset = generate_offline_dataset(behaviour_model_path, behaviour[1], arithmetic_dataset.select(range(2)),
+                                       parity_reward, tmp_path, num_completions=2, max_new_tokens=4, top_k=1,
+                                       show_progress=False, backend="vllm")
+    assert all(lp == pytest.approx(0.0, abs=1e-6) for row in dataset["behaviour_logps"] for lp in row)
+
+
+def test_auto_backend_uses_transformers_without_a_gpu(behaviour, arithmetic_dataset, tmp_path, monkeypatch):
+    from . import fake_vllm
+
+    fake_vllm.install(monkeypatch)  # vLLM "installed", but this machine has no CUDA device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    generate(behaviour, arithmetic_dataset.select(range(1)), tmp_path, backend="auto")
+    assert fake_vllm.LLM.instances == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    generate(behaviour, arithmetic_dataset.select(range(1)), tmp_path / "gpu", backend="auto")
+    assert len(fake_vllm.LLM.instances) == 1  # a loaded model is handed to vLLM by its name_or_path
+    with pytest.raises(ValueError, match="Did you mean 'vllm'"):
+        generate(behaviour, arithmetic_dataset.select(range(1)), tmp_path / "x", backend="vlm")

@@ -2,10 +2,14 @@
 
     topr-trl train                      # tiny local model, built-in arithmetic task, CPU, a few minutes
     topr-trl train --config recipe.yaml --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name ...
-    topr-trl iterate --num_iterations 2 --composition anna_karenina   # offline TOPR, mu_i = pi_{i-1}
+    topr-trl generate --output_dir data/mu0 --num_generations 8      # offline dataset sampled from mu
+    topr-trl train --offline_dataset data/mu0                         # Algorithm 1: train on it, no generation
+    topr-trl iterate --iterations 2 --composition anna_karenina   # generate, compose, train; mu_i = pi_{i-1}
     topr-trl evaluate --model outputs/topr-arithmetic --task arithmetic --k 8   # pass@1, pass@k, maj@k
 
-`train` takes TRL's conventions: `--config file.yaml`, then any TOPRConfig / ModelConfig field as a flag.
+`train`, `generate` and `iterate` take TRL's conventions: `--config file.yaml`, then any field as a flag
+(TOPRConfig and ModelConfig fields for `train` and `iterate`, ModelConfig fields for `generate`); an unknown flag
+or YAML key fails naming the closest valid one. All of them run under `accelerate launch`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import difflib
 import importlib
 import json
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +26,7 @@ from .tasks import arithmetic_reward
 
 REWARD_FUNCTIONS = {"arithmetic": arithmetic_reward}
 TASKS = ("arithmetic", "gsm8k", "math500", "custom")
+COMPOSITIONS = ("uniform", "positives_only", "anna_karenina", "target_proportion")
 
 
 def _task_reward_names(task: str) -> list[str]:
@@ -44,11 +50,14 @@ TRAIN_DEFAULTS = dict(
     use_cpu=True,
     seed=0,
 )
+# `iterate` trains one pass over each iteration's data (max_steps=-1) and checkpoints so that it can resume.
+ITERATE_DEFAULTS = dict(TRAIN_DEFAULTS, output_dir="outputs/topr-iterations", max_steps=-1, save_strategy="steps",
+                        save_steps=50, task_train_prompts=256)
 
 
 @dataclass
-class TrainScriptArguments:
-    """What to train on. With no model and no dataset, the built-in task and tiny model are used."""
+class TaskArguments:
+    """What to train on (shared by the subcommands). With no model and no dataset: the built-in task and model."""
 
     task: str = field(
         default="arithmetic",
@@ -56,12 +65,11 @@ class TrainScriptArguments:
                           "(--dataset_name with a `prompt` column and --reward_funcs)."},
     )
     dataset_name: str | None = field(
-        default=None, metadata={"help": "Hub id or local file of the dataset; None: the task's default."}
+        default=None, metadata={"help": "Hub id or local file of the prompt dataset; None: the task's default."}
     )
-    few_shot: int = field(default=0, metadata={"help": "gsm8k/math500: worked examples prepended to each prompt."})
-    dry_run: bool = field(default=False, metadata={"help": "Build and validate the configuration, then stop."})
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    few_shot: int = field(default=0, metadata={"help": "gsm8k/math500: worked examples prepended to each prompt."})
     reward_funcs: list[str] | None = field(
         default=None,
         metadata={"help": f"Reward functions: {sorted(REWARD_FUNCTIONS)} or 'package.module:function'; "
@@ -76,6 +84,152 @@ class TrainScriptArguments:
     base_model_dir: str = field(
         default="outputs/tiny-arithmetic-base", metadata={"help": "Where the built-in tiny model is cached."}
     )
+    dry_run: bool = field(default=False, metadata={"help": "Build and validate the configuration, then stop."})
+
+
+@dataclass
+class TrainScriptArguments(TaskArguments):
+    offline_dataset: str | None = field(
+        default=None,
+        metadata={"help": "A dataset written by `topr-trl generate` (its directory, or the Hub id it was pushed to): "
+                          "train on its stored completions, log-probs of mu and rewards without generating (the "
+                          "paper's Algorithm 1). num_generations must equal its completions per prompt."},
+    )
+
+
+@dataclass
+class GenerateScriptArguments(TaskArguments):
+    """Sample an offline dataset from mu (the model), with GRPOConfig's names for the sampling knobs."""
+
+    output_dir: str = field(default="outputs/offline-data", metadata={"help": "Where the dataset shards go."})
+    num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (the paper: 16)."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (the paper: 1)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus truncation (1: none)."})
+    top_k: int = field(default=0, metadata={"help": "Top-k truncation (0: none; the paper: 500)."})
+    max_completion_length: int = field(default=6, metadata={"help": "New tokens per completion (the paper: 512)."})
+    max_prompts: int | None = field(default=None, metadata={"help": "Use only the first N prompts."})
+    prompts_per_shard: int = field(default=64, metadata={"help": "Prompts per saved shard (the unit of resume)."})
+    backend: str = field(default="auto", metadata={"help": "auto (vLLM when installed and a GPU is present), "
+                                                            "vllm or transformers."})
+    seed: int = field(default=0, metadata={"help": "Seed of sampling and of the built-in model."})
+    push_to_hub: str | None = field(default=None, metadata={"help": "Hub dataset repository to push to (private)."})
+
+
+@dataclass
+class IterateScriptArguments(TaskArguments):
+    """Iterated offline TOPR (Algorithm 1, mu_i = pi_{i-1}). Sampling uses TOPRConfig's num_generations, temperature,
+    top_p, top_k and max_completion_length; training uses every other TOPRConfig field."""
+
+    iterations: int = field(default=1, metadata={"help": "Iterations K (GRPO's num_iterations, the reuse of one "
+                                                        "generation batch, keeps its meaning)."})
+    composition: str = field(default="uniform", metadata={"help": "uniform, positives_only, anna_karenina or "
+                                                                  "target_proportion."})
+    target_proportion: float | None = field(default=None, metadata={"help": "For composition=target_proportion."})
+    prompts_per_shard: int = field(default=64, metadata={"help": "Prompts per saved shard (the unit of resume)."})
+    backend: str = field(default="auto", metadata={"help": "Generation: auto, vllm or transformers."})
+
+
+@contextmanager
+def outside_zero3_construction():
+    """Build a model as plain tensors even when a ZeRO-3 config is active: under ZeRO-3 transformers constructs
+    models inside `deepspeed.zero.Init`, whose collectives would wait forever for processes that are not building
+    the same model (the built-in model is built by the main process alone)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    active = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = active
+
+
+def load_task(task_args: TaskArguments, model_name_or_path: str | None, seed: int):
+    """(model, training prompts, held-out prompts or None, reward functions) of the chosen task. Without a model,
+    builds the built-in tiny one (on the main process first under `accelerate launch`); with `dry_run`, validates
+    and loads nothing."""
+    from accelerate import PartialState
+
+    from .config import check_choice
+    from .tasks import build_warm_model, make_arithmetic_dataset
+
+    check_choice("task", task_args.task, TASKS)
+    reward_names = task_args.reward_funcs or _task_reward_names(task_args.task)
+    if not reward_names:
+        raise SystemExit("topr-trl: --task custom needs --reward_funcs")
+    reward_funcs = [resolve_reward(name) for name in reward_names]
+    builtin_task = task_args.task == "arithmetic"
+    if model_name_or_path is None and not builtin_task:
+        raise SystemExit("topr-trl: --model_name_or_path is required outside the built-in task")
+    if task_args.dry_run:
+        return model_name_or_path, None, None, reward_funcs
+    if model_name_or_path is None:
+        state = PartialState()
+        with state.main_process_first():
+            if state.is_main_process:
+                with outside_zero3_construction():
+                    build_warm_model(task_args.base_model_dir, digits=task_args.task_digits,
+                                     target_accuracy=task_args.warm_start_accuracy, seed=seed)
+        model_name_or_path = task_args.base_model_dir
+    eval_dataset = None
+    if builtin_task:
+        train_dataset = make_arithmetic_dataset(task_args.task_train_prompts, task_args.task_digits, seed=1)
+        eval_dataset = make_arithmetic_dataset(task_args.task_eval_prompts, task_args.task_digits, seed=2)
+    elif task_args.task == "gsm8k":
+        from .datasets import load_gsm8k
+
+        train_dataset = load_gsm8k(task_args.dataset_train_split, source=task_args.dataset_name or "openai/gsm8k",
+                                   few_shot=task_args.few_shot)
+    elif task_args.task == "math500":
+        from .datasets import load_math500
+
+        train_dataset = load_math500(source=task_args.dataset_name or "HuggingFaceH4/MATH-500",
+                                     few_shot=task_args.few_shot)
+    else:
+        from datasets import load_dataset
+
+        train_dataset = load_dataset(task_args.dataset_name, task_args.dataset_config,
+                                     split=task_args.dataset_train_split)
+    return model_name_or_path, train_dataset, eval_dataset, reward_funcs
+
+
+def load_offline_data(source: str):
+    """A dataset written by `topr-trl generate`: its local directory, or the Hub id it was pushed to."""
+    from .offline import load_offline_dataset
+
+    if Path(source).exists():
+        return load_offline_dataset(source)
+    from datasets import load_dataset
+
+    return load_dataset(source, split="train")
+
+
+def parse(argv: list[str], dataclass_types: tuple, prog: str, defaults: dict | None = None):
+    """TRL's parser (`--config file.yaml`, then flags), refusing misspelt flags and YAML keys first."""
+    from trl import TrlParser
+
+    parser = TrlParser(dataclass_types, prog=prog)
+    if defaults:
+        parser.set_defaults(**{k: v for k, v in defaults.items()
+                               if any(k == action.dest for action in parser._actions)})
+    reject_unknown_flags(parser, argv)
+    return parser.parse_args_and_config(argv)
+
+
+def held_out_accuracy(trainer, eval_dataset) -> dict:
+    """Greedy accuracy of the trainer's policy; under ZeRO-3 its weights are sharded, so they are gathered first
+    (as GRPOTrainer does to generate). Every process must call it."""
+    from trl.models import unwrap_model_for_generation
+
+    from .tasks import accuracy
+
+    with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
+        return accuracy(model, trainer.processing_class, eval_dataset)
+
+
+def _print_main(accelerator_state, message: str) -> None:
+    if accelerator_state.is_main_process:
+        print(f"[topr-trl] {message}", flush=True)
 
 
 def resolve_reward(name: str):
@@ -111,133 +265,114 @@ def reject_unknown_flags(parser, argv: list[str]) -> None:
 
 
 def train(argv: list[str]) -> dict:
-    from trl import ModelConfig, TrlParser, get_peft_config
+    from accelerate import PartialState
+    from trl import ModelConfig, get_peft_config
 
     from .config import TOPRConfig
-    from .tasks import accuracy, build_warm_model, make_arithmetic_dataset
     from .trainer import TOPRTrainer
 
-    parser = TrlParser((TrainScriptArguments, TOPRConfig, ModelConfig), prog="topr-trl train")
-    parser.set_defaults(**TRAIN_DEFAULTS)
-    reject_unknown_flags(parser, argv)
-    script_args, training_args, model_args = parser.parse_args_and_config(argv)
-    from .config import check_choice
+    script_args, training_args, model_args = parse(argv, (TrainScriptArguments, TOPRConfig, ModelConfig),
+                                                   "topr-trl train", TRAIN_DEFAULTS)
+    model, train_dataset, eval_dataset, reward_funcs = load_task(script_args, model_args.model_name_or_path,
+                                                                 training_args.seed)
+    if script_args.offline_dataset is not None:
+        from .offline import stored_reward
 
-    check_choice("task", script_args.task, TASKS)
-    reward_names = script_args.reward_funcs or _task_reward_names(script_args.task)
-    if not reward_names:
-        raise SystemExit("topr-trl train: --task custom needs --reward_funcs")
-    reward_funcs = [resolve_reward(name) for name in reward_names]
+        if script_args.reward_funcs is None:  # the paper labels the data once, at generation
+            reward_funcs = [stored_reward]
     if script_args.dry_run:
-        print(f"[topr-trl] configuration valid: task={script_args.task} model={model_args.model_name_or_path} "
-              f"loss_type={training_args.loss_type} limits={training_args.topr_limits} rewards={reward_names}")
+        print(f"[topr-trl] configuration valid: task={script_args.task} model={model} "
+              f"loss_type={training_args.loss_type} limits={training_args.topr_limits} "
+              f"rewards={[f.__name__ for f in reward_funcs]} offline_dataset={script_args.offline_dataset}")
         return {"dry_run": True}
+    if script_args.offline_dataset is not None:
+        train_dataset = load_offline_data(script_args.offline_dataset)
 
-    builtin_task = script_args.task == "arithmetic"
-    if model_args.model_name_or_path is None and not builtin_task:
-        raise SystemExit("topr-trl train: --model_name_or_path is required outside the built-in task")
-    if model_args.model_name_or_path is None:
-        build_warm_model(script_args.base_model_dir, digits=script_args.task_digits,
-                         target_accuracy=script_args.warm_start_accuracy, seed=training_args.seed)
-        model_args.model_name_or_path = script_args.base_model_dir
-    if builtin_task:
-        train_dataset = make_arithmetic_dataset(script_args.task_train_prompts, script_args.task_digits, seed=1)
-        eval_dataset = make_arithmetic_dataset(script_args.task_eval_prompts, script_args.task_digits, seed=2)
-    elif script_args.task == "gsm8k":
-        from .datasets import load_gsm8k
-
-        train_dataset = load_gsm8k(script_args.dataset_train_split, source=script_args.dataset_name or "openai/gsm8k",
-                                   few_shot=script_args.few_shot)
-        eval_dataset = None
-    elif script_args.task == "math500":
-        from .datasets import load_math500
-
-        train_dataset = load_math500(source=script_args.dataset_name or "HuggingFaceH4/MATH-500",
-                                     few_shot=script_args.few_shot)
-        eval_dataset = None
-    else:
-        from datasets import load_dataset
-
-        train_dataset = load_dataset(script_args.dataset_name, script_args.dataset_config,
-                                     split=script_args.dataset_train_split)
-        eval_dataset = None
-
-    trainer = TOPRTrainer(
-        model=model_args.model_name_or_path,
-        reward_funcs=reward_funcs,
-        args=training_args,
-        train_dataset=train_dataset,
-        peft_config=get_peft_config(model_args),
-    )
+    trainer = TOPRTrainer(model=model, reward_funcs=reward_funcs, args=training_args, train_dataset=train_dataset,
+                          peft_config=get_peft_config(model_args))
+    state = PartialState()
     summary: dict = {}
     if eval_dataset is not None:
-        summary["before"] = accuracy(trainer.model, trainer.processing_class, eval_dataset)
-        print(f"[topr-trl] held-out accuracy before training: {summary['before']}", flush=True)
+        summary["before"] = held_out_accuracy(trainer, eval_dataset)
+        _print_main(state, f"held-out accuracy before training: {summary['before']}")
     trainer.train()
     if eval_dataset is not None:
-        summary["after"] = accuracy(trainer.model, trainer.processing_class, eval_dataset)
-        print(f"[topr-trl] held-out accuracy after training:  {summary['after']}", flush=True)
+        summary["after"] = held_out_accuracy(trainer, eval_dataset)
+        _print_main(state, f"held-out accuracy after training:  {summary['after']}")
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
         Path(training_args.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(training_args.output_dir) / "topr_summary.json").write_text(json.dumps(summary, indent=2))
-        print(f"[topr-trl] model and summary saved to {training_args.output_dir}", flush=True)
+        _print_main(state, f"model and summary saved to {training_args.output_dir}")
     if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+        trainer.push_to_hub(dataset_name=script_args.offline_dataset or script_args.dataset_name)
     return summary
 
 
-@dataclass
-class IterateScriptArguments:
-    """Iterated offline TOPR (Algorithm 1, mu_i = pi_{i-1}) on the built-in task, or on a given model."""
+def generate(argv: list[str]) -> dict:
+    from accelerate import PartialState
+    from trl import ModelConfig
 
-    output_dir: str = field(default="outputs/topr-iterations", metadata={"help": "One folder per iteration."})
-    model_name_or_path: str | None = field(default=None, metadata={"help": "mu_0; None: the built-in tiny model."})
-    num_iterations: int = field(default=1, metadata={"help": "Iterations K."})
-    num_completions: int = field(default=8, metadata={"help": "Completions sampled per prompt."})
-    composition: str = field(default="uniform", metadata={"help": "uniform, positives_only, anna_karenina, "
-                                                                  "target_proportion."})
-    target_proportion: float | None = field(default=None, metadata={"help": "For composition=target_proportion."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature."})
-    top_k: int = field(default=0, metadata={"help": "Top-k truncation (0: none; the paper uses 500)."})
-    max_new_tokens: int = field(default=6, metadata={"help": "Completion length cap."})
-    learning_rate: float = field(default=2e-4, metadata={"help": "TOPR learning rate."})
-    per_device_train_batch_size: int = field(default=16, metadata={"help": "Rows per optimizer step."})
-    task_digits: int = field(default=2, metadata={"help": "Built-in task: operand digits."})
-    task_train_prompts: int = field(default=256, metadata={"help": "Built-in task: prompts per iteration."})
-    task_eval_prompts: int = field(default=200, metadata={"help": "Built-in task: held-out prompts."})
-    warm_start_accuracy: float = field(default=0.3, metadata={"help": "Built-in model: SFT warm-start target."})
-    base_model_dir: str = field(default="outputs/tiny-arithmetic-base", metadata={"help": "Built-in model cache."})
-    seed: int = field(default=0, metadata={"help": "Seed of the built-in model and of sampling."})
+    from .config import check_choice
+    from .offline import generate_offline_dataset, proportion_of_positives
+
+    options, model_args = parse(argv, (GenerateScriptArguments, ModelConfig), "topr-trl generate")
+    check_choice("backend", options.backend, ("auto", "transformers", "vllm"))
+    model, prompts, _, reward_funcs = load_task(options, model_args.model_name_or_path, options.seed)
+    if options.dry_run:
+        print(f"[topr-trl] configuration valid: task={options.task} model={model} backend={options.backend} "
+              f"num_generations={options.num_generations} rewards={[f.__name__ for f in reward_funcs]}")
+        return {"dry_run": True}
+    if not PartialState().is_main_process:  # sharded generation is resumable, not parallel: one process writes
+        return {}
+    import torch
+    from transformers import AutoTokenizer
+
+    if options.max_prompts is not None:
+        prompts = prompts.select(range(min(options.max_prompts, len(prompts))))
+    torch.manual_seed(options.seed)
+    dataset = generate_offline_dataset(
+        model, AutoTokenizer.from_pretrained(model), prompts, reward_funcs, options.output_dir,
+        num_completions=options.num_generations, temperature=options.temperature, top_p=options.top_p,
+        top_k=options.top_k, max_new_tokens=options.max_completion_length, prompts_per_shard=options.prompts_per_shard,
+        backend=options.backend, seed=options.seed, push_to_hub=options.push_to_hub,
+    )
+    summary = {"rows": len(dataset), "prompts": len(prompts), "proportion_of_positives":
+               proportion_of_positives(dataset), "truncated_fraction": sum(dataset["truncated"]) / len(dataset),
+               "output_dir": options.output_dir}
+    print(f"[topr-trl] generated {summary['rows']} completions for {summary['prompts']} prompts into "
+          f"{options.output_dir}: p={summary['proportion_of_positives']:.3f}, "
+          f"truncated {summary['truncated_fraction']:.3f}", flush=True)
+    return summary
 
 
 def iterate(argv: list[str]) -> list[dict]:
     import torch
-    from transformers import HfArgumentParser
+    from trl import ModelConfig
 
+    from .config import TOPRConfig, check_choice
     from .iterate import IterationSettings, run_iterations
-    from .tasks import accuracy, build_warm_model, make_arithmetic_dataset
+    from .tasks import accuracy
 
-    parser = HfArgumentParser(IterateScriptArguments, prog="topr-trl iterate")
-    reject_unknown_flags(parser, argv)
-    (options,) = parser.parse_args_into_dataclasses(argv)
-    torch.manual_seed(options.seed)
-    if options.model_name_or_path is None:
-        build_warm_model(options.base_model_dir, digits=options.task_digits,
-                         target_accuracy=options.warm_start_accuracy, seed=options.seed)
-        options.model_name_or_path = options.base_model_dir
-    prompts = make_arithmetic_dataset(options.task_train_prompts, options.task_digits, seed=1)
-    held_out = make_arithmetic_dataset(options.task_eval_prompts, options.task_digits, seed=2)
+    options, training_args, model_args = parse(argv, (IterateScriptArguments, TOPRConfig, ModelConfig),
+                                               "topr-trl iterate", ITERATE_DEFAULTS)
+    check_choice("composition", options.composition, COMPOSITIONS)
+    check_choice("backend", options.backend, ("auto", "transformers", "vllm"))
+    model, prompts, held_out, reward_funcs = load_task(options, model_args.model_name_or_path, training_args.seed)
+    if options.dry_run:
+        print(f"[topr-trl] configuration valid: {options.iterations} iteration(s), composition="
+              f"{options.composition}, model={model}, limits={training_args.topr_limits}")
+        return []
+    torch.manual_seed(training_args.seed)
     settings = IterationSettings(
-        num_iterations=options.num_iterations, num_completions=options.num_completions,
-        temperature=options.temperature, top_k=options.top_k, max_new_tokens=options.max_new_tokens,
-        composition=options.composition, target_proportion=options.target_proportion,
-        train_overrides=dict(learning_rate=options.learning_rate, lr_scheduler_type="constant",
-                             per_device_train_batch_size=options.per_device_train_batch_size, use_cpu=True,
-                             bf16=False, gradient_checkpointing=False, logging_steps=10, seed=options.seed),
+        num_iterations=options.iterations, num_completions=training_args.num_generations,
+        temperature=training_args.temperature, top_p=training_args.top_p, top_k=training_args.top_k or 0,
+        max_new_tokens=training_args.max_completion_length, composition=options.composition,
+        target_proportion=options.target_proportion, prompts_per_shard=options.prompts_per_shard,
+        backend=options.backend, train_args=training_args,
     )
-    summaries = run_iterations(options.model_name_or_path, prompts, arithmetic_reward, options.output_dir, settings,
-                               evaluate=lambda model, tokenizer: accuracy(model, tokenizer, held_out))
+    evaluate = (lambda model, tokenizer: accuracy(model, tokenizer, held_out)) if held_out is not None else None
+    summaries = run_iterations(model, prompts, reward_funcs, training_args.output_dir, settings, evaluate=evaluate)
     for summary in summaries:
         print(f"[topr-trl] iteration {summary['iteration']}: p={summary['proportion_of_positives']:.3f} "
               f"before={summary.get('evaluation_before')} after={summary.get('evaluation')}", flush=True)
@@ -250,6 +385,7 @@ def main(argv: list[str] | None = None) -> None:
 
     commands = {
         "train": train,
+        "generate": generate,
         "iterate": iterate,
         "evaluate": lambda arguments: evaluate_main(arguments, prog="topr-trl evaluate"),
     }

@@ -14,6 +14,7 @@ stopped: generation at the last complete shard, training at the last checkpoint.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +26,9 @@ from datasets import Dataset
 
 @dataclass
 class IterationSettings:
-    """What each iteration does. `train_overrides` go to TOPRConfig (learning rate, batch size, ...)."""
+    """What each iteration does. Training uses a copy of `train_args` (a TOPRConfig, e.g. from `topr-trl iterate
+    --config`) with its output_dir moved into the iteration's folder, or else a TOPRConfig built from the generation
+    settings and `train_overrides` (learning rate, batch size, ...)."""
 
     num_iterations: int = 2
     num_completions: int = 8
@@ -37,7 +40,9 @@ class IterationSettings:
     target_proportion: float | None = None
     prompts_per_shard: int = 64
     save_steps: int = 50
+    backend: str = "auto"
     train_overrides: dict = field(default_factory=dict)
+    train_args: object | None = None  # a TOPRConfig; when given, each iteration trains with a copy of it
 
 
 def run_iterations(
@@ -50,7 +55,8 @@ def run_iterations(
     callbacks: list | None = None,
 ) -> list[dict]:
     """Run (or resume) `settings.num_iterations` iterations; returns each iteration's summary."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from accelerate import PartialState
+    from transformers import AutoTokenizer
     from transformers.trainer_utils import get_last_checkpoint
 
     from .config import TOPRConfig
@@ -68,25 +74,32 @@ def run_iterations(
             behaviour_path = str(folder / "model")
             continue
         started = time.time()
-        behaviour = AutoModelForCausalLM.from_pretrained(behaviour_path)
         tokenizer = AutoTokenizer.from_pretrained(behaviour_path)
-        data = generate_offline_dataset(
-            behaviour, tokenizer, prompts, reward_funcs, folder / "data", num_completions=settings.num_completions,
-            temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-            max_new_tokens=settings.max_new_tokens, prompts_per_shard=settings.prompts_per_shard,
-        )
-        del behaviour
+        # the main process generates; the others then find every shard written and only load them
+        with PartialState().main_process_first():
+            data = generate_offline_dataset(
+                behaviour_path, tokenizer, prompts, reward_funcs, folder / "data",
+                num_completions=settings.num_completions, temperature=settings.temperature, top_p=settings.top_p,
+                top_k=settings.top_k, max_new_tokens=settings.max_new_tokens,
+                prompts_per_shard=settings.prompts_per_shard, backend=settings.backend,
+            )
         data, proportion = compose(data, settings.composition, target_proportion=settings.target_proportion)
         grouped = settings.composition == "uniform"
-        config = dict(
-            output_dir=str(folder / "train"), save_strategy="steps",
-            save_steps=settings.save_steps, num_generations=settings.num_completions,
-            max_completion_length=settings.max_new_tokens, temperature=settings.temperature, report_to="none",
-        )
-        if not grouped:  # curated data no longer has whole groups: the paper's R - c signal
-            config.update(topr_signal="reward", topr_baseline=0.0)
-        config.update(settings.train_overrides)
-        args = TOPRConfig(**config)
+        if settings.train_args is not None:
+            args = copy.deepcopy(settings.train_args)
+            args.output_dir = str(folder / "train")
+            if not grouped and args.topr_signal == "advantage":  # curated data has no whole groups: R - c
+                args.topr_signal = "reward"
+        else:
+            config = dict(
+                output_dir=str(folder / "train"), save_strategy="steps",
+                save_steps=settings.save_steps, num_generations=settings.num_completions,
+                max_completion_length=settings.max_new_tokens, temperature=settings.temperature, report_to="none",
+            )
+            if not grouped:  # curated data no longer has whole groups: the paper's R - c signal
+                config.update(topr_signal="reward", topr_baseline=0.0)
+            config.update(settings.train_overrides)
+            args = TOPRConfig(**config)
         trainer = TOPRTrainer(model=behaviour_path, reward_funcs=stored_reward, args=args, train_dataset=data,
                               callbacks=callbacks)
         before = evaluate(trainer.model, trainer.processing_class) if evaluate and iteration == 0 else None
@@ -105,7 +118,8 @@ def run_iterations(
             summary["evaluation_before"] = before
         if evaluate:
             summary["evaluation"] = evaluate(trainer.model, trainer.processing_class)
-        summary_file.write_text(json.dumps(summary, indent=2))
+        if PartialState().is_main_process:
+            summary_file.write_text(json.dumps(summary, indent=2))
         summaries.append(summary)
         behaviour_path = str(folder / "model")
     return summaries

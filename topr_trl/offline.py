@@ -31,7 +31,7 @@ from pathlib import Path
 from datasets import Dataset, concatenate_datasets, load_from_disk
 from torch.utils.data import Sampler
 
-from .rollout import sample_with_logps
+from .rollout import make_vllm_engine, sample_with_logps, sample_with_logps_vllm, vllm_available
 
 OFFLINE_COLUMNS = ("prompt_index", "sample_index", "completion", "completion_ids", "behaviour_logps", "truncated",
                    "reward")
@@ -59,8 +59,15 @@ def generate_offline_dataset(
     show_progress: bool = True,
     push_to_hub: str | None = None,
     private: bool = True,
+    backend: str = "auto",
+    seed: int = 0,
 ) -> Dataset:
     """Sample `num_completions` completions per prompt from `model` (mu), score them, save them in shards.
+
+    `backend`: "transformers" (`model` a loaded causal LM), "vllm" (`model` a model path or Hub id, a loaded model
+    whose `name_or_path` is used, or a vLLM engine from `topr_trl.rollout.make_vllm_engine`), or "auto": vLLM when
+    it is installed and a GPU is present, transformers otherwise. Both write the same schema; `seed` seeds the vLLM
+    engine (seed transformers sampling with `torch.manual_seed`).
 
     Defaults follow the paper (temperature 1; it uses top_k=500 and 512 new tokens). A shard is written
     atomically once all its prompts are done, so an interrupted run restarted with the same arguments
@@ -68,6 +75,24 @@ def generate_offline_dataset(
     also pushed to the Hub repository `push_to_hub` when given (credentials from `huggingface-cli login` or
     HF_TOKEN; never printed).
     """
+    from .config import check_choice
+
+    check_choice("backend", backend, ("auto", "transformers", "vllm"))
+    if backend == "auto":
+        backend = "vllm" if vllm_available() else "transformers"
+    if backend == "vllm":
+        if isinstance(model, str) or hasattr(model, "name_or_path"):
+            model = make_vllm_engine(model if isinstance(model, str) else model.name_or_path, seed=seed)
+        sampler = sample_with_logps_vllm
+        prompts_per_batch = prompts_per_shard  # vLLM schedules a whole shard at once
+    else:
+        if isinstance(model, str):
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(model)
+            model.to("cuda" if torch.cuda.is_available() else "cpu")
+        sampler = sample_with_logps
     reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
     weights = list(reward_weights) if reward_weights is not None else [1.0] * len(reward_funcs)
     if len(weights) != len(reward_funcs):
@@ -98,8 +123,8 @@ def generate_offline_dataset(
         rows = []
         for batch_start in range(start, stop, prompts_per_batch):
             batch = prompts.select(range(batch_start, min(batch_start + prompts_per_batch, stop)))
-            samples = sample_with_logps(model, tokenizer, batch["prompt"], num_completions, temperature, top_p,
-                                        top_k, max_new_tokens)
+            samples = sampler(model, tokenizer, batch["prompt"], num_completions, temperature, top_p, top_k,
+                             max_new_tokens)
             for offset, example in enumerate(batch):
                 for sample_index in range(num_completions):
                     sample = dict(samples[offset * num_completions + sample_index])

@@ -1,7 +1,7 @@
 """Generation by a frozen behaviour model mu that returns its sampling log-probs, as vLLM does.
 
-`sample_with_logps` is the one place that samples completions together with log mu of every sampled token;
-offline dataset generation uses it, and `make_behaviour_rollout(model, tokenizer)` wraps it as a TRL
+`sample_with_logps` (transformers) and `sample_with_logps_vllm` (a vLLM engine) sample completions together with
+log mu of every sampled token and return the same rows; offline dataset generation uses either, and `make_behaviour_rollout(model, tokenizer)` wraps it as a TRL
 `rollout_func`: TOPRTrainer then trains on completions that the policy did not generate, with mu's log-probs as
 the denominator of pi/mu. This is the code path vLLM takes (the generator reports its own log-probs) and runs
 anywhere, CPU included.
@@ -36,7 +36,7 @@ def sample_with_logps(
     output = model.generate(
         **encoded, do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
         output_scores=True, return_dict_in_generate=True, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        pad_token_id=tokenizer.pad_token_id, synced_gpus=False,  # mu is a plain local model, even under ZeRO-3
     )
     new_tokens = output.sequences[:, encoded["input_ids"].size(1):]
     # `scores` are the processed logits (temperature, top-k, top-p applied; masked tokens at -inf), so their
@@ -56,6 +56,60 @@ def sample_with_logps(
             "behaviour_logps": token_logps[row, : len(tokens)].tolist(),
             "truncated": not stopped,
         })
+    return rows
+
+
+def vllm_available() -> bool:
+    """vLLM is installed and a CUDA GPU is present (vLLM's own requirement); checked without importing vLLM."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+
+
+def make_vllm_engine(model_name_or_path: str, seed: int = 0, **engine_kwargs):
+    """A vLLM engine whose reported log-probs are those of the sampling distribution (temperature, top-k and
+    top-p applied), the same quantity `sample_with_logps` stores."""
+    from vllm import LLM
+
+    return LLM(model=model_name_or_path, seed=seed, logprobs_mode="processed_logprobs", **engine_kwargs)
+
+
+def sample_with_logps_vllm(
+    llm,
+    tokenizer,
+    prompts: list,
+    num_completions: int = 1,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    max_new_tokens: int = 512,
+) -> list[dict]:
+    """`sample_with_logps` with a vLLM engine (built by `make_vllm_engine`): the same rows, in the same order.
+
+    Prompts are tokenized here, exactly as the transformers path does, and passed as token ids, so that both paths
+    condition on identical prompts. A completion that vLLM stopped at EOS keeps its EOS token; one that hit
+    `max_new_tokens` is flagged `truncated`."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(n=num_completions, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
+                            max_tokens=max_new_tokens, logprobs=0, skip_special_tokens=True)
+    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) if isinstance(p, list) else p
+             for p in prompts]
+    prompt_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    rows = []
+    for ids, request in zip(prompt_ids, outputs, strict=True):
+        for sample in request.outputs:
+            tokens = list(sample.token_ids)
+            # with logprobs=0 vLLM reports one entry per position: the sampled token's processed log-prob
+            logps = [step[token].logprob for step, token in zip(sample.logprobs, tokens, strict=True)]
+            rows.append({
+                "prompt_ids": list(ids),
+                "completion": tokenizer.decode(tokens, skip_special_tokens=True),
+                "completion_ids": tokens,
+                "behaviour_logps": logps,
+                "truncated": sample.finish_reason == "length",
+            })
     return rows
 
 

@@ -118,8 +118,11 @@ def accuracy(model, tokenizer, dataset: Dataset, max_new_tokens: int = 8, batch_
         rows = dataset[start : start + batch_size]
         texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in rows["prompt"]]
         encoded = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+        # synced_gpus=False: under ZeRO-3 transformers would otherwise sync every step with all ranks, and hang when
+        # only the main process evaluates (the warm start); ranks that all evaluate run identical greedy steps anyway
         output = model.generate(
-            **encoded, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            **encoded, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+            synced_gpus=False,
         )
         decoded = tokenizer.batch_decode(output[:, encoded["input_ids"].size(1) :], skip_special_tokens=True)
         for text, reference in zip(decoded, rows["answer"], strict=True):

@@ -1,0 +1,130 @@
+"""Figures 5-6 of the TOPR paper in miniature: the baseline c decides the effective proportion of positives.
+
+Per seed, one dataset is sampled from mu and subsampled to 10 % and to 50 % positives (`compose`, strategy
+"target_proportion"). For each, c is set so that Eq. 12's effective proportion p~ = p(1-c)/(1+(1-2p)c) spans
+1 % to 100 % (p~ = 100 % is c = -1: negatives get weight 0, i.e. SFT on positives), and TOPR and TIS are trained
+off-policy on it; final held-out accuracy per (p, p~, method).
+
+    .venv/bin/python scripts/baseline_sweep.py                     # 3 seeds, writes docs/baseline_sweep.{json,png}
+    .venv/bin/python scripts/baseline_sweep.py --seeds 0 --targets 0.1 1.0   # quicker
+
+The paper's claims to test: accuracy depends strongly on p~ whatever the dataset's p (so the baseline can make
+up for a badly balanced dataset); the best p~ is small but not zero (10-20 % on GSM8K); too few positives
+(p~ -> 0) is harmful, and TOPR is more robust to the choice than TIS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from experiments import baseline_for, mean_and_ci95, prepare_base, sample_fixed_dataset, train_offline
+
+METHODS = {"topr": {"topr_preset": "topr"}, "tis": {"topr_preset": "tis"}}
+
+
+def run(options) -> dict:
+    from topr_trl.offline import compose
+    from topr_trl.tasks import make_arithmetic_dataset
+
+    work = Path(options.work_dir)
+    base_dir = prepare_base(work, options.base_accuracy)
+    held_out = make_arithmetic_dataset(options.eval_prompts, 2, seed=2)
+    results: dict = {"options": vars(options), "runs": {}}
+    for seed in options.seeds:
+        sampled = sample_fixed_dataset(base_dir, options.prompts, seed, work)
+        for proportion in options.proportions:
+            data, p = compose(sampled, "target_proportion", target_proportion=proportion, seed=seed)
+            for target in options.targets:
+                c = baseline_for(p, target)
+                for method in options.methods:
+                    key = f"p{proportion:g}/pt{target:g}/{method}/seed{seed}"
+                    outcome = train_offline(
+                        base_dir, data, work / "runs" / key.replace("/", "-"), held_out, seed=seed,
+                        epochs=options.epochs, batch_size=options.batch_size, learning_rate=options.learning_rate,
+                        topr_baseline=c, **METHODS[method],
+                    )
+                    results["runs"][key] = {"proportion": proportion, "measured_p": p, "rows": len(data),
+                                            "target": target, "baseline": c, "method": method, "seed": seed,
+                                            **outcome}
+                    print(f"[sweep] seed {seed} p={p:.3f} p~={target:<5g} c={c:+.3f} {method:<4} accuracy "
+                          f"{outcome['curve'][0]['accuracy']:.3f} -> {outcome['curve'][-1]['accuracy']:.3f} "
+                          f"({outcome['seconds']:.0f}s)", flush=True)
+    results["summary"] = summarise(results["runs"])
+    return results
+
+
+def summarise(runs: dict) -> dict:
+    """{"p/p~/method": final accuracy mean and 95 % CI over seeds}, plus the common start accuracy."""
+    groups: dict[str, list[float]] = {}
+    for run in runs.values():
+        key = f"p{run['proportion']:g}/pt{run['target']:g}/{run['method']}"
+        groups.setdefault(key, []).append(run["curve"][-1]["accuracy"])
+    summary = {key: mean_and_ci95(values) for key, values in groups.items()}
+    summary["start_accuracy"] = statistics.mean(run["curve"][0]["accuracy"] for run in runs.values())
+    return summary
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    options = results["options"]
+    summary = results["summary"]
+    figure, axes = plt.subplots(1, len(options["proportions"]), figsize=(5.5 * len(options["proportions"]), 4),
+                                squeeze=False)
+    for axis, proportion in zip(axes[0], options["proportions"]):
+        for method in options["methods"]:
+            rows = [summary[f"p{proportion:g}/pt{t:g}/{method}"] for t in options["targets"]]
+            axis.errorbar(options["targets"], [r["mean"] for r in rows],
+                          yerr=[0 if r["ci95"] != r["ci95"] else r["ci95"] for r in rows], capsize=3, marker="o",
+                          label=method.upper())
+        axis.axhline(summary["start_accuracy"], color="grey", linestyle=":", label="start")
+        axis.axvspan(0.1, 0.2, color="green", alpha=0.08, label="paper's best p~")
+        axis.set_xscale("log")
+        axis.set_xlabel("effective proportion of positives p~ (set by the baseline c)")
+        axis.set_title(f"dataset with {proportion:.0%} positives")
+    axes[0][0].set_ylabel("final held-out accuracy (mean, 95 % CI)")
+    axes[0][0].legend()
+    figure.suptitle("Figures 5-6 in miniature: the baseline sets p~; TOPR vs TIS")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--proportions", type=float, nargs="+", default=[0.1, 0.5],
+                        help="proportions of positives p the dataset is subsampled to")
+    parser.add_argument("--targets", type=float, nargs="+", default=[0.01, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0],
+                        help="effective proportions p~ the baseline is solved for")
+    parser.add_argument("--prompts", type=int, default=128, help="prompts sampled from mu (x8 completions)")
+    parser.add_argument("--epochs", type=float, default=3.0, help="passes over the fixed dataset")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--eval-prompts", type=int, default=100)
+    parser.add_argument("--base-accuracy", type=float, default=0.3)
+    parser.add_argument("--work-dir", default="outputs/experiments")
+    parser.add_argument("--output", default="docs/baseline_sweep", help="writes OUTPUT.json and OUTPUT.png")
+    options = parser.parse_args(argv)
+    for target in options.targets:
+        if not 0 < target <= 1:
+            parser.error(f"--targets must lie in (0, 1]; got {target}")
+    results = run(options)
+    Path(options.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(options.output + ".json").write_text(json.dumps(results, indent=2))
+    plot(results, Path(options.output + ".png"))
+    print(f"start accuracy {results['summary']['start_accuracy']:.3f}")
+    for key, row in results["summary"].items():
+        if key != "start_accuracy":
+            print(f"{key:<24} final accuracy {row['mean']:.3f} ± {row['ci95']:.3f}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
