@@ -6,6 +6,7 @@ are interleaved round by round so that machine noise hits all of them alike. Com
 
     python scripts/benchmark.py --smoke                 # seconds; what CI runs (no assertion on times)
     python scripts/benchmark.py --repeats 5 --steps 20  # the CPU figures in the note
+    python scripts/benchmark.py --interleaved --repeats 5 --steps 20   # whole steps alternated in one process
     python scripts/benchmark.py --model qwen2.5-0.5b --device cuda --bf16 --prompt-length 512 --completion-length 512
 
 Prints a table (median and spread of seconds per step, tokens per second, peak memory) and the ratios
@@ -31,12 +32,17 @@ SETTINGS = {
     "grpo-grpo-kl": ("grpo", {"loss_type": "grpo", "beta": 0.04}),
     "topr-online": ("topr", {}),
     "topr-offline": ("topr", {"__behaviour__": True}),
+    # Offline datasets (no generation): mu's log-probs stored, or recomputed by a frozen copy of mu (extra work)
+    "topr-replay": ("topr", {"__replay__": "stored"}),
+    "topr-replay-recompute": ("topr", {"__replay__": "recompute"}),
 }
 # The pairs compared for the targets: the same work in both trainers.
 RATIOS = {
     "topr-online / grpo-grpo": ("topr-online", "grpo-grpo"),
     "topr-online / grpo-dapo": ("topr-online", "grpo-dapo"),
     "topr-online / grpo-grpo-kl": ("topr-online", "grpo-grpo-kl"),
+    # what recomputing mu's log-probs costs when an offline dataset has none stored
+    "topr-replay-recompute / topr-replay": ("topr-replay-recompute", "topr-replay"),
 }
 MODEL_SHAPES = {
     "tiny": dict(hidden_size=64, num_layers=2),
@@ -49,8 +55,8 @@ MODEL_SHAPES = {
 }
 
 
-def worker(options: dict) -> dict:
-    """Run one setting and return its measurements (executed in a subprocess)."""
+def build_trainer(setting: str, options: dict, model_path: str):
+    """The trainer of one setting with the shared model, data, batch shapes and seeds, and its step timer."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -62,9 +68,10 @@ def worker(options: dict) -> dict:
     from topr_trl.rollout import make_behaviour_rollout
     from topr_trl.tasks import make_arithmetic_dataset
 
-    trainer_name, overrides = SETTINGS[options["setting"]]
+    trainer_name, overrides = SETTINGS[setting]
     overrides = dict(overrides)
     behaviour = overrides.pop("__behaviour__", False)
+    replay = overrides.pop("__replay__", None)
     cuda = options["device"] == "cuda"
     prompt_text = "1+1=" + "0" * max(options["prompt_length"] - 40, 0)  # pads prompts to the requested length
     dataset = make_arithmetic_dataset(256, digits=2, seed=0).map(
@@ -73,6 +80,33 @@ def worker(options: dict) -> dict:
 
     def length_reward(completions, **kwargs):  # any reward with variance: the loss must do real work
         return [float(hash(c[0]["content"]) % 3) for c in completions]
+
+    if replay:  # an offline dataset of full-length completions (random digit tokens), as generation would give
+        from topr_trl.offline import stored_reward
+
+        import math
+
+        generator = torch.Generator().manual_seed(0)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
+        # log mu of a random-weight model is close to uniform over the vocabulary: stored log-probs far from pi's
+        # would drive the sequence weights to ~1e-30 and the CPU into slow denormal arithmetic, timing an artefact
+        uniform_logp = -math.log(len(tokenizer))
+        rows = []
+        for index, prompt in enumerate(dataset["prompt"]):
+            for sample in range(options["num_generations"]):
+                tokens = torch.randint(len(digits), (options["completion_length"],), generator=generator).tolist()
+                rows.append({"prompt": prompt, "prompt_index": index, "sample_index": sample,
+                             "completion_ids": [digits[t] for t in tokens],
+                             "behaviour_logps": [uniform_logp] * options["completion_length"],
+                             "reward": float((index + sample) % 3)})
+        from datasets import Dataset
+
+        dataset = Dataset.from_list(rows)
+        if replay == "recompute":
+            dataset = dataset.remove_columns("behaviour_logps")
+            overrides["topr_behaviour_model"] = model_path
+        length_reward = stored_reward
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -103,12 +137,21 @@ def worker(options: dict) -> dict:
         args = config_class(**common, **overrides)
     extra = {}
     if behaviour:
-        mu = AutoModelForCausalLM.from_pretrained(options["model_path"], dtype=torch.bfloat16 if options["bf16"] else None)
+        mu = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if options["bf16"] else None)
         mu.to("cuda" if cuda else "cpu")
-        extra["rollout_func"] = make_behaviour_rollout(mu, AutoTokenizer.from_pretrained(options["model_path"]))
+        extra["rollout_func"] = make_behaviour_rollout(mu, AutoTokenizer.from_pretrained(model_path))
     timer = StepTimer()
-    trainer = trainer_class(model=options["model_path"], reward_funcs=length_reward, args=args,
-                            train_dataset=dataset, callbacks=[timer], **extra)
+    trainer = trainer_class(model=model_path, reward_funcs=length_reward, args=args, train_dataset=dataset,
+                            callbacks=[timer], **extra)
+    return trainer, timer
+
+
+def worker(options: dict) -> dict:
+    """Run one setting and return its measurements (executed in a subprocess)."""
+    import torch
+
+    cuda = options["device"] == "cuda"
+    trainer, timer = build_trainer(options["setting"], options, options["model_path"])
     generation_seconds: list[float] = []
     generate_and_score = trainer._generate_and_score_completions
 
@@ -132,8 +175,8 @@ def worker(options: dict) -> dict:
     tokens_per_step = options["batch_size"] * (options["prompt_length"] + options["completion_length"])
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"setting": options["setting"], "step_seconds": times, "update_seconds": update_times,
-            "tokens_per_step": tokens_per_step,
-            "peak_memory_mib": peak}
+            "tokens_per_step": tokens_per_step, "peak_memory_mib": peak,
+            "flops": step_flops(trainer.model.config, options, options["setting"])}
 
 
 def loss_only(options, model_path: str) -> dict:
@@ -185,6 +228,94 @@ def loss_only(options, model_path: str) -> dict:
                        for name in ("grpo-grpo", "grpo-dapo")}}
 
 
+def model_flops_per_token(config, sequence_length: int) -> dict[str, float]:
+    """Model FLOPs per token (the PaLM appendix B convention): a forward pass costs 2 N + 4 L d s per token, with
+    N the non-embedding parameters plus the LM head, L layers, d the hidden size and s the sequence length (the
+    attention score and value products); forward + backward cost three times that."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = hidden // heads
+    attention = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
+    mlp = 3 * hidden * config.intermediate_size
+    parameters = layers * (attention + mlp) + hidden * config.vocab_size  # LM head counted, input embedding not
+    forward = 2 * parameters + 4 * layers * hidden * sequence_length
+    return {"forward": forward, "forward_backward": 3 * forward, "parameters": parameters}
+
+
+def step_flops(config, options: dict, setting: str) -> dict[str, float]:
+    """Model FLOPs of one step: generation (prefill + decoding, one forward per token; for replayed offline data
+    none, or mu's forward when its log-probs are recomputed), the policy's forward and backward over prompt +
+    completion, and the reference model's forward with beta > 0."""
+    sequence = options["prompt_length"] + options["completion_length"]
+    per_token = model_flops_per_token(config, sequence)
+    sequences = options["batch_size"]
+    # replayed offline data is not generated; recomputing mu's log-probs is one forward of mu instead
+    replay = SETTINGS[setting][1].get("__replay__")
+    generation = 0.0 if replay == "stored" else per_token["forward"] * sequences * sequence
+    update = per_token["forward_backward"] * sequences * sequence
+    if SETTINGS[setting][1].get("beta", 0) > 0:
+        update += per_token["forward"] * sequences * sequence
+    return {"generation": generation, "update": update, "step": generation + update}
+
+
+def measured_matmul_rate(device: str, bf16: bool, size: int | None = None, repeats: int = 10) -> float:
+    """FLOP/s of a large square matrix product on this device and dtype: the peak that MFU is measured against
+    (a measured rate, not the datasheet's)."""
+    import torch
+
+    size = size or (8192 if device == "cuda" else 1024)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def interleaved_steps(options, model_path: str) -> dict:
+    """Whole optimizer steps (generation, scoring, loss, backward, optimizer) of every setting in one process,
+    alternated step by step, so that machine noise falls on all of them alike; wall time and process CPU time per
+    step. Peak memory needs one process per setting: the default mode measures it."""
+    import torch
+
+    trainers = {setting: build_trainer(setting, vars(options), model_path)[0] for setting in options.settings}
+    iterators = {}
+    for trainer in trainers.values():
+        trainer.model.train()
+        trainer.create_optimizer()
+        trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by train()
+        iterators[trainer] = iter(trainer.get_train_dataloader())
+    wall: dict[str, list[float]] = {name: [] for name in trainers}
+    cpu: dict[str, list[float]] = {name: [] for name in trainers}
+    for round_index in range(options.warmup + options.repeats * options.steps):
+        for name, trainer in trainers.items():
+            batch = next(iterators[trainer])
+            if options.device == "cuda":
+                torch.cuda.synchronize()
+            wall_start, cpu_start = time.perf_counter(), time.process_time()
+            trainer.training_step(trainer.model, batch, None)
+            trainer.optimizer.step()
+            trainer.optimizer.zero_grad()
+            if options.device == "cuda":
+                torch.cuda.synchronize()
+            if round_index >= options.warmup:
+                wall[name].append(time.perf_counter() - wall_start)
+                cpu[name].append(time.process_time() - cpu_start)
+    table = {name: {"median_step_s": statistics.median(wall[name]), "quartiles_step_s": statistics.quantiles(wall[name], n=4),
+                    "median_cpu_s": statistics.median(cpu[name])} for name in trainers}
+    ratios = {label: {"step_time": table[a]["median_step_s"] / table[b]["median_step_s"],
+                      "cpu_time": table[a]["median_cpu_s"] / table[b]["median_cpu_s"]}
+              for label, (a, b) in RATIOS.items() if a in table and b in table}
+    return {"table": table, "ratios": ratios}
+
+
 def build_model(shape: str, path: str) -> None:
     from topr_trl.tiny import build_model as build, build_tokenizer, save_pretrained
 
@@ -194,18 +325,23 @@ def build_model(shape: str, path: str) -> None:
     save_pretrained(build(tokenizer, hidden_size=hidden, num_layers=layers, **kwargs), tokenizer, path)
 
 
-def summarise(results: dict[str, list[dict]]) -> dict:
+def summarise(results: dict[str, list[dict]], matmul_rate: float) -> dict:
+    """Per setting: medians over all steps, spread of per-run medians, tokens/s, peak memory, and model FLOPs
+    utilisation of the whole step and of the update alone against the measured `matmul_rate`."""
     table = {}
     for setting, runs in results.items():
         per_run = [statistics.median(r["step_seconds"]) for r in runs if r["step_seconds"]]
-        all_steps = [t for r in runs for t in r["step_seconds"]]
-        median = statistics.median(all_steps)
+        median = statistics.median(t for r in runs for t in r["step_seconds"])
+        median_update = statistics.median(t for r in runs for t in r["update_seconds"])
+        flops = runs[0]["flops"]
         table[setting] = {
             "median_step_s": median,
-            "median_update_s": statistics.median(t for r in runs for t in r["update_seconds"]),
+            "median_update_s": median_update,
             "spread_step_s": [min(per_run), max(per_run)],
             "tokens_per_s": runs[0]["tokens_per_step"] / median,
             "peak_memory_mib": statistics.median(r["peak_memory_mib"] for r in runs),
+            "mfu_step": flops["step"] / median / matmul_rate,
+            "mfu_update": flops["update"] / median_update / matmul_rate,
         }
     ratios = {}
     for name, (numerator, denominator) in RATIOS.items():
@@ -234,6 +370,8 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--loss-only", action="store_true",
                         help="time only loss+backward on one shared batch, all trainers in one process")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="whole steps of every setting alternated in one process (wall and CPU time; no memory)")
     parser.add_argument("--output", help="write the results as JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -256,6 +394,21 @@ def main() -> None:
             with open(options.output, "w") as handle:
                 json.dump({"loss_only": result, "options": vars(options)}, handle, indent=2)
         return
+    if options.interleaved:
+        result = interleaved_steps(options, model_path)
+        print(f"{'setting':<16} {'wall s/step':>11} {'quartiles':>22} {'cpu s/step':>11}")
+        for name, row in result["table"].items():
+            quartiles = "/".join(f"{q:.4f}" for q in row["quartiles_step_s"])
+            print(f"{name:<16} {row['median_step_s']:>11.4f} {quartiles:>22} {row['median_cpu_s']:>11.4f}")
+        for name, ratio in result["ratios"].items():
+            print(f"{name:<28} step time {ratio['step_time']:.3f}   cpu time {ratio['cpu_time']:.3f}")
+        if options.output:
+            with open(options.output, "w") as handle:
+                json.dump({"interleaved": result, "options": vars(options)}, handle, indent=2)
+        return
+    matmul_rate = measured_matmul_rate(options.device, options.bf16)
+    print(f"[benchmark] measured matrix-product rate: {matmul_rate / 1e9:.1f} GFLOP/s "
+          f"({'bf16' if options.bf16 else 'fp32'}, {options.device})", flush=True)
     results: dict[str, list[dict]] = {name: [] for name in options.settings}
     for repeat in range(options.repeats):
         for setting in options.settings:  # interleaved: every round runs every setting once
@@ -270,14 +423,16 @@ def main() -> None:
             results[setting].append(json.loads(lines[-1][len("RESULT "):]))
             print(f"[benchmark] round {repeat + 1}/{options.repeats} {setting}: "
                   f"{statistics.median(results[setting][-1]['step_seconds']):.4f} s/step", flush=True)
-    summary = summarise(results)
+    summary = summarise(results, matmul_rate)
     summary["options"] = vars(options)
+    summary["matmul_flops_per_s"] = matmul_rate
     print(f"\n{'setting':<16} {'s/step':>8} {'spread of run medians':>22} {'s/update':>9} {'tokens/s':>9} "
-          f"{'peak MiB':>9}")
+          f"{'peak MiB':>9} {'MFU step':>9} {'MFU upd.':>9}")
     for setting, row in summary["table"].items():
         spread = f"{row['spread_step_s'][0]:.4f}-{row['spread_step_s'][1]:.4f}"
         print(f"{setting:<16} {row['median_step_s']:>8.4f} {spread:>22} {row['median_update_s']:>9.4f} "
-              f"{row['tokens_per_s']:>9.0f} {row['peak_memory_mib']:>9.0f}")
+              f"{row['tokens_per_s']:>9.0f} {row['peak_memory_mib']:>9.0f} {row['mfu_step']:>9.2%} "
+              f"{row['mfu_update']:>9.2%}")
     print("\n(s/update: the step without generation and scoring, i.e. the loss, backward and optimizer work)")
     for name, ratio in summary["ratios"].items():
         print(f"{name:<28} step time {ratio['step_time']:.3f}   update time {ratio['update_time']:.3f}   "

@@ -3,7 +3,8 @@ composing each iteration's data: uniform (every sample), positives only (rejecti
 Karenina (per prompt the first correct completion and every incorrect one).
 
 Each iteration samples 8 completions for each training prompt from the current model, composes the data, trains one
-TOPR pass on it with the paper's signal R - c (c = 0), and evaluates greedy accuracy on held-out prompts.
+TOPR pass on it with the paper's signal R - c (c = 0; `--signal advantage`: GRPO's group advantage), and evaluates
+greedy accuracy on held-out prompts.
 
     .venv/bin/python scripts/iterations.py                    # 3 seeds x 3 strategies x 3 iterations, docs/iterations.*
     .venv/bin/python scripts/iterations.py --seeds 0 --iterations 2   # quicker
@@ -42,13 +43,13 @@ def run(options) -> dict:
                 save_steps=10_000,
                 train_overrides=dict(
                     learning_rate=options.learning_rate, lr_scheduler_type="constant",
-                    per_device_train_batch_size=options.batch_size, topr_signal="reward", topr_baseline=0.0,
+                    per_device_train_batch_size=options.batch_size, topr_signal=options.signal, topr_baseline=0.0,
                     use_cpu=True, bf16=False, gradient_checkpointing=False, logging_steps=10, seed=seed,
                     disable_tqdm=True, max_grad_norm=1.0,
                 ),
             )
             summaries = run_iterations(str(base_dir), prompts, arithmetic_reward,
-                                       work / "iterations" / f"{strategy}-seed{seed}", settings,
+                                       work / "iterations" / f"{strategy}-{options.signal}-seed{seed}", settings,
                                        evaluate=lambda model, tokenizer: accuracy(model, tokenizer, held_out))
             curve = [summaries[0]["evaluation_before"]["accuracy"]] + [s["evaluation"]["accuracy"] for s in summaries]
             results["runs"][f"{strategy}/seed{seed}"] = {
@@ -95,6 +96,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--signal", default="reward", choices=["reward", "advantage"],
+                        help="reward: the paper's R - c with c = 0; advantage: GRPO's group advantage (uniform only: "
+                             "curated data has no whole groups)")
     parser.add_argument("--prompts", type=int, default=256, help="training prompts (x8 completions per iteration)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
@@ -103,6 +107,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--work-dir", default="outputs/experiments")
     parser.add_argument("--output", default="docs/iterations", help="writes OUTPUT.json and OUTPUT.png")
     options = parser.parse_args(argv)
+    if options.signal == "advantage" and set(options.strategies) != {"uniform"}:
+        parser.error("--signal advantage needs whole prompt groups: use it with --strategies uniform")
     results = run(options)
     Path(options.output).parent.mkdir(parents=True, exist_ok=True)
     Path(options.output + ".json").write_text(json.dumps(results, indent=2))

@@ -20,3 +20,38 @@ def test_benchmark_smoke(tmp_path):
     summary = json.loads(output.read_text())
     assert set(summary["table"]) == {"grpo-grpo", "topr-online", "topr-offline"}
     assert summary["ratios"]["topr-online / grpo-grpo"]["step_time"] > 0
+
+
+@pytest.mark.slow
+def test_benchmark_interleaved_smoke_with_offline_replay(tmp_path):
+    output = tmp_path / "bench.json"
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--interleaved", "--settings", "grpo-grpo", "topr-online",
+         "topr-replay", "topr-replay-recompute", "--output", str(output)], capture_output=True, text=True, timeout=900)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(output.read_text())["interleaved"]
+    assert set(result["ratios"]) == {"topr-online / grpo-grpo", "topr-replay-recompute / topr-replay"}
+    assert all(row["median_cpu_s"] > 0 for row in result["table"].values())
+
+
+def test_model_flops_follow_the_palm_convention():
+    """Hand count for a 1-layer model: d=8, 2 heads of 4, 1 KV head, MLP 16, vocabulary 10, sequence 5."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from types import SimpleNamespace
+
+    import benchmark
+
+    config = SimpleNamespace(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                             intermediate_size=16, vocab_size=10)
+    attention = 8 * 4 * (2 + 2) + 2 * 4 * 8  # q, k, v projections + output projection
+    parameters = attention + 3 * 8 * 16 + 8 * 10  # + gated MLP + LM head
+    flops = benchmark.model_flops_per_token(config, sequence_length=5)
+    assert flops["parameters"] == parameters == 272
+    assert flops["forward"] == 2 * 272 + 4 * 1 * 8 * 5
+    assert flops["forward_backward"] == 3 * flops["forward"]
+    options = {"prompt_length": 3, "completion_length": 2, "batch_size": 4}
+    online = benchmark.step_flops(config, options, "topr-online")
+    with_reference = benchmark.step_flops(config, options, "grpo-grpo-kl")
+    replay = benchmark.step_flops(config, options, "topr-replay")
+    assert online["generation"] == flops["forward"] * 4 * 5 and replay["generation"] == 0
+    assert with_reference["update"] - online["update"] == flops["forward"] * 4 * 5

@@ -120,3 +120,17 @@ def test_subcommands_dry_run_and_validate_choices(tmp_path, capsys):
         main(["iterate", "--dry_run", "true", "--composition", "anna_karenin", "--output_dir", str(tmp_path)])
     with pytest.raises(ValueError, match="Did you mean 'vllm'"):
         main(["generate", "--dry_run", "true", "--backend", "vlm", "--output_dir", str(tmp_path)])
+
+
+def test_train_resumes_from_the_last_checkpoint(tmp_path):
+    common = ["train", "--task_train_prompts", "16", "--task_eval_prompts", "4", "--warm_start_accuracy", "0",
+              "--base_model_dir", str(tmp_path / "base"), "--output_dir", str(tmp_path / "run"),
+              "--per_device_train_batch_size", "4", "--num_generations", "4", "--save_strategy", "steps",
+              "--save_steps", "1"]
+    main(common + ["--max_steps", "2"])
+    second = tmp_path / "run" / "checkpoint-2" / "model.safetensors"
+    written = second.stat().st_mtime_ns
+    main(common + ["--max_steps", "3", "--resume_from_checkpoint", "true"])
+    state = json.loads((tmp_path / "run" / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3
+    assert second.stat().st_mtime_ns == written  # steps 1-2 were not trained (and saved) again

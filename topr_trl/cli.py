@@ -216,6 +216,16 @@ def parse(argv: list[str], dataclass_types: tuple, prog: str, defaults: dict | N
     return parser.parse_args_and_config(argv)
 
 
+def checkpoint_to_resume(training_args) -> str | None:
+    """`--resume_from_checkpoint PATH`, or `true` for the last checkpoint in output_dir (None when there is none)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    checkpoint = training_args.resume_from_checkpoint
+    if str(checkpoint).lower() == "true":
+        return get_last_checkpoint(training_args.output_dir) if Path(training_args.output_dir).is_dir() else None
+    return checkpoint
+
+
 def held_out_accuracy(trainer, eval_dataset) -> dict:
     """Greedy accuracy of the trainer's policy; under ZeRO-3 its weights are sharded, so they are gathered first
     (as GRPOTrainer does to generate). Every process must call it."""
@@ -295,7 +305,7 @@ def train(argv: list[str]) -> dict:
     if eval_dataset is not None:
         summary["before"] = held_out_accuracy(trainer, eval_dataset)
         _print_main(state, f"held-out accuracy before training: {summary['before']}")
-    trainer.train()
+    trainer.train(resume_from_checkpoint=checkpoint_to_resume(training_args))
     if eval_dataset is not None:
         summary["after"] = held_out_accuracy(trainer, eval_dataset)
         _print_main(state, f"held-out accuracy after training:  {summary['after']}")
