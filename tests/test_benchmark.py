@@ -46,8 +46,8 @@ def test_model_flops_follow_the_palm_convention():
     attention = 8 * 4 * (2 + 2) + 2 * 4 * 8  # q, k, v projections + output projection
     parameters = attention + 3 * 8 * 16 + 8 * 10  # + gated MLP + LM head
     flops = benchmark.model_flops_per_token(config, sequence_length=5)
-    assert flops["parameters"] == parameters == 272
-    assert flops["forward"] == 2 * 272 + 4 * 1 * 8 * 5
+    assert flops["parameters"] == parameters == 656
+    assert flops["forward"] == 2 * 656 + 4 * 1 * 8 * 5
     assert flops["forward_backward"] == 3 * flops["forward"]
     options = {"prompt_length": 3, "completion_length": 2, "batch_size": 4}
     online = benchmark.step_flops(config, options, "topr-online")
