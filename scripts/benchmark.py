@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import resource
 import statistics
 import subprocess
@@ -281,7 +282,7 @@ def measured_matmul_rate(device: str, bf16: bool, size: int | None = None, repea
 
 def interleaved_steps(options, model_path: str) -> dict:
     """Whole optimizer steps (generation, scoring, loss, backward, optimizer) of every setting in one process,
-    alternated step by step, so that machine noise falls on all of them alike; wall time and process CPU time per
+    alternated step by step in a shuffled order, so that machine noise falls on all of them alike; wall time and process CPU time per
     step. Peak memory needs one process per setting: the default mode measures it."""
     import torch
 
@@ -294,8 +295,12 @@ def interleaved_steps(options, model_path: str) -> dict:
         iterators[trainer] = iter(trainer.get_train_dataloader())
     wall: dict[str, list[float]] = {name: [] for name in trainers}
     cpu: dict[str, list[float]] = {name: [] for name in trainers}
+    order = random.Random(0)
     for round_index in range(options.warmup + options.repeats * options.steps):
-        for name, trainer in trainers.items():
+        names = list(trainers)
+        order.shuffle(names)  # no setting always follows the same one (allocator and cache state)
+        for name in names:
+            trainer = trainers[name]
             batch = next(iterators[trainer])
             if options.device == "cuda":
                 torch.cuda.synchronize()
