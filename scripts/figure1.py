@@ -49,6 +49,7 @@ def run(options) -> dict:
             curve = run_result["curve"]
             print(f"[figure1] seed {seed} {method:<16} accuracy {curve[0]['accuracy']:.3f} -> "
                   f"{curve[-1]['accuracy']:.3f}  invalid {curve[-1]['invalid_rate']:.3f}  "
+                  f"malformed {curve[-1]['malformed_rate']:.3f}  "
                   f"({run_result['seconds']:.0f}s)", flush=True)
     results["summary"] = summarise(results["runs"])
     return results
@@ -59,7 +60,8 @@ def summarise(runs: dict) -> dict:
     summary = {}
     for method in dict.fromkeys(run["method"] for run in runs.values()):
         finals = [run["curve"][-1] for run in runs.values() if run["method"] == method]
-        summary[method] = {metric: mean_and_ci95([f[metric] for f in finals]) for metric in ("accuracy", "invalid_rate")}
+        summary[method] = {metric: mean_and_ci95([f[metric] for f in finals])
+                           for metric in ("accuracy", "invalid_rate", "malformed_rate")}
     return summary
 
 
@@ -69,18 +71,19 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    figure, axes = plt.subplots(1, 3, figsize=(16, 4))
     for method in dict.fromkeys(run["method"] for run in results["runs"].values()):
         curves = [run["curve"] for run in results["runs"].values() if run["method"] == method]
         steps = [point["step"] for point in curves[0]]
-        for axis, metric in zip(axes, ("accuracy", "invalid_rate")):
+        for axis, metric in zip(axes, ("accuracy", "invalid_rate", "malformed_rate")):
             means = [statistics.mean(curve[i][metric] for curve in curves) for i in range(len(steps))]
             axis.plot(steps, means, label=method)
             if len(curves) > 1:
                 low = [min(curve[i][metric] for curve in curves) for i in range(len(steps))]
                 high = [max(curve[i][metric] for curve in curves) for i in range(len(steps))]
                 axis.fill_between(steps, low, high, alpha=0.15)
-    for axis, title in zip(axes, ("held-out accuracy (greedy)", "invalid rate")):
+    for axis, title in zip(axes, ("held-out accuracy (greedy)", "invalid rate (no integer)",
+                                  "malformed rate (not one integer then EOS)")):
         axis.set_title(title)
         axis.set_xlabel("optimizer step")
     axes[0].legend()
@@ -109,7 +112,8 @@ def main(argv=None) -> dict:
     plot(results, Path(options.output + ".png"))
     for method, row in results["summary"].items():
         print(f"{method:<16} final accuracy {row['accuracy']['mean']:.3f} ± {row['accuracy']['ci95']:.3f}   "
-              f"invalid {row['invalid_rate']['mean']:.3f} ± {row['invalid_rate']['ci95']:.3f}")
+              f"invalid {row['invalid_rate']['mean']:.3f} ± {row['invalid_rate']['ci95']:.3f}   "
+              f"malformed {row['malformed_rate']['mean']:.3f} ± {row['malformed_rate']['ci95']:.3f}")
     return results
 
 

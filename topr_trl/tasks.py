@@ -108,12 +108,16 @@ def warm_start(
     return model
 
 
+_WELL_FORMED = re.compile(r"-?\d+")
+
+
 @torch.no_grad()
 def accuracy(model, tokenizer, dataset: Dataset, max_new_tokens: int = 8, batch_size: int = 64) -> dict[str, float]:
-    """Greedy accuracy and invalid rate (no integer in the answer) on `dataset`."""
+    """Greedy accuracy on `dataset`, the invalid rate (no integer in the answer: the reward cannot score it) and the
+    malformed rate (the answer is not exactly one integer followed by EOS, the format the model was taught)."""
     was_training = model.training
     model.eval()
-    correct = invalid = 0
+    correct = invalid = malformed = 0
     for start in range(0, len(dataset), batch_size):
         rows = dataset[start : start + batch_size]
         texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in rows["prompt"]]
@@ -124,13 +128,17 @@ def accuracy(model, tokenizer, dataset: Dataset, max_new_tokens: int = 8, batch_
             **encoded, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
             synced_gpus=False,
         )
-        decoded = tokenizer.batch_decode(output[:, encoded["input_ids"].size(1) :], skip_special_tokens=True)
-        for text, reference in zip(decoded, rows["answer"], strict=True):
+        new_tokens = output[:, encoded["input_ids"].size(1) :]
+        decoded = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+        stopped = (new_tokens == tokenizer.eos_token_id).any(dim=1).tolist()
+        for text, reference, ended in zip(decoded, rows["answer"], stopped, strict=True):
             parsed = parse_answer(text)
             invalid += parsed is None
             correct += parsed == reference
+            malformed += not (ended and _WELL_FORMED.fullmatch(text.strip()))
     model.train(was_training)
-    return {"accuracy": correct / len(dataset), "invalid_rate": invalid / len(dataset)}
+    return {"accuracy": correct / len(dataset), "invalid_rate": invalid / len(dataset),
+            "malformed_rate": malformed / len(dataset)}
 
 
 def build_warm_model(
