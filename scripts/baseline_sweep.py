@@ -15,23 +15,17 @@ up for a badly balanced dataset); the best p~ is small but not zero (10-20 % on 
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 from pathlib import Path
 
-from experiments import baseline_for, mean_and_ci95, prepare_base, sample_fixed_dataset, train_offline
+from experiments import baseline_for, experiment_parser, mean_and_ci95, prepare, sample_fixed_dataset, save, train_offline
 
 METHODS = {"topr": {"topr_preset": "topr"}, "tis": {"topr_preset": "tis"}}
 
 
 def run(options) -> dict:
     from topr_trl.offline import compose
-    from topr_trl.tasks import make_arithmetic_dataset
-
-    work = Path(options.work_dir)
-    base_dir = prepare_base(work, options.base_accuracy)
-    held_out = make_arithmetic_dataset(options.eval_prompts, 2, seed=2)
+    work, base_dir, held_out = prepare(options)
     results: dict = {"options": vars(options), "runs": {}}
     for seed in options.seeds:
         sampled = sample_fixed_dataset(base_dir, options.prompts, seed, work)
@@ -96,29 +90,18 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser = experiment_parser(__doc__, output="docs/baseline_sweep", epochs=3.0)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--proportions", type=float, nargs="+", default=[0.1, 0.5],
                         help="proportions of positives p the dataset is subsampled to")
     parser.add_argument("--targets", type=float, nargs="+", default=[0.01, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0],
                         help="effective proportions p~ the baseline is solved for")
-    parser.add_argument("--prompts", type=int, default=128, help="prompts sampled from mu (x8 completions)")
-    parser.add_argument("--epochs", type=float, default=3.0, help="passes over the fixed dataset")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--learning-rate", type=float, default=2e-4)
-    parser.add_argument("--eval-prompts", type=int, default=100)
-    parser.add_argument("--base-accuracy", type=float, default=0.3)
-    parser.add_argument("--work-dir", default="outputs/experiments")
-    parser.add_argument("--output", default="docs/baseline_sweep", help="writes OUTPUT.json and OUTPUT.png")
     options = parser.parse_args(argv)
     for target in options.targets:
         if not 0 < target <= 1:
             parser.error(f"--targets must lie in (0, 1]; got {target}")
     results = run(options)
-    Path(options.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(options.output + ".json").write_text(json.dumps(results, indent=2))
-    plot(results, Path(options.output + ".png"))
+    save(results, options, plot)
     print(f"start accuracy {results['summary']['start_accuracy']:.3f}")
     for key, row in results["summary"].items():
         if key != "start_accuracy":

@@ -8,6 +8,8 @@ and gradient clipping; methods differ only in their TOPRConfig overrides.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
 import time
@@ -35,6 +37,39 @@ def baseline_for(p: float, target: float) -> float:
     from topr_trl.loss import baseline_for_effective_proportion
 
     return -1.0 if target >= 1.0 else baseline_for_effective_proportion(p, target)
+
+
+def experiment_parser(doc: str, *, output: str, epochs: float | None, prompts: int = 128,
+                      eval_prompts: int = 100) -> argparse.ArgumentParser:
+    """The options every evidence script takes; each script adds its own."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--prompts", type=int, default=prompts, help="prompts sampled from mu (x8 completions)")
+    if epochs is not None:
+        parser.add_argument("--epochs", type=float, default=epochs, help="passes over the fixed dataset")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--eval-prompts", type=int, default=eval_prompts, help="held-out problems for accuracy")
+    parser.add_argument("--base-accuracy", type=float, default=0.3, help="warm-start target of the base model")
+    parser.add_argument("--work-dir", default="outputs/experiments",
+                        help="base model, sampled datasets and runs (reused by a rerun)")
+    parser.add_argument("--output", default=output, help="writes OUTPUT.json and OUTPUT.png")
+    return parser
+
+
+def prepare(options):
+    """(work dir, base model dir, held-out problems) of a script's run."""
+    from topr_trl.tasks import make_arithmetic_dataset
+
+    work = Path(options.work_dir)
+    return work, prepare_base(work, options.base_accuracy), make_arithmetic_dataset(options.eval_prompts, 2, seed=2)
+
+
+def save(results: dict, options, plot) -> None:
+    """OUTPUT.json (options, every run, the summary) and OUTPUT.png drawn by `plot(results, path)`."""
+    Path(options.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(options.output + ".json").write_text(json.dumps(results, indent=2))
+    plot(results, Path(options.output + ".png"))
 
 
 def prepare_base(work_dir: Path, base_accuracy: float) -> Path:

@@ -11,12 +11,10 @@ far from pi), TOPR keeps improving.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 from pathlib import Path
 
-from experiments import mean_and_ci95, prepare_base, sample_fixed_dataset, train_offline
+from experiments import experiment_parser, mean_and_ci95, prepare, sample_fixed_dataset, save, train_offline
 
 METHODS = {
     # name: TOPRConfig overrides; every method uses the paper's signal R - c with +1/-1 rewards and c = 0
@@ -29,11 +27,7 @@ METHODS = {
 
 
 def run(options) -> dict:
-    from topr_trl.tasks import make_arithmetic_dataset
-
-    work = Path(options.work_dir)
-    base_dir = prepare_base(work, options.base_accuracy)
-    held_out = make_arithmetic_dataset(options.eval_prompts, 2, seed=2)
+    work, base_dir, held_out = prepare(options)
     results: dict = {"options": vars(options), "runs": {}}
     for seed in options.seeds:
         data = sample_fixed_dataset(base_dir, options.prompts, seed, work)
@@ -93,23 +87,12 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser = experiment_parser(__doc__, output="docs/figure1", epochs=5.0)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--prompts", type=int, default=128, help="prompts in the fixed dataset (x8 completions)")
-    parser.add_argument("--epochs", type=float, default=5.0, help="passes over the fixed dataset")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--eval-every", type=int, default=20)
-    parser.add_argument("--eval-prompts", type=int, default=100)
-    parser.add_argument("--base-accuracy", type=float, default=0.3)
-    parser.add_argument("--work-dir", default="outputs/figure1")
-    parser.add_argument("--output", default="docs/figure1", help="writes OUTPUT.json and OUTPUT.png")
     options = parser.parse_args(argv)
     results = run(options)
-    Path(options.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(options.output + ".json").write_text(json.dumps(results, indent=2))
-    plot(results, Path(options.output + ".png"))
+    save(results, options, plot)
     for method, row in results["summary"].items():
         print(f"{method:<16} final accuracy {row['accuracy']['mean']:.3f} ± {row['accuracy']['ci95']:.3f}   "
               f"invalid {row['invalid_rate']['mean']:.3f} ± {row['invalid_rate']['ci95']:.3f}   "

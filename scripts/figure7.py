@@ -14,23 +14,17 @@ from mu, gradient norms explode and accuracy collapses; TOPR's truncation keeps 
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 from pathlib import Path
 
-from experiments import baseline_for, mean_and_ci95, prepare_base, sample_fixed_dataset, train_offline
+from experiments import baseline_for, experiment_parser, mean_and_ci95, prepare, sample_fixed_dataset, save, train_offline
 
 METHODS = {"untruncated_is": {"topr_preset": "off_policy_reinforce"}, "topr": {"topr_preset": "topr"}}
 
 
 def run(options) -> dict:
     from topr_trl.offline import compose
-    from topr_trl.tasks import make_arithmetic_dataset
-
-    work = Path(options.work_dir)
-    base_dir = prepare_base(work, options.base_accuracy)
-    held_out = make_arithmetic_dataset(options.eval_prompts, 2, seed=2)
+    work, base_dir, held_out = prepare(options)
     results: dict = {"options": vars(options), "runs": {}}
     for seed in options.seeds:
         sampled = sample_fixed_dataset(base_dir, options.prompts, seed, work)
@@ -97,27 +91,16 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser = experiment_parser(__doc__, output="docs/figure7", epochs=15.0)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--proportion", type=float, default=0.1, help="share of positives kept in the dataset")
     parser.add_argument("--effective-proportion", type=float, default=None,
                         help="set the baseline c so that Eq. 12's p~ equals this (default: c = 0, p~ = p)")
-    parser.add_argument("--prompts", type=int, default=128, help="prompts sampled from mu (x8 completions)")
-    parser.add_argument("--epochs", type=float, default=15.0, help="passes over the fixed dataset")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--max-grad-norm", type=float, default=100.0)
     parser.add_argument("--eval-every", type=int, default=20)
-    parser.add_argument("--eval-prompts", type=int, default=100)
-    parser.add_argument("--base-accuracy", type=float, default=0.3)
-    parser.add_argument("--work-dir", default="outputs/experiments")
-    parser.add_argument("--output", default="docs/figure7", help="writes OUTPUT.json and OUTPUT.png")
     options = parser.parse_args(argv)
     results = run(options)
-    Path(options.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(options.output + ".json").write_text(json.dumps(results, indent=2))
-    plot(results, Path(options.output + ".png"))
+    save(results, options, plot)
     for method, row in results["summary"].items():
         print(f"{method:<15} final accuracy {row['accuracy']['mean']:.3f} ± {row['accuracy']['ci95']:.3f}  "
               f"max grad norm {row['max_grad_norm']['mean']:.3g}  median {row['median_grad_norm']['mean']:.3g}")

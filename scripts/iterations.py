@@ -15,11 +15,9 @@ beats positives only, and Anna Karenina, which spends the batch on negatives onc
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
-from experiments import mean_and_ci95, prepare_base
+from experiments import experiment_parser, mean_and_ci95, prepare, save
 
 STRATEGIES = ("uniform", "positives_only", "anna_karenina")
 
@@ -30,10 +28,8 @@ def run(options) -> dict:
     from topr_trl.iterate import IterationSettings, run_iterations
     from topr_trl.tasks import accuracy, arithmetic_reward, make_arithmetic_dataset
 
-    work = Path(options.work_dir)
-    base_dir = prepare_base(work, options.base_accuracy)
+    work, base_dir, held_out = prepare(options)
     prompts = make_arithmetic_dataset(options.prompts, 2, seed=1)
-    held_out = make_arithmetic_dataset(options.eval_prompts, 2, seed=2)
     results: dict = {"options": vars(options), "runs": {}}
     for seed in options.seeds:
         for strategy in options.strategies:
@@ -92,27 +88,17 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser = experiment_parser(__doc__, output="docs/iterations", epochs=None, prompts=256, eval_prompts=200)
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--signal", default="reward", choices=["reward", "advantage"],
                         help="reward: the paper's R - c with c = 0; advantage: GRPO's group advantage (uniform only: "
                              "curated data has no whole groups)")
-    parser.add_argument("--prompts", type=int, default=256, help="training prompts (x8 completions per iteration)")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--learning-rate", type=float, default=2e-4)
-    parser.add_argument("--eval-prompts", type=int, default=200)
-    parser.add_argument("--base-accuracy", type=float, default=0.3)
-    parser.add_argument("--work-dir", default="outputs/experiments")
-    parser.add_argument("--output", default="docs/iterations", help="writes OUTPUT.json and OUTPUT.png")
     options = parser.parse_args(argv)
     if options.signal == "advantage" and set(options.strategies) != {"uniform"}:
         parser.error("--signal advantage needs whole prompt groups: use it with --strategies uniform")
     results = run(options)
-    Path(options.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(options.output + ".json").write_text(json.dumps(results, indent=2))
-    plot(results, Path(options.output + ".png"))
+    save(results, options, plot)
     for strategy, points in results["summary"].items():
         print(f"{strategy:<15} " + " -> ".join(f"{p['mean']:.3f}±{p['ci95']:.3f}" for p in points))
     return results

@@ -14,6 +14,12 @@ from collections.abc import Callable
 import torch
 
 
+def prompt_texts(tokenizer, prompts: list) -> list[str]:
+    """Each prompt as the text the model is conditioned on: conversational prompts through the chat template."""
+    return [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) if isinstance(p, list) else p
+            for p in prompts]
+
+
 @torch.no_grad()
 def sample_with_logps(
     model,
@@ -29,8 +35,7 @@ def sample_with_logps(
     `completion`, `completion_ids` (ending with EOS when the completion stopped: it is what teaches the model to
     stop), `behaviour_logps` (log mu of each sampled token under the exact sampling distribution) and
     `truncated`."""
-    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) if isinstance(p, list) else p
-             for p in prompts for _ in range(num_completions)]
+    texts = [text for text in prompt_texts(tokenizer, prompts) for _ in range(num_completions)]
     encoded = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     encoded = {key: value.to(model.device) for key, value in encoded.items()}
     output = model.generate(
@@ -93,8 +98,7 @@ def sample_with_logps_vllm(
 
     params = SamplingParams(n=num_completions, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
                             max_tokens=max_new_tokens, logprobs=0, skip_special_tokens=True)
-    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) if isinstance(p, list) else p
-             for p in prompts]
+    texts = prompt_texts(tokenizer, prompts)
     prompt_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     rows = []
