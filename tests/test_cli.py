@@ -134,3 +134,10 @@ def test_train_resumes_from_the_last_checkpoint(tmp_path):
     state = json.loads((tmp_path / "run" / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
     assert second.stat().st_mtime_ns == written  # steps 1-2 were not trained (and saved) again
+
+
+def test_missing_offline_dataset_is_reported(tmp_path):
+    with pytest.raises(SystemExit, match="topr-trl generate --output_dir"):
+        main(["train", "--offline_dataset", str(tmp_path / "nothing"), "--warm_start_accuracy", "0",
+              "--task_train_prompts", "4", "--task_eval_prompts", "4", "--base_model_dir", str(tmp_path / "base"),
+              "--output_dir", str(tmp_path / "run")])

@@ -199,6 +199,9 @@ def load_offline_data(source: str):
 
     if Path(source).exists():
         return load_offline_dataset(source)
+    if source.startswith((".", "/", "~")) or source.count("/") != 1:  # a path, not a Hub id `user/name`
+        raise SystemExit(f"topr-trl: offline dataset {source!r} not found; write one with `topr-trl generate "
+                         f"--output_dir {source}` or give the Hub id it was pushed to")
     from datasets import load_dataset
 
     return load_dataset(source, split="train")
