@@ -18,13 +18,16 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from experiments import baseline_for, experiment_parser, mean_and_ci95, prepare, sample_fixed_dataset, save, train_offline
+from experiments import (
+    baseline_for, experiment_parser, mean_and_ci95, prepare, sample_fixed_dataset, save, train_offline,
+)
 
 METHODS = {"topr": {"topr_preset": "topr"}, "tis": {"topr_preset": "tis"}}
 
 
 def run(options) -> dict:
     from topr_trl.offline import compose
+
     work, base_dir, held_out = prepare(options)
     results: dict = {"options": vars(options), "runs": {}}
     for seed in options.seeds:

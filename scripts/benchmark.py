@@ -282,8 +282,8 @@ def measured_matmul_rate(device: str, bf16: bool, size: int | None = None, repea
 
 def interleaved_steps(options, model_path: str) -> dict:
     """Whole optimizer steps (generation, scoring, loss, backward, optimizer) of every setting in one process,
-    alternated step by step in a shuffled order, so that machine noise falls on all of them alike; wall time and process CPU time per
-    step. Peak memory needs one process per setting: the default mode measures it."""
+    alternated step by step in a shuffled order, so that machine noise falls on all of them alike; wall time and
+    process CPU time per step. Peak memory needs one process per setting: the default mode measures it."""
     import torch
 
     trainers = {setting: build_trainer(setting, vars(options), model_path)[0] for setting in options.settings}
@@ -313,7 +313,8 @@ def interleaved_steps(options, model_path: str) -> dict:
             if round_index >= options.warmup:
                 wall[name].append(time.perf_counter() - wall_start)
                 cpu[name].append(time.process_time() - cpu_start)
-    table = {name: {"median_step_s": statistics.median(wall[name]), "quartiles_step_s": statistics.quantiles(wall[name], n=4),
+    table = {name: {"median_step_s": statistics.median(wall[name]),
+                    "quartiles_step_s": statistics.quantiles(wall[name], n=4),
                     "median_cpu_s": statistics.median(cpu[name])} for name in trainers}
     ratios = {label: {"step_time": table[a]["median_step_s"] / table[b]["median_step_s"],
                       "cpu_time": table[a]["median_cpu_s"] / table[b]["median_cpu_s"]}
@@ -359,6 +360,13 @@ def summarise(results: dict[str, list[dict]], matmul_rate: float) -> dict:
     return {"table": table, "ratios": ratios}
 
 
+def write_output(options, result: dict) -> None:
+    """The results and the options that produced them, as JSON at `--output` (when given)."""
+    if options.output:
+        with open(options.output, "w") as handle:
+            json.dump({**result, "options": vars(options)}, handle, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny and short: checks the script runs")
@@ -395,9 +403,7 @@ def main() -> None:
                   f"{[round(q * 1000, 2) for q in result['quartiles_s'][name]]}")
         for name, ratio in result["ratios"].items():
             print(f"{name:<28} {ratio:.3f}")
-        if options.output:
-            with open(options.output, "w") as handle:
-                json.dump({"loss_only": result, "options": vars(options)}, handle, indent=2)
+        write_output(options, {"loss_only": result})
         return
     if options.interleaved:
         result = interleaved_steps(options, model_path)
@@ -407,9 +413,7 @@ def main() -> None:
             print(f"{name:<16} {row['median_step_s']:>11.4f} {quartiles:>22} {row['median_cpu_s']:>11.4f}")
         for name, ratio in result["ratios"].items():
             print(f"{name:<28} step time {ratio['step_time']:.3f}   cpu time {ratio['cpu_time']:.3f}")
-        if options.output:
-            with open(options.output, "w") as handle:
-                json.dump({"interleaved": result, "options": vars(options)}, handle, indent=2)
+        write_output(options, {"interleaved": result})
         return
     matmul_rate = measured_matmul_rate(options.device, options.bf16)
     print(f"[benchmark] measured matrix-product rate: {matmul_rate / 1e9:.1f} GFLOP/s "
@@ -429,7 +433,6 @@ def main() -> None:
             print(f"[benchmark] round {repeat + 1}/{options.repeats} {setting}: "
                   f"{statistics.median(results[setting][-1]['step_seconds']):.4f} s/step", flush=True)
     summary = summarise(results, matmul_rate)
-    summary["options"] = vars(options)
     summary["matmul_flops_per_s"] = matmul_rate
     print(f"\n{'setting':<16} {'s/step':>8} {'spread of run medians':>22} {'s/update':>9} {'tokens/s':>9} "
           f"{'peak MiB':>9} {'MFU step':>9} {'MFU upd.':>9}")
@@ -442,9 +445,7 @@ def main() -> None:
     for name, ratio in summary["ratios"].items():
         print(f"{name:<28} step time {ratio['step_time']:.3f}   update time {ratio['update_time']:.3f}   "
               f"peak memory {ratio['peak_memory']:.3f}")
-    if options.output:
-        with open(options.output, "w") as handle:
-            json.dump(summary, handle, indent=2)
+    write_output(options, summary)
 
 
 if __name__ == "__main__":

@@ -83,8 +83,8 @@ def test_generate_then_train_offline_with_lora(tmp_path):
     output = tmp_path / "run"
     main(["train", "--offline_dataset", str(tmp_path / "data"), "--base_model_dir", str(base), "--num_generations",
           "4", "--per_device_train_batch_size", "8", "--max_steps", "-1", "--task_eval_prompts", "4",
-          "--learning_rate", "1e-2", "--topr_signal", "reward", "--use_peft", "true", "--lora_r", "4", "--lora_target_modules", "q_proj",
-          "v_proj", "--output_dir", str(output)])
+          "--learning_rate", "1e-2", "--topr_signal", "reward", "--use_peft", "true", "--lora_r", "4",
+          "--lora_target_modules", "q_proj", "v_proj", "--output_dir", str(output)])
     adapter = load_file(output / "adapter_model.safetensors")
     assert adapter and all("lora_" in name for name in adapter)
     assert any(tensor.abs().sum() > 0 for name, tensor in adapter.items() if "lora_B" in name)  # B starts at 0

@@ -23,7 +23,8 @@ class ScriptedModel:
     def generate(self, input_ids, attention_mask, max_new_tokens, **kwargs):
         rows = []
         for answer, stop in zip(self.answers, self.stops, strict=True):
-            ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"] + ([self.tokenizer.eos_token_id] if stop else [])
+            ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
+            ids += [self.tokenizer.eos_token_id] if stop else []
             rows.append(ids + [self.tokenizer.pad_token_id] * (max_new_tokens - len(ids)))
         return torch.cat([input_ids, torch.tensor(rows)], dim=1)
 

@@ -26,7 +26,6 @@ from .tasks import arithmetic_reward
 
 REWARD_FUNCTIONS = {"arithmetic": arithmetic_reward}
 TASKS = ("arithmetic", "gsm8k", "math500", "custom")
-COMPOSITIONS = ("uniform", "positives_only", "anna_karenina", "target_proportion")
 
 
 def _task_reward_names(task: str) -> list[str]:
@@ -327,10 +326,10 @@ def generate(argv: list[str]) -> dict:
     from trl import ModelConfig
 
     from .config import check_choice
-    from .offline import generate_offline_dataset, proportion_of_positives
+    from .offline import BACKENDS, generate_offline_dataset, proportion_of_positives
 
     options, model_args = parse(argv, (GenerateScriptArguments, ModelConfig), "topr-trl generate")
-    check_choice("backend", options.backend, ("auto", "transformers", "vllm"))
+    check_choice("backend", options.backend, BACKENDS)
     model, prompts, _, reward_funcs = load_task(options, model_args.model_name_or_path, options.seed)
     if options.dry_run:
         print(f"[topr-trl] configuration valid: task={options.task} model={model} backend={options.backend} "
@@ -365,12 +364,13 @@ def iterate(argv: list[str]) -> list[dict]:
 
     from .config import TOPRConfig, check_choice
     from .iterate import IterationSettings, run_iterations
+    from .offline import BACKENDS, COMPOSITIONS
     from .tasks import accuracy
 
     options, training_args, model_args = parse(argv, (IterateScriptArguments, TOPRConfig, ModelConfig),
                                                "topr-trl iterate", ITERATE_DEFAULTS)
     check_choice("composition", options.composition, COMPOSITIONS)
-    check_choice("backend", options.backend, ("auto", "transformers", "vllm"))
+    check_choice("backend", options.backend, BACKENDS)
     model, prompts, held_out, reward_funcs = load_task(options, model_args.model_name_or_path, training_args.seed)
     if options.dry_run:
         print(f"[topr-trl] configuration valid: {options.iterations} iteration(s), composition="

@@ -44,6 +44,7 @@ from .rewards import (
     gsm8k_numbers_equal,
     math_answers_equal,
 )
+from .offline import BACKENDS
 from .tasks import completion_text, parse_answer
 
 logger = logging.getLogger(__name__)
@@ -190,11 +191,9 @@ def _use_vllm(model, backend: str) -> bool:
         return True
     if backend != "auto":
         raise ValueError(f"backend must be 'auto', 'transformers' or 'vllm', got {backend!r}")
-    if not isinstance(model, (str, Path)) or not torch.cuda.is_available():
-        return False
-    import importlib.util
+    from .rollout import vllm_available
 
-    return importlib.util.find_spec("vllm") is not None
+    return isinstance(model, (str, Path)) and vllm_available()
 
 
 def _generate_transformers(model, tokenizer, texts: list[str], templated: bool, n: int, temperature: float,
@@ -562,7 +561,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--batch_size", type=int, default=64, help="Completions per generate call.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num_bootstrap", type=int, default=100, help="Bootstrap rounds of the standard errors.")
-    parser.add_argument("--backend", choices=("auto", "transformers", "vllm"), default="auto",
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="auto: vLLM when installed and a GPU is present, else transformers.")
     parser.add_argument("--output_dir", default=None, help="Where to write results (default outputs/eval-<task>).")
     parser.add_argument("--no_plot", action="store_true", help="Skip results.png.")

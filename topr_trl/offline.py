@@ -33,6 +33,8 @@ from torch.utils.data import Sampler
 
 from .rollout import make_vllm_engine, sample_with_logps, sample_with_logps_vllm, vllm_available
 
+BACKENDS = ("auto", "transformers", "vllm")
+COMPOSITIONS = ("uniform", "positives_only", "anna_karenina", "target_proportion")
 OFFLINE_COLUMNS = ("prompt_index", "sample_index", "completion", "completion_ids", "behaviour_logps", "truncated",
                    "reward")
 _MANIFEST = "manifest.json"
@@ -77,7 +79,7 @@ def generate_offline_dataset(
     """
     from .config import check_choice
 
-    check_choice("backend", backend, ("auto", "transformers", "vllm"))
+    check_choice("backend", backend, BACKENDS)
     if backend == "auto":
         backend = "vllm" if vllm_available() else "transformers"
     if backend == "vllm":
@@ -224,8 +226,7 @@ def compose(dataset: Dataset, strategy: str = "uniform", *, target_proportion: f
             negatives = sorted(rng.sample(negatives, max(count, 1)))
         chosen = sorted(positives + negatives)
     else:
-        raise ValueError(f"Unknown composition strategy {strategy!r}; expected one of "
-                         "['uniform', 'positives_only', 'anna_karenina', 'target_proportion']")
+        raise ValueError(f"Unknown composition strategy {strategy!r}; expected one of {list(COMPOSITIONS)}")
     subset = dataset.select(chosen)
     return subset, (sum(positive[i] for i in chosen) / len(chosen) if chosen else float("nan"))
 

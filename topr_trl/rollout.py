@@ -1,8 +1,8 @@
 """Generation by a frozen behaviour model mu that returns its sampling log-probs, as vLLM does.
 
 `sample_with_logps` (transformers) and `sample_with_logps_vllm` (a vLLM engine) sample completions together with
-log mu of every sampled token and return the same rows; offline dataset generation uses either, and `make_behaviour_rollout(model, tokenizer)` wraps it as a TRL
-`rollout_func`: TOPRTrainer then trains on completions that the policy did not generate, with mu's log-probs as
+log mu of every sampled token and return the same rows; offline dataset generation uses either, and
+`make_behaviour_rollout(model, tokenizer)` wraps the first as a TRL `rollout_func`: TOPRTrainer then trains on completions that the policy did not generate, with mu's log-probs as
 the denominator of pi/mu. This is the code path vLLM takes (the generator reports its own log-probs) and runs
 anywhere, CPU included.
 """

@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 
-_FIRST_INTEGER = re.compile(r"-?\d+")
+from .rollout import prompt_texts
+
+_INTEGER = re.compile(r"-?\d+")
 
 
 def make_arithmetic_dataset(num_prompts: int, digits: int = 2, seed: int = 0, operators: str = "+") -> Dataset:
@@ -44,7 +46,7 @@ def completion_text(completion) -> str:
 
 def parse_answer(text: str) -> str | None:
     """The first integer in the completion, or None when there is none (an invalid answer)."""
-    match = _FIRST_INTEGER.search(text)
+    match = _INTEGER.search(text)
     return match.group(0) if match else None
 
 
@@ -108,9 +110,6 @@ def warm_start(
     return model
 
 
-_WELL_FORMED = re.compile(r"-?\d+")
-
-
 @torch.no_grad()
 def accuracy(model, tokenizer, dataset: Dataset, max_new_tokens: int = 8, batch_size: int = 64) -> dict[str, float]:
     """Greedy accuracy on `dataset`, the invalid rate (no integer in the answer: the reward cannot score it) and the
@@ -120,8 +119,8 @@ def accuracy(model, tokenizer, dataset: Dataset, max_new_tokens: int = 8, batch_
     correct = invalid = malformed = 0
     for start in range(0, len(dataset), batch_size):
         rows = dataset[start : start + batch_size]
-        texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in rows["prompt"]]
-        encoded = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+        encoded = tokenizer(prompt_texts(tokenizer, rows["prompt"]), return_tensors="pt", padding=True,
+                            padding_side="left", add_special_tokens=False)
         # synced_gpus=False: under ZeRO-3 transformers would otherwise sync every step with all ranks, and hang when
         # only the main process evaluates (the warm start); ranks that all evaluate run identical greedy steps anyway
         output = model.generate(
@@ -135,7 +134,7 @@ def accuracy(model, tokenizer, dataset: Dataset, max_new_tokens: int = 8, batch_
             parsed = parse_answer(text)
             invalid += parsed is None
             correct += parsed == reference
-            malformed += not (ended and _WELL_FORMED.fullmatch(text.strip()))
+            malformed += not (ended and _INTEGER.fullmatch(text.strip()))
     model.train(was_training)
     return {"accuracy": correct / len(dataset), "invalid_rate": invalid / len(dataset),
             "malformed_rate": malformed / len(dataset)}
