@@ -1,5 +1,6 @@
 """Launched by test_distributed.py under `accelerate launch` (2 CPU processes): trains TOPRTrainer for a few
-steps and prints one JSON line per rank with a checksum of the full (gathered) parameters."""
+steps and writes one JSON file per rank with a checksum of the full (gathered) parameters. Files, not stdout: the
+ranks share one pipe, and their buffered writes can interleave within a line."""
 
 import json
 import os
@@ -18,7 +19,7 @@ def parity_reward(completions, **kwargs):
     return [1.0 if sum(map(ord, c[0]["content"])) % 2 == 0 else -1.0 for c in completions]
 
 
-def main(model_path: str, output_dir: str) -> None:
+def main(model_path: str, output_dir: str, results_dir: str) -> None:
     args = TOPRConfig(
         output_dir=output_dir, per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
         max_steps=3, learning_rate=1e-2, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
@@ -36,11 +37,12 @@ def main(model_path: str, output_dir: str) -> None:
     else:
         checksum = sum(p.double().sum().item() for p in parameters)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    print("RESULT " + json.dumps({"rank": trainer.accelerator.process_index,
-                                  "world": trainer.accelerator.num_processes, "checksum": checksum,
-                                  "losses": losses}), flush=True)
+    rank = trainer.accelerator.process_index
+    result = {"rank": rank, "world": trainer.accelerator.num_processes, "checksum": checksum, "losses": losses}
+    with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as handle:
+        json.dump(result, handle)
     trainer.save_model(output_dir)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -15,6 +15,9 @@ LAUNCHES = {
     "zero2": ["--use_deepspeed", "--zero_stage", "2"],
     "zero3": ["--use_deepspeed", "--zero_stage", "3", "--zero3_init_flag", "false"],
 }
+# Unbuffered, each print reaches the pipe shared by both ranks in one write, so a line is never split by the other rank
+LAUNCH_ENVIRONMENT = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                      "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONUNBUFFERED": "1"}
 
 
 @pytest.mark.slow
@@ -22,12 +25,10 @@ LAUNCHES = {
 def test_two_process_runs_agree_across_ranks(launch, tiny_model_path, tmp_path):
     command = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCHES[launch], "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", "0", str(SCRIPT),
-               tiny_model_path, str(tmp_path / "out")]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TRL_EXPERIMENTAL_SILENCE": "1"}
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+               tiny_model_path, str(tmp_path / "out"), str(tmp_path)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=LAUNCH_ENVIRONMENT)
     assert completed.returncode == 0, completed.stderr[-4000:]
-    results = [json.loads(line[len("RESULT "):]) for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
+    results = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1] and all(r["world"] == 2 for r in results)
     assert results[0]["checksum"] == results[1]["checksum"]
     assert all(math.isfinite(loss) for r in results for loss in r["losses"])
@@ -40,9 +41,7 @@ def launch_cli(launch: str, arguments: list[str]) -> subprocess.CompletedProcess
     command = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCHES[launch], *saving, "--num_processes",
                "2", "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", "0", "-m", "topr_trl",
                *arguments]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TRL_EXPERIMENTAL_SILENCE": "1"}
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=LAUNCH_ENVIRONMENT)
 
 
 @pytest.mark.slow
