@@ -48,14 +48,17 @@ def test_explicit_limits_override_the_preset_and_accept_infinity():
 
 
 def test_pg_variants_map_to_limits():
-    assert config(pg_variant="vanilla").topr_limits == PRESETS["naive_reinforce"]
-    limits = config(pg_variant="tis", tis_lower_bound=0.2, tis_upper_bound=2.0).topr_limits
+    with pytest.warns(UserWarning, match="unbounded"):  # a- = 1, then a- = 0.2
+        assert config(pg_variant="vanilla").topr_limits == PRESETS["naive_reinforce"]
+        limits = config(pg_variant="tis", tis_lower_bound=0.2, tis_upper_bound=2.0).topr_limits
     assert (limits.positive_lower, limits.positive_upper, limits.negative_lower, limits.negative_upper) == (0.2, 2.0, 0.2, 2.0)
 
 
 def test_positive_negative_lower_limit_warns_prop_3_2():
-    with pytest.warns(UserWarning, match="unbounded"):
+    with pytest.warns(UserWarning, match="unbounded") as caught:
         config(topr_preset="naive_reinforce")
+    unbounded = [warning for warning in caught if "unbounded" in str(warning.message)]
+    assert unbounded[0].filename == __file__  # points at the user's TOPRConfig(...) line, not at dataclass internals
 
 
 @pytest.mark.parametrize(

@@ -198,14 +198,14 @@ class TOPRConfig(GRPOConfig):
                 "(Prop. 3.2 of the paper) and training can collapse by pushing negatives' probabilities to 0. "
                 "Set topr_negative_lower=0 unless this is the point of the experiment.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,  # the caller of TOPRConfig(...), past the dataclass __init__
             )
         if self.loss_type == "topr" and self.topr_baseline != 0.0 and self.topr_signal == "advantage":
             warnings.warn(
                 "topr_baseline is only used with topr_signal='reward'; with 'advantage' the group advantage "
                 "already has its baseline subtracted.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,  # the caller of TOPRConfig(...), past the dataclass __init__
             )
 
     @staticmethod
