@@ -92,11 +92,26 @@ class LLM:
         return results
 
 
+cleanups: list[str] = []
+
+
+def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
+    """vLLM's release of engine memory; like the real one it would tear down torch.distributed's process group."""
+    cleanups.append("cleanup_dist_env_and_memory")
+
+
 def install(monkeypatch) -> types.ModuleType:
-    """Make `import vllm` return this stand-in for the duration of a test."""
+    """Make `import vllm` (and `vllm.distributed.parallel_state`) return this stand-in for the duration of a test."""
     module = types.ModuleType("vllm")
     module.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
     module.LLM, module.SamplingParams = LLM, SamplingParams
+    distributed = types.ModuleType("vllm.distributed")
+    parallel_state = types.ModuleType("vllm.distributed.parallel_state")
+    parallel_state.cleanup_dist_env_and_memory = cleanup_dist_env_and_memory
+    module.distributed, distributed.parallel_state = distributed, parallel_state
     monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setitem(sys.modules, "vllm.distributed", distributed)
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", parallel_state)
     LLM.instances.clear()
+    cleanups.clear()
     return module

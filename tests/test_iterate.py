@@ -66,3 +66,28 @@ def test_killed_training_resumes_from_its_checkpoint(tiny_model_path, arithmetic
     summary = run_iterations(tiny_model_path, prompts, parity_reward, tmp_path, settings(), callbacks=[Record()])
     assert summary[0]["train_steps"] == 4
     assert resumed_from[1] == 3  # the first step run after resuming is step 3: steps 1-2 came from the checkpoint
+
+
+def test_a_finished_iterations_model_is_freed_before_the_next_generation(tiny_model_path, arithmetic_dataset,
+                                                                         tmp_path, monkeypatch):
+    """The next iteration may start a vLLM engine on the same GPU: by then the previous policy must be gone."""
+    import weakref
+
+    import topr_trl.offline
+
+    trained_models, alive_at_generation = [], []
+
+    class RememberModel(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            trained_models.append(weakref.ref(model))
+
+    real_generate = topr_trl.offline.generate_offline_dataset
+
+    def generate(*args, **kwargs):
+        alive_at_generation.append([reference() is not None for reference in trained_models])
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(topr_trl.offline, "generate_offline_dataset", generate)
+    run_iterations(tiny_model_path, arithmetic_dataset.select(range(4)), parity_reward, tmp_path,
+                   settings(num_iterations=2), callbacks=[RememberModel()])
+    assert alive_at_generation == [[], [False]]

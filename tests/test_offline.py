@@ -265,6 +265,31 @@ def test_vllm_backend_maps_top_k(behaviour_model_path, behaviour, arithmetic_dat
     assert all(lp == pytest.approx(0.0, abs=1e-6) for row in dataset["behaviour_logps"] for lp in row)
 
 
+def test_vllm_engine_built_here_is_released_and_a_finished_generation_builds_none(
+        behaviour_model_path, behaviour, arithmetic_dataset, tmp_path, monkeypatch):
+    """The engine built from a model path frees its memory (vLLM's cleanup) before training needs it; rerunning a
+    finished generation, as the other ranks of `accelerate launch` do, builds no engine; an engine passed in is the
+    caller's and is not released; under an initialized process group vLLM's cleanup, which would destroy it, is
+    skipped."""
+    from topr_trl.rollout import make_vllm_engine
+
+    from . import fake_vllm
+
+    fake_vllm.install(monkeypatch)
+    tokenizer, prompts = behaviour[1], arithmetic_dataset.select(range(2))
+    settings = dict(num_completions=2, max_new_tokens=4, show_progress=False, backend="vllm")
+    generate_offline_dataset(behaviour_model_path, tokenizer, prompts, parity_reward, tmp_path / "a", **settings)
+    assert len(fake_vllm.LLM.instances) == 1 and fake_vllm.cleanups == ["cleanup_dist_env_and_memory"]
+    generate_offline_dataset(behaviour_model_path, tokenizer, prompts, parity_reward, tmp_path / "a", **settings)
+    assert len(fake_vllm.LLM.instances) == 1 and len(fake_vllm.cleanups) == 1
+    engine = make_vllm_engine(behaviour_model_path)
+    generate_offline_dataset(engine, tokenizer, prompts, parity_reward, tmp_path / "b", **settings)
+    assert len(fake_vllm.cleanups) == 1 and engine.requests  # used, not released
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    generate_offline_dataset(behaviour_model_path, tokenizer, prompts, parity_reward, tmp_path / "c", **settings)
+    assert len(fake_vllm.LLM.instances) == 3 and len(fake_vllm.cleanups) == 1
+
+
 def test_auto_backend_uses_transformers_without_a_gpu(behaviour, arithmetic_dataset, tmp_path, monkeypatch):
     from . import fake_vllm
 

@@ -122,4 +122,18 @@ def run_iterations(
             summary_file.write_text(json.dumps(summary, indent=2))
         summaries.append(summary)
         behaviour_path = str(folder / "model")
+        # the next iteration's generation (a vLLM engine, maybe) needs the accelerator memory the trainer holds
+        trainer.accelerator.free_memory()  # drops the DeepSpeed engine, which plain garbage collection does not
+        del trainer
+        _empty_caches()
     return summaries
+
+
+def _empty_caches() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

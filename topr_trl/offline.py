@@ -31,7 +31,7 @@ from pathlib import Path
 from datasets import Dataset, concatenate_datasets, load_from_disk
 from torch.utils.data import Sampler
 
-from .rollout import make_vllm_engine, sample_with_logps, sample_with_logps_vllm, vllm_available
+from .rollout import free_vllm_memory, make_vllm_engine, sample_with_logps, sample_with_logps_vllm, vllm_available
 
 BACKENDS = ("auto", "transformers", "vllm")
 COMPOSITIONS = ("uniform", "positives_only", "anna_karenina", "target_proportion")
@@ -69,7 +69,8 @@ def generate_offline_dataset(
     `backend`: "transformers" (`model` a loaded causal LM), "vllm" (`model` a model path or Hub id, a loaded model
     whose `name_or_path` is used, or a vLLM engine from `topr_trl.rollout.make_vllm_engine`), or "auto": vLLM when
     it is installed and a GPU is present, transformers otherwise. Both write the same schema; `seed` seeds the vLLM
-    engine (seed transformers sampling with `torch.manual_seed`).
+    engine (seed transformers sampling with `torch.manual_seed`). An engine built here is released before returning,
+    as is a model loaded here from a path, so that training can use their GPU memory.
 
     Defaults follow the paper (temperature 1; it uses top_k=500 and 512 new tokens). A shard is written
     atomically once all its prompts are done, so an interrupted run restarted with the same arguments
@@ -82,19 +83,10 @@ def generate_offline_dataset(
     check_choice("backend", backend, BACKENDS)
     if backend == "auto":
         backend = "vllm" if vllm_available() else "transformers"
+    given_model = model
     if backend == "vllm":
-        if isinstance(model, str) or hasattr(model, "name_or_path"):
-            model = make_vllm_engine(model if isinstance(model, str) else model.name_or_path, seed=seed)
-        sampler = sample_with_logps_vllm
         prompts_per_batch = prompts_per_shard  # vLLM schedules a whole shard at once
-    else:
-        if isinstance(model, str):
-            import torch
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(model)
-            model.to("cuda" if torch.cuda.is_available() else "cpu")
-        sampler = sample_with_logps
+    sampler = None  # loaded when a shard needs it: a resumed or finished generation (other ranks) loads no model
     reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
     weights = list(reward_weights) if reward_weights is not None else [1.0] * len(reward_funcs)
     if len(weights) != len(reward_funcs):
@@ -122,6 +114,8 @@ def generate_offline_dataset(
         if shard_dir.exists():
             progress.update(stop - start)
             continue
+        if sampler is None:
+            model, sampler = _load_sampler(model, backend, seed)
         rows = []
         for batch_start in range(start, stop, prompts_per_batch):
             batch = prompts.select(range(batch_start, min(batch_start + prompts_per_batch, stop)))
@@ -140,10 +134,29 @@ def generate_offline_dataset(
         Dataset.from_list(rows).save_to_disk(str(temporary))
         temporary.rename(shard_dir)  # atomic: a shard directory is either complete or absent
     progress.close()
+    if model is not given_model:  # loaded here, so released here; a model or engine passed in stays the caller's
+        model = None
+        if backend == "vllm":
+            free_vllm_memory()
     dataset = load_offline_dataset(output_dir)
     if push_to_hub:
         dataset.push_to_hub(push_to_hub, private=private)
     return dataset
+
+
+def _load_sampler(model, backend: str, seed: int) -> tuple[object, Callable]:
+    """The model ready for `backend` ("vllm" or "transformers") and the function that samples from it."""
+    if backend == "vllm":
+        if isinstance(model, str) or hasattr(model, "name_or_path"):
+            model = make_vllm_engine(model if isinstance(model, str) else model.name_or_path, seed=seed)
+        return model, sample_with_logps_vllm
+    if isinstance(model, str):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model)
+        model.to("cuda" if torch.cuda.is_available() else "cpu")
+    return model, sample_with_logps
 
 
 def _score(rows: list[dict], reward_funcs: list[Callable], weights: list[float]) -> None:

@@ -79,6 +79,25 @@ def make_vllm_engine(model_name_or_path: str, seed: int = 0, **engine_kwargs):
     return LLM(model=model_name_or_path, seed=seed, logprobs_mode="processed_logprobs", **engine_kwargs)
 
 
+def free_vllm_memory() -> None:
+    """Return the GPU memory of engines no longer referenced, so that training or the next engine can use it:
+    vLLM holds its weights and KV cache past `del` until its own cleanup runs. That cleanup also destroys the
+    torch.distributed process group, so under `accelerate launch` (group already initialized, owned by the
+    trainer) only Python's and torch's caches are emptied."""
+    import gc
+
+    gc.collect()
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        try:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        except ImportError:  # older or newer vLLM without it: the generic release below still runs
+            pass
+        else:
+            cleanup_dist_env_and_memory()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def sample_with_logps_vllm(
     llm,
     tokenizer,
