@@ -71,13 +71,19 @@ def test_cli_train_under_accelerate_launch_saves_a_checkpoint_that_loads_back(la
 
 
 @pytest.mark.slow
-def test_cli_iterate_under_accelerate_launch(tmp_path):
-    """Two processes: the main one generates the iteration's data, both train on it, the iteration completes."""
-    completed = launch_cli("ddp", [
-        "iterate", "--task_train_prompts", "8", "--task_eval_prompts", "8", "--warm_start_accuracy", "0",
-        "--base_model_dir", str(tmp_path / "base"), "--num_generations", "4", "--per_device_train_batch_size", "4",
-        "--output_dir", str(tmp_path / "it")])
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_cli_iterate_under_accelerate_launch(launch, tmp_path):
+    """Two processes, two iterations: the main process generates each iteration's data, both train on it, and the
+    first iteration's trainer (a DeepSpeed engine under ZeRO) is released before the second one starts."""
+    completed = launch_cli(launch, [
+        "iterate", "--iterations", "2", "--task_train_prompts", "8", "--task_eval_prompts", "8",
+        "--warm_start_accuracy", "0", "--base_model_dir", str(tmp_path / "base"), "--num_generations", "4",
+        "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "it")])
     assert completed.returncode == 0, completed.stderr[-4000:]
-    summary = json.loads((tmp_path / "it" / "iteration-000" / "summary.json").read_text())
-    assert summary["rows"] == 32 and summary["train_steps"] == 4  # 32 rows, 2 processes x 4 rows per step
-    assert len(list((tmp_path / "it" / "iteration-000" / "data").glob("shard-*"))) == 1
+    for iteration in (0, 1):
+        folder = tmp_path / "it" / f"iteration-{iteration:03d}"
+        summary = json.loads((folder / "summary.json").read_text())
+        assert summary["rows"] == 32 and summary["train_steps"] == 4  # 32 rows, 2 processes x 4 rows per step
+        assert len(list((folder / "data").glob("shard-*"))) == 1
+    assert summary["behaviour_model"] == str(tmp_path / "it" / "iteration-000" / "model")
+    assert completed.stdout.count("iteration 1: p=") == 1  # printed by the main process only

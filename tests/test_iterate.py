@@ -91,3 +91,12 @@ def test_a_finished_iterations_model_is_freed_before_the_next_generation(tiny_mo
     run_iterations(tiny_model_path, arithmetic_dataset.select(range(4)), parity_reward, tmp_path,
                    settings(num_iterations=2), callbacks=[RememberModel()])
     assert alive_at_generation == [[], [False]]
+
+
+def test_last_checkpoint_of_a_folder_another_process_has_not_created_yet_is_none(tmp_path):
+    from topr_trl.distributed import last_checkpoint
+
+    assert last_checkpoint(tmp_path / "train") is None
+    for step in (3, 12):
+        (tmp_path / "train" / f"checkpoint-{step}").mkdir(parents=True)
+    assert last_checkpoint(tmp_path / "train") == str(tmp_path / "train" / "checkpoint-12")

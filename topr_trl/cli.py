@@ -18,7 +18,6 @@ import difflib
 import importlib
 import json
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,21 +127,6 @@ class IterateScriptArguments(TaskArguments):
     backend: str = field(default="auto", metadata={"help": "Generation: auto, vllm or transformers."})
 
 
-@contextmanager
-def outside_zero3_construction():
-    """Build a model as plain tensors even when a ZeRO-3 config is active: under ZeRO-3 transformers constructs
-    models inside `deepspeed.zero.Init`, whose collectives would wait forever for processes that are not building
-    the same model (the built-in model is built by the main process alone)."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    active = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = active
-
-
 def load_task(task_args: TaskArguments, model_name_or_path: str | None, seed: int):
     """(model, training prompts, held-out prompts or None, reward functions) of the chosen task. Without a model,
     builds the built-in tiny one (on the main process first under `accelerate launch`); with `dry_run`, validates
@@ -150,6 +134,7 @@ def load_task(task_args: TaskArguments, model_name_or_path: str | None, seed: in
     from accelerate import PartialState
 
     from .config import check_choice
+    from .distributed import outside_zero3_construction
     from .tasks import build_warm_model, make_arithmetic_dataset
 
     check_choice("task", task_args.task, TASKS)
@@ -220,23 +205,20 @@ def parse(argv: list[str], dataclass_types: tuple, prog: str, defaults: dict | N
 
 def checkpoint_to_resume(training_args) -> str | None:
     """`--resume_from_checkpoint PATH`, or `true` for the last checkpoint in output_dir (None when there is none)."""
-    from transformers.trainer_utils import get_last_checkpoint
+    from .distributed import last_checkpoint
 
     checkpoint = training_args.resume_from_checkpoint
     if str(checkpoint).lower() == "true":
-        return get_last_checkpoint(training_args.output_dir) if Path(training_args.output_dir).is_dir() else None
+        return last_checkpoint(training_args.output_dir)
     return checkpoint
 
 
 def held_out_accuracy(trainer, eval_dataset) -> dict:
-    """Greedy accuracy of the trainer's policy; under ZeRO-3 its weights are sharded, so they are gathered first
-    (as GRPOTrainer does to generate). Every process must call it."""
-    from trl.models import unwrap_model_for_generation
-
+    """Greedy accuracy of the trainer's policy (gathered under ZeRO-3). Every process must call it."""
+    from .distributed import evaluate_policy
     from .tasks import accuracy
 
-    with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
-        return accuracy(model, trainer.processing_class, eval_dataset)
+    return evaluate_policy(trainer, lambda model, tokenizer: accuracy(model, tokenizer, eval_dataset))
 
 
 def _print_main(accelerator_state, message: str) -> None:
@@ -360,6 +342,7 @@ def generate(argv: list[str]) -> dict:
 
 def iterate(argv: list[str]) -> list[dict]:
     import torch
+    from accelerate import PartialState
     from trl import ModelConfig
 
     from .config import TOPRConfig, check_choice
@@ -387,8 +370,8 @@ def iterate(argv: list[str]) -> list[dict]:
     evaluate = (lambda model, tokenizer: accuracy(model, tokenizer, held_out)) if held_out is not None else None
     summaries = run_iterations(model, prompts, reward_funcs, training_args.output_dir, settings, evaluate=evaluate)
     for summary in summaries:
-        print(f"[topr-trl] iteration {summary['iteration']}: p={summary['proportion_of_positives']:.3f} "
-              f"before={summary.get('evaluation_before')} after={summary.get('evaluation')}", flush=True)
+        _print_main(PartialState(), f"iteration {summary['iteration']}: p={summary['proportion_of_positives']:.3f} "
+                                    f"before={summary.get('evaluation_before')} after={summary.get('evaluation')}")
     return summaries
 
 

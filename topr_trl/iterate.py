@@ -54,12 +54,14 @@ def run_iterations(
     evaluate: Callable[[object, object], dict] | None = None,
     callbacks: list | None = None,
 ) -> list[dict]:
-    """Run (or resume) `settings.num_iterations` iterations; returns each iteration's summary."""
+    """Run (or resume) `settings.num_iterations` iterations; returns each iteration's summary. `evaluate(model,
+    tokenizer)` runs on every process with the policy's full weights (gathered under ZeRO-3), before the first
+    iteration and after each one."""
     from accelerate import PartialState
     from transformers import AutoTokenizer
-    from transformers.trainer_utils import get_last_checkpoint
 
     from .config import TOPRConfig
+    from .distributed import empty_caches, evaluate_policy, last_checkpoint, release_for_next_trainer
     from .offline import compose, generate_offline_dataset, stored_reward
     from .trainer import TOPRTrainer
 
@@ -102,8 +104,8 @@ def run_iterations(
             args = TOPRConfig(**config)
         trainer = TOPRTrainer(model=behaviour_path, reward_funcs=stored_reward, args=args, train_dataset=data,
                               callbacks=callbacks)
-        before = evaluate(trainer.model, trainer.processing_class) if evaluate and iteration == 0 else None
-        trainer.train(resume_from_checkpoint=get_last_checkpoint(str(folder / "train")))
+        before = evaluate_policy(trainer, evaluate) if evaluate and iteration == 0 else None
+        trainer.train(resume_from_checkpoint=last_checkpoint(folder / "train"))
         trainer.save_model(str(folder / "model"))
         summary = {
             "iteration": iteration,
@@ -117,23 +119,13 @@ def run_iterations(
         if before is not None:
             summary["evaluation_before"] = before
         if evaluate:
-            summary["evaluation"] = evaluate(trainer.model, trainer.processing_class)
+            summary["evaluation"] = evaluate_policy(trainer, evaluate)
         if PartialState().is_main_process:
             summary_file.write_text(json.dumps(summary, indent=2))
         summaries.append(summary)
         behaviour_path = str(folder / "model")
-        # the next iteration's generation (a vLLM engine, maybe) needs the accelerator memory the trainer holds
-        trainer.accelerator.free_memory()  # drops the DeepSpeed engine, which plain garbage collection does not
+        # the next iteration's generation (a vLLM engine, maybe) needs the memory the trainer holds
+        release_for_next_trainer(trainer)
         del trainer
-        _empty_caches()
+        empty_caches()
     return summaries
-
-
-def _empty_caches() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

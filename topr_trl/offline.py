@@ -154,7 +154,10 @@ def _load_sampler(model, backend: str, seed: int) -> tuple[object, Callable]:
         import torch
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model)
+        from .distributed import outside_zero3_construction
+
+        with outside_zero3_construction():  # under `accelerate launch` the main process samples alone
+            model = AutoModelForCausalLM.from_pretrained(model)
         model.to("cuda" if torch.cuda.is_available() else "cpu")
     return model, sample_with_logps
 

@@ -84,18 +84,15 @@ def free_vllm_memory() -> None:
     vLLM holds its weights and KV cache past `del` until its own cleanup runs. That cleanup also destroys the
     torch.distributed process group, so under `accelerate launch` (group already initialized, owned by the
     trainer) only Python's and torch's caches are emptied."""
-    import gc
+    from .distributed import empty_caches
 
-    gc.collect()
+    empty_caches()
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         try:
             from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-        except ImportError:  # older or newer vLLM without it: the generic release below still runs
-            pass
-        else:
-            cleanup_dist_env_and_memory()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        except ImportError:  # a vLLM version without it: the generic release above is all there is
+            return
+        cleanup_dist_env_and_memory()
 
 
 def sample_with_logps_vllm(

@@ -1,0 +1,62 @@
+"""What running under `accelerate launch` with DeepSpeed asks of code that builds models on one process, or builds
+several trainers in one process (iterations)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+
+@contextmanager
+def outside_zero3_construction():
+    """Build a model as plain tensors even when a ZeRO-3 config is active: under ZeRO-3 transformers constructs
+    models inside `deepspeed.zero.Init`, whose collectives would wait forever for processes that are not building
+    the same model (the built-in model, or a behaviour model that samples on the main process alone)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    active = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = active
+
+
+def release_for_next_trainer(trainer) -> None:
+    """Free what a finished trainer holds in its accelerator (DeepSpeed engine, prepared model and optimizer) and
+    forget its accelerator state, so that a next trainer can be built in the same process: accelerate refuses a
+    second DeepSpeed `Accelerator` while the first one's state is alive. The process group (PartialState) is kept.
+    Drop your own reference to the trainer afterwards, then call `empty_caches`."""
+    from accelerate.state import AcceleratorState
+
+    trainer.accelerator.free_memory()  # destroys the DeepSpeed engine, which garbage collection alone does not
+    AcceleratorState._reset_state(reset_partial_state=False)
+
+
+def empty_caches() -> None:
+    """Collect unreachable objects (models in reference cycles) and return cached accelerator memory."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def evaluate_policy(trainer, evaluate):
+    """`evaluate(model, tokenizer)` on the trainer's policy with its full weights: under ZeRO-3 they are sharded,
+    so they are gathered first (as GRPOTrainer does to generate). Every process must call it."""
+    from trl.models import unwrap_model_for_generation
+
+    with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
+        return evaluate(model, trainer.processing_class)
+
+
+def last_checkpoint(output_dir) -> str | None:
+    """The last Trainer checkpoint in `output_dir`, or None: also when the folder does not exist yet, which happens
+    on one process while another is creating it."""
+    from pathlib import Path
+
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return get_last_checkpoint(str(output_dir)) if Path(output_dir).is_dir() else None
