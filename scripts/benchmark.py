@@ -48,12 +48,18 @@ RATIOS = {
 MODEL_SHAPES = {
     "tiny": dict(hidden_size=64, num_layers=2),
     "small": dict(hidden_size=256, num_layers=4),
-    # Shapes of Qwen2.5-0.5B / 1.5B (random weights: weights do not change speed).
-    "qwen2.5-0.5b": dict(hidden_size=896, num_layers=24, intermediate_size=4864, num_attention_heads=14,
+}
+# Qwen2.5-0.5B / 1.5B as published (their config.json), random weights: weights do not change speed. The full
+# 151,936-entry vocabulary is kept so that the LM head and the logits, the largest activations of an RL step, are
+# the real ones; the project's character tokenizer covers only the first ids, and sampled ids past it decode to "".
+QWEN_SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864, num_attention_heads=14,
                          num_key_value_heads=2),
-    "qwen2.5-1.5b": dict(hidden_size=1536, num_layers=28, intermediate_size=8960, num_attention_heads=12,
+    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960, num_attention_heads=12,
                          num_key_value_heads=2),
 }
+QWEN_COMMON = dict(vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6,
+                   rms_norm_eps=1e-6, hidden_act="silu")
 
 
 def build_trainer(setting: str, options: dict, model_path: str):
@@ -62,7 +68,7 @@ def build_trainer(setting: str, options: dict, model_path: str):
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from topr_trl import TOPRConfig, TOPRTrainer
@@ -92,7 +98,7 @@ def build_trainer(setting: str, options: dict, model_path: str):
         digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
         # log mu of a random-weight model is close to uniform over the vocabulary: stored log-probs far from pi's
         # would drive the sequence weights to ~1e-30 and the CPU into slow denormal arithmetic, timing an artefact
-        uniform_logp = -math.log(len(tokenizer))
+        uniform_logp = -math.log(AutoConfig.from_pretrained(model_path).vocab_size)
         rows = []
         for index, prompt in enumerate(dataset["prompt"]):
             for sample in range(options["num_generations"]):
@@ -322,13 +328,29 @@ def interleaved_steps(options, model_path: str) -> dict:
     return {"table": table, "ratios": ratios}
 
 
+def qwen_config(shape: str, tokenizer):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**QWEN_SHAPES[shape], **QWEN_COMMON, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
 def build_model(shape: str, path: str) -> None:
     from topr_trl.tiny import build_model as build, build_tokenizer, save_pretrained
 
     tokenizer = build_tokenizer()
-    kwargs = dict(MODEL_SHAPES[shape])
-    hidden, layers = kwargs.pop("hidden_size"), kwargs.pop("num_layers")
-    save_pretrained(build(tokenizer, hidden_size=hidden, num_layers=layers, **kwargs), tokenizer, path)
+    if shape in QWEN_SHAPES:
+        import torch
+        from transformers import Qwen2ForCausalLM
+
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(qwen_config(shape, tokenizer))
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    else:
+        kwargs = dict(MODEL_SHAPES[shape])
+        model = build(tokenizer, hidden_size=kwargs.pop("hidden_size"), num_layers=kwargs.pop("num_layers"), **kwargs)
+    save_pretrained(model, tokenizer, path)
 
 
 def summarise(results: dict[str, list[dict]], matmul_rate: float) -> dict:
@@ -346,6 +368,7 @@ def summarise(results: dict[str, list[dict]], matmul_rate: float) -> dict:
             "spread_step_s": [min(per_run), max(per_run)],
             "tokens_per_s": runs[0]["tokens_per_step"] / median,
             "peak_memory_mib": statistics.median(r["peak_memory_mib"] for r in runs),
+            "spread_peak_memory_mib": [min(r["peak_memory_mib"] for r in runs), max(r["peak_memory_mib"] for r in runs)],
             "mfu_step": flops["step"] / median / matmul_rate,
             "mfu_update": flops["update"] / median_update / matmul_rate,
         }
@@ -370,7 +393,7 @@ def write_output(options, result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny and short: checks the script runs")
-    parser.add_argument("--model", default="tiny", choices=sorted(MODEL_SHAPES))
+    parser.add_argument("--model", default="tiny", choices=sorted(MODEL_SHAPES) + sorted(QWEN_SHAPES))
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
@@ -435,11 +458,12 @@ def main() -> None:
     summary = summarise(results, matmul_rate)
     summary["matmul_flops_per_s"] = matmul_rate
     print(f"\n{'setting':<16} {'s/step':>8} {'spread of run medians':>22} {'s/update':>9} {'tokens/s':>9} "
-          f"{'peak MiB':>9} {'MFU step':>9} {'MFU upd.':>9}")
+          f"{'peak MiB':>9} {'peak spread':>13} {'MFU step':>9} {'MFU upd.':>9}")
     for setting, row in summary["table"].items():
         spread = f"{row['spread_step_s'][0]:.4f}-{row['spread_step_s'][1]:.4f}"
+        peak_spread = f"{row['spread_peak_memory_mib'][0]:.1f}-{row['spread_peak_memory_mib'][1]:.1f}"
         print(f"{setting:<16} {row['median_step_s']:>8.4f} {spread:>22} {row['median_update_s']:>9.4f} "
-              f"{row['tokens_per_s']:>9.0f} {row['peak_memory_mib']:>9.0f} {row['mfu_step']:>9.2%} "
+              f"{row['tokens_per_s']:>9.0f} {row['peak_memory_mib']:>9.1f} {peak_spread:>13} {row['mfu_step']:>9.2%} "
               f"{row['mfu_update']:>9.2%}")
     print("\n(s/update: the step without generation and scoring, i.e. the loss, backward and optimizer work)")
     for name, ratio in summary["ratios"].items():

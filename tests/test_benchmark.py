@@ -55,3 +55,19 @@ def test_model_flops_follow_the_palm_convention():
     replay = benchmark.step_flops(config, options, "topr-replay")
     assert online["generation"] == flops["forward"] * 4 * 5 and replay["generation"] == 0
     assert with_reference["update"] - online["update"] == flops["forward"] * 4 * 5
+
+
+@pytest.mark.parametrize("shape,published_parameters", [("qwen2.5-0.5b", 494_032_768), ("qwen2.5-1.5b", 1_543_714_304)])
+def test_qwen_shaped_models_have_the_published_parameter_counts(shape, published_parameters):
+    """The GPU benchmark's models are Qwen2.5 as published, LM head and 151,936-token vocabulary included (built on
+    the meta device: shapes only)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import benchmark
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from topr_trl.tiny import build_tokenizer
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(benchmark.qwen_config(shape, build_tokenizer()))
+    assert sum(parameter.numel() for parameter in model.parameters()) == published_parameters
