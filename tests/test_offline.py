@@ -152,6 +152,16 @@ def test_dataset_without_behaviour_logps_is_rejected(behaviour, tiny_model_path,
                     args=TOPRConfig(**small_config_kwargs(tmp_path / "run")))
 
 
+def test_dataset_smaller_than_one_batch_is_rejected_with_the_fix(behaviour, tiny_model_path, arithmetic_dataset,
+                                                                  tmp_path):
+    """A curated composition can leave fewer rows than one generation batch; Trainer would then fail on an
+    unrelated `max_steps` message."""
+    dataset = generate(behaviour, arithmetic_dataset.select(range(1)), tmp_path / "data")  # 4 rows
+    args = TOPRConfig(**small_config_kwargs(tmp_path / "run", per_device_train_batch_size=8))
+    with pytest.raises(ValueError, match="4 rows, fewer than one batch of 8.*Lower per_device_train_batch_size"):
+        TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, train_dataset=dataset, args=args)
+
+
 def test_left_padded_prompts_get_the_same_log_probs(tiny_model_path):
     """TRIBE's pitfall: left padding must not shift positions (transformers derives them from the mask)."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)

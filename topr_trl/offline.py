@@ -283,9 +283,11 @@ class GroupShuffleSampler(Sampler):
 
 
 def validate_offline_dataset(
-    dataset: Dataset, num_generations: int, needs_whole_groups: bool, has_behaviour_model: bool = False
+    dataset: Dataset, num_generations: int, needs_whole_groups: bool, has_behaviour_model: bool = False,
+    batch_rows: int | None = None,
 ) -> None:
-    """Fail early, naming the problem, on a dataset TOPRTrainer cannot train from offline."""
+    """Fail early, naming the problem, on a dataset TOPRTrainer cannot train from offline (`batch_rows`: the rows
+    of one generation batch, GRPOConfig's `generation_batch_size`)."""
     missing = [column for column in ("prompt", "completion_ids", "prompt_index") if column not in dataset.column_names]
     if missing:
         raise ValueError(f"offline train_dataset lacks columns {missing}; generate it with "
@@ -294,6 +296,13 @@ def validate_offline_dataset(
         raise ValueError("offline train_dataset has no `behaviour_logps` column: the log-probs of mu are needed for "
                          "pi/mu. Generate the dataset with topr_trl.offline.generate_offline_dataset, which stores "
                          "them, or set topr_behaviour_model to the model that generated it.")
+    if batch_rows is not None and len(dataset) < batch_rows:
+        raise ValueError(
+            f"offline train_dataset has {len(dataset)} rows, fewer than one batch of {batch_rows} "
+            "(generation_batch_size: per_device_train_batch_size x processes x steps_per_generation), so there is "
+            "nothing to train on. Lower per_device_train_batch_size or generate more rows (a curated composition "
+            "such as positives_only keeps only part of what was generated)."
+        )
     if needs_whole_groups:
         sizes: dict[int, int] = {}
         for group in dataset["prompt_index"]:

@@ -74,14 +74,15 @@ def warm_start(
     seed: int = 0,
     target_accuracy: float | None = None,
     eval_dataset: Dataset | None = None,
-    check_every: int = 10,
+    check_every: int = 2,
 ):
     """Supervised warm-start on reference answers (cross-entropy on answer tokens only), so that RL starts
     from a model that is right sometimes, as the paper's instruct models are.
 
     With `target_accuracy`, stops at the first check (every `check_every` steps) where greedy accuracy on
     `eval_dataset` reaches it: a tiny model learns arithmetic in a sudden jump, so a fixed step count would
-    land anywhere between 0 % and 90 %."""
+    land anywhere between 0 % and 90 %. The jump spans a few tens of steps: checking every 10 steps overshot a 30 %
+    target to 54 % held-out, every 2 steps lands at 19 % (1 thread)."""
     if target_accuracy is not None and eval_dataset is None:
         raise ValueError("target_accuracy needs an eval_dataset")
     generator = torch.Generator().manual_seed(seed)

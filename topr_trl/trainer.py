@@ -66,7 +66,8 @@ class TOPRTrainer(GRPOTrainer):
                 raise ValueError("An offline train_dataset (with `completion_ids`) replaces generation: drop rollout_func.")
             uses_groups = args.loss_type != "topr" or args.topr_signal == "advantage" or args.topr_baseline == "group_mean"
             validate_offline_dataset(train_dataset, args.num_generations, needs_whole_groups=uses_groups,
-                                     has_behaviour_model=getattr(args, "topr_behaviour_model", None) is not None)
+                                     has_behaviour_model=getattr(args, "topr_behaviour_model", None) is not None,
+                                     batch_rows=args.generation_batch_size)
             # Replaying stored completions goes through GRPOTrainer's rollout_func path: prompts are tokenized and
             # completions decoded and scored exactly as for generated ones, and mu's log-probs become the sampler's.
             kwargs["rollout_func"] = self._replay_stored_completions
