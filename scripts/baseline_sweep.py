@@ -93,8 +93,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = experiment_parser(__doc__, output="docs/baseline_sweep", epochs=3.0)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser = experiment_parser(__doc__, output="docs/baseline_sweep", epochs=3.0, methods=METHODS)
     parser.add_argument("--proportions", type=float, nargs="+", default=[0.1, 0.5],
                         help="proportions of positives p the dataset is subsampled to")
     parser.add_argument("--targets", type=float, nargs="+", default=[0.01, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0],

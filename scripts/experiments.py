@@ -40,9 +40,12 @@ def baseline_for(p: float, target: float) -> float:
 
 
 def experiment_parser(doc: str, *, output: str, epochs: float | None, prompts: int = 128,
-                      eval_prompts: int = 100) -> argparse.ArgumentParser:
-    """The options every evidence script takes; each script adds its own."""
+                      eval_prompts: int = 100, methods: dict | None = None) -> argparse.ArgumentParser:
+    """The options every evidence script takes (`--methods` chooses among `methods` when given); each script adds
+    its own."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if methods is not None:
+        parser.add_argument("--methods", nargs="+", default=list(methods), choices=list(methods))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--prompts", type=int, default=prompts, help="prompts sampled from mu (x8 completions)")
     if epochs is not None:

@@ -87,8 +87,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = experiment_parser(__doc__, output="docs/figure1", epochs=5.0)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser = experiment_parser(__doc__, output="docs/figure1", epochs=5.0, methods=METHODS)
     parser.add_argument("--eval-every", type=int, default=20)
     options = parser.parse_args(argv)
     results = run(options)

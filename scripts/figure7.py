@@ -94,8 +94,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = experiment_parser(__doc__, output="docs/figure7", epochs=15.0)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser = experiment_parser(__doc__, output="docs/figure7", epochs=15.0, methods=METHODS)
     parser.add_argument("--proportion", type=float, default=0.1, help="share of positives kept in the dataset")
     parser.add_argument("--effective-proportion", type=float, default=None,
                         help="set the baseline c so that Eq. 12's p~ equals this (default: c = 0, p~ = p)")
