@@ -64,3 +64,20 @@ def parity_reward(completions, **kwargs) -> list[float]:
     from topr_trl.tasks import completion_text
 
     return [1.0 if sum(map(ord, completion_text(c))) % 2 == 0 else -1.0 for c in completions]
+
+
+def saved_model_accuracy(model_dir, eval_prompts: int, adapter_dir=None) -> dict:
+    """Greedy accuracy of a saved model (with a saved LoRA adapter on top, if given) on the built-in task's held-out
+    set as the command line builds it (`--task_eval_prompts` problems, 2 digits, seed 2): what `topr-trl train`
+    reports, recomputed independently of the run."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from topr_trl.tasks import accuracy, make_arithmetic_dataset
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    held_out = make_arithmetic_dataset(eval_prompts, 2, seed=2)
+    return accuracy(model, AutoTokenizer.from_pretrained(model_dir), held_out)

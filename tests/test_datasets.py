@@ -136,10 +136,13 @@ def test_gsm8k_bare_number_answers(tmp_path, cache):
 def test_gsm8k_clear_errors(tmp_path, cache):
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         load_gsm8k(split="test", source=str(tmp_path / "missing.jsonl"))
-    csv = tmp_path / "data.csv"
-    csv.write_text("question,answer\nq,#### 1\n")
+    spreadsheet = tmp_path / "data.xlsx"
+    spreadsheet.write_text("question,answer\nq,#### 1\n")
     with pytest.raises(ValueError, match="unsupported local data file"):
-        load_gsm8k(split="test", source=str(csv))
+        load_gsm8k(split="test", source=str(spreadsheet))
+    csv = tmp_path / "data.csv"  # csv loads like json and parquet
+    csv.write_text("question,answer\nq,#### 1\n")
+    assert load_gsm8k(split="test", source=str(csv), cache_dir=cache)["answer"] == ["1"]
     no_marker = write_jsonl(tmp_path / "bad.jsonl", GSM8K_ROWS[:1] + [{"question": "q", "answer": "eight apples"}])
     with pytest.raises(ValueError, match="row 1"):
         load_gsm8k(split="test", source=no_marker, cache_dir=cache)
@@ -149,7 +152,7 @@ def test_gsm8k_clear_errors(tmp_path, cache):
 
 
 def test_unreachable_hub_dataset_says_what_to_do():
-    with pytest.raises(RuntimeError, match="local .json/.jsonl/.parquet"):
+    with pytest.raises(RuntimeError, match="local .json/.jsonl/.csv/.parquet file .* or a save_to_disk folder"):
         load_gsm8k(split="test", source="topr-trl-tests/no-such-dataset")
 
 

@@ -1,13 +1,15 @@
-"""Two-process CPU data parallel and DeepSpeed ZeRO-2/3 runs of TOPRTrainer end with identical parameters."""
+"""Two-process CPU data parallel and DeepSpeed ZeRO-2/3 runs of TOPRTrainer compute what one process computes on
+the same global batch, and the command line trains, saves and iterates under them."""
 
 import json
-import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .conftest import saved_model_accuracy
 
 SCRIPT = Path(__file__).with_name("distributed_train.py")
 LAUNCHES = {
@@ -20,19 +22,79 @@ LAUNCH_ENVIRONMENT = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": 
                       "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONUNBUFFERED": "1"}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("launch", list(LAUNCHES))
-def test_two_process_runs_agree_across_ranks(launch, tiny_model_path, tmp_path):
-    command = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCHES[launch], "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", "0", str(SCRIPT),
-               tiny_model_path, str(tmp_path / "out"), str(tmp_path)]
+def run_training(results_dir: Path, data_dir: Path, model_path: str, launch: str | None) -> tuple[dict, dict]:
+    """tests/distributed_train.py on the global batch of 8 rows: 1 process x 8 rows (launch None), or 2 x 4 rows
+    under `accelerate launch`. Returns rank 0's logged losses and its full parameters."""
+    import torch
+
+    results_dir.mkdir()
+    script = [str(SCRIPT), model_path, str(data_dir), str(results_dir / "out"), str(results_dir)]
+    if launch is None:
+        command = [sys.executable, *script, "8"]
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCHES[launch], "--num_processes", "2",
+                   "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", "0", *script, "4"]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=LAUNCH_ENVIRONMENT)
     assert completed.returncode == 0, completed.stderr[-4000:]
-    results = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
-    assert sorted(r["rank"] for r in results) == [0, 1] and all(r["world"] == 2 for r in results)
-    assert results[0]["checksum"] == results[1]["checksum"]
-    assert all(math.isfinite(loss) for r in results for loss in r["losses"])
-    assert (tmp_path / "out" / "config.json").exists()
+    results = {json.loads(path.read_text())["rank"]: json.loads(path.read_text())
+               for path in results_dir.glob("rank*.json")}
+    world = 1 if launch is None else 2
+    assert sorted(results) == list(range(world)) and all(r["world"] == world for r in results.values())
+    return results[0], torch.load(results_dir / "parameters-rank0.pt")
+
+
+@pytest.fixture(scope="module")
+def offline_data(tiny_model_path, tmp_path_factory) -> Path:
+    """32 stored completions of the tiny policy (8 prompts x 4): one pass is 4 steps of 8 rows. Stored data, not
+    generation, so that one and two processes train on the same completions, rewards and mu."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from topr_trl.offline import generate_offline_dataset
+    from topr_trl.tasks import make_arithmetic_dataset
+
+    from .conftest import parity_reward
+
+    directory = tmp_path_factory.mktemp("offline-data")
+    torch.manual_seed(0)
+    generate_offline_dataset(AutoModelForCausalLM.from_pretrained(tiny_model_path),
+                             AutoTokenizer.from_pretrained(tiny_model_path),
+                             make_arithmetic_dataset(8, digits=1, seed=0), parity_reward, directory,
+                             num_completions=4, max_new_tokens=6, show_progress=False)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def one_process_run(offline_data, tiny_model_path, tmp_path_factory) -> tuple[dict, dict]:
+    return run_training(tmp_path_factory.mktemp("one") / "run", offline_data, tiny_model_path, launch=None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_two_processes_compute_what_one_process_computes(launch, one_process_run, offline_data, tiny_model_path,
+                                                         tmp_path):
+    """The same 4 steps of 8 rows on 1 process and on 2 processes of 4 rows each: the per-step losses and the final
+    parameters agree up to float summation order. A gradient averaged or normalised wrongly across processes, rows
+    sharded or grouped differently, or a group statistic taken per rank would move them apart (plain SGD, so a
+    gradient's scale shows in the parameters)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    (reference, reference_parameters), (result, parameters) = one_process_run, run_training(
+        tmp_path / "run", offline_data, tiny_model_path, launch)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
+    assert reference["steps"] == result["steps"] == 4
+    assert len(reference["losses"]) == len(result["losses"]) == 4
+    loss_difference = max(abs(a - b) for a, b in zip(reference["losses"], result["losses"], strict=True))
+    assert sorted(parameters) == sorted(reference_parameters)
+    parameter_difference = max((parameters[n] - reference_parameters[n]).abs().max().item() for n in parameters)
+    moved = max((reference_parameters[n] - initial[n]).abs().max().item() for n in reference_parameters)
+    print(f"{launch}: 1 vs 2 processes, max |loss diff| {loss_difference:.2e}, max |parameter diff| "
+          f"{parameter_difference:.2e}; parameters moved by up to {moved:.2e}")
+    assert moved > 1e-2  # training did something the comparison can see
+    torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
+    for name, value in parameters.items():
+        torch.testing.assert_close(value, reference_parameters[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def launch_cli(launch: str, arguments: list[str]) -> subprocess.CompletedProcess:
@@ -48,18 +110,20 @@ def launch_cli(launch: str, arguments: list[str]) -> subprocess.CompletedProcess
 @pytest.mark.parametrize("launch", list(LAUNCHES))
 def test_cli_train_under_accelerate_launch_saves_a_checkpoint_that_loads_back(launch, tmp_path):
     """`accelerate launch ... -m topr_trl train` on 2 CPU processes: the built-in model is built once (main process
-    first), training runs, and both the Trainer checkpoint and the final model load back with the same weights."""
+    first), training runs, both the Trainer checkpoint and the final model load back with the same weights, and the
+    held-out accuracies the run reports are those of its base and its saved model (warm-started, so they are not
+    the 0 % of a random model)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     output = tmp_path / "run"
     completed = launch_cli(launch, [
         "train", "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2", "--task_train_prompts", "16",
-        "--task_eval_prompts", "8", "--warm_start_accuracy", "0", "--base_model_dir", str(tmp_path / "base"),
+        "--task_eval_prompts", "8", "--warm_start_accuracy", "0.1", "--base_model_dir", str(tmp_path / "base"),
         "--per_device_train_batch_size", "4", "--num_generations", "4", "--learning_rate", "1e-2",
         "--topr_signal", "reward", "--output_dir", str(output)])
     assert completed.returncode == 0, completed.stderr[-4000:]
-    assert completed.stdout.count("held-out accuracy after training") == 1  # printed by the main process only
+    assert completed.stdout.count("after training:") == 1  # printed by the main process only
     final = AutoModelForCausalLM.from_pretrained(output)
     checkpoint = AutoModelForCausalLM.from_pretrained(output / "checkpoint-2")
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
@@ -67,7 +131,10 @@ def test_cli_train_under_accelerate_launch_saves_a_checkpoint_that_loads_back(la
                                                base.state_dict().values(), strict=True):
         assert torch.equal(trained, saved), name
     assert any(not torch.equal(a, b) for a, b in zip(final.state_dict().values(), base.state_dict().values()))
-    assert json.loads((output / "topr_summary.json").read_text())["after"]["accuracy"] >= 0
+    summary = json.loads((output / "topr_summary.json").read_text())
+    print(f"{launch}: held-out before {summary['before']}, after {summary['after']}")
+    assert summary["before"] == saved_model_accuracy(tmp_path / "base", 8)
+    assert summary["after"] == saved_model_accuracy(output, 8)  # evaluated on all the weights, gathered under ZeRO-3
 
 
 @pytest.mark.slow

@@ -22,10 +22,9 @@ def documented_command(recipe: Path) -> str:
 
 @pytest.mark.parametrize("recipe", sorted((EXAMPLES / "recipes").glob("*.yaml")), ids=lambda p: p.name)
 def test_recipe_validates(recipe, capsys):
-    # GPU recipes ask for bf16 and vLLM, which TrainingArguments refuses on a CPU-only machine: override them
-    # on the command line (which wins over the file, as in TRL) and validate everything else.
-    main([documented_command(recipe), "--config", str(recipe), "--dry_run", "true", "--use_cpu", "true",
-          "--bf16", "false", "--use_vllm", "false"])
+    # GPU recipes ask for bf16 and vLLM, which TrainingArguments refuses on a CPU-only machine: the dry run turns
+    # those off, says so, and validates everything else.
+    main([documented_command(recipe), "--config", str(recipe), "--dry_run", "true"])
     assert "configuration valid" in capsys.readouterr().out
 
 
@@ -43,6 +42,6 @@ def test_accelerate_config_is_well_formed(config):
 def test_misspelt_recipe_key_is_rejected(tmp_path):
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("task: arithmetic\ntopr_presett: sft\n")
-    with pytest.raises((SystemExit, ValueError)) as error:
+    with pytest.raises(SystemExit) as error:
         main(["train", "--config", str(recipe), "--dry_run", "true"])
     assert "topr_presett" in str(error.value)

@@ -36,10 +36,10 @@ def test_drop_in_swap_trains(trainer_class, config_class, tiny_model_path, arith
     logged = trainer.state.log_history[0]
     assert math.isfinite(logged["loss"])
     if trainer_class is TOPRTrainer:
-        for key in ("topr/positive_fraction", "topr/effective_positive_proportion", "topr/ratio_negative/mean",
-                    "topr/weight_positive/mean", "topr/negative_truncated_fraction", "topr/loss_positive",
-                    "topr/loss_negative", "entropy"):
+        for key in ("topr/positive_fraction", "topr/ratio_negative/mean", "topr/weight_positive/mean",
+                    "topr/negative_truncated_fraction", "topr/loss_positive", "topr/loss_negative", "entropy"):
             assert key in logged, key
+        assert "topr/effective_positive_proportion" not in logged  # 0.5 by construction under the advantage signal
 
 
 def test_default_loss_is_topr_and_on_policy_weights_are_one(tiny_model_path, arithmetic_dataset, tmp_path):

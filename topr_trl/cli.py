@@ -1,23 +1,32 @@
 """`topr-trl` (also `python -m topr_trl`): the command line.
 
-    topr-trl train                      # tiny local model, built-in arithmetic task, CPU, a few minutes
-    topr-trl train --config recipe.yaml --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name ...
-    topr-trl generate --output_dir data/mu0 --num_generations 8      # offline dataset sampled from mu
-    topr-trl train --offline_dataset data/mu0                         # Algorithm 1: train on it, no generation
-    topr-trl iterate --iterations 2 --composition anna_karenina   # generate, compose, train; mu_i = pi_{i-1}
-    topr-trl evaluate --model outputs/topr-arithmetic --task arithmetic --k 8   # pass@1, pass@k, maj@k
+    topr-trl train                      # tiny local model, built-in arithmetic task, CPU, about a minute
+    topr-trl train --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name prompts.jsonl \\
+        --reward_funcs my_rewards:correctness   # your model, data and reward: TRL's GRPOConfig defaults + TOPR's
+    topr-trl generate --num_generations 8            # an offline dataset sampled from mu, labelled
+    topr-trl train --offline_dataset DIR_OR_FILE     # Algorithm 1: train on stored completions, no generation
+    topr-trl iterate --iterations 2                  # generate, compose, train; mu_i = pi_{i-1}
+    topr-trl evaluate --model_name_or_path outputs/topr-tiny-arithmetic --k 8   # sampled pass@1, pass@k, maj@k
 
-`train`, `generate` and `iterate` take TRL's conventions: `--config file.yaml`, then any field as a flag
-(TOPRConfig and ModelConfig fields for `train` and `iterate`, ModelConfig fields for `generate`); an unknown flag
-or YAML key fails naming the closest valid one. All of them run under `accelerate launch`.
+With no model and no dataset a command runs the built-in task on the built-in tiny model, with settings sized for
+a 2-core CPU. A model or dataset on the command line (or in `--config`) makes it a custom run, which starts from
+TRL's own GRPOConfig defaults (on a machine without a GPU: `use_cpu`, no bf16). `train`, `generate` and `iterate`
+take `--config file.yaml`, then any field as a flag; `--help` shows the main flags, `--help-all` every one. A run
+without `--output_dir` writes to `outputs/<command>-<model>-<data>`. A wrong input fails in one line starting with
+`topr-trl:`; `--debug` shows the traceback. All commands run under `accelerate launch`.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import difflib
 import importlib
+import importlib.util
 import json
+import re
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,15 +34,13 @@ from .tasks import arithmetic_reward
 
 REWARD_FUNCTIONS = {"arithmetic": arithmetic_reward}
 TASKS = ("arithmetic", "gsm8k", "math500", "custom")
+BUILTIN_TASK = "arithmetic"
+_TASK_REWARDS = {"arithmetic": ["arithmetic"], "gsm8k": ["topr_trl.rewards:gsm8k_reward"],
+                 "math500": ["topr_trl.rewards:math_reward"]}
 
-
-def _task_reward_names(task: str) -> list[str]:
-    return {"arithmetic": ["arithmetic"], "gsm8k": ["topr_trl.rewards:gsm8k_reward"],
-            "math500": ["topr_trl.rewards:math_reward"]}.get(task, [])
-
-# The main job's defaults: sized for a 2-core CPU. Every one can be overridden on the command line or in YAML.
-TRAIN_DEFAULTS = dict(
-    output_dir="outputs/topr-arithmetic",
+# The built-in task's settings, sized for its ~80k-parameter model on a 2-core CPU. They apply only when the run
+# uses the built-in tiny model (no --model_name_or_path); every other run starts from TRL's GRPOConfig defaults.
+BUILTIN_TRAIN_DEFAULTS = dict(
     per_device_train_batch_size=16,
     num_generations=8,
     max_completion_length=6,
@@ -49,29 +56,38 @@ TRAIN_DEFAULTS = dict(
     seed=0,
 )
 # `iterate` trains one pass over each iteration's data (max_steps=-1) and checkpoints so that it can resume.
-ITERATE_DEFAULTS = dict(TRAIN_DEFAULTS, output_dir="outputs/topr-iterations", max_steps=-1, save_strategy="steps",
-                        save_steps=50, task_train_prompts=256)
+BUILTIN_ITERATE_DEFAULTS = dict(BUILTIN_TRAIN_DEFAULTS, max_steps=-1, save_strategy="steps", save_steps=50,
+                                task_train_prompts=256)
+BUILTIN_GENERATE_DEFAULTS = dict(max_completion_length=6)
+_OUTPUT_PREFIX = {"train": "topr", "iterate": "topr-iterations", "generate": "data"}
 
 
 @dataclass
 class TaskArguments:
     """What to train on (shared by the subcommands). With no model and no dataset: the built-in task and model."""
 
-    task: str = field(
-        default="arithmetic",
-        metadata={"help": "arithmetic (built-in), gsm8k or math500 (loaders and rewards of topr_trl), or custom "
-                          "(--dataset_name with a `prompt` column and --reward_funcs)."},
+    task: str | None = field(
+        default=None,
+        metadata={"help": "arithmetic (the built-in task), gsm8k or math500 (topr_trl's loaders and rewards), or "
+                          "custom (--dataset_name with a `prompt` column, and --reward_funcs). Default: custom when "
+                          "--dataset_name is given, else arithmetic."},
     )
     dataset_name: str | None = field(
-        default=None, metadata={"help": "Hub id or local file of the prompt dataset; None: the task's default."}
+        default=None,
+        metadata={"help": "The prompt dataset: a Hub id, or a local .json/.jsonl/.csv/.parquet file, a folder of "
+                          "them, or a save_to_disk folder. Needs a `prompt` column; other columns go to the reward "
+                          "functions. For gsm8k/math500: where to load the benchmark from."},
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_test_split: str = field(
+        default="test", metadata={"help": "Split evaluated during training when eval_strategy is not 'no'."}
+    )
     few_shot: int = field(default=0, metadata={"help": "gsm8k/math500: worked examples prepended to each prompt."})
     reward_funcs: list[str] | None = field(
         default=None,
-        metadata={"help": f"Reward functions: {sorted(REWARD_FUNCTIONS)} or 'package.module:function'; "
-                          "None: the task's own."},
+        metadata={"help": f"Reward functions: {sorted(REWARD_FUNCTIONS)}, 'module:function' (a module importable "
+                          "from the current directory) or 'path/to/file.py:function'. Default: the task's own."},
     )
     task_digits: int = field(default=2, metadata={"help": "Built-in task: operand digits."})
     task_train_prompts: int = field(default=1000, metadata={"help": "Built-in task: training prompts."})
@@ -89,27 +105,42 @@ class TaskArguments:
 class TrainScriptArguments(TaskArguments):
     offline_dataset: str | None = field(
         default=None,
-        metadata={"help": "A dataset written by `topr-trl generate` (its directory, or the Hub id it was pushed to): "
-                          "train on its stored completions, log-probs of mu and rewards without generating (the "
-                          "paper's Algorithm 1). num_generations must equal its completions per prompt."},
+        metadata={"help": "Train on stored completions without generating (the paper's Algorithm 1): a folder "
+                          "written by `topr-trl generate`, a save_to_disk folder, a .json/.jsonl/.csv/.parquet "
+                          "file, or a Hub id. Columns: see the README's offline dataset schema. Rewards are the "
+                          "stored `reward` column unless --reward_funcs is given."},
+    )
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Train into an output_dir that holds a finished run (it is refused "
+                                         "otherwise)."}
     )
 
 
 @dataclass
 class GenerateScriptArguments(TaskArguments):
-    """Sample an offline dataset from mu (the model), with GRPOConfig's names for the sampling knobs."""
+    """Sample an offline dataset from mu (the model), with GRPOConfig's names and defaults for the sampling knobs."""
 
-    output_dir: str = field(default="outputs/offline-data", metadata={"help": "Where the dataset shards go."})
+    output_dir: str | None = field(
+        default=None, metadata={"help": "Where the dataset shards go (default outputs/data-<model>-<data>)."}
+    )
     num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (the paper: 16)."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (the paper: 1)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus truncation (1: none)."})
     top_k: int = field(default=0, metadata={"help": "Top-k truncation (0: none; the paper: 500)."})
-    max_completion_length: int = field(default=6, metadata={"help": "New tokens per completion (the paper: 512)."})
+    max_completion_length: int = field(
+        default=256, metadata={"help": "New tokens per completion (GRPOConfig's default; the paper: 512; the "
+                                       "built-in task: 6)."}
+    )
     max_prompts: int | None = field(default=None, metadata={"help": "Use only the first N prompts."})
     prompts_per_shard: int = field(default=64, metadata={"help": "Prompts per saved shard (the unit of resume)."})
     backend: str = field(default="auto", metadata={"help": "auto (vLLM when installed and a GPU is present), "
                                                             "vllm or transformers."})
     seed: int = field(default=0, metadata={"help": "Seed of sampling and of the built-in model."})
+    chat_template_kwargs: str | None = field(
+        default=None, metadata={"help": "JSON object of keyword arguments for the chat template (GRPOConfig's "
+                                        "chat_template_kwargs; give training the same), e.g. '{\"enable_thinking\": "
+                                        "false}'."}
+    )
     push_to_hub: str | None = field(default=None, metadata={"help": "Hub dataset repository to push to (private)."})
 
 
@@ -127,112 +158,158 @@ class IterateScriptArguments(TaskArguments):
     backend: str = field(default="auto", metadata={"help": "Generation: auto, vllm or transformers."})
 
 
-def load_task(task_args: TaskArguments, model_name_or_path: str | None, seed: int):
-    """(model, training prompts, held-out prompts or None, reward functions) of the chosen task. Without a model,
-    builds the built-in tiny one (on the main process first under `accelerate launch`); with `dry_run`, validates
-    and loads nothing."""
-    from accelerate import PartialState
+# ---------------------------------------------------------------------------------------------- parsing
+def config_settings(argv: list[str]) -> dict:
+    """The mapping in the `--config` YAML file, or {} without one; a missing or malformed file exits in one line."""
+    for index, argument in enumerate(argv):
+        if argument.split("=", 1)[0] != "--config":
+            continue
+        path = argument.split("=", 1)[1] if "=" in argument else (argv[index + 1] if index + 1 < len(argv) else "")
+        if not Path(path).is_file():
+            raise SystemExit(f"topr-trl: config file {path!r} not found")
+        import yaml
 
-    from .config import check_choice
-    from .distributed import outside_zero3_construction
-    from .tasks import build_warm_model, make_arithmetic_dataset
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise SystemExit(f"topr-trl: config file {path!r} must hold a YAML mapping of field: value")
+        return loaded
+    return {}
 
-    check_choice("task", task_args.task, TASKS)
-    reward_names = task_args.reward_funcs or _task_reward_names(task_args.task)
-    if not reward_names:
-        raise SystemExit("topr-trl: --task custom needs --reward_funcs")
-    reward_funcs = [resolve_reward(name) for name in reward_names]
-    builtin_task = task_args.task == "arithmetic"
-    if model_name_or_path is None and not builtin_task:
-        raise SystemExit("topr-trl: --model_name_or_path is required outside the built-in task")
-    if task_args.dry_run:
-        return model_name_or_path, None, None, reward_funcs
-    if model_name_or_path is None:
-        state = PartialState()
-        with state.main_process_first():
-            if state.is_main_process:
-                with outside_zero3_construction():
-                    build_warm_model(task_args.base_model_dir, digits=task_args.task_digits,
-                                     target_accuracy=task_args.warm_start_accuracy, seed=seed)
-        model_name_or_path = task_args.base_model_dir
-    eval_dataset = None
-    if builtin_task:
-        train_dataset = make_arithmetic_dataset(task_args.task_train_prompts, task_args.task_digits, seed=1)
-        eval_dataset = make_arithmetic_dataset(task_args.task_eval_prompts, task_args.task_digits, seed=2)
-    elif task_args.task == "gsm8k":
-        from .datasets import load_gsm8k
 
-        train_dataset = load_gsm8k(task_args.dataset_train_split, source=task_args.dataset_name or "openai/gsm8k",
-                                   few_shot=task_args.few_shot)
-    elif task_args.task == "math500":
-        from .datasets import load_math500
+def user_settings(argv: list[str]) -> dict:
+    """What the user set, before any parsing: the `--config` keys, then the flags (which win), with their raw
+    values (a bare flag reads as True)."""
+    settings = dict(config_settings(argv))
+    for index, argument in enumerate(argv):
+        if not argument.startswith("--") or argument.split("=", 1)[0] == "--config":
+            continue
+        name, has_value, value = argument[2:].partition("=")
+        name = name.replace("-", "_")
+        if not has_value:
+            following = argv[index + 1] if index + 1 < len(argv) else None
+            value = True if following is None or following.startswith("--") else following
+        settings[name] = value
+    return settings
 
-        train_dataset = load_math500(source=task_args.dataset_name or "HuggingFaceH4/MATH-500",
-                                     few_shot=task_args.few_shot)
+
+def _is_true(value) -> bool:
+    return value is True or str(value).lower() in ("true", "1", "yes")
+
+
+def cpu_validation_overrides(settings: dict) -> list[str]:
+    """For a dry run on a machine without a GPU: flags that turn off what needs one (bf16/fp16, vLLM), so that every
+    other key and value of a GPU recipe still validates here. Says which ones it turned off."""
+    from .distributed import gpu_available
+
+    needs_gpu = {name: settings[name] for name in ("bf16", "fp16", "use_vllm") if _is_true(settings.get(name))}
+    if not needs_gpu or gpu_available():
+        return []
+    print(f"[topr-trl] this configuration needs a GPU ({', '.join(f'{k}={v}' for k, v in needs_gpu.items())}); none "
+          "here, so it is validated with those off", flush=True)
+    return ["--use_cpu", "true", "--bf16", "false", "--fp16", "false", "--use_vllm", "false"]
+
+
+def is_builtin_run(settings: dict) -> bool:
+    """No model, no prompt dataset and no other task: the built-in tiny model on the built-in task."""
+    task = settings.get("task")
+    return not settings.get("model_name_or_path") and not settings.get("dataset_name") and task in (None, BUILTIN_TASK)
+
+
+def _short_name(value) -> str:
+    name = Path(str(value).rstrip("/")).name
+    for suffix in (".jsonl", ".json", ".csv", ".parquet"):
+        name = name.removesuffix(suffix)
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "run"
+
+
+def default_output_dir(command: str, settings: dict) -> str:
+    """`outputs/<command>-<model>-<data>`: one folder per model and data, so runs do not overwrite each other."""
+    model = _short_name(settings["model_name_or_path"]) if settings.get("model_name_or_path") else "tiny"
+    data = settings.get("offline_dataset") or settings.get("dataset_name") or settings.get("task") or BUILTIN_TASK
+    return f"outputs/{_OUTPUT_PREFIX[command]}-{model}-{_short_name(data)}"
+
+
+def hardware_defaults() -> dict:
+    """GRPOConfig asks for bf16 on the GPU, which TrainingArguments refuses on a machine without one: there, train on
+    the CPU in fp32 unless the user says otherwise."""
+    from .distributed import gpu_available
+
+    return {} if gpu_available() else {"use_cpu": True, "bf16": False}
+
+
+def run_defaults(command: str, settings: dict) -> dict:
+    """The parser defaults of a run, below the YAML and the flags: the built-in task's small-model settings for a
+    built-in run, TRL's own (adjusted to the hardware) otherwise, and an output folder of its own."""
+    builtin = is_builtin_run(settings)
+    if command == "generate":
+        defaults = dict(BUILTIN_GENERATE_DEFAULTS) if builtin else {}
     else:
-        from datasets import load_dataset
-
-        train_dataset = load_dataset(task_args.dataset_name, task_args.dataset_config,
-                                     split=task_args.dataset_train_split)
-    return model_name_or_path, train_dataset, eval_dataset, reward_funcs
-
-
-def load_offline_data(source: str):
-    """A dataset written by `topr-trl generate`: its local directory, or the Hub id it was pushed to."""
-    from .offline import load_offline_dataset
-
-    if Path(source).exists():
-        return load_offline_dataset(source)
-    if source.startswith((".", "/", "~")) or source.count("/") != 1:  # a path, not a Hub id `user/name`
-        raise SystemExit(f"topr-trl: offline dataset {source!r} not found; write one with `topr-trl generate "
-                         f"--output_dir {source}` or give the Hub id it was pushed to")
-    from datasets import load_dataset
-
-    return load_dataset(source, split="train")
+        defaults = dict(BUILTIN_TRAIN_DEFAULTS if command == "train" else BUILTIN_ITERATE_DEFAULTS) if builtin \
+            else hardware_defaults()
+    defaults["output_dir"] = default_output_dir(command, settings)
+    return defaults
 
 
 def parse(argv: list[str], dataclass_types: tuple, prog: str, defaults: dict | None = None):
-    """TRL's parser (`--config file.yaml`, then flags), refusing misspelt flags and YAML keys first."""
+    """TRL's parser (`--config file.yaml`, then flags), refusing misspelt flags and YAML keys first. `--help` shows
+    the main flags, `--help-all` every one."""
     from trl import TrlParser
 
-    parser = TrlParser(dataclass_types, prog=prog)
+    parser = TrlParser(dataclass_types, prog=prog, add_help=False)
     if defaults:
         parser.set_defaults(**{k: v for k, v in defaults.items()
                                if any(k == action.dest for action in parser._actions)})
+    if "--help-all" in argv:
+        parser.print_help()
+        raise SystemExit(0)
+    if "-h" in argv or "--help" in argv:
+        print_short_help(parser, dataclass_types, prog)
+        raise SystemExit(0)
     reject_unknown_flags(parser, argv)
     return parser.parse_args_and_config(argv)
 
 
-def checkpoint_to_resume(training_args) -> str | None:
-    """`--resume_from_checkpoint PATH`, or `true` for the last checkpoint in output_dir (None when there is none)."""
-    from .distributed import last_checkpoint
-
-    checkpoint = training_args.resume_from_checkpoint
-    if str(checkpoint).lower() == "true":
-        return last_checkpoint(training_args.output_dir)
-    return checkpoint
-
-
-def held_out_accuracy(trainer, eval_dataset) -> dict:
-    """Greedy accuracy of the trainer's policy (gathered under ZeRO-3). Every process must call it."""
-    from .distributed import evaluate_policy
-    from .tasks import accuracy
-
-    return evaluate_policy(trainer, lambda model, tokenizer: accuracy(model, tokenizer, eval_dataset))
+# GRPOConfig / TrainingArguments fields a TOPR user sets most; `--help-all` lists the rest.
+_COMMON_TRAINING_FLAGS = (
+    "output_dir", "learning_rate", "lr_scheduler_type", "max_steps", "num_train_epochs", "per_device_train_batch_size",
+    "gradient_accumulation_steps", "num_generations", "max_completion_length", "temperature", "top_p", "top_k",
+    "beta", "use_vllm", "vllm_mode", "bf16", "use_cpu", "gradient_checkpointing", "logging_steps", "save_strategy",
+    "save_steps", "eval_strategy", "eval_steps", "report_to", "seed", "push_to_hub", "hub_model_id",
+    "resume_from_checkpoint",
+)
+_COMMON_MODEL_FLAGS = ("model_name_or_path", "dtype", "use_peft", "lora_r", "lora_alpha", "lora_target_modules")
 
 
-def _print_main(accelerator_state, message: str) -> None:
-    if accelerator_state.is_main_process:
-        print(f"[topr-trl] {message}", flush=True)
+def print_short_help(parser, dataclass_types: tuple, prog: str) -> None:
+    """The flags of this command's own arguments and of TOPR first, then the common GRPO and model flags."""
+    from trl import GRPOConfig, ModelConfig
 
+    from .config import TOPRConfig
 
-def resolve_reward(name: str):
-    if name in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS[name]
-    module_name, _, function_name = name.partition(":")
-    if not function_name:
-        raise ValueError(f"Unknown reward function {name!r}: use one of {sorted(REWARD_FUNCTIONS)} or 'module:function'.")
-    return getattr(importlib.import_module(module_name), function_name)
+    grpo_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    groups: list[tuple[str, list[str]]] = []
+    for kind in dataclass_types:
+        names = [f.name for f in dataclasses.fields(kind)]
+        if kind is TOPRConfig:
+            groups.append(("TOPR (TOPRConfig's own fields)", [n for n in names if n not in grpo_fields]))
+            groups.append(("training (GRPOConfig; the most used)", list(_COMMON_TRAINING_FLAGS)))
+        elif kind is ModelConfig:
+            groups.append(("model (TRL's ModelConfig; the most used)", list(_COMMON_MODEL_FLAGS)))
+        else:
+            groups.append((f"{prog.split()[-1]}: what to run on", names))
+    short = argparse.ArgumentParser(prog=prog, add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                    usage=f"{prog} [--config FILE.yaml] [--FIELD VALUE ...]",
+                                    epilog="--help-all lists every option (all of GRPOConfig, TrainingArguments and "
+                                           "ModelConfig). --debug shows the traceback of an error.")
+    by_dest = {action.dest: action for action in parser._actions}
+    shown: set[str] = set()
+    for title, names in groups:
+        group = short.add_argument_group(title)
+        for name in names:
+            if name in by_dest and name not in shown:
+                group._add_action(by_dest[name])
+                shown.add(name)
+    short.print_help()
 
 
 def reject_unknown_flags(parser, argv: list[str]) -> None:
@@ -245,59 +322,238 @@ def reject_unknown_flags(parser, argv: list[str]) -> None:
         hint = f" Did you mean {close[0]}?" if close else ""
         raise SystemExit(f"topr-trl: unknown {kind} {name}.{hint}")
 
-    for index, argument in enumerate(argv):
+    for argument in argv:
         flag = argument.split("=", 1)[0]
         if flag.startswith("--") and flag not in known:
             fail("option", flag, known)
-        if flag == "--config":
-            path = argument.split("=", 1)[1] if "=" in argument else argv[index + 1]
-            import yaml
-
-            for key in (yaml.safe_load(Path(path).read_text()) or {}):
-                if key not in names:
-                    fail(f"key in {path}:", key, names)
+    for key in config_settings(argv):
+        if key not in names and key != "env":  # TRL's parser sets environment variables from `env`
+            fail("key in the config file:", key, names)
 
 
-def train(argv: list[str]) -> dict:
+# ---------------------------------------------------------------------------------------------- what to run on
+def resolve_task(options: TaskArguments, model_name_or_path: str | None, offline: bool = False) -> str:
+    """The task of the run, or a one-line exit saying what is missing."""
+    from .config import check_choice
+
+    task = options.task or ("custom" if options.dataset_name or (offline and model_name_or_path) else BUILTIN_TASK)
+    check_choice("task", task, TASKS)
+    if model_name_or_path is None and task != BUILTIN_TASK:
+        what = f"--dataset_name {options.dataset_name}" if options.dataset_name else f"--task {task}"
+        raise SystemExit(f"topr-trl: {what} selects a custom run, which needs --model_name_or_path (a Hub id or a "
+                         "local model folder); the built-in tiny model knows only the arithmetic task")
+    if task == "custom" and not options.dataset_name and not offline:
+        raise SystemExit("topr-trl: a custom run needs --dataset_name (a Hub id or a local file with a `prompt` "
+                         "column) or --offline_dataset")
+    if model_name_or_path is not None and options.task is None and not options.dataset_name and not offline:
+        raise SystemExit(f"topr-trl: --model_name_or_path {model_name_or_path} needs something to train on: "
+                         "--dataset_name FILE_OR_HUB_ID with --reward_funcs, --task gsm8k|math500|arithmetic, or "
+                         "--offline_dataset")
+    if task == "custom" and not options.reward_funcs and not offline:
+        raise SystemExit("topr-trl: a custom dataset needs --reward_funcs (e.g. my_rewards:correctness, a function "
+                         "taking completions and the dataset's columns and returning one float per completion)")
+    return task
+
+
+def load_prompts(options: TaskArguments, split: str):
+    """The custom prompt dataset: Hub id, local data files, or a save_to_disk folder; it must have `prompt`."""
+    from .datasets import load_source
+
+    try:
+        dataset = load_source(options.dataset_name, split, config=options.dataset_config)
+    except RuntimeError as error:  # the Hub could not be reached; the message says what to do offline
+        raise SystemExit(f"topr-trl: {error}") from error
+    if "prompt" not in dataset.column_names:
+        raise SystemExit(f"topr-trl: dataset {options.dataset_name!r} has no `prompt` column (it has "
+                         f"{dataset.column_names}); rename the column that holds the prompts to `prompt`")
+    return dataset
+
+
+def load_task(options: TaskArguments, model_name_or_path: str | None, seed: int, offline: bool = False,
+              eval_split: bool = False):
+    """(model, task, training prompts, held-out set of the built-in task or None, evaluation dataset for the trainer
+    or None, reward functions) of the run. Without a model, builds the built-in tiny one (on the main process first
+    under `accelerate launch`); with `dry_run`, validates and loads nothing."""
     from accelerate import PartialState
+
+    from .distributed import outside_zero3_construction
+    from .tasks import build_warm_model, make_arithmetic_dataset
+
+    task = resolve_task(options, model_name_or_path, offline)
+    reward_names = options.reward_funcs or _TASK_REWARDS.get(task, [])
+    reward_funcs = [resolve_reward(name) for name in reward_names]
+    if options.dry_run:
+        return model_name_or_path, task, None, None, None, reward_funcs
+    if model_name_or_path is None:
+        state = PartialState()
+        with state.main_process_first():
+            if state.is_main_process:
+                with outside_zero3_construction():
+                    build_warm_model(options.base_model_dir, digits=options.task_digits,
+                                     target_accuracy=options.warm_start_accuracy, seed=seed)
+        model_name_or_path = options.base_model_dir
+    held_out = eval_dataset = train_dataset = None
+    if task == BUILTIN_TASK:
+        train_dataset = make_arithmetic_dataset(options.task_train_prompts, options.task_digits, seed=1)
+        held_out = make_arithmetic_dataset(options.task_eval_prompts, options.task_digits, seed=2)
+    elif task == "gsm8k":
+        from .datasets import load_gsm8k
+
+        source = options.dataset_name or "openai/gsm8k"
+        train_dataset = load_gsm8k(options.dataset_train_split, source=source, few_shot=options.few_shot)
+        if eval_split:
+            eval_dataset = load_gsm8k(options.dataset_test_split, source=source, few_shot=options.few_shot)
+    elif task == "math500":
+        from .datasets import load_math500
+
+        train_dataset = load_math500(source=options.dataset_name or "HuggingFaceH4/MATH-500",
+                                     few_shot=options.few_shot)
+    elif options.dataset_name:
+        train_dataset = load_prompts(options, options.dataset_train_split)
+        if eval_split:
+            eval_dataset = load_prompts(options, options.dataset_test_split)
+    return model_name_or_path, task, train_dataset, held_out, eval_dataset, reward_funcs
+
+
+def resolve_reward(name: str):
+    """A reward function by name: a built-in one, 'module:function' (the current directory is importable, as for
+    `python -m`) or 'path/to/file.py:function'."""
+    if name in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[name]
+    location, _, function_name = name.rpartition(":")
+    if not location or not function_name:
+        raise ValueError(f"unknown reward function {name!r}: use one of {sorted(REWARD_FUNCTIONS)}, "
+                         "'module:function' or 'path/to/file.py:function'")
+    try:
+        if location.endswith(".py"):
+            path = Path(location)
+            if not path.is_file():
+                raise FileNotFoundError(f"no such file {location!r}")
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            if "" not in sys.path and str(Path.cwd()) not in sys.path:
+                sys.path.insert(0, str(Path.cwd()))
+            module = importlib.import_module(location)
+    except (ImportError, FileNotFoundError) as error:
+        raise ValueError(f"cannot load the reward function {name!r}: {error}. Give 'module:function' with the module "
+                         "importable from the current directory (or on PYTHONPATH), or 'path/to/file.py:function'") \
+            from error
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        available = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+        close = difflib.get_close_matches(function_name, available, n=1)
+        raise ValueError(f"{location} has no function {function_name!r}" +
+                         (f"; did you mean {close[0]!r}?" if close else ""))
+    return function
+
+
+# ---------------------------------------------------------------------------------------------- run helpers
+def refuse_finished_run(output_dir: str, allowed: bool) -> None:
+    """A folder that holds a finished run (its summary or its saved model) is not trained into again by accident:
+    only with --overwrite_output_dir, or --resume_from_checkpoint to continue it (`allowed`)."""
+    folder = Path(output_dir)
+    markers = [name for name in ("topr_summary.json", "model.safetensors", "adapter_model.safetensors")
+               if (folder / name).exists()]
+    if markers and not allowed:
+        raise SystemExit(f"topr-trl: {output_dir} holds a finished run ({markers[0]}); choose another --output_dir, "
+                         "pass --overwrite_output_dir true to replace it or --resume_from_checkpoint true to "
+                         "continue it")
+
+
+def checkpoint_to_resume(training_args) -> str | None:
+    """`--resume_from_checkpoint PATH`, or `true` for the last checkpoint in output_dir (None when there is none)."""
+    from .distributed import last_checkpoint
+
+    checkpoint = training_args.resume_from_checkpoint
+    if str(checkpoint).lower() == "true":
+        return last_checkpoint(training_args.output_dir)
+    return checkpoint
+
+
+def held_out_accuracy(trainer, held_out) -> dict:
+    """Greedy accuracy of the trainer's policy (gathered under ZeRO-3). Every process must call it."""
+    from .distributed import evaluate_policy
+    from .tasks import accuracy
+
+    return evaluate_policy(trainer, lambda model, tokenizer: accuracy(model, tokenizer, held_out))
+
+
+def describe_accuracy(result: dict | None, num_problems: int) -> str:
+    """'greedy accuracy 0.290 on 200 held-out problems': every accuracy printed says how it was measured."""
+    if not result:
+        return "not measured"
+    return f"greedy accuracy {result['accuracy']:.3f} on {num_problems} held-out problems"
+
+
+def _print_main(message: str) -> None:
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:
+        print(f"[topr-trl] {message}", flush=True)
+
+
+def _note_hardware(defaults: dict, settings: dict) -> None:
+    """A custom run moved to the CPU by `hardware_defaults` says so (the built-in task is meant for the CPU)."""
+    if not is_builtin_run(settings) and defaults.get("use_cpu") and "use_cpu" not in settings \
+            and "bf16" not in settings:
+        _print_main("no GPU found: training on the CPU in fp32 (use_cpu=True, bf16=False)")
+
+
+# ---------------------------------------------------------------------------------------------- commands
+def train(argv: list[str]) -> dict:
     from trl import ModelConfig, get_peft_config
 
     from .config import TOPRConfig
-    from .trainer import TOPRTrainer
+    from .offline import load_offline_source
 
+    settings = user_settings(argv)
+    defaults = run_defaults("train", settings)
+    if _is_true(settings.get("dry_run")):
+        argv = argv + cpu_validation_overrides(settings)
     script_args, training_args, model_args = parse(argv, (TrainScriptArguments, TOPRConfig, ModelConfig),
-                                                   "topr-trl train", TRAIN_DEFAULTS)
-    model, train_dataset, eval_dataset, reward_funcs = load_task(script_args, model_args.model_name_or_path,
-                                                                 training_args.seed)
-    if script_args.offline_dataset is not None:
+                                                   "topr-trl train", defaults)
+    offline = script_args.offline_dataset is not None
+    refuse_finished_run(training_args.output_dir,
+                        script_args.overwrite_output_dir or bool(training_args.resume_from_checkpoint))
+    # Loaded before any model is built, so that a wrong path fails at once.
+    offline_data = load_offline_source(script_args.offline_dataset) if offline and not script_args.dry_run else None
+    model, task, train_dataset, held_out, eval_dataset, reward_funcs = load_task(
+        script_args, model_args.model_name_or_path, training_args.seed, offline=offline,
+        eval_split=training_args.eval_strategy != "no")
+    if offline and script_args.reward_funcs is None:  # the paper labels the data once, at generation
         from .offline import stored_reward
 
-        if script_args.reward_funcs is None:  # the paper labels the data once, at generation
-            reward_funcs = [stored_reward]
+        reward_funcs = [stored_reward]
     if script_args.dry_run:
-        print(f"[topr-trl] configuration valid: task={script_args.task} model={model} "
+        print(f"[topr-trl] configuration valid: task={task} model={model or 'built-in tiny model'} "
               f"loss_type={training_args.loss_type} limits={training_args.topr_limits} "
-              f"rewards={[f.__name__ for f in reward_funcs]} offline_dataset={script_args.offline_dataset}")
+              f"rewards={[f.__name__ for f in reward_funcs]} offline_dataset={script_args.offline_dataset} "
+              f"output_dir={training_args.output_dir}")
         return {"dry_run": True}
-    if script_args.offline_dataset is not None:
-        train_dataset = load_offline_data(script_args.offline_dataset)
+    if offline:
+        train_dataset = offline_data
+    _note_hardware(defaults, settings)
+
+    from .trainer import TOPRTrainer
 
     trainer = TOPRTrainer(model=model, reward_funcs=reward_funcs, args=training_args, train_dataset=train_dataset,
-                          peft_config=get_peft_config(model_args))
-    state = PartialState()
-    summary: dict = {}
-    if eval_dataset is not None:
-        summary["before"] = held_out_accuracy(trainer, eval_dataset)
-        _print_main(state, f"held-out accuracy before training: {summary['before']}")
+                          eval_dataset=eval_dataset, peft_config=get_peft_config(model_args))
+    summary: dict = {"output_dir": training_args.output_dir}
+    if held_out is not None:
+        summary["held_out_problems"] = len(held_out)
+        summary["before"] = held_out_accuracy(trainer, held_out)
+        _print_main(f"before training: {describe_accuracy(summary['before'], len(held_out))}")
     trainer.train(resume_from_checkpoint=checkpoint_to_resume(training_args))
-    if eval_dataset is not None:
-        summary["after"] = held_out_accuracy(trainer, eval_dataset)
-        _print_main(state, f"held-out accuracy after training:  {summary['after']}")
+    if held_out is not None:
+        summary["after"] = held_out_accuracy(trainer, held_out)
+        _print_main(f"after training:  {describe_accuracy(summary['after'], len(held_out))}")
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
         Path(training_args.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(training_args.output_dir) / "topr_summary.json").write_text(json.dumps(summary, indent=2))
-        _print_main(state, f"model and summary saved to {training_args.output_dir}")
+        _print_main(f"model and summary saved to {training_args.output_dir}")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.offline_dataset or script_args.dataset_name)
     return summary
@@ -310,12 +566,19 @@ def generate(argv: list[str]) -> dict:
     from .config import check_choice
     from .offline import BACKENDS, generate_offline_dataset, proportion_of_positives
 
-    options, model_args = parse(argv, (GenerateScriptArguments, ModelConfig), "topr-trl generate")
+    settings = user_settings(argv)
+    options, model_args = parse(argv, (GenerateScriptArguments, ModelConfig), "topr-trl generate",
+                                run_defaults("generate", settings))
     check_choice("backend", options.backend, BACKENDS)
-    model, prompts, _, reward_funcs = load_task(options, model_args.model_name_or_path, options.seed)
+    try:
+        chat_template_kwargs = json.loads(options.chat_template_kwargs) if options.chat_template_kwargs else None
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"topr-trl: --chat_template_kwargs must be a JSON object ({error})") from None
+    model, task, prompts, _, _, reward_funcs = load_task(options, model_args.model_name_or_path, options.seed)
     if options.dry_run:
-        print(f"[topr-trl] configuration valid: task={options.task} model={model} backend={options.backend} "
-              f"num_generations={options.num_generations} rewards={[f.__name__ for f in reward_funcs]}")
+        print(f"[topr-trl] configuration valid: task={task} model={model or 'built-in tiny model'} "
+              f"backend={options.backend} num_generations={options.num_generations} "
+              f"rewards={[f.__name__ for f in reward_funcs]} output_dir={options.output_dir}")
         return {"dry_run": True}
     if not PartialState().is_main_process:  # sharded generation is resumable, not parallel: one process writes
         return {}
@@ -330,19 +593,19 @@ def generate(argv: list[str]) -> dict:
         num_completions=options.num_generations, temperature=options.temperature, top_p=options.top_p,
         top_k=options.top_k, max_new_tokens=options.max_completion_length, prompts_per_shard=options.prompts_per_shard,
         backend=options.backend, seed=options.seed, push_to_hub=options.push_to_hub,
+        chat_template_kwargs=chat_template_kwargs,
     )
     summary = {"rows": len(dataset), "prompts": len(prompts), "proportion_of_positives":
                proportion_of_positives(dataset), "truncated_fraction": sum(dataset["truncated"]) / len(dataset),
                "output_dir": options.output_dir}
     print(f"[topr-trl] generated {summary['rows']} completions for {summary['prompts']} prompts into "
-          f"{options.output_dir}: p={summary['proportion_of_positives']:.3f}, "
+          f"{options.output_dir}: p={summary['proportion_of_positives']:.3f} (share of positive rewards), "
           f"truncated {summary['truncated_fraction']:.3f}", flush=True)
     return summary
 
 
 def iterate(argv: list[str]) -> list[dict]:
     import torch
-    from accelerate import PartialState
     from trl import ModelConfig
 
     from .config import TOPRConfig, check_choice
@@ -350,17 +613,24 @@ def iterate(argv: list[str]) -> list[dict]:
     from .offline import BACKENDS, COMPOSITIONS
     from .tasks import accuracy
 
+    settings = user_settings(argv)
+    defaults = run_defaults("iterate", settings)
+    if _is_true(settings.get("dry_run")):
+        argv = argv + cpu_validation_overrides(settings)
     options, training_args, model_args = parse(argv, (IterateScriptArguments, TOPRConfig, ModelConfig),
-                                               "topr-trl iterate", ITERATE_DEFAULTS)
+                                               "topr-trl iterate", defaults)
     check_choice("composition", options.composition, COMPOSITIONS)
     check_choice("backend", options.backend, BACKENDS)
-    model, prompts, held_out, reward_funcs = load_task(options, model_args.model_name_or_path, training_args.seed)
+    model, task, prompts, held_out, _, reward_funcs = load_task(options, model_args.model_name_or_path,
+                                                                training_args.seed)
     if options.dry_run:
         print(f"[topr-trl] configuration valid: {options.iterations} iteration(s), composition="
-              f"{options.composition}, model={model}, limits={training_args.topr_limits}")
+              f"{options.composition}, task={task}, model={model or 'built-in tiny model'}, "
+              f"limits={training_args.topr_limits}, output_dir={training_args.output_dir}")
         return []
+    _note_hardware(defaults, settings)
     torch.manual_seed(training_args.seed)
-    settings = IterationSettings(
+    iteration_settings = IterationSettings(
         num_iterations=options.iterations, num_completions=training_args.num_generations,
         temperature=training_args.temperature, top_p=training_args.top_p, top_k=training_args.top_k or 0,
         max_new_tokens=training_args.max_completion_length, composition=options.composition,
@@ -368,28 +638,46 @@ def iterate(argv: list[str]) -> list[dict]:
         backend=options.backend, train_args=training_args,
     )
     evaluate = (lambda model, tokenizer: accuracy(model, tokenizer, held_out)) if held_out is not None else None
-    summaries = run_iterations(model, prompts, reward_funcs, training_args.output_dir, settings, evaluate=evaluate)
+    summaries = run_iterations(model, prompts, reward_funcs, training_args.output_dir, iteration_settings,
+                               evaluate=evaluate)
+    problems = len(held_out) if held_out is not None else 0
     for summary in summaries:
-        _print_main(PartialState(), f"iteration {summary['iteration']}: p={summary['proportion_of_positives']:.3f} "
-                                    f"before={summary.get('evaluation_before')} after={summary.get('evaluation')}")
+        _print_main(f"iteration {summary['iteration']}: p={summary['proportion_of_positives']:.3f}; before: "
+                    f"{describe_accuracy(summary.get('evaluation_before'), problems)}; after: "
+                    f"{describe_accuracy(summary.get('evaluation'), problems)}")
     return summaries
+
+
+COMMANDS = ("train", "generate", "iterate", "evaluate")
+# What a user's input can raise before or during a run; anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, ImportError, ConnectionError)
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from .evaluate import main as evaluate_main
-
-    commands = {
-        "train": train,
-        "generate": generate,
-        "iterate": iterate,
-        "evaluate": lambda arguments: evaluate_main(arguments, prog="topr-trl evaluate"),
-    }
-    if not argv or argv[0] not in commands:
+    debug = "--debug" in argv
+    argv = [argument for argument in argv if argument != "--debug"]
+    if not argv or argv[0] not in COMMANDS:
         print(__doc__)
-        print(f"commands: {', '.join(commands)}")
+        print(f"commands: {', '.join(COMMANDS)}; `topr-trl COMMAND --help` for its flags")
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
-    commands[argv[0]](argv[1:])
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated")  # TRL's own default trips it
+    try:
+        run_command(argv[0], argv[1:])  # returns nothing: a console script exits 1 on a returned value
+    except USER_ERRORS as error:
+        if debug:
+            raise
+        message = " ".join(str(error).split()) or type(error).__name__
+        message = message if message.startswith("topr-trl:") else f"topr-trl: {message}"
+        raise SystemExit(f"{message} (--debug shows the traceback)") from None
+
+
+def run_command(command: str, argv: list[str]):
+    if command == "evaluate":
+        from .evaluate import main as evaluate_main
+
+        return evaluate_main(argv, prog="topr-trl evaluate")
+    return {"train": train, "generate": generate, "iterate": iterate}[command](argv)
 
 
 if __name__ == "__main__":

@@ -96,9 +96,15 @@ class TOPRConfig(GRPOConfig):
             computed by this frozen model (prepared like GRPO's reference model, so DeepSpeed ZeRO-3 shards it).
             Costs one extra forward pass per batch; storing the log-probs at generation time avoids it.
         topr_offline_epochs (`float`, *optional*, defaults to `1.0`):
-            Passes over an offline `train_dataset` (one with `completion_ids`): the paper's Algorithm 1 makes one.
+            Passes over an offline `train_dataset` (one with `completion_ids` or `completion`): the paper's
+            Algorithm 1 makes one.
             For offline data it replaces `num_train_epochs` (which keeps its meaning for online training); raise it
             to reuse the data, as in the paper's far-off-policy experiments. `max_steps` > 0 still takes precedence.
+        topr_skip_unscored_steps (`bool`, *optional*, defaults to `False`):
+            What to do when no completion of a whole generation batch gets a reward (every reward function returned
+            None or NaN for all of them), online or offline. `False`: stop with a `ValueError` naming the reward
+            functions, since such a step trains nothing and usually means a broken reward function. `True`: skip
+            such steps (their loss is zeroed, KL and entropy terms included), with one warning.
         pg_variant (`str`, *optional*, defaults to `"topr"`):
             ROLL's `pg_variant`, to compare off-policy losses in one trainer with the same signal, ratio level,
             mu and aggregation: `"topr"` (Eq. 7 with the limits above), `"vanilla"` (REINFORCE, the
@@ -159,6 +165,11 @@ class TOPRConfig(GRPOConfig):
     topr_offline_epochs: float = field(
         default=1.0, metadata={"help": "Passes over an offline dataset (Algorithm 1: 1); replaces num_train_epochs."}
     )
+    topr_skip_unscored_steps: bool = field(
+        default=False,
+        metadata={"help": "Skip (True, one warning) instead of failing (False) on a generation batch that no reward "
+                          "function could score (all None/NaN)."},
+    )
     pg_variant: str = field(default="topr", metadata={"help": f"Off-policy loss variant: {list(PG_VARIANTS)}."})
     tis_lower_bound: float = field(default=0.0, metadata={"help": "pg_variant='tis': lower ratio bound."})
     tis_upper_bound: float = field(default=1.0, metadata={"help": "pg_variant='tis': upper ratio bound."})
@@ -186,6 +197,10 @@ class TOPRConfig(GRPOConfig):
                                  "topr_signal='reward'.")
         if not (isinstance(self.topr_offline_epochs, (int, float)) and self.topr_offline_epochs > 0):
             raise ValueError(f"`topr_offline_epochs` must be > 0, got {self.topr_offline_epochs!r}.")
+        if not isinstance(self.topr_skip_unscored_steps, bool):
+            raise ValueError(
+                f"`topr_skip_unscored_steps` must be True or False, got {self.topr_skip_unscored_steps!r}."
+            )
         for name in ("topr_positive_weight", "topr_negative_weight", "cispo_epsilon_low", "cispo_epsilon_high",
                      "kimi15_tau"):
             value = getattr(self, name)

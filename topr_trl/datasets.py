@@ -43,7 +43,7 @@ __all__ = [
     "load_math500",
 ]
 
-LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 """Appended to every MATH problem by default: answers are only read from a final `\\boxed{}`."""
@@ -185,6 +185,23 @@ def _load_files(files: Sequence[Path], split: str, cache_dir: str | None) -> Dat
                         cache_dir=cache_dir)
 
 
+def is_saved_dataset(path: Path) -> bool:
+    """Whether `path` is a folder written by `save_to_disk` (a Dataset or a DatasetDict)."""
+    return any((Path(path) / marker).is_file() for marker in ("dataset_info.json", "state.json", "dataset_dict.json"))
+
+
+def _load_saved(path: Path, split: str) -> Dataset:
+    """A folder written by `save_to_disk`: a Dataset as it is, or the `split` (or the only split) of a DatasetDict."""
+    from datasets import DatasetDict, load_from_disk
+
+    saved = load_from_disk(str(path))
+    if not isinstance(saved, DatasetDict):
+        return saved
+    if split not in saved and len(saved) != 1:
+        raise ValueError(f"unknown split {split!r}: {str(path)!r} holds splits {sorted(saved)}")
+    return saved[split] if split in saved else next(iter(saved.values()))
+
+
 def _split_of_file(path: Path) -> str:
     """`test.jsonl` -> `test`; `train-00000-of-00001.parquet` -> `train`."""
     return re.split(r"[-.]", path.name, maxsplit=1)[0]
@@ -196,7 +213,8 @@ def _looks_local(source: str) -> bool:
 
 
 def load_source(source, split: str, config: str | None = None, cache_dir: str | None = None) -> Dataset:
-    """The `split` of `source`: a Hub id, a local file, a `{split: file}` mapping, or a local directory.
+    """The `split` of `source`: a Hub id, a local file, a `{split: file}` mapping, a `save_to_disk` folder (a
+    Dataset as it is, or the split of a DatasetDict), or a local directory of data files.
 
     Local files need no network. A directory is searched (under `config/` first when that folder exists) for
     data files whose name, up to its first `-` or `.`, is the split. Raises FileNotFoundError for a missing
@@ -219,14 +237,16 @@ def load_source(source, split: str, config: str | None = None, cache_dir: str | 
             raise RuntimeError(
                 f"could not load split {split!r} of the Hub dataset {source!r}"
                 + (f" (config {config!r})" if config else "")
-                + f": {error}. Without Hub access, pass a local .json/.jsonl/.parquet file (or a directory of "
-                "them) as `source`."
+                + f": {error}. Without Hub access, pass a local .json/.jsonl/.csv/.parquet file (or a directory of "
+                "them) or a save_to_disk folder as `source`."
             ) from error
     path = Path(source).expanduser()
     if path.is_file():
         return _load_files([path], split, cache_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"no such data file or directory: {source!r}")
+    if is_saved_dataset(path):
+        return _load_saved(path, split)
     root = path / config if config and (path / config).is_dir() else path
     candidates = sorted(
         file for file in root.rglob("*") if file.is_file() and file.suffix.lower() in LOCAL_FORMATS
@@ -236,7 +256,7 @@ def load_source(source, split: str, config: str | None = None, cache_dir: str | 
         available = sorted({_split_of_file(file) for file in candidates})
         raise ValueError(
             f"unknown split {split!r}: no data file named after it in {str(root)!r}"
-            + (f" (splits found: {available})" if available else " (no .json/.jsonl/.parquet files there)")
+            + (f" (splits found: {available})" if available else " (no .json/.jsonl/.csv/.parquet files there)")
         )
     return _load_files(files, split, cache_dir)
 

@@ -60,3 +60,10 @@ def last_checkpoint(output_dir) -> str | None:
     from transformers.trainer_utils import get_last_checkpoint
 
     return get_last_checkpoint(str(output_dir)) if Path(output_dir).is_dir() else None
+
+
+def gpu_available() -> bool:
+    """Whether an accelerator TrainingArguments can train on (and run bf16 on) is present."""
+    import torch
+
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())

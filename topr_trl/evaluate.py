@@ -3,7 +3,7 @@ completions per question, class each one correct / incorrect / invalid, and repo
 unbiased pass@k, maj@k, the invalid rate, the paper's bootstrap standard errors, and the histogram of correct
 answers per question.
 
-    python -m topr_trl.evaluate --model outputs/topr-arithmetic --task arithmetic --k 8 --output_dir outputs/eval
+    topr-trl evaluate --model_name_or_path outputs/topr-tiny-arithmetic --task arithmetic --k 8 --output_dir outputs/eval
 
 Generation uses transformers' `generate`, or vLLM when the model is given by path, vLLM is installed and a GPU
 is present (`backend="auto"`); vLLM is only imported then, never when this module is imported.
@@ -535,19 +535,24 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         description="Sample k completions per question and report pass@1, pass@k, maj@k, the invalid rate and "
                     "bootstrap standard errors (results.json and results.png in --output_dir).",
     )
-    parser.add_argument("--model", required=True, help="Model path or Hub id.")
+    # The same flag names as `topr-trl train`/`generate`/`iterate`; the earlier names still work.
+    parser.add_argument("--model_name_or_path", "--model", dest="model", required=True,
+                        help="Model path or Hub id.")
     parser.add_argument("--tokenizer", default=None, help="Tokenizer path or Hub id (default: the model's).")
     parser.add_argument("--task", choices=TASKS, default="arithmetic",
                         help="arithmetic: the built-in held-out set (make_arithmetic_dataset(200, 2, seed=2)).")
-    parser.add_argument("--dataset_source", default=None,
+    parser.add_argument("--dataset_name", "--dataset_source", dest="dataset_source", default=None,
                         help="gsm8k/math/math500: Hub id or local .json/.jsonl/.parquet file or directory.")
     parser.add_argument("--dataset_config", default=None, help="math: dataset configuration (e.g. a subject).")
-    parser.add_argument("--split", default=None, help="Split to evaluate (default: test).")
+    parser.add_argument("--dataset_test_split", "--split", dest="split", default=None,
+                        help="Split to evaluate (default: test).")
     parser.add_argument("--few_shot", type=int, default=0, help="Worked examples before each question.")
     parser.add_argument("--system_prompt", default=None, help="System message (or text) before the prompt.")
     parser.add_argument("--plain_prompts", action="store_true", help="Plain-text prompts instead of chat.")
-    parser.add_argument("--arithmetic_prompts", type=int, default=200, help="arithmetic: held-out problems.")
-    parser.add_argument("--arithmetic_digits", type=int, default=2, help="arithmetic: operand digits.")
+    parser.add_argument("--task_eval_prompts", "--arithmetic_prompts", dest="arithmetic_prompts", type=int,
+                        default=200, help="arithmetic: held-out problems (the ones `train` measures).")
+    parser.add_argument("--task_digits", "--arithmetic_digits", dest="arithmetic_digits", type=int, default=2,
+                        help="arithmetic: operand digits.")
     parser.add_argument("--limit", type=int, default=None, help="Evaluate only the first N questions.")
     parser.add_argument("--k", type=int, default=8, help="k of pass@k and maj@k.")
     parser.add_argument("--num_samples", type=int, default=None,
@@ -555,7 +560,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (0: greedy).")
     parser.add_argument("--top_p", type=float, default=1.0)
     parser.add_argument("--top_k", type=int, default=0, help="Top-k truncation (0: none).")
-    parser.add_argument("--max_new_tokens", type=int, default=None,
+    parser.add_argument("--max_completion_length", "--max_new_tokens", dest="max_new_tokens", type=int, default=None,
                         help=f"Completion length cap (default per task: {_TASK_MAX_NEW_TOKENS}).")
     parser.add_argument("--stop", action="append", default=None, help="Stop string (repeatable).")
     parser.add_argument("--batch_size", type=int, default=64, help="Completions per generate call.")
@@ -570,7 +575,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> dict[str, Any]:
-    """`python -m topr_trl.evaluate --model PATH [--task arithmetic|gsm8k|math500|math] [--k 8] ...`: evaluate,
+    """`topr-trl evaluate --model_name_or_path PATH [--task arithmetic|gsm8k|math500|math] [--k 8] ...`: evaluate,
     print the summary as JSON, write `results.json` and `results.png` to `--output_dir`; returns the summary."""
     options = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
     if options.limit is not None and options.limit < 1:
@@ -593,6 +598,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> dict[str
     paths = save_results(result, output_dir, plot=not options.no_plot)
     summary = _json_safe(result.summary())
     print(json.dumps(summary, indent=2), flush=True)
+    how = "greedy" if options.temperature == 0 else f"sampled at temperature {options.temperature:g}"
+    print(f"[topr-trl] pass@1 {result.pass_at_1:.3f} ({how}, {result.num_samples} samples per problem) on "
+          f"{result.num_prompts} problems; maj@{result.k} {result.maj_at_k:.3f}", flush=True)
     print(f"[topr-trl] evaluation written to {paths['json']}" + (f" and {paths['plot']}" if "plot" in paths else ""),
           flush=True)
     return summary

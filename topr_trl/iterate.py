@@ -84,6 +84,8 @@ def run_iterations(
                 num_completions=settings.num_completions, temperature=settings.temperature, top_p=settings.top_p,
                 top_k=settings.top_k, max_new_tokens=settings.max_new_tokens,
                 prompts_per_shard=settings.prompts_per_shard, backend=settings.backend,
+                # mu samples from the prompt ids the trainer will replay (GRPOConfig's chat_template_kwargs)
+                chat_template_kwargs=getattr(settings.train_args, "chat_template_kwargs", None),
             )
         data, proportion = compose(data, settings.composition, target_proportion=settings.target_proportion)
         grouped = settings.composition == "uniform"

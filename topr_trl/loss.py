@@ -268,7 +268,13 @@ def branch_losses(
     per_token_loss: torch.Tensor, is_positive: torch.Tensor, mask: torch.Tensor, aggregation: Aggregation, **kwargs
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The aggregated loss restricted to the positive and to the negative branch; for every aggregation the
-    two add up to the whole loss."""
+    two add up to the whole loss.
+
+    Sign convention: these are parts of the loss that is minimised, not of the objective J. For the variants of
+    the form -w * lambda * s * log pi(y_t) (topr, vanilla, tis, cispo; w, lambda >= 0, log pi <= 0) the positive
+    branch (s >= 0) is >= 0 and the negative branch (s < 0) is <= 0: a falling positive loss means positives'
+    log-probabilities rise, a falling (more negative) negative loss means negatives' log-probabilities fall.
+    PPO's surrogate -min(r A, clip(r) A) has the opposite signs; kimi15 adds its non-negative penalty to both."""
     per_token_loss = per_token_loss.detach()
     zero = torch.zeros_like(per_token_loss)
     positive = aggregate(torch.where(is_positive, per_token_loss, zero), mask, aggregation, **kwargs)

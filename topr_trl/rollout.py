@@ -5,19 +5,53 @@ log mu of every sampled token and return the same rows; offline dataset generati
 `make_behaviour_rollout(model, tokenizer)` wraps the first as a TRL `rollout_func`: TOPRTrainer then trains on completions that the policy did not generate, with mu's log-probs as
 the denominator of pi/mu. This is the code path vLLM takes (the generator reports its own log-probs) and runs
 anywhere, CPU included.
+
+Prompts are tokenized by `tokenize_prompts`, which runs GRPOTrainer's own `_tokenize_prompts`: mu conditions on
+exactly the token ids pi is trained on (BOS, chat template, `chat_template_kwargs` and tools included), so that
+pi/mu compares the two models on the same sequence.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 
 import torch
 
 
 def prompt_texts(tokenizer, prompts: list) -> list[str]:
-    """Each prompt as the text the model is conditioned on: conversational prompts through the chat template."""
+    """Each prompt as text: conversational prompts through the chat template. For display and greedy evaluation;
+    sampling for training tokenizes with `tokenize_prompts`, which also adds the tokenizer's special tokens (BOS)."""
     return [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) if isinstance(p, list) else p
             for p in prompts]
+
+
+def tokenize_prompts(
+    tokenizer,
+    prompts: Sequence,
+    chat_template_kwargs: dict | None = None,
+    tools: Sequence[Callable] | None = None,
+    chat_template: str | None = None,
+) -> list[list[int]]:
+    """The token ids of each prompt exactly as GRPOTrainer tokenizes it for generation: TRL's own
+    `GRPOTrainer._tokenize_prompts`, run on `tokenizer` with GRPOConfig's `chat_template_kwargs` and the trainer's
+    `tools` (plain-text prompts get the tokenizer's special tokens, e.g. BOS; conversational ones the chat template
+    with the generation prompt). `chat_template`: the trainer's override (`trainer.chat_template`); by default the
+    one GRPOTrainer would pick for these tools. Text-only: images in prompts are not supported here."""
+    from trl import GRPOTrainer
+
+    tools = list(tools or [])
+    if chat_template is None and tools:
+        from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
+
+        if not is_chat_template_prefix_preserving(tokenizer):  # GRPOTrainer swaps in the same template
+            chat_template = get_training_chat_template(tokenizer)
+    # The attributes `_tokenize_prompts` reads, as GRPOTrainer sets them for a text-only model without environments.
+    trainer_view = SimpleNamespace(processing_class=tokenizer, tools=tools, chat_template=chat_template,
+                                   chat_template_kwargs=dict(chat_template_kwargs or {}), _is_vlm=False,
+                                   environment_factories=None)
+    prompt_ids, _, _ = GRPOTrainer._tokenize_prompts(trainer_view, list(prompts))
+    return [list(ids) for ids in prompt_ids]
 
 
 @torch.no_grad()
@@ -30,13 +64,16 @@ def sample_with_logps(
     top_p: float = 1.0,
     top_k: int = 0,
     max_new_tokens: int = 512,
+    chat_template_kwargs: dict | None = None,
+    tools: Sequence[Callable] | None = None,
 ) -> list[dict]:
-    """`num_completions` samples for each prompt (conversational or plain), as rows with `prompt_ids`,
-    `completion`, `completion_ids` (ending with EOS when the completion stopped: it is what teaches the model to
-    stop), `behaviour_logps` (log mu of each sampled token under the exact sampling distribution) and
-    `truncated`."""
-    texts = [text for text in prompt_texts(tokenizer, prompts) for _ in range(num_completions)]
-    encoded = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    """`num_completions` samples for each prompt (conversational or plain), as rows with `prompt_ids` (the prompt
+    as GRPOTrainer tokenizes it, see `tokenize_prompts`), `completion`, `completion_ids` (ending with EOS when the
+    completion stopped: it is what teaches the model to stop), `behaviour_logps` (log mu of each sampled token
+    under the exact sampling distribution) and `truncated`."""
+    prompt_ids = tokenize_prompts(tokenizer, prompts, chat_template_kwargs, tools)
+    repeated = [ids for ids in prompt_ids for _ in range(num_completions)]
+    encoded = tokenizer.pad({"input_ids": repeated}, padding_side="left", return_tensors="pt")
     encoded = {key: value.to(model.device) for key, value in encoded.items()}
     output = model.generate(
         **encoded, do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
@@ -55,7 +92,7 @@ def sample_with_logps(
         if stopped:
             tokens = tokens[: tokens.index(tokenizer.eos_token_id) + 1]
         rows.append({
-            "prompt_ids": encoded["input_ids"][row][encoded["attention_mask"][row].bool()].tolist(),
+            "prompt_ids": list(repeated[row]),
             "completion": tokenizer.decode(tokens, skip_special_tokens=True),
             "completion_ids": tokens,
             "behaviour_logps": token_logps[row, : len(tokens)].tolist(),
@@ -104,18 +141,19 @@ def sample_with_logps_vllm(
     top_p: float = 1.0,
     top_k: int = 0,
     max_new_tokens: int = 512,
+    chat_template_kwargs: dict | None = None,
+    tools: Sequence[Callable] | None = None,
 ) -> list[dict]:
     """`sample_with_logps` with a vLLM engine (built by `make_vllm_engine`): the same rows, in the same order.
 
-    Prompts are tokenized here, exactly as the transformers path does, and passed as token ids, so that both paths
-    condition on identical prompts. A completion that vLLM stopped at EOS keeps its EOS token; one that hit
-    `max_new_tokens` is flagged `truncated`."""
+    Prompts are tokenized here by `tokenize_prompts`, as the transformers path does, and passed as token ids, so
+    that both paths (and the trainer) condition on identical prompts. A completion that vLLM stopped at EOS keeps
+    its EOS token; one that hit `max_new_tokens` is flagged `truncated`."""
     from vllm import SamplingParams
 
     params = SamplingParams(n=num_completions, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
                             max_tokens=max_new_tokens, logprobs=0, skip_special_tokens=True)
-    texts = prompt_texts(tokenizer, prompts)
-    prompt_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    prompt_ids = tokenize_prompts(tokenizer, prompts, chat_template_kwargs, tools)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     rows = []
     for ids, request in zip(prompt_ids, outputs, strict=True):
@@ -142,7 +180,8 @@ def make_behaviour_rollout(model, tokenizer, max_new_tokens: int | None = None) 
 
     def rollout(prompts: list, trainer) -> dict[str, list]:
         rows = sample_with_logps(model, tokenizer, prompts, temperature=trainer.args.temperature,
-                                 max_new_tokens=max_new_tokens or trainer.args.max_completion_length)
+                                 max_new_tokens=max_new_tokens or trainer.args.max_completion_length,
+                                 chat_template_kwargs=trainer.chat_template_kwargs, tools=trainer.tools)
         return {
             "prompt_ids": [row["prompt_ids"] for row in rows],
             "completion_ids": [row["completion_ids"] for row in rows],

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import textwrap
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from trl import GRPOTrainer
-from trl.trainer.utils import get_config_model_id
+from trl.trainer.utils import get_config_model_id, is_async_callable
 
 from .config import TOPRConfig
 from .loss import (
@@ -20,7 +21,18 @@ from .loss import (
     branch_losses,
     policy_per_token_loss,
 )
-from .offline import GroupShuffleSampler, validate_offline_dataset
+from .offline import (
+    GroupShuffleSampler,
+    check_offline_columns,
+    check_reward_values,
+    is_offline_dataset,
+    stored_reward,
+    tokenize_offline_dataset,
+    validate_offline_dataset,
+    with_prompt_index,
+)
+
+logger = logging.getLogger(__name__)
 
 # Per-trajectory metrics are reduced with one collective: these are the sums, in this order.
 _SUM_KEYS = (
@@ -39,6 +51,8 @@ class TOPRTrainer(GRPOTrainer):
     default) the policy loss is TOPR's tapered importance-sampled REINFORCE (Eq. 7); with any of TRL's loss
     types the computation is GRPOTrainer's own. Only `_compute_loss` and the reward plumbing are overridden;
     masking, KL (`beta > 0`), the entropy bonus, gradient-accumulation scaling and metrics work as in GRPO.
+    A `train_dataset` or `eval_dataset` of stored completions (README.md, Offline dataset schema) is checked at
+    construction and replayed, stored token ids as they are, through GRPOTrainer's `rollout_func` path.
     """
 
     _tag_names = ["trl", "grpo", "topr"]
@@ -59,20 +73,24 @@ class TOPRTrainer(GRPOTrainer):
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = TOPRConfig(f"{model_name.split('/')[-1]}-TOPR")
+        reward_list = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        uses_stored_reward = any(function is stored_reward for function in reward_list)
+        has_behaviour_model = getattr(args, "topr_behaviour_model", None) is not None
         train_dataset = kwargs.get("train_dataset")
-        self._offline = "completion_ids" in (getattr(train_dataset, "column_names", None) or ())
+        check_offline_columns(train_dataset, "train_dataset", uses_stored_reward, has_behaviour_model)
+        self._offline = is_offline_dataset(train_dataset)
         if self._offline:
             if kwargs.get("rollout_func") is not None:
-                raise ValueError("An offline train_dataset (with `completion_ids`) replaces generation: drop rollout_func.")
+                raise ValueError("An offline train_dataset (with `completion_ids` or `completion`) replaces "
+                                 "generation: drop rollout_func.")
+            train_dataset = kwargs["train_dataset"] = with_prompt_index(train_dataset)
             uses_groups = args.loss_type != "topr" or args.topr_signal == "advantage" or args.topr_baseline == "group_mean"
             validate_offline_dataset(train_dataset, args.num_generations, needs_whole_groups=uses_groups,
-                                     has_behaviour_model=getattr(args, "topr_behaviour_model", None) is not None,
                                      batch_rows=args.generation_batch_size)
-            # Replaying stored completions goes through GRPOTrainer's rollout_func path: prompts are tokenized and
-            # completions decoded and scored exactly as for generated ones, and mu's log-probs become the sampler's.
-            kwargs["rollout_func"] = self._replay_stored_completions
             if isinstance(args, TOPRConfig):
                 args.num_train_epochs = args.topr_offline_epochs
+        kwargs["eval_dataset"] = self._checked_eval_datasets(kwargs.get("eval_dataset"), args, uses_stored_reward,
+                                                             has_behaviour_model)
         self._dataset_baseline = None
         if args.loss_type == "topr" and args.topr_target_effective_proportion is not None:
             if args.topr_baseline_scope == "dataset":
@@ -81,18 +99,30 @@ class TOPRTrainer(GRPOTrainer):
                                      "`reward` column; online, use topr_baseline_scope='batch'.")
                 rewards = torch.tensor([float("nan") if r is None else r for r in train_dataset["reward"]])
                 self._dataset_baseline = baseline_for_target_share(rewards, args.topr_target_effective_proportion)
-        with warnings.catch_warnings():
-            if self._offline:
-                warnings.filterwarnings("ignore", message=".*rollout_func.*experimental")
-            super().__init__(model, reward_funcs, args=args, **kwargs)
+        self._replay_rows: list[dict] | None = None
+        self._unscored_batch = False
+        self._warned_unscored = False
+        super().__init__(model, reward_funcs, args=args, **kwargs)
+        # Replay trains on stored token ids; what is not stored is tokenized once, here, the way GRPOTrainer would.
+        if self._offline:
+            self.train_dataset = self._tokenized_for_replay(self.train_dataset, "train_dataset")
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {name: self._tokenized_for_replay(dataset, f"eval_dataset[{name!r}]")
+                                 for name, dataset in self.eval_dataset.items()}
+        elif self.eval_dataset is not None:
+            self.eval_dataset = self._tokenized_for_replay(self.eval_dataset, "eval_dataset")
+        self.reward_funcs = [_checked_reward_function(function, name)
+                             for function, name in zip(self.reward_funcs, self.reward_func_names, strict=True)]
         self._behaviour_model = None
-        if self._offline and "behaviour_logps" not in train_dataset.column_names:
+        replayed = [self.train_dataset] if self._offline else []
+        replayed += list(self.eval_dataset.values()) if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+        if any(is_offline_dataset(d) and "behaviour_logps" not in d.column_names for d in replayed if d is not None):
             self._behaviour_model = self._load_frozen_behaviour_model(args.topr_behaviour_model)
         if self.loss_type != "topr":
             return
         self._loss_spec = args.policy_loss_spec
         source = args.topr_behaviour_source
-        if source == "sampler" and not self.use_vllm and kwargs.get("rollout_func") is None:
+        if source == "sampler" and not self.use_vllm and kwargs.get("rollout_func") is None and not self._offline:
             raise ValueError(
                 "topr_behaviour_source='sampler' needs a generator that returns sampling log-probs: set "
                 "use_vllm=True or pass a rollout_func that returns `logprobs`; or use 'auto' or 'policy'."
@@ -120,6 +150,38 @@ class TOPRTrainer(GRPOTrainer):
         card.write_text(card.read_text() + section)
 
     # ------------------------------------------------------------------ offline data (Algorithm 1)
+    @staticmethod
+    def _checked_eval_datasets(eval_dataset, args, uses_stored_reward: bool, has_behaviour_model: bool):
+        """The eval dataset(s) with each offline one refused now if it cannot be replayed and scored (as the train
+        dataset), and given its prompt groups. Eval batches are scored in groups of `num_generations_eval` rows."""
+        if eval_dataset is None:
+            return None
+        named = eval_dataset if isinstance(eval_dataset, dict) else {None: eval_dataset}
+        checked = {}
+        for name, dataset in named.items():
+            role = "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
+            check_offline_columns(dataset, role, uses_stored_reward, has_behaviour_model)
+            if is_offline_dataset(dataset):
+                dataset = with_prompt_index(dataset)
+                group_size = args.num_generations_eval or args.num_generations
+                uses_groups = args.loss_type != "topr" or args.topr_signal == "advantage" or \
+                    args.topr_baseline == "group_mean"
+                validate_offline_dataset(dataset, group_size, needs_whole_groups=uses_groups, role=role,
+                                         group_size_name="num_generations_eval")
+                if len(dataset) % group_size:
+                    raise ValueError(f"offline {role} has {len(dataset)} rows, not a multiple of num_generations_eval="
+                                     f"{group_size} (GRPOTrainer scores eval batches in groups of that many rows): "
+                                     "set num_generations_eval to a divisor of it, or drop rows.")
+            checked[name] = dataset
+        return checked[None] if None in checked else checked
+
+    def _tokenized_for_replay(self, dataset, role: str):
+        if not is_offline_dataset(dataset):
+            return dataset
+        with self.accelerator.main_process_first():  # one process writes the datasets cache, the others read it
+            return tokenize_offline_dataset(dataset, self.processing_class, self.chat_template_kwargs, self.tools,
+                                            self.chat_template, role=role)
+
     def _get_train_sampler(self, dataset=None):
         if not self._offline:
             return super()._get_train_sampler(dataset)
@@ -132,13 +194,24 @@ class TOPRTrainer(GRPOTrainer):
             seed=self.args.seed,
         )
 
+    def _get_eval_sampler(self, eval_dataset):
+        if not is_offline_dataset(eval_dataset):
+            return super()._get_eval_sampler(eval_dataset)
+        # every stored row once, prompt groups whole and in order: nothing to repeat, nothing to shuffle
+        return GroupShuffleSampler(eval_dataset["prompt_index"], batch_rows=1, shuffle=False)
+
     def _replay_stored_completions(self, prompts: list, trainer) -> dict[str, list]:
-        rows = self._offline_rows
-        prompt_ids, _, _ = self._tokenize_prompts(prompts)
+        """A `rollout_func` that hands GRPOTrainer the stored rows of this batch: prompts and completions as stored
+        token ids (decoded and scored exactly as generated ones), mu's stored log-probs as the sampler's."""
+        rows = self._replay_rows
+        if "prompt_ids" in rows[0]:
+            prompt_ids = [list(row["prompt_ids"]) for row in rows]
+        else:  # rows handed over directly rather than through the prepared dataset
+            prompt_ids, _, _ = self._tokenize_prompts(prompts)
         return {
-            "prompt_ids": [list(ids) for ids in prompt_ids],
+            "prompt_ids": prompt_ids,
             "completion_ids": [list(row["completion_ids"]) for row in rows],
-            "logprobs": None if self._behaviour_model is not None else [list(row["behaviour_logps"]) for row in rows],
+            "logprobs": [list(row["behaviour_logps"]) for row in rows] if "behaviour_logps" in rows[0] else None,
         }
 
     def _load_frozen_behaviour_model(self, name_or_path: str):
@@ -181,13 +254,40 @@ class TOPRTrainer(GRPOTrainer):
                 f"Reward function '{name}' returned an infinite reward. Return a finite number, or None (or NaN) for "
                 "a completion it cannot score: such a completion is then left out of the update."
             )
+        if self.model.training:
+            self._unscored_batch = bool(torch.isnan(rewards_per_func).all())
+            if self._unscored_batch:
+                self._handle_unscored_batch()
         self._topr_rewards_per_func = rewards_per_func
         return rewards_per_func
 
+    def _handle_unscored_batch(self) -> None:
+        """No completion of the whole (gathered) generation batch could be scored: GRPO would train nothing on it and
+        carry on, which hides a broken reward function. Stop, unless the user opted in to skipping such steps."""
+        names = ", ".join(f"'{name}'" for name in self.reward_func_names)
+        if not getattr(self.args, "topr_skip_unscored_steps", False):
+            raise ValueError(
+                f"Every completion of the generation batch at step {self.state.global_step} got None/NaN from every "
+                f"reward function ({names}), so the step would train nothing: fix the reward functions (or the dataset "
+                "columns they read), or set topr_skip_unscored_steps=True to skip such steps."
+            )
+        if not self._warned_unscored:
+            logger.warning(f"Skipping a step whose completions no reward function ({names}) could score "
+                           "(topr_skip_unscored_steps=True); later such steps are skipped without this warning.")
+            self._warned_unscored = True
+
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        self._offline_rows = inputs if self._offline and self.model.training else None
-        output = super()._generate_and_score_completions(inputs)
-        if self._offline_rows is not None and self._behaviour_model is not None:
+        # A batch of stored completions (training or evaluation) goes through GRPOTrainer's rollout_func path, a batch
+        # of prompts is generated as GRPOTrainer would (its own generation, or the user's rollout_func).
+        replay = "completion_ids" in inputs[0]
+        generator = self.rollout_func
+        if replay:
+            self._replay_rows, self.rollout_func = inputs, self._replay_stored_completions
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._replay_rows, self.rollout_func = None, generator
+        if replay and "behaviour_logps" not in inputs[0] and self._behaviour_model is not None:
             output["sampling_per_token_logps"] = self._behaviour_logps(output)
         if self.loss_type == "topr" and self.args.topr_signal == "reward":
             output["topr_signal"] = self._local_reward_signal(len(inputs))
@@ -221,8 +321,13 @@ class TOPRTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ the loss
     def _compute_loss(self, model, inputs):
-        if self.loss_type != "topr":
-            return super()._compute_loss(model, inputs)
+        loss = self._topr_loss(model, inputs) if self.loss_type == "topr" else super()._compute_loss(model, inputs)
+        if self.model.training and self._unscored_batch:
+            # topr_skip_unscored_steps: the batch moves nothing, not even through the KL or entropy terms
+            loss = loss * 0.0
+        return loss
+
+    def _topr_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
         completion_mask = inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
@@ -366,11 +471,14 @@ class TOPRTrainer(GRPOTrainer):
         weights = terms.weights.float()
         in_positive = element_mask * positive
         in_negative = element_mask * negative
-        limits = self._loss_spec.limits
-        if self._loss_spec.variant in ("topr", "vanilla", "tis"):
-            outside = (ratio < limits.negative_lower) | (ratio > limits.negative_upper)
-        else:
-            outside = ~torch.isclose(weights, ratio, rtol=1e-5, atol=1e-8)
+        # A negative counts as truncated when the weight applied to it differs from its untruncated weight,
+        # lambda- * pi/mu, by more than a relative 1e-4 (or four roundings of the weights' dtype, if coarser): a
+        # ratio of 1 + 1e-6 (mu = pi, log-probs recomputed in another batch layout) is not truncated by b- = 1.
+        # For Eq. 7's variants this is "pi/mu lies outside [a-, b-] by more than the tolerance"; it also covers
+        # CISPO's and PPO's clipping (PPO's weight drops to 0 where it clips).
+        tolerance = max(1e-4, 4 * torch.finfo(terms.weights.dtype).eps)
+        untruncated = ratio * self._loss_spec.negative_weight
+        outside = (weights - untruncated).abs() > tolerance * untruncated
         if sequence_level:
             mean_weight = weights
         else:
@@ -404,7 +512,10 @@ class TOPRTrainer(GRPOTrainer):
         metrics = self._metrics[mode]
         metrics["topr/positive_fraction"].append(sums["n_positive"] / n_all)
         metrics["topr/negative_fraction"].append(sums["n_negative"] / n_all)
-        metrics["topr/effective_positive_proportion"].append(share("mass_positive", "mass_total"))
+        if self.args.topr_signal == "reward":
+            # Under the advantage signal group advantages sum to 0, so p~ would read 0.5 (up to the weights)
+            # whatever the user does; it is a choice, through the baseline c, only for R - c.
+            metrics["topr/effective_positive_proportion"].append(share("mass_positive", "mass_total"))
         metrics["topr/ratio_positive/mean"].append(share("ratio_sum_positive", "ratio_count_positive"))
         metrics["topr/ratio_positive/min"].append(extremes[0])
         metrics["topr/ratio_positive/max"].append(-extremes[2])
@@ -424,3 +535,27 @@ class TOPRTrainer(GRPOTrainer):
                 f"[{extremes[1]}, {-extremes[3]}]. Check the reward functions and, in bf16/fp16, the model's "
                 "logits; rerun with bf16=False to rule out overflow."
             )
+
+
+def _checked_reward_function(function, name: str):
+    """`function` failing at its first call, in one line naming it, unless it returns a list of floats (or None),
+    one per completion; TRL would fail later with a bare TypeError. Name and async-ness are kept."""
+    if isinstance(function, torch.nn.Module):  # a reward model: GRPOTrainer reads its logits itself
+        return function
+    if is_async_callable(function):
+
+        @functools.wraps(function)
+        async def checked_async(*args, **kwargs):
+            values = await function(*args, **kwargs)
+            check_reward_values(name, values, len(kwargs["completions"]))
+            return values
+
+        return checked_async
+
+    @functools.wraps(function)
+    def checked(*args, **kwargs):
+        values = function(*args, **kwargs)
+        check_reward_values(name, values, len(kwargs["completions"]))
+        return values
+
+    return checked
