@@ -115,3 +115,26 @@ def test_config_parses_from_command_line_strings():
          "--topr_baseline", "group_mean", "--topr_signal", "reward"]
     )
     assert math.isinf(args.topr_limits.negative_upper) and args.topr_baseline == "group_mean"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(loss_type="dapo", pg_variant="ppo"), "pg_variant"),
+    (dict(loss_type="grpo", topr_preset="sft"), "topr_preset"),
+    (dict(loss_type="cispo", cispo_epsilon_high=0.3), "cispo_epsilon_high"),
+    (dict(loss_type="grpo", topr_signal="reward"), "topr_signal"),
+    (dict(pg_variant="ppo", topr_preset="sft"), "topr_preset"),
+    (dict(pg_variant="cispo", topr_negative_upper=2.0), "topr_negative_upper"),
+    (dict(pg_variant="topr", tis_upper_bound=2.0), "tis_upper_bound"),
+    (dict(pg_variant="ppo", kimi15_tau=0.5), "kimi15_tau"),
+])
+def test_a_field_the_selected_loss_does_not_read_is_refused(kwargs, field):
+    with pytest.raises(ValueError, match=f"`{field}` has no effect .*drop it"):
+        config(**kwargs)
+
+
+def test_fields_the_selected_loss_reads_are_accepted():
+    assert config(pg_variant="cispo", cispo_epsilon_high=0.3).policy_loss_spec.cispo_epsilon_high == 0.3
+    assert config(pg_variant="ppo", delta=1.5).policy_loss_spec.ppo_delta == 1.5
+    # fields about the data, not the loss, apply to TRL's loss types too
+    assert config(loss_type="dapo", topr_offline_epochs=2.0, topr_skip_unscored_steps=True).loss_type == "dapo"
+    assert config(loss_type="grpo", topr_baseline="0.0").loss_type == "grpo"  # the default, spelt out

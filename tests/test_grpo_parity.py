@@ -229,25 +229,9 @@ OLD = {"num_iterations": 2}  # with old_per_token_logps in the inputs (make_inpu
 OFF_POLICY_THRESHOLD = 0.02  # drops one negative-advantage sequence of the seed-0 batch, keeps the others
 OFF_POLICY = {"off_policy_mask_threshold": OFF_POLICY_THRESHOLD}
 PPO_DELTA = 1.3  # > 1 + epsilon_high, as TRL recommends; some negative-advantage tokens have larger ratios
-BIAS_KL_AT_SEQUENCE_LEVEL = (
-    "with importance_sampling_level='sequence' GRPO weights the per-token KL by the sequence-level ratio coef_1 = "
-    "exp(mean_t log pi/pi_old) (trl grpo_trainer.py _compute_loss: `per_token_kl = per_token_kl * coef_1`, coef_1 "
-    "from `log_importance_weights = (log_ratio * mask).sum(-1) / mask.sum(-1)`); TOPRTrainer always weights it by "
-    "the token ratio (topr_trl/trainer.py _topr_loss: `token_log_ratio = (per_token_logps - behaviour_logps)` under "
-    "`if self.args.use_bias_correction_kl`). (a): loss 0.0775038 vs 0.0774611 (5.5e-4 relative), kl metric "
-    "0.045105 vs 0.044696 (0.9 %); (b): the KL term's change of loss 0.0042906 vs 0.0042478 (1.0 %)"
-)
-PPO_DELTA_IGNORED = (
-    "GRPOConfig.delta (two-sided clipping, trl grpo_trainer.py _compute_loss: `coef_1 = torch.clamp(coef_1, "
-    "max=self.args.delta)`) is silently ignored by pg_variant='ppo' (topr_trl/loss.py ppo_clip_per_token_loss has "
-    "no upper clip on the unclipped branch): with delta=1.3 the loss is 0.0719694 vs GRPO's 0.0647885 (11 %)"
-)
-POLICY_LOSS_AFTER_GA = (
-    "policy_loss is logged after the division by current_gradient_accumulation_steps (topr_trl/trainer.py "
-    "_topr_loss: `loss = loss / self.current_gradient_accumulation_steps` then `policy_loss = loss.detach()`); "
-    "GRPOTrainer._compute_loss takes `policy_loss = loss.detach()` before `loss = loss / normalizer` for "
-    "grpo/bnpo/dr_grpo, so with GA=2 TOPR logs half of GRPO's policy_loss"
-)
+# Drifts this matrix found and that were fixed (each was an xfail until then): the KL bias correction used the
+# token ratio where GRPO uses its importance-sampling level's ratio; pg_variant='ppo' ignored GRPOConfig.delta;
+# policy_loss was logged after the gradient-accumulation division (half of GRPO's at GA=2).
 
 ROWS = [
     *[row(f"aggregation-{lt}", lt, OLD) for lt in AGGREGATION],
@@ -259,8 +243,8 @@ ROWS = [
                                       "topr_ratio_level": "length_normalized"}),
     row("beta-bias_kl-is_level_sequence", "grpo",
         {**BIAS_KL, **OLD, "importance_sampling_level": "sequence", "topr_ratio_level": "length_normalized"},
-        {"ref": True}, xfail_loss=BIAS_KL_AT_SEQUENCE_LEVEL, xfail_metrics=BIAS_KL_AT_SEQUENCE_LEVEL),
-    row("ppo_two_sided_clip_delta", "grpo", {**OLD, "delta": PPO_DELTA}, xfail_loss=PPO_DELTA_IGNORED),
+        {"ref": True}),
+    row("ppo_two_sided_clip_delta", "grpo", {**OLD, "delta": PPO_DELTA}),
     *[row(f"entropy_static-{lt}", lt, {**ENTROPY, **OLD}) for lt in AGGREGATION],
     row("top_entropy_quantile", "grpo", {**OLD, "top_entropy_quantile": 0.5}),
     row("top_entropy_quantile-entropy_static", "bnpo", {**OLD, **ENTROPY, "top_entropy_quantile": 0.5}),
@@ -271,17 +255,16 @@ ROWS = [
     row("tool_mask-dapo", "dapo", OLD, {"tool_mask": True}),
     row("vllm_importance_sampling_correction", "grpo", {**OLD, "topr_behaviour_source": "policy"},
         {"sampling": True, "importance_sampling_ratio": True}, vllm_is=True),
-    *[row(f"grad_accumulation-{lt}", lt, {**GA2, **OLD, **ENTROPY}, {"steps_per_generation": 2}, ga=2,
-          xfail_metrics=None if lt == "dapo" else POLICY_LOSS_AFTER_GA) for lt in AGGREGATION],
+    *[row(f"grad_accumulation-{lt}", lt, {**GA2, **OLD, **ENTROPY}, {"steps_per_generation": 2}, ga=2)
+      for lt in AGGREGATION],
     *[row(f"eval-{lt}", lt, {**GA2, **OLD, **ENTROPY, **BIAS_KL}, {"ref": True, "steps_per_generation": 2}, ga=2,
           mode="eval") for lt in ("grpo", "dapo")],
     row("aux_loss", "grpo", {**OLD, "router_aux_loss_coef": 0.02}, model="moe"),
     row("aux_loss-grad_accumulation", "bnpo", {**OLD, **GA2, **ENTROPY, "router_aux_loss_coef": 0.02},
-        {"steps_per_generation": 2}, ga=2, model="moe", xfail_metrics=POLICY_LOSS_AFTER_GA),
+        {"steps_per_generation": 2}, ga=2, model="moe"),
     *[row(f"everything-{lt}", lt,
           {**BIAS_KL, **GA2, **OLD, **ENTROPY, **OFF_POLICY, "top_entropy_quantile": 0.5},
-          {"ref": True, "tool_mask": True, "steps_per_generation": 2}, ga=2,
-          xfail_metrics=None if lt == "dapo" else POLICY_LOSS_AFTER_GA) for lt in ("grpo", "dapo")],
+          {"ref": True, "tool_mask": True, "steps_per_generation": 2}, ga=2) for lt in ("grpo", "dapo")],
 ]
 
 
@@ -363,8 +346,7 @@ FEATURES = [
     feature("beta-bias_kl-on_policy", {}, BIAS_KL, "grpo", {"ref": True, "old": False}),
     feature("beta-bias_kl-tool_mask", OLD, {**OLD, **BIAS_KL}, "bnpo", {"ref": True, "tool_mask": True}),
     feature("beta-bias_kl-is_level_sequence", {**OLD, "importance_sampling_level": "sequence"},
-            {**OLD, **BIAS_KL, "importance_sampling_level": "sequence"}, "grpo", {"ref": True},
-            xfail=BIAS_KL_AT_SEQUENCE_LEVEL),
+            {**OLD, **BIAS_KL, "importance_sampling_level": "sequence"}, "grpo", {"ref": True}),
     *[feature(f"entropy_static-{lt}", OLD, {**OLD, **ENTROPY}, lt) for lt in AGGREGATION],
     feature("entropy_static-top_entropy_quantile", {**OLD, "top_entropy_quantile": 0.5},
             {**OLD, **ENTROPY, "top_entropy_quantile": 0.5}, "grpo"),

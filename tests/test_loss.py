@@ -295,3 +295,48 @@ def test_general_baseline_solver_hits_target_share(rewards, target):
         below = signal_share_of_positives(rewards - (c - 1e-6)).item()
         above = signal_share_of_positives(rewards - (c + 1e-6)).item()
         assert min(below, above) - 1e-4 <= target <= max(below, above) + 1e-4 or share == pytest.approx(target, abs=1e-4)
+
+
+def test_registry_holds_one_function_per_variant_and_dispatches_once():
+    """`POLICY_LOSSES` is the one table of variants: each entry, called directly on (log pi, log pi/mu, s, s >= 0,
+    spec), gives what `policy_per_token_loss` gives for that variant, by hand below (ratio 0.5 on both rows, so
+    that the limits of topr, vanilla and tis all differ)."""
+    from topr_trl.loss import PG_VARIANTS, POLICY_LOSSES
+
+    assert PG_VARIANTS == tuple(POLICY_LOSSES) == ("topr", "vanilla", "tis", "ppo", "cispo", "kimi15")
+    log_half = math.log(0.5)
+    logps = torch.tensor([[log_half], [log_half]])
+    log_ratio = torch.full((2, 1), log_half)
+    signal = torch.tensor([[1.0], [-1.0]])
+    positive = signal >= 0
+    hand = {  # (per-token loss -w s log pi, weight w)
+        "topr": ([[-log_half], [0.5 * log_half]], [[1.0], [0.5]]),  # [1, 1] and [0, 1]
+        "vanilla": ([[-log_half], [log_half]], [[1.0], [1.0]]),  # [1, 1] and [1, 1]
+        "tis": ([[-0.5 * log_half], [0.5 * log_half]], [[0.5], [0.5]]),  # [0, 1] and [0, 1]
+        "ppo": ([[-0.5], [0.8]], [[0.5], [0.0]]),  # -min(rA, clip(r, 0.8, 1.2)A); the negative is clipped
+        "cispo": ([[-0.9 * log_half], [0.9 * log_half]], [[0.9], [0.9]]),  # r clipped to [0.9, 1.1]
+        "kimi15": ([[-log_half + 0.05 * log_half**2], [log_half + 0.05 * log_half**2]], [[1.0], [1.0]]),
+    }
+    limits = {"vanilla": PRESETS["naive_reinforce"], "tis": PRESETS["tis"]}
+    for name, function in POLICY_LOSSES.items():
+        spec = PolicyLossSpec(variant=name, limits=limits.get(name, PRESETS["topr"]), ratio_level="token")
+        loss, weight = function(logps, log_ratio, signal, positive, spec)
+        torch.testing.assert_close(loss, torch.tensor(hand[name][0]), msg=name)
+        torch.testing.assert_close(weight, torch.tensor(hand[name][1]), msg=name)
+        terms = policy_per_token_loss(logps, logps - log_ratio, signal, torch.ones(2, 1), spec)
+        torch.testing.assert_close(terms.per_token_loss, loss, msg=name)
+
+
+def test_ppo_two_sided_clip_caps_the_ratio_at_delta():
+    """GRPOConfig's `delta`: -min(min(r, delta) A, clip(r) A); with A < 0 and r = 3 > delta = 2.5 the loss is
+    2.5 |A| and carries no gradient (without delta: 3 |A| with gradient 3 |A|)."""
+    logps = torch.tensor([[math.log(0.75)]], requires_grad=True)
+    behaviour = torch.log(torch.tensor([[0.25]]))
+    spec = PolicyLossSpec(variant="ppo", ratio_level="token", ppo_delta=2.5)
+    terms = policy_per_token_loss(logps, behaviour, torch.tensor([-1.0]), torch.ones(1, 1), spec)
+    torch.testing.assert_close(terms.per_token_loss.detach(), torch.tensor([[2.5]]))
+    (grad,) = torch.autograd.grad(terms.per_token_loss.sum(), logps)
+    assert grad.item() == 0.0 and terms.weights.item() == 0.0
+    free = policy_per_token_loss(logps, behaviour, torch.tensor([-1.0]), torch.ones(1, 1),
+                                 PolicyLossSpec(variant="ppo", ratio_level="token"))
+    torch.testing.assert_close(free.per_token_loss.detach(), torch.tensor([[3.0]]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import warnings
@@ -19,6 +20,40 @@ BEHAVIOUR_SOURCES: tuple[str, ...] = ("auto", "sampler", "policy")
 BASELINE_SCOPES: tuple[str, ...] = ("batch", "dataset")
 
 
+# The TOPR-family fields, and the pg_variants that read each one (empty: every variant of the family). None of them
+# is read when loss_type is one of TRL's; topr_offline_epochs, topr_behaviour_model and topr_skip_unscored_steps
+# concern the data, not the loss, and apply to every loss type.
+_FIELDS_READ_BY: dict[str, tuple[str, ...]] = {
+    "pg_variant": (),
+    "topr_preset": ("topr",),
+    "topr_positive_lower": ("topr",),
+    "topr_positive_upper": ("topr",),
+    "topr_negative_lower": ("topr",),
+    "topr_negative_upper": ("topr",),
+    "tis_lower_bound": ("tis",),
+    "tis_upper_bound": ("tis",),
+    "cispo_epsilon_low": ("cispo",),
+    "cispo_epsilon_high": ("cispo",),
+    "kimi15_tau": ("kimi15",),
+    "topr_ratio_level": (),
+    "topr_signal": (),
+    "topr_baseline": (),
+    "topr_target_effective_proportion": (),
+    "topr_baseline_scope": (),
+    "topr_positive_weight": (),
+    "topr_negative_weight": (),
+    "topr_loss_aggregation": (),
+    "topr_behaviour_source": (),
+}
+
+
+def _parse_number(value):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
+
+
 def check_choice(field_name: str, value: object, allowed: tuple[str, ...]) -> None:
     """Raise a ValueError naming the field, the allowed values and the closest one."""
     if value in allowed:
@@ -34,7 +69,8 @@ class TOPRConfig(GRPOConfig):
     Configuration for [`TOPRTrainer`]: every [`~trl.GRPOConfig`] field, plus the Tapered Off-Policy REINFORCE
     (TOPR, [arXiv:2503.14286](https://huggingface.co/papers/2503.14286)) loss family. Only `loss_type`
     changes default: `"topr"`. Any of TRL's loss types makes [`TOPRTrainer`] compute exactly what
-    [`~trl.GRPOTrainer`] computes, and the `topr_*` fields below are then ignored.
+    [`~trl.GRPOTrainer`] computes; setting a field below that the chosen loss does not read (a `topr_*` field with
+    one of TRL's loss types, `topr_preset` with `pg_variant="ppo"`, ...) fails at construction, naming it.
 
     Parameters:
         loss_type (`str`, *optional*, defaults to `"topr"`):
@@ -206,6 +242,7 @@ class TOPRConfig(GRPOConfig):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
+        self._refuse_fields_without_effect()
         limits = self.topr_limits  # validates the limits
         if self.loss_type == "topr" and limits.negative_lower > 0:
             warnings.warn(
@@ -222,6 +259,21 @@ class TOPRConfig(GRPOConfig):
                 UserWarning,
                 stacklevel=3,  # the caller of TOPRConfig(...), past the dataclass __init__
             )
+
+    def _refuse_fields_without_effect(self) -> None:
+        """One field selects the loss: `loss_type` (TRL's loss types, or "topr" for the family), then `pg_variant`
+        within the family. A field the selected loss does not read fails here, naming the field to drop."""
+        defaults = {f.name: f.default for f in dataclasses.fields(TOPRConfig)}
+        changed = [name for name in _FIELDS_READ_BY if getattr(self, name) != defaults[name]
+                   and not (name == "topr_baseline" and self.topr_baseline == _parse_number(defaults[name]))]
+        for name in changed:
+            readers = _FIELDS_READ_BY[name]
+            if self.loss_type != "topr":
+                raise ValueError(f"`{name}` has no effect with loss_type={self.loss_type!r} (TRL's own loss, computed "
+                                 "by GRPOTrainer): drop it, or set loss_type='topr'.")
+            if readers and self.pg_variant not in readers:
+                raise ValueError(f"`{name}` has no effect with pg_variant={self.pg_variant!r} (it is read by "
+                                 f"pg_variant {' / '.join(repr(r) for r in readers)}): drop it.")
 
     @staticmethod
     def _parse_baseline(value: float | str) -> float | str:
@@ -272,6 +324,7 @@ class TOPRConfig(GRPOConfig):
             negative_weight=float(self.topr_negative_weight),
             ppo_epsilon_low=float(self.epsilon),
             ppo_epsilon_high=float(self.epsilon_high if self.epsilon_high is not None else self.epsilon),
+            ppo_delta=float(self.delta) if self.delta is not None else None,
             cispo_epsilon_low=float(self.cispo_epsilon_low),
             cispo_epsilon_high=float(self.cispo_epsilon_high),
             kimi15_tau=float(self.kimi15_tau),

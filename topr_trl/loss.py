@@ -17,6 +17,7 @@ fully masked rows, empty batches) produces inf or NaN.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -148,16 +149,23 @@ def aggregate(
 
 
 def ppo_clip_per_token_loss(
-    log_ratio: torch.Tensor, signal: torch.Tensor, epsilon_low: float, epsilon_high: float
+    log_ratio: torch.Tensor, signal: torch.Tensor, epsilon_low: float, epsilon_high: float,
+    delta: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate -min(r A, clip(r, 1-eps_low, 1+eps_high) A) (ROLL's `ppo`; GRPO's loss).
-    `log_ratio` must carry the gradient. Returns the per-token loss and the effective (detached) weight."""
+    """PPO's clipped surrogate -min(r A, clip(r, 1-eps_low, 1+eps_high) A) (ROLL's `ppo`; GRPO's loss), with
+    GRPOConfig's two-sided clipping `delta` (r capped at delta in the unclipped term) when given. `log_ratio` must
+    carry the gradient. Returns the per-token loss and the effective (detached) weight."""
     ratio = log_ratio.clamp(max=MAX_LOG_RATIO).exp()
     clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
+    if delta is not None:
+        ratio = ratio.clamp(max=delta)
     per_token_loss = -torch.min(ratio * signal, clipped * signal)
-    # The gradient of the surrogate is ratio * A * grad log pi where unclipped, 0 where clipped.
+    # The gradient of the surrogate is ratio * A * grad log pi where unclipped, 0 where clipped (or capped by delta).
     unclipped = (ratio * signal <= clipped * signal)
-    return per_token_loss, (ratio * unclipped).detach()
+    weight = ratio * unclipped
+    if delta is not None:
+        weight = weight * (log_ratio.exp() < delta)
+    return per_token_loss, weight.detach()
 
 
 def cispo_weights(log_ratio: torch.Tensor, epsilon_low: float, epsilon_high: float) -> torch.Tensor:
@@ -173,16 +181,10 @@ def kimi15_per_token_loss(
     return -signal * per_token_logps + 0.5 * tau * log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).pow(2)
 
 
-PG_VARIANTS: tuple[str, ...] = ("topr", "vanilla", "tis", "ppo", "cispo", "kimi15")
-
-
 @dataclass(frozen=True)
 class PolicyLossSpec:
-    """Everything that defines a policy loss of the family, resolved from `TOPRConfig`.
-
-    `variant` "topr", "vanilla" and "tis" are all Eq. 7 with different `limits`; "ppo", "cispo" and "kimi15"
-    are ROLL's other off-policy variants, kept so they can be compared in the same trainer.
-    """
+    """Everything that defines a policy loss of the family, resolved from `TOPRConfig`: `variant` names an entry of
+    `POLICY_LOSSES`, the other fields are the knobs the variants read."""
 
     variant: str = "topr"
     limits: TruncationLimits = PRESETS["topr"]
@@ -191,6 +193,7 @@ class PolicyLossSpec:
     negative_weight: float = 1.0
     ppo_epsilon_low: float = 0.2
     ppo_epsilon_high: float = 0.2
+    ppo_delta: float | None = None
     cispo_epsilon_low: float = 0.1
     cispo_epsilon_high: float = 0.1
     kimi15_tau: float = 0.1
@@ -211,6 +214,48 @@ class PolicyTerms:
     is_positive: torch.Tensor
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The registry: one pure function per variant, (log pi, log pi/mu, s, s >= 0, spec) -> (per-token loss, weight).
+# `log_ratio` carries the gradient; the weight is the detached multiplier of s * grad log pi, from which the
+# trainer's ratio and truncation metrics are made.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def tapered_loss(per_token_logps, log_ratio, signal, is_positive, spec: PolicyLossSpec):
+    """Eq. 7: -w(tau) s(tau) log pi(y_t), w = pi/mu truncated to [a+, b+] when s >= 0, to [a-, b-] when s < 0
+    (`spec.limits`: TOPR and Table 1's rows; ROLL's `vanilla` and `tis` are this with their limits)."""
+    weights = tapered_weights(log_ratio, is_positive, spec.limits)
+    return -(weights * signal) * per_token_logps, weights
+
+
+def ppo_loss(per_token_logps, log_ratio, signal, is_positive, spec: PolicyLossSpec):
+    """PPO's clipped surrogate (GRPO's policy term)."""
+    return ppo_clip_per_token_loss(log_ratio, signal, spec.ppo_epsilon_low, spec.ppo_epsilon_high, spec.ppo_delta)
+
+
+def cispo_loss(per_token_logps, log_ratio, signal, is_positive, spec: PolicyLossSpec):
+    """ROLL's CISPO: REINFORCE weighted by the stop-gradient ratio clipped to [1 - eps_low, 1 + eps_high]. (TRL's
+    `loss_type="cispo"` clips from above only, at `epsilon_high`, and aggregates like `dapo`.)"""
+    weights = cispo_weights(log_ratio, spec.cispo_epsilon_low, spec.cispo_epsilon_high)
+    return -(weights * signal) * per_token_logps, weights
+
+
+def kimi15_loss(per_token_logps, log_ratio, signal, is_positive, spec: PolicyLossSpec):
+    """Kimi k1.5's REINFORCE with a squared log-ratio penalty (weight 1: the penalty, not a ratio, keeps it near mu)."""
+    return kimi15_per_token_loss(per_token_logps, log_ratio, signal, spec.kimi15_tau), torch.ones_like(log_ratio)
+
+
+POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "topr": tapered_loss,
+    "vanilla": tapered_loss,
+    "tis": tapered_loss,
+    "ppo": ppo_loss,
+    "cispo": cispo_loss,
+    "kimi15": kimi15_loss,
+}
+PG_VARIANTS: tuple[str, ...] = tuple(POLICY_LOSSES)
+
+
 def policy_per_token_loss(
     per_token_logps: torch.Tensor,
     behaviour_logps: torch.Tensor,
@@ -218,7 +263,7 @@ def policy_per_token_loss(
     mask: torch.Tensor,
     spec: PolicyLossSpec = PolicyLossSpec(),
 ) -> PolicyTerms:
-    """The per-token loss of `spec.variant`. For "topr" (and "vanilla", "tis") its gradient is Eq. 7:
+    """The per-token loss of `spec.variant` (looked up in `POLICY_LOSSES`). For "topr" its gradient is Eq. 7:
 
         -w(tau) * lambda(tau) * s(tau) * grad log pi(y_t),
         w(tau) = [pi(tau)/mu(tau)] truncated to [a+, b+] if s(tau) >= 0, to [a-, b-] if s(tau) < 0  (stop-grad)
@@ -227,22 +272,13 @@ def policy_per_token_loss(
     (ROLL's `topr_{positive,negative}_weight`; 1 in the paper). Aggregated with "seq-mean-token-mean" and the
     canonical limits, it is the TOPR objective of Eq. 8 divided by trajectory length. `signal` is (B,) or (B, 1).
     """
+    variant = POLICY_LOSSES.get(spec.variant)
+    if variant is None:
+        raise ValueError(f"Unknown policy-gradient variant {spec.variant!r}; expected one of {PG_VARIANTS}")
     signal = signal.reshape(-1, 1).to(per_token_logps.dtype)
     is_positive = signal >= 0
     log_ratio = log_importance_ratio(per_token_logps, behaviour_logps, mask, spec.ratio_level)
-    if spec.variant in ("topr", "vanilla", "tis"):
-        weights = tapered_weights(log_ratio, is_positive, spec.limits)
-        per_token_loss = -(weights * signal) * per_token_logps
-    elif spec.variant == "cispo":
-        weights = cispo_weights(log_ratio, spec.cispo_epsilon_low, spec.cispo_epsilon_high)
-        per_token_loss = -(weights * signal) * per_token_logps
-    elif spec.variant == "ppo":
-        per_token_loss, weights = ppo_clip_per_token_loss(log_ratio, signal, spec.ppo_epsilon_low, spec.ppo_epsilon_high)
-    elif spec.variant == "kimi15":
-        per_token_loss = kimi15_per_token_loss(per_token_logps, log_ratio, signal, spec.kimi15_tau)
-        weights = torch.ones_like(log_ratio)
-    else:
-        raise ValueError(f"Unknown policy-gradient variant {spec.variant!r}; expected one of {PG_VARIANTS}")
+    per_token_loss, weights = variant(per_token_logps, log_ratio, signal, is_positive, spec)
     branch_weight = torch.where(
         is_positive, torch.full_like(signal, spec.positive_weight), torch.full_like(signal, spec.negative_weight)
     )

@@ -19,13 +19,6 @@ from types import SimpleNamespace
 import torch
 
 
-def prompt_texts(tokenizer, prompts: list) -> list[str]:
-    """Each prompt as text: conversational prompts through the chat template. For display and greedy evaluation;
-    sampling for training tokenizes with `tokenize_prompts`, which also adds the tokenizer's special tokens (BOS)."""
-    return [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) if isinstance(p, list) else p
-            for p in prompts]
-
-
 def tokenize_prompts(
     tokenizer,
     prompts: Sequence,

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 
-from .rollout import prompt_texts
+from .rollout import tokenize_prompts
 
 _INTEGER = re.compile(r"-?\d+")
 
@@ -103,7 +103,8 @@ def warm_start(
             input_ids[row, : len(ids)] = torch.tensor(ids)
             labels[row, prompt_length : len(ids)] = torch.tensor(ids[prompt_length:])
             attention[row, : len(ids)] = 1
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        device = model.device  # the batch is built on the CPU; a model on a GPU trains there
+        loss = model(input_ids=input_ids.to(device), attention_mask=attention.to(device), labels=labels.to(device)).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -120,8 +121,9 @@ def accuracy(model, tokenizer, dataset: Dataset, max_new_tokens: int = 8, batch_
     correct = invalid = malformed = 0
     for start in range(0, len(dataset), batch_size):
         rows = dataset[start : start + batch_size]
-        encoded = tokenizer(prompt_texts(tokenizer, rows["prompt"]), return_tensors="pt", padding=True,
-                            padding_side="left", add_special_tokens=False)
+        # the prompts as GRPOTrainer tokenizes them for training (special tokens and chat template included)
+        encoded = tokenizer.pad({"input_ids": tokenize_prompts(tokenizer, rows["prompt"])}, padding_side="left",
+                                return_tensors="pt")
         # synced_gpus=False: under ZeRO-3 transformers would otherwise sync every step with all ranks, and hang when
         # only the main process evaluates (the warm start); ranks that all evaluate run identical greedy steps anyway
         output = model.generate(

@@ -19,6 +19,7 @@ from .loss import (
     aggregate,
     baseline_for_target_share,
     branch_losses,
+    log_importance_ratio,
     policy_per_token_loss,
 )
 from .offline import (
@@ -100,7 +101,6 @@ class TOPRTrainer(GRPOTrainer):
                 rewards = torch.tensor([float("nan") if r is None else r for r in train_dataset["reward"]])
                 self._dataset_baseline = baseline_for_target_share(rewards, args.topr_target_effective_proportion)
         self._replay_rows: list[dict] | None = None
-        self._unscored_batch = False
         self._warned_unscored = False
         super().__init__(model, reward_funcs, args=args, **kwargs)
         # Replay trains on stored token ids; what is not stored is tokenized once, here, the way GRPOTrainer would.
@@ -254,10 +254,8 @@ class TOPRTrainer(GRPOTrainer):
                 f"Reward function '{name}' returned an infinite reward. Return a finite number, or None (or NaN) for "
                 "a completion it cannot score: such a completion is then left out of the update."
             )
-        if self.model.training:
-            self._unscored_batch = bool(torch.isnan(rewards_per_func).all())
-            if self._unscored_batch:
-                self._handle_unscored_batch()
+        if self.model.training and torch.isnan(rewards_per_func).all():
+            self._handle_unscored_batch()
         self._topr_rewards_per_func = rewards_per_func
         return rewards_per_func
 
@@ -291,6 +289,9 @@ class TOPRTrainer(GRPOTrainer):
             output["sampling_per_token_logps"] = self._behaviour_logps(output)
         if self.loss_type == "topr" and self.args.topr_signal == "reward":
             output["topr_signal"] = self._local_reward_signal(len(inputs))
+        if self.model.training and torch.isnan(self._topr_rewards_per_func).all():
+            # topr_skip_unscored_steps (otherwise _calculate_rewards has stopped): the mark travels with the batch
+            output["topr_unscored"] = torch.ones(len(inputs), dtype=torch.bool, device=output["completion_ids"].device)
         return output
 
     def _local_reward_signal(self, local_batch_size: int) -> torch.Tensor:
@@ -322,17 +323,18 @@ class TOPRTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ the loss
     def _compute_loss(self, model, inputs):
         loss = self._topr_loss(model, inputs) if self.loss_type == "topr" else super()._compute_loss(model, inputs)
-        if self.model.training and self._unscored_batch:
+        if "topr_unscored" in inputs:
             # topr_skip_unscored_steps: the batch moves nothing, not even through the KL or entropy terms
             loss = loss * 0.0
         return loss
 
     def _topr_loss(self, model, inputs):
+        """TOPR's contribution: the per-token policy loss of the configured variant (`topr_trl.loss.POLICY_LOSSES`)
+        on the signal and mu of this batch. Everything around it is GRPO's (`_grpo_loss_around_policy_term`)."""
         mode = "train" if self.model.training else "eval"
         completion_mask = inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         per_token_logps, entropies, aux_loss = self._policy_logps_and_entropies(model, inputs)
-
         signal = inputs["topr_signal"] if self.args.topr_signal == "reward" else inputs["advantages"]
         signal = signal.reshape(-1, 1)
         behaviour_logps = inputs.get("sampling_per_token_logps") if self._mu_is_sampler(inputs) else None
@@ -340,14 +342,25 @@ class TOPRTrainer(GRPOTrainer):
             behaviour_logps = inputs.get("old_per_token_logps")
         if behaviour_logps is None:  # on-policy and aligned: GRPO skipped the old log-probs, pi = mu
             behaviour_logps = per_token_logps.detach()
-
         terms = policy_per_token_loss(per_token_logps, behaviour_logps, signal, mask, self._loss_spec)
-        per_token_loss = terms.per_token_loss
+        loss, policy_per_token, aggregation = self._grpo_loss_around_policy_term(
+            inputs, mode, mask, terms.per_token_loss, per_token_logps, entropies, aux_loss, signal, behaviour_logps)
+        self._log_policy_metrics(mode, terms, signal, mask, entropies, policy_per_token, aggregation, loss)
+        return loss
 
+    # MIRROR of TRL 1.16.0 `GRPOTrainer._compute_loss` (trl/trainer/grpo_trainer.py, the code after the per-token
+    # policy loss: entropy and off-policy masks, vLLM IS correction, KL with its bias correction, aggregation and
+    # gradient-accumulation scaling, entropy bonus with its adaptive controller, MoE aux loss, and their metrics).
+    # TRL 1.16 dispatches the per-token loss and the aggregation by `loss_type` inside that one method, so there is no
+    # seam to hand it another per-token loss; this is the one place that repeats it. tests/test_grpo_parity.py holds
+    # it to TRL's (loss, gradients and metrics, feature by feature): rerun it when the TRL pin moves.
+    def _grpo_loss_around_policy_term(self, inputs, mode, mask, per_token_loss, per_token_logps, entropies, aux_loss,
+                                      signal, behaviour_logps):
+        """The scalar loss around a per-token policy loss, as GRPOTrainer builds it; returns (loss, the masked
+        per-token policy loss, the aggregation's arguments)."""
         entropy_mask = None
         if self.top_entropy_quantile < 1.0:
             entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
-            per_token_loss = per_token_loss * entropy_mask
         if self.off_policy_mask_threshold is not None:
             per_token_loss = per_token_loss * self.get_off_policy_mask(
                 advantages=signal,
@@ -356,6 +369,8 @@ class TOPRTrainer(GRPOTrainer):
                 mask=mask,
                 off_policy_threshold=self.off_policy_mask_threshold,
             )
+        if entropy_mask is not None:
+            per_token_loss = per_token_loss * entropy_mask
         if self.use_vllm and self.vllm_importance_sampling_correction:
             per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
         policy_per_token = per_token_loss
@@ -363,17 +378,20 @@ class TOPRTrainer(GRPOTrainer):
         if self.beta != 0.0:
             ref_logps = inputs["ref_per_token_logps"]
             per_token_kl = torch.exp(ref_logps - per_token_logps) - (ref_logps - per_token_logps) - 1
-            if self.args.use_bias_correction_kl:
-                token_log_ratio = (per_token_logps - behaviour_logps).clamp(max=MAX_LOG_RATIO)
-                per_token_kl = per_token_kl * torch.exp(torch.nan_to_num(token_log_ratio, nan=0.0))
+            if self.args.use_bias_correction_kl:  # GRPO's ratio: against the old policy, at its importance level
+                old_logps = inputs.get("old_per_token_logps")
+                old_logps = per_token_logps.detach() if old_logps is None else old_logps
+                level = "token" if self.importance_sampling_level == "token" else "length_normalized"
+                log_weights = log_importance_ratio(per_token_logps, old_logps, mask, level)
+                per_token_kl = per_token_kl * log_weights.clamp(max=MAX_LOG_RATIO).exp()
             per_token_loss = per_token_loss + self.beta * per_token_kl
 
         aggregation = self._aggregation_kwargs(inputs, mode)
         loss = aggregate(per_token_loss, mask, **aggregation)
+        policy_loss = loss.detach()  # logged before the accumulation scaling, as GRPO logs it
         if aggregation["mode"] != "global-token-mean" and mode == "train":
             # HF Trainer does not divide by the accumulation steps for GRPO-style trainers (loss_is_scaled_for_ga).
             loss = loss / self.current_gradient_accumulation_steps
-        policy_loss = loss.detach()
 
         if self._entropy_bonus_enabled:
             loss = loss - self._entropy_bonus(entropies, mask, entropy_mask, mode)
@@ -382,11 +400,9 @@ class TOPRTrainer(GRPOTrainer):
             normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
             loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
-
-        self._log_policy_metrics(mode, terms, signal, mask, entropies, policy_per_token, aggregation, loss)
         if self.beta != 0.0:
             self._metrics[mode]["kl"].append(self._global_masked_mean(per_token_kl, mask))
-        return loss
+        return loss, policy_per_token, aggregation
 
     def _mu_is_sampler(self, inputs) -> bool:
         return self.args.topr_behaviour_source in ("auto", "sampler") and "sampling_per_token_logps" in inputs
