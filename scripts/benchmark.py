@@ -72,8 +72,8 @@ def build_trainer(setting: str, options: dict, model_path: str):
     from trl import GRPOConfig, GRPOTrainer
 
     from topr_trl import TOPRConfig, TOPRTrainer
-    from topr_trl.rollout import make_behaviour_rollout
-    from topr_trl.tasks import make_arithmetic_dataset
+    from topr_trl.offline.rollout import make_behaviour_rollout
+    from topr_trl.evaluation.arithmetic import make_arithmetic_dataset
 
     trainer_name, overrides = SETTINGS[setting]
     overrides = dict(overrides)
@@ -194,7 +194,7 @@ def loss_only(options, model_path: str) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from topr_trl import TOPRConfig, TOPRTrainer
-    from topr_trl.tasks import make_arithmetic_dataset
+    from topr_trl.evaluation.arithmetic import make_arithmetic_dataset
 
     cuda = options.device == "cuda"
     common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=options.batch_size,
@@ -336,7 +336,7 @@ def qwen_config(shape: str, tokenizer):
 
 
 def build_model(shape: str, path: str) -> None:
-    from topr_trl.tiny import build_model as build, build_tokenizer, save_pretrained
+    from topr_trl.evaluation.tiny import build_model as build, build_tokenizer, save_pretrained
 
     tokenizer = build_tokenizer()
     if shape in QWEN_SHAPES:

@@ -62,7 +62,7 @@ def experiment_parser(doc: str, *, output: str, epochs: float | None, prompts: i
 
 def prepare(options):
     """(work dir, base model dir, held-out problems) of a script's run."""
-    from topr_trl.tasks import make_arithmetic_dataset
+    from topr_trl.evaluation.arithmetic import make_arithmetic_dataset
 
     work = Path(options.work_dir)
     return work, prepare_base(work, options.base_accuracy), make_arithmetic_dataset(options.eval_prompts, 2, seed=2)
@@ -77,7 +77,7 @@ def save(results: dict, options, plot) -> None:
 
 def prepare_base(work_dir: Path, base_accuracy: float) -> Path:
     """The warm-started tiny model, built once under `work_dir` (cached between scripts sharing a work dir)."""
-    from topr_trl.tasks import build_warm_model
+    from topr_trl.evaluation.arithmetic import build_warm_model
 
     base_dir = Path(work_dir) / f"base-{base_accuracy:g}"
     build_warm_model(base_dir, digits=2, target_accuracy=base_accuracy, seed=0)
@@ -90,7 +90,7 @@ def sample_fixed_dataset(base_dir: Path, num_prompts: int, seed: int, work_dir: 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from topr_trl.offline import generate_offline_dataset
-    from topr_trl.tasks import arithmetic_reward, make_arithmetic_dataset
+    from topr_trl.evaluation.arithmetic import arithmetic_reward, make_arithmetic_dataset
 
     torch.manual_seed(seed)
     mu = AutoModelForCausalLM.from_pretrained(base_dir)
@@ -110,7 +110,7 @@ def train_offline(base_dir: Path, data, output_dir: Path, held_out, *, seed: int
 
     from topr_trl import TOPRConfig, TOPRTrainer
     from topr_trl.offline import stored_reward
-    from topr_trl.tasks import accuracy
+    from topr_trl.evaluation.arithmetic import accuracy
 
     warnings.filterwarnings("ignore", message=".*unbounded.*")
     started = time.time()

@@ -25,8 +25,8 @@ STRATEGIES = ("uniform", "positives_only", "anna_karenina")
 def run(options) -> dict:
     import torch
 
-    from topr_trl.iterate import IterationSettings, run_iterations
-    from topr_trl.tasks import accuracy, arithmetic_reward, make_arithmetic_dataset
+    from topr_trl.offline.iterations import IterationSettings, run_iterations
+    from topr_trl.evaluation.arithmetic import accuracy, arithmetic_reward, make_arithmetic_dataset
 
     work, base_dir, held_out = prepare(options)
     prompts = make_arithmetic_dataset(options.prompts, 2, seed=1)

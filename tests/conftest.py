@@ -9,8 +9,8 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from topr_trl.tasks import make_arithmetic_dataset  # noqa: E402
-from topr_trl.tiny import build_model, build_tokenizer, save_pretrained  # noqa: E402
+from topr_trl.evaluation.arithmetic import make_arithmetic_dataset  # noqa: E402
+from topr_trl.evaluation.tiny import build_model, build_tokenizer, save_pretrained  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
@@ -61,7 +61,7 @@ def small_config_kwargs(output_dir, **overrides) -> dict:
 def parity_reward(completions, **kwargs) -> list[float]:
     """+1 when the completion's character codes sum to an even number, else -1: a coin flip for a random-init
     model, so groups have reward variance and every update is non-trivial."""
-    from topr_trl.tasks import completion_text
+    from topr_trl.evaluation.arithmetic import completion_text
 
     return [1.0 if sum(map(ord, completion_text(c))) % 2 == 0 else -1.0 for c in completions]
 
@@ -72,7 +72,7 @@ def saved_model_accuracy(model_dir, eval_prompts: int, adapter_dir=None) -> dict
     reports, recomputed independently of the run."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from topr_trl.tasks import accuracy, make_arithmetic_dataset
+    from topr_trl.evaluation.arithmetic import accuracy, make_arithmetic_dataset
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if adapter_dir is not None:

@@ -4,7 +4,7 @@ It mirrors vLLM's contract, not our code: `LLM(model=..., seed=..., logprobs_mod
 vLLM's names (`n`, `max_tokens`, `top_k=-1` for no truncation, `logprobs=0`), prompts given as
 `{"prompt_token_ids": [...]}`, and `generate` returning request outputs whose samples carry `token_ids` (EOS included
 when the sample stopped on it), `finish_reason` ("stop" or "length") and `logprobs`: one `{token_id: Logprob}` per
-position. Sampling is its own token-by-token loop over a transformers model, independent of topr_trl.rollout.
+position. Sampling is its own token-by-token loop over a transformers model, independent of topr_trl.offline.rollout.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from topr_trl import TOPRConfig, TOPRTrainer
-from topr_trl.callbacks import EvaluationCallback
-from topr_trl.evaluate import arithmetic_classify
-from topr_trl.tasks import make_arithmetic_dataset
+from topr_trl.evaluation.callbacks import EvaluationCallback
+from topr_trl.evaluation.runner import arithmetic_classify
+from topr_trl.evaluation.arithmetic import make_arithmetic_dataset
 
 from .conftest import parity_reward, small_config_kwargs
 

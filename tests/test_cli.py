@@ -11,7 +11,7 @@ from topr_trl.cli import generate as main_generate
 from topr_trl.cli import iterate as main_iterate
 from topr_trl.cli import main, resolve_reward
 from topr_trl.offline import load_offline_dataset
-from topr_trl.tasks import arithmetic_reward
+from topr_trl.evaluation.arithmetic import arithmetic_reward
 
 from .conftest import saved_model_accuracy
 
@@ -41,11 +41,11 @@ def test_module_entry_point_without_command_prints_usage():
 
 def test_reward_resolution():
     assert resolve_reward("arithmetic") is arithmetic_reward
-    assert resolve_reward("topr_trl.tasks:arithmetic_reward") is arithmetic_reward
+    assert resolve_reward("topr_trl.evaluation.arithmetic:arithmetic_reward") is arithmetic_reward
     with pytest.raises(ValueError, match="arithmetic"):
         resolve_reward("nonexistent")
     with pytest.raises(ValueError, match="no function 'arithmetic_rewardd'; did you mean 'arithmetic_reward'"):
-        resolve_reward("topr_trl.tasks:arithmetic_rewardd")
+        resolve_reward("topr_trl.evaluation.arithmetic:arithmetic_rewardd")
 
 
 def test_iterate_command_runs_offline_iterations(tmp_path):

@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 from datasets import Dataset
 
-from topr_trl.datasets import (
+from topr_trl.evaluation.benchmarks import (
     GSM8K_FEW_SHOT,
     MATH_FEW_SHOT,
     MATH_INSTRUCTION,
@@ -17,7 +17,7 @@ from topr_trl.datasets import (
     load_math,
     load_math500,
 )
-from topr_trl.rewards import CORRECT, classify_gsm8k, classify_math, extract_boxed
+from topr_trl.evaluation.rewards import CORRECT, classify_gsm8k, classify_math, extract_boxed
 
 GSM8K_ROWS = [
     {"question": "Ann has 3 boxes of 24 pens. How many pens?", "answer": "3 * 24 = <<3*24=72>>72\n#### 72"},
@@ -158,7 +158,7 @@ def test_unreachable_hub_dataset_says_what_to_do():
 
 def test_math_boxed_answers_instruction_and_dropped_rows(tmp_path, cache, caplog):
     path = write_jsonl(tmp_path / "math.jsonl", MATH_ROWS)
-    with caplog.at_level(logging.WARNING, logger="topr_trl.datasets"):
+    with caplog.at_level(logging.WARNING, logger="topr_trl.evaluation.benchmarks"):
         data = load_math(split="test", source=path, cache_dir=cache)
     assert "dropped 1 of 3" in caplog.text
     assert data.column_names[:2] == ["prompt", "answer"]

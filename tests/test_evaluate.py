@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from topr_trl.evaluate import (
+from topr_trl.evaluation.runner import (
     CLASSIFIERS,
     arithmetic_classify,
     evaluate_model,
@@ -16,8 +16,8 @@ from topr_trl.evaluate import (
     math_classify,
     save_results,
 )
-from topr_trl.evaluation_metrics import mean_pass_at_k
-from topr_trl.rewards import ANSWER_CLASSES, CORRECT, INCORRECT, INVALID, gsm8k_numbers_equal
+from topr_trl.evaluation.metrics import mean_pass_at_k
+from topr_trl.evaluation.rewards import ANSWER_CLASSES, CORRECT, INCORRECT, INVALID, gsm8k_numbers_equal
 
 FAST = dict(k=4, max_new_tokens=6, show_progress=False)
 
@@ -181,7 +181,7 @@ def test_command_line_on_the_tiny_model(tiny_model_path, tmp_path, capsys):
     document = json.loads((tmp_path / "cli" / "results.json").read_text())
     assert document["settings"]["task"] == "arithmetic" and len(document["records"]) == 5
     # The built-in held-out set: make_arithmetic_dataset(200, 2, seed=2), first 5 problems.
-    from topr_trl.tasks import make_arithmetic_dataset
+    from topr_trl.evaluation.arithmetic import make_arithmetic_dataset
 
     assert [r["prompt"] for r in document["records"]] == make_arithmetic_dataset(200, 2, seed=2)["prompt"][:5]
     assert (tmp_path / "cli" / "results.png").is_file()

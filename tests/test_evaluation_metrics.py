@@ -1,4 +1,4 @@
-"""pass@k, majority voting, bootstrap standard errors and histograms of `topr_trl.evaluation_metrics`."""
+"""pass@k, majority voting, bootstrap standard errors and histograms of `topr_trl.evaluation.metrics`."""
 
 import itertools
 import math
@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from topr_trl.evaluation_metrics import (
+from topr_trl.evaluation.metrics import (
     bootstrap_maj_at_k,
     bootstrap_pass_at_k,
     bootstrap_standard_error,
@@ -18,7 +18,7 @@ from topr_trl.evaluation_metrics import (
     mean_pass_at_k,
     pass_at_k,
 )
-from topr_trl.rewards import gsm8k_numbers_equal
+from topr_trl.evaluation.rewards import gsm8k_numbers_equal
 
 
 def _equal(answer, reference):

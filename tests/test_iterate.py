@@ -5,7 +5,7 @@ import json
 import pytest
 from transformers import TrainerCallback
 
-from topr_trl.iterate import IterationSettings, run_iterations
+from topr_trl.offline.iterations import IterationSettings, run_iterations
 
 from .conftest import parity_reward
 
@@ -73,7 +73,7 @@ def test_a_finished_iterations_model_is_freed_before_the_next_generation(tiny_mo
     """The next iteration may start a vLLM engine on the same GPU: by then the previous policy must be gone."""
     import weakref
 
-    import topr_trl.offline
+    import topr_trl.offline.generation
 
     trained_models, alive_at_generation = [], []
 
@@ -87,7 +87,7 @@ def test_a_finished_iterations_model_is_freed_before_the_next_generation(tiny_mo
         alive_at_generation.append([reference() is not None for reference in trained_models])
         return real_generate(*args, **kwargs)
 
-    monkeypatch.setattr(topr_trl.offline, "generate_offline_dataset", generate)
+    monkeypatch.setattr(topr_trl.offline.generation, "generate_offline_dataset", generate)
     run_iterations(tiny_model_path, arithmetic_dataset.select(range(4)), parity_reward, tmp_path,
                    settings(num_iterations=2), callbacks=[RememberModel()])
     assert alive_at_generation == [[], [False]]

@@ -19,8 +19,9 @@ from topr_trl.offline import (
     load_offline_source,
     stored_reward,
 )
-from topr_trl.rollout import make_behaviour_rollout, tokenize_prompts
-from topr_trl.tiny import CHAT_TEMPLATE, build_model, build_tokenizer, save_pretrained
+from topr_trl.offline.rollout import make_behaviour_rollout
+from topr_trl.prompts import tokenize_prompts
+from topr_trl.evaluation.tiny import CHAT_TEMPLATE, build_model, build_tokenizer, save_pretrained
 
 from .conftest import parity_reward, small_config_kwargs
 

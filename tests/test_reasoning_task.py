@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from topr_trl import reasoning_task
-from topr_trl.evaluate import evaluate_model
-from topr_trl.reasoning_task import (
+from topr_trl.evaluation import reasoning
+from topr_trl.evaluation.runner import evaluate_model
+from topr_trl.evaluation.reasoning import (
     PLANTED,
     SETTINGS_FILE,
     SPLITS,
@@ -32,7 +32,7 @@ from topr_trl.reasoning_task import (
     warm_model_path,
     write_solution,
 )
-from topr_trl.rewards import CORRECT, INCORRECT, INVALID
+from topr_trl.evaluation.rewards import CORRECT, INCORRECT, INVALID
 
 
 def _as_message(text):
@@ -163,7 +163,7 @@ def test_cache_path_changes_with_every_setting():
     assert len(paths) == len(changed) + 1
     assert warm_model_path("cache", base) == warm_model_path("cache", WarmStartSettings())
     # the format version is part of the key
-    assert base.to_dict()["format_version"] == reasoning_task.FORMAT_VERSION
+    assert base.to_dict()["format_version"] == reasoning.FORMAT_VERSION
     # positions are normalised, so the same setting gives the same path
     assert warm_model_path("c", WarmStartSettings(error_positions=[2, 1, 2])) == \
         warm_model_path("c", WarmStartSettings(error_positions=(1, 2)))
@@ -190,7 +190,7 @@ def test_builder_caches_and_refuses_a_model_built_with_other_settings(tmp_path, 
     def no_training(*args, **kwargs):
         raise AssertionError("a cached model was trained again")
 
-    monkeypatch.setattr("topr_trl.tasks.warm_start", no_training)
+    monkeypatch.setattr("topr_trl.evaluation.arithmetic.warm_start", no_training)
     build_reasoning_warm_model(tmp_path, WarmStartSettings(**TINY))
     # the recorded settings are checked: a directory whose record disagrees is refused
     (path / SETTINGS_FILE).write_text(json.dumps(WarmStartSettings(**{**TINY, "seed": 5}).to_dict()))
@@ -211,7 +211,7 @@ def test_evaluate_model_and_measure_score_the_task(tmp_path):
 
 
 def test_max_completion_tokens_fits_the_longest_solution():
-    from topr_trl.tiny import build_tokenizer
+    from topr_trl.evaluation.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     for digits in (2, 3, 5):

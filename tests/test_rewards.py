@@ -1,4 +1,4 @@
-"""Answer extraction, correctness classes and TRL reward functions of `topr_trl.rewards`."""
+"""Answer extraction, correctness classes and TRL reward functions of `topr_trl.evaluation.rewards`."""
 
 import ast
 import json
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from topr_trl import rewards
-from topr_trl.rewards import (
+from topr_trl.evaluation import rewards
+from topr_trl.evaluation.rewards import (
     CORRECT,
     INCORRECT,
     INVALID,

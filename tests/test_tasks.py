@@ -3,7 +3,7 @@
 import torch
 from datasets import Dataset
 
-from topr_trl.tasks import accuracy
+from topr_trl.evaluation.arithmetic import accuracy
 
 
 class ScriptedModel:

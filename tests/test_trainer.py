@@ -8,8 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 from topr_trl import TOPRConfig, TOPRTrainer
-from topr_trl.rollout import make_behaviour_rollout
-from topr_trl.tasks import arithmetic_reward
+from topr_trl.offline.rollout import make_behaviour_rollout
 
 from .conftest import parity_reward, small_config_kwargs
 

@@ -30,13 +30,13 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .tasks import arithmetic_reward
+from .evaluation.arithmetic import arithmetic_reward
 
 REWARD_FUNCTIONS = {"arithmetic": arithmetic_reward}
 TASKS = ("arithmetic", "gsm8k", "math500", "custom")
 BUILTIN_TASK = "arithmetic"
-_TASK_REWARDS = {"arithmetic": ["arithmetic"], "gsm8k": ["topr_trl.rewards:gsm8k_reward"],
-                 "math500": ["topr_trl.rewards:math_reward"]}
+_TASK_REWARDS = {"arithmetic": ["arithmetic"], "gsm8k": ["topr_trl.evaluation.rewards:gsm8k_reward"],
+                 "math500": ["topr_trl.evaluation.rewards:math_reward"]}
 
 # The built-in task's settings, sized for its ~80k-parameter model on a 2-core CPU. They apply only when the run
 # uses the built-in tiny model (no --model_name_or_path); every other run starts from TRL's GRPOConfig defaults.
@@ -357,7 +357,7 @@ def resolve_task(options: TaskArguments, model_name_or_path: str | None, offline
 
 def load_prompts(options: TaskArguments, split: str):
     """The custom prompt dataset: Hub id, local data files, or a save_to_disk folder; it must have `prompt`."""
-    from .datasets import load_source
+    from .evaluation.benchmarks import load_source
 
     try:
         dataset = load_source(options.dataset_name, split, config=options.dataset_config)
@@ -377,7 +377,7 @@ def load_task(options: TaskArguments, model_name_or_path: str | None, seed: int,
     from accelerate import PartialState
 
     from .distributed import outside_zero3_construction
-    from .tasks import build_warm_model, make_arithmetic_dataset
+    from .evaluation.arithmetic import build_warm_model, make_arithmetic_dataset
 
     task = resolve_task(options, model_name_or_path, offline)
     reward_names = options.reward_funcs or _TASK_REWARDS.get(task, [])
@@ -397,14 +397,14 @@ def load_task(options: TaskArguments, model_name_or_path: str | None, seed: int,
         train_dataset = make_arithmetic_dataset(options.task_train_prompts, options.task_digits, seed=1)
         held_out = make_arithmetic_dataset(options.task_eval_prompts, options.task_digits, seed=2)
     elif task == "gsm8k":
-        from .datasets import load_gsm8k
+        from .evaluation.benchmarks import load_gsm8k
 
         source = options.dataset_name or "openai/gsm8k"
         train_dataset = load_gsm8k(options.dataset_train_split, source=source, few_shot=options.few_shot)
         if eval_split:
             eval_dataset = load_gsm8k(options.dataset_test_split, source=source, few_shot=options.few_shot)
     elif task == "math500":
-        from .datasets import load_math500
+        from .evaluation.benchmarks import load_math500
 
         train_dataset = load_math500(source=options.dataset_name or "HuggingFaceH4/MATH-500",
                                      few_shot=options.few_shot)
@@ -475,7 +475,7 @@ def checkpoint_to_resume(training_args) -> str | None:
 def held_out_accuracy(trainer, held_out) -> dict:
     """Greedy accuracy of the trainer's policy (gathered under ZeRO-3). Every process must call it."""
     from .distributed import evaluate_policy
-    from .tasks import accuracy
+    from .evaluation.arithmetic import accuracy
 
     return evaluate_policy(trainer, lambda model, tokenizer: accuracy(model, tokenizer, held_out))
 
@@ -609,9 +609,9 @@ def iterate(argv: list[str]) -> list[dict]:
     from trl import ModelConfig
 
     from .config import TOPRConfig, check_choice
-    from .iterate import IterationSettings, run_iterations
+    from .offline.iterations import IterationSettings, run_iterations
     from .offline import BACKENDS, COMPOSITIONS
-    from .tasks import accuracy
+    from .evaluation.arithmetic import accuracy
 
     settings = user_settings(argv)
     defaults = run_defaults("iterate", settings)
@@ -674,7 +674,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_command(command: str, argv: list[str]):
     if command == "evaluate":
-        from .evaluate import main as evaluate_main
+        from .evaluation.runner import main as evaluate_main
 
         return evaluate_main(argv, prog="topr-trl evaluate")
     return {"train": train, "generate": generate, "iterate": iterate}[command](argv)

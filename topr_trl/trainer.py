@@ -22,8 +22,8 @@ from .loss import (
     log_importance_ratio,
     policy_per_token_loss,
 )
-from .offline import (
-    GroupShuffleSampler,
+from .offline.sampler import GroupShuffleSampler
+from .offline.schema import (
     check_offline_columns,
     check_reward_values,
     is_offline_dataset,

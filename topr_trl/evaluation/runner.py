@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .evaluation_metrics import (
+from .metrics import (
     bootstrap_maj_at_k,
     bootstrap_pass_at_k,
     bootstrap_standard_error,
@@ -44,8 +44,8 @@ from .rewards import (
     gsm8k_numbers_equal,
     math_answers_equal,
 )
-from .offline import BACKENDS
-from .tasks import completion_text, parse_answer
+from ..offline.generation import BACKENDS
+from .arithmetic import completion_text, parse_answer
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +93,11 @@ arithmetic_classify = _classifier(_arithmetic_classify, lambda text: parse_answe
 """The built-in arithmetic task: the completion's first integer against the reference (as its reward does)."""
 
 gsm8k_classify = _classifier(_gsm8k_classify, extract_gsm8k_answer, gsm8k_numbers_equal)
-"""GSM8K: `topr_trl.rewards.classify_gsm8k`; votes are numbers, equal when numerically equal."""
+"""GSM8K: `topr_trl.evaluation.rewards.classify_gsm8k`; votes are numbers, equal when numerically equal."""
 
 math_classify = _classifier(_math_classify, lambda text: extract_boxed(completion_text(text)) or None,
                             math_answers_equal)
-"""MATH: `topr_trl.rewards.classify_math` (last `\\boxed{}`, math-verify); votes equal when equivalent."""
+"""MATH: `topr_trl.evaluation.rewards.classify_math` (last `\\boxed{}`, math-verify); votes equal when equivalent."""
 
 CLASSIFIERS = {"arithmetic": arithmetic_classify, "gsm8k": gsm8k_classify, "math": math_classify,
                "math500": math_classify}
@@ -191,7 +191,7 @@ def _use_vllm(model, backend: str) -> bool:
         return True
     if backend != "auto":
         raise ValueError(f"backend must be 'auto', 'transformers' or 'vllm', got {backend!r}")
-    from .rollout import vllm_available
+    from ..offline.rollout import vllm_available
 
     return isinstance(model, (str, Path)) and vllm_available()
 
@@ -514,12 +514,12 @@ _TASK_MAX_NEW_TOKENS = {"arithmetic": 8, "gsm8k": 512, "math500": 1024, "math": 
 
 
 def _task_dataset(options):
-    from . import datasets as loaders
+    from . import benchmarks as loaders
 
     source = {"source": options.dataset_source} if options.dataset_source else {}
     common = dict(chat=not options.plain_prompts, few_shot=options.few_shot, system_prompt=options.system_prompt)
     if options.task == "arithmetic":
-        from .tasks import make_arithmetic_dataset
+        from .arithmetic import make_arithmetic_dataset
 
         return make_arithmetic_dataset(options.arithmetic_prompts, options.arithmetic_digits, seed=2)
     if options.task == "gsm8k":
@@ -531,7 +531,7 @@ def _task_dataset(options):
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog or "python -m topr_trl.evaluate",
+        prog=prog or "python -m topr_trl.evaluation.runner",
         description="Sample k completions per question and report pass@1, pass@k, maj@k, the invalid rate and "
                     "bootstrap standard errors (results.json and results.png in --output_dir).",
     )

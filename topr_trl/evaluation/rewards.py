@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable
 from fractions import Fraction
 
-from .tasks import completion_text as _completion_text
+from .arithmetic import completion_text as _completion_text
 
 logger = logging.getLogger(__name__)
 

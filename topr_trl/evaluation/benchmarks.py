@@ -3,7 +3,7 @@
 * ``prompt``: a conversational prompt (``[{"role": "user", "content": ...}]``, optionally after a system
   message and few-shot turns) or, with ``chat=False``, a plain string;
 * ``answer``: the final reference answer as a string (``"18"`` for GSM8K, the content of the last
-  ``\\boxed{}`` of the reference solution for MATH), what `topr_trl.rewards` and `topr_trl.evaluate` compare
+  ``\\boxed{}`` of the reference solution for MATH), what `topr_trl.evaluation.rewards` and `topr_trl.evaluation.runner` compare
   completions with.
 
 The other columns of the source are kept (GSM8K's full reference solution moves to ``solution``, since
@@ -377,7 +377,7 @@ def load_math(
     cache_dir: str | None = None,
 ) -> Dataset:
     """MATH (Hendrycks et al., 2021) with columns `prompt` and `answer` (the content of the last `\\boxed{}`
-    of the reference solution, via `topr_trl.rewards.extract_boxed`); the source columns are kept. Rows whose
+    of the reference solution, via `topr_trl.evaluation.rewards.extract_boxed`); the source columns are kept. Rows whose
     solution has no box are dropped with a warning.
 
     `source` is a Hub id or local data (see `load_source`); the default Hub id and its configs are not checked

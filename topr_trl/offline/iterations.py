@@ -60,10 +60,12 @@ def run_iterations(
     from accelerate import PartialState
     from transformers import AutoTokenizer
 
-    from .config import TOPRConfig
-    from .distributed import empty_caches, evaluate_policy, last_checkpoint, release_for_next_trainer
-    from .offline import compose, generate_offline_dataset, stored_reward
-    from .trainer import TOPRTrainer
+    from ..config import TOPRConfig
+    from ..distributed import empty_caches, evaluate_policy, last_checkpoint, release_for_next_trainer
+    from .composition import compose
+    from .generation import generate_offline_dataset
+    from .schema import stored_reward
+    from ..trainer import TOPRTrainer
 
     output_dir = Path(output_dir)
     summaries: list[dict] = []

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 
-from .rollout import tokenize_prompts
+from ..prompts import tokenize_prompts
 
 _INTEGER = re.compile(r"-?\d+")
 

@@ -14,37 +14,10 @@ pi/mu compares the two models on the same sequence.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from types import SimpleNamespace
 
 import torch
 
-
-def tokenize_prompts(
-    tokenizer,
-    prompts: Sequence,
-    chat_template_kwargs: dict | None = None,
-    tools: Sequence[Callable] | None = None,
-    chat_template: str | None = None,
-) -> list[list[int]]:
-    """The token ids of each prompt exactly as GRPOTrainer tokenizes it for generation: TRL's own
-    `GRPOTrainer._tokenize_prompts`, run on `tokenizer` with GRPOConfig's `chat_template_kwargs` and the trainer's
-    `tools` (plain-text prompts get the tokenizer's special tokens, e.g. BOS; conversational ones the chat template
-    with the generation prompt). `chat_template`: the trainer's override (`trainer.chat_template`); by default the
-    one GRPOTrainer would pick for these tools. Text-only: images in prompts are not supported here."""
-    from trl import GRPOTrainer
-
-    tools = list(tools or [])
-    if chat_template is None and tools:
-        from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
-
-        if not is_chat_template_prefix_preserving(tokenizer):  # GRPOTrainer swaps in the same template
-            chat_template = get_training_chat_template(tokenizer)
-    # The attributes `_tokenize_prompts` reads, as GRPOTrainer sets them for a text-only model without environments.
-    trainer_view = SimpleNamespace(processing_class=tokenizer, tools=tools, chat_template=chat_template,
-                                   chat_template_kwargs=dict(chat_template_kwargs or {}), _is_vlm=False,
-                                   environment_factories=None)
-    prompt_ids, _, _ = GRPOTrainer._tokenize_prompts(trainer_view, list(prompts))
-    return [list(ids) for ids in prompt_ids]
+from ..prompts import tokenize_prompts
 
 
 @torch.no_grad()
@@ -114,7 +87,7 @@ def free_vllm_memory() -> None:
     vLLM holds its weights and KV cache past `del` until its own cleanup runs. That cleanup also destroys the
     torch.distributed process group, so under `accelerate launch` (group already initialized, owned by the
     trainer) only Python's and torch's caches are emptied."""
-    from .distributed import empty_caches
+    from ..distributed import empty_caches
 
     empty_caches()
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):

@@ -1,7 +1,7 @@
 """`EvaluationCallback`: held-out pass@1, maj@k and invalid rate during training, logged like any metric.
 
-    from topr_trl.callbacks import EvaluationCallback
-    from topr_trl.evaluate import gsm8k_classify
+    from topr_trl.evaluation.callbacks import EvaluationCallback
+    from topr_trl.evaluation.runner import gsm8k_classify
 
     trainer = TOPRTrainer(model=..., reward_funcs=..., args=args, train_dataset=train)
     trainer.add_callback(EvaluationCallback(held_out, gsm8k_classify, trainer=trainer, eval_steps=50, k=4))
@@ -23,7 +23,7 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback
 
-from .evaluate import EvaluationResult, evaluate_model, save_results
+from .runner import EvaluationResult, evaluate_model, save_results
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class EvaluationCallback(TrainerCallback):
     its pending training metrics into this entry, is bypassed. Without a trainer, the entry is only appended
     to `state.log_history`.
 
-    `classify(text, reference)` classes completions (e.g. `topr_trl.evaluate.gsm8k_classify`). The sampling
+    `classify(text, reference)` classes completions (e.g. `topr_trl.evaluation.runner.gsm8k_classify`). The sampling
     defaults: temperature 1 (the paper's evaluation), no top-k/top-p, `max_new_tokens` = the trainer's
     `max_completion_length` (or 256), a fixed `seed` (the same samples for an unchanged model; the training
     random state is not touched). `output_dir`: also save each evaluation's results (JSON + plot) in

@@ -91,7 +91,7 @@ def majority_vote(answers: Sequence[Any], equivalent: Callable[[Any, Any], bool]
     answer is None.
 
     Answers are grouped by equality, or by `equivalent(a, b)` when given (which should then be an
-    equivalence relation, e.g. `topr_trl.rewards.gsm8k_numbers_equal` so that "18" and "18.00" vote together);
+    equivalence relation, e.g. `topr_trl.evaluation.rewards.gsm8k_numbers_equal` so that "18" and "18.00" vote together);
     the group's first answer represents it. Ties are broken deterministically in favour of the group whose
     first answer comes earliest in `answers`."""
     clusters = _clusters(answers, equivalent)

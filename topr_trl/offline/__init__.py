@@ -1,0 +1,33 @@
+"""Offline TOPR (the paper's Algorithm 1): sample from mu once, label, store, train on what was stored, iterate.
+
+    generation    generate_offline_dataset, load_offline_dataset, load_offline_source
+    rollout       sampling with mu's log-probs (transformers or vLLM), the behaviour `rollout_func`
+    composition   compose (uniform, positives_only, anna_karenina, target_proportion), proportion_of_positives
+    schema        what TOPRTrainer checks and tokenizes at construction; stored_reward
+    sampler       GroupShuffleSampler, the replay order
+    iterations    run_iterations (mu_i = pi_{i-1})
+
+The names below are importable from `topr_trl.offline` itself; each is loaded from its module on first use, so that
+importing one (the trainer imports `schema` and `sampler`) does not import generation or vLLM code.
+"""
+
+from importlib import import_module
+
+_EXPORTS = {
+    "generation": ("BACKENDS", "generate_offline_dataset", "load_offline_dataset", "load_offline_source"),
+    "rollout": ("make_behaviour_rollout", "make_vllm_engine", "sample_with_logps", "sample_with_logps_vllm",
+                "vllm_available", "free_vllm_memory"),
+    "composition": ("COMPOSITIONS", "compose", "proportion_of_positives"),
+    "schema": ("OFFLINE_COLUMNS", "stored_reward", "check_offline_columns", "check_reward_values", "completion_token_ids",
+               "is_offline_dataset", "tokenize_offline_dataset", "validate_offline_dataset", "with_prompt_index"),
+    "sampler": ("GroupShuffleSampler",),
+    "iterations": ("IterationSettings", "run_iterations"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name in _MODULE_OF:
+        return getattr(import_module(f".{_MODULE_OF[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
