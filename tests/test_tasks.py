@@ -1,5 +1,7 @@
 """The built-in task's greedy accuracy, invalid rate and malformed rate, on scripted model outputs."""
 
+from types import SimpleNamespace
+
 import torch
 from datasets import Dataset
 
@@ -10,6 +12,7 @@ class ScriptedModel:
     """Stands in for a causal LM whose greedy answers are fixed strings (EOS appended where `stops`)."""
 
     training = False
+    device = torch.device("cpu")
 
     def __init__(self, tokenizer, answers: list[str], stops: list[bool]):
         self.tokenizer, self.answers, self.stops = tokenizer, answers, stops
@@ -26,7 +29,7 @@ class ScriptedModel:
             ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
             ids += [self.tokenizer.eos_token_id] if stop else []
             rows.append(ids + [self.tokenizer.pad_token_id] * (max_new_tokens - len(ids)))
-        return torch.cat([input_ids, torch.tensor(rows)], dim=1)
+        return SimpleNamespace(sequences=torch.cat([input_ids, torch.tensor(rows)], dim=1))  # return_dict_in_generate
 
 
 def test_accuracy_counts_invalid_and_malformed_answers(tiny_model_path):

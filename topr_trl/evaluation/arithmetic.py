@@ -15,6 +15,7 @@ import torch
 from datasets import Dataset
 
 from ..prompts import tokenize_prompts
+from ..sampling import generate_completions
 
 _INTEGER = re.compile(r"-?\d+")
 
@@ -122,17 +123,10 @@ def accuracy(model, tokenizer, dataset: Dataset, max_new_tokens: int = 8, batch_
     for start in range(0, len(dataset), batch_size):
         rows = dataset[start : start + batch_size]
         # the prompts as GRPOTrainer tokenizes them for training (special tokens and chat template included)
-        encoded = tokenizer.pad({"input_ids": tokenize_prompts(tokenizer, rows["prompt"])}, padding_side="left",
-                                return_tensors="pt")
-        # synced_gpus=False: under ZeRO-3 transformers would otherwise sync every step with all ranks, and hang when
-        # only the main process evaluates (the warm start); ranks that all evaluate run identical greedy steps anyway
-        output = model.generate(
-            **encoded, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-            synced_gpus=False,
-        )
-        new_tokens = output[:, encoded["input_ids"].size(1) :]
-        decoded = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-        stopped = (new_tokens == tokenizer.eos_token_id).any(dim=1).tolist()
+        completions = generate_completions(model, tokenizer, tokenize_prompts(tokenizer, rows["prompt"]),
+                                           max_new_tokens=max_new_tokens, do_sample=False)
+        decoded = [tokenizer.decode(c["completion_ids"], skip_special_tokens=True) for c in completions]
+        stopped = [c["stopped"] for c in completions]
         for text, reference, ended in zip(decoded, rows["answer"], stopped, strict=True):
             parsed = parse_answer(text)
             invalid += parsed is None

@@ -45,6 +45,8 @@ from .rewards import (
     math_answers_equal,
 )
 from ..offline.generation import BACKENDS
+from ..prompts import tokenize_prompts
+from ..sampling import generate_completions
 from .arithmetic import completion_text, parse_answer
 
 logger = logging.getLogger(__name__)
@@ -172,14 +174,12 @@ def _json_safe(value):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _prompt_texts(tokenizer, prompts: Sequence) -> tuple[list[str], bool]:
-    """The prompts as text (chat template applied to conversational ones) and whether they are templated."""
+def _prompt_ids(tokenizer, prompts: Sequence) -> list[list[int]]:
+    """The prompts as token ids, exactly as GRPOTrainer tokenizes them for training (`topr_trl.prompts`)."""
     conversational = [isinstance(prompt, list) for prompt in prompts]
     if any(conversational) and not all(conversational):
         raise ValueError("the prompts mix conversational (lists of messages) and plain (strings) ones")
-    if conversational and conversational[0]:
-        return [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts], True
-    return [str(prompt) for prompt in prompts], False
+    return tokenize_prompts(tokenizer, [prompt if isinstance(prompt, list) else str(prompt) for prompt in prompts])
 
 
 def _use_vllm(model, backend: str) -> bool:
@@ -196,11 +196,11 @@ def _use_vllm(model, backend: str) -> bool:
     return isinstance(model, (str, Path)) and vllm_available()
 
 
-def _generate_transformers(model, tokenizer, texts: list[str], templated: bool, n: int, temperature: float,
-                           top_p: float, top_k: int, max_new_tokens: int, batch_size: int, seed: int,
-                           show_progress: bool, stop_strings, generate_kwargs: dict) -> list[list[dict]]:
-    """n samples for each text, as {"text", "num_tokens", "truncated"} dicts, in a forked RNG (the caller's
-    random state, e.g. a trainer's, is left untouched) seeded with `seed`."""
+def _generate_transformers(model, tokenizer, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
+                           top_k: int, max_new_tokens: int, batch_size: int, seed: int, show_progress: bool,
+                           stop_strings, generate_kwargs: dict) -> list[list[dict]]:
+    """n samples for each prompt, as {"text", "num_tokens", "truncated"} dicts (`topr_trl.sampling`), in a forked RNG
+    (the caller's random state, e.g. a trainer's, is left untouched) seeded with `seed`."""
     from tqdm.auto import tqdm
 
     if tokenizer.pad_token_id is None:
@@ -209,38 +209,29 @@ def _generate_transformers(model, tokenizer, texts: list[str], templated: bool, 
     eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids])
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0 else \
-        dict(do_sample=False)
-    options = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                   eos_token_id=sorted(eos_ids) or None, **sampling)
+    options = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature, top_p=top_p,
+                   top_k=top_k, stop_token_ids=sorted(eos_ids) or None, **generate_kwargs)
     if stop_strings:
         options.update(stop_strings=list(stop_strings), tokenizer=tokenizer)
-    options.update(generate_kwargs)
-    jobs = [(index, text) for index, text in enumerate(texts) for _ in range(n)]
-    samples: list[list[dict]] = [[] for _ in texts]
+    jobs = [index for index in range(len(prompt_ids)) for _ in range(n)]
+    samples: list[list[dict]] = [[] for _ in prompt_ids]
     was_training = model.training
     model.eval()
     devices = [model.device.index or 0] if model.device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             with tqdm(total=len(jobs), desc="evaluate", unit="sample", disable=not show_progress) as progress:
                 for start in range(0, len(jobs), batch_size):
                     batch = jobs[start : start + batch_size]
-                    encoded = tokenizer([text for _, text in batch], return_tensors="pt", padding=True,
-                                        padding_side="left", add_special_tokens=not templated)
-                    encoded = {key: value.to(model.device) for key, value in encoded.items()}
-                    output = model.generate(**encoded, **options)
-                    new_tokens = output[:, encoded["input_ids"].size(1) :].tolist()
-                    for (index, _), tokens in zip(batch, new_tokens, strict=True):
-                        stop = next((i for i, token in enumerate(tokens) if token in eos_ids), None)
-                        kept = tokens if stop is None else tokens[:stop]
-                        while stop is None and kept and kept[-1] == tokenizer.pad_token_id:
-                            kept = kept[:-1]  # padding after a row that ended on a stop string
+                    completions = generate_completions(model, tokenizer, [prompt_ids[i] for i in batch], **options)
+                    for index, completion in zip(batch, completions, strict=True):
+                        tokens, stopped = completion["completion_ids"], completion["stopped"]
+                        kept = tokens[:-1] if stopped else tokens
                         samples[index].append({
                             "text": tokenizer.decode(kept, skip_special_tokens=True),
-                            "num_tokens": len(kept) + (stop is not None),
-                            "truncated": stop is None and len(kept) >= max_new_tokens,
+                            "num_tokens": len(tokens),
+                            "truncated": not stopped and len(kept) >= max_new_tokens,
                         })
                     progress.update(len(batch))
     finally:
@@ -248,7 +239,7 @@ def _generate_transformers(model, tokenizer, texts: list[str], templated: bool, 
     return samples
 
 
-def _generate_vllm(model_path: str, tokenizer, texts: list[str], n: int, temperature: float, top_p: float,
+def _generate_vllm(model_path: str, tokenizer, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
                    top_k: int, max_new_tokens: int, seed: int, stop_strings) -> list[list[dict]]:
     """n samples for each text with vLLM (imported here, only when chosen)."""
     from vllm import LLM, SamplingParams
@@ -256,7 +247,7 @@ def _generate_vllm(model_path: str, tokenizer, texts: list[str], n: int, tempera
     llm = LLM(model=str(model_path), tokenizer=getattr(tokenizer, "name_or_path", None) or str(model_path), seed=seed)
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
                             max_tokens=max_new_tokens, seed=seed, stop=list(stop_strings) if stop_strings else None)
-    outputs = llm.generate(texts, params)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
     return [
         [{"text": sample.text, "num_tokens": len(sample.token_ids), "truncated": sample.finish_reason == "length"}
          for sample in output.outputs]
@@ -410,9 +401,9 @@ def evaluate_model(
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(model))
-    texts, templated = _prompt_texts(tokenizer, prompts)
+    prompt_ids = _prompt_ids(tokenizer, prompts)
     if vllm:
-        samples = _generate_vllm(str(model), tokenizer, texts, n, temperature, top_p, top_k, max_new_tokens, seed,
+        samples = _generate_vllm(str(model), tokenizer, prompt_ids, n, temperature, top_p, top_k, max_new_tokens, seed,
                                  stop_strings)
     else:
         if isinstance(model, (str, Path)):
@@ -421,9 +412,8 @@ def evaluate_model(
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype="auto")
             if torch.cuda.is_available():
                 model = model.to("cuda")
-        samples = _generate_transformers(model, tokenizer, texts, templated, n, temperature, top_p, top_k,
-                                         max_new_tokens, batch_size, seed, show_progress, stop_strings,
-                                         dict(generate_kwargs or {}))
+        samples = _generate_transformers(model, tokenizer, prompt_ids, n, temperature, top_p, top_k, max_new_tokens,
+                                         batch_size, seed, show_progress, stop_strings, dict(generate_kwargs or {}))
 
     classes, votes, group_correct, records = [], [], [], []
     for index, (prompt, reference, question_samples) in enumerate(zip(prompts, references, samples, strict=True)):

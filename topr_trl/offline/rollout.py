@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..prompts import tokenize_prompts
+from ..sampling import generate_completions
 
 
-@torch.no_grad()
 def sample_with_logps(
     model,
     tokenizer,
@@ -39,32 +39,15 @@ def sample_with_logps(
     under the exact sampling distribution) and `truncated`."""
     prompt_ids = tokenize_prompts(tokenizer, prompts, chat_template_kwargs, tools)
     repeated = [ids for ids in prompt_ids for _ in range(num_completions)]
-    encoded = tokenizer.pad({"input_ids": repeated}, padding_side="left", return_tensors="pt")
-    encoded = {key: value.to(model.device) for key, value in encoded.items()}
-    output = model.generate(
-        **encoded, do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-        output_scores=True, return_dict_in_generate=True, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, synced_gpus=False,  # mu is a plain local model, even under ZeRO-3
-    )
-    new_tokens = output.sequences[:, encoded["input_ids"].size(1):]
-    # `scores` are the processed logits (temperature, top-k, top-p applied; masked tokens at -inf), so their
-    # log-softmax is the distribution the tokens were actually drawn from.
-    step_logps = torch.stack([torch.log_softmax(score.float(), dim=-1) for score in output.scores], dim=1)
-    token_logps = step_logps.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-    rows = []
-    for row in range(new_tokens.size(0)):
-        tokens = new_tokens[row].tolist()
-        stopped = tokenizer.eos_token_id in tokens
-        if stopped:
-            tokens = tokens[: tokens.index(tokenizer.eos_token_id) + 1]
-        rows.append({
-            "prompt_ids": list(repeated[row]),
-            "completion": tokenizer.decode(tokens, skip_special_tokens=True),
-            "completion_ids": tokens,
-            "behaviour_logps": token_logps[row, : len(tokens)].tolist(),
-            "truncated": not stopped,
-        })
-    return rows
+    samples = generate_completions(model, tokenizer, repeated, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_p=top_p, top_k=top_k, with_logps=True)
+    return [{
+        "prompt_ids": list(ids),
+        "completion": tokenizer.decode(sample["completion_ids"], skip_special_tokens=True),
+        "completion_ids": sample["completion_ids"],
+        "behaviour_logps": sample["logps"],
+        "truncated": not sample["stopped"],
+    } for ids, sample in zip(repeated, samples, strict=True)]
 
 
 def vllm_available() -> bool:

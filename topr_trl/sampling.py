@@ -1,0 +1,71 @@
+"""The one generation loop: completions of prompts given as token ids, with transformers' `generate`.
+
+Offline generation and the behaviour rollout (sampling, with mu's log-probs), the evaluation runner (sampled or
+greedy, with stop strings) and the built-in task's greedy accuracy all call `generate_completions`, on prompts
+tokenized by `topr_trl.prompts.tokenize_prompts`, so every path conditions on the prompts pi is trained on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+@torch.no_grad()
+def generate_completions(
+    model,
+    tokenizer,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    do_sample: bool = True,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_token_ids: Sequence[int] | None = None,
+    with_logps: bool = False,
+    **generate_kwargs,
+) -> list[dict]:
+    """One completion for each entry of `prompt_ids` (left-padded into one batch), as a dict:
+
+    - `completion_ids`: the new tokens up to and including the first stop token (EOS by default), which is kept:
+      it is what teaches a model to stop; without one, the tokens with trailing padding removed (generation can
+      end early on a stop string passed in `generate_kwargs`);
+    - `stopped`: whether a stop token ended it;
+    - `logps` (with `with_logps`): log-prob of each of those tokens under the distribution it was drawn from,
+      the processed logits (temperature, top-k, top-p applied and renormalised): mu's log-probs, as vLLM reports
+      processed log-probs.
+
+    `synced_gpus=False`: the model generating here is a plain local one (mu, or the gathered policy), also under
+    ZeRO-3, where transformers would otherwise wait for every rank at every step."""
+    stop_ids = list(stop_token_ids) if stop_token_ids is not None else [tokenizer.eos_token_id]
+    encoded = tokenizer.pad({"input_ids": [list(ids) for ids in prompt_ids]}, padding_side="left",
+                            return_tensors="pt")
+    encoded = {key: value.to(model.device) for key, value in encoded.items()}
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else \
+        dict(do_sample=False)
+    output = model.generate(
+        **encoded, **sampling, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
+        pad_token_id=tokenizer.pad_token_id, synced_gpus=False, output_scores=with_logps,
+        return_dict_in_generate=True, **generate_kwargs,
+    )
+    new_tokens = output.sequences[:, encoded["input_ids"].size(1):]
+    if with_logps:
+        # `scores` are the processed logits (masked tokens at -inf): their log-softmax is the sampling distribution
+        step_logps = torch.stack([torch.log_softmax(score.float(), dim=-1) for score in output.scores], dim=1)
+        token_logps = step_logps.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+    stops, pad = set(stop_ids), tokenizer.pad_token_id
+    rows = []
+    for row, tokens in enumerate(new_tokens.tolist()):
+        stop = next((i for i, token in enumerate(tokens) if token in stops), None)
+        if stop is not None:
+            tokens = tokens[: stop + 1]
+        else:
+            while tokens and tokens[-1] == pad:
+                tokens = tokens[:-1]
+        completion = {"completion_ids": tokens, "stopped": stop is not None}
+        if with_logps:
+            completion["logps"] = token_logps[row, : len(tokens)].tolist()
+        rows.append(completion)
+    return rows
