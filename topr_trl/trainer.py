@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import textwrap
 from pathlib import Path
@@ -10,7 +9,7 @@ from typing import Any
 
 import torch
 from trl import GRPOTrainer
-from trl.trainer.utils import get_config_model_id, is_async_callable
+from trl.trainer.utils import get_config_model_id
 
 from .config import TOPRConfig
 from .loss import (
@@ -25,8 +24,10 @@ from .loss import (
 from .offline.sampler import GroupShuffleSampler
 from .offline.schema import (
     check_offline_columns,
-    check_reward_values,
+    checked_eval_datasets,
+    checked_reward_function,
     is_offline_dataset,
+    needs_whole_groups,
     stored_reward,
     tokenize_offline_dataset,
     validate_offline_dataset,
@@ -85,12 +86,11 @@ class TOPRTrainer(GRPOTrainer):
                 raise ValueError("An offline train_dataset (with `completion_ids` or `completion`) replaces "
                                  "generation: drop rollout_func.")
             train_dataset = kwargs["train_dataset"] = with_prompt_index(train_dataset)
-            uses_groups = args.loss_type != "topr" or args.topr_signal == "advantage" or args.topr_baseline == "group_mean"
-            validate_offline_dataset(train_dataset, args.num_generations, needs_whole_groups=uses_groups,
+            validate_offline_dataset(train_dataset, args.num_generations, needs_whole_groups=needs_whole_groups(args),
                                      batch_rows=args.generation_batch_size)
             if isinstance(args, TOPRConfig):
                 args.num_train_epochs = args.topr_offline_epochs
-        kwargs["eval_dataset"] = self._checked_eval_datasets(kwargs.get("eval_dataset"), args, uses_stored_reward,
+        kwargs["eval_dataset"] = checked_eval_datasets(kwargs.get("eval_dataset"), args, uses_stored_reward,
                                                              has_behaviour_model)
         self._dataset_baseline = None
         if args.loss_type == "topr" and args.topr_target_effective_proportion is not None:
@@ -111,7 +111,7 @@ class TOPRTrainer(GRPOTrainer):
                                  for name, dataset in self.eval_dataset.items()}
         elif self.eval_dataset is not None:
             self.eval_dataset = self._tokenized_for_replay(self.eval_dataset, "eval_dataset")
-        self.reward_funcs = [_checked_reward_function(function, name)
+        self.reward_funcs = [checked_reward_function(function, name)
                              for function, name in zip(self.reward_funcs, self.reward_func_names, strict=True)]
         self._behaviour_model = None
         replayed = [self.train_dataset] if self._offline else []
@@ -150,31 +150,6 @@ class TOPRTrainer(GRPOTrainer):
         card.write_text(card.read_text() + section)
 
     # ------------------------------------------------------------------ offline data (Algorithm 1)
-    @staticmethod
-    def _checked_eval_datasets(eval_dataset, args, uses_stored_reward: bool, has_behaviour_model: bool):
-        """The eval dataset(s) with each offline one refused now if it cannot be replayed and scored (as the train
-        dataset), and given its prompt groups. Eval batches are scored in groups of `num_generations_eval` rows."""
-        if eval_dataset is None:
-            return None
-        named = eval_dataset if isinstance(eval_dataset, dict) else {None: eval_dataset}
-        checked = {}
-        for name, dataset in named.items():
-            role = "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
-            check_offline_columns(dataset, role, uses_stored_reward, has_behaviour_model)
-            if is_offline_dataset(dataset):
-                dataset = with_prompt_index(dataset)
-                group_size = args.num_generations_eval or args.num_generations
-                uses_groups = args.loss_type != "topr" or args.topr_signal == "advantage" or \
-                    args.topr_baseline == "group_mean"
-                validate_offline_dataset(dataset, group_size, needs_whole_groups=uses_groups, role=role,
-                                         group_size_name="num_generations_eval")
-                if len(dataset) % group_size:
-                    raise ValueError(f"offline {role} has {len(dataset)} rows, not a multiple of num_generations_eval="
-                                     f"{group_size} (GRPOTrainer scores eval batches in groups of that many rows): "
-                                     "set num_generations_eval to a divisor of it, or drop rows.")
-            checked[name] = dataset
-        return checked[None] if None in checked else checked
-
     def _tokenized_for_replay(self, dataset, role: str):
         if not is_offline_dataset(dataset):
             return dataset
@@ -551,27 +526,3 @@ class TOPRTrainer(GRPOTrainer):
                 f"[{extremes[1]}, {-extremes[3]}]. Check the reward functions and, in bf16/fp16, the model's "
                 "logits; rerun with bf16=False to rule out overflow."
             )
-
-
-def _checked_reward_function(function, name: str):
-    """`function` failing at its first call, in one line naming it, unless it returns a list of floats (or None),
-    one per completion; TRL would fail later with a bare TypeError. Name and async-ness are kept."""
-    if isinstance(function, torch.nn.Module):  # a reward model: GRPOTrainer reads its logits itself
-        return function
-    if is_async_callable(function):
-
-        @functools.wraps(function)
-        async def checked_async(*args, **kwargs):
-            values = await function(*args, **kwargs)
-            check_reward_values(name, values, len(kwargs["completions"]))
-            return values
-
-        return checked_async
-
-    @functools.wraps(function)
-    def checked(*args, **kwargs):
-        values = function(*args, **kwargs)
-        check_reward_values(name, values, len(kwargs["completions"]))
-        return values
-
-    return checked

@@ -18,8 +18,9 @@ _EXPORTS = {
     "rollout": ("make_behaviour_rollout", "make_vllm_engine", "sample_with_logps", "sample_with_logps_vllm",
                 "vllm_available", "free_vllm_memory"),
     "composition": ("COMPOSITIONS", "compose", "proportion_of_positives"),
-    "schema": ("OFFLINE_COLUMNS", "stored_reward", "check_offline_columns", "check_reward_values", "completion_token_ids",
-               "is_offline_dataset", "tokenize_offline_dataset", "validate_offline_dataset", "with_prompt_index"),
+    "schema": ("OFFLINE_COLUMNS", "stored_reward", "check_offline_columns", "check_reward_values",
+               "completion_token_ids", "checked_eval_datasets", "checked_reward_function", "is_offline_dataset",
+               "needs_whole_groups", "tokenize_offline_dataset", "validate_offline_dataset", "with_prompt_index"),
     "sampler": ("GroupShuffleSampler",),
     "iterations": ("IterationSettings", "run_iterations"),
 }

@@ -5,12 +5,15 @@ imports this module and `sampler`, never the generation code.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import numbers
 from collections.abc import Callable, Sequence
 
+import torch
 from datasets import Dataset
+from trl.trainer.utils import is_async_callable
 
 from ..prompts import tokenize_prompts
 
@@ -186,3 +189,56 @@ def validate_offline_dataset(
                 "topr_signal='reward' and a numeric topr_baseline (e.g. after Anna Karenina or target-proportion "
                 "composition)."
             )
+
+
+def needs_whole_groups(args) -> bool:
+    """Whether the configured signal reads prompt groups (GRPO's advantage, or the group-mean baseline), so that an
+    offline dataset must hold `num_generations` rows per prompt."""
+    return args.loss_type != "topr" or args.topr_signal == "advantage" or args.topr_baseline == "group_mean"
+
+
+def checked_eval_datasets(eval_dataset, args, uses_stored_reward: bool, has_behaviour_model: bool):
+    """The eval dataset(s) with each offline one refused now if it cannot be replayed and scored (as the train
+    dataset), and given its prompt groups. Eval batches are scored in groups of `num_generations_eval` rows."""
+    if eval_dataset is None:
+        return None
+    named = eval_dataset if isinstance(eval_dataset, dict) else {None: eval_dataset}
+    checked = {}
+    for name, dataset in named.items():
+        role = "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
+        check_offline_columns(dataset, role, uses_stored_reward, has_behaviour_model)
+        if is_offline_dataset(dataset):
+            dataset = with_prompt_index(dataset)
+            group_size = args.num_generations_eval or args.num_generations
+            validate_offline_dataset(dataset, group_size, needs_whole_groups=needs_whole_groups(args), role=role,
+                                     group_size_name="num_generations_eval")
+            if len(dataset) % group_size:
+                raise ValueError(f"offline {role} has {len(dataset)} rows, not a multiple of num_generations_eval="
+                                 f"{group_size} (GRPOTrainer scores eval batches in groups of that many rows): "
+                                 "set num_generations_eval to a divisor of it, or drop rows.")
+        checked[name] = dataset
+    return checked[None] if None in checked else checked
+
+
+def checked_reward_function(function, name: str):
+    """`function` failing at its first call, in one line naming it, unless it returns a list of floats (or None),
+    one per completion; TRL would fail later with a bare TypeError. Name and async-ness are kept."""
+    if isinstance(function, torch.nn.Module):  # a reward model: GRPOTrainer reads its logits itself
+        return function
+    if is_async_callable(function):
+
+        @functools.wraps(function)
+        async def checked_async(*args, **kwargs):
+            values = await function(*args, **kwargs)
+            check_reward_values(name, values, len(kwargs["completions"]))
+            return values
+
+        return checked_async
+
+    @functools.wraps(function)
+    def checked(*args, **kwargs):
+        values = function(*args, **kwargs)
+        check_reward_values(name, values, len(kwargs["completions"]))
+        return values
+
+    return checked
