@@ -162,7 +162,7 @@ def test_offline_dataset_in_each_form_trains_on_its_stored_rewards(form, generat
       "my_rewards:correctness"], "no such data file or directory: 'missing.jsonl'"),
     (["train", "--model_name_or_path", "MODEL", "--dataset_name", "prompts.jsonl"], "needs --reward_funcs"),
     (["train", "--model_name_or_path", "MODEL"], "needs something to train on"),
-    (["train", "--offline_dataset", "nothing_here"], "nothing_here"),
+    (["train", "--offline_dataset", "nothing_here"], "offline dataset 'nothing_here' not found"),
     (["generate", "--backend", "vlm", "--dry_run", "true"], "Did you mean 'vllm'"),
     (["iterate", "--composition", "anna_karenin", "--dry_run", "true"], "Did you mean 'anna_karenina'"),
 ])

@@ -26,6 +26,7 @@ import importlib.util
 import json
 import re
 import sys
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,8 +87,9 @@ class TaskArguments:
     few_shot: int = field(default=0, metadata={"help": "gsm8k/math500: worked examples prepended to each prompt."})
     reward_funcs: list[str] | None = field(
         default=None,
-        metadata={"help": f"Reward functions: {sorted(REWARD_FUNCTIONS)}, 'module:function' (a module importable "
-                          "from the current directory) or 'path/to/file.py:function'. Default: the task's own."},
+        metadata={"help": f"Reward functions: {', '.join(sorted(REWARD_FUNCTIONS))}, 'module:function' (a module "
+                          "importable from the current directory) or 'path/to/file.py:function'. Default: the task's "
+                          "own."},
     )
     task_digits: int = field(default=2, metadata={"help": "Built-in task: operand digits."})
     task_train_prompts: int = field(default=1000, metadata={"help": "Built-in task: training prompts."})
@@ -388,9 +390,16 @@ def load_task(options: TaskArguments, model_name_or_path: str | None, seed: int,
         state = PartialState()
         with state.main_process_first():
             if state.is_main_process:
+                fresh = not (Path(options.base_model_dir) / "config.json").exists()
+                if fresh:  # SFT with accuracy checks: seconds on an idle CPU, longer on a busy one; say what it is
+                    started = time.time()
+                    _print_main(f"building the built-in tiny model (once; cached in {options.base_model_dir}): SFT "
+                                f"warm start until {options.warm_start_accuracy:.0%} greedy accuracy")
                 with outside_zero3_construction():
                     build_warm_model(options.base_model_dir, digits=options.task_digits,
                                      target_accuracy=options.warm_start_accuracy, seed=seed)
+                if fresh:
+                    _print_main(f"built-in tiny model ready in {time.time() - started:.0f} s")
         model_name_or_path = options.base_model_dir
     held_out = eval_dataset = train_dataset = None
     if task == BUILTIN_TASK:

@@ -219,7 +219,7 @@ def load_offline_source(source: str | Path) -> Dataset:
     text = str(source)
     path = Path(text).expanduser()
     local = path.exists() or path.suffix.lower() in LOCAL_FORMATS or text.startswith((".", "/", "~")) \
-        or text.count("/") > 1  # a Hub id is `name` or `owner/name`
+        or text.count("/") != 1  # a Hub dataset id is `owner/name`: anything else is a path, not a Hub request
     if not local:
         try:
             return load_dataset(text, split="train")
