@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: sets up .venv if needed, then runs `topr-trl train`. With no arguments it trains a tiny
-# model built locally on the built-in arithmetic task (CPU, a few minutes). Arguments go to `topr-trl train`.
+# model built locally on the built-in arithmetic task (CPU, under a minute after the install). Arguments go to `topr-trl train`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
