@@ -19,7 +19,8 @@ def test_greedy_completions_follow_the_argmax_and_stop_at_eos_kept(tiny_model_pa
     for ids, row in zip(prompt_ids, rows, strict=True):
         sequence, expected, logps = list(ids), [], []
         for _ in range(5):
-            logits = model(torch.tensor([sequence])).logits[0, -1].float()
+            with torch.no_grad():
+                logits = model(torch.tensor([sequence])).logits[0, -1].float()
             token = int(logits.argmax())
             expected.append(token)
             logps.append(float(torch.log_softmax(logits, dim=-1)[token]))
