@@ -26,6 +26,8 @@ class SamplingParams:
     max_tokens: int = 16
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    seed: int | None = None
+    stop: list[str] | None = None
 
 
 @dataclass
@@ -38,6 +40,7 @@ class CompletionOutput:
     token_ids: list[int]
     logprobs: list[dict[int, Logprob]]
     finish_reason: str
+    text: str = ""
 
 
 @dataclass
@@ -52,7 +55,8 @@ class LLM:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model = AutoModelForCausalLM.from_pretrained(model).eval()
-        self.eos_token_id = AutoTokenizer.from_pretrained(model).eos_token_id
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.eos_token_id = self.tokenizer.eos_token_id
         self.logprobs_mode = logprobs_mode
         self.generator = torch.Generator().manual_seed(seed)
         self.requests: list[list[int]] = []
@@ -87,7 +91,15 @@ class LLM:
                     if token == self.eos_token_id:
                         finish = "stop"
                         break
-                samples.append(CompletionOutput(ids[len(prompt["prompt_token_ids"]):], logprobs, finish))
+                    text = self.tokenizer.decode(ids[len(prompt["prompt_token_ids"]):], skip_special_tokens=True)
+                    if any(stop in text for stop in sampling_params.stop or ()):
+                        finish = "stop"  # vLLM stops on a stop string and leaves it out of `text`
+                        break
+                new = ids[len(prompt["prompt_token_ids"]):]
+                text = self.tokenizer.decode(new, skip_special_tokens=sampling_params.skip_special_tokens)
+                for stop in sampling_params.stop or ():
+                    text = text.split(stop)[0]
+                samples.append(CompletionOutput(new, logprobs, finish, text))
             results.append(RequestOutput(samples))
         return results
 

@@ -202,3 +202,23 @@ def test_command_line_gsm8k_from_a_local_file(tiny_model_path, tmp_path):
     assert not (tmp_path / "cli" / "results.png").exists()
     with pytest.raises(SystemExit):
         main(["--model", tiny_model_path, "--task", "nope"])
+
+
+def test_vllm_backend_samples_from_the_trainers_prompt_ids(tiny_model_path, arithmetic_dataset, monkeypatch):
+    """Through the vLLM stand-in (tests/fake_vllm.py): the engine receives the prompts as GRPOTrainer's token ids,
+    draws k samples of each, and its texts are scored as the transformers path scores them."""
+    from topr_trl.prompts import tokenize_prompts
+
+    from . import fake_vllm
+
+    fake_vllm.install(monkeypatch)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    data = arithmetic_dataset.select(range(3))
+    result = evaluate_model(tiny_model_path, tokenizer, data, arithmetic_classify, k=2, max_new_tokens=4,
+                            backend="vllm", show_progress=False)
+    engine = fake_vllm.LLM.instances[-1]
+    assert engine.requests == tokenize_prompts(tokenizer, data["prompt"])
+    assert result.settings["backend"] == "vllm" and result.num_samples == 2
+    for record in result.records:
+        assert len(record["completions"]) == 2
+        assert record["classes"] == [arithmetic_classify(text, record["reference"]) for text in record["completions"]]
