@@ -69,7 +69,8 @@ def test_custom_run_trains_on_the_users_data_with_trl_defaults(form, user_dir, t
     source = write_prompts(user_dir, form)
     main(["train", "--model_name_or_path", tiny_model_path, "--dataset_name", source,
           "--reward_funcs", "my_rewards:correctness", *QUICK])
-    assert seen_prompts(user_dir) <= set(PROMPTS)  # the user's prompts, not the built-in task's
+    seen = seen_prompts(user_dir)
+    assert seen and seen <= set(PROMPTS)  # the user's prompts (and only those), not the built-in task's
     output = user_dir / "outputs" / f"topr-{Path(tiny_model_path).name}-prompts{'_saved' if form == 'save_to_disk' else ''}"
     assert (output / "model.safetensors").exists() and json.loads((output / "topr_summary.json").read_text())
 
