@@ -171,7 +171,7 @@ def test_ready_made_classifiers():
     assert math_classify("so $x = \\boxed{\\dfrac{1}{2}}$", "\\frac12") == CORRECT
     assert math_classify("so x = 1/2", "\\frac12") == INVALID
     assert math_classify.extract("$\\boxed{3}$ then $\\boxed{4}$") == "4"
-    assert set(CLASSIFIERS) == {"arithmetic", "gsm8k", "math", "math500"}
+    assert set(CLASSIFIERS) == {"arithmetic", "gsm8k", "math", "math500", "reasoning"}
 
 
 def test_command_line_on_the_tiny_model(tiny_model_path, tmp_path, capsys):
@@ -222,3 +222,16 @@ def test_vllm_backend_samples_from_the_trainers_prompt_ids(tiny_model_path, arit
     for record in result.records:
         assert len(record["completions"]) == 2
         assert record["classes"] == [arithmetic_classify(text, record["reference"]) for text in record["completions"]]
+
+
+def test_command_line_evaluates_the_reasoning_task_on_its_held_out_split(tiny_model_path, tmp_path):
+    """`--task reasoning`: held-out written-addition problems (3 digits by default), each completion classed by the
+    written-solution checker; the default length is the written solution's."""
+    from topr_trl.evaluation.reasoning import max_completion_tokens, parse_problem, split_of
+
+    main(["--model_name_or_path", tiny_model_path, "--task", "reasoning", "--task_eval_prompts", "3", "--k", "1",
+          "--output_dir", str(tmp_path), "--no_plot", "--no_progress"])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["settings"]["max_new_tokens"] == max_completion_tokens(3)
+    problems = [parse_problem(record["prompt"]) for record in results["records"]]
+    assert len(problems) == 3 and all(split_of(a, b) == "heldout" and a >= 100 for a, b in problems)

@@ -48,6 +48,7 @@ from ..offline.generation import BACKENDS
 from ..prompts import tokenize_prompts
 from ..sampling import generate_completions
 from .arithmetic import completion_text, parse_answer
+from .reasoning import reasoning_classify
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ math_classify = _classifier(_math_classify, lambda text: extract_boxed(completio
 """MATH: `topr_trl.evaluation.rewards.classify_math` (last `\\boxed{}`, math-verify); votes equal when equivalent."""
 
 CLASSIFIERS = {"arithmetic": arithmetic_classify, "gsm8k": gsm8k_classify, "math": math_classify,
-               "math500": math_classify}
+               "math500": math_classify, "reasoning": reasoning_classify}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -499,8 +500,16 @@ def save_results(results: EvaluationResult | dict, output_dir: str | Path, plot:
 # Command line
 # ---------------------------------------------------------------------------------------------------------
 
-TASKS = ("arithmetic", "gsm8k", "math500", "math")
+TASKS = ("arithmetic", "gsm8k", "math500", "math", "reasoning")
 _TASK_MAX_NEW_TOKENS = {"arithmetic": 8, "gsm8k": 512, "math500": 1024, "math": 1024}
+
+
+def _default_max_new_tokens(options) -> int:
+    if options.task == "reasoning":  # a written solution of its digits, plus room to go wrong
+        from .reasoning import max_completion_tokens
+
+        return max_completion_tokens(options.arithmetic_digits or 3)
+    return _TASK_MAX_NEW_TOKENS[options.task]
 
 
 def _task_dataset(options):
@@ -511,7 +520,11 @@ def _task_dataset(options):
     if options.task == "arithmetic":
         from .arithmetic import make_arithmetic_dataset
 
-        return make_arithmetic_dataset(options.arithmetic_prompts, options.arithmetic_digits, seed=2)
+        return make_arithmetic_dataset(options.arithmetic_prompts, options.arithmetic_digits or 2, seed=2)
+    if options.task == "reasoning":  # held-out problems: disjoint from its train and warm-start splits
+        from .reasoning import make_reasoning_dataset
+
+        return make_reasoning_dataset(options.arithmetic_prompts, options.arithmetic_digits or 3, split="heldout")
     if options.task == "gsm8k":
         return loaders.load_gsm8k(split=options.split or "test", **source, **common)
     if options.task == "math500":
@@ -530,7 +543,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="Model path or Hub id.")
     parser.add_argument("--tokenizer", default=None, help="Tokenizer path or Hub id (default: the model's).")
     parser.add_argument("--task", choices=TASKS, default="arithmetic",
-                        help="arithmetic: the built-in held-out set (make_arithmetic_dataset(200, 2, seed=2)).")
+                        help="arithmetic: the built-in held-out set (make_arithmetic_dataset(200, 2, seed=2)); "
+                             "reasoning: held-out written-addition problems (topr_trl.evaluation.reasoning).")
     parser.add_argument("--dataset_name", "--dataset_source", dest="dataset_source", default=None,
                         help="gsm8k/math/math500: Hub id or local .json/.jsonl/.parquet file or directory.")
     parser.add_argument("--dataset_config", default=None, help="math: dataset configuration (e.g. a subject).")
@@ -541,8 +555,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--plain_prompts", action="store_true", help="Plain-text prompts instead of chat.")
     parser.add_argument("--task_eval_prompts", "--arithmetic_prompts", dest="arithmetic_prompts", type=int,
                         default=200, help="arithmetic: held-out problems (the ones `train` measures).")
-    parser.add_argument("--task_digits", "--arithmetic_digits", dest="arithmetic_digits", type=int, default=2,
-                        help="arithmetic: operand digits.")
+    parser.add_argument("--task_digits", "--arithmetic_digits", dest="arithmetic_digits", type=int, default=None,
+                        help="Built-in tasks: operand digits (default 2 for arithmetic, 3 for reasoning).")
     parser.add_argument("--limit", type=int, default=None, help="Evaluate only the first N questions.")
     parser.add_argument("--k", type=int, default=8, help="k of pass@k and maj@k.")
     parser.add_argument("--num_samples", type=int, default=None,
@@ -579,7 +593,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> dict[str
     result = evaluate_model(
         options.model, tokenizer, dataset, CLASSIFIERS[options.task], k=options.k,
         num_samples=options.num_samples, temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
-        max_new_tokens=options.max_new_tokens or _TASK_MAX_NEW_TOKENS[options.task], batch_size=options.batch_size,
+        max_new_tokens=options.max_new_tokens or _default_max_new_tokens(options), batch_size=options.batch_size,
         seed=options.seed, show_progress=not options.no_progress, num_bootstrap=options.num_bootstrap,
         backend=options.backend, stop_strings=options.stop,
     )
