@@ -1,0 +1,315 @@
+"""Staleness: how far off-policy TOPR and GRPO-clip can go on the reasoning testbed (`topr_trl.evaluation.reasoning`)
+before held-out pass@1 degrades.
+
+The behaviour policy mu lags the trained policy pi by up to K - 1 optimizer updates, for each K in --lags:
+
+    topr        online TOPRTrainer, defaults (TOPR loss, group-advantage signal); mu's log-probs are the stored
+                old_per_token_logps of the generation batch
+    grpo_clip   online trl.GRPOTrainer with loss_type="grpo": PPO clipping of the ratio pi/mu at 1 -/+ epsilon
+                (0.2, TRL's default), per-sequence length normalisation
+
+The lag is set with GRPOConfig.num_iterations = K (TRL's "mu" in the GRPO paper): each generation batch is reused for
+K optimizer steps, and TRL keeps the log-probs of the policy that generated it as old_per_token_logps, so on the j-th
+reuse pi is j updates ahead of mu. The number of optimizer steps (--steps) is the same for every K, so a larger K
+generates fewer completions: ceil(steps / K) x batch_size (`expected_completions`). Why num_iterations rather than
+steps_per_generation = K: the latter generates one K-times larger batch and spends one fresh slice per step, so mu
+lags by the same 0..K-1 updates but the number of completions stays steps x batch_size and the prompts per
+generation grow with K; num_iterations changes only the lag and the data budget, which is what "keep the optimizer
+steps equal, generate less" asks for, and it keeps each step's batch (and group statistics) the same size as K = 1.
+`--lag-via steps_per_generation` runs the other reading (fresh data, same completions) for comparison.
+
+Every run starts from the warm model of scripts/sample_efficiency.py (cached under --work-dir/cache, shared with it
+by default) and is evaluated with its `held_out_pass_at_1` (temperature 1, --eval-samples per problem on
+--eval-prompts held-out problems, standard error across problems) at --checkpoints evenly spaced steps. Completions
+are counted by the reward function as it scores them and checked against `expected_completions`. One CPU thread.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/staleness.py                   # full run, docs/staleness.*
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/staleness.py --smoke --output outputs/staleness/smoke
+
+Run times measured on one CPU thread (2-core shared machine, warm model already cached): --smoke 13 s (2 methods x
+lags 1, 4; 8 steps of 16 completions; 64 held-out problems x 2 samples); `--seeds 0 1` (otherwise the defaults:
+64 steps x 32 completions, lags 1 4 16 64, 4 checkpoints on 500 held-out problems x 4 samples) 5.5 min, most of it
+evaluation (5.7 min with --lag-via steps_per_generation); the default 3 seeds with --lag-via steps_per_generation
+8.5 min (not measured with num_iterations; expect about 8 min). The shared --prompts and --base-accuracy options
+of `experiments.py` do not apply here.
+
+Reported per (method, K): final pass@1 (mean, 95 % CI over seeds), the curve at each checkpoint, completions
+generated, and the run-averaged off-policy statistics from trainer.state.log_history (topr/* for TOPR, clip_ratio/*
+for GRPO-clip). Per method (`summary`): the largest K whose final pass@1 stays within one CI of the method's K = 1
+result, every smaller K included (`largest_tolerated_lag`); with one seed the CI is 1.96 x the K = 1 final point's
+standard error across problems. With two seeds the t-interval (t = 12.7) is so wide that the rule says little;
+use three or more.
+
+Measured (`--seeds 0 1`, base model 0.692; final pass@1 per seed): at K = 1 both methods give the same curve to the
+last digit (on-policy, ratio 1: TOPR's and PPO-clip's gradients coincide), 0.905 / 0.918. With num_iterations = K
+both degrade from K = 4 on (TOPR 0.451/0.519, 0.603/0.243, 0.484/0.554 at K = 4, 16, 64; GRPO-clip 0.347/0.616,
+0.352/0.441, 0.232/0.333): reusing 4 prompts' completions for K steps overfits them, so this reading mixes staleness
+with K-times less data. With --lag-via steps_per_generation (same 2,048 fresh completions for every K; 3 seeds)
+the K = 1 CI is 0.912 +- 0.017 and both fall below it already at K = 4, so the rule gives K = 1 for both; but the
+picture is not monotone: TOPR 0.856 +- 0.111, 0.847 +- 0.083, 0.953 +- 0.033 at K = 4, 16, 64 (above K = 1 at 64),
+GRPO-clip 0.861 +- 0.056, 0.652 +- 0.438, 0.766 +- 0.052 (one seed collapsed to 0.451 at K = 16). Run-averaged
+topr/ratio_negative/min 0.52, 0.20, 0.05 and topr/negative_truncated_fraction 0.16, 0.07, 0.02 at K = 4, 16, 64;
+GRPO-clip's clip_ratio/region_mean 0.002, 0.009, 0.024.
+Outputs: outputs/staleness/{two-seeds,two-seeds-spg,three-seeds-spg}.{json,png,log}.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+from experiments import experiment_parser, mean_and_ci95, save  # noqa: E402
+from sample_efficiency import Tracker, held_out_pass_at_1, run_trainer, train_config  # noqa: E402
+
+METHODS = ("topr", "grpo_clip")
+LAG_VIA = ("num_iterations", "steps_per_generation")
+LOGGED_PREFIXES = ("topr/", "clip_ratio/")
+SMOKE = dict(seeds=[0], steps=8, batch_size=16, lags=[1, 4], eval_prompts=64, eval_samples=2, checkpoints=2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure parts: completions for a lag, the tolerated-lag rule, run averages of the logged statistics
+# ---------------------------------------------------------------------------------------------------------
+
+
+def expected_completions(lag: int, *, steps: int, batch_size: int, lag_via: str = "num_iterations") -> int:
+    """Completions generated in `steps` optimizer steps of `batch_size` completions when mu lags by up to lag - 1
+    updates: with num_iterations = lag one batch is generated every `lag` steps (the last one even when the run
+    stops before reusing it `lag` times); with steps_per_generation = lag a lag-times larger batch is."""
+    if lag < 1 or steps < 1:
+        raise ValueError(f"lag and steps must be >= 1, got lag={lag}, steps={steps}")
+    generations = math.ceil(steps / lag)
+    if lag_via == "num_iterations":
+        return generations * batch_size
+    if lag_via == "steps_per_generation":
+        return generations * lag * batch_size
+    raise ValueError(f"unknown lag_via {lag_via!r}: choose among {LAG_VIA}")
+
+
+def largest_tolerated_lag(finals: dict[int, dict]) -> dict:
+    """The largest lag K whose final pass@1 mean stays within one CI of the K = 1 mean, K and every smaller lag
+    (a drop below mean_1 - ci_1 is a degradation; a rise is not). `finals` maps K to {"mean", "ci95"}; "ci95" of
+    K = 1 must be finite. Returns the lag, the threshold and, per K, whether it stayed within."""
+    if 1 not in finals:
+        raise ValueError("the lag K = 1 (on-policy reference) is missing")
+    reference, half = finals[1]["mean"], finals[1]["ci95"]
+    if not math.isfinite(half):
+        raise ValueError("the K = 1 CI is not finite: run two seeds or more, or give a standard error")
+    threshold = reference - half
+    within = {lag: finals[lag]["mean"] >= threshold for lag in sorted(finals)}
+    tolerated = 1
+    for lag in sorted(finals):
+        if not within[lag]:
+            break
+        tolerated = lag
+    return {"lag": tolerated, "threshold": threshold, "within": within}
+
+
+def run_averages(log_history: list[dict], prefixes=LOGGED_PREFIXES) -> dict:
+    """Mean over the run's logged steps of every metric under `prefixes` (NaN entries, e.g. a ratio minimum over no
+    negative tokens, are left out)."""
+    values: dict[str, list[float]] = {}
+    for entry in log_history:
+        for key, value in entry.items():
+            if key.startswith(prefixes) and isinstance(value, (int, float)) and math.isfinite(value):
+                values.setdefault(key, []).append(float(value))
+    return {key: sum(v) / len(v) for key, v in sorted(values.items())}
+
+
+def summarise(runs: dict, methods, lags) -> dict:
+    """Per method: per lag over seeds the final pass@1 (mean, 95 % CI), completions and the run-averaged logged
+    statistics; then the largest tolerated lag (one seed: the CI is 1.96 x the K = 1 final point's problem SE)."""
+    summary = {}
+    for method in methods:
+        per_lag = {}
+        for lag in lags:
+            chosen = [run for run in runs.values() if run["method"] == method and run["lag"] == lag]
+            if not chosen:
+                continue
+            final = mean_and_ci95([run["curve"][-1]["pass@1"] for run in chosen])
+            if len(chosen) == 1:
+                final["ci95"] = 1.96 * chosen[0]["curve"][-1]["pass@1_problem_se"]
+                final["ci_source"] = "1.96 x SE across problems (one seed)"
+            keys = sorted({key for run in chosen for key in run["logged"]})
+            per_lag[lag] = {
+                "final_pass@1": final,
+                "completions": mean_and_ci95([run["completions"] for run in chosen]),
+                "seconds": mean_and_ci95([run["seconds"] for run in chosen]),
+                "logged": {key: mean_and_ci95([run["logged"][key] for run in chosen if key in run["logged"]])["mean"]
+                           for key in keys},
+            }
+        if not per_lag:
+            continue
+        row = {"lags": per_lag}
+        if 1 in per_lag:
+            row["largest_tolerated_lag"] = largest_tolerated_lag(
+                {lag: entry["final_pass@1"] for lag, entry in per_lag.items()})
+        summary[method] = row
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One run
+# ---------------------------------------------------------------------------------------------------------
+
+
+def run_lagged(method, lag, options, seed, base_path, held_out, base_point, work: Path) -> dict:
+    import torch
+    from trl import GRPOConfig, GRPOTrainer
+
+    from topr_trl import TOPRConfig, TOPRTrainer
+    from topr_trl.evaluation.reasoning import make_reasoning_dataset, reasoning_reward
+
+    # enough prompts for fresh data every step (steps_per_generation); num_iterations uses the first 1/lag of them
+    prompts = make_reasoning_dataset(options.steps * options.batch_size // options.num_generations, options.digits,
+                                     "train", seed=seed)
+    torch.manual_seed(seed)
+    tracker = Tracker(held_out, options, reasoning_reward)
+    tracker.curve.append(base_point)
+    common = {**train_config(options, seed, work / f"{method}-k{lag}-seed{seed}"), "logging_steps": 1,
+              options.lag_via: lag}
+    if method == "grpo_clip":
+        config_class, trainer_class, common["loss_type"] = GRPOConfig, GRPOTrainer, "grpo"
+    else:
+        config_class, trainer_class = TOPRConfig, TOPRTrainer
+    config = config_class(max_steps=options.steps, **common)
+    built: list = []
+
+    def keep(**kwargs):  # run_trainer does not hand its trainer back; the log history is on it
+        built.append(trainer_class(**kwargs))
+        return built[0]
+
+    steps = run_trainer(keep, config, base_path, tracker.reward, prompts, tracker, options.checkpoints)
+    return {"loss_type": config.loss_type, "epsilon": config.epsilon, "num_iterations": config.num_iterations,
+            "steps_per_generation": config.steps_per_generation, "steps": steps, "completions": tracker.completions,
+            "seconds": tracker.seconds(), "curve": tracker.curve, "logged": run_averages(built[0].state.log_history)}
+
+
+def run(options) -> dict:
+    import torch
+
+    from topr_trl.evaluation.reasoning import WarmStartSettings, build_reasoning_warm_model, make_reasoning_dataset
+
+    torch.set_num_threads(options.threads)
+    work = Path(options.work_dir)
+    settings = WarmStartSettings(digits=options.digits, error_rate=options.error_rate, steps=options.warm_steps)
+    started = time.time()
+    model, tokenizer, base_path = build_reasoning_warm_model(work / "cache", settings)
+    held_out = make_reasoning_dataset(options.eval_prompts, options.digits, "heldout", seed=0)
+    results: dict = {
+        "options": vars(options), "threads": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+                                              "torch": torch.get_num_threads()},
+        "warm_start": settings.to_dict(), "base_model": str(base_path), "runs": {},
+    }
+    base_point = {"step": 0, "completions": 0, "seconds": 0.0,
+                  **held_out_pass_at_1(model, tokenizer, held_out, options)}
+    results["base"] = base_point
+    print(f"[staleness] base pass@1 {base_point['pass@1']:.3f} ± {base_point['pass@1_problem_se']:.3f}", flush=True)
+    for seed in options.seeds:
+        for method in options.methods:
+            for lag in options.lags:
+                print(f"[staleness] seed {seed} {method} K={lag}", flush=True)
+                outcome = run_lagged(method, lag, options, seed, base_path, held_out, base_point,
+                                     work / "staleness-runs")
+                outcome["expected_completions"] = expected_completions(
+                    lag, steps=options.steps, batch_size=options.batch_size, lag_via=options.lag_via)
+                results["runs"][f"{method}/k{lag}/seed{seed}"] = {"method": method, "lag": lag, "seed": seed,
+                                                                  **outcome}
+    results["summary"] = summarise(results["runs"], options.methods, options.lags)
+    results["seconds"] = time.time() - started
+    return results
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    colours = {method: plt.cm.tab10(i) for i, method in enumerate(results["summary"])}
+    for method, row in results["summary"].items():
+        lags = sorted(int(lag) for lag in row["lags"])
+        finals = [row["lags"][lag]["final_pass@1"] for lag in lags]
+        axes[0].errorbar(lags, [f["mean"] for f in finals], yerr=[f["ci95"] for f in finals], marker="o", capsize=3,
+                         color=colours[method], label=method)
+        if "largest_tolerated_lag" in row:
+            axes[0].axhline(row["largest_tolerated_lag"]["threshold"], color=colours[method], linestyle=":",
+                            linewidth=1)
+    first_seed = results["options"]["seeds"][0]
+    styles = {lag: style for lag, style in zip(sorted(results["options"]["lags"]), ("-", "--", "-.", ":", "-"))}
+    for run_ in results["runs"].values():
+        if run_["seed"] != first_seed:
+            continue
+        curve = run_["curve"]
+        axes[1].plot([p["step"] for p in curve], [p["pass@1"] for p in curve], marker="o", markersize=3,
+                     linestyle=styles.get(run_["lag"], "-"), color=colours[run_["method"]],
+                     label=f"{run_['method']} K={run_['lag']}")
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_ylim(0, 1)  # a two-seed t-interval spans far beyond [0, 1]
+    axes[0].axhline(results["base"]["pass@1"], color="grey", linewidth=1)
+    axes[0].set_xlabel(f"lag K ({results['options']['lag_via']}); same optimizer steps for every K")
+    axes[0].set_ylabel("final held-out sampled pass@1 (95 % CI)")
+    axes[0].legend(fontsize=8)
+    axes[1].set_xlabel(f"optimizer step (seed {first_seed})")
+    axes[1].set_ylabel("held-out sampled pass@1")
+    axes[1].legend(fontsize=7, ncol=2)
+    figure.suptitle("Staleness: TOPR vs GRPO-clip with mu lagging pi by up to K - 1 updates "
+                    "(dotted: K = 1 mean - CI; grey: base model)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv=None) -> dict:
+    parser = experiment_parser(__doc__, output="docs/staleness", epochs=None, eval_prompts=500)
+    # the warm model cache is shared with sample_efficiency.py; 3e-4 is its learning rate
+    parser.set_defaults(work_dir="outputs/sample_efficiency", learning_rate=3e-4)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--lags", type=int, nargs="+", default=[1, 4, 16, 64],
+                        help="K: mu lags pi by up to K - 1 updates (K = 1 must be among them for the summary rule)")
+    parser.add_argument("--lag-via", default="num_iterations", choices=LAG_VIA,
+                        help="the GRPOConfig field set to K (see the docstring)")
+    parser.add_argument("--digits", type=int, default=3)
+    parser.add_argument("--error-rate", type=float, default=0.25, help="planted carry-drop rate of the warm start")
+    parser.add_argument("--warm-steps", type=int, default=2000, help="SFT steps of the warm start")
+    parser.add_argument("--steps", type=int, default=64, help="optimizer steps, the same for every K")
+    parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (G)")
+    parser.add_argument("--eval-samples", type=int, default=4, help="samples per held-out problem (temperature 1)")
+    parser.add_argument("--checkpoints", type=int, default=4, help="evaluations per training run")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--smoke", action="store_true", help=f"a tiny run (overrides: {SMOKE})")
+    options = parser.parse_args(argv)
+    if options.smoke:
+        for name, value in SMOKE.items():
+            setattr(options, name, value)
+    if options.batch_size % options.num_generations:
+        parser.error("--batch-size must be a multiple of --num-generations (whole prompt groups per batch)")
+    if any(lag < 1 for lag in options.lags) or 1 not in options.lags:
+        parser.error("--lags must be >= 1 and include 1 (the on-policy reference of the summary)")
+    options.lags = sorted(set(options.lags))
+    results = run(options)
+    save(results, options, plot)
+    print(f"base pass@1 {results['base']['pass@1']:.3f}", flush=True)
+    for method, row in results["summary"].items():
+        for lag, entry in row["lags"].items():
+            final, logged = entry["final_pass@1"], entry["logged"]
+            shown = {k: round(v, 3) for k, v in logged.items()
+                     if k in ("topr/ratio_negative/min", "topr/negative_truncated_fraction", "clip_ratio/region_mean")}
+            print(f"{method:<10} K={lag:<3} final pass@1 {final['mean']:.3f} ± {final['ci95']:.3f}  "
+                  f"completions {entry['completions']['mean']:>6.0f}  {entry['seconds']['mean']:5.0f}s  {shown}",
+                  flush=True)
+        if "largest_tolerated_lag" in row:
+            rule = row["largest_tolerated_lag"]
+            print(f"{method:<10} largest K within one CI of K=1 (>= {rule['threshold']:.3f}): {rule['lag']}",
+                  flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""scripts/staleness.py: the completions formula for a lag, the largest-tolerated-lag rule, the run averages of the
+logged statistics (fast), and the --smoke run end to end (slow set)."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import staleness  # noqa: E402
+
+
+def test_expected_completions_for_a_lag():
+    expected = staleness.expected_completions
+    # num_iterations = K: one batch of 32 every K steps, 64 steps
+    assert [expected(k, steps=64, batch_size=32) for k in (1, 4, 16, 64)] == [2048, 512, 128, 32]
+    assert expected(3, steps=8, batch_size=16) == 3 * 16  # generations at steps 0, 3, 6: the last one half used
+    assert expected(64, steps=8, batch_size=16) == 16  # a lag longer than the run still generates once
+    # steps_per_generation = K: a K-times larger batch every K steps, as many completions as on-policy
+    assert [expected(k, steps=64, batch_size=32, lag_via="steps_per_generation") for k in (1, 4, 64)] == [2048] * 3
+    with pytest.raises(ValueError, match="unknown lag_via"):
+        expected(4, steps=8, batch_size=16, lag_via="epochs")
+    with pytest.raises(ValueError, match=">= 1"):
+        expected(0, steps=8, batch_size=16)
+
+
+def final(mean, ci95=0.05):
+    return {"mean": mean, "ci95": ci95}
+
+
+def test_largest_tolerated_lag_stops_at_the_first_degradation():
+    rule = staleness.largest_tolerated_lag
+    # threshold 0.70 - 0.05 = 0.65: K = 4 is inside, K = 16 falls below, K = 64's recovery does not count
+    outcome = rule({1: final(0.70), 4: final(0.66, 0.2), 16: final(0.60), 64: final(0.69)})
+    assert outcome["lag"] == 4
+    assert outcome["threshold"] == pytest.approx(0.65)
+    assert outcome["within"] == {1: True, 4: True, 16: False, 64: True}
+    # an improvement is not a degradation; the boundary counts as within
+    assert rule({1: final(0.70), 4: final(0.90), 16: final(0.65), 64: final(0.6499)})["lag"] == 16
+    # only K = 1's CI sets the tolerance, not the lagged runs' own CIs
+    assert rule({1: final(0.70, 0.01), 4: final(0.68, 0.5)})["lag"] == 1
+    with pytest.raises(ValueError, match="K = 1"):
+        rule({4: final(0.7)})
+    with pytest.raises(ValueError, match="not finite"):
+        rule({1: final(0.7, float("nan")), 4: final(0.7)})
+
+
+def test_run_averages_take_the_logged_statistics_over_steps_leaving_out_nan():
+    history = [
+        {"step": 1, "loss": 0.3, "topr/ratio_negative/min": 1.0, "topr/negative_truncated_fraction": 0.0},
+        {"step": 2, "loss": 0.2, "topr/ratio_negative/min": 0.5, "topr/negative_truncated_fraction": 0.2,
+         "clip_ratio/region_mean": 0.1},
+        {"step": 3, "topr/ratio_negative/min": float("nan"), "topr/negative_truncated_fraction": 0.4},
+        {"train_runtime": 9.0, "train_loss": 0.25},  # the final summary entry has none of them
+    ]
+    averages = staleness.run_averages(history)
+    assert averages == {"clip_ratio/region_mean": pytest.approx(0.1), "topr/negative_truncated_fraction":
+                        pytest.approx(0.2), "topr/ratio_negative/min": pytest.approx(0.75)}
+
+
+def run(method, lag, seed, pass_at_1, se=0.02):
+    return {"method": method, "lag": lag, "seed": seed, "completions": 32 // lag, "seconds": 1.0,
+            "logged": {"topr/ratio_negative/min": 1.0 / lag}, "curve": [{"pass@1": pass_at_1,
+                                                                            "pass@1_problem_se": se}]}
+
+
+def test_summary_uses_seed_cis_or_the_problem_se_for_one_seed():
+    runs = {f"{m}/k{k}/seed{s}": run(m, k, s, p) for m, k, s, p in [
+        ("topr", 1, 0, 0.70), ("topr", 1, 1, 0.74), ("topr", 4, 0, 0.40), ("topr", 4, 1, 0.42),
+        ("grpo_clip", 1, 0, 0.70), ("grpo_clip", 4, 0, 0.67)]}
+    summary = staleness.summarise(runs, staleness.METHODS, [1, 4, 16])
+    topr = summary["topr"]
+    assert set(topr["lags"]) == {1, 4}  # K = 16 not run: no row
+    assert topr["lags"][1]["final_pass@1"]["mean"] == pytest.approx(0.72)
+    assert topr["lags"][1]["final_pass@1"]["ci95"] == pytest.approx(12.71 * math.sqrt(0.0008) / math.sqrt(2))
+    assert topr["lags"][4]["logged"]["topr/ratio_negative/min"] == pytest.approx(0.25)
+    assert topr["largest_tolerated_lag"]["lag"] == 1  # 0.41 < 0.72 - 0.254 (t with 1 dof is wide)
+    one_seed = summary["grpo_clip"]["lags"][1]["final_pass@1"]
+    assert one_seed["ci95"] == pytest.approx(1.96 * 0.02)  # 0.70 - 0.039 = 0.661 <= 0.67
+    assert summary["grpo_clip"]["largest_tolerated_lag"]["lag"] == 4
+
+
+def test_options_are_checked():
+    with pytest.raises(SystemExit):
+        staleness.main(["--lags", "4", "16"])  # no on-policy reference
+    with pytest.raises(SystemExit):
+        staleness.main(["--batch-size", "12", "--num-generations", "8"])
+    with pytest.raises(SystemExit):
+        staleness.main(["--methods", "ppo"])
+
+
+@pytest.mark.slow
+def test_smoke_run_has_every_method_and_lag_with_the_formulas_completions(tmp_path):
+    # the warm model is cached under outputs/sample_efficiency/cache (built once, ~2-3 min on one thread)
+    output = tmp_path / "staleness"
+    staleness.main(["--smoke", "--output", str(output)])
+    results = json.loads(output.with_suffix(".json").read_text())
+    options = results["options"]
+    assert results["threads"]["torch"] == 1
+    runs = results["runs"]
+    assert {(r["method"], r["lag"]) for r in runs.values()} == {(m, k) for m in staleness.METHODS
+                                                                for k in options["lags"]}
+    for run_ in runs.values():
+        expected = staleness.expected_completions(run_["lag"], steps=options["steps"],
+                                                  batch_size=options["batch_size"], lag_via=options["lag_via"])
+        assert run_["completions"] == run_["expected_completions"] == expected
+        assert run_["steps"] == options["steps"]
+        assert run_["num_iterations"] == run_["lag"]
+        assert all(0.0 <= p["pass@1"] <= 1.0 for p in run_["curve"])
+        assert run_["loss_type"] == ("grpo" if run_["method"] == "grpo_clip" else "topr")
+    assert "topr/negative_truncated_fraction" in runs["topr/k4/seed0"]["logged"]
+    assert set(results["summary"]) == set(staleness.METHODS)
+    assert output.with_suffix(".png").exists()
