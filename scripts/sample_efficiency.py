@@ -289,22 +289,29 @@ def run_iterated(options, seed, base_path, held_out, base_point, work: Path) -> 
             "completions": tracker.completions, "seconds": tracker.seconds(), "curve": tracker.curve}
 
 
-def run(options) -> dict:
+def prepare_testbed(options) -> tuple:
+    """(warm model, tokenizer, its path, held-out problems, the results' header) of a run on the reasoning testbed;
+    shared with scripts/staleness.py. The warm model is built once under --work-dir/cache."""
     import torch
 
     from topr_trl.evaluation.reasoning import WarmStartSettings, build_reasoning_warm_model, make_reasoning_dataset
 
     torch.set_num_threads(options.threads)
-    work = Path(options.work_dir)
     settings = WarmStartSettings(digits=options.digits, error_rate=options.error_rate, steps=options.warm_steps)
-    started = time.time()
-    model, tokenizer, base_path = build_reasoning_warm_model(work / "cache", settings)
+    model, tokenizer, base_path = build_reasoning_warm_model(Path(options.work_dir) / "cache", settings)
     held_out = make_reasoning_dataset(options.eval_prompts, options.digits, "heldout", seed=0)
     results: dict = {
         "options": vars(options), "threads": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
                                               "torch": torch.get_num_threads()},
         "warm_start": settings.to_dict(), "base_model": str(base_path), "runs": {},
     }
+    return model, tokenizer, base_path, held_out, results
+
+
+def run(options) -> dict:
+    started = time.time()
+    model, tokenizer, base_path, held_out, results = prepare_testbed(options)
+    work = Path(options.work_dir)
     counts = dict(steps=options.steps, batch_size=options.batch_size, num_generations=options.num_generations,
                   prompts=options.prompts, iterations=options.iterations, iteration_prompts=options.iteration_prompts)
     # the evaluation seed is fixed, so the base model's point is the same for every training seed

@@ -65,7 +65,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from experiments import experiment_parser, mean_and_ci95, save  # noqa: E402
-from sample_efficiency import Tracker, held_out_pass_at_1, run_trainer, train_config  # noqa: E402
+from sample_efficiency import (  # noqa: E402
+    Tracker,
+    held_out_pass_at_1,
+    prepare_testbed,
+    run_trainer,
+    train_config,
+)
 
 METHODS = ("topr", "grpo_clip")
 LAG_VIA = ("num_iterations", "steps_per_generation")
@@ -192,21 +198,9 @@ def run_lagged(method, lag, options, seed, base_path, held_out, base_point, work
 
 
 def run(options) -> dict:
-    import torch
-
-    from topr_trl.evaluation.reasoning import WarmStartSettings, build_reasoning_warm_model, make_reasoning_dataset
-
-    torch.set_num_threads(options.threads)
-    work = Path(options.work_dir)
-    settings = WarmStartSettings(digits=options.digits, error_rate=options.error_rate, steps=options.warm_steps)
     started = time.time()
-    model, tokenizer, base_path = build_reasoning_warm_model(work / "cache", settings)
-    held_out = make_reasoning_dataset(options.eval_prompts, options.digits, "heldout", seed=0)
-    results: dict = {
-        "options": vars(options), "threads": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-                                              "torch": torch.get_num_threads()},
-        "warm_start": settings.to_dict(), "base_model": str(base_path), "runs": {},
-    }
+    model, tokenizer, base_path, held_out, results = prepare_testbed(options)
+    work = Path(options.work_dir)
     base_point = {"step": 0, "completions": 0, "seconds": 0.0,
                   **held_out_pass_at_1(model, tokenizer, held_out, options)}
     results["base"] = base_point
