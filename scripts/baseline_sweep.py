@@ -1,12 +1,13 @@
 """Figures 5-6 of the TOPR paper in miniature: the baseline c decides the effective proportion of positives.
 
-Per seed, one dataset is sampled from mu and subsampled to 10 % and to 50 % positives (`compose`, strategy
-"target_proportion"). For each, c is set so that Eq. 12's effective proportion p~ = p(1-c)/(1+(1-2p)c) spans
+Per seed, one dataset is sampled from mu and subsampled to each of --proportions positives (`compose`, strategy
+"target_proportion"; default 0.67, the paper's GSM8K regime and the reasoning testbed's own). For each, c is set so that Eq. 12's effective proportion p~ = p(1-c)/(1+(1-2p)c) spans
 1 % to 100 % (p~ = 100 % is c = -1: negatives get weight 0, i.e. SFT on positives), and TOPR and TIS are trained
 off-policy on it; final held-out accuracy per (p, p~, method).
 
-    .venv/bin/python scripts/baseline_sweep.py                     # 3 seeds, writes docs/baseline_sweep.{json,png}
-    .venv/bin/python scripts/baseline_sweep.py --seeds 0 --targets 0.1 1.0   # quicker
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/baseline_sweep.py    # 3 seeds, writes docs/baseline_sweep.{json,png}
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/baseline_sweep.py --task arithmetic --proportions 0.1 0.5 \
+        --output docs/stress/baseline_sweep                        # the low-p stress test
 
 The paper's claims to test: accuracy depends strongly on p~ whatever the dataset's p (so the baseline can make
 up for a badly balanced dataset); the best p~ is small but not zero (10-20 % on GSM8K); too few positives
@@ -19,7 +20,8 @@ import statistics
 from pathlib import Path
 
 from experiments import (
-    baseline_for, experiment_parser, mean_and_ci95, prepare, sample_fixed_dataset, save, train_offline,
+    baseline_for, experiment_parser, mean_and_ci95, prepare, results_header, sample_fixed_dataset, save,
+    train_offline,
 )
 
 METHODS = {"topr": {"topr_preset": "topr"}, "tis": {"topr_preset": "tis"}}
@@ -28,10 +30,10 @@ METHODS = {"topr": {"topr_preset": "topr"}, "tis": {"topr_preset": "tis"}}
 def run(options) -> dict:
     from topr_trl.offline import compose
 
-    work, base_dir, held_out = prepare(options)
-    results: dict = {"options": vars(options), "runs": {}}
+    work, testbed = prepare(options)
+    results = results_header(options, testbed)
     for seed in options.seeds:
-        sampled = sample_fixed_dataset(base_dir, options.prompts, seed, work)
+        sampled = sample_fixed_dataset(testbed, options.prompts, seed, work)
         for proportion in options.proportions:
             data, p = compose(sampled, "target_proportion", target_proportion=proportion, seed=seed)
             for target in options.targets:
@@ -39,7 +41,7 @@ def run(options) -> dict:
                 for method in options.methods:
                     key = f"p{proportion:g}/pt{target:g}/{method}/seed{seed}"
                     outcome = train_offline(
-                        base_dir, data, work / "runs" / key.replace("/", "-"), held_out, seed=seed,
+                        testbed, data, work / "runs" / f"sweep-{key.replace('/', '-')}", seed=seed,
                         epochs=options.epochs, batch_size=options.batch_size, learning_rate=options.learning_rate,
                         topr_baseline=c, **METHODS[method],
                     )
@@ -85,16 +87,16 @@ def plot(results: dict, path: Path) -> None:
         axis.set_xscale("log")
         axis.set_xlabel("effective proportion of positives p~ (set by the baseline c)")
         axis.set_title(f"dataset with {proportion:.0%} positives")
-    axes[0][0].set_ylabel("final held-out accuracy (mean, 95 % CI)")
+    axes[0][0].set_ylabel(f"final {results['measure']}\n(mean, 95 % CI)", fontsize=8)
     axes[0][0].legend()
-    figure.suptitle("Figures 5-6 in miniature: the baseline sets p~; TOPR vs TIS")
+    figure.suptitle(f"Figures 5-6 in miniature ({results['task']} task): the baseline sets p~; TOPR vs TIS")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
 def main(argv=None) -> dict:
     parser = experiment_parser(__doc__, output="docs/baseline_sweep", epochs=3.0, methods=METHODS)
-    parser.add_argument("--proportions", type=float, nargs="+", default=[0.1, 0.5],
+    parser.add_argument("--proportions", type=float, nargs="+", default=[0.67],
                         help="proportions of positives p the dataset is subsampled to")
     parser.add_argument("--targets", type=float, nargs="+", default=[0.01, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0],
                         help="effective proportions p~ the baseline is solved for")

@@ -1,6 +1,16 @@
-"""What the evidence scripts (figure1, baseline_sweep, figure7, iterations) share: the warm-started tiny model,
-a fixed dataset sampled once from mu per seed, one offline TOPRTrainer run with a held-out accuracy curve, and
-means with 95 % confidence intervals over seeds.
+"""What the evidence scripts (figure1, baseline_sweep, figure7, iterations, sample_efficiency, staleness) share:
+the testbed (warm-started base model, training prompts, reward, held-out measurement), a fixed dataset sampled once
+from mu per seed, one offline TOPRTrainer run with a held-out curve, and means with 95 % confidence intervals over
+seeds.
+
+Two testbeds (`--task`):
+- reasoning (default): `topr_trl.evaluation.reasoning`, 3-digit addition written out with carries (~32-token
+  completions), a warm start that drops each carry with probability 0.25, about two thirds of samples correct (the
+  paper's regime). Measured by sampled pass@1 at temperature 1 (4 samples x 1,000 held-out problems, a split
+  disjoint from every training and warm-start problem), with greedy accuracy and pass@1 on problems with >= 2
+  carries beside it.
+- arithmetic: the built-in 2-digit task with 3-token answers and a base near 0.2 (about 10 % positives), greedy
+  accuracy: the low-p stress test.
 
 Every run uses the paper's signal R - c with +1/-1 rewards (`topr_signal="reward"`), a constant learning rate
 and gradient clipping; methods differ only in their TOPRConfig overrides.
@@ -13,6 +23,8 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,8 +51,11 @@ def baseline_for(p: float, target: float) -> float:
     return -1.0 if target >= 1.0 else baseline_for_effective_proportion(p, target)
 
 
+TASKS = ("reasoning", "arithmetic")
+
+
 def experiment_parser(doc: str, *, output: str, epochs: float | None, prompts: int = 128,
-                      eval_prompts: int = 100, methods: dict | None = None) -> argparse.ArgumentParser:
+                      eval_prompts: int = 1000, methods: dict | None = None) -> argparse.ArgumentParser:
     """The options every evidence script takes (`--methods` chooses among `methods` when given); each script adds
     its own."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,21 +66,123 @@ def experiment_parser(doc: str, *, output: str, epochs: float | None, prompts: i
     if epochs is not None:
         parser.add_argument("--epochs", type=float, default=epochs, help="passes over the fixed dataset")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--learning-rate", type=float, default=3e-4)
     parser.add_argument("--eval-prompts", type=int, default=eval_prompts, help="held-out problems for accuracy")
-    parser.add_argument("--base-accuracy", type=float, default=0.3, help="warm-start target of the base model")
+    parser.add_argument("--task", default="reasoning", choices=TASKS,
+                        help="reasoning: the written-addition testbed in the paper's regime (about two thirds of "
+                             "samples correct; accuracy is sampled pass@1 at temperature 1); arithmetic: the "
+                             "built-in 2-digit task with 3-token answers, the low-p stress test (greedy accuracy)")
+    testbed = parser.add_argument_group("reasoning testbed (--task reasoning)")
+    testbed.add_argument("--digits", type=int, default=3)
+    testbed.add_argument("--error-rate", type=float, default=0.25, help="planted carry-drop rate of the warm start")
+    testbed.add_argument("--warm-steps", type=int, default=2000, help="SFT steps of the warm start")
+    testbed.add_argument("--eval-samples", type=int, default=4, help="samples per held-out problem (temperature 1)")
+    testbed.add_argument("--threads", type=int, default=1, help="torch threads")
+    arithmetic = parser.add_argument_group("built-in task (--task arithmetic)")
+    arithmetic.add_argument("--base-accuracy", type=float, default=0.3, help="warm-start target of the base model")
     parser.add_argument("--work-dir", default="outputs/experiments",
                         help="base model, sampled datasets and runs (reused by a rerun)")
     parser.add_argument("--output", default=output, help="writes OUTPUT.json and OUTPUT.png")
     return parser
 
 
-def prepare(options):
-    """(work dir, base model dir, held-out problems) of a script's run."""
-    from topr_trl.evaluation.arithmetic import make_arithmetic_dataset
+@dataclass
+class Testbed:
+    """What a script trains and measures on: the base model (mu of the fixed datasets and pi's start), training
+    prompts, the reward, completion length and the held-out measurement. `evaluate(model, tokenizer)` returns
+    "accuracy" (the headline measure named by `measure`) and the other `metrics`."""
 
+    task: str
+    base_dir: Path
+    held_out: object
+    reward: Callable
+    max_new_tokens: int
+    measure: str
+    metrics: tuple[str, ...]
+    prompts: Callable[[int, int], object]
+    evaluate: Callable[[object, object], dict]
+    start: dict | None = None  # the base model's evaluation, measured once: every run starts from it
+
+
+def prepare(options) -> tuple[Path, Testbed]:
+    """(work dir, testbed) of a script's run. The reasoning testbed's warm model is built once under
+    WORK_DIR/cache (shared with scripts/sample_efficiency.py when both use the same work dir)."""
     work = Path(options.work_dir)
-    return work, prepare_base(work, options.base_accuracy), make_arithmetic_dataset(options.eval_prompts, 2, seed=2)
+    if options.task == "arithmetic":
+        return work, arithmetic_testbed(work, options)
+    return work, reasoning_testbed(work, options)[0]
+
+
+def arithmetic_testbed(work: Path, options) -> Testbed:
+    from topr_trl.evaluation.arithmetic import accuracy, arithmetic_reward, make_arithmetic_dataset
+
+    held_out = make_arithmetic_dataset(options.eval_prompts, 2, seed=2)
+    return Testbed(
+        task="arithmetic", base_dir=prepare_base(work, options.base_accuracy), held_out=held_out,
+        reward=arithmetic_reward, max_new_tokens=6, measure=f"greedy accuracy, {len(held_out)} held-out problems",
+        metrics=("accuracy", "invalid_rate", "malformed_rate"),
+        prompts=lambda count, seed: make_arithmetic_dataset(count, 2, seed=100 + seed),
+        evaluate=lambda model, tokenizer: accuracy(model, tokenizer, held_out),
+    )
+
+
+def reasoning_testbed(work: Path, options):
+    """(testbed, warm model, tokenizer, warm-start settings) of the reasoning testbed."""
+    import torch
+
+    from topr_trl.evaluation.reasoning import (
+        WarmStartSettings, build_reasoning_warm_model, make_reasoning_dataset, max_completion_tokens,
+        reasoning_reward,
+    )
+
+    torch.set_num_threads(options.threads)
+    settings = WarmStartSettings(digits=options.digits, error_rate=options.error_rate, steps=options.warm_steps)
+    model, tokenizer, base_path = build_reasoning_warm_model(work / "cache", settings)
+    held_out = make_reasoning_dataset(options.eval_prompts, options.digits, "heldout", seed=0)
+    testbed = Testbed(
+        task="reasoning", base_dir=base_path, held_out=held_out, reward=reasoning_reward,
+        max_new_tokens=max_completion_tokens(options.digits),
+        measure=f"sampled pass@1 (T=1, {options.eval_samples} samples x {len(held_out)} held-out problems)",
+        metrics=("accuracy", "greedy_accuracy", "invalid_rate", "pass@1_carries>=2"),
+        prompts=lambda count, seed: make_reasoning_dataset(count, options.digits, "train", seed=seed),
+        evaluate=lambda model, tokenizer: held_out_pass_at_1(model, tokenizer, held_out, options, greedy=True),
+    )
+    return testbed, model, tokenizer, settings
+
+
+def held_out_pass_at_1(model, tokenizer, held_out, options, greedy: bool = False) -> dict:
+    """Sampled pass@1 at temperature 1 on the reasoning testbed's `held_out` problems ("pass@1" and "accuracy"),
+    its standard error across problems (std of per-problem pass@1 / sqrt(problems)), the invalid rate, pass@1 on
+    the problems with at least 2 carries (where the planted error strikes most) and, with `greedy`, greedy accuracy.
+    The evaluation seed is fixed, so an unchanged model gets the same samples."""
+    from topr_trl.evaluation.reasoning import count_carries, max_completion_tokens, parse_problem, reasoning_classify
+    from topr_trl.evaluation.runner import evaluate_model
+
+    common = dict(max_new_tokens=max_completion_tokens(options.digits), batch_size=64, seed=1234,
+                  show_progress=False)
+    result = evaluate_model(model, tokenizer, held_out, reasoning_classify, k=1, num_samples=options.eval_samples,
+                            temperature=1.0, **common)
+    per_problem = [record["num_correct"] / options.eval_samples for record in result.records]
+    se = statistics.stdev(per_problem) / len(per_problem) ** 0.5 if len(per_problem) > 1 else float("nan")
+    carried = [score for score, record in zip(per_problem, result.records, strict=True)
+               if count_carries(*parse_problem(record["prompt"])) >= 2]
+    point = {"pass@1": result.pass_at_1, "accuracy": result.pass_at_1, "pass@1_problem_se": se,
+             "invalid_rate": result.invalid_rate,
+             "pass@1_carries>=2": statistics.mean(carried) if carried else float("nan")}
+    if greedy:
+        point["greedy_accuracy"] = evaluate_model(model, tokenizer, held_out, reasoning_classify, k=1,
+                                                  temperature=0.0, **common).pass_at_1
+    return point
+
+
+def results_header(options, testbed: Testbed) -> dict:
+    """What every script's JSON starts with: its options, the thread counts, the task and how it is measured."""
+    import torch
+
+    return {"options": vars(options), "task": testbed.task, "base_model": str(testbed.base_dir),
+            "measure": testbed.measure,
+            "threads": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "torch": torch.get_num_threads()},
+            "runs": {}}
 
 
 def save(results: dict, options, plot) -> None:
@@ -76,7 +193,8 @@ def save(results: dict, options, plot) -> None:
 
 
 def prepare_base(work_dir: Path, base_accuracy: float) -> Path:
-    """The warm-started tiny model, built once under `work_dir` (cached between scripts sharing a work dir)."""
+    """The built-in task's warm-started tiny model, built once under `work_dir` (cached between scripts sharing a
+    work dir)."""
     from topr_trl.evaluation.arithmetic import build_warm_model
 
     base_dir = Path(work_dir) / f"base-{base_accuracy:g}"
@@ -84,33 +202,35 @@ def prepare_base(work_dir: Path, base_accuracy: float) -> Path:
     return base_dir
 
 
-def sample_fixed_dataset(base_dir: Path, num_prompts: int, seed: int, work_dir: Path):
-    """`num_prompts` x 8 completions sampled once from mu = the base model (seeded; reused when on disk)."""
+def sample_fixed_dataset(testbed: Testbed, num_prompts: int, seed: int, work_dir: Path, behaviour: Path | None = None):
+    """`num_prompts` x 8 completions sampled once from mu (the testbed's base model, or `behaviour`), seeded and
+    reused when on disk. The folder is named after mu, so data sampled from another model is never picked up."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from topr_trl.offline import generate_offline_dataset
-    from topr_trl.evaluation.arithmetic import arithmetic_reward, make_arithmetic_dataset
 
+    mu_dir = Path(behaviour or testbed.base_dir)
     torch.manual_seed(seed)
-    mu = AutoModelForCausalLM.from_pretrained(base_dir)
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    return generate_offline_dataset(mu, tokenizer, make_arithmetic_dataset(num_prompts, 2, seed=100 + seed),
-                                    arithmetic_reward, Path(work_dir) / f"data-{num_prompts}-seed{seed}",
-                                    num_completions=8, max_new_tokens=6, show_progress=False)
+    mu = AutoModelForCausalLM.from_pretrained(mu_dir)
+    tokenizer = AutoTokenizer.from_pretrained(mu_dir)
+    return generate_offline_dataset(mu, tokenizer, testbed.prompts(num_prompts, seed), testbed.reward,
+                                    Path(work_dir) / "data" / f"{mu_dir.name}-{num_prompts}x8-seed{seed}",
+                                    num_completions=8, max_new_tokens=testbed.max_new_tokens, show_progress=False,
+                                    backend="transformers", seed=seed)
 
 
-def train_offline(base_dir: Path, data, output_dir: Path, held_out, *, seed: int, epochs: float, batch_size: int,
+def train_offline(testbed: Testbed, data, output_dir: Path, *, seed: int, epochs: float, batch_size: int,
                   learning_rate: float, max_grad_norm: float = 1.0, eval_every: int = 0, **overrides) -> dict:
-    """One offline run: train `base_dir` on `data` with TOPRConfig `overrides`; returns the held-out accuracy
-    curve (start, every `eval_every` steps when > 0, end), the logged gradient norms and the run time."""
+    """One offline run: train the testbed's base model on `data` with TOPRConfig `overrides`; returns the held-out
+    curve (`testbed.evaluate` at the start, every `eval_every` steps when > 0, and at the end), the logged gradient
+    norms and the run time (evaluation included)."""
     import warnings
 
     from transformers import PrinterCallback, TrainerCallback
 
     from topr_trl import TOPRConfig, TOPRTrainer
     from topr_trl.offline import stored_reward
-    from topr_trl.evaluation.arithmetic import accuracy
 
     warnings.filterwarnings("ignore", message=".*unbounded.*")
     started = time.time()
@@ -120,7 +240,13 @@ def train_offline(base_dir: Path, data, output_dir: Path, held_out, *, seed: int
     class Evaluate(TrainerCallback):
         def _evaluate(self, step: int) -> None:
             trainer = trainer_ref[0]
-            curve.append({"step": step, **accuracy(trainer.model, trainer.processing_class, held_out)})
+            if step == 0 and testbed.start is not None:  # the evaluation is seeded: the base model scores the same
+                curve.append({"step": 0, **testbed.start})
+                return
+            point = testbed.evaluate(trainer.model, trainer.processing_class)
+            if step == 0:
+                testbed.start = point
+            curve.append({"step": step, **point})
 
         def on_train_begin(self, args, state, control, **kwargs):
             self._evaluate(0)
@@ -135,13 +261,13 @@ def train_offline(base_dir: Path, data, output_dir: Path, held_out, *, seed: int
 
     config = dict(
         output_dir=str(output_dir), per_device_train_batch_size=batch_size, num_generations=8,
-        max_completion_length=6, topr_offline_epochs=epochs, learning_rate=learning_rate,
+        max_completion_length=testbed.max_new_tokens, topr_offline_epochs=epochs, learning_rate=learning_rate,
         lr_scheduler_type="constant", max_grad_norm=max_grad_norm, topr_signal="reward", topr_baseline=0.0,
         logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
         gradient_checkpointing=False, seed=seed, disable_tqdm=True,
     )
     config.update(overrides)
-    trainer = TOPRTrainer(model=str(base_dir), reward_funcs=stored_reward, args=TOPRConfig(**config),
+    trainer = TOPRTrainer(model=str(testbed.base_dir), reward_funcs=stored_reward, args=TOPRConfig(**config),
                           train_dataset=data, callbacks=[Evaluate()])
     trainer.remove_callback(PrinterCallback)  # one line per step would drown the script's own summary lines
     trainer_ref.append(trainer)

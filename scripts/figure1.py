@@ -1,12 +1,14 @@
-"""Figure 1 of the TOPR paper in miniature: one fixed dataset sampled once from mu, trained far off-policy
-(several epochs) with naive REINFORCE, PPO-clip, TIS, positives-only SFT and TOPR; held-out accuracy and invalid
-rate over training steps, several seeds.
+"""Figure 1 of the TOPR paper in miniature: one fixed dataset sampled once from mu, trained off-policy (several
+epochs) with naive REINFORCE, PPO-clip, TIS, positives-only SFT and TOPR, and TOPR on data sampled from another
+model (far off-policy); held-out accuracy and invalid rate over training steps, several seeds. On the reasoning
+testbed (the default) the positives-only row is also the paper's Figure 4 comparison: pass@1 on the problems with
+at least 2 carries, where the planted error strikes, is reported beside the overall pass@1.
 
-    .venv/bin/python scripts/figure1.py                       # full: 3 seeds, writes docs/figure1.{json,png}
-    .venv/bin/python scripts/figure1.py --seeds 0 --epochs 2  # quicker
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/figure1.py          # 3 seeds, writes docs/figure1.{json,png}
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/figure1.py --task arithmetic --output docs/stress/figure1
 
 The paper's claims to test: naive REINFORCE collapses, PPO stalls (its clipped ratio stops learning from data
-far from pi), TOPR keeps improving.
+far from pi), TOPR keeps improving; far off-policy data still helps TOPR.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from experiments import experiment_parser, mean_and_ci95, prepare, sample_fixed_dataset, save, train_offline
+from experiments import (
+    experiment_parser, mean_and_ci95, prepare, results_header, sample_fixed_dataset, save, train_offline,
+)
 
 METHODS = {
     # name: TOPRConfig overrides; every method uses the paper's signal R - c with +1/-1 rewards and c = 0
@@ -23,40 +27,70 @@ METHODS = {
     "tis": {"topr_preset": "tis"},
     "sft_positives": {"topr_preset": "sft"},
     "topr": {"topr_preset": "topr"},
+    # TOPR on data sampled from another model (`--far-error-rate`): pi starts from the base model, mu is not it
+    "topr_far_off_policy": {"topr_preset": "topr"},
 }
 
 
+def far_behaviour_model(options, work: Path, testbed) -> Path:
+    """The other model the far off-policy data is sampled from: the reasoning testbed's warm start with
+    `--far-error-rate` and seed 1 (another init, other warm-start batches, another error rate)."""
+    from topr_trl.evaluation.reasoning import WarmStartSettings, build_reasoning_warm_model
+
+    if testbed.task != "reasoning":
+        raise SystemExit("topr_far_off_policy needs --task reasoning (the behaviour model is a testbed warm start)")
+    settings = WarmStartSettings(digits=options.digits, error_rate=options.far_error_rate, steps=options.warm_steps,
+                                 seed=1)
+    return build_reasoning_warm_model(work / "cache", settings)[2]
+
+
 def run(options) -> dict:
-    work, base_dir, held_out = prepare(options)
-    results: dict = {"options": vars(options), "runs": {}}
+    work, testbed = prepare(options)
+    results = results_header(options, testbed)
+    far = far_behaviour_model(options, work, testbed) if "topr_far_off_policy" in options.methods else None
+    if far is not None:
+        results["far_behaviour_model"] = str(far)
+        results["far_behaviour_start"] = testbed.evaluate(*load(far))
     for seed in options.seeds:
-        data = sample_fixed_dataset(base_dir, options.prompts, seed, work)
-        positives = sum(r > 0 for r in data["reward"]) / len(data)
+        data = {"base": sample_fixed_dataset(testbed, options.prompts, seed, work)}
         for method in options.methods:
+            source = "far" if method == "topr_far_off_policy" else "base"
+            if source not in data:
+                data[source] = sample_fixed_dataset(testbed, options.prompts, seed, work, behaviour=far)
+            positives = sum(r > 0 for r in data[source]["reward"]) / len(data[source])
             run_result = train_offline(
-                base_dir, data, work / f"run-{method}-seed{seed}", held_out, seed=seed, epochs=options.epochs,
-                batch_size=options.batch_size, learning_rate=options.learning_rate, eval_every=options.eval_every,
-                **METHODS[method],
+                testbed, data[source], work / "runs" / f"figure1-{method}-seed{seed}", seed=seed,
+                epochs=options.epochs, batch_size=options.batch_size, learning_rate=options.learning_rate,
+                eval_every=options.eval_every, **METHODS[method],
             )
             results["runs"][f"{method}/seed{seed}"] = {"method": method, "seed": seed,
                                                        "dataset_positive_fraction": positives, **run_result}
             curve = run_result["curve"]
-            print(f"[figure1] seed {seed} {method:<16} accuracy {curve[0]['accuracy']:.3f} -> "
-                  f"{curve[-1]['accuracy']:.3f}  invalid {curve[-1]['invalid_rate']:.3f}  "
-                  f"malformed {curve[-1]['malformed_rate']:.3f}  "
-                  f"({run_result['seconds']:.0f}s)", flush=True)
-    results["summary"] = summarise(results["runs"])
+            print(f"[figure1] seed {seed} {method:<20} p {positives:.3f} " + "  ".join(
+                f"{metric} {curve[0][metric]:.3f} -> {curve[-1][metric]:.3f}" for metric in testbed.metrics) +
+                f"  ({run_result['seconds']:.0f}s)", flush=True)
+    results["summary"] = summarise(results["runs"], testbed.metrics)
     return results
 
 
-def summarise(runs: dict) -> dict:
-    """Per method: mean and 95 % t-interval half-width of the final accuracy and invalid rate over seeds."""
+def load(path: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
+def summarise(runs: dict, metrics) -> dict:
+    """Per method: mean and 95 % t-interval half-width over seeds of each metric's final value."""
     summary = {}
     for method in dict.fromkeys(run["method"] for run in runs.values()):
         finals = [run["curve"][-1] for run in runs.values() if run["method"] == method]
-        summary[method] = {metric: mean_and_ci95([f[metric] for f in finals])
-                           for metric in ("accuracy", "invalid_rate", "malformed_rate")}
+        summary[method] = {metric: mean_and_ci95([f[metric] for f in finals]) for metric in metrics}
     return summary
+
+
+TITLES = {"accuracy": "held-out accuracy", "greedy_accuracy": "greedy accuracy", "invalid_rate": "invalid rate",
+          "malformed_rate": "malformed rate (not one integer then EOS)",
+          "pass@1_carries>=2": "pass@1 on problems with >= 2 carries"}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -65,37 +99,41 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, 3, figsize=(16, 4))
+    metrics = list(next(iter(results["summary"].values())))
+    figure, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4))
     for method in dict.fromkeys(run["method"] for run in results["runs"].values()):
         curves = [run["curve"] for run in results["runs"].values() if run["method"] == method]
         steps = [point["step"] for point in curves[0]]
-        for axis, metric in zip(axes, ("accuracy", "invalid_rate", "malformed_rate")):
+        for axis, metric in zip(axes, metrics):
             means = [statistics.mean(curve[i][metric] for curve in curves) for i in range(len(steps))]
             axis.plot(steps, means, label=method)
             if len(curves) > 1:
                 low = [min(curve[i][metric] for curve in curves) for i in range(len(steps))]
                 high = [max(curve[i][metric] for curve in curves) for i in range(len(steps))]
                 axis.fill_between(steps, low, high, alpha=0.15)
-    for axis, title in zip(axes, ("held-out accuracy (greedy)", "invalid rate (no integer)",
-                                  "malformed rate (not one integer then EOS)")):
-        axis.set_title(title)
+    for axis, metric in zip(axes, metrics):
+        axis.set_title(TITLES.get(metric, metric))
         axis.set_xlabel("optimizer step")
-    axes[0].legend()
-    figure.suptitle("Figure 1 in miniature: one fixed dataset from mu, trained off-policy (mean, min-max over seeds)")
+    axes[0].set_ylabel(results["measure"], fontsize=8)
+    axes[0].legend(fontsize=8)
+    figure.suptitle(f"Figure 1 in miniature ({results['task']} task): one fixed dataset from mu, trained off-policy "
+                    "(mean, min-max over seeds)")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
 def main(argv=None) -> dict:
-    parser = experiment_parser(__doc__, output="docs/figure1", epochs=5.0, methods=METHODS)
-    parser.add_argument("--eval-every", type=int, default=20)
+    parser = experiment_parser(__doc__, output="docs/figure1", epochs=4.0, prompts=128, methods=METHODS)
+    parser.add_argument("--eval-every", type=int, default=32)
+    parser.add_argument("--far-error-rate", type=float, default=0.5,
+                        help="topr_far_off_policy: planted carry-drop rate of the other model the data comes from")
     options = parser.parse_args(argv)
     results = run(options)
     save(results, options, plot)
+    print(f"measure: {results['measure']}")
     for method, row in results["summary"].items():
-        print(f"{method:<16} final accuracy {row['accuracy']['mean']:.3f} ± {row['accuracy']['ci95']:.3f}   "
-              f"invalid {row['invalid_rate']['mean']:.3f} ± {row['invalid_rate']['ci95']:.3f}   "
-              f"malformed {row['malformed_rate']['mean']:.3f} ± {row['malformed_rate']['ci95']:.3f}")
+        print(f"{method:<20} final " + "   ".join(f"{metric} {value['mean']:.3f} ± {value['ci95']:.3f}"
+                                                  for metric, value in row.items()))
     return results
 
 

@@ -3,11 +3,12 @@ composing each iteration's data: uniform (every sample), positives only (rejecti
 Karenina (per prompt the first correct completion and every incorrect one).
 
 Each iteration samples 8 completions for each training prompt from the current model, composes the data, trains one
-TOPR pass on it with the paper's signal R - c (c = 0; `--signal advantage`: GRPO's group advantage), and evaluates
-greedy accuracy on held-out prompts.
+TOPR pass on it with the paper's signal R - c (c = 0, or the c giving Eq. 12's p~ = --effective-proportion over
+the iteration's data; `--signal advantage`: GRPO's group advantage), and evaluates the testbed's held-out measure.
 
-    .venv/bin/python scripts/iterations.py                    # 3 seeds x 3 strategies x 3 iterations, docs/iterations.*
-    .venv/bin/python scripts/iterations.py --seeds 0 --iterations 2   # quicker
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/iterations.py       # 3 seeds x 3 strategies x 3 iterations, docs/iterations.*
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/iterations.py --task arithmetic --prompts 256 --eval-prompts 200 \
+        --output docs/stress/iterations                             # the low-p stress test
 
 The paper's claims to test: accuracy keeps rising over iterations; keeping negatives (uniform, Anna Karenina)
 beats positives only, and Anna Karenina, which spends the batch on negatives once a prompt is solved, is best.
@@ -15,9 +16,10 @@ beats positives only, and Anna Karenina, which spends the batch on negatives onc
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
-from experiments import experiment_parser, mean_and_ci95, prepare, save
+from experiments import experiment_parser, mean_and_ci95, prepare, results_header, save
 
 STRATEGIES = ("uniform", "positives_only", "anna_karenina")
 
@@ -26,27 +28,29 @@ def run(options) -> dict:
     import torch
 
     from topr_trl.offline.iterations import IterationSettings, run_iterations
-    from topr_trl.evaluation.arithmetic import accuracy, arithmetic_reward, make_arithmetic_dataset
 
-    work, base_dir, held_out = prepare(options)
-    prompts = make_arithmetic_dataset(options.prompts, 2, seed=1)
-    results: dict = {"options": vars(options), "runs": {}}
+    work, testbed = prepare(options)
+    results = results_header(options, testbed)
+    baseline = ({"topr_baseline": 0.0} if options.effective_proportion is None else
+                {"topr_target_effective_proportion": options.effective_proportion, "topr_baseline_scope": "dataset"})
     for seed in options.seeds:
+        prompts = testbed.prompts(options.prompts, seed)
         for strategy in options.strategies:
             torch.manual_seed(seed)
             settings = IterationSettings(
-                num_iterations=options.iterations, num_completions=8, max_new_tokens=6, composition=strategy,
-                save_steps=10_000,
+                num_iterations=options.iterations, num_completions=8, max_new_tokens=testbed.max_new_tokens,
+                composition=strategy, save_steps=10_000, backend="transformers",
                 train_overrides=dict(
                     learning_rate=options.learning_rate, lr_scheduler_type="constant",
-                    per_device_train_batch_size=options.batch_size, topr_signal=options.signal, topr_baseline=0.0,
+                    per_device_train_batch_size=options.batch_size, topr_signal=options.signal,
                     use_cpu=True, bf16=False, gradient_checkpointing=False, logging_steps=10, seed=seed,
-                    disable_tqdm=True, max_grad_norm=1.0,
+                    disable_tqdm=True, max_grad_norm=1.0, **({} if options.signal == "advantage" else baseline),
                 ),
             )
-            summaries = run_iterations(str(base_dir), prompts, arithmetic_reward,
-                                       work / "iterations" / f"{strategy}-{options.signal}-seed{seed}", settings,
-                                       evaluate=lambda model, tokenizer: accuracy(model, tokenizer, held_out))
+            folder = work / "iterations" / f"{testbed.task}-{strategy}-{options.signal}-seed{seed}"
+            shutil.rmtree(folder, ignore_errors=True)  # never resumed from a run with other settings
+            summaries = run_iterations(str(testbed.base_dir), prompts, testbed.reward, folder, settings,
+                                       evaluate=testbed.evaluate)
             curve = [summaries[0]["evaluation_before"]["accuracy"]] + [s["evaluation"]["accuracy"] for s in summaries]
             results["runs"][f"{strategy}/seed{seed}"] = {
                 "strategy": strategy, "seed": seed, "accuracy": curve,
@@ -80,20 +84,23 @@ def plot(results: dict, path: Path) -> None:
                       yerr=[0 if p["ci95"] != p["ci95"] else p["ci95"] for p in points], marker="o", capsize=3,
                       label=strategy)
     axis.set_xlabel("iteration (0 = base model)")
-    axis.set_ylabel("held-out accuracy (mean, 95 % CI)")
-    axis.set_title("Iterated offline TOPR: data composition")
+    axis.set_ylabel(f"{results['measure']}\n(mean, 95 % CI)", fontsize=8)
+    axis.set_title(f"Iterated offline TOPR ({results['task']} task): data composition")
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
 def main(argv=None) -> dict:
-    parser = experiment_parser(__doc__, output="docs/iterations", epochs=None, prompts=256, eval_prompts=200)
+    parser = experiment_parser(__doc__, output="docs/iterations", epochs=None, prompts=128)
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--signal", default="reward", choices=["reward", "advantage"],
                         help="reward: the paper's R - c with c = 0; advantage: GRPO's group advantage (uniform only: "
                              "curated data has no whole groups)")
+    parser.add_argument("--effective-proportion", type=float, default=None,
+                        help="with --signal reward: set c per iteration so that Eq. 12's p~ equals this over the "
+                             "iteration's data (default: c = 0)")
     options = parser.parse_args(argv)
     if options.signal == "advantage" and set(options.strategies) != {"uniform"}:
         parser.error("--signal advantage needs whole prompt groups: use it with --strategies uniform")

@@ -38,7 +38,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from experiments import experiment_parser, mean_and_ci95, save  # noqa: E402
+from experiments import (  # noqa: E402
+    experiment_parser, held_out_pass_at_1, mean_and_ci95, reasoning_testbed, results_header, save,
+)
 
 ONLINE = ("grpo", "topr_online")
 SMOKE = dict(seeds=[0], steps=8, batch_size=16, prompts=8, iterations=2, iteration_prompts=8, eval_prompts=64,
@@ -132,22 +134,6 @@ class Tracker:
         print(f"[sample_efficiency]   {where} completions {self.completions:>6} {seconds:7.1f}s "
               f"pass@1 {point['pass@1']:.3f} ± {point['pass@1_problem_se']:.3f}", flush=True)
         return point
-
-
-def held_out_pass_at_1(model, tokenizer, held_out, options) -> dict:
-    """Sampled pass@1 at temperature 1 and its standard error across problems (std of per-problem pass@1 /
-    sqrt(problems)); the evaluation seed is fixed, so an unchanged model gets the same samples."""
-    import statistics
-
-    from topr_trl.evaluation.reasoning import max_completion_tokens, reasoning_classify
-    from topr_trl.evaluation.runner import evaluate_model
-
-    result = evaluate_model(model, tokenizer, held_out, reasoning_classify, k=1, num_samples=options.eval_samples,
-                            temperature=1.0, max_new_tokens=max_completion_tokens(options.digits), batch_size=64,
-                            seed=1234, show_progress=False)
-    per_problem = [record["num_correct"] / options.eval_samples for record in result.records]
-    se = statistics.stdev(per_problem) / len(per_problem) ** 0.5 if len(per_problem) > 1 else float("nan")
-    return {"pass@1": result.pass_at_1, "pass@1_problem_se": se, "invalid_rate": result.invalid_rate}
 
 
 def checkpoint_callback(tracker: Tracker, trainer_ref: list, checkpoints: int):
@@ -292,20 +278,9 @@ def run_iterated(options, seed, base_path, held_out, base_point, work: Path) -> 
 def prepare_testbed(options) -> tuple:
     """(warm model, tokenizer, its path, held-out problems, the results' header) of a run on the reasoning testbed;
     shared with scripts/staleness.py. The warm model is built once under --work-dir/cache."""
-    import torch
-
-    from topr_trl.evaluation.reasoning import WarmStartSettings, build_reasoning_warm_model, make_reasoning_dataset
-
-    torch.set_num_threads(options.threads)
-    settings = WarmStartSettings(digits=options.digits, error_rate=options.error_rate, steps=options.warm_steps)
-    model, tokenizer, base_path = build_reasoning_warm_model(Path(options.work_dir) / "cache", settings)
-    held_out = make_reasoning_dataset(options.eval_prompts, options.digits, "heldout", seed=0)
-    results: dict = {
-        "options": vars(options), "threads": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-                                              "torch": torch.get_num_threads()},
-        "warm_start": settings.to_dict(), "base_model": str(base_path), "runs": {},
-    }
-    return model, tokenizer, base_path, held_out, results
+    testbed, model, tokenizer, settings = reasoning_testbed(Path(options.work_dir), options)
+    results = {**results_header(options, testbed), "warm_start": settings.to_dict()}
+    return model, tokenizer, testbed.base_dir, testbed.held_out, results
 
 
 def run(options) -> dict:
@@ -379,23 +354,19 @@ def plot(results: dict, path: Path) -> None:
 def main(argv=None) -> dict:
     parser = experiment_parser(__doc__, output="docs/sample_efficiency", epochs=None, prompts=60, eval_prompts=500)
     # 3e-4: 40 GRPO steps take the default model from ~0.71 to ~0.87 pass@1; 1e-3 collapses it to 0 (seed 0)
-    parser.set_defaults(work_dir="outputs/sample_efficiency", learning_rate=3e-4)
     parser.add_argument("--methods", nargs="+", default=None,
                         help="subset of grpo topr_online topr_offline_k<K> topr_iterated (default: all)")
-    parser.add_argument("--digits", type=int, default=3)
-    parser.add_argument("--error-rate", type=float, default=0.25, help="planted carry-drop rate of the warm start")
-    parser.add_argument("--warm-steps", type=int, default=2000, help="SFT steps of the warm start")
     parser.add_argument("--steps", type=int, default=60, help="online optimizer steps (one generation batch each)")
     parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--offline-epochs", type=int, nargs="+", default=[1, 2, 4], help="passes K over the dataset")
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--iteration-prompts", type=int, default=32, help="prompts (x G) sampled per iteration")
-    parser.add_argument("--eval-samples", type=int, default=4, help="samples per held-out problem (temperature 1)")
     parser.add_argument("--checkpoints", type=int, default=5, help="evaluations per training run")
     parser.add_argument("--target", type=float, default=None, help="pass@1 to reach (default: GRPO's final)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--smoke", action="store_true", help=f"a tiny run (overrides: {SMOKE})")
     options = parser.parse_args(argv)
+    if options.task != "reasoning":
+        parser.error("this script runs on the reasoning testbed only (--task reasoning)")
     if options.smoke:
         for name, value in SMOKE.items():
             setattr(options, name, value)

@@ -64,10 +64,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from experiments import experiment_parser, mean_and_ci95, save  # noqa: E402
+from experiments import experiment_parser, held_out_pass_at_1, mean_and_ci95, save  # noqa: E402
 from sample_efficiency import (  # noqa: E402
     Tracker,
-    held_out_pass_at_1,
     prepare_testbed,
     run_trainer,
     train_config,
@@ -263,22 +262,18 @@ def plot(results: dict, path: Path) -> None:
 def main(argv=None) -> dict:
     parser = experiment_parser(__doc__, output="docs/staleness", epochs=None, eval_prompts=500)
     # the warm model cache is shared with sample_efficiency.py; 3e-4 is its learning rate
-    parser.set_defaults(work_dir="outputs/sample_efficiency", learning_rate=3e-4)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--lags", type=int, nargs="+", default=[1, 4, 16, 64],
                         help="K: mu lags pi by up to K - 1 updates (K = 1 must be among them for the summary rule)")
     parser.add_argument("--lag-via", default="num_iterations", choices=LAG_VIA,
                         help="the GRPOConfig field set to K (see the docstring)")
-    parser.add_argument("--digits", type=int, default=3)
-    parser.add_argument("--error-rate", type=float, default=0.25, help="planted carry-drop rate of the warm start")
-    parser.add_argument("--warm-steps", type=int, default=2000, help="SFT steps of the warm start")
     parser.add_argument("--steps", type=int, default=64, help="optimizer steps, the same for every K")
     parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (G)")
-    parser.add_argument("--eval-samples", type=int, default=4, help="samples per held-out problem (temperature 1)")
     parser.add_argument("--checkpoints", type=int, default=4, help="evaluations per training run")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--smoke", action="store_true", help=f"a tiny run (overrides: {SMOKE})")
     options = parser.parse_args(argv)
+    if options.task != "reasoning":
+        parser.error("this script runs on the reasoning testbed only (--task reasoning)")
     if options.smoke:
         for name, value in SMOKE.items():
             setattr(options, name, value)

@@ -32,6 +32,13 @@ def behaviour_model_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def evidence_work_dir(tmp_path_factory) -> Path:
+    """A work dir shared by the evidence scripts' slow tests, so the reasoning testbed's warm model (~2-3 min on
+    one thread) is built once per session, under WORK_DIR/cache."""
+    return tmp_path_factory.mktemp("evidence")
+
+
+@pytest.fixture(scope="session")
 def arithmetic_dataset():
     return make_arithmetic_dataset(16, digits=1, seed=0)
 

@@ -227,3 +227,15 @@ def test_warm_start_plants_the_error_at_the_paper_regime(tmp_path):
     model, tokenizer, _ = build_reasoning_warm_model(tmp_path, WarmStartSettings())
     report = measure_base_model(model, tokenizer, make_reasoning_dataset(300, 3, "heldout"), num_samples=4)
     assert 0.55 <= report["pass@1"] <= 0.8 and report["planted_share"] > 0.7 and report["invalid_rate"] < 0.05
+
+
+def test_count_carries_counts_every_carry_including_the_one_out_of_the_top_step():
+    from topr_trl.evaluation.reasoning import count_carries, write_solution
+
+    assert count_carries(123, 456) == 0
+    assert count_carries(4587, 2896) == 3  # into the tens, hundreds and thousands; 4+2+1 = 7 carries nothing out
+    assert count_carries(999, 1) == 3  # into the tens and hundreds, and out of the top step (the answer's 1)
+    assert count_carries(500, 500) == 1  # out of the top step only
+    for a, b in [(4587, 2896), (123, 456), (999, 1), (500, 500), (358, 647)]:
+        solution = write_solution(a, b)
+        assert count_carries(a, b) == solution.count("+1=") + (len(str(a + b)) > len(str(max(a, b))))

@@ -66,10 +66,10 @@ def test_options_are_checked():
 
 
 @pytest.mark.slow
-def test_smoke_run_counts_completions_and_beats_the_base_model(tmp_path):
-    # the warm model is cached under the default work dir (built once, ~2-3 min on one thread)
+def test_smoke_run_counts_completions_and_beats_the_base_model(evidence_work_dir, tmp_path):
+    # the warm model is built once per session under the shared work dir (~2-3 min on one thread)
     output = tmp_path / "sample_efficiency"
-    sample_efficiency.main(["--smoke", "--output", str(output)])
+    sample_efficiency.main(["--smoke", "--work-dir", str(evidence_work_dir), "--output", str(output)])
     results = json.loads(output.with_suffix(".json").read_text())
     options = results["options"]
     counts = {name: options[name] for name in COUNTS}

@@ -93,10 +93,10 @@ def test_options_are_checked():
 
 
 @pytest.mark.slow
-def test_smoke_run_has_every_method_and_lag_with_the_formulas_completions(tmp_path):
-    # the warm model is cached under outputs/sample_efficiency/cache (built once, ~2-3 min on one thread)
+def test_smoke_run_has_every_method_and_lag_with_the_formulas_completions(evidence_work_dir, tmp_path):
+    # the warm model is built once per session under the shared work dir (~2-3 min on one thread)
     output = tmp_path / "staleness"
-    staleness.main(["--smoke", "--output", str(output)])
+    staleness.main(["--smoke", "--work-dir", str(evidence_work_dir), "--output", str(output)])
     results = json.loads(output.with_suffix(".json").read_text())
     options = results["options"]
     assert results["threads"]["torch"] == 1

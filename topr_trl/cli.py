@@ -1,6 +1,7 @@
 """`topr-trl` (also `python -m topr_trl`): the command line.
 
     topr-trl train                      # tiny local model, built-in arithmetic task, CPU, about a minute
+    topr-trl train --task reasoning     # the reasoning testbed (the paper's regime), CPU, a few minutes
     topr-trl train --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name prompts.jsonl \\
         --reward_funcs my_rewards:correctness   # your model, data and reward: TRL's GRPOConfig defaults + TOPR's
     topr-trl generate --num_generations 8            # an offline dataset sampled from mu, labelled
@@ -32,11 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .evaluation.arithmetic import arithmetic_reward
+from .evaluation.reasoning import max_completion_tokens, reasoning_reward
 
-REWARD_FUNCTIONS = {"arithmetic": arithmetic_reward}
-TASKS = ("arithmetic", "gsm8k", "math500", "custom")
-BUILTIN_TASK = "arithmetic"
-_TASK_REWARDS = {"arithmetic": ["arithmetic"], "gsm8k": ["topr_trl.evaluation.rewards:gsm8k_reward"],
+REWARD_FUNCTIONS = {"arithmetic": arithmetic_reward, "reasoning": reasoning_reward}
+TASKS = ("arithmetic", "reasoning", "gsm8k", "math500", "custom")
+BUILTIN_TASK = "arithmetic"  # what a command runs with no model, no dataset and no task
+BUILTIN_TASKS = ("arithmetic", "reasoning")  # the tasks the built-in tiny model is built for
+_TASK_REWARDS = {"arithmetic": ["arithmetic"], "reasoning": ["reasoning"],
+                 "gsm8k": ["topr_trl.evaluation.rewards:gsm8k_reward"],
                  "math500": ["topr_trl.evaluation.rewards:math_reward"]}
 
 # The built-in task's settings, sized for its ~80k-parameter model on a 2-core CPU. They apply only when the run
@@ -60,6 +64,11 @@ BUILTIN_TRAIN_DEFAULTS = dict(
 BUILTIN_ITERATE_DEFAULTS = dict(BUILTIN_TRAIN_DEFAULTS, max_steps=-1, save_strategy="steps", save_steps=50,
                                 task_train_prompts=256)
 BUILTIN_GENERATE_DEFAULTS = dict(max_completion_length=6)
+# The reasoning testbed (`topr_trl.evaluation.reasoning`: 3-digit addition written out with carries, a warm start that
+# drops each carry with probability 0.25, about two thirds of samples correct), on top of the built-in settings:
+# the setting of docs/results.md's sample-efficiency runs (32 completions per step, learning rate 3e-4, 60 steps).
+REASONING_DEFAULTS = dict(per_device_train_batch_size=32, max_steps=60, learning_rate=3e-4, task_digits=3,
+                          task_eval_prompts=500, base_model_dir="outputs/tiny-reasoning-base")
 _OUTPUT_PREFIX = {"train": "topr", "iterate": "topr-iterations", "generate": "data"}
 
 
@@ -69,9 +78,10 @@ class TaskArguments:
 
     task: str | None = field(
         default=None,
-        metadata={"help": "arithmetic (the built-in task), gsm8k or math500 (topr_trl's loaders and rewards), or "
-                          "custom (--dataset_name with a `prompt` column, and --reward_funcs). Default: custom when "
-                          "--dataset_name is given, else arithmetic."},
+        metadata={"help": "arithmetic (the built-in task), reasoning (the built-in reasoning testbed: written "
+                          "addition with carries, the paper's regime), gsm8k or math500 (topr_trl's loaders and "
+                          "rewards), or custom (--dataset_name with a `prompt` column, and --reward_funcs). Default: "
+                          "custom when --dataset_name is given, else arithmetic."},
     )
     dataset_name: str | None = field(
         default=None,
@@ -91,14 +101,20 @@ class TaskArguments:
                           "importable from the current directory) or 'path/to/file.py:function'. Default: the task's "
                           "own."},
     )
-    task_digits: int = field(default=2, metadata={"help": "Built-in task: operand digits."})
-    task_train_prompts: int = field(default=1000, metadata={"help": "Built-in task: training prompts."})
-    task_eval_prompts: int = field(default=200, metadata={"help": "Built-in task: held-out prompts for accuracy."})
+    task_digits: int = field(default=2, metadata={"help": "Built-in tasks: operand digits (reasoning: 3)."})
+    task_train_prompts: int = field(default=1000, metadata={"help": "Built-in tasks: training prompts."})
+    task_eval_prompts: int = field(
+        default=200, metadata={"help": "Built-in tasks: held-out problems for accuracy (reasoning: 500)."}
+    )
     warm_start_accuracy: float = field(
-        default=0.3, metadata={"help": "Built-in tiny model: SFT warm-start until this greedy accuracy."}
+        default=0.3, metadata={"help": "Arithmetic: SFT warm-start of the tiny model until this greedy accuracy."}
+    )
+    task_error_rate: float = field(
+        default=0.25, metadata={"help": "Reasoning: probability that the warm start's solutions drop a carry."}
     )
     base_model_dir: str = field(
-        default="outputs/tiny-arithmetic-base", metadata={"help": "Where the built-in tiny model is cached."}
+        default="outputs/tiny-arithmetic-base",
+        metadata={"help": "Where the built-in tiny model is cached (reasoning: outputs/tiny-reasoning-base)."},
     )
     dry_run: bool = field(default=False, metadata={"help": "Build and validate the configuration, then stop."})
 
@@ -214,7 +230,16 @@ def cpu_validation_overrides(settings: dict) -> list[str]:
 def is_builtin_run(settings: dict) -> bool:
     """No model, no prompt dataset and no other task: the built-in tiny model on the built-in task."""
     task = settings.get("task")
-    return not settings.get("model_name_or_path") and not settings.get("dataset_name") and task in (None, BUILTIN_TASK)
+    return not settings.get("model_name_or_path") and not settings.get("dataset_name") and task in (None, *BUILTIN_TASKS)
+
+
+def builtin_task_defaults(settings: dict) -> dict:
+    """The reasoning testbed's settings over the built-in ones (completion length from its digits); none for
+    arithmetic."""
+    if settings.get("task") != "reasoning":
+        return {}
+    return dict(REASONING_DEFAULTS,
+                max_completion_length=max_completion_tokens(int(settings.get("task_digits", 3))))
 
 
 def _short_name(value) -> str:
@@ -248,6 +273,10 @@ def run_defaults(command: str, settings: dict) -> dict:
     else:
         defaults = dict(BUILTIN_TRAIN_DEFAULTS if command == "train" else BUILTIN_ITERATE_DEFAULTS) if builtin \
             else hardware_defaults()
+    if builtin:
+        defaults.update(builtin_task_defaults(settings))
+        if command == "iterate":
+            defaults["max_steps"] = -1  # one pass over each iteration's data
     defaults["output_dir"] = default_output_dir(command, settings)
     return defaults
 
@@ -340,16 +369,18 @@ def resolve_task(options: TaskArguments, model_name_or_path: str | None, offline
 
     task = options.task or ("custom" if options.dataset_name or (offline and model_name_or_path) else BUILTIN_TASK)
     check_choice("task", task, TASKS)
-    if model_name_or_path is None and task != BUILTIN_TASK:
+    if model_name_or_path is None and task not in BUILTIN_TASKS:
         what = f"--dataset_name {options.dataset_name}" if options.dataset_name else f"--task {task}"
         raise SystemExit(f"topr-trl: {what} selects a custom run, which needs --model_name_or_path (a Hub id or a "
-                         "local model folder); the built-in tiny model knows only the arithmetic task")
+                         "local model folder); the built-in tiny model knows only the arithmetic and reasoning "
+                         "tasks")
     if task == "custom" and not options.dataset_name and not offline:
         raise SystemExit("topr-trl: a custom run needs --dataset_name (a Hub id or a local file with a `prompt` "
                          "column) or --offline_dataset")
     if model_name_or_path is not None and options.task is None and not options.dataset_name and not offline:
         raise SystemExit(f"topr-trl: --model_name_or_path {model_name_or_path} needs something to train on: "
-                         "--dataset_name FILE_OR_HUB_ID with --reward_funcs, --task gsm8k|math500|arithmetic, or "
+                         "--dataset_name FILE_OR_HUB_ID with --reward_funcs, --task gsm8k|math500|arithmetic|"
+                         "reasoning, or "
                          "--offline_dataset")
     if task == "custom" and not options.reward_funcs and not offline:
         raise SystemExit("topr-trl: a custom dataset needs --reward_funcs (e.g. my_rewards:correctness, a function "
@@ -376,10 +407,7 @@ def load_task(options: TaskArguments, model_name_or_path: str | None, seed: int,
     """(model, task, training prompts, held-out set of the built-in task or None, evaluation dataset for the trainer
     or None, reward functions) of the run. Without a model, builds the built-in tiny one (on the main process first
     under `accelerate launch`); with `dry_run`, validates and loads nothing."""
-    from accelerate import PartialState
-
-    from .distributed import outside_zero3_construction
-    from .evaluation.arithmetic import build_warm_model, make_arithmetic_dataset
+    from .evaluation.arithmetic import make_arithmetic_dataset
 
     task = resolve_task(options, model_name_or_path, offline)
     reward_names = options.reward_funcs or _TASK_REWARDS.get(task, [])
@@ -387,24 +415,17 @@ def load_task(options: TaskArguments, model_name_or_path: str | None, seed: int,
     if options.dry_run:
         return model_name_or_path, task, None, None, None, reward_funcs
     if model_name_or_path is None:
-        state = PartialState()
-        with state.main_process_first():
-            if state.is_main_process:
-                fresh = not (Path(options.base_model_dir) / "config.json").exists()
-                if fresh:  # SFT with accuracy checks: seconds on an idle CPU, longer on a busy one; say what it is
-                    started = time.time()
-                    _print_main(f"building the built-in tiny model (once; cached in {options.base_model_dir}): SFT "
-                                f"warm start until {options.warm_start_accuracy:.0%} greedy accuracy")
-                with outside_zero3_construction():
-                    build_warm_model(options.base_model_dir, digits=options.task_digits,
-                                     target_accuracy=options.warm_start_accuracy, seed=seed)
-                if fresh:
-                    _print_main(f"built-in tiny model ready in {time.time() - started:.0f} s")
-        model_name_or_path = options.base_model_dir
+        model_name_or_path = builtin_model(task, options, seed)
     held_out = eval_dataset = train_dataset = None
-    if task == BUILTIN_TASK:
+    if task == "arithmetic":
         train_dataset = make_arithmetic_dataset(options.task_train_prompts, options.task_digits, seed=1)
         held_out = make_arithmetic_dataset(options.task_eval_prompts, options.task_digits, seed=2)
+    elif task == "reasoning":
+        from .evaluation.reasoning import make_reasoning_dataset
+
+        # train and held-out problems come from splits that are disjoint by construction
+        train_dataset = make_reasoning_dataset(options.task_train_prompts, options.task_digits, "train", seed=1)
+        held_out = make_reasoning_dataset(options.task_eval_prompts, options.task_digits, "heldout", seed=0)
     elif task == "gsm8k":
         from .evaluation.benchmarks import load_gsm8k
 
@@ -422,6 +443,41 @@ def load_task(options: TaskArguments, model_name_or_path: str | None, seed: int,
         if eval_split:
             eval_dataset = load_prompts(options, options.dataset_test_split)
     return model_name_or_path, task, train_dataset, held_out, eval_dataset, reward_funcs
+
+
+def builtin_model(task: str, options: TaskArguments, seed: int) -> str:
+    """The built-in tiny model of `task`, warm-started once (on the main process first under `accelerate launch`)
+    and cached under --base_model_dir; returns its folder."""
+    from accelerate import PartialState
+
+    from .distributed import outside_zero3_construction
+    from .evaluation.arithmetic import build_warm_model
+    from .evaluation.reasoning import WarmStartSettings, build_reasoning_warm_model, warm_model_path
+
+    if task == "reasoning":
+        settings = WarmStartSettings(digits=options.task_digits, error_rate=options.task_error_rate, seed=seed)
+        folder = warm_model_path(options.base_model_dir, settings)
+        what = (f"SFT on written solutions that drop each carry with probability {options.task_error_rate:g}, "
+                f"{settings.steps} steps (2-4 min on a CPU)")
+    else:
+        folder = Path(options.base_model_dir)
+        what = f"SFT warm start until {options.warm_start_accuracy:.0%} greedy accuracy"
+    state = PartialState()
+    with state.main_process_first():
+        if state.is_main_process:
+            fresh = not (folder / "config.json").exists()
+            if fresh:  # seconds to minutes on an idle CPU, longer on a busy one: say what it is
+                started = time.time()
+                _print_main(f"building the built-in tiny model (once; cached in {folder}): {what}")
+            with outside_zero3_construction():
+                if task == "reasoning":
+                    build_reasoning_warm_model(options.base_model_dir, settings)
+                else:
+                    build_warm_model(folder, digits=options.task_digits,
+                                     target_accuracy=options.warm_start_accuracy, seed=seed)
+            if fresh:
+                _print_main(f"built-in tiny model ready in {time.time() - started:.0f} s")
+    return str(folder)
 
 
 def resolve_reward(name: str):
@@ -481,18 +537,34 @@ def checkpoint_to_resume(training_args) -> str | None:
     return checkpoint
 
 
-def held_out_accuracy(trainer, held_out) -> dict:
-    """Greedy accuracy of the trainer's policy (gathered under ZeRO-3). Every process must call it."""
-    from .distributed import evaluate_policy
+def task_evaluator(task: str, held_out):
+    """How a built-in task's held-out problems are scored, as `evaluate(model, tokenizer) -> dict`: greedy accuracy
+    for arithmetic; for reasoning, sampled pass@1 (temperature 1, 4 samples per problem, the headline: greedy
+    decoding hides the planted error) with greedy accuracy beside it."""
+    if task == "reasoning":
+        from .evaluation.reasoning import measure_base_model
+
+        return lambda model, tokenizer: measure_base_model(model, tokenizer, held_out)
     from .evaluation.arithmetic import accuracy
 
-    return evaluate_policy(trainer, lambda model, tokenizer: accuracy(model, tokenizer, held_out))
+    return lambda model, tokenizer: accuracy(model, tokenizer, held_out)
+
+
+def held_out_accuracy(trainer, held_out, task: str) -> dict:
+    """The trainer's policy scored by `task_evaluator` (gathered under ZeRO-3). Every process must call it."""
+    from .distributed import evaluate_policy
+
+    return evaluate_policy(trainer, task_evaluator(task, held_out))
 
 
 def describe_accuracy(result: dict | None, num_problems: int) -> str:
     """'greedy accuracy 0.290 on 200 held-out problems': every accuracy printed says how it was measured."""
     if not result:
         return "not measured"
+    if "pass@1" in result:
+        return (f"sampled pass@1 {result['pass@1']:.3f} ± {result['pass@1_problem_se']:.3f} (temperature "
+                f"{result['temperature']:g}, {result['num_samples']} samples per problem), greedy accuracy "
+                f"{result['greedy_accuracy']:.3f}, on {num_problems} held-out problems")
     return f"greedy accuracy {result['accuracy']:.3f} on {num_problems} held-out problems"
 
 
@@ -552,11 +624,11 @@ def train(argv: list[str]) -> dict:
     summary: dict = {"output_dir": training_args.output_dir}
     if held_out is not None:
         summary["held_out_problems"] = len(held_out)
-        summary["before"] = held_out_accuracy(trainer, held_out)
+        summary["before"] = held_out_accuracy(trainer, held_out, task)
         _print_main(f"before training: {describe_accuracy(summary['before'], len(held_out))}")
     trainer.train(resume_from_checkpoint=checkpoint_to_resume(training_args))
     if held_out is not None:
-        summary["after"] = held_out_accuracy(trainer, held_out)
+        summary["after"] = held_out_accuracy(trainer, held_out, task)
         _print_main(f"after training:  {describe_accuracy(summary['after'], len(held_out))}")
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
@@ -620,7 +692,6 @@ def iterate(argv: list[str]) -> list[dict]:
     from .config import TOPRConfig, check_choice
     from .offline.iterations import IterationSettings, run_iterations
     from .offline import BACKENDS, COMPOSITIONS
-    from .evaluation.arithmetic import accuracy
 
     settings = user_settings(argv)
     defaults = run_defaults("iterate", settings)
@@ -646,7 +717,7 @@ def iterate(argv: list[str]) -> list[dict]:
         target_proportion=options.target_proportion, prompts_per_shard=options.prompts_per_shard,
         backend=options.backend, train_args=training_args,
     )
-    evaluate = (lambda model, tokenizer: accuracy(model, tokenizer, held_out)) if held_out is not None else None
+    evaluate = task_evaluator(task, held_out) if held_out is not None else None
     summaries = run_iterations(model, prompts, reward_funcs, training_args.output_dir, iteration_settings,
                                evaluate=evaluate)
     problems = len(held_out) if held_out is not None else 0

@@ -184,6 +184,17 @@ def _solve(a: int, b: int, drop) -> tuple[str, list[int]]:
     return STEP_SEPARATOR.join(steps) + STEP_SEPARATOR + ANSWER_MARK + (answer.lstrip("0") or "0"), dropped
 
 
+def count_carries(a: int, b: int) -> int:
+    """How many carries the correct written solution of a+b has (the carry out of the top step included): the
+    number of places where the planted error can strike."""
+    carries, carry = 0, 0
+    digits = len(str(max(a, b)))
+    for x, y in zip(_digits_from_right(a, digits), _digits_from_right(b, digits), strict=True):
+        carry = (x + y + carry) // 10
+        carries += carry
+    return carries
+
+
 def write_solution(a: int, b: int, dropped: Iterable[int] = ()) -> str:
     """The written solution of a+b; a carry arriving at a position in `dropped` (1..digits-1: into that step;
     digits: the answer's leading 1) is lost, and everything after it follows from the wrong step."""
