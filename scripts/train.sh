@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The main job: sets up .venv if needed, then runs `topr-trl train`. With no arguments it trains a tiny
-# model built locally on the built-in arithmetic task (CPU, under a minute after the install). Arguments go to `topr-trl train`.
+# The main job: sets up .venv if needed, then runs `topr-trl train` with the arguments given (the README runs
+# `--task reasoning`, the reasoning testbed; with no arguments, the quick built-in arithmetic task).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
