@@ -30,8 +30,10 @@ def test_baseline_sweep_sets_the_effective_proportion(evidence_work_dir, tmp_pat
 def test_figure7_untruncated_importance_weights_spike_the_gradient(evidence_work_dir, tmp_path):
     import figure7
 
-    # the low-p stress test on the built-in task, where the spike shows in every run
+    # the low-p stress test on the built-in task with its documented settings (docs/results.md), where untruncated
+    # IS's largest gradient is above TOPR's in every seed
     results = figure7.main(["--task", "arithmetic", "--proportion", "0.1", "--seeds", "0", "--epochs", "15",
+                            "--learning-rate", "2e-4",
                             "--eval-prompts", "100", "--eval-every", "1000", "--work-dir", str(evidence_work_dir),
                             "--output", str(tmp_path / "figure7")])
     summary = results["summary"]
