@@ -74,8 +74,8 @@ def plot(results: dict, path: Path) -> None:
 
     options = results["options"]
     summary = results["summary"]
-    figure, axes = plt.subplots(1, len(options["proportions"]), figsize=(5.5 * len(options["proportions"]), 4),
-                                squeeze=False)
+    figure, axes = plt.subplots(1, len(options["proportions"]),
+                                figsize=(max(8.0, 5.5 * len(options["proportions"])), 4.5), squeeze=False)
     for axis, proportion in zip(axes[0], options["proportions"]):
         for method in options["methods"]:
             rows = [summary[f"p{proportion:g}/pt{t:g}/{method}"] for t in options["targets"]]
@@ -85,6 +85,7 @@ def plot(results: dict, path: Path) -> None:
         axis.axhline(summary["start_accuracy"], color="grey", linestyle=":", label="start")
         axis.axvspan(0.1, 0.2, color="green", alpha=0.08, label="paper's best p~")
         axis.set_xscale("log")
+        axis.set_ylim(-0.02, 1.02)  # a 3-seed t-interval can reach past [0, 1]; accuracy cannot
         axis.set_xlabel("effective proportion of positives p~ (set by the baseline c)")
         axis.set_title(f"dataset with {proportion:.0%} positives")
     axes[0][0].set_ylabel(f"final {results['measure']}\n(mean, 95 % CI)", fontsize=8)
