@@ -744,6 +744,9 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated")  # TRL's own default trips it
     try:
         run_command(argv[0], argv[1:])  # returns nothing: a console script exits 1 on a returned value
+        from .distributed import end_process_group
+
+        end_process_group()
     except USER_ERRORS as error:
         if debug:
             raise

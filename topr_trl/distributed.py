@@ -67,3 +67,15 @@ def gpu_available() -> bool:
     import torch
 
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def end_process_group() -> None:
+    """Destroys the process group `accelerate launch` set up, once every process has finished (a no-op in a single
+    process). torch asks programs to do this before they exit: left to interpreter shutdown, a rank can abort after
+    the run has finished and saved ("terminate called without an active exception", seen once under ZeRO-3 on a
+    busy CPU), which fails the launch."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
