@@ -458,7 +458,7 @@ def builtin_model(task: str, options: TaskArguments, seed: int) -> str:
         settings = WarmStartSettings(digits=options.task_digits, error_rate=options.task_error_rate, seed=seed)
         folder = warm_model_path(options.base_model_dir, settings)
         what = (f"SFT on written solutions that drop each carry with probability {options.task_error_rate:g}, "
-                f"{settings.steps} steps (2-4 min on a CPU)")
+                f"{settings.steps} steps (1-3 min on a CPU)")
     else:
         folder = Path(options.base_model_dir)
         what = f"SFT warm start until {options.warm_start_accuracy:.0%} greedy accuracy"
