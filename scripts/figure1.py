@@ -32,25 +32,26 @@ METHODS = {
 }
 
 
-def far_behaviour_model(options, work: Path, testbed) -> Path:
-    """The other model the far off-policy data is sampled from: the reasoning testbed's warm start with
-    `--far-error-rate` and seed 1 (another init, other warm-start batches, another error rate)."""
+def far_behaviour_model(options, work: Path, testbed) -> tuple:
+    """(model, tokenizer, path) of the other model the far off-policy data is sampled from: the reasoning testbed's
+    warm start with `--far-error-rate` and seed 1 (another init, other warm-start batches, another error rate)."""
     from topr_trl.evaluation.reasoning import WarmStartSettings, build_reasoning_warm_model
 
     if testbed.task != "reasoning":
         raise SystemExit("topr_far_off_policy needs --task reasoning (the behaviour model is a testbed warm start)")
     settings = WarmStartSettings(digits=options.digits, error_rate=options.far_error_rate, steps=options.warm_steps,
                                  seed=1)
-    return build_reasoning_warm_model(work / "cache", settings)[2]
+    return build_reasoning_warm_model(work / "cache", settings)
 
 
 def run(options) -> dict:
     work, testbed = prepare(options)
     results = results_header(options, testbed)
-    far = far_behaviour_model(options, work, testbed) if "topr_far_off_policy" in options.methods else None
-    if far is not None:
+    far = None
+    if "topr_far_off_policy" in options.methods:
+        far_model, far_tokenizer, far = far_behaviour_model(options, work, testbed)
         results["far_behaviour_model"] = str(far)
-        results["far_behaviour_start"] = testbed.evaluate(*load(far))
+        results["far_behaviour_start"] = testbed.evaluate(far_model, far_tokenizer)
     for seed in options.seeds:
         data = {"base": sample_fixed_dataset(testbed, options.prompts, seed, work)}
         for method in options.methods:
@@ -71,12 +72,6 @@ def run(options) -> dict:
                 f"  ({run_result['seconds']:.0f}s)", flush=True)
     results["summary"] = summarise(results["runs"], testbed.metrics)
     return results
-
-
-def load(path: Path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
 
 
 def summarise(runs: dict, metrics) -> dict:

@@ -275,6 +275,20 @@ def run_iterated(options, seed, base_path, held_out, base_point, work: Path) -> 
             "completions": tracker.completions, "seconds": tracker.seconds(), "curve": tracker.curve}
 
 
+def parse_testbed_options(parser, argv, smoke: dict):
+    """The options of an online run on the reasoning testbed (this script and scripts/staleness.py): refuses another
+    task, applies the `smoke` overrides with --smoke, and checks that a batch holds whole prompt groups."""
+    options = parser.parse_args(argv)
+    if options.task != "reasoning":
+        parser.error("this script runs on the reasoning testbed only (--task reasoning)")
+    if options.smoke:
+        for name, value in smoke.items():
+            setattr(options, name, value)
+    if options.batch_size % options.num_generations:
+        parser.error("--batch-size must be a multiple of --num-generations (whole prompt groups per batch)")
+    return options
+
+
 def prepare_testbed(options) -> tuple:
     """(warm model, tokenizer, its path, held-out problems, the results' header) of a run on the reasoning testbed;
     shared with scripts/staleness.py. The warm model is built once under --work-dir/cache."""
@@ -364,14 +378,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--checkpoints", type=int, default=5, help="evaluations per training run")
     parser.add_argument("--target", type=float, default=None, help="pass@1 to reach (default: GRPO's final)")
     parser.add_argument("--smoke", action="store_true", help=f"a tiny run (overrides: {SMOKE})")
-    options = parser.parse_args(argv)
-    if options.task != "reasoning":
-        parser.error("this script runs on the reasoning testbed only (--task reasoning)")
-    if options.smoke:
-        for name, value in SMOKE.items():
-            setattr(options, name, value)
-    if options.batch_size % options.num_generations:
-        parser.error("--batch-size must be a multiple of --num-generations (whole prompt groups per batch)")
+    options = parse_testbed_options(parser, argv, SMOKE)
     known = method_names(options.offline_epochs)
     options.methods = options.methods or known
     unknown = [m for m in options.methods if m not in known]

@@ -67,6 +67,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from experiments import experiment_parser, held_out_pass_at_1, mean_and_ci95, save  # noqa: E402
 from sample_efficiency import (  # noqa: E402
     Tracker,
+    parse_testbed_options,
     prepare_testbed,
     run_trainer,
     train_config,
@@ -271,14 +272,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--checkpoints", type=int, default=4, help="evaluations per training run")
     parser.add_argument("--smoke", action="store_true", help=f"a tiny run (overrides: {SMOKE})")
-    options = parser.parse_args(argv)
-    if options.task != "reasoning":
-        parser.error("this script runs on the reasoning testbed only (--task reasoning)")
-    if options.smoke:
-        for name, value in SMOKE.items():
-            setattr(options, name, value)
-    if options.batch_size % options.num_generations:
-        parser.error("--batch-size must be a multiple of --num-generations (whole prompt groups per batch)")
+    options = parse_testbed_options(parser, argv, SMOKE)
     if any(lag < 1 for lag in options.lags) or 1 not in options.lags:
         parser.error("--lags must be >= 1 and include 1 (the on-policy reference of the summary)")
     options.lags = sorted(set(options.lags))

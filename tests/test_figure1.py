@@ -5,8 +5,11 @@ start."""
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+
+from topr_trl.evaluation.reasoning import make_reasoning_dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
@@ -23,7 +26,16 @@ def test_naive_reinforce_collapses_and_topr_improves(evidence_work_dir, tmp_path
     naive = results["runs"]["naive_reinforce/seed0"]["curve"]
     topr = results["runs"]["topr/seed0"]["curve"]
     assert 0.5 < results["runs"]["topr/seed0"]["dataset_positive_fraction"] < 0.85  # the paper's regime
-    assert naive[0] == topr[0]  # both start from the same base model, measured once
+    # every run starts from the base model's score: recomputed here from the saved base model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import experiments
+
+    options = SimpleNamespace(digits=3, eval_samples=2)
+    base = experiments.held_out_pass_at_1(AutoModelForCausalLM.from_pretrained(results["base_model"]),
+                                          AutoTokenizer.from_pretrained(results["base_model"]),
+                                          make_reasoning_dataset(200, 3, "heldout", seed=0), options)
+    assert naive[0]["accuracy"] == topr[0]["accuracy"] == pytest.approx(base["pass@1"], abs=0.01)
     assert topr[-1]["accuracy"] > topr[0]["accuracy"] + 0.05
     assert naive[-1]["accuracy"] < naive[0]["accuracy"]
     assert naive[-1]["accuracy"] < topr[-1]["accuracy"] - 0.1
