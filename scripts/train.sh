@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The main job: sets up .venv if needed, then runs `topr-trl train` with the arguments given (the README runs
-# `--task reasoning`, the reasoning testbed; with no arguments, the quick built-in arithmetic task).
+# The main job: sets up the repository's .venv if needed, then runs `topr-trl train` with the arguments given (the
+# README runs `--task reasoning`, the reasoning testbed; with no arguments, the quick built-in arithmetic task).
+# It runs in the folder it is called from: relative paths (--dataset_name, --reward_funcs module:function,
+# --output_dir, the default outputs/ folder) are the caller's, as for any command.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+bash "$repo/scripts/bootstrap.sh"
+venv="${TOPR_VENV:-.venv}"
+case "$venv" in /*) ;; *) venv="$repo/$venv" ;; esac
 export HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
-exec "${TOPR_VENV:-.venv}/bin/topr-trl" train "$@"
+exec "$venv/bin/topr-trl" train "$@"

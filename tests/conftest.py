@@ -65,6 +65,11 @@ def small_config_kwargs(output_dir, **overrides) -> dict:
     return kwargs
 
 
+def logged_values(trainer, key) -> list[float]:
+    """Every value logged under `key` (TRL logs an empty metric, NaN, as None)."""
+    return [entry[key] for entry in trainer.state.log_history if entry.get(key) is not None]
+
+
 def parity_reward(completions, **kwargs) -> list[float]:
     """+1 when the completion's character codes sum to an even number, else -1: a coin flip for a random-init
     model, so groups have reward variance and every update is non-trivial."""

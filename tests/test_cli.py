@@ -23,10 +23,12 @@ def test_train_command_runs_the_builtin_job(tmp_path):
           "--per_device_train_batch_size", "4", "--num_generations", "4"])
     summary = json.loads((output / "topr_summary.json").read_text())
     assert {"before", "after"} <= set(summary)
+    base = Path(summary["model"])  # the built-in model, keyed under --base_model_dir
+    assert base.parent == tmp_path / "base" and (base / "config.json").exists()
     # what the run reports is what its base and its saved model score, recomputed here
-    assert summary["before"] == saved_model_accuracy(tmp_path / "base", 8)
+    assert summary["before"] == saved_model_accuracy(base, 8)
     assert summary["after"] == saved_model_accuracy(output, 8)
-    assert (output / "model.safetensors").exists() and (tmp_path / "base" / "config.json").exists()
+    assert (output / "model.safetensors").exists()
 
 
 def test_unknown_flag_is_rejected(tmp_path):
@@ -98,7 +100,8 @@ def test_generate_then_train_offline_with_lora(tmp_path):
     assert any(tensor.abs().sum() > 0 for name, tensor in adapter.items() if "lora_B" in name)  # B starts at 0
     assert not (output / "model.safetensors").exists()  # the base weights are not rewritten: only the adapter
     summary = json.loads((output / "topr_summary.json").read_text())
-    assert summary["after"] == saved_model_accuracy(base, 4, adapter_dir=output)  # base + the saved adapter
+    assert Path(summary["model"]).parent == base
+    assert summary["after"] == saved_model_accuracy(summary["model"], 4, adapter_dir=output)  # base + the adapter
 
 
 def test_iterate_runs_from_the_offline_recipe(tmp_path):
@@ -146,7 +149,7 @@ def test_train_resumes_from_the_last_checkpoint(tmp_path):
 
 
 def test_missing_offline_dataset_is_reported(tmp_path):
-    with pytest.raises(SystemExit, match="offline dataset .*nothing.* not found"):
+    with pytest.raises(SystemExit, match="--offline_dataset .*nothing: no such file or folder"):
         main(["train", "--offline_dataset", str(tmp_path / "nothing"), "--warm_start_accuracy", "0",
               "--task_train_prompts", "4", "--task_eval_prompts", "4", "--base_model_dir", str(tmp_path / "base"),
               "--output_dir", str(tmp_path / "run")])

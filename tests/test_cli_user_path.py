@@ -71,7 +71,8 @@ def test_custom_run_trains_on_the_users_data_with_trl_defaults(form, user_dir, t
           "--reward_funcs", "my_rewards:correctness", *QUICK])
     seen = seen_prompts(user_dir)
     assert seen and seen <= set(PROMPTS)  # the user's prompts (and only those), not the built-in task's
-    output = user_dir / "outputs" / f"topr-{Path(tiny_model_path).name}-prompts{'_saved' if form == 'save_to_disk' else ''}"
+    data = "prompts_saved" if form == "save_to_disk" else f"prompts-{form}"  # each format a folder of its own
+    output = user_dir / "outputs" / f"topr-{Path(tiny_model_path).name}-{data}"
     assert (output / "model.safetensors").exists() and json.loads((output / "topr_summary.json").read_text())
 
 
@@ -89,7 +90,7 @@ def test_custom_runs_start_from_grpo_defaults_and_builtin_runs_from_the_small_mo
     for name in ("learning_rate", "lr_scheduler_type", "max_completion_length", "max_steps", "save_strategy",
                  "per_device_train_batch_size", "num_generations", "logging_steps"):
         assert getattr(custom, name) == getattr(reference, name), name
-    assert custom.output_dir == f"outputs/topr-{Path(tiny_model_path).name}-x"
+    assert custom.output_dir == f"outputs/topr-{Path(tiny_model_path).name}-x-jsonl"
     builtin = parsed([])
     for name, value in cli.BUILTIN_TRAIN_DEFAULTS.items():
         if name != "report_to":  # TrainingArguments turns "none" into []
@@ -103,7 +104,7 @@ def test_a_model_in_the_config_file_makes_a_custom_run(tmp_path, tiny_model_path
     recipe.write_text(f"model_name_or_path: {tiny_model_path}\ndataset_name: data.jsonl\n")
     settings = cli.user_settings(["--config", str(recipe)])
     assert not cli.is_builtin_run(settings)
-    assert cli.run_defaults("train", settings)["output_dir"] == f"outputs/topr-{Path(tiny_model_path).name}-data"
+    assert cli.run_defaults("train", settings)["output_dir"] == f"outputs/topr-{Path(tiny_model_path).name}-data-jsonl"
 
 
 def test_a_finished_run_is_not_overwritten_unless_asked(user_dir, tiny_model_path):
@@ -160,7 +161,7 @@ def test_offline_dataset_in_each_form_trains_on_its_stored_rewards(form, generat
     (["train", "--model_name_or_path", "MODEL", "--dataset_name", "prompts.jsonl", "--reward_funcs",
       "my_rewards:correctnes"], "did you mean 'correctness'"),
     (["train", "--model_name_or_path", "MODEL", "--dataset_name", "missing.jsonl", "--reward_funcs",
-      "my_rewards:correctness"], "no such data file or directory: 'missing.jsonl'"),
+      "my_rewards:correctness"], "--dataset_name missing.jsonl: no such file or folder"),
     (["train", "--model_name_or_path", "MODEL", "--dataset_name", "prompts.jsonl"], "needs --reward_funcs"),
     (["train", "--model_name_or_path", "MODEL"], "needs something to train on"),
     (["train", "--offline_dataset", "nothing_here"], "offline dataset 'nothing_here' not found"),
@@ -187,21 +188,28 @@ def test_bad_input_exits_nonzero_with_one_line_and_no_traceback(tmp_path):
     assert debug.returncode == 1 and "Traceback" in debug.stderr
 
 
-def test_readme_real_run_command_runs_as_written(user_dir, tiny_model_path):
-    """The README's command for a user's own model, data and reward, with a local tiny model and local data in place
-    of the Hub ids (and `topr-trl train` for `bash scripts/train.sh`, which only adds the install step)."""
+def test_readme_real_run_command_runs_as_written(tmp_path, tiny_model_path):
+    """The README's command for a user's own model, data and reward, run as written from the user's own folder
+    (the script's path pointing at this checkout, a local tiny model for the Hub id): the user's module and
+    relative data path are found, the run lands in the user's folder, and the printed path opens from there."""
     readme = (ROOT / "README.md").read_text()
-    command = re.search(r"bash scripts/train\.sh (--model_name_or_path .*?)\n```", readme, re.S).group(1)
-    argv = command.replace("\\\n", " ").split()
+    command = re.search(r"bash ~/topr-trl/(scripts/train\.sh) (--model_name_or_path .*?)\n```", readme, re.S)
+    script, argv = ROOT / command.group(1), command.group(2).replace("\\\n", " ").split()
     model, dataset = argv[argv.index("--model_name_or_path") + 1], argv[argv.index("--dataset_name") + 1]
-    assert "/" in model and argv[argv.index("--reward_funcs") + 1] == "my_rewards:correctness"
-    Dataset.from_dict({"prompt": PROMPTS[:2], "answer": ["1", "2"]}).to_json(user_dir / "prompts.jsonl")
-    argv = [tiny_model_path if a == model else "prompts.jsonl" if a == dataset else a for a in argv]
-    completed = subprocess.run([sys.executable, "-m", "topr_trl", "train", *argv], cwd=user_dir, capture_output=True,
-                               text=True, timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(user_dir)})
+    assert "/" in model and dataset == "data/prompts.jsonl"
+    assert argv[argv.index("--reward_funcs") + 1] == "my_rewards:correctness"
+    user = tmp_path / "me"
+    (user / "data").mkdir(parents=True)
+    (user / "my_rewards.py").write_text(REWARD_MODULE)
+    Dataset.from_dict({"prompt": PROMPTS[:2], "answer": ["1", "2"]}).to_json(user / dataset)
+    argv = [tiny_model_path if a == model else a for a in argv]
+    completed = subprocess.run(["bash", str(script), *argv], cwd=user, capture_output=True, text=True, timeout=900,
+                               env={**__import__("os").environ, "SEEN_PROMPTS": str(user / "seen.jsonl")})
     assert completed.returncode == 0, completed.stderr[-2000:]
-    assert seen_prompts(user_dir) == set(PROMPTS[:2])
-    assert "[topr-trl] model and summary saved to outputs/topr-" in completed.stdout
+    assert seen_prompts(user) == set(PROMPTS[:2])
+    printed = completed.stdout.split("model and summary saved to ")[1].split()[0]
+    assert printed == f"outputs/topr-{Path(tiny_model_path).name}-prompts-jsonl"
+    assert (user / printed / "model.safetensors").is_file() and not (ROOT / printed).exists()
 
 
 def test_gpu_recipe_validates_on_a_cpu_only_machine(capsys):
@@ -229,4 +237,4 @@ def test_evaluate_takes_the_same_flag_names_and_says_how_it_measured(tiny_model_
           "--max_completion_length", "3", "--output_dir", str(tmp_path / "eval"), "--no_plot", "--no_progress"])
     summary = json.loads((tmp_path / "eval" / "results.json").read_text())["settings"]
     assert summary["max_new_tokens"] == 3
-    assert "(sampled at temperature 1, 2 samples per problem) on 3 problems" in capsys.readouterr().out
+    assert "(sampled at temperature 1, 2 samples per problem, correct answer) on 3 problems" in capsys.readouterr().out

@@ -136,5 +136,5 @@ def test_fields_the_selected_loss_reads_are_accepted():
     assert config(pg_variant="cispo", cispo_epsilon_high=0.3).policy_loss_spec.cispo_epsilon_high == 0.3
     assert config(pg_variant="ppo", delta=1.5).policy_loss_spec.ppo_delta == 1.5
     # fields about the data, not the loss, apply to TRL's loss types too
-    assert config(loss_type="dapo", topr_offline_epochs=2.0, topr_skip_unscored_steps=True).loss_type == "dapo"
+    assert config(loss_type="dapo", topr_offline_epochs=2.0, topr_unscored_batch="skip").loss_type == "dapo"
     assert config(loss_type="grpo", topr_baseline="0.0").loss_type == "grpo"  # the default, spelt out

@@ -124,16 +124,18 @@ def test_cli_train_under_accelerate_launch_saves_a_checkpoint_that_loads_back(la
         "--topr_signal", "reward", "--output_dir", str(output)])
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert completed.stdout.count("after training:") == 1  # printed by the main process only
+    summary = json.loads((output / "topr_summary.json").read_text())
+    base_folder = Path(summary["model"])  # the built-in model's folder, keyed under --base_model_dir
+    assert base_folder.parent == tmp_path / "base"
     final = AutoModelForCausalLM.from_pretrained(output)
     checkpoint = AutoModelForCausalLM.from_pretrained(output / "checkpoint-2")
-    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(base_folder)
     for (name, trained), saved, initial in zip(final.state_dict().items(), checkpoint.state_dict().values(),
                                                base.state_dict().values(), strict=True):
         assert torch.equal(trained, saved), name
     assert any(not torch.equal(a, b) for a, b in zip(final.state_dict().values(), base.state_dict().values()))
-    summary = json.loads((output / "topr_summary.json").read_text())
     print(f"{launch}: held-out before {summary['before']}, after {summary['after']}")
-    assert summary["before"] == saved_model_accuracy(tmp_path / "base", 8)
+    assert summary["before"] == saved_model_accuracy(base_folder, 8)
     assert summary["after"] == saved_model_accuracy(output, 8)  # evaluated on all the weights, gathered under ZeRO-3
 
 

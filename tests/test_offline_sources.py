@@ -4,6 +4,7 @@ refusals of reward functions that cannot train anything."""
 
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from topr_trl.offline.rollout import make_behaviour_rollout
 from topr_trl.prompts import tokenize_prompts
 from topr_trl.evaluation.tiny import CHAT_TEMPLATE, build_model, build_tokenizer, save_pretrained
 
-from .conftest import parity_reward, small_config_kwargs
+from .conftest import logged_values, parity_reward, small_config_kwargs
 
 PLAIN_PROMPTS = Dataset.from_dict({"prompt": ["1+2=", "3+4=", "5+6=", "7+8="], "answer": ["3", "7", "11", "15"]})
 
@@ -304,8 +305,10 @@ def test_prompt_eval_dataset_during_offline_training_generates_from_the_policy(g
 
 # ---------------------------------------------------------------------------------------------- reward functions
 @pytest.mark.parametrize("returned,message", [
-    (1.0, "returned float 1.0"), ("good", "returned str"), (["good"] * 8, "returned a list holding str"),
-    ([1.0], "returned 1 values"),
+    (1.0, "Reward function 'bad_reward' returned float 1.0; it must return a list of floats"),
+    ("good", "Reward function 'bad_reward' returned str 'good'; it must return a list of floats"),
+    (["good"] * 8, "Reward function 'bad_reward' returned a list holding str 'good'; it must return a list of floats"),
+    ([1.0], "The reward function 'bad_reward' returned 1 rewards, but 8 were expected"),  # TRL's own check
 ])
 def test_reward_function_with_a_wrong_return_type_fails_at_its_first_call(returned, message, tiny_model_path,
                                                                           arithmetic_dataset, tmp_path):
@@ -314,10 +317,11 @@ def test_reward_function_with_a_wrong_return_type_fails_at_its_first_call(return
 
     trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=bad_reward, train_dataset=arithmetic_dataset,
                           args=TOPRConfig(**small_config_kwargs(tmp_path, per_device_train_batch_size=8)))
-    with pytest.raises((TypeError, ValueError), match=f"Reward function 'bad_reward' {message}.*a list of floats "
-                                                      r"\(or None\), one per completion \(8 here\)"):
+    with pytest.raises((TypeError, ValueError), match=re.escape(message)) as raised:
         trainer.train()
     assert trainer.state.global_step == 0
+    if message.startswith("Reward function"):  # ours, not TRL's: caught by code catching either exception
+        assert isinstance(raised.value, TypeError) and isinstance(raised.value, ValueError)
 
 
 def test_async_reward_function_keeps_working_and_is_checked(tiny_model_path, arithmetic_dataset, tmp_path):
@@ -341,24 +345,38 @@ def none_reward(completions, **kwargs):
     return [None] * len(completions)
 
 
-def test_unscored_steps_stop_training_online_and_offline(generated, tiny_model_path, arithmetic_dataset, tmp_path):
+def test_unscored_steps_stop_training_online_and_offline_when_asked(generated, tiny_model_path, arithmetic_dataset,
+                                                                    tmp_path):
+    stop = dict(topr_unscored_batch="error")
     trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=[none_reward, parity_reward],
                           train_dataset=arithmetic_dataset,
-                          args=TOPRConfig(**small_config_kwargs(tmp_path / "mixed")))
+                          args=TOPRConfig(**small_config_kwargs(tmp_path / "mixed", **stop)))
     trainer.train()  # one function scores: nothing to refuse
     trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=none_reward, train_dataset=arithmetic_dataset,
-                          args=TOPRConfig(**small_config_kwargs(tmp_path / "online")))
+                          args=TOPRConfig(**small_config_kwargs(tmp_path / "online", **stop)))
     with pytest.raises(ValueError, match=r"got None/NaN from every reward function \('none_reward'\).*"
-                                         "topr_skip_unscored_steps=True"):
+                                         "topr_unscored_batch='skip'"):
         trainer.train()
     unscored = load_offline_dataset(generated).map(lambda row: {"reward": float("nan")})
     with pytest.raises(ValueError, match=r"every reward function \('stored_reward'\)"):
-        offline_trainer(tiny_model_path, unscored, tmp_path / "offline").train()
+        offline_trainer(tiny_model_path, unscored, tmp_path / "offline", **stop).train()
+
+
+def test_unscored_steps_train_on_by_default_as_grpo_does(tiny_model_path, arithmetic_dataset, tmp_path, caplog):
+    """GRPOTrainer warns and trains on; with a KL term the step still moves the model, as in GRPO."""
+    args = TOPRConfig(**small_config_kwargs(tmp_path, max_steps=2, beta=0.04))
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=none_reward, train_dataset=arithmetic_dataset,
+                          args=args)
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    assert trainer.state.global_step == 2
+    assert "All reward functions returned None" in caplog.text  # TRL's own warning
+    assert all(value == 0.0 for value in logged_values(trainer, "topr/loss_positive"))
 
 
 def test_unscored_steps_can_be_skipped_with_one_warning(tiny_model_path, arithmetic_dataset, tmp_path, caplog):
     """Skipped means skipped: with an entropy bonus and a KL term the step would otherwise still move the model."""
-    args = TOPRConfig(**small_config_kwargs(tmp_path, topr_skip_unscored_steps=True, max_steps=3, beta=0.04,
+    args = TOPRConfig(**small_config_kwargs(tmp_path, topr_unscored_batch="skip", max_steps=3, beta=0.04,
                                             entropy_coef=0.05))
     trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=none_reward, train_dataset=arithmetic_dataset,
                           args=args)
@@ -368,8 +386,8 @@ def test_unscored_steps_can_be_skipped_with_one_warning(tiny_model_path, arithme
     assert trainer.state.global_step == 3
     assert all(torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
     assert len([record for record in caplog.records if "Skipping a step" in record.getMessage()]) == 1
-    with pytest.raises(ValueError, match="topr_skip_unscored_steps"):
-        TOPRConfig(**small_config_kwargs(tmp_path, topr_skip_unscored_steps="yes"))
+    with pytest.raises(ValueError, match="topr_unscored_batch.*Did you mean 'skip'"):
+        TOPRConfig(**small_config_kwargs(tmp_path, topr_unscored_batch="skipp"))
 
 
 def test_generation_refuses_a_reward_function_returning_a_scalar(behaviour_model_path, arithmetic_dataset, tmp_path):

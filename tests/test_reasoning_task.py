@@ -5,6 +5,7 @@ import dataclasses
 import json
 import random
 import re
+from pathlib import Path
 
 import pytest
 
@@ -221,10 +222,13 @@ def test_max_completion_tokens_fits_the_longest_solution():
 
 
 @pytest.mark.slow
-def test_warm_start_plants_the_error_at_the_paper_regime(tmp_path):
-    """The recommended setting (3 digits, a quarter of carries dropped, 2,000 steps: ~2-4 CPU minutes) lands near
-    two thirds sampled pass@1, and most wrong answers show the planted error."""
-    model, tokenizer, _ = build_reasoning_warm_model(tmp_path, WarmStartSettings())
+def test_warm_start_plants_the_error_at_the_paper_regime(tmp_path, monkeypatch):
+    """The recommended setting (3 digits, a quarter of carries dropped, 2,000 steps: ~2-4 CPU minutes), trained here
+    rather than installed from the shipped weights, lands near two thirds sampled pass@1, and most wrong answers
+    show the planted error."""
+    monkeypatch.setattr("topr_trl.evaluation.tiny.PREBUILT_DIR", tmp_path / "nothing-shipped")
+    model, tokenizer, path = build_reasoning_warm_model(tmp_path, WarmStartSettings())
+    assert (path / "build.json").is_file()  # trained here, and says on what
     report = measure_base_model(model, tokenizer, make_reasoning_dataset(300, 3, "heldout"), num_samples=4)
     assert 0.55 <= report["pass@1"] <= 0.8 and report["planted_share"] > 0.7 and report["invalid_rate"] < 0.05
 
@@ -239,3 +243,20 @@ def test_count_carries_counts_every_carry_including_the_one_out_of_the_top_step(
     for a, b in [(4587, 2896), (123, 456), (999, 1), (500, 500), (358, 647)]:
         solution = write_solution(a, b)
         assert count_carries(a, b) == solution.count("+1=") + (len(str(a + b)) > len(str(max(a, b))))
+
+
+def test_default_built_in_models_are_the_shipped_weights_on_every_machine(tmp_path):
+    """The default settings install the shipped weights byte for byte (whatever the threads or CPU kernels here),
+    under a folder named by the settings alone; the shipped reasoning model is in the paper's regime."""
+    from topr_trl import cli
+    from topr_trl.evaluation.tiny import PREBUILT_DIR, machine_key
+
+    for task, options in (("reasoning", cli.TaskArguments(task_digits=3, base_model_dir=str(tmp_path / "r"))),
+                          ("arithmetic", cli.TaskArguments(base_model_dir=str(tmp_path / "a")))):
+        folder = Path(cli.builtin_model(task, options, seed=0))
+        shipped = PREBUILT_DIR / folder.name
+        assert machine_key() not in folder.name
+        assert (folder / "model.safetensors").read_bytes() == (shipped / "model.safetensors").read_bytes()
+    model, tokenizer, _ = build_reasoning_warm_model(tmp_path / "r", WarmStartSettings())
+    measured = measure_base_model(model, tokenizer, make_reasoning_dataset(200, 3, "heldout", seed=0))
+    assert 0.5 < measured["pass@1"] < 0.85  # about two thirds of samples correct, as in the paper

@@ -1,5 +1,6 @@
 """TOPRTrainer as a drop-in GRPOTrainer: training, delegation to TRL's losses, off-policy data, metrics."""
 
+import logging
 import math
 
 import pytest
@@ -10,12 +11,7 @@ from trl import GRPOConfig, GRPOTrainer
 from topr_trl import TOPRConfig, TOPRTrainer
 from topr_trl.offline.rollout import make_behaviour_rollout
 
-from .conftest import parity_reward, small_config_kwargs
-
-
-def logged_values(trainer, key) -> list[float]:
-    """Every value logged under `key` (TRL logs an empty metric, NaN, as None)."""
-    return [entry[key] for entry in trainer.state.log_history if entry.get(key) is not None]
+from .conftest import logged_values, parity_reward, small_config_kwargs
 
 
 def train_once(trainer_class, config_class, model_path, dataset, output_dir, **overrides):
@@ -155,14 +151,22 @@ def test_reward_function_returning_none_or_nan_is_left_out(tiny_model_path, arit
         assert all(math.isfinite(loss) for loss in logged_values(trainer, "loss"))
 
 
-def test_infinite_reward_raises_a_clear_error(tiny_model_path, arithmetic_dataset, tmp_path):
+def test_infinite_reward_raises_a_clear_error_when_checked(tiny_model_path, arithmetic_dataset, tmp_path):
     def broken_reward(completions, **kwargs):
         return [math.inf] * len(completions)
 
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=broken_reward,
-                          args=TOPRConfig(**small_config_kwargs(tmp_path)), train_dataset=arithmetic_dataset)
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=broken_reward, train_dataset=arithmetic_dataset,
+                          args=TOPRConfig(**small_config_kwargs(tmp_path, topr_check_finite=True)))
     with pytest.raises(ValueError, match="broken_reward.*infinite"):
         trainer.train()
+    # GRPOTrainer's behaviour by default: it trains on (the loss is NaN), and TOPRTrainer warns
+    grpo = GRPOTrainer(model=tiny_model_path, reward_funcs=broken_reward, train_dataset=arithmetic_dataset,
+                       args=GRPOConfig(**small_config_kwargs(tmp_path / "grpo")))
+    grpo.train()
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=broken_reward, train_dataset=arithmetic_dataset,
+                          args=TOPRConfig(**small_config_kwargs(tmp_path / "default")))
+    trainer.train()
+    assert trainer.state.global_step == grpo.state.global_step == 2
 
 
 def test_sampler_source_without_sampler_is_rejected(tiny_model_path, arithmetic_dataset, tmp_path):
@@ -204,7 +208,7 @@ def test_lora_training_changes_only_adapter_weights(tiny_model_path, arithmetic_
     assert changed and all("lora_" in name for name in changed)
 
 
-def test_nan_loss_stops_training_with_a_clear_error(tiny_model_path, arithmetic_dataset, tmp_path):
+def test_nan_loss_stops_training_with_a_clear_error_when_checked(tiny_model_path, arithmetic_dataset, tmp_path, caplog):
     trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
                           args=TOPRConfig(**small_config_kwargs(tmp_path, per_device_train_batch_size=8)))
     batch = next(iter(trainer.get_train_dataloader()))
@@ -212,7 +216,13 @@ def test_nan_loss_stops_training_with_a_clear_error(tiny_model_path, arithmetic_
     with torch.no_grad():
         trainer.model.model.norm.weight.fill_(float("nan"))  # every log-prob, hence the loss, becomes NaN
     with pytest.raises(FloatingPointError, match="not finite"):
+        trainer.args.topr_check_finite = True
         trainer.compute_loss(trainer.model, inputs)
+    trainer.args.topr_check_finite = False  # GRPOTrainer's behaviour: the NaN loss is returned, with one warning
+    with caplog.at_level(logging.WARNING, logger="topr_trl.trainer"):
+        assert torch.isnan(trainer.compute_loss(trainer.model, inputs))
+        assert torch.isnan(trainer.compute_loss(trainer.model, inputs))
+    assert len([r for r in caplog.records if "not finite" in r.getMessage()]) == 1
 
 
 def test_target_effective_proportion_per_batch(tiny_model_path, arithmetic_dataset, tmp_path):

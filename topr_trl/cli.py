@@ -13,29 +13,33 @@ With no model and no dataset a command runs the built-in task on the built-in ti
 a 2-core CPU. A model or dataset on the command line (or in `--config`) makes it a custom run, which starts from
 TRL's own GRPOConfig defaults (on a machine without a GPU: `use_cpu`, no bf16). `train`, `generate` and `iterate`
 take `--config file.yaml`, then any field as a flag; `--help` shows the main flags, `--help-all` every one. A run
-without `--output_dir` writes to `outputs/<command>-<model>-<data>`. A wrong input fails in one line starting with
+without `--output_dir` writes below the current folder, to `outputs/topr-<model>-<data>` (train),
+`outputs/topr-iterations-<model>-<data>` (iterate) or `outputs/data-<model>-<data>` (generate); evaluate writes to
+`outputs/eval-<task>`. A wrong input fails in one line starting with
 `topr-trl:`; `--debug` shows the traceback. All commands run under `accelerate launch`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
-import importlib
-import importlib.util
 import json
+import os
 import re
+import shutil
 import sys
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .evaluation.arithmetic import arithmetic_reward
-from .evaluation.reasoning import max_completion_tokens, reasoning_reward
+from .evaluation.reasoning import max_completion_tokens
+from .machine import describe_machine, machine_info
+from .sources import check_data_source, check_model_source
+from .user_rewards import BUILTIN_REWARDS, reporting_reward, resolve_reward
 
-REWARD_FUNCTIONS = {"arithmetic": arithmetic_reward, "reasoning": reasoning_reward}
 TASKS = ("arithmetic", "reasoning", "gsm8k", "math500", "custom")
 BUILTIN_TASK = "arithmetic"  # what a command runs with no model, no dataset and no task
 BUILTIN_TASKS = ("arithmetic", "reasoning")  # the tasks the built-in tiny model is built for
@@ -69,6 +73,9 @@ BUILTIN_GENERATE_DEFAULTS = dict(max_completion_length=6)
 # the setting of docs/results.md's sample-efficiency runs (32 completions per step, learning rate 3e-4, 60 steps).
 REASONING_DEFAULTS = dict(per_device_train_batch_size=32, max_steps=60, learning_rate=3e-4, task_digits=3,
                           task_eval_prompts=500, base_model_dir="outputs/tiny-reasoning-base")
+# Checks the Python API leaves off (GRPOTrainer's behaviour) and the command line turns on: a command-line user
+# wants a broken reward function or a NaN to stop the run in one line rather than train on.
+CLI_TRAINING_CHECKS = dict(topr_unscored_batch="error", topr_check_finite=True)
 _OUTPUT_PREFIX = {"train": "topr", "iterate": "topr-iterations", "generate": "data"}
 
 
@@ -97,9 +104,9 @@ class TaskArguments:
     few_shot: int = field(default=0, metadata={"help": "gsm8k/math500: worked examples prepended to each prompt."})
     reward_funcs: list[str] | None = field(
         default=None,
-        metadata={"help": f"Reward functions: {', '.join(sorted(REWARD_FUNCTIONS))}, 'module:function' (a module "
-                          "importable from the current directory) or 'path/to/file.py:function'. Default: the task's "
-                          "own."},
+        metadata={"help": f"Reward functions: {', '.join(BUILTIN_REWARDS)}, 'module:function' (a module importable "
+                          "from the current directory; TRL's 'module.function' too) or 'path/to/file.py:function'. "
+                          "Default: the task's own."},
     )
     task_digits: int = field(default=2, metadata={"help": "Built-in tasks: operand digits (reasoning: 3)."})
     task_train_prompts: int = field(default=1000, metadata={"help": "Built-in tasks: training prompts."})
@@ -243,14 +250,18 @@ def builtin_task_defaults(settings: dict) -> dict:
 
 
 def _short_name(value) -> str:
+    """The last part of a model or data name, safe as a folder name; a data file keeps its format
+    (`prompts.jsonl` -> `prompts-jsonl`), so that `prompts.jsonl` and `prompts.parquet` get folders of their own."""
     name = Path(str(value).rstrip("/")).name
     for suffix in (".jsonl", ".json", ".csv", ".parquet"):
-        name = name.removesuffix(suffix)
+        if name.endswith(suffix):
+            name = f"{name.removesuffix(suffix)}-{suffix[1:]}"
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "run"
 
 
 def default_output_dir(command: str, settings: dict) -> str:
-    """`outputs/<command>-<model>-<data>`: one folder per model and data, so runs do not overwrite each other."""
+    """`outputs/<prefix>-<model>-<data>` (prefix: `topr` for train, `topr-iterations` for iterate, `data` for
+    generate): one folder per model and data, so runs do not overwrite each other."""
     model = _short_name(settings["model_name_or_path"]) if settings.get("model_name_or_path") else "tiny"
     data = settings.get("offline_dataset") or settings.get("dataset_name") or settings.get("task") or BUILTIN_TASK
     return f"outputs/{_OUTPUT_PREFIX[command]}-{model}-{_short_name(data)}"
@@ -273,6 +284,8 @@ def run_defaults(command: str, settings: dict) -> dict:
     else:
         defaults = dict(BUILTIN_TRAIN_DEFAULTS if command == "train" else BUILTIN_ITERATE_DEFAULTS) if builtin \
             else hardware_defaults()
+    if command != "generate":
+        defaults.update(CLI_TRAINING_CHECKS)
     if builtin:
         defaults.update(builtin_task_defaults(settings))
         if command == "iterate":
@@ -287,6 +300,9 @@ def parse(argv: list[str], dataclass_types: tuple, prog: str, defaults: dict | N
     from trl import TrlParser
 
     parser = TrlParser(dataclass_types, prog=prog, add_help=False)
+    for action in parser._actions:  # HfArgumentParser gives `--no_X` the help of `--X` ("Enable X ...")
+        if any(option.startswith("--no_") for option in action.option_strings) and action.const is False:
+            action.help = f"Turn off {action.dest} (sets it to False)."
     if defaults:
         parser.set_defaults(**{k: v for k, v in defaults.items()
                                if any(k == action.dest for action in parser._actions)})
@@ -357,9 +373,64 @@ def reject_unknown_flags(parser, argv: list[str]) -> None:
         flag = argument.split("=", 1)[0]
         if flag.startswith("--") and flag not in known:
             fail("option", flag, known)
-    for key in config_settings(argv):
+    config = config_settings(argv)
+    for key in config:
         if key not in names and key != "env":  # TRL's parser sets environment variables from `env`
             fail("key in the config file:", key, names)
+    check_values(parser, argv, config)
+
+
+def _expected(action) -> str:
+    kind = getattr(action.type, "__name__", "")
+    return {"float": "a number", "int": "an integer", "string_to_bool": "true or false"}.get(kind, f"a {kind} value")
+
+
+def _invalid_value(action, value) -> str | None:
+    """What `value` should have been for `action`'s option, or None when the parser will take it."""
+    import argparse as _argparse
+
+    for item in value if isinstance(value, list) else [value]:
+        if item is None or item is True:  # a bare flag
+            continue
+        converted = item
+        if callable(action.type) and isinstance(item, str):
+            try:
+                converted = action.type(item)
+            except (TypeError, ValueError, _argparse.ArgumentTypeError):
+                return _expected(action)
+        if action.choices is not None and converted not in action.choices and str(converted) not in \
+                [str(choice) for choice in action.choices]:
+            return f"one of {[str(choice) for choice in action.choices]}"
+    return None
+
+
+def check_values(parser, argv: list[str], config: dict) -> None:
+    """Fail in one line naming the flag (or the YAML key), the value and what it should be, before argparse prints
+    its usage over hundreds of lines."""
+    by_flag = {option: action for action in parser._actions for option in action.option_strings}
+    by_dest = {action.dest: action for action in parser._actions if action.option_strings}
+    index = 0
+    while index < len(argv):
+        flag, has_value, value = argv[index].partition("=")
+        index += 1
+        if not flag.startswith("--") or flag == "--config" or flag not in by_flag:
+            continue
+        values = [value] if has_value else []
+        while not has_value and index < len(argv) and not argv[index].startswith("--"):
+            values.append(argv[index])
+            index += 1
+        given = values if len(values) > 1 else (values[0] if values else None)
+        wanted = _invalid_value(by_flag[flag], given)
+        if wanted is not None:
+            raise SystemExit(f"topr-trl: {flag} {' '.join(values)}: expected {wanted}")
+    flags = {argument.partition("=")[0] for argument in argv}
+    for key, value in config.items():
+        action = by_dest.get(key)
+        if action is None or any(option in flags for option in action.option_strings):
+            continue  # the command line sets it
+        wanted = _invalid_value(action, value)
+        if wanted is not None:
+            raise SystemExit(f"topr-trl: YAML key {key}: {value!r} in the config file: expected {wanted}")
 
 
 # ---------------------------------------------------------------------------------------------- what to run on
@@ -410,8 +481,11 @@ def load_task(options: TaskArguments, model_name_or_path: str | None, seed: int,
     from .evaluation.arithmetic import make_arithmetic_dataset
 
     task = resolve_task(options, model_name_or_path, offline)
+    check_model_source(model_name_or_path, dry_run=options.dry_run)  # before anything heavy, dry runs included
+    check_data_source(options.dataset_name, "--dataset_name")
     reward_names = options.reward_funcs or _TASK_REWARDS.get(task, [])
-    reward_funcs = [resolve_reward(name) for name in reward_names]
+    # a user's function that raises stops the command in one line naming it (the Python API lets it raise as is)
+    reward_funcs = [reporting_reward(resolve_reward(name)) for name in reward_names]
     if options.dry_run:
         return model_name_or_path, task, None, None, None, reward_funcs
     if model_name_or_path is None:
@@ -446,85 +520,72 @@ def load_task(options: TaskArguments, model_name_or_path: str | None, seed: int,
 
 
 def builtin_model(task: str, options: TaskArguments, seed: int) -> str:
-    """The built-in tiny model of `task`, warm-started once (on the main process first under `accelerate launch`)
-    and cached under --base_model_dir; returns its folder."""
+    """The built-in tiny model of `task`: the shipped weights for the default settings (the same on every machine),
+    else warm-started here once (on the main process first under `accelerate launch`, with progress); cached under
+    --base_model_dir. Returns its folder."""
     from accelerate import PartialState
 
     from .distributed import outside_zero3_construction
-    from .evaluation.arithmetic import build_warm_model
+    from .evaluation.arithmetic import build_warm_model, warm_model_folder, warm_model_key
     from .evaluation.reasoning import WarmStartSettings, build_reasoning_warm_model, warm_model_path
+    from .evaluation.tiny import prebuilt_model
 
     if task == "reasoning":
         settings = WarmStartSettings(digits=options.task_digits, error_rate=options.task_error_rate, seed=seed)
         folder = warm_model_path(options.base_model_dir, settings)
+        shipped = prebuilt_model(settings.key()) is not None
         what = (f"SFT on written solutions that drop each carry with probability {options.task_error_rate:g}, "
-                f"{settings.steps} steps (1-3 min on a CPU)")
+                f"{settings.steps} steps (1-3 min on an idle 2-core CPU)")
     else:
-        folder = Path(options.base_model_dir)
-        what = f"SFT warm start until {options.warm_start_accuracy:.0%} greedy accuracy"
+        folder = warm_model_folder(options.base_model_dir, options.task_digits, options.warm_start_accuracy, seed)
+        shipped = prebuilt_model(warm_model_key(options.task_digits, options.warm_start_accuracy, seed)) is not None
+        what = f"SFT warm start until {options.warm_start_accuracy:.0%} greedy accuracy (at most 3,000 steps)"
     state = PartialState()
     with state.main_process_first():
         if state.is_main_process:
             fresh = not (folder / "config.json").exists()
-            if fresh:  # seconds to minutes on an idle CPU, longer on a busy one: say what it is
-                started = time.time()
-                _print_main(f"building the built-in tiny model (once; cached in {folder}): {what}")
+            started = time.time()
+            if fresh and shipped:
+                _print_main(f"installing the built-in tiny model's shipped weights into {folder}")
+            elif fresh:  # seconds to minutes on an idle CPU, longer on a busy one: say what it is, and how far
+                _print_main(f"building the built-in tiny model for these settings (once; cached in {folder}): "
+                            f"{what}; on {describe_machine()}")
+
+            def progress(step: int, steps: int, loss: float) -> None:
+                _print_main(f"  warm start step {step}/{steps}, loss {loss:.3f}, {time.time() - started:.0f} s")
+
             with outside_zero3_construction():
                 if task == "reasoning":
-                    build_reasoning_warm_model(options.base_model_dir, settings)
+                    build_reasoning_warm_model(options.base_model_dir, settings, progress=progress)
                 else:
                     build_warm_model(folder, digits=options.task_digits,
-                                     target_accuracy=options.warm_start_accuracy, seed=seed)
-            if fresh:
+                                     target_accuracy=options.warm_start_accuracy, seed=seed, progress=progress)
+            if fresh and not shipped:
                 _print_main(f"built-in tiny model ready in {time.time() - started:.0f} s")
     return str(folder)
 
 
-def resolve_reward(name: str):
-    """A reward function by name: a built-in one, 'module:function' (the current directory is importable, as for
-    `python -m`) or 'path/to/file.py:function'."""
-    if name in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS[name]
-    location, _, function_name = name.rpartition(":")
-    if not location or not function_name:
-        raise ValueError(f"unknown reward function {name!r}: use one of {sorted(REWARD_FUNCTIONS)}, "
-                         "'module:function' or 'path/to/file.py:function'")
-    try:
-        if location.endswith(".py"):
-            path = Path(location)
-            if not path.is_file():
-                raise FileNotFoundError(f"no such file {location!r}")
-            spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            if "" not in sys.path and str(Path.cwd()) not in sys.path:
-                sys.path.insert(0, str(Path.cwd()))
-            module = importlib.import_module(location)
-    except (ImportError, FileNotFoundError) as error:
-        raise ValueError(f"cannot load the reward function {name!r}: {error}. Give 'module:function' with the module "
-                         "importable from the current directory (or on PYTHONPATH), or 'path/to/file.py:function'") \
-            from error
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        available = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
-        close = difflib.get_close_matches(function_name, available, n=1)
-        raise ValueError(f"{location} has no function {function_name!r}" +
-                         (f"; did you mean {close[0]!r}?" if close else ""))
-    return function
-
-
 # ---------------------------------------------------------------------------------------------- run helpers
-def refuse_finished_run(output_dir: str, allowed: bool) -> None:
-    """A folder that holds a finished run (its summary or its saved model) is not trained into again by accident:
-    only with --overwrite_output_dir, or --resume_from_checkpoint to continue it (`allowed`)."""
+def refuse_used_output_dir(output_dir: str, overwrite: bool, resume: bool) -> None:
+    """A folder that holds a finished run (its summary or its saved model) or an interrupted one (checkpoints) is not
+    trained into again by accident: a finished one only with --overwrite_output_dir (or --resume_from_checkpoint to
+    continue it), an interrupted one only with --resume_from_checkpoint (or --overwrite_output_dir to start again)."""
+    from .distributed import last_checkpoint
+
     folder = Path(output_dir)
+    if overwrite or resume or not folder.is_dir():
+        return
     markers = [name for name in ("topr_summary.json", "model.safetensors", "adapter_model.safetensors")
                if (folder / name).exists()]
-    if markers and not allowed:
+    if markers:
         raise SystemExit(f"topr-trl: {output_dir} holds a finished run ({markers[0]}); choose another --output_dir, "
                          "pass --overwrite_output_dir true to replace it or --resume_from_checkpoint true to "
                          "continue it")
+    checkpoint = last_checkpoint(folder)
+    if checkpoint is not None:
+        raise SystemExit(f"topr-trl: {output_dir} holds an interrupted run (last checkpoint {Path(checkpoint).name}); "
+                         "pass --resume_from_checkpoint true to continue it, --overwrite_output_dir true to start "
+                         "again from step 0, or choose another --output_dir")
 
 
 def checkpoint_to_resume(training_args) -> str | None:
@@ -596,10 +657,15 @@ def train(argv: list[str]) -> dict:
     script_args, training_args, model_args = parse(argv, (TrainScriptArguments, TOPRConfig, ModelConfig),
                                                    "topr-trl train", defaults)
     offline = script_args.offline_dataset is not None
-    refuse_finished_run(training_args.output_dir,
-                        script_args.overwrite_output_dir or bool(training_args.resume_from_checkpoint))
+    refuse_used_output_dir(training_args.output_dir, script_args.overwrite_output_dir,
+                           bool(training_args.resume_from_checkpoint))
+    check_data_source(script_args.offline_dataset, "--offline_dataset")
     # Loaded before any model is built, so that a wrong path fails at once.
-    offline_data = load_offline_source(script_args.offline_dataset) if offline and not script_args.dry_run else None
+    offline_data = offline_eval = None
+    if offline and not script_args.dry_run:
+        offline_data = load_offline_source(script_args.offline_dataset, script_args.dataset_train_split)
+        if training_args.eval_strategy != "no":  # the stored test split, replayed and scored as the eval set
+            offline_eval = load_offline_source(script_args.offline_dataset, script_args.dataset_test_split)
     model, task, train_dataset, held_out, eval_dataset, reward_funcs = load_task(
         script_args, model_args.model_name_or_path, training_args.seed, offline=offline,
         eval_split=training_args.eval_strategy != "no")
@@ -614,30 +680,82 @@ def train(argv: list[str]) -> dict:
               f"output_dir={training_args.output_dir}")
         return {"dry_run": True}
     if offline:
-        train_dataset = offline_data
+        train_dataset, eval_dataset = offline_data, offline_eval
     _note_hardware(defaults, settings)
 
     from .trainer import TOPRTrainer
 
-    trainer = TOPRTrainer(model=model, reward_funcs=reward_funcs, args=training_args, train_dataset=train_dataset,
-                          eval_dataset=eval_dataset, peft_config=get_peft_config(model_args))
-    summary: dict = {"output_dir": training_args.output_dir}
-    if held_out is not None:
-        summary["held_out_problems"] = len(held_out)
-        summary["before"] = held_out_accuracy(trainer, held_out, task)
-        _print_main(f"before training: {describe_accuracy(summary['before'], len(held_out))}")
-    trainer.train(resume_from_checkpoint=checkpoint_to_resume(training_args))
-    if held_out is not None:
-        summary["after"] = held_out_accuracy(trainer, held_out, task)
-        _print_main(f"after training:  {describe_accuracy(summary['after'], len(held_out))}")
-    trainer.save_model(training_args.output_dir)
+    with removed_if_left_empty(training_args.output_dir):
+        trainer = TOPRTrainer(model=model, reward_funcs=reward_funcs, args=training_args,
+                              train_dataset=train_dataset, eval_dataset=eval_dataset,
+                              peft_config=get_peft_config(model_args))
+        summary: dict = {"output_dir": training_args.output_dir, "model": model, "task": task,
+                         "machine": machine_info()}
+        _print_main(f"measured on {describe_machine(summary['machine'])}")
+        if held_out is not None:
+            summary["held_out_problems"] = len(held_out)
+            summary["before"] = held_out_accuracy(trainer, held_out, task)
+            _print_main(f"before training: {describe_accuracy(summary['before'], len(held_out))}")
+        trainer.train(resume_from_checkpoint=checkpoint_to_resume(training_args))
+        if held_out is not None:
+            summary["after"] = held_out_accuracy(trainer, held_out, task)
+            _print_main(f"after training:  {describe_accuracy(summary['after'], len(held_out))}")
+        summary["steps"] = trainer.state.global_step
+        summary["end_of_training"] = last_logged(trainer.state.log_history, SUMMARY_METRICS)
+        if summary["end_of_training"]:
+            _print_main("at the end of training: " + ", ".join(
+                f"{key} {value:.4g}" for key, value in summary["end_of_training"].items()))
+        trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
         Path(training_args.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(training_args.output_dir) / "topr_summary.json").write_text(json.dumps(summary, indent=2))
-        _print_main(f"model and summary saved to {training_args.output_dir}")
+        _print_main(f"model and summary saved to {shown_path(training_args.output_dir)}")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.offline_dataset or script_args.dataset_name)
     return summary
+
+
+# The last logged value of each, for the summary of a run (p~ only under topr_signal="reward").
+SUMMARY_METRICS = ("loss", "reward", "reward_std", "topr/effective_positive_proportion", "topr/positive_fraction",
+                   "topr/negative_truncated_fraction", "eval_reward")
+
+
+def last_logged(log_history: list[dict], keys) -> dict:
+    """The last value logged under each of `keys` (those never logged are left out)."""
+    found = {}
+    for entry in log_history:
+        for key in keys:
+            value = entry.get(key)
+            if isinstance(value, (int, float)) and value == value:  # NaN is "not measured"
+                found[key] = float(value)
+    return found
+
+
+def shown_path(path: str) -> str:
+    """`path` as the user can open it from where they ran the command: relative when it lies below the current
+    folder, absolute otherwise."""
+    resolved = Path(path).resolve()
+    try:
+        return str(resolved.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(resolved)
+
+
+@contextlib.contextmanager
+def removed_if_left_empty(output_dir: str):
+    """A run that fails leaves no empty output folder behind: a folder this run created and wrote no file into is
+    removed (one with any file, a checkpoint above all, is kept)."""
+    from accelerate import PartialState
+
+    folder = Path(output_dir)
+    existed = folder.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed and folder.is_dir() and PartialState().is_main_process \
+                and not any(path.is_file() for path in folder.rglob("*")):
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
 
 
 def generate(argv: list[str]) -> dict:
@@ -742,6 +860,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"commands: {', '.join(COMMANDS)}; `topr-trl COMMAND --help` for its flags")
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated")  # TRL's own default trips it
+    from .distributed import gpu_available
+
+    if not gpu_available():  # DeepSpeed would guess the CPU, warning "Setting accelerator to CPU" on every command
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         run_command(argv[0], argv[1:])  # returns nothing: a console script exits 1 on a returned value
         from .distributed import end_process_group

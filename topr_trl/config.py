@@ -18,11 +18,12 @@ SIGNALS: tuple[str, ...] = ("advantage", "reward")
 BASELINE_MODES: tuple[str, ...] = ("group_mean", "batch_mean")
 BEHAVIOUR_SOURCES: tuple[str, ...] = ("auto", "sampler", "policy")
 BASELINE_SCOPES: tuple[str, ...] = ("batch", "dataset")
+UNSCORED_BATCH_ACTIONS: tuple[str, ...] = ("train", "skip", "error")
 
 
 # The TOPR-family fields, and the pg_variants that read each one (empty: every variant of the family). None of them
-# is read when loss_type is one of TRL's; topr_offline_epochs, topr_behaviour_model and topr_skip_unscored_steps
-# concern the data, not the loss, and apply to every loss type.
+# is read when loss_type is one of TRL's; topr_offline_epochs, topr_behaviour_model, topr_unscored_batch and
+# topr_check_finite concern the data and the run, not the loss, and apply to every loss type.
 _FIELDS_READ_BY: dict[str, tuple[str, ...]] = {
     "pg_variant": (),
     "topr_preset": ("topr",),
@@ -136,11 +137,18 @@ class TOPRConfig(GRPOConfig):
             Algorithm 1 makes one.
             For offline data it replaces `num_train_epochs` (which keeps its meaning for online training); raise it
             to reuse the data, as in the paper's far-off-policy experiments. `max_steps` > 0 still takes precedence.
-        topr_skip_unscored_steps (`bool`, *optional*, defaults to `False`):
-            What to do when no completion of a whole generation batch gets a reward (every reward function returned
-            None or NaN for all of them), online or offline. `False`: stop with a `ValueError` naming the reward
-            functions, since such a step trains nothing and usually means a broken reward function. `True`: skip
-            such steps (their loss is zeroed, KL and entropy terms included), with one warning.
+        topr_unscored_batch (`str`, *optional*, defaults to `"train"`):
+            What to do with a training generation batch that no reward function could score (every reward function
+            returned None or NaN for every completion), online or offline. `"train"`: what GRPOTrainer does (TRL
+            logs its warning, the batch's signal is 0 so the policy term moves nothing, and the KL and entropy
+            terms still act). `"skip"`: zero the whole loss of such steps (KL and entropy terms included), with one
+            warning. `"error"`: stop with a `ValueError` naming the reward functions, since such a batch usually
+            means a broken reward function (the `topr-trl` command line's default).
+        topr_check_finite (`bool`, *optional*, defaults to `False`):
+            Stop on non-finite numbers instead of training on them, as GRPOTrainer does: an infinite reward raises
+            a `ValueError` naming the reward function, and a non-finite TOPR loss a `FloatingPointError` that
+            reports the ratio ranges. Off by default (GRPOTrainer's behaviour: a non-finite loss is trained on and
+            logged as NaN, and TOPRTrainer warns once); the `topr-trl` command line turns it on.
         pg_variant (`str`, *optional*, defaults to `"topr"`):
             ROLL's `pg_variant`, to compare off-policy losses in one trainer with the same signal, ratio level,
             mu and aggregation: `"topr"` (Eq. 7 with the limits above), `"vanilla"` (REINFORCE, the
@@ -201,10 +209,15 @@ class TOPRConfig(GRPOConfig):
     topr_offline_epochs: float = field(
         default=1.0, metadata={"help": "Passes over an offline dataset (Algorithm 1: 1); replaces num_train_epochs."}
     )
-    topr_skip_unscored_steps: bool = field(
+    topr_unscored_batch: str = field(
+        default="train",
+        metadata={"help": f"A training batch no reward function could score (all None/NaN): "
+                          f"{list(UNSCORED_BATCH_ACTIONS)} ('train': GRPOTrainer's behaviour; the CLI: 'error')."},
+    )
+    topr_check_finite: bool = field(
         default=False,
-        metadata={"help": "Skip (True, one warning) instead of failing (False) on a generation batch that no reward "
-                          "function could score (all None/NaN)."},
+        metadata={"help": "Stop on an infinite reward (ValueError) or a non-finite TOPR loss (FloatingPointError) "
+                          "instead of training on it, as GRPOTrainer does (the CLI: True)."},
     )
     pg_variant: str = field(default="topr", metadata={"help": f"Off-policy loss variant: {list(PG_VARIANTS)}."})
     tis_lower_bound: float = field(default=0.0, metadata={"help": "pg_variant='tis': lower ratio bound."})
@@ -233,10 +246,9 @@ class TOPRConfig(GRPOConfig):
                                  "topr_signal='reward'.")
         if not (isinstance(self.topr_offline_epochs, (int, float)) and self.topr_offline_epochs > 0):
             raise ValueError(f"`topr_offline_epochs` must be > 0, got {self.topr_offline_epochs!r}.")
-        if not isinstance(self.topr_skip_unscored_steps, bool):
-            raise ValueError(
-                f"`topr_skip_unscored_steps` must be True or False, got {self.topr_skip_unscored_steps!r}."
-            )
+        check_choice("topr_unscored_batch", self.topr_unscored_batch, UNSCORED_BATCH_ACTIONS)
+        if not isinstance(self.topr_check_finite, bool):
+            raise ValueError(f"`topr_check_finite` must be True or False, got {self.topr_check_finite!r}.")
         for name in ("topr_positive_weight", "topr_negative_weight", "cispo_epsilon_low", "cispo_epsilon_high",
                      "kimi15_tau"):
             value = getattr(self, name)

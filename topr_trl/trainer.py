@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import textwrap
 from pathlib import Path
@@ -35,6 +36,15 @@ from .offline.schema import (
 )
 
 logger = logging.getLogger(__name__)
+
+# TOPRTrainer also takes a plain GRPOConfig (only the trainer's name swapped): TOPR's run-level fields then keep
+# their TOPRConfig defaults, which are GRPOTrainer's behaviour.
+_TOPR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TOPRConfig)}
+
+
+def topr_setting(args, name: str):
+    """`args.<name>`, or TOPRConfig's default when `args` is a GRPOConfig."""
+    return getattr(args, name, _TOPR_DEFAULTS[name])
 
 # Per-trajectory metrics are reduced with one collective: these are the sums, in this order.
 _SUM_KEYS = (
@@ -77,7 +87,7 @@ class TOPRTrainer(GRPOTrainer):
             args = TOPRConfig(f"{model_name.split('/')[-1]}-TOPR")
         reward_list = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         uses_stored_reward = any(function is stored_reward for function in reward_list)
-        has_behaviour_model = getattr(args, "topr_behaviour_model", None) is not None
+        has_behaviour_model = topr_setting(args, "topr_behaviour_model") is not None
         train_dataset = kwargs.get("train_dataset")
         check_offline_columns(train_dataset, "train_dataset", uses_stored_reward, has_behaviour_model)
         self._offline = is_offline_dataset(train_dataset)
@@ -101,7 +111,7 @@ class TOPRTrainer(GRPOTrainer):
                 rewards = torch.tensor([float("nan") if r is None else r for r in train_dataset["reward"]])
                 self._dataset_baseline = baseline_for_target_share(rewards, args.topr_target_effective_proportion)
         self._replay_rows: list[dict] | None = None
-        self._warned_unscored = False
+        self._warned_unscored = self._warned_nonfinite = False
         super().__init__(model, reward_funcs, args=args, **kwargs)
         # Replay trains on stored token ids; what is not stored is tokenized once, here, the way GRPOTrainer would.
         if self._offline:
@@ -136,7 +146,14 @@ class TOPRTrainer(GRPOTrainer):
         """TRL's model card (which cites TOPR through `_paper`), plus the TOPR configuration that trained it."""
         super().create_model_card(*args, **kwargs)
         card = Path(self.args.output_dir) / "README.md"
-        if self.loss_type != "topr" or not self.is_world_process_zero() or not card.exists():
+        if not self.is_world_process_zero() or not card.exists():
+            return
+        # TRL names no base model for one loaded from a local folder, which its template renders as "[None]"
+        local = get_config_model_id(self.model.config)
+        card.write_text(card.read_text().replace(
+            "fine-tuned version of [None](https://huggingface.co/None)",
+            f"fine-tuned version of a local model (`{Path(str(local)).name or local}`)"))
+        if self.loss_type != "topr":
             return
         spec = self._loss_spec
         fields = ["pg_variant", "topr_preset", "topr_ratio_level", "topr_signal", "topr_baseline",
@@ -223,7 +240,7 @@ class TOPRTrainer(GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         infinite = torch.isinf(rewards_per_func)
-        if infinite.any():
+        if topr_setting(self.args, "topr_check_finite") and infinite.any():
             name = self.reward_func_names[int(infinite.any(dim=0).nonzero()[0])]
             raise ValueError(
                 f"Reward function '{name}' returned an infinite reward. Return a finite number, or None (or NaN) for "
@@ -235,18 +252,19 @@ class TOPRTrainer(GRPOTrainer):
         return rewards_per_func
 
     def _handle_unscored_batch(self) -> None:
-        """No completion of the whole (gathered) generation batch could be scored: GRPO would train nothing on it and
-        carry on, which hides a broken reward function. Stop, unless the user opted in to skipping such steps."""
+        """No completion of the whole (gathered) generation batch could be scored. GRPOTrainer warns and trains on
+        (`topr_unscored_batch="train"`, nothing to do here); "error" stops, "skip" marks the batch (below)."""
+        action = topr_setting(self.args, "topr_unscored_batch")
         names = ", ".join(f"'{name}'" for name in self.reward_func_names)
-        if not getattr(self.args, "topr_skip_unscored_steps", False):
+        if action == "error":
             raise ValueError(
                 f"Every completion of the generation batch at step {self.state.global_step} got None/NaN from every "
                 f"reward function ({names}), so the step would train nothing: fix the reward functions (or the dataset "
-                "columns they read), or set topr_skip_unscored_steps=True to skip such steps."
+                "columns they read), or set topr_unscored_batch='skip' (or 'train') to go on."
             )
-        if not self._warned_unscored:
+        if action == "skip" and not self._warned_unscored:
             logger.warning(f"Skipping a step whose completions no reward function ({names}) could score "
-                           "(topr_skip_unscored_steps=True); later such steps are skipped without this warning.")
+                           "(topr_unscored_batch='skip'); later such steps are skipped without this warning.")
             self._warned_unscored = True
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -264,8 +282,9 @@ class TOPRTrainer(GRPOTrainer):
             output["sampling_per_token_logps"] = self._behaviour_logps(output)
         if self.loss_type == "topr" and self.args.topr_signal == "reward":
             output["topr_signal"] = self._local_reward_signal(len(inputs))
-        if self.model.training and torch.isnan(self._topr_rewards_per_func).all():
-            # topr_skip_unscored_steps (otherwise _calculate_rewards has stopped): the mark travels with the batch
+        if (self.model.training and topr_setting(self.args, "topr_unscored_batch") == "skip"
+                and torch.isnan(self._topr_rewards_per_func).all()):
+            # the mark travels with the batch to the loss
             output["topr_unscored"] = torch.ones(len(inputs), dtype=torch.bool, device=output["completion_ids"].device)
         return output
 
@@ -299,7 +318,7 @@ class TOPRTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         loss = self._topr_loss(model, inputs) if self.loss_type == "topr" else super()._compute_loss(model, inputs)
         if "topr_unscored" in inputs:
-            # topr_skip_unscored_steps: the batch moves nothing, not even through the KL or entropy terms
+            # topr_unscored_batch='skip': the batch moves nothing, not even through the KL or entropy terms
             loss = loss * 0.0
         return loss
 
@@ -320,7 +339,8 @@ class TOPRTrainer(GRPOTrainer):
         terms = policy_per_token_loss(per_token_logps, behaviour_logps, signal, mask, self._loss_spec)
         loss, policy_per_token, aggregation = self._grpo_loss_around_policy_term(
             inputs, mode, mask, terms.per_token_loss, per_token_logps, entropies, aux_loss, signal, behaviour_logps)
-        self._log_policy_metrics(mode, terms, signal, mask, entropies, policy_per_token, aggregation, loss)
+        health = self._log_policy_metrics(mode, terms, signal, mask, entropies, policy_per_token, aggregation, loss)
+        self._on_nonfinite_loss(health)
         return loss
 
     # MIRROR of TRL 1.16.0 `GRPOTrainer._compute_loss` (trl/trainer/grpo_trainer.py, the code after the per-token
@@ -446,8 +466,9 @@ class TOPRTrainer(GRPOTrainer):
 
     def _log_policy_metrics(
         self, mode, terms: PolicyTerms, signal, mask, entropies, policy_per_token, aggregation, loss
-    ) -> None:
-        """TOPR's metrics, reduced over processes with two collectives (every rank logs every key).
+    ) -> dict:
+        """TOPR's metrics, reduced over processes with two collectives (every rank logs every key); returns what
+        `_on_nonfinite_loss` needs (the reduction is shared, so every rank agrees).
 
         Branches are by the sign of the signal; trajectories with zero signal (e.g. groups whose completions all
         got the same reward, under the advantage signal) move nothing and are counted apart. Ratio statistics
@@ -519,10 +540,20 @@ class TOPRTrainer(GRPOTrainer):
         metrics["topr/loss_positive"].append(branch[0])
         metrics["topr/loss_negative"].append(branch[1])
         metrics["entropy"].append(share("entropy_sum", "token_count"))
-        if sums["nonfinite_loss"] > 0:
-            raise FloatingPointError(
-                f"TOPR loss is not finite on {int(sums['nonfinite_loss'])} process(es) at step "
-                f"{self.state.global_step}. Ratio ranges: positives [{extremes[0]}, {-extremes[2]}], negatives "
-                f"[{extremes[1]}, {-extremes[3]}]. Check the reward functions and, in bf16/fp16, the model's "
-                "logits; rerun with bf16=False to rule out overflow."
-            )
+        return {"nonfinite_processes": int(sums["nonfinite_loss"]),
+                "ratio_ranges": f"positives [{extremes[0]}, {-extremes[2]}], negatives [{extremes[1]}, {-extremes[3]}]"}
+
+    def _on_nonfinite_loss(self, health: dict) -> None:
+        """GRPOTrainer trains on a non-finite loss (logged as NaN); TOPRTrainer does too unless topr_check_finite,
+        warning once either way, with the ratio ranges that usually explain it."""
+        if health["nonfinite_processes"] == 0:
+            return
+        message = (f"TOPR loss is not finite on {health['nonfinite_processes']} process(es) at step "
+                   f"{self.state.global_step}. Ratio ranges: {health['ratio_ranges']}. Check the reward functions "
+                   "and, in bf16/fp16, the model's logits; rerun with bf16=False to rule out overflow.")
+        if topr_setting(self.args, "topr_check_finite"):
+            raise FloatingPointError(message)
+        if not self._warned_nonfinite:
+            logger.warning(message + " Training goes on, as in GRPOTrainer (topr_check_finite=True stops here); "
+                           "later such steps are not reported.")
+            self._warned_nonfinite = True

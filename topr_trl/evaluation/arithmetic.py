@@ -76,6 +76,8 @@ def warm_start(
     target_accuracy: float | None = None,
     eval_dataset: Dataset | None = None,
     check_every: int = 2,
+    progress=None,
+    progress_every: int = 100,
 ):
     """Supervised warm-start on reference answers (cross-entropy on answer tokens only), so that RL starts
     from a model that is right sometimes, as the paper's instruct models are.
@@ -83,16 +85,20 @@ def warm_start(
     With `target_accuracy`, stops at the first check (every `check_every` steps) where greedy accuracy on
     `eval_dataset` reaches it: a tiny model learns arithmetic in a sudden jump, so a fixed step count would
     land anywhere between 0 % and 90 %. The jump spans a few tens of steps: checking every 10 steps overshot a 30 %
-    target to 54 % held-out, every 2 steps lands at 19 % (1 thread)."""
+    target to 54 % held-out, every 2 steps lands at 19 % (1 thread). `progress(step, steps, loss)` is called every
+    `progress_every` steps and at the last one."""
     if target_accuracy is not None and eval_dataset is None:
         raise ValueError("target_accuracy needs an eval_dataset")
     generator = torch.Generator().manual_seed(seed)
     examples = [_encode_example(tokenizer, p, a) for p, a in zip(dataset["prompt"], dataset["answer"], strict=True)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
+    reported = 0
     for step in range(steps):
         if target_accuracy is not None and step % check_every == 0 and step > 0:
             if accuracy(model, tokenizer, eval_dataset)["accuracy"] >= target_accuracy:
+                if progress is not None and reported < step:
+                    progress(step, steps, loss.item())  # where the target stopped it
                 break
             model.train()
         batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=generator).tolist()]
@@ -109,6 +115,9 @@ def warm_start(
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if progress is not None and ((step + 1) % progress_every == 0 or step + 1 == steps):
+            progress(step + 1, steps, loss.item())
+            reported = step + 1
     model.eval()
     return model
 
@@ -137,16 +146,35 @@ def accuracy(model, tokenizer, dataset: Dataset, max_new_tokens: int = 8, batch_
             "malformed_rate": malformed / len(dataset)}
 
 
+def warm_model_key(digits: int = 2, target_accuracy: float = 0.15, seed: int = 0) -> str:
+    """The folder name of the built-in arithmetic model of these settings (`build_warm_model`), without the machine
+    part that a locally trained one adds (`warm_model_folder`)."""
+    return f"arithmetic-d{digits}-acc{target_accuracy:g}-seed{seed}"
+
+
+def warm_model_folder(cache_dir: str | Path, digits: int = 2, target_accuracy: float = 0.15, seed: int = 0) -> Path:
+    """Where the built-in arithmetic model of these settings is cached under `cache_dir`: the shipped one (default
+    settings) by its settings alone, a locally trained one with the torch version, CPU kernels and threads."""
+    from .tiny import machine_key, prebuilt_model
+
+    key = warm_model_key(digits, target_accuracy, seed)
+    return Path(cache_dir) / (key if prebuilt_model(key) is not None else f"{key}-{machine_key()}")
+
+
 def build_warm_model(
-    path: str | Path, digits: int = 2, target_accuracy: float = 0.15, max_steps: int = 3000, seed: int = 0, **model_kwargs
+    path: str | Path, digits: int = 2, target_accuracy: float = 0.15, max_steps: int = 3000, seed: int = 0,
+    progress=None, **model_kwargs
 ):
     """Build (or load, if `path` holds one) the tiny model of the built-in task, warm-started by SFT until its
-    greedy accuracy on problems outside the RL train and eval sets first reaches `target_accuracy`."""
+    greedy accuracy on problems outside the RL train and eval sets first reaches `target_accuracy`; the shipped
+    weights are installed instead where these are the settings they were built with."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .tiny import build_model, build_tokenizer, save_pretrained
+    from .tiny import build_model, build_tokenizer, install_prebuilt, record_build, save_pretrained
 
     path = Path(path)
+    if not (path / "config.json").exists() and not model_kwargs and max_steps == 3000:
+        install_prebuilt(warm_model_key(digits, target_accuracy, seed), path)
     if (path / "config.json").exists():
         return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     tokenizer = build_tokenizer()
@@ -158,6 +186,9 @@ def build_warm_model(
         max_steps,
         target_accuracy=target_accuracy,
         eval_dataset=make_arithmetic_dataset(100, digits=digits, seed=seed + 2000),
+        progress=progress,
     )
     save_pretrained(model, tokenizer, path)
+    record_build(path, dict(digits=digits, target_accuracy=target_accuracy, max_steps=max_steps, seed=seed,
+                            **model_kwargs))
     return model, tokenizer

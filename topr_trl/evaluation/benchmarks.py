@@ -202,7 +202,11 @@ def _load_saved(path: Path, split: str) -> Dataset:
     return saved[split] if split in saved else next(iter(saved.values()))
 
 
-def _split_of_file(path: Path) -> str:
+# What `datasets` reads as split names in a folder of data files.
+SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "eval")
+
+
+def split_of_file(path: Path) -> str:
     """`test.jsonl` -> `test`; `train-00000-of-00001.parquet` -> `train`."""
     return re.split(r"[-.]", path.name, maxsplit=1)[0]
 
@@ -251,9 +255,9 @@ def load_source(source, split: str, config: str | None = None, cache_dir: str | 
     candidates = sorted(
         file for file in root.rglob("*") if file.is_file() and file.suffix.lower() in LOCAL_FORMATS
     )
-    files = [file for file in candidates if _split_of_file(file) == split]
+    files = [file for file in candidates if split_of_file(file) == split]
     if not files:
-        available = sorted({_split_of_file(file) for file in candidates})
+        available = sorted({split_of_file(file) for file in candidates})
         raise ValueError(
             f"unknown split {split!r}: no data file named after it in {str(root)!r}"
             + (f" (splits found: {available})" if available else " (no .json/.jsonl/.csv/.parquet files there)")

@@ -398,19 +398,27 @@ SETTINGS_FILE = "reasoning_warm_start.json"
 
 
 def warm_model_path(cache_dir: str | Path, settings: WarmStartSettings) -> Path:
-    """Where `build_reasoning_warm_model` keeps the model of `settings` under `cache_dir`."""
-    return Path(cache_dir) / settings.key()
+    """Where `build_reasoning_warm_model` keeps the model of `settings` under `cache_dir`. A shipped model (the
+    default settings, `topr_trl.evaluation.tiny.PREBUILT_DIR`) is the same everywhere and named by its settings
+    alone; a locally trained one's name adds the torch version, CPU kernels and threads that trained it, since they
+    change its weights."""
+    from .tiny import machine_key, prebuilt_model
+
+    key = settings.key()
+    return Path(cache_dir) / (key if prebuilt_model(key) is not None else f"{key}-{machine_key()}")
 
 
-def build_reasoning_warm_model(cache_dir: str | Path, settings: WarmStartSettings | None = None, **overrides):
+def build_reasoning_warm_model(cache_dir: str | Path, settings: WarmStartSettings | None = None, progress=None,
+                               **overrides):
     """The tiny model warm-started by SFT on written solutions with planted errors (`WarmStartSettings`, or its
-    fields as keyword arguments), built once under `warm_model_path(cache_dir, settings)` and loaded from there
-    afterwards. Returns (model, tokenizer, path); the model is loaded from `path`, so GRPOTrainer can reload it
-    by name. A cached model whose recorded settings differ from the requested ones is refused, never reused."""
+    fields as keyword arguments), installed from the shipped weights (default settings) or built once, under
+    `warm_model_path(cache_dir, settings)`, and loaded from there afterwards. Returns (model, tokenizer, path); the
+    model is loaded from `path`, so GRPOTrainer can reload it by name. A cached model whose recorded settings
+    differ from the requested ones is refused, never reused. `progress(step, steps, loss)` hears from a build."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .arithmetic import warm_start
-    from .tiny import build_model, build_tokenizer, save_pretrained
+    from .tiny import build_model, build_tokenizer, install_prebuilt, record_build, save_pretrained
 
     if settings is None:
         settings = WarmStartSettings(**overrides)
@@ -418,7 +426,7 @@ def build_reasoning_warm_model(cache_dir: str | Path, settings: WarmStartSetting
         settings = replace(settings, **overrides)
     path = warm_model_path(cache_dir, settings)
     recorded = path / SETTINGS_FILE
-    if not (path / "config.json").exists():
+    if not (path / "config.json").exists() and not install_prebuilt(settings.key(), path):
         tokenizer = build_tokenizer()
         model = build_model(tokenizer, hidden_size=settings.hidden_size, num_layers=settings.num_layers,
                             seed=settings.seed).to(settings.device)
@@ -427,9 +435,10 @@ def build_reasoning_warm_model(cache_dir: str | Path, settings: WarmStartSetting
         # tasks.warm_start trains on its `answer` column: here the SFT target is the whole written solution
         targets = examples.select_columns(["prompt", "solution"]).rename_column("solution", "answer")
         warm_start(model, tokenizer, targets, settings.steps, batch_size=settings.batch_size,
-                   lr=settings.learning_rate, seed=settings.seed)
+                   lr=settings.learning_rate, seed=settings.seed, progress=progress)
         save_pretrained(model, tokenizer, path)
         recorded.write_text(json.dumps(settings.to_dict(), indent=2))
+        record_build(path, settings.to_dict())
     if not recorded.exists() or json.loads(recorded.read_text()) != settings.to_dict():
         raise ValueError(f"{path} holds a model built with other settings ({recorded.name} differs from "
                          f"{settings.to_dict()}); delete the directory or use another cache_dir")

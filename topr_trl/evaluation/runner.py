@@ -500,8 +500,9 @@ def save_results(results: EvaluationResult | dict, output_dir: str | Path, plot:
 # Command line
 # ---------------------------------------------------------------------------------------------------------
 
-TASKS = ("arithmetic", "gsm8k", "math500", "math", "reasoning")
-_TASK_MAX_NEW_TOKENS = {"arithmetic": 8, "gsm8k": 512, "math500": 1024, "math": 1024}
+TASKS = ("arithmetic", "gsm8k", "math500", "math", "reasoning", "custom")
+_TASK_MAX_NEW_TOKENS = {"arithmetic": 8, "gsm8k": 512, "math500": 1024, "math": 1024, "custom": 256}
+ROW_COLUMN = "__row__"  # a custom dataset's "reference": the row the reward functions read their columns from
 
 
 def _default_max_new_tokens(options) -> int:
@@ -525,6 +526,12 @@ def _task_dataset(options):
         from .reasoning import make_reasoning_dataset
 
         return make_reasoning_dataset(options.arithmetic_prompts, options.arithmetic_digits or 3, split="heldout")
+    if options.task == "custom":  # the user's prompts, scored by the user's reward functions
+        dataset = loaders.load_source(options.dataset_source, options.split or "test", config=options.dataset_config)
+        if "prompt" not in dataset.column_names:
+            raise ValueError(f"dataset {options.dataset_source!r} has no `prompt` column (it has "
+                             f"{dataset.column_names}); rename the column that holds the prompts to `prompt`")
+        return dataset.add_column(ROW_COLUMN, list(range(len(dataset))))
     if options.task == "gsm8k":
         return loaders.load_gsm8k(split=options.split or "test", **source, **common)
     if options.task == "math500":
@@ -532,8 +539,31 @@ def _task_dataset(options):
     return loaders.load_math(split=options.split or "test", config=options.dataset_config, **source, **common)
 
 
+def _resolve_task(options) -> str:
+    """The task: as given, or `custom` for a dataset with reward functions; one line refuses what cannot be meant."""
+    task = options.task or ("custom" if options.dataset_source or options.reward_funcs else "arithmetic")
+    if task == "custom" and not (options.dataset_source and options.reward_funcs):
+        raise SystemExit("topr-trl: evaluating your own prompts needs --dataset_name (a file or Hub id with a `prompt` "
+                         "column) and --reward_funcs (module:function, scoring each completion: > 0 counts as "
+                         "correct); or give --task gsm8k|math|math500 to use that benchmark's answer checker")
+    if task in ("arithmetic", "reasoning") and options.dataset_source:
+        raise SystemExit(f"topr-trl: --task {task} makes its own held-out problems: drop --dataset_name, or evaluate "
+                         "your prompts with --reward_funcs (and no --task)")
+    if task != "custom" and options.reward_funcs:
+        raise SystemExit(f"topr-trl: --task {task} scores with its own answer checker: drop --reward_funcs, or "
+                         "evaluate your prompts with --dataset_name and no --task")
+    return task
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """A wrong flag or value fails in one line (the usage is in --help), as in the other commands."""
+
+    def error(self, message: str):
+        raise SystemExit(f"topr-trl: {message}")
+
+
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog=prog or "python -m topr_trl.evaluation.runner",
         description="Sample k completions per question and report pass@1, pass@k, maj@k, the invalid rate and "
                     "bootstrap standard errors (results.json and results.png in --output_dir).",
@@ -542,11 +572,19 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--model_name_or_path", "--model", dest="model", required=True,
                         help="Model path or Hub id.")
     parser.add_argument("--tokenizer", default=None, help="Tokenizer path or Hub id (default: the model's).")
-    parser.add_argument("--task", choices=TASKS, default="arithmetic",
-                        help="arithmetic: the built-in held-out set (make_arithmetic_dataset(200, 2, seed=2)); "
-                             "reasoning: held-out written-addition problems (topr_trl.evaluation.reasoning).")
+    parser.add_argument("--task", choices=TASKS, default=None,
+                        help="arithmetic (the default without --dataset_name): the built-in held-out set "
+                             "(make_arithmetic_dataset(200, 2, seed=2)); reasoning: held-out written-addition "
+                             "problems (topr_trl.evaluation.reasoning); gsm8k/math/math500: the benchmark with its "
+                             "answer checker; custom (the default with --dataset_name): your prompts, scored by "
+                             "--reward_funcs.")
     parser.add_argument("--dataset_name", "--dataset_source", dest="dataset_source", default=None,
-                        help="gsm8k/math/math500: Hub id or local .json/.jsonl/.parquet file or directory.")
+                        help="Your prompts (a `prompt` column; other columns go to --reward_funcs), or where to load "
+                             "gsm8k/math/math500 from: a Hub id, a local .json/.jsonl/.csv/.parquet file or a folder.")
+    parser.add_argument("--reward_funcs", nargs="+", default=None,
+                        help="With --dataset_name: reward functions as `topr-trl train` takes them "
+                             "(module:function, path/to/file.py:function); a completion whose summed reward is > 0 "
+                             "counts as correct, one no function could score (None) as invalid.")
     parser.add_argument("--dataset_config", default=None, help="math: dataset configuration (e.g. a subject).")
     parser.add_argument("--dataset_test_split", "--split", dest="split", default=None,
                         help="Split to evaluate (default: test).")
@@ -583,28 +621,45 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> dict[str
     print the summary as JSON, write `results.json` and `results.png` to `--output_dir`; returns the summary."""
     options = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
     if options.limit is not None and options.limit < 1:
-        raise SystemExit("--limit must be positive")
+        raise SystemExit("topr-trl: --limit must be positive")
+    options.task = _resolve_task(options)
+    from ..sources import check_data_source, check_model_source
+
+    check_model_source(options.model)
+    check_data_source(options.dataset_source, "--dataset_name")
     dataset = _task_dataset(options)
     if options.limit is not None:
         dataset = dataset.select(range(min(options.limit, len(dataset))))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(options.tokenizer or options.model)
+    classify, answer_column = CLASSIFIERS.get(options.task), "answer"
+    if options.task == "custom":
+        from ..user_rewards import reporting_reward, resolve_reward, reward_classifier
+
+        functions = [reporting_reward(resolve_reward(name)) for name in options.reward_funcs]
+        classify, answer_column = reward_classifier(functions, dataset), ROW_COLUMN
     result = evaluate_model(
-        options.model, tokenizer, dataset, CLASSIFIERS[options.task], k=options.k,
+        options.model, tokenizer, dataset, classify, k=options.k, answer_column=answer_column,
         num_samples=options.num_samples, temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
         max_new_tokens=options.max_new_tokens or _default_max_new_tokens(options), batch_size=options.batch_size,
         seed=options.seed, show_progress=not options.no_progress, num_bootstrap=options.num_bootstrap,
         backend=options.backend, stop_strings=options.stop,
     )
-    result.settings["task"] = options.task
+    from ..machine import describe_machine, machine_info
+
+    result.settings.update(task=options.task, machine=machine_info())
+    if options.task == "custom":
+        result.settings.update(dataset=options.dataset_source, reward_funcs=options.reward_funcs)
     output_dir = Path(options.output_dir or f"outputs/eval-{options.task}")
     paths = save_results(result, output_dir, plot=not options.no_plot)
     summary = _json_safe(result.summary())
     print(json.dumps(summary, indent=2), flush=True)
     how = "greedy" if options.temperature == 0 else f"sampled at temperature {options.temperature:g}"
-    print(f"[topr-trl] pass@1 {result.pass_at_1:.3f} ({how}, {result.num_samples} samples per problem) on "
-          f"{result.num_prompts} problems; maj@{result.k} {result.maj_at_k:.3f}", flush=True)
+    correct = "reward > 0" if options.task == "custom" else "correct answer"
+    print(f"[topr-trl] pass@1 {result.pass_at_1:.3f} ({how}, {result.num_samples} samples per problem, "
+          f"{correct}) on {result.num_prompts} problems; maj@{result.k} {result.maj_at_k:.3f}; on "
+          f"{describe_machine(result.settings['machine'])}", flush=True)
     print(f"[topr-trl] evaluation written to {paths['json']}" + (f" and {paths['plot']}" if "plot" in paths else ""),
           flush=True)
     return summary

@@ -84,3 +84,54 @@ def save_pretrained(model, tokenizer, path: str | Path) -> Path:
     tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_file.write_text(json.dumps(tokenizer_config, indent=2))
     return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Built-in models shipped as weights
+# ---------------------------------------------------------------------------------------------------------
+# The built-in tasks' warm starts (thousands of AdamW steps at a high learning rate) amplify the last-bit differences
+# between CPU kernels: the same seed trained with 1 or 2 threads, or with AVX2 or AVX-512 kernels, gives weights
+# several percent apart, and a base model whose quality differs from machine to machine. Bitwise-equal training
+# across kernels cannot be had from torch, so the models of the default settings are shipped as weights, built
+# once (`scripts/build_prebuilt_models.py`), and identical on every machine; other settings are built locally and
+# cached under a key that names the torch version, the CPU kernels and the thread count that made them.
+PREBUILT_DIR = Path(__file__).parent / "prebuilt"
+BUILD_FILE = "build.json"
+
+
+def machine_key() -> str:
+    """What changes a locally trained model besides its settings: torch version, CPU kernels, threads."""
+    import re
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    key = f"torch{torch.__version__}-{capability}-t{torch.get_num_threads()}"
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", key).lower()
+
+
+def prebuilt_model(key: str) -> Path | None:
+    """The shipped model of `key`, or None when the settings of `key` are not shipped."""
+    folder = PREBUILT_DIR / key
+    return folder if (folder / "config.json").is_file() else None
+
+
+def install_prebuilt(key: str, destination: str | Path) -> bool:
+    """Copy the shipped model of `key` to `destination` (the cache folder); False when none is shipped."""
+    import shutil
+
+    source = prebuilt_model(key)
+    if source is None:
+        return False
+    destination = Path(destination)
+    staging = destination.with_name(destination.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(source, staging)
+    staging.rename(destination)  # a reader never sees half a model
+    return True
+
+
+def record_build(path: str | Path, settings: dict, **extra) -> None:
+    """Write what made the model in `path`: its settings and the machine (README.md, "What to expect")."""
+    from ..machine import machine_info
+
+    record = {"settings": settings, "machine": machine_info(), **extra}
+    (Path(path) / BUILD_FILE).write_text(json.dumps(record, indent=2))

@@ -19,6 +19,7 @@ _EXPORTS = {
                 "vllm_available", "free_vllm_memory"),
     "composition": ("COMPOSITIONS", "compose", "proportion_of_positives"),
     "schema": ("OFFLINE_COLUMNS", "stored_reward", "check_offline_columns", "check_reward_values",
+               "RewardReturnError",
                "completion_token_ids", "checked_eval_datasets", "checked_reward_function", "is_offline_dataset",
                "needs_whole_groups", "tokenize_offline_dataset", "validate_offline_dataset", "with_prompt_index"),
     "sampler": ("GroupShuffleSampler",),

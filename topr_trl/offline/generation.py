@@ -206,15 +206,17 @@ _LIST_COLUMNS = ("prompt_ids", "completion_ids", "behaviour_logps")
 
 
 
-def load_offline_source(source: str | Path) -> Dataset:
-    """An offline dataset from `source`: the shard folder `generate_offline_dataset` writes, a `save_to_disk` folder
-    (a DatasetDict gives its `train` split, or its only one), a `.json`/`.jsonl`/`.csv`/`.parquet` file or a folder
-    of such files (one format), or a Hub dataset id (its `train` split). Raises FileNotFoundError for a path that
-    does not exist and ValueError for one that holds nothing loadable.
+def load_offline_source(source: str | Path, split: str = "train") -> Dataset:
+    """The `split` of an offline dataset from `source`: the shard folder `generate_offline_dataset` writes (one
+    split, `train`), a `save_to_disk` folder (a DatasetDict gives `split`, or its only one), a
+    `.json`/`.jsonl`/`.csv`/`.parquet` file (one split) or a folder of such files (one format; files named after
+    their split, `train.jsonl` and `test.jsonl`, are the splits, as `datasets` reads a folder; a folder with no
+    file named after a split is one split), or a Hub dataset id. Raises FileNotFoundError for a path that does not
+    exist and ValueError for one that holds nothing loadable or not `split`.
 
     CSV cannot hold lists: a CSV offline dataset normally carries `completion` text (tokenized by TOPRTrainer); list
     columns written as JSON text (`[1, 2, 3]`) are parsed back."""
-    from ..evaluation.benchmarks import LOCAL_FORMATS, is_saved_dataset, load_source
+    from ..evaluation.benchmarks import LOCAL_FORMATS, SPLIT_NAMES, is_saved_dataset, load_source, split_of_file
 
     text = str(source)
     path = Path(text).expanduser()
@@ -222,7 +224,7 @@ def load_offline_source(source: str | Path) -> Dataset:
         or text.count("/") != 1  # a Hub dataset id is `owner/name`: anything else is a path, not a Hub request
     if not local:
         try:
-            return load_dataset(text, split="train")
+            return load_dataset(text, split=split)
         except Exception as error:  # offline, the Hub's errors do not say that a local path was meant
             reason = (str(error).splitlines() or [""])[0][:200]
             raise FileNotFoundError(f"offline dataset {text!r} is no local path, and loading it from the Hub failed "
@@ -230,10 +232,16 @@ def load_offline_source(source: str | Path) -> Dataset:
     if not path.exists():
         raise FileNotFoundError(f"offline dataset {text!r} not found: give the folder `topr-trl generate` wrote, a "
                                 "save_to_disk folder, a .json/.jsonl/.csv/.parquet file or folder, or a Hub id")
+    def only_train(kind: str) -> None:
+        if split != "train":
+            raise ValueError(f"offline dataset {text!r} is {kind}, one split used for training: it has no "
+                             f"{split!r} split (name files after their split, e.g. train.jsonl and {split}.jsonl)")
+
     if path.is_dir() and any(path.glob("shard-*")):
+        only_train("a generated shard folder")
         return load_offline_dataset(path)
     if path.is_dir() and is_saved_dataset(path):
-        return load_source(str(path), "train")
+        return load_source(str(path), split)
     files = [path] if path.is_file() else sorted(
         file for file in path.rglob("*") if file.is_file() and file.suffix.lower() in LOCAL_FORMATS)
     formats = {LOCAL_FORMATS.get(file.suffix.lower()) for file in files}
@@ -242,6 +250,14 @@ def load_offline_source(source: str | Path) -> Dataset:
                          f"folder, or {'/'.join(LOCAL_FORMATS)} files")
     if len(formats) > 1:
         raise ValueError(f"{text!r} mixes data file formats {sorted(formats)}: keep one format per folder")
+    splits = {split_of_file(file) for file in files} & set(SPLIT_NAMES)
+    if path.is_file() or not splits:
+        only_train("one file" if path.is_file() else "a folder of files not named after splits")
+    else:
+        files = [file for file in files if split_of_file(file) == split]
+        if not files:
+            raise ValueError(f"offline dataset {text!r} has no {split!r} split: its files are named after the "
+                             f"splits {sorted(splits)}")
     if formats != {"csv"}:
         return load_source({"train": [str(file) for file in files]}, "train")
     # text stays text (a completion "3" is not the number 3); an empty completion (EOS at once) is ""

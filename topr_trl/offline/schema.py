@@ -26,21 +26,28 @@ _HOW_TO_MAKE = ("generate completions with `topr-trl generate` or topr_trl.offli
 
 
 
-def check_reward_values(name: str, values, num_completions: int) -> None:
+class RewardReturnError(TypeError, ValueError):
+    """A reward function returned something that is not one number (or None) per completion. Both a TypeError and
+    a ValueError: GRPOTrainer fails on such values with one or the other, and code that catches either still does."""
+
+
+def check_reward_values(name: str, values, num_completions: int | None = None) -> None:
     """Fail with one line naming the reward function `name` unless `values` is what a reward function must return:
-    a list of floats (or None for a completion it cannot score), one per completion."""
-    expected = f"a list of floats (or None), one per completion ({num_completions} here)"
+    a sequence of numbers (or None for a completion it cannot score), one per completion when `num_completions` is
+    given."""
+    expected = "a list of floats (or None), one per completion" + (
+        f" ({num_completions} here)" if num_completions is not None else "")
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or not hasattr(values, "__iter__"):
-        raise TypeError(f"Reward function '{name}' returned {type(values).__name__} {values!r:.60}; it must return "
-                        f"{expected}.")
-    if len(values) != num_completions:
-        raise ValueError(f"Reward function '{name}' returned {len(values)} values for {num_completions} completions; "
-                         f"it must return {expected}.")
+        raise RewardReturnError(f"Reward function '{name}' returned {type(values).__name__} {values!r:.60}; it must "
+                                f"return {expected}.")
+    if num_completions is not None and len(values) != num_completions:
+        raise RewardReturnError(f"Reward function '{name}' returned {len(values)} values for {num_completions} "
+                                f"completions; it must return {expected}.")
     for value in values:
         scalar = value is None or isinstance(value, numbers.Real) or getattr(value, "ndim", None) == 0
         if not scalar or isinstance(value, (str, bytes)):
-            raise TypeError(f"Reward function '{name}' returned a list holding {type(value).__name__} {value!r:.40}; "
-                            f"it must return {expected}.")
+            raise RewardReturnError(f"Reward function '{name}' returned a list holding {type(value).__name__} "
+                                    f"{value!r:.40}; it must return {expected}.")
 
 
 
@@ -221,24 +228,31 @@ def checked_eval_datasets(eval_dataset, args, uses_stored_reward: bool, has_beha
 
 
 def checked_reward_function(function, name: str):
-    """`function` failing at its first call, in one line naming it, unless it returns a list of floats (or None),
-    one per completion; TRL would fail later with a bare TypeError. Name and async-ness are kept."""
+    """`function` failing, in one line naming it, where GRPOTrainer would fail on what it returned with a bare
+    TypeError (a string, a number, a list of lists, ...). Everything GRPOTrainer passes is passed through untouched
+    (no keyword is assumed: environment-owned rewards get `environments` only), and what the function returns is
+    handed back as it is (a generator as the list it yields); counting the values is left to GRPOTrainer, which
+    says the same. Name, docstring and async-ness are kept; a reward model is returned as it is."""
     if isinstance(function, torch.nn.Module):  # a reward model: GRPOTrainer reads its logits itself
         return function
+
+    def checked_values(values):
+        if values is not None and not hasattr(values, "__len__") and hasattr(values, "__iter__") \
+                and not isinstance(values, (str, bytes)):
+            values = list(values)  # GRPOTrainer iterates once; the check iterates too
+        check_reward_values(name, values)
+        return values
+
     if is_async_callable(function):
 
         @functools.wraps(function)
         async def checked_async(*args, **kwargs):
-            values = await function(*args, **kwargs)
-            check_reward_values(name, values, len(kwargs["completions"]))
-            return values
+            return checked_values(await function(*args, **kwargs))
 
         return checked_async
 
     @functools.wraps(function)
     def checked(*args, **kwargs):
-        values = function(*args, **kwargs)
-        check_reward_values(name, values, len(kwargs["completions"]))
-        return values
+        return checked_values(function(*args, **kwargs))
 
     return checked

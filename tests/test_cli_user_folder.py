@@ -1,0 +1,256 @@
+"""The command line run from a user's own folder, with their files, wrong inputs and interrupted runs (issue 18)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from datasets import Dataset
+
+from topr_trl import cli
+from topr_trl.cli import main
+
+from .test_cli_user_path import PROMPTS, QUICK, REWARD_MODULE, prompt_dataset, seen_prompts, user_dir  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[1]
+# Raises on one prompt only, so that the one-line report must name the right one.
+FAILING_REWARD = '''
+def fragile(prompts, completions, **kwargs):
+    for prompt in prompts:
+        if prompt == "2+1=":
+            raise KeyError("no grader for " + prompt)
+    return [0.0 for _ in completions]
+'''
+
+
+def run_cli(argv: list[str], cwd: Path, timeout: int = 600, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "topr_trl", *argv], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(cwd), **env})
+
+
+def one_line_error(stop: pytest.ExceptionInfo) -> str:
+    text = str(stop.value.code)
+    assert text.startswith("topr-trl: ") and "\n" not in text, text
+    return text
+
+
+# ----------------------------------------------------------------------------------------- offline splits
+@pytest.fixture(scope="module")
+def offline_folder(tmp_path_factory):
+    """An offline folder as a user keeps it: train.jsonl and test.jsonl, disjoint prompts."""
+    root = tmp_path_factory.mktemp("offline-splits")
+    cli.generate(["--task_train_prompts", "8", "--num_generations", "4", "--warm_start_accuracy", "0",
+                  "--base_model_dir", str(root / "base"), "--backend", "transformers", "--output_dir",
+                  str(root / "generated")])
+    from topr_trl.offline import load_offline_dataset
+
+    data = load_offline_dataset(root / "generated")
+    (root / "data").mkdir()
+    data.filter(lambda row: row["prompt_index"] < 4).to_json(root / "data" / "train.jsonl")
+    data.filter(lambda row: row["prompt_index"] >= 4).to_json(root / "data" / "test.jsonl")
+    return root
+
+
+def test_offline_folder_trains_on_train_and_evaluates_on_test(offline_folder, user_dir):
+    """The test split's prompts reach the reward function only as the evaluation set."""
+    def prompts_of(split: str) -> set[str]:
+        rows = [json.loads(line) for line in (offline_folder / "data" / f"{split}.jsonl").read_text().splitlines()]
+        return {row["prompt"][-1]["content"] if isinstance(row["prompt"], list) else row["prompt"] for row in rows}
+
+    common = ["train", "--offline_dataset", str(offline_folder / "data"), "--reward_funcs", "my_rewards:correctness",
+              "--base_model_dir", str(offline_folder / "base"), "--num_generations", "4",
+              "--per_device_train_batch_size", "16", "--max_steps", "1", "--task_eval_prompts", "4"]
+    main(common + ["--output_dir", "train-only"])
+    seen = {p[-1]["content"] if isinstance(p, list) else p for p in _seen_raw(user_dir)}
+    assert seen == prompts_of("train")
+    (user_dir / "seen.jsonl").unlink()
+    main(common + ["--output_dir", "with-eval", "--eval_strategy", "steps", "--eval_steps", "1",
+                   "--per_device_eval_batch_size", "16"])
+    seen = {p[-1]["content"] if isinstance(p, list) else p for p in _seen_raw(user_dir)}
+    assert seen == prompts_of("train") | prompts_of("test")
+    history = json.loads((user_dir / "with-eval" / "topr_summary.json").read_text())
+    assert "eval_reward" in history["end_of_training"]
+
+
+def _seen_raw(directory: Path) -> list:
+    return [prompt for line in (directory / "seen.jsonl").read_text().splitlines() for prompt in json.loads(line)]
+
+
+def test_offline_folder_without_the_split_asked_for_fails_in_one_line(offline_folder, user_dir):
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--offline_dataset", str(offline_folder / "data"), "--dataset_train_split", "validation",
+              "--base_model_dir", str(offline_folder / "base")])
+    assert "has no 'validation' split" in one_line_error(stop) and "['test', 'train']" in str(stop.value.code)
+
+
+# ----------------------------------------------------------------------------------------- interrupted runs
+def test_an_interrupted_run_is_not_restarted_over_its_checkpoints(user_dir, tiny_model_path):
+    prompt_dataset().to_json(user_dir / "prompts.jsonl")
+    command = ["train", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl",
+               "--reward_funcs", "my_rewards:correctness", "--output_dir", "run", *QUICK, "--save_strategy",
+               "steps", "--save_steps", "1"]
+    main(command)
+    for finished in ("model.safetensors", "topr_summary.json"):  # as if stopped after the checkpoint
+        (user_dir / "run" / finished).unlink()
+    state = (user_dir / "run" / "checkpoint-1" / "trainer_state.json").read_text()
+    with pytest.raises(SystemExit) as stop:
+        main(command)
+    message = one_line_error(stop)
+    assert "interrupted run (last checkpoint checkpoint-1)" in message and "--resume_from_checkpoint true" in message
+    assert (user_dir / "run" / "checkpoint-1" / "trainer_state.json").read_text() == state
+    main(command + ["--resume_from_checkpoint", "true", "--max_steps", "2"])
+    summary = json.loads((user_dir / "run" / "topr_summary.json").read_text())
+    assert summary["steps"] == 2 and (user_dir / "run" / "checkpoint-2").is_dir()
+
+
+# ----------------------------------------------------------------------------------------- wrong inputs
+@pytest.mark.parametrize("argv, message", [
+    (["--model_name_or_path", "./nosuch-model"], "model folder ./nosuch-model does not exist"),
+    (["--model_name_or_path", "no/such/model-dir"], "model folder no/such/model-dir does not exist"),
+    (["--model_name_or_path", "no/such-model-dir"],
+     "no/such-model-dir is not a local folder, and the Hub cannot be asked for it (HF_HUB_OFFLINE is set)"),
+    (["--model_name_or_path", "MODEL", "--dataset_name", "data/missing.jsonl"],
+     "--dataset_name data/missing.jsonl: no such file or folder"),
+    (["--learning_rate", "abc"], "--learning_rate abc: expected a number"),
+    (["--max_steps", "two"], "--max_steps two: expected an integer"),
+    (["--bf16", "maybe"], "--bf16 maybe: expected true or false"),
+    (["--topr_unscored_batch", "stop"], "topr_unscored_batch"),
+])
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_wrong_input_fails_at_once_in_one_line(argv, message, dry_run, user_dir, tiny_model_path):
+    prompt_dataset().to_json(user_dir / "prompts.jsonl")
+    defaults = {"--model_name_or_path": tiny_model_path, "--dataset_name": "prompts.jsonl"}
+    argv = [tiny_model_path if a == "MODEL" else a for a in argv]
+    for flag, value in defaults.items():
+        if flag not in argv:
+            argv += [flag, value]
+    argv += ["--reward_funcs", "my_rewards:correctness"] + (["--dry_run", "true"] if dry_run else [])
+    if dry_run and "Hub cannot be asked" in message:  # a dry run validates Hub ids without asking the Hub
+        main(["train", *argv])
+        return
+    with pytest.raises(SystemExit) as stop:
+        main(["train", *argv])
+    assert message in one_line_error(stop)
+
+
+def test_a_wrong_yaml_value_names_the_key(user_dir):
+    (user_dir / "run.yaml").write_text("learning_rate: abc\nmax_steps: 3\n")
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--config", "run.yaml"])
+    assert one_line_error(stop) == "topr-trl: YAML key learning_rate: 'abc' in the config file: expected a number"
+    main(["train", "--config", "run.yaml", "--learning_rate", "1e-3", "--dry_run", "true"])  # the flag wins
+
+
+def test_a_model_name_the_hub_cannot_be_asked_for_fails_at_once(monkeypatch):
+    """Online but unreachable: no retries, one line."""
+    import time
+
+    from huggingface_hub import constants
+
+    from topr_trl import sources
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: refused at once
+    started = time.time()
+    with pytest.raises(SystemExit) as stop:
+        sources.check_model_source("no/such-model-dir")
+    assert "127.0.0.1 cannot be reached" in one_line_error(stop) and time.time() - started < 5
+
+
+def test_a_raising_reward_function_is_reported_in_one_line(user_dir, tiny_model_path):
+    (user_dir / "graders.py").write_text(FAILING_REWARD)
+    prompt_dataset().to_json(user_dir / "prompts.jsonl")
+    argv = ["train", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl", "--reward_funcs",
+            "graders:fragile", "--per_device_train_batch_size", "16", "--num_generations", "2", "--max_steps", "1",
+            "--max_completion_length", "4", "--output_dir", "run"]
+    completed = run_cli(argv, user_dir)
+    errors = [line for line in completed.stderr.splitlines() if line.startswith("topr-trl:")]
+    assert completed.returncode == 1 and "Traceback" not in completed.stderr, completed.stderr[-2000:]
+    assert len(errors) == 1
+    assert "reward function 'fragile' raised KeyError: 'no grader for 2+1='" in errors[0]
+    assert "on prompt '2+1='" in errors[0]
+    assert not (user_dir / "run").exists()  # a failed run leaves no empty output folder
+    debug = run_cli(argv + ["--debug"], user_dir)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "KeyError" in debug.stderr
+
+
+# ----------------------------------------------------------------------------------------- evaluate
+def test_evaluate_scores_the_users_prompts_with_the_users_reward(user_dir, tiny_model_path, capsys):
+    prompt_dataset().to_json(user_dir / "prompts.jsonl")
+    with pytest.raises(SystemExit) as stop:
+        main(["evaluate", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl"])
+    assert "needs --dataset_name" in one_line_error(stop) and "--reward_funcs" in str(stop.value.code)
+    with pytest.raises(SystemExit) as stop:
+        main(["evaluate", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl", "--task",
+              "arithmetic"])
+    assert "drop --dataset_name" in one_line_error(stop)
+    main(["evaluate", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl",
+          "--dataset_test_split", "train", "--reward_funcs", "my_rewards:correctness", "--k", "2",
+          "--max_completion_length", "3", "--output_dir", "eval", "--no_plot", "--no_progress"])
+    results = json.loads((user_dir / "eval" / "results.json").read_text())
+    assert [record["prompt"] for record in results["records"]] == PROMPTS
+    # the user's reward, recomputed: the completion's first character against the answer's
+    answers = prompt_dataset()["answer"]
+    for record in results["records"]:
+        expected = ["correct" if c[:1] == answers[record["index"]][:1] else "incorrect" for c in record["completions"]]
+        assert record["classes"] == expected
+    assert results["settings"]["machine"]["threads"] >= 1
+    assert "reward > 0" in capsys.readouterr().out
+
+
+def test_evaluate_bad_value_fails_in_one_line(tiny_model_path):
+    with pytest.raises(SystemExit) as stop:
+        main(["evaluate", "--model_name_or_path", tiny_model_path, "--k", "two"])
+    assert "--k: invalid int value: 'two'" in one_line_error(stop)
+
+
+# ----------------------------------------------------------------------------------------- what a run leaves
+def test_summary_model_card_and_output_folders_of_a_custom_run(user_dir, tiny_model_path):
+    prompt_dataset().to_json(user_dir / "prompts.jsonl")
+    prompt_dataset().to_parquet(user_dir / "prompts.parquet")
+    for source in ("prompts.jsonl", "prompts.parquet"):
+        main(["train", "--model_name_or_path", tiny_model_path, "--dataset_name", source, "--reward_funcs",
+              "my_rewards:correctness", *QUICK, "--logging_steps", "1"])
+    name = Path(tiny_model_path).name
+    jsonl, parquet = (user_dir / "outputs" / f"topr-{name}-prompts-{kind}" for kind in ("jsonl", "parquet"))
+    assert (jsonl / "model.safetensors").is_file() and (parquet / "model.safetensors").is_file()
+    summary = json.loads((jsonl / "topr_summary.json").read_text())
+    assert set(summary["end_of_training"]) >= {"loss", "reward"} and summary["steps"] == 1
+    assert summary["machine"]["torch"] and summary["machine"]["cpu_capability"] and summary["machine"]["threads"]
+    card = (jsonl / "README.md").read_text()
+    assert "[None]" not in card and f"a local model (`{name}`)" in card
+
+
+def test_help_texts_say_what_the_flags_do(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help-all"])
+    text = capsys.readouterr().out
+    block = text[text.index("--no_gradient_checkpointing, "):].split("\n  --")[0]
+    assert "Turn off gradient_checkpointing" in block and "Enable" not in block
+    assert "outputs/topr-<model>-<data>" in cli.__doc__ and "outputs/<command>" not in cli.__doc__
+
+
+def test_no_deepspeed_accelerator_warning_on_a_command(tmp_path):
+    for argv in (["train", "--help"], ["train", "--dry_run", "true"]):
+        completed = run_cli(argv, tmp_path)
+        assert completed.returncode == 0, completed.stderr[-2000:]
+        assert "Setting accelerator to CPU" not in completed.stdout + completed.stderr
+
+
+def test_a_locally_built_model_shows_its_progress_and_is_keyed_on_the_machine(tmp_path, capsys):
+    """Settings that are not shipped are trained here, with progress, under a key naming torch, kernels, threads."""
+    import torch
+
+    from topr_trl.evaluation.tiny import machine_key
+
+    options = cli.TaskArguments(base_model_dir=str(tmp_path), warm_start_accuracy=0.0)
+    folder = Path(cli.builtin_model("arithmetic", options, seed=0))
+    out = capsys.readouterr().out
+    assert "warm start step 2/3000" in out and "building the built-in tiny model" in out  # the target stops it at 2
+    assert folder.name.endswith(machine_key()) and f"t{torch.get_num_threads()}" in folder.name
+    build = json.loads((folder / "build.json").read_text())
+    assert build["machine"]["threads"] == torch.get_num_threads() and build["settings"]["target_accuracy"] == 0.0

@@ -1,0 +1,175 @@
+"""The user's reward functions as the command line takes them: found by name, reporting their own failures in one
+line, and used as the classifier of `topr-trl evaluate` on the user's own prompts.
+
+The Python API never wraps the user's functions this way (a raising reward function raises there, as in
+GRPOTrainer); only `topr-trl` commands do, where a one-line stop is what a command-line user wants.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib
+import importlib.util
+import math
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+BUILTIN_REWARDS = ("arithmetic", "reasoning")
+HOOK_KEYWORDS = ("trainer_state", "log_extra", "log_metric", "environments")
+
+
+def builtin_reward(name: str):
+    if name == "arithmetic":
+        from .evaluation.arithmetic import arithmetic_reward
+
+        return arithmetic_reward
+    from .evaluation.reasoning import reasoning_reward
+
+    return reasoning_reward
+
+
+def resolve_reward(name: str):
+    """A reward function by name: a built-in one (`BUILTIN_REWARDS`), 'module:function' (the current directory is
+    importable, as for `python -m`), TRL's dotted 'package.module.function', or 'path/to/file.py:function'."""
+    if name in BUILTIN_REWARDS:
+        return builtin_reward(name)
+    location, _, function_name = name.rpartition(":")
+    if not location and "." in name and not name.endswith(".py"):  # TRL's spelling: trl.rewards.accuracy_reward
+        location, _, function_name = name.rpartition(".")
+    if not location or not function_name:
+        raise ValueError(f"unknown reward function {name!r}: use one of {list(BUILTIN_REWARDS)}, 'module:function' "
+                         "(or 'module.function') or 'path/to/file.py:function'")
+    try:
+        if location.endswith(".py"):
+            path = Path(location).expanduser()
+            if not path.is_file():
+                raise FileNotFoundError(f"no such file {location!r}")
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            if "" not in sys.path and str(Path.cwd()) not in sys.path:
+                sys.path.insert(0, str(Path.cwd()))
+            module = importlib.import_module(location)
+    except (ImportError, FileNotFoundError) as error:
+        raise ValueError(f"cannot load the reward function {name!r}: {error}. Give 'module:function' with the module "
+                         "importable from the current directory (or on PYTHONPATH), or 'path/to/file.py:function'") \
+            from error
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        available = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+        close = difflib.get_close_matches(function_name, available, n=1)
+        raise ValueError(f"{location} has no function {function_name!r}" +
+                         (f"; did you mean {close[0]!r}?" if close else ""))
+    return function
+
+
+class RewardFunctionError(ValueError):
+    """A user's reward function raised: the command line reports it in one line (`--debug` shows the traceback,
+    which stays attached as the cause)."""
+
+
+def _first_failing_row(function, kwargs: dict) -> int | None:
+    """The first row on which `function` alone raises, called one row at a time (None when no single row does:
+    the failure needs the whole batch)."""
+    rows = len(kwargs.get("prompts") or kwargs.get("completions") or [])
+    for row in range(rows):
+        one = {key: (value[row : row + 1] if isinstance(value, list) and len(value) == rows else value)
+               for key, value in kwargs.items()}
+        one.update({key: _ignore for key in ("log_extra", "log_metric") if key in kwargs})
+        try:
+            function(**one)
+        except Exception:  # noqa: BLE001 - any failure locates the row
+            return row
+    return None
+
+
+def _describe_failure(name: str, error: Exception, kwargs: dict, row: int | None) -> str:
+    prompts = kwargs.get("prompts") or []
+    where = ""
+    if prompts:
+        prompt = prompts[row if row is not None else 0]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
+            prompt = prompt[-1].get("content", prompt)
+        label = "on prompt" if row is not None else "on a batch whose first prompt is"
+        where = f" {label} {' '.join(str(prompt).split())!r:.100}"
+    detail = " ".join(str(error).split())
+    return f"reward function '{name}' raised {type(error).__name__}" + (f": {detail}" if detail else "") + where
+
+
+def reporting_reward(function):
+    """`function` as the command line runs it: a failure becomes one `RewardFunctionError` line naming the function,
+    the exception and the first prompt it failed on. Keyword arguments pass through untouched."""
+    name = getattr(function, "__name__", type(function).__name__)
+    if getattr(function, "_topr_reports_failures", False):
+        return function
+    if _is_async(function):
+
+        @functools.wraps(function)
+        async def reporting_async(*args, **kwargs):
+            try:
+                return await function(*args, **kwargs)
+            except Exception as error:  # noqa: BLE001 - re-raised with what the user needs to find it
+                raise RewardFunctionError(_describe_failure(name, error, kwargs, None)) from error
+
+        reporting_async._topr_reports_failures = True
+        return reporting_async
+
+    @functools.wraps(function)
+    def reporting(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - re-raised with what the user needs to find it
+            row = _first_failing_row(function, kwargs) if not args else None
+            raise RewardFunctionError(_describe_failure(name, error, kwargs, row)) from error
+
+    reporting._topr_reports_failures = True
+    return reporting
+
+
+def _is_async(function) -> bool:
+    import inspect
+
+    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
+
+
+def _ignore(*args, **kwargs) -> None:
+    return None
+
+
+def reward_classifier(reward_funcs: Sequence[Callable], dataset, reward_weights: Sequence[float] | None = None):
+    """A `classify(text, row_index)` for `evaluate_model` on the user's own prompts: the completion is scored by the
+    user's reward functions as GRPOTrainer calls them (prompts, completions in the prompt's format, the dataset's
+    columns), their weighted sum (None/NaN left out, as in GRPO) is the reward, and the completion is `correct` when
+    it is > 0, `invalid` when no function could score it, else `incorrect`."""
+    import asyncio
+
+    from .evaluation.rewards import CORRECT, INCORRECT, INVALID
+
+    weights = list(reward_weights) if reward_weights is not None else [1.0] * len(reward_funcs)
+    columns = [c for c in dataset.column_names if c not in ("prompt", "completion", "completion_ids")]
+
+    def classify(text: str, row_index: Any) -> str:
+        row = dataset[int(row_index)]
+        prompt = row["prompt"]
+        completion: Any = [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+        kwargs = {key: [row[key]] for key in columns}
+        kwargs.update(trainer_state=None, log_extra=_ignore, log_metric=_ignore)  # GRPOTrainer's hooks: no trainer
+        total, scored = 0.0, False
+        for function, weight in zip(reward_funcs, weights, strict=True):
+            values = function(prompts=[prompt], completions=[completion], completion_ids=[None], **kwargs)
+            if asyncio.iscoroutine(values):
+                values = asyncio.run(values)
+            value = list(values)[0]
+            if value is None or (isinstance(value, float) and math.isnan(value)):
+                continue
+            total, scored = total + weight * float(value), True
+        if not scored:
+            return INVALID
+        return CORRECT if total > 0 else INCORRECT
+
+    classify.__name__ = "reward>0 of " + "+".join(getattr(f, "__name__", "reward") for f in reward_funcs)
+    return classify
