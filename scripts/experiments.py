@@ -179,9 +179,12 @@ def results_header(options, testbed: Testbed) -> dict:
     """What every script's JSON starts with: its options, the thread counts, the task and how it is measured."""
     import torch
 
+    from topr_trl.machine import machine_info
+
     return {"options": vars(options), "task": testbed.task, "base_model": str(testbed.base_dir),
             "measure": testbed.measure,
             "threads": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "torch": torch.get_num_threads()},
+            "machine": machine_info(),
             "runs": {}}
 
 

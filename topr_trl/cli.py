@@ -796,10 +796,10 @@ def generate(argv: list[str]) -> dict:
     )
     summary = {"rows": len(dataset), "prompts": len(prompts), "proportion_of_positives":
                proportion_of_positives(dataset), "truncated_fraction": sum(dataset["truncated"]) / len(dataset),
-               "output_dir": options.output_dir}
+               "output_dir": options.output_dir, "machine": machine_info()}
     print(f"[topr-trl] generated {summary['rows']} completions for {summary['prompts']} prompts into "
           f"{options.output_dir}: p={summary['proportion_of_positives']:.3f} (share of positive rewards), "
-          f"truncated {summary['truncated_fraction']:.3f}", flush=True)
+          f"truncated {summary['truncated_fraction']:.3f}; on {describe_machine(summary['machine'])}", flush=True)
     return summary
 
 
@@ -839,6 +839,7 @@ def iterate(argv: list[str]) -> list[dict]:
     summaries = run_iterations(model, prompts, reward_funcs, training_args.output_dir, iteration_settings,
                                evaluate=evaluate)
     problems = len(held_out) if held_out is not None else 0
+    _print_main(f"measured on {describe_machine()}")
     for summary in summaries:
         _print_main(f"iteration {summary['iteration']}: p={summary['proportion_of_positives']:.3f}; before: "
                     f"{describe_accuracy(summary.get('evaluation_before'), problems)}; after: "

@@ -61,7 +61,8 @@ def run_iterations(
     from transformers import AutoTokenizer
 
     from ..config import TOPRConfig
-    from ..distributed import empty_caches, evaluate_policy, last_checkpoint, release_for_next_trainer
+    from ..machine import machine_info
+from ..distributed import empty_caches, evaluate_policy, last_checkpoint, release_for_next_trainer
     from .composition import compose
     from .generation import generate_offline_dataset
     from .schema import stored_reward
@@ -119,6 +120,7 @@ def run_iterations(
             "composition": settings.composition,
             "train_steps": trainer.state.global_step,
             "seconds": time.time() - started,
+            "machine": machine_info(),  # threads and CPU kernels change a CPU run's figures
         }
         if before is not None:
             summary["evaluation_before"] = before
