@@ -62,7 +62,7 @@ def run_iterations(
 
     from ..config import TOPRConfig
     from ..machine import machine_info
-from ..distributed import empty_caches, evaluate_policy, last_checkpoint, release_for_next_trainer
+    from ..distributed import empty_caches, evaluate_policy, last_checkpoint, release_for_next_trainer
     from .composition import compose
     from .generation import generate_offline_dataset
     from .schema import stored_reward
