@@ -14,7 +14,9 @@ from datasets import Dataset
 from topr_trl import cli
 from topr_trl.cli import main
 
-from .test_cli_user_path import PROMPTS, QUICK, REWARD_MODULE, prompt_dataset, seen_prompts, user_dir  # noqa: F401
+from .test_cli_user_path import (  # noqa: F401 - user_dir is a fixture
+    PROMPTS, QUICK, REWARD_MODULE, generate_builtin, prompt_dataset, user_dir,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 # Raises on one prompt only, so that the one-line report must name the right one.
@@ -43,9 +45,7 @@ def one_line_error(stop: pytest.ExceptionInfo) -> str:
 def offline_folder(tmp_path_factory):
     """An offline folder as a user keeps it: train.jsonl and test.jsonl, disjoint prompts."""
     root = tmp_path_factory.mktemp("offline-splits")
-    cli.generate(["--task_train_prompts", "8", "--num_generations", "4", "--warm_start_accuracy", "0",
-                  "--base_model_dir", str(root / "base"), "--backend", "transformers", "--output_dir",
-                  str(root / "generated")])
+    generate_builtin(root, 8, "generated")
     from topr_trl.offline import load_offline_dataset
 
     data = load_offline_dataset(root / "generated")
