@@ -106,7 +106,9 @@ def reporting_reward(function):
     name = getattr(function, "__name__", type(function).__name__)
     if getattr(function, "_topr_reports_failures", False):
         return function
-    if _is_async(function):
+    from trl.trainer.utils import is_async_callable  # the test GRPOTrainer itself uses
+
+    if is_async_callable(function):
 
         @functools.wraps(function)
         async def reporting_async(*args, **kwargs):
@@ -128,12 +130,6 @@ def reporting_reward(function):
 
     reporting._topr_reports_failures = True
     return reporting
-
-
-def _is_async(function) -> bool:
-    import inspect
-
-    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
 
 
 def _ignore(*args, **kwargs) -> None:

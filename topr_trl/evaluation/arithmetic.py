@@ -161,8 +161,12 @@ def warm_model_folder(cache_dir: str | Path, digits: int = 2, target_accuracy: f
     return Path(cache_dir) / (key if prebuilt_model(key) is not None else f"{key}-{machine_key()}")
 
 
+WARM_START_MAX_STEPS = 3000  # the cap the shipped arithmetic model was built with
+
+
 def build_warm_model(
-    path: str | Path, digits: int = 2, target_accuracy: float = 0.15, max_steps: int = 3000, seed: int = 0,
+    path: str | Path, digits: int = 2, target_accuracy: float = 0.15, max_steps: int = WARM_START_MAX_STEPS,
+    seed: int = 0,
     progress=None, **model_kwargs
 ):
     """Build (or load, if `path` holds one) the tiny model of the built-in task, warm-started by SFT until its
@@ -173,7 +177,7 @@ def build_warm_model(
     from .tiny import build_model, build_tokenizer, install_prebuilt, record_build, save_pretrained
 
     path = Path(path)
-    if not (path / "config.json").exists() and not model_kwargs and max_steps == 3000:
+    if not (path / "config.json").exists() and not model_kwargs and max_steps == WARM_START_MAX_STEPS:
         install_prebuilt(warm_model_key(digits, target_accuracy, seed), path)
     if (path / "config.json").exists():
         return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)

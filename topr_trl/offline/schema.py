@@ -237,9 +237,8 @@ def checked_reward_function(function, name: str):
         return function
 
     def checked_values(values):
-        if values is not None and not hasattr(values, "__len__") and hasattr(values, "__iter__") \
-                and not isinstance(values, (str, bytes)):
-            values = list(values)  # GRPOTrainer iterates once; the check iterates too
+        if not hasattr(values, "__len__") and hasattr(values, "__iter__"):
+            values = list(values)  # a generator: GRPOTrainer iterates once, and the check iterates too
         check_reward_values(name, values)
         return values
 
