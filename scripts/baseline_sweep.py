@@ -24,7 +24,7 @@ from experiments import (
     train_offline,
 )
 
-METHODS = {"topr": {"topr_preset": "topr"}, "tis": {"topr_preset": "tis"}}
+METHODS = {"topr": {"loss_type": "topr"}, "tis": {"loss_type": "tis"}}
 
 
 def run(options) -> dict:

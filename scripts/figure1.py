@@ -22,13 +22,13 @@ from experiments import (
 
 METHODS = {
     # name: TOPRConfig overrides; every method uses the paper's signal R - c with +1/-1 rewards and c = 0
-    "naive_reinforce": {"topr_preset": "naive_reinforce"},
-    "ppo": {"pg_variant": "ppo", "topr_ratio_level": "token"},
-    "tis": {"topr_preset": "tis"},
-    "sft_positives": {"topr_preset": "sft"},
-    "topr": {"topr_preset": "topr"},
+    "naive_reinforce": {"loss_type": "naive_reinforce"},
+    "ppo": {"loss_type": "ppo", "topr_ratio_level": "token"},
+    "tis": {"loss_type": "tis"},
+    "sft_positives": {"loss_type": "sft"},
+    "topr": {"loss_type": "topr"},
     # TOPR on data sampled from another model (`--far-error-rate`): pi starts from the base model, mu is not it
-    "topr_far_off_policy": {"topr_preset": "topr"},
+    "topr_far_off_policy": {"loss_type": "topr"},
 }
 
 

@@ -24,7 +24,7 @@ from experiments import (
     train_offline,
 )
 
-METHODS = {"untruncated_is": {"topr_preset": "off_policy_reinforce"}, "topr": {"topr_preset": "topr"}}
+METHODS = {"untruncated_is": {"loss_type": "off_policy_reinforce"}, "topr": {"loss_type": "topr"}}
 
 
 def run(options) -> dict:

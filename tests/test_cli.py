@@ -32,8 +32,8 @@ def test_train_command_runs_the_builtin_job(tmp_path):
 
 
 def test_unknown_flag_is_rejected(tmp_path):
-    with pytest.raises(SystemExit, match="Did you mean --topr_preset"):
-        main(["train", "--topr_presett", "sft", "--output_dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="Did you mean --loss_type"):
+        main(["train", "--loss_typee", "sft", "--output_dir", str(tmp_path)])
 
 
 def test_module_entry_point_without_command_prints_usage():

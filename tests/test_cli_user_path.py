@@ -160,7 +160,7 @@ def test_offline_dataset_in_each_form_trains_on_its_stored_rewards(form, generat
 
 @pytest.mark.parametrize("argv, message", [
     (["train", "--dataset_name", "/nonexistent/ds", "--max_steps", "1"], "needs --model_name_or_path"),
-    (["train", "--topr_preset", "toprr"], "Did you mean 'topr'"),
+    (["train", "--loss_type", "toprr"], "Did you mean 'topr'"),
     (["train", "--config", "missing.yaml"], "config file 'missing.yaml' not found"),
     (["train", "--model_name_or_path", "MODEL", "--dataset_name", "prompts.jsonl", "--reward_funcs", "nosuchmod:fn"],
      "cannot load the reward function 'nosuchmod:fn'"),
@@ -184,12 +184,12 @@ def test_bad_input_fails_in_one_line(argv, message, user_dir, tiny_model_path, c
 
 
 def test_bad_input_exits_nonzero_with_one_line_and_no_traceback(tmp_path):
-    completed = subprocess.run([sys.executable, "-m", "topr_trl", "train", "--topr_preset", "toprr"], cwd=tmp_path,
+    completed = subprocess.run([sys.executable, "-m", "topr_trl", "train", "--loss_type", "toprr"], cwd=tmp_path,
                                capture_output=True, text=True, timeout=300)
     errors = [line for line in completed.stderr.splitlines() if line.startswith("topr-trl:")]
     assert completed.returncode == 1 and "Traceback" not in completed.stderr
     assert len(errors) == 1 and "Did you mean 'topr'" in errors[0]
-    debug = subprocess.run([sys.executable, "-m", "topr_trl", "train", "--topr_preset", "toprr", "--debug"],
+    debug = subprocess.run([sys.executable, "-m", "topr_trl", "train", "--loss_type", "toprr", "--debug"],
                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert debug.returncode == 1 and "Traceback" in debug.stderr
 
@@ -229,7 +229,7 @@ def test_help_shows_topr_and_task_flags_first_and_help_all_shows_everything(caps
         main(["train", "--help"])
     short = capsys.readouterr().out
     assert stop.value.code == 0
-    for flag in ("--offline_dataset", "--topr_preset", "--dataset_name", "--model_name_or_path", "--learning_rate"):
+    for flag in ("--offline_dataset", "--loss_type", "--dataset_name", "--model_name_or_path", "--learning_rate"):
         assert flag in short
     assert "--adam_beta1" not in short and "--help-all" in short
     with pytest.raises(SystemExit):

@@ -7,7 +7,8 @@ import pytest
 from trl import GRPOConfig
 
 from topr_trl import PRESETS, TOPRConfig
-from topr_trl.config import TRL_LOSS_TYPES
+from topr_trl.config import loss_types
+from topr_trl.loss import POLICY_LOSSES, TRL_LOSS_TYPES
 
 
 def config(**kwargs):
@@ -20,7 +21,7 @@ def test_defaults_follow_the_paper():
     assert args.topr_limits == PRESETS["topr"]
     assert args.topr_ratio_level == "sequence" and args.topr_loss_aggregation == "seq-mean-token-mean"
     spec = args.policy_loss_spec
-    assert spec.variant == "topr" and spec.positive_weight == spec.negative_weight == 1.0
+    assert spec.loss_type == "topr" and spec.positive_weight == spec.negative_weight == 1.0
 
 
 def test_every_grpo_field_is_a_topr_field_with_the_same_default():
@@ -31,32 +32,87 @@ def test_every_grpo_field_is_a_topr_field_with_the_same_default():
     assert changed == ["loss_type"]
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
-def test_presets_give_table1_limits(preset):
+@pytest.mark.parametrize("row", list(PRESETS))
+def test_each_table1_row_is_a_loss_type_with_its_limits(row):
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert config(topr_preset=preset).topr_limits == PRESETS[preset]
+        assert config(loss_type=row).topr_limits == PRESETS[row] == POLICY_LOSSES[row].limits
 
 
-def test_explicit_limits_override_the_preset_and_accept_infinity():
-    args = config(topr_preset="tis", topr_negative_upper=float("inf"), topr_positive_lower=1.0)
+def test_losses_that_are_not_eq7_have_no_limits():
+    assert config(loss_type="ppo").topr_limits is None and config(loss_type="kimi15").policy_loss_spec.limits is None
+
+
+def test_explicit_limits_override_the_loss_types_and_accept_infinity():
+    args = config(loss_type="tis", topr_negative_upper=float("inf"), topr_positive_lower=1.0)
     limits = args.topr_limits
     assert (limits.positive_lower, limits.positive_upper, limits.negative_lower) == (1.0, 1.0, 0.0)
     assert math.isinf(limits.negative_upper)
 
 
-def test_pg_variants_map_to_limits():
-    with pytest.warns(UserWarning, match="unbounded"):  # a- = 1, then a- = 0.2
-        assert config(pg_variant="vanilla").topr_limits == PRESETS["naive_reinforce"]
-        limits = config(pg_variant="tis", tis_lower_bound=0.2, tis_upper_bound=2.0).topr_limits
-    assert (limits.positive_lower, limits.positive_upper, limits.negative_lower, limits.negative_upper) == (0.2, 2.0, 0.2, 2.0)
+@pytest.mark.parametrize("old, loss_type, limits", [
+    (dict(pg_variant="vanilla"), "naive_reinforce", (1.0, 1.0, 1.0, 1.0)),
+    (dict(pg_variant="cispo"), "cispo_two_sided", None),
+    (dict(pg_variant="ppo"), "ppo", None),
+    (dict(pg_variant="topr", topr_preset="sft"), "sft", (1.0, 1.0, 0.0, 0.0)),
+    (dict(topr_preset="off_policy_reinforce"), "off_policy_reinforce", (0.0, math.inf, 0.0, math.inf)),
+    (dict(pg_variant="tis", tis_lower_bound=0.2, tis_upper_bound=2.0), "tis", (0.2, 2.0, 0.2, 2.0)),
+    (dict(tis_upper_bound=3.0), "tis", (0.0, 3.0, 0.0, 3.0)),
+])
+def test_deprecated_selectors_map_onto_loss_type_with_a_warning(old, loss_type, limits):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = config(**old)
+    deprecations = [w for w in caught if issubclass(w.category, FutureWarning) and "use loss_type" in str(w.message)]
+    assert len(deprecations) == 1 and f"loss_type={loss_type!r}" in str(deprecations[0].message)
+    assert deprecations[0].filename == __file__  # the user's line
+    assert args.loss_type == loss_type and args.pg_variant is None and args.topr_preset is None
+    got = args.topr_limits
+    assert (got if got is None else (got.positive_lower, got.positive_upper, got.negative_lower,
+                                     got.negative_upper)) == limits
+
+
+@pytest.mark.parametrize("kwargs", [dict(loss_type="sft", pg_variant="ppo"), dict(pg_variant="ppo", topr_preset="sft"),
+                                    dict(loss_type="grpo", topr_preset="sft"), dict(pg_variant="ppo", tis_upper_bound=2.0),
+                                    dict(tis_upper_bound=2.0, topr_positive_upper=3.0)])
+def test_deprecated_selectors_that_disagree_with_loss_type_fail(kwargs):
+    with pytest.raises(ValueError, match="deprecated"):
+        config(**kwargs)
+
+
+def test_a_registered_loss_is_selectable_and_a_trl_name_is_refused():
+    """The config checks the live registry: a loss registered after import is a loss_type at once."""
+    import torch
+
+    from topr_trl.loss import register_policy_loss
+
+    @register_policy_loss("test_plain_reinforce", reads=())
+    def plain_reinforce(per_token_logps, log_ratio, signal, is_positive, spec):
+        return -signal * per_token_logps, torch.ones_like(log_ratio)
+
+    try:
+        assert "test_plain_reinforce" in loss_types()
+        args = config(loss_type="test_plain_reinforce")
+        assert args.policy_loss_spec.loss_type == "test_plain_reinforce" and args.topr_limits is None
+        with pytest.raises(ValueError, match="`topr_negative_upper` has no effect"):
+            config(loss_type="test_plain_reinforce", topr_negative_upper=2.0)
+        with pytest.raises(ValueError, match="already registered"):
+            register_policy_loss("test_plain_reinforce")(plain_reinforce)
+    finally:
+        POLICY_LOSSES.pop("test_plain_reinforce")
+    with pytest.raises(ValueError, match="TRL's loss types"):
+        register_policy_loss("grpo")(plain_reinforce)
+    with pytest.raises(ValueError, match="`loss_type`"):
+        config(loss_type="test_plain_reinforce")
 
 
 def test_positive_negative_lower_limit_warns_prop_3_2():
     with pytest.warns(UserWarning, match="unbounded") as caught:
-        config(topr_preset="naive_reinforce")
+        config(loss_type="naive_reinforce")
     unbounded = [warning for warning in caught if "unbounded" in str(warning.message)]
     assert unbounded[0].filename == __file__  # points at the user's TOPRConfig(...) line, not at dataclass internals
 
@@ -65,12 +121,13 @@ def test_positive_negative_lower_limit_warns_prop_3_2():
     "field,value,allowed",
     [
         ("loss_type", "tpor", "topr"),
-        ("topr_preset", "TIS", "tis"),
+        ("loss_type", "TIS", "tis"),
         ("topr_ratio_level", "seq", "sequence"),
         ("topr_signal", "rewards", "reward"),
         ("topr_loss_aggregation", "token_mean", "token-mean"),
         ("topr_behaviour_source", "vllm", "sampler"),
         ("pg_variant", "grpo", "ppo"),
+        ("topr_preset", "TIS", "tis"),
     ],
 )
 def test_unknown_names_raise_naming_field_and_allowed_values(field, value, allowed):
@@ -118,14 +175,12 @@ def test_config_parses_from_command_line_strings():
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(loss_type="dapo", pg_variant="ppo"), "pg_variant"),
-    (dict(loss_type="grpo", topr_preset="sft"), "topr_preset"),
     (dict(loss_type="cispo", cispo_epsilon_high=0.3), "cispo_epsilon_high"),
     (dict(loss_type="grpo", topr_signal="reward"), "topr_signal"),
-    (dict(pg_variant="ppo", topr_preset="sft"), "topr_preset"),
-    (dict(pg_variant="cispo", topr_negative_upper=2.0), "topr_negative_upper"),
-    (dict(pg_variant="topr", tis_upper_bound=2.0), "tis_upper_bound"),
-    (dict(pg_variant="ppo", kimi15_tau=0.5), "kimi15_tau"),
+    (dict(loss_type="dapo", topr_negative_upper=2.0), "topr_negative_upper"),
+    (dict(loss_type="cispo_two_sided", topr_negative_upper=2.0), "topr_negative_upper"),
+    (dict(loss_type="ppo", kimi15_tau=0.5), "kimi15_tau"),
+    (dict(loss_type="topr", cispo_epsilon_low=0.3), "cispo_epsilon_low"),
 ])
 def test_a_field_the_selected_loss_does_not_read_is_refused(kwargs, field):
     with pytest.raises(ValueError, match=f"`{field}` has no effect .*drop it"):
@@ -133,8 +188,8 @@ def test_a_field_the_selected_loss_does_not_read_is_refused(kwargs, field):
 
 
 def test_fields_the_selected_loss_reads_are_accepted():
-    assert config(pg_variant="cispo", cispo_epsilon_high=0.3).policy_loss_spec.cispo_epsilon_high == 0.3
-    assert config(pg_variant="ppo", delta=1.5).policy_loss_spec.ppo_delta == 1.5
+    assert config(loss_type="cispo_two_sided", cispo_epsilon_high=0.3).policy_loss_spec.cispo_epsilon_high == 0.3
+    assert config(loss_type="ppo", delta=1.5).policy_loss_spec.ppo_delta == 1.5
     # fields about the data, not the loss, apply to TRL's loss types too
     assert config(loss_type="dapo", topr_offline_epochs=2.0, topr_unscored_batch="skip").loss_type == "dapo"
     assert config(loss_type="grpo", topr_baseline="0.0").loss_type == "grpo"  # the default, spelt out

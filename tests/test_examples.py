@@ -41,7 +41,7 @@ def test_accelerate_config_is_well_formed(config):
 
 def test_misspelt_recipe_key_is_rejected(tmp_path):
     recipe = tmp_path / "bad.yaml"
-    recipe.write_text("task: arithmetic\ntopr_presett: sft\n")
+    recipe.write_text("task: arithmetic\nloss_typee: sft\n")
     with pytest.raises(SystemExit) as error:
         main(["train", "--config", str(recipe), "--dry_run", "true"])
-    assert "topr_presett" in str(error.value)
+    assert "loss_typee" in str(error.value)

@@ -1,8 +1,8 @@
 """Parity matrix between TOPRTrainer's loss code and TRL's GRPOTrainer._compute_loss, one row per shared feature.
 
-(a) TOPRTrainer configured to *be* GRPO (loss_type="topr", pg_variant="ppo", token ratios, the advantage signal,
+(a) TOPRTrainer configured to *be* GRPO (loss_type="ppo", token ratios, the advantage signal,
     the matching aggregation, the same epsilons) gives GRPOTrainer's loss, gradients and logged metrics.
-(b) TOPRTrainer with its own loss (pg_variant="topr") changes loss and gradients exactly as GRPOTrainer does when a
+(b) TOPRTrainer with its own loss (loss_type="topr") changes loss and gradients exactly as GRPOTrainer does when a
     feature that does not touch the policy term is switched on (KL, entropy bonus, MoE aux loss), and logs the
     same kl / entropy / entropy_coef / aux_loss.
 
@@ -94,8 +94,8 @@ class Bench:
             args = GRPOConfig(loss_type=loss_type, **kwargs)
             trainer_class = GRPOTrainer
         else:
-            variant = {"pg_variant": "ppo", "topr_ratio_level": "token"} if kind == "ppo" else {"pg_variant": "topr"}
-            args = TOPRConfig(loss_type="topr", topr_signal="advantage", topr_loss_aggregation=AGGREGATION[loss_type],
+            variant = {"loss_type": "ppo", "topr_ratio_level": "token"} if kind == "ppo" else {"loss_type": "topr"}
+            args = TOPRConfig(topr_signal="advantage", topr_loss_aggregation=AGGREGATION[loss_type],
                               **{**variant, **topr_only}, **kwargs)
             trainer_class = TOPRTrainer
         trainer = trainer_class(model=self.model_paths[model], reward_funcs=parity_reward, args=args,
@@ -230,7 +230,7 @@ OFF_POLICY_THRESHOLD = 0.02  # drops one negative-advantage sequence of the seed
 OFF_POLICY = {"off_policy_mask_threshold": OFF_POLICY_THRESHOLD}
 PPO_DELTA = 1.3  # > 1 + epsilon_high, as TRL recommends; some negative-advantage tokens have larger ratios
 # Drifts this matrix found and that were fixed (each was an xfail until then): the KL bias correction used the
-# token ratio where GRPO uses its importance-sampling level's ratio; pg_variant='ppo' ignored GRPOConfig.delta;
+# token ratio where GRPO uses its importance-sampling level's ratio; loss_type='ppo' ignored GRPOConfig.delta;
 # policy_loss was logged after the gradient-accumulation division (half of GRPO's at GA=2).
 
 ROWS = [
@@ -279,7 +279,7 @@ def params(check: str):
 
 
 def run_pair(bench: Bench, r: dict):
-    """GRPOTrainer(loss_type) and TOPRTrainer(pg_variant='ppo') on the row's inputs: (grpo, topr) results."""
+    """GRPOTrainer(loss_type) and TOPRTrainer(loss_type='ppo') on the row's inputs: (grpo, topr) results."""
     if r["id"] in bench.pairs:
         return bench.pairs[r["id"]]
     results = []

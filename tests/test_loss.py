@@ -171,14 +171,14 @@ def test_canonical_topr_positive_weight_is_one_and_negative_weight_in_unit_inter
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 @pytest.mark.parametrize("level", RATIO_LEVELS)
-@pytest.mark.parametrize("variant", ["topr", "ppo", "cispo", "kimi15"])
+@pytest.mark.parametrize("variant", ["topr", "ppo", "cispo_two_sided", "kimi15"])
 def test_no_inf_or_nan_on_extreme_inputs(preset, level, variant):
     B, T = 6, 4
     logps = torch.full((B, T), -1.0, requires_grad=True)
     behaviour = torch.tensor([[1e4] * T, [-1e4] * T, [1e4] * T, [-1e4] * T, [float("nan")] * T, [-math.inf] * T])
     mask = torch.ones(B, T)
     mask[2] = 0  # a fully masked row
-    spec = PolicyLossSpec(variant=variant, limits=PRESETS[preset], ratio_level=level)
+    spec = PolicyLossSpec(loss_type=variant, limits=PRESETS[preset], ratio_level=level)
     for signal in (torch.tensor([1.0, -1, 1, -1, 1, -1]), torch.ones(B), -torch.ones(B), torch.zeros(B)):
         for aggregation in AGGREGATIONS:
             loss, terms = topr_loss(logps, behaviour, signal, mask, spec, aggregation, max_completion_length=T,
@@ -221,14 +221,14 @@ def test_ppo_cispo_kimi15_hand_values():
     mask = torch.ones(2, 1)
     signal = torch.tensor([1.0, -1.0])
     token = dict(ratio_level="token")
-    ppo = policy_per_token_loss(logps, behaviour, signal, mask, PolicyLossSpec(variant="ppo", **token))
+    ppo = policy_per_token_loss(logps, behaviour, signal, mask, PolicyLossSpec(loss_type="ppo", **token))
     # positive: min(2*1, 1.2*1) = 1.2 -> loss -1.2, clipped (no gradient); negative: min(-2, -1.2) = -2 -> loss 2
     torch.testing.assert_close(ppo.per_token_loss.detach(), torch.tensor([[-1.2], [2.0]]))
     (grad,) = torch.autograd.grad(ppo.per_token_loss.sum(), logps)
     torch.testing.assert_close(grad, torch.tensor([[0.0], [2.0]]))  # d(-r*A)/dlogp = -r*A = 2 on the negative
-    cispo = policy_per_token_loss(logps, behaviour, signal, mask, PolicyLossSpec(variant="cispo", **token))
+    cispo = policy_per_token_loss(logps, behaviour, signal, mask, PolicyLossSpec(loss_type="cispo_two_sided", **token))
     torch.testing.assert_close(cispo.weights, torch.tensor([[1.1], [1.1]]))
-    kimi = policy_per_token_loss(logps, behaviour, signal, mask, PolicyLossSpec(variant="kimi15", kimi15_tau=0.1, **token))
+    kimi = policy_per_token_loss(logps, behaviour, signal, mask, PolicyLossSpec(loss_type="kimi15", kimi15_tau=0.1, **token))
     log2 = math.log(2)
     expected = torch.tensor([[-math.log(0.5) + 0.05 * log2**2], [math.log(0.5) + 0.05 * log2**2]])
     torch.testing.assert_close(kimi.per_token_loss.detach(), expected)
@@ -297,13 +297,15 @@ def test_general_baseline_solver_hits_target_share(rewards, target):
         assert min(below, above) - 1e-4 <= target <= max(below, above) + 1e-4 or share == pytest.approx(target, abs=1e-4)
 
 
-def test_registry_holds_one_function_per_variant_and_dispatches_once():
-    """`POLICY_LOSSES` is the one table of variants: each entry, called directly on (log pi, log pi/mu, s, s >= 0,
-    spec), gives what `policy_per_token_loss` gives for that variant, by hand below (ratio 0.5 on both rows, so
-    that the limits of topr, vanilla and tis all differ)."""
-    from topr_trl.loss import PG_VARIANTS, POLICY_LOSSES
+def test_registry_holds_one_entry_per_loss_type_and_dispatches_once():
+    """`POLICY_LOSSES` is the one table of TOPR's loss types, each with its limits: each entry, called directly on
+    (log pi, log pi/mu, s, s >= 0, spec), gives what `policy_per_token_loss` gives for that loss type, by hand below
+    (ratio 0.5 on both rows, so that the limits of Table 1's rows all differ)."""
+    from topr_trl.loss import POLICY_LOSSES
 
-    assert PG_VARIANTS == tuple(POLICY_LOSSES) == ("topr", "vanilla", "tis", "ppo", "cispo", "kimi15")
+    assert tuple(POLICY_LOSSES) == ("tis", "off_policy_reinforce", "naive_reinforce", "sft", "topr", "ppo",
+                                    "cispo_two_sided", "kimi15")
+    assert {name: entry.limits for name, entry in POLICY_LOSSES.items() if entry.limits is not None} == PRESETS
     log_half = math.log(0.5)
     logps = torch.tensor([[log_half], [log_half]])
     log_ratio = torch.full((2, 1), log_half)
@@ -311,20 +313,32 @@ def test_registry_holds_one_function_per_variant_and_dispatches_once():
     positive = signal >= 0
     hand = {  # (per-token loss -w s log pi, weight w)
         "topr": ([[-log_half], [0.5 * log_half]], [[1.0], [0.5]]),  # [1, 1] and [0, 1]
-        "vanilla": ([[-log_half], [log_half]], [[1.0], [1.0]]),  # [1, 1] and [1, 1]
+        "naive_reinforce": ([[-log_half], [log_half]], [[1.0], [1.0]]),  # [1, 1] and [1, 1]
         "tis": ([[-0.5 * log_half], [0.5 * log_half]], [[0.5], [0.5]]),  # [0, 1] and [0, 1]
+        "sft": ([[-log_half], [0.0]], [[1.0], [0.0]]),  # [1, 1] and [0, 0]
+        "off_policy_reinforce": ([[-0.5 * log_half], [0.5 * log_half]], [[0.5], [0.5]]),  # [0, inf] both
         "ppo": ([[-0.5], [0.8]], [[0.5], [0.0]]),  # -min(rA, clip(r, 0.8, 1.2)A); the negative is clipped
-        "cispo": ([[-0.9 * log_half], [0.9 * log_half]], [[0.9], [0.9]]),  # r clipped to [0.9, 1.1]
+        "cispo_two_sided": ([[-0.9 * log_half], [0.9 * log_half]], [[0.9], [0.9]]),  # r clipped to [0.9, 1.1]
         "kimi15": ([[-log_half + 0.05 * log_half**2], [log_half + 0.05 * log_half**2]], [[1.0], [1.0]]),
     }
-    limits = {"vanilla": PRESETS["naive_reinforce"], "tis": PRESETS["tis"]}
-    for name, function in POLICY_LOSSES.items():
-        spec = PolicyLossSpec(variant=name, limits=limits.get(name, PRESETS["topr"]), ratio_level="token")
-        loss, weight = function(logps, log_ratio, signal, positive, spec)
+    for name, entry in POLICY_LOSSES.items():
+        spec = PolicyLossSpec(loss_type=name, limits=entry.limits, ratio_level="token")
+        loss, weight = entry.function(logps, log_ratio, signal, positive, spec)
         torch.testing.assert_close(loss, torch.tensor(hand[name][0]), msg=name)
         torch.testing.assert_close(weight, torch.tensor(hand[name][1]), msg=name)
         terms = policy_per_token_loss(logps, logps - log_ratio, signal, torch.ones(2, 1), spec)
         torch.testing.assert_close(terms.per_token_loss, loss, msg=name)
+
+
+def test_reward_signal_subtracts_each_baseline_and_zeroes_unscored():
+    """s = R - c (by hand) for a number, the group mean and the batch mean; a NaN reward is left out of the means
+    and gets 0."""
+    from topr_trl.loss import reward_signal
+
+    rewards = torch.tensor([1.0, -1.0, 1.0, float("nan")])
+    torch.testing.assert_close(reward_signal(rewards, 0.5, 2), torch.tensor([0.5, -1.5, 0.5, 0.0]))
+    torch.testing.assert_close(reward_signal(rewards, "group_mean", 2), torch.tensor([1.0, -1.0, 0.0, 0.0]))
+    torch.testing.assert_close(reward_signal(rewards, "batch_mean", 2), torch.tensor([2 / 3, -4 / 3, 2 / 3, 0.0]))
 
 
 def test_ppo_two_sided_clip_caps_the_ratio_at_delta():
@@ -332,11 +346,11 @@ def test_ppo_two_sided_clip_caps_the_ratio_at_delta():
     2.5 |A| and carries no gradient (without delta: 3 |A| with gradient 3 |A|)."""
     logps = torch.tensor([[math.log(0.75)]], requires_grad=True)
     behaviour = torch.log(torch.tensor([[0.25]]))
-    spec = PolicyLossSpec(variant="ppo", ratio_level="token", ppo_delta=2.5)
+    spec = PolicyLossSpec(loss_type="ppo", ratio_level="token", ppo_delta=2.5)
     terms = policy_per_token_loss(logps, behaviour, torch.tensor([-1.0]), torch.ones(1, 1), spec)
     torch.testing.assert_close(terms.per_token_loss.detach(), torch.tensor([[2.5]]))
     (grad,) = torch.autograd.grad(terms.per_token_loss.sum(), logps)
     assert grad.item() == 0.0 and terms.weights.item() == 0.0
     free = policy_per_token_loss(logps, behaviour, torch.tensor([-1.0]), torch.ones(1, 1),
-                                 PolicyLossSpec(variant="ppo", ratio_level="token"))
+                                 PolicyLossSpec(loss_type="ppo", ratio_level="token"))
     torch.testing.assert_close(free.per_token_loss.detach(), torch.tensor([[3.0]]))

@@ -50,13 +50,13 @@ def outside_limits_fraction(lower: float, upper: float, relative_tolerance: floa
 
 @pytest.mark.parametrize("overrides,expected", [
     ({}, outside_limits_fraction(PRESETS["topr"].negative_lower, PRESETS["topr"].negative_upper)),  # 1/6
-    ({"topr_preset": "naive_reinforce"}, outside_limits_fraction(1.0, 1.0)),  # 2/6
-    ({"topr_preset": "tis"}, outside_limits_fraction(0.0, 1.0)),
-    ({"topr_preset": "off_policy_reinforce"}, 0.0),
+    ({"loss_type": "naive_reinforce"}, outside_limits_fraction(1.0, 1.0)),  # 2/6
+    ({"loss_type": "tis"}, outside_limits_fraction(0.0, 1.0)),
+    ({"loss_type": "off_policy_reinforce"}, 0.0),
     ({"topr_negative_weight": 0.5}, outside_limits_fraction(0.0, 1.0)),  # lambda- is not truncation
-    ({"pg_variant": "cispo"}, outside_limits_fraction(0.9, 1.1)),  # CISPO clips to [1 - 0.1, 1 + 0.1]
+    ({"loss_type": "cispo_two_sided"}, outside_limits_fraction(0.9, 1.1)),  # CISPO clips to [1 - 0.1, 1 + 0.1]
     # PPO with A < 0 clips (weight 0) where r < 1 - 0.2: only exp(-0.3) = 0.74
-    ({"pg_variant": "ppo"}, 1 / 6),
+    ({"loss_type": "ppo"}, 1 / 6),
 ], ids=["topr", "naive_reinforce", "tis", "off_policy_reinforce", "negative_weight", "cispo", "ppo"])
 def test_truncation_is_counted_with_a_tolerance(overrides, expected, tiny_model_path, arithmetic_dataset, tmp_path):
     args = TOPRConfig(**small_config_kwargs(tmp_path, **overrides))
@@ -80,7 +80,7 @@ def data_from_the_policy(tiny_model_path, arithmetic_dataset, tmp_path_factory):
 @pytest.mark.parametrize("preset", ["topr", "naive_reinforce"])
 def test_replay_of_the_policy_own_samples_truncates_nothing(preset, data_from_the_policy, tiny_model_path, tmp_path):
     args = TOPRConfig(**small_config_kwargs(tmp_path, max_steps=-1, per_device_train_batch_size=8, learning_rate=0.0,
-                                            topr_preset=preset))
+                                            loss_type=preset))
     trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args,
                           train_dataset=data_from_the_policy)
     trainer.train()
@@ -101,7 +101,7 @@ def test_replay_with_mu_clearly_off_pi_is_truncated(mu_shift, preset, expected, 
     exp(0.05) away from 1, on the side the shift sets."""
     data = data_from_the_policy.map(lambda row: {"behaviour_logps": [x + mu_shift for x in row["behaviour_logps"]]})
     args = TOPRConfig(**small_config_kwargs(tmp_path, max_steps=2, per_device_train_batch_size=8, learning_rate=0.0,
-                                            topr_preset=preset))
+                                            loss_type=preset))
     trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args, train_dataset=data)
     trainer.train()
     ratios = logged_values(trainer, "topr/ratio_negative/min") + logged_values(trainer, "topr/ratio_negative/max")

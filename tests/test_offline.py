@@ -220,6 +220,7 @@ def test_offline_data_gets_one_pass_by_default(epochs, steps, behaviour, tiny_mo
     trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args, train_dataset=dataset)
     trainer.train()
     assert trainer.state.global_step == steps
+    assert args.num_train_epochs == 3.0 and trainer.args is args  # the user's config is not changed
 
 
 def test_generated_dataset_can_be_pushed(behaviour, arithmetic_dataset, tmp_path, monkeypatch):

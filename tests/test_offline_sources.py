@@ -386,7 +386,7 @@ def test_unscored_steps_can_be_skipped_with_one_warning(tiny_model_path, arithme
         trainer.train()
     assert trainer.state.global_step == 3
     assert all(torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
-    assert len([record for record in caplog.records if "Skipping a step" in record.getMessage()]) == 1
+    assert len([record for record in caplog.records if "Skipping steps" in record.getMessage()]) == 1
     with pytest.raises(ValueError, match="topr_unscored_batch.*Did you mean 'skip'"):
         TOPRConfig(**small_config_kwargs(tmp_path, topr_unscored_batch="skipp"))
 

@@ -76,13 +76,13 @@ def test_trl_loss_types_compute_exactly_what_grpo_computes(loss_type, tiny_model
 
 
 def test_ppo_variant_reproduces_grpo_loss(tiny_model_path, arithmetic_dataset, tmp_path):
-    """pg_variant='ppo' with token ratios, the advantage signal and per-sequence aggregation is GRPO's own
+    """loss_type='ppo' with token ratios, the advantage signal and per-sequence aggregation is GRPO's own
     `loss_type='grpo'`: an independent check of the TOPR code path against TRL."""
     common = dict(num_iterations=2, per_device_train_batch_size=8)
     grpo = GRPOTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
                        args=GRPOConfig(**small_config_kwargs(tmp_path / "g", loss_type="grpo", **common)))
     topr = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
-                       args=TOPRConfig(**small_config_kwargs(tmp_path / "t", pg_variant="ppo", topr_ratio_level="token",
+                       args=TOPRConfig(**small_config_kwargs(tmp_path / "t", loss_type="ppo", topr_ratio_level="token",
                                                              **common)))
     inputs = make_inputs(grpo)
     with torch.no_grad():

@@ -10,10 +10,16 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .loss import AGGREGATIONS, PG_VARIANTS, PRESETS, RATIO_LEVELS, PolicyLossSpec, TruncationLimits
+from .loss import (
+    AGGREGATIONS,
+    LIMIT_FIELDS,
+    POLICY_LOSSES,
+    RATIO_LEVELS,
+    TRL_LOSS_TYPES,
+    PolicyLossSpec,
+    TruncationLimits,
+)
 
-TRL_LOSS_TYPES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
-LOSS_TYPES: tuple[str, ...] = ("topr", *TRL_LOSS_TYPES)
 SIGNALS: tuple[str, ...] = ("advantage", "reward")
 BASELINE_MODES: tuple[str, ...] = ("group_mean", "batch_mean")
 BEHAVIOUR_SOURCES: tuple[str, ...] = ("auto", "sampler", "policy")
@@ -21,31 +27,24 @@ BASELINE_SCOPES: tuple[str, ...] = ("batch", "dataset")
 UNSCORED_BATCH_ACTIONS: tuple[str, ...] = ("train", "skip", "error")
 
 
-# The TOPR-family fields, and the pg_variants that read each one (empty: every variant of the family). None of them
-# is read when loss_type is one of TRL's; topr_offline_epochs, topr_behaviour_model, topr_unscored_batch and
-# topr_check_finite concern the data and the run, not the loss, and apply to every loss type.
-_FIELDS_READ_BY: dict[str, tuple[str, ...]] = {
-    "pg_variant": (),
-    "topr_preset": ("topr",),
-    "topr_positive_lower": ("topr",),
-    "topr_positive_upper": ("topr",),
-    "topr_negative_lower": ("topr",),
-    "topr_negative_upper": ("topr",),
-    "tis_lower_bound": ("tis",),
-    "tis_upper_bound": ("tis",),
-    "cispo_epsilon_low": ("cispo",),
-    "cispo_epsilon_high": ("cispo",),
-    "kimi15_tau": ("kimi15",),
-    "topr_ratio_level": (),
-    "topr_signal": (),
-    "topr_baseline": (),
-    "topr_target_effective_proportion": (),
-    "topr_baseline_scope": (),
-    "topr_positive_weight": (),
-    "topr_negative_weight": (),
-    "topr_loss_aggregation": (),
-    "topr_behaviour_source": (),
-}
+# The fields every loss of TOPR's registry reads (`topr_trl.loss.POLICY_LOSSES`), and none of TRL's loss types; the
+# fields only some of them read are listed with their registration (`RegisteredPolicyLoss.reads`). topr_offline_epochs,
+# topr_behaviour_model, topr_unscored_batch and topr_check_finite concern the data and the run, not the loss, and
+# apply to every loss type.
+_FAMILY_FIELDS: tuple[str, ...] = (
+    "topr_ratio_level", "topr_signal", "topr_baseline", "topr_target_effective_proportion", "topr_baseline_scope",
+    "topr_positive_weight", "topr_negative_weight", "topr_loss_aggregation", "topr_behaviour_source",
+)
+# Deprecated selectors, kept as aliases: pg_variant (ROLL's names) and topr_preset map onto loss_type, the TIS
+# bounds onto the four limits.
+_PG_VARIANT_LOSS_TYPES = {"vanilla": "naive_reinforce", "tis": "tis", "ppo": "ppo", "cispo": "cispo_two_sided",
+                          "kimi15": "kimi15", "topr": "topr"}
+
+
+def loss_types() -> tuple[str, ...]:
+    """What `loss_type` takes now: the registered TOPR-family losses (live: a loss registered after import counts),
+    then TRL's."""
+    return (*POLICY_LOSSES, *TRL_LOSS_TYPES)
 
 
 def _parse_number(value):
@@ -69,28 +68,31 @@ class TOPRConfig(GRPOConfig):
     r"""
     Configuration for [`TOPRTrainer`]: every [`~trl.GRPOConfig`] field, plus the Tapered Off-Policy REINFORCE
     (TOPR, [arXiv:2503.14286](https://huggingface.co/papers/2503.14286)) loss family. Only `loss_type`
-    changes default: `"topr"`. Any of TRL's loss types makes [`TOPRTrainer`] compute exactly what
-    [`~trl.GRPOTrainer`] computes; setting a field below that the chosen loss does not read (a `topr_*` field with
-    one of TRL's loss types, `topr_preset` with `pg_variant="ppo"`, ...) fails at construction, naming it.
+    changes default: `"topr"`. `loss_type` is the one selector of the loss: one of the losses TOPRTrainer computes
+    (`topr_trl.loss.POLICY_LOSSES`, which `register_policy_loss` extends) or one of TRL's, which makes [`TOPRTrainer`]
+    compute exactly what [`~trl.GRPOTrainer`] computes. Setting a field below that the chosen loss does not read (a
+    `topr_*` field with one of TRL's loss types, `kimi15_tau` with `loss_type="ppo"`, ...) fails at construction,
+    naming it.
 
     Parameters:
         loss_type (`str`, *optional*, defaults to `"topr"`):
-            `"topr"` for the TOPR family configured below, or one of TRL's loss types (`"grpo"`, `"dr_grpo"`,
-            `"dapo"`, `"bnpo"`, `"cispo"`, `"sapo"`, `"luspo"`, `"vespo"`), which are delegated to GRPOTrainer.
-        topr_preset (`str`, *optional*, defaults to `"topr"`):
-            Truncation limits (a+, b+, a-, b-) of Eq. 7 from a row of the paper's Table 1: `"sft"` (1, 1, 0, 0),
-            `"naive_reinforce"` (1, 1, 1, 1), `"off_policy_reinforce"` (0, inf, 0, inf), `"tis"` (0, 1, 0, 1) or
-            `"topr"` (1, 1, 0, 1). Change it to compare against the baselines of the paper.
+            The loss. The rows of the paper's Table 1, Eq. 7 with truncation limits (a+, b+, a-, b-): `"topr"`
+            (1, 1, 0, 1), `"sft"` (1, 1, 0, 0), `"naive_reinforce"` (1, 1, 1, 1; ROLL's `vanilla`),
+            `"off_policy_reinforce"` (0, inf, 0, inf), `"tis"` (0, 1, 0, 1). Other off-policy losses on TOPR's signal,
+            ratio and mu, to compare in one trainer: `"ppo"` (clipped surrogate with `epsilon`/`epsilon_high`/`delta`),
+            `"cispo_two_sided"` (ROLL's CISPO) and `"kimi15"`. Or one of TRL's loss types (`"grpo"`, `"dr_grpo"`,
+            `"dapo"`, `"bnpo"`, `"cispo"`, `"sapo"`, `"luspo"`, `"vespo"`), computed by GRPOTrainer.
         topr_positive_lower (`float` or `None`, *optional*, defaults to `None`):
-            a+, the lower limit of the importance ratio of trajectories with non-negative signal. `None` takes
-            the preset's value. Set it (with the three others) to explore limits outside Table 1.
+            a+, the lower limit of the importance ratio of trajectories with non-negative signal, for the Eq. 7
+            loss types. `None` takes the loss type's value. Set it (with the three others) to explore limits
+            outside Table 1.
         topr_positive_upper (`float` or `None`, *optional*, defaults to `None`):
-            b+, the upper limit for non-negative trajectories; may be `inf`. `None` takes the preset's value.
+            b+, the upper limit for non-negative trajectories; may be `inf`. `None` takes the loss type's value.
         topr_negative_lower (`float` or `None`, *optional*, defaults to `None`):
             a-, the lower limit for negative trajectories. Any a- > 0 makes the objective unbounded (Prop. 3.2)
-            and warns. `None` takes the preset's value.
+            and warns. `None` takes the loss type's value.
         topr_negative_upper (`float` or `None`, *optional*, defaults to `None`):
-            b-, the upper limit for negative trajectories; may be `inf`. `None` takes the preset's value.
+            b-, the upper limit for negative trajectories; may be `inf`. `None` takes the loss type's value.
         topr_ratio_level (`str`, *optional*, defaults to `"sequence"`):
             How pi/mu is formed: `"sequence"`, the product of token ratios pi(tau)/mu(tau) (the paper);
             `"length_normalized"`, the geometric mean of token ratios (GSPO; what TRL calls
@@ -149,35 +151,33 @@ class TOPRConfig(GRPOConfig):
             a `ValueError` naming the reward function, and a non-finite TOPR loss a `FloatingPointError` that
             reports the ratio ranges. Off by default (GRPOTrainer's behaviour: a non-finite loss is trained on and
             logged as NaN, and TOPRTrainer warns once); the `topr-trl` command line turns it on.
-        pg_variant (`str`, *optional*, defaults to `"topr"`):
-            ROLL's `pg_variant`, to compare off-policy losses in one trainer with the same signal, ratio level,
-            mu and aggregation: `"topr"` (Eq. 7 with the limits above), `"vanilla"` (REINFORCE, the
-            `"naive_reinforce"` limits), `"tis"` (`[tis_lower_bound, tis_upper_bound]` on both branches),
-            `"ppo"` (clipped surrogate with `epsilon`/`epsilon_high`), `"cispo"` and `"kimi15"`.
-        tis_lower_bound (`float`, *optional*, defaults to `0.0`):
-            Lower truncation of the ratio for `pg_variant="tis"`.
-        tis_upper_bound (`float`, *optional*, defaults to `1.0`):
-            Upper truncation of the ratio for `pg_variant="tis"`.
         cispo_epsilon_low (`float`, *optional*, defaults to `0.1`):
-            `pg_variant="cispo"`: the stop-gradient ratio is clipped below at 1 - `cispo_epsilon_low`.
+            `loss_type="cispo_two_sided"`: the stop-gradient ratio is clipped below at 1 - `cispo_epsilon_low`.
         cispo_epsilon_high (`float`, *optional*, defaults to `0.1`):
-            `pg_variant="cispo"`: the stop-gradient ratio is clipped above at 1 + `cispo_epsilon_high`.
+            `loss_type="cispo_two_sided"`: the stop-gradient ratio is clipped above at 1 + `cispo_epsilon_high`.
         kimi15_tau (`float`, *optional*, defaults to `0.1`):
-            `pg_variant="kimi15"`: weight of the squared log-ratio penalty tau/2 (log pi/mu)^2.
+            `loss_type="kimi15"`: weight of the squared log-ratio penalty tau/2 (log pi/mu)^2.
+        pg_variant (`str` or `None`, *optional*, defaults to `None`):
+            Deprecated (ROLL's name): use `loss_type`. `"vanilla"` is `loss_type="naive_reinforce"`, `"cispo"` is
+            `"cispo_two_sided"`, the others keep their names.
+        topr_preset (`str` or `None`, *optional*, defaults to `None`):
+            Deprecated: use `loss_type` (a row of Table 1 is a loss type of its own).
+        tis_lower_bound (`float` or `None`, *optional*, defaults to `None`):
+            Deprecated: use `loss_type="tis"` with `topr_positive_lower` and `topr_negative_lower`.
+        tis_upper_bound (`float` or `None`, *optional*, defaults to `None`):
+            Deprecated: use `loss_type="tis"` with `topr_positive_upper` and `topr_negative_upper`.
     """
 
     loss_type: str = field(
         default="topr",
-        metadata={"help": f"'topr' or one of TRL's loss types {list(TRL_LOSS_TYPES)} (delegated to GRPOTrainer)."},
+        metadata={"help": f"The loss: TOPR's {list(POLICY_LOSSES)} or TRL's {list(TRL_LOSS_TYPES)} (computed by "
+                          "GRPOTrainer)."},
     )
-    topr_preset: str = field(
-        default="topr",
-        metadata={"help": f"Truncation limits from a row of the paper's Table 1: {list(PRESETS)}."},
-    )
-    topr_positive_lower: float | None = field(default=None, metadata={"help": "a+ (None: from the preset)."})
-    topr_positive_upper: float | None = field(default=None, metadata={"help": "b+, may be inf (None: preset)."})
-    topr_negative_lower: float | None = field(default=None, metadata={"help": "a- (None: preset); > 0 is unbounded."})
-    topr_negative_upper: float | None = field(default=None, metadata={"help": "b-, may be inf (None: preset)."})
+    topr_positive_lower: float | None = field(default=None, metadata={"help": "a+ (None: the loss type's)."})
+    topr_positive_upper: float | None = field(default=None, metadata={"help": "b+, may be inf (None: loss type's)."})
+    topr_negative_lower: float | None = field(default=None,
+                                              metadata={"help": "a- (None: the loss type's); > 0 is unbounded."})
+    topr_negative_upper: float | None = field(default=None, metadata={"help": "b-, may be inf (None: loss type's)."})
     topr_ratio_level: str = field(
         default="sequence", metadata={"help": f"How pi/mu is formed: {list(RATIO_LEVELS)}."}
     )
@@ -219,22 +219,24 @@ class TOPRConfig(GRPOConfig):
         metadata={"help": "Stop on an infinite reward (ValueError) or a non-finite TOPR loss (FloatingPointError) "
                           "instead of training on it, as GRPOTrainer does (the CLI: True)."},
     )
-    pg_variant: str = field(default="topr", metadata={"help": f"Off-policy loss variant: {list(PG_VARIANTS)}."})
-    tis_lower_bound: float = field(default=0.0, metadata={"help": "pg_variant='tis': lower ratio bound."})
-    tis_upper_bound: float = field(default=1.0, metadata={"help": "pg_variant='tis': upper ratio bound."})
-    cispo_epsilon_low: float = field(default=0.1, metadata={"help": "pg_variant='cispo': 1 - eps lower clip."})
-    cispo_epsilon_high: float = field(default=0.1, metadata={"help": "pg_variant='cispo': 1 + eps upper clip."})
-    kimi15_tau: float = field(default=0.1, metadata={"help": "pg_variant='kimi15': squared log-ratio weight."})
+    cispo_epsilon_low: float = field(default=0.1, metadata={"help": "cispo_two_sided: 1 - eps lower clip."})
+    cispo_epsilon_high: float = field(default=0.1, metadata={"help": "cispo_two_sided: 1 + eps upper clip."})
+    kimi15_tau: float = field(default=0.1, metadata={"help": "kimi15: squared log-ratio weight."})
+    pg_variant: str | None = field(default=None, metadata={"help": "Deprecated: use loss_type."})
+    topr_preset: str | None = field(default=None, metadata={"help": "Deprecated: use loss_type."})
+    tis_lower_bound: float | None = field(
+        default=None, metadata={"help": "Deprecated: loss_type='tis' with topr_positive/negative_lower."})
+    tis_upper_bound: float | None = field(
+        default=None, metadata={"help": "Deprecated: loss_type='tis' with topr_positive/negative_upper."})
 
     def __post_init__(self) -> None:
-        check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        self._resolve_deprecated_selectors()
+        check_choice("loss_type", self.loss_type, loss_types())
         super().__post_init__()
-        check_choice("topr_preset", self.topr_preset, tuple(PRESETS))
         check_choice("topr_ratio_level", self.topr_ratio_level, RATIO_LEVELS)
         check_choice("topr_signal", self.topr_signal, SIGNALS)
         check_choice("topr_loss_aggregation", self.topr_loss_aggregation, AGGREGATIONS)
         check_choice("topr_behaviour_source", self.topr_behaviour_source, BEHAVIOUR_SOURCES)
-        check_choice("pg_variant", self.pg_variant, PG_VARIANTS)
         self.topr_baseline = self._parse_baseline(self.topr_baseline)
         check_choice("topr_baseline_scope", self.topr_baseline_scope, BASELINE_SCOPES)
         target = self.topr_target_effective_proportion
@@ -256,7 +258,7 @@ class TOPRConfig(GRPOConfig):
                 raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
         self._refuse_fields_without_effect()
         limits = self.topr_limits  # validates the limits
-        if self.loss_type == "topr" and limits.negative_lower > 0:
+        if limits is not None and limits.negative_lower > 0:
             warnings.warn(
                 f"topr_negative_lower (a-) = {limits.negative_lower} > 0: the TOPR objective is then unbounded "
                 "(Prop. 3.2 of the paper) and training can collapse by pushing negatives' probabilities to 0. "
@@ -264,7 +266,7 @@ class TOPRConfig(GRPOConfig):
                 UserWarning,
                 stacklevel=3,  # the caller of TOPRConfig(...), past the dataclass __init__
             )
-        if self.loss_type == "topr" and self.topr_baseline != 0.0 and self.topr_signal == "advantage":
+        if self.uses_topr_loss and self.topr_baseline != 0.0 and self.topr_signal == "advantage":
             warnings.warn(
                 "topr_baseline is only used with topr_signal='reward'; with 'advantage' the group advantage "
                 "already has its baseline subtracted.",
@@ -272,20 +274,65 @@ class TOPRConfig(GRPOConfig):
                 stacklevel=3,  # the caller of TOPRConfig(...), past the dataclass __init__
             )
 
+    def _resolve_deprecated_selectors(self) -> None:
+        """pg_variant, topr_preset and the TIS bounds, the selectors `loss_type` replaced: each maps onto it (the
+        bounds onto the four limits) with a FutureWarning; combined with a loss_type of its own it fails."""
+        chosen = {name: getattr(self, name) for name in ("pg_variant", "topr_preset") if getattr(self, name) is not None}
+        bounds = {name: getattr(self, name) for name in ("tis_lower_bound", "tis_upper_bound")
+                  if getattr(self, name) is not None}
+        if not chosen and not bounds:
+            return
+        if self.pg_variant is not None:
+            check_choice("pg_variant", self.pg_variant, tuple(_PG_VARIANT_LOSS_TYPES))
+        if self.topr_preset is not None:
+            check_choice("topr_preset", self.topr_preset, tuple(n for n, e in POLICY_LOSSES.items() if e.limits))
+        # pg_variant='topr' (the family with its preset) defers to topr_preset
+        wanted = {self.topr_preset if name == "pg_variant" and value == "topr" and self.topr_preset else
+                  (_PG_VARIANT_LOSS_TYPES[value] if name == "pg_variant" else value) for name, value in chosen.items()}
+        if bounds:
+            wanted.add("tis")
+        if len(wanted) > 1 or (self.loss_type != "topr" and wanted != {self.loss_type}):
+            given = ", ".join(f"{name}={value!r}" for name, value in {**chosen, **bounds}.items())
+            raise ValueError(f"{given} and loss_type={self.loss_type!r} select different losses: set loss_type "
+                             "alone (pg_variant, topr_preset and tis_*_bound are deprecated).")
+        self.loss_type = wanted.pop()
+        for side in ("lower", "upper"):
+            value = bounds.get(f"tis_{side}_bound")
+            if value is not None:
+                for branch in ("positive", "negative"):
+                    if getattr(self, f"topr_{branch}_{side}") is not None:
+                        raise ValueError(f"tis_{side}_bound and topr_{branch}_{side} both set a limit: keep "
+                                         f"topr_{branch}_{side} (tis_{side}_bound is deprecated).")
+                    setattr(self, f"topr_{branch}_{side}", value)
+        replacement = f"loss_type={self.loss_type!r}" + "".join(
+            f", topr_positive_{side}={value!r}, topr_negative_{side}={value!r}"
+            for side, value in (("lower", bounds.get("tis_lower_bound")), ("upper", bounds.get("tis_upper_bound")))
+            if value is not None)
+        warnings.warn(f"{', '.join({**chosen, **bounds})} is deprecated and will be removed: use {replacement}.",
+                      FutureWarning, stacklevel=4)  # the caller of TOPRConfig(...)
+        self.pg_variant = self.topr_preset = self.tis_lower_bound = self.tis_upper_bound = None
+
+    @property
+    def uses_topr_loss(self) -> bool:
+        """Whether TOPRTrainer computes the loss itself (a registered loss), rather than GRPOTrainer (TRL's)."""
+        return self.loss_type in POLICY_LOSSES
+
     def _refuse_fields_without_effect(self) -> None:
-        """One field selects the loss: `loss_type` (TRL's loss types, or "topr" for the family), then `pg_variant`
-        within the family. A field the selected loss does not read fails here, naming the field to drop."""
+        """One field selects the loss: `loss_type`. A TOPR-family field with one of TRL's loss types, or a field only
+        other registered losses read, fails here, naming the field to drop."""
         defaults = {f.name: f.default for f in dataclasses.fields(TOPRConfig)}
-        changed = [name for name in _FIELDS_READ_BY if getattr(self, name) != defaults[name]
-                   and not (name == "topr_baseline" and self.topr_baseline == _parse_number(defaults[name]))]
-        for name in changed:
-            readers = _FIELDS_READ_BY[name]
-            if self.loss_type != "topr":
+        readers = {name: [loss for loss, entry in POLICY_LOSSES.items() if name in entry.reads]
+                   for entry in POLICY_LOSSES.values() for name in entry.reads}
+        for name in (*_FAMILY_FIELDS, *readers):
+            value = getattr(self, name)
+            if value == defaults[name] or (name == "topr_baseline" and value == _parse_number(defaults[name])):
+                continue
+            if not self.uses_topr_loss:
                 raise ValueError(f"`{name}` has no effect with loss_type={self.loss_type!r} (TRL's own loss, computed "
-                                 "by GRPOTrainer): drop it, or set loss_type='topr'.")
-            if readers and self.pg_variant not in readers:
-                raise ValueError(f"`{name}` has no effect with pg_variant={self.pg_variant!r} (it is read by "
-                                 f"pg_variant {' / '.join(repr(r) for r in readers)}): drop it.")
+                                 f"by GRPOTrainer): drop it, or set a TOPR loss type ({', '.join(POLICY_LOSSES)}).")
+            if name in readers and self.loss_type not in readers[name]:
+                raise ValueError(f"`{name}` has no effect with loss_type={self.loss_type!r} (it is read by loss_type "
+                                 f"{' / '.join(repr(r) for r in readers[name])}): drop it.")
 
     @staticmethod
     def _parse_baseline(value: float | str) -> float | str:
@@ -305,21 +352,15 @@ class TOPRConfig(GRPOConfig):
         )
 
     @property
-    def topr_limits(self) -> TruncationLimits:
-        """The truncation limits (a+, b+, a-, b-) in force, from `pg_variant`, the preset and explicit fields."""
-        if self.pg_variant == "vanilla":
-            return PRESETS["naive_reinforce"]
-        if self.pg_variant == "tis":
-            low, high = float(self.tis_lower_bound), float(self.tis_upper_bound)
-            return TruncationLimits(low, high, low, high)
-        preset = PRESETS[self.topr_preset]
-        explicit = {
-            "positive_lower": self.topr_positive_lower,
-            "positive_upper": self.topr_positive_upper,
-            "negative_lower": self.topr_negative_lower,
-            "negative_upper": self.topr_negative_upper,
-        }
-        resolved = {name: (getattr(preset, name) if value is None else float(value)) for name, value in explicit.items()}
+    def topr_limits(self) -> TruncationLimits | None:
+        """The truncation limits (a+, b+, a-, b-) in force: the loss type's (Eq. 7's entries of the registry),
+        overridden by the explicit topr_*_lower/upper fields; None for a loss that is not Eq. 7's."""
+        entry = POLICY_LOSSES.get(self.loss_type)
+        if entry is None or entry.limits is None:
+            return None
+        explicit = {name.removeprefix("topr_"): getattr(self, name) for name in LIMIT_FIELDS}
+        resolved = {name: (getattr(entry.limits, name) if value is None else float(value))
+                    for name, value in explicit.items()}
         try:
             return TruncationLimits(**resolved)
         except ValueError as error:
@@ -329,7 +370,7 @@ class TOPRConfig(GRPOConfig):
     def policy_loss_spec(self) -> PolicyLossSpec:
         """The loss the trainer computes when `loss_type="topr"`."""
         return PolicyLossSpec(
-            variant=self.pg_variant,
+            loss_type=self.loss_type,
             limits=self.topr_limits,
             ratio_level=self.topr_ratio_level,
             positive_weight=float(self.topr_positive_weight),
@@ -341,3 +382,13 @@ class TOPRConfig(GRPOConfig):
             cispo_epsilon_high=float(self.cispo_epsilon_high),
             kimi15_tau=float(self.kimi15_tau),
         )
+
+
+# TOPRTrainer also takes a plain GRPOConfig (only the trainer's name swapped): TOPR's run-level fields then keep their
+# TOPRConfig defaults, which are GRPOTrainer's behaviour.
+_TOPR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TOPRConfig)}
+
+
+def topr_setting(args, name: str):
+    """`args.<name>`, or TOPRConfig's default when `args` is a GRPOConfig."""
+    return getattr(args, name, _TOPR_DEFAULTS[name])

@@ -124,6 +124,9 @@ def aggregate(
 ) -> torch.Tensor:
     """Reduce a (B, T) per-token loss to a scalar.
 
+    MIRROR of TRL 1.16.0 `GRPOTrainer._compute_loss`'s normalisation by `loss_type` (trl/trainer/grpo_trainer.py):
+    each mode below is one of its branches, named after it; tests/test_grpo_parity.py holds them to TRL's.
+
     - "seq-mean-token-mean": each trajectory's loss divided by its length, then averaged over trajectories
       (the paper; TRL's `grpo` normalisation). A fully masked row contributes 0.
     - "token-mean": mean over the local batch's tokens (TRL's `bnpo`, ROLL's and verl's `token-mean`).
@@ -183,11 +186,12 @@ def kimi15_per_token_loss(
 
 @dataclass(frozen=True)
 class PolicyLossSpec:
-    """Everything that defines a policy loss of the family, resolved from `TOPRConfig`: `variant` names an entry of
-    `POLICY_LOSSES`, the other fields are the knobs the variants read."""
+    """Everything that defines a policy loss of the family, resolved from `TOPRConfig`: `loss_type` names an entry of
+    `POLICY_LOSSES`, `limits` are Eq. 7's (a+, b+, a-, b-) for the tapered entries (None for the others), the other
+    fields are the knobs the entries read."""
 
-    variant: str = "topr"
-    limits: TruncationLimits = PRESETS["topr"]
+    loss_type: str = "topr"
+    limits: TruncationLimits | None = PRESETS["topr"]
     ratio_level: RatioLevel = "sequence"
     positive_weight: float = 1.0
     negative_weight: float = 1.0
@@ -215,24 +219,69 @@ class PolicyTerms:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The registry: one pure function per variant, (log pi, log pi/mu, s, s >= 0, spec) -> (per-token loss, weight).
-# `log_ratio` carries the gradient; the weight is the detached multiplier of s * grad log pi, from which the
-# trainer's ratio and truncation metrics are made.
+# The registry: the one table of the losses `TOPRTrainer` computes itself, selected by `TOPRConfig.loss_type`. Each
+# entry is a pure function (log pi, log pi/mu, s, s >= 0, spec) -> (per-token loss, weight), registered with its
+# truncation limits (Eq. 7's entries) and the TOPRConfig fields of its own knobs. `log_ratio` carries the gradient;
+# the weight is the detached multiplier of s * grad log pi, from which the trainer's ratio and truncation metrics are
+# made. TRL's loss types are not in it: GRPOTrainer computes those.
 # ---------------------------------------------------------------------------------------------------------
 
+# The loss types GRPOTrainer computes itself (TRL 1.16); `TOPRConfig.loss_type` also takes these.
+TRL_LOSS_TYPES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+# The TOPRConfig fields that override an Eq. 7 entry's limits.
+LIMIT_FIELDS: tuple[str, ...] = ("topr_positive_lower", "topr_positive_upper", "topr_negative_lower",
+                                 "topr_negative_upper")
+PolicyLossFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
+
+@dataclass(frozen=True)
+class RegisteredPolicyLoss:
+    """An entry of `POLICY_LOSSES`: the function, Eq. 7's limits (None when it is not a tapered loss) and the
+    TOPRConfig fields only it reads (setting one of them with another loss type fails at construction)."""
+
+    function: PolicyLossFunction
+    limits: TruncationLimits | None = None
+    reads: tuple[str, ...] = ()
+
+
+POLICY_LOSSES: dict[str, RegisteredPolicyLoss] = {}
+
+
+def register_policy_loss(name: str, *, limits: TruncationLimits | None = None, reads: tuple[str, ...] = ()):
+    """Decorator adding a per-token policy loss to `POLICY_LOSSES` under `name`, which `TOPRConfig(loss_type=name)`
+    then selects. A name of TRL's (`TRL_LOSS_TYPES`) or one already registered is refused."""
+
+    def register(function: PolicyLossFunction) -> PolicyLossFunction:
+        if name in TRL_LOSS_TYPES:
+            raise ValueError(f"{name!r} is one of TRL's loss types, computed by GRPOTrainer: register under another "
+                             "name.")
+        if name in POLICY_LOSSES:
+            raise ValueError(f"a policy loss named {name!r} is already registered.")
+        POLICY_LOSSES[name] = RegisteredPolicyLoss(function, limits, tuple(reads))
+        return function
+
+    return register
+
+
+@register_policy_loss("topr", limits=PRESETS["topr"], reads=LIMIT_FIELDS)
+@register_policy_loss("sft", limits=PRESETS["sft"], reads=LIMIT_FIELDS)
+@register_policy_loss("naive_reinforce", limits=PRESETS["naive_reinforce"], reads=LIMIT_FIELDS)
+@register_policy_loss("off_policy_reinforce", limits=PRESETS["off_policy_reinforce"], reads=LIMIT_FIELDS)
+@register_policy_loss("tis", limits=PRESETS["tis"], reads=LIMIT_FIELDS)
 def tapered_loss(per_token_logps, log_ratio, signal, is_positive, spec: PolicyLossSpec):
     """Eq. 7: -w(tau) s(tau) log pi(y_t), w = pi/mu truncated to [a+, b+] when s >= 0, to [a-, b-] when s < 0
-    (`spec.limits`: TOPR and Table 1's rows; ROLL's `vanilla` and `tis` are this with their limits)."""
+    (`spec.limits`: TOPR and Table 1's rows; ROLL's `vanilla` is `naive_reinforce`, its `tis` is `tis`)."""
     weights = tapered_weights(log_ratio, is_positive, spec.limits)
     return -(weights * signal) * per_token_logps, weights
 
 
+@register_policy_loss("ppo")
 def ppo_loss(per_token_logps, log_ratio, signal, is_positive, spec: PolicyLossSpec):
-    """PPO's clipped surrogate (GRPO's policy term)."""
+    """PPO's clipped surrogate (GRPO's policy term), with GRPOConfig's `epsilon`, `epsilon_high` and `delta`."""
     return ppo_clip_per_token_loss(log_ratio, signal, spec.ppo_epsilon_low, spec.ppo_epsilon_high, spec.ppo_delta)
 
 
+@register_policy_loss("cispo_two_sided", reads=("cispo_epsilon_low", "cispo_epsilon_high"))
 def cispo_loss(per_token_logps, log_ratio, signal, is_positive, spec: PolicyLossSpec):
     """ROLL's CISPO: REINFORCE weighted by the stop-gradient ratio clipped to [1 - eps_low, 1 + eps_high]. (TRL's
     `loss_type="cispo"` clips from above only, at `epsilon_high`, and aggregates like `dapo`.)"""
@@ -240,20 +289,10 @@ def cispo_loss(per_token_logps, log_ratio, signal, is_positive, spec: PolicyLoss
     return -(weights * signal) * per_token_logps, weights
 
 
+@register_policy_loss("kimi15", reads=("kimi15_tau",))
 def kimi15_loss(per_token_logps, log_ratio, signal, is_positive, spec: PolicyLossSpec):
     """Kimi k1.5's REINFORCE with a squared log-ratio penalty (weight 1: the penalty, not a ratio, keeps it near mu)."""
     return kimi15_per_token_loss(per_token_logps, log_ratio, signal, spec.kimi15_tau), torch.ones_like(log_ratio)
-
-
-POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
-    "topr": tapered_loss,
-    "vanilla": tapered_loss,
-    "tis": tapered_loss,
-    "ppo": ppo_loss,
-    "cispo": cispo_loss,
-    "kimi15": kimi15_loss,
-}
-PG_VARIANTS: tuple[str, ...] = tuple(POLICY_LOSSES)
 
 
 def policy_per_token_loss(
@@ -263,7 +302,7 @@ def policy_per_token_loss(
     mask: torch.Tensor,
     spec: PolicyLossSpec = PolicyLossSpec(),
 ) -> PolicyTerms:
-    """The per-token loss of `spec.variant` (looked up in `POLICY_LOSSES`). For "topr" its gradient is Eq. 7:
+    """The per-token loss of `spec.loss_type` (looked up in `POLICY_LOSSES`). For "topr" its gradient is Eq. 7:
 
         -w(tau) * lambda(tau) * s(tau) * grad log pi(y_t),
         w(tau) = [pi(tau)/mu(tau)] truncated to [a+, b+] if s(tau) >= 0, to [a-, b-] if s(tau) < 0  (stop-grad)
@@ -272,13 +311,13 @@ def policy_per_token_loss(
     (ROLL's `topr_{positive,negative}_weight`; 1 in the paper). Aggregated with "seq-mean-token-mean" and the
     canonical limits, it is the TOPR objective of Eq. 8 divided by trajectory length. `signal` is (B,) or (B, 1).
     """
-    variant = POLICY_LOSSES.get(spec.variant)
-    if variant is None:
-        raise ValueError(f"Unknown policy-gradient variant {spec.variant!r}; expected one of {PG_VARIANTS}")
+    entry = POLICY_LOSSES.get(spec.loss_type)
+    if entry is None:
+        raise ValueError(f"Unknown policy loss {spec.loss_type!r}; expected one of {list(POLICY_LOSSES)}")
     signal = signal.reshape(-1, 1).to(per_token_logps.dtype)
     is_positive = signal >= 0
     log_ratio = log_importance_ratio(per_token_logps, behaviour_logps, mask, spec.ratio_level)
-    per_token_loss, weights = variant(per_token_logps, log_ratio, signal, is_positive, spec)
+    per_token_loss, weights = entry.function(per_token_logps, log_ratio, signal, is_positive, spec)
     branch_weight = torch.where(
         is_positive, torch.full_like(signal, spec.positive_weight), torch.full_like(signal, spec.negative_weight)
     )
@@ -306,9 +345,9 @@ def branch_losses(
     """The aggregated loss restricted to the positive and to the negative branch; for every aggregation the
     two add up to the whole loss.
 
-    Sign convention: these are parts of the loss that is minimised, not of the objective J. For the variants of
-    the form -w * lambda * s * log pi(y_t) (topr, vanilla, tis, cispo; w, lambda >= 0, log pi <= 0) the positive
-    branch (s >= 0) is >= 0 and the negative branch (s < 0) is <= 0: a falling positive loss means positives'
+    Sign convention: these are parts of the loss that is minimised, not of the objective J. For the losses of the
+    form -w * lambda * s * log pi(y_t) (Eq. 7's entries and cispo_two_sided; w, lambda >= 0, log pi <= 0) the
+    positive branch (s >= 0) is >= 0 and the negative branch (s < 0) is <= 0: a falling positive loss means positives'
     log-probabilities rise, a falling (more negative) negative loss means negatives' log-probabilities fall.
     PPO's surrogate -min(r A, clip(r) A) has the opposite signs; kimi15 adds its non-negative penalty to both."""
     per_token_loss = per_token_loss.detach()
@@ -316,6 +355,21 @@ def branch_losses(
     positive = aggregate(torch.where(is_positive, per_token_loss, zero), mask, aggregation, **kwargs)
     negative = aggregate(torch.where(is_positive, zero, per_token_loss), mask, aggregation, **kwargs)
     return positive, negative
+
+
+def reward_signal(rewards: torch.Tensor, baseline: float | str, num_generations: int) -> torch.Tensor:
+    """The paper's signal s(tau) = R(tau) - c for a generation batch of rewards (B,), grouped by prompt in runs of
+    `num_generations`. `baseline` is c: a number, "group_mean" (the mean reward of the prompt's completions) or
+    "batch_mean". A NaN reward (a completion no reward function could score) is left out of the means and gets
+    signal 0, so it does not move the policy."""
+    if baseline == "group_mean":
+        grouped = rewards.view(-1, num_generations)
+        values = torch.nanmean(grouped, dim=1, keepdim=True).expand_as(grouped).reshape(-1)
+    elif baseline == "batch_mean":
+        values = torch.nanmean(rewards)
+    else:
+        values = torch.as_tensor(float(baseline), dtype=rewards.dtype, device=rewards.device)
+    return torch.nan_to_num(rewards - values, nan=0.0)
 
 
 def effective_positive_proportion(p: float | torch.Tensor, c: float | torch.Tensor) -> float | torch.Tensor:

@@ -1,0 +1,100 @@
+"""TOPR's training metrics as pure tensor functions: what each process sums, what it contributes to the minima and
+maxima, and the logged values made from the reduced numbers. `TOPRTrainer` runs the two collectives in between.
+
+Branches are by the sign of the signal; trajectories with zero signal (e.g. groups whose completions all got the same
+reward, under the advantage signal) move nothing and are counted apart. Ratio statistics are per trajectory for
+sequence-level ratios, per completion token for token-level ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .loss import MAX_LOG_RATIO, PolicyTerms
+
+
+def _ratio_and_branches(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor):
+    """pi/mu (bounded like the loss's), and the elements of each branch (trajectories, or completion tokens)."""
+    signal = signal.detach().float().reshape(-1, 1)
+    sequence_level = terms.log_ratio.size(1) == 1
+    element_mask = torch.ones_like(terms.log_ratio, dtype=torch.float) if sequence_level else mask.float()
+    ratio = terms.log_ratio.float().clamp(max=MAX_LOG_RATIO).exp()
+    return signal, ratio, element_mask * (signal > 0), element_mask * (signal < 0)
+
+
+def metric_sums(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, entropies: torch.Tensor,
+                loss: torch.Tensor, negative_weight: float) -> dict[str, torch.Tensor]:
+    """This process's sums, by name: the caller adds them over processes (one collective over the values, in the
+    dict's order) and hands the totals to `policy_metrics`.
+
+    A negative counts as truncated when the weight applied to it differs from its untruncated weight,
+    lambda- * pi/mu, by more than a relative 1e-4 (or four roundings of the weights' dtype, if coarser): a ratio of
+    1 + 1e-6 (mu = pi, log-probs recomputed in another batch layout) is not truncated by b- = 1. For Eq. 7's losses
+    this is "pi/mu lies outside [a-, b-] by more than the tolerance"; it also covers CISPO's and PPO's clipping (PPO's
+    weight drops to 0 where it clips)."""
+    signal, ratio, in_positive, in_negative = _ratio_and_branches(terms, signal, mask)
+    mask = mask.float()
+    weights = terms.weights.float()
+    tolerance = max(1e-4, 4 * torch.finfo(terms.weights.dtype).eps)
+    untruncated = ratio * negative_weight
+    outside = (weights - untruncated).abs() > tolerance * untruncated
+    if terms.log_ratio.size(1) == 1:
+        mean_weight = weights
+    else:
+        mean_weight = (weights * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    magnitude = (mean_weight * signal).abs()  # |w s|: each trajectory's share of the update (p~ of Eq. 12)
+    sums = {
+        "n_positive": (signal > 0).sum(), "n_negative": (signal < 0).sum(), "n_zero": (signal == 0).sum(),
+        "ratio_sum_positive": (ratio * in_positive).sum(), "ratio_sum_negative": (ratio * in_negative).sum(),
+        "ratio_count_positive": in_positive.sum(), "ratio_count_negative": in_negative.sum(),
+        "weight_sum_positive": (weights * in_positive).sum(), "weight_sum_negative": (weights * in_negative).sum(),
+        "truncated_negative": (outside * in_negative).sum(),
+        "mass_positive": (magnitude * (signal >= 0)).sum(), "mass_total": magnitude.sum(),
+        "nonfinite_loss": (~torch.isfinite(loss.detach())).sum(),
+        "entropy_sum": (entropies.detach() * mask).sum(), "token_count": mask.sum(),
+    }
+    return {name: value.float() for name, value in sums.items()}
+
+
+def ratio_minima(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(min positive ratio, min negative ratio, -max positive ratio, -max negative ratio) on this process, inf for an
+    empty branch: the caller takes the minimum over processes."""
+    _, ratio, in_positive, in_negative = _ratio_and_branches(terms, signal, mask)
+    inf = torch.tensor(float("inf"), device=ratio.device)
+    return torch.stack([
+        torch.where(in_positive.bool(), ratio, inf).amin(), torch.where(in_negative.bool(), ratio, inf).amin(),
+        torch.where(in_positive.bool(), -ratio, inf).amin(), torch.where(in_negative.bool(), -ratio, inf).amin(),
+    ])
+
+
+def policy_metrics(totals: dict[str, float], minima: list[float], branch_losses: list[float],
+                   reward_signal: bool) -> dict[str, float]:
+    """The logged metrics from the totals of `metric_sums` over processes, the minima of `ratio_minima` over processes
+    and the mean (positive, negative) branch losses. NaN where a branch is empty."""
+    minima = [value if abs(value) != float("inf") else float("nan") for value in minima]
+
+    def share(numerator: str, denominator: str) -> float:
+        return totals[numerator] / totals[denominator] if totals[denominator] > 0 else float("nan")
+
+    n_all = max(totals["n_positive"] + totals["n_negative"] + totals["n_zero"], 1.0)
+    metrics = {"topr/positive_fraction": totals["n_positive"] / n_all,
+               "topr/negative_fraction": totals["n_negative"] / n_all}
+    if reward_signal:
+        # Under the advantage signal group advantages sum to 0, so p~ would read 0.5 (up to the weights) whatever the
+        # user does; it is a choice, through the baseline c, only for R - c.
+        metrics["topr/effective_positive_proportion"] = share("mass_positive", "mass_total")
+    metrics.update({
+        "topr/ratio_positive/mean": share("ratio_sum_positive", "ratio_count_positive"),
+        "topr/ratio_positive/min": minima[0],
+        "topr/ratio_positive/max": -minima[2],
+        "topr/ratio_negative/mean": share("ratio_sum_negative", "ratio_count_negative"),
+        "topr/ratio_negative/min": minima[1],
+        "topr/ratio_negative/max": -minima[3],
+        "topr/weight_positive/mean": share("weight_sum_positive", "ratio_count_positive"),
+        "topr/weight_negative/mean": share("weight_sum_negative", "ratio_count_negative"),
+        "topr/negative_truncated_fraction": share("truncated_negative", "ratio_count_negative"),
+        "topr/loss_positive": branch_losses[0],
+        "topr/loss_negative": branch_losses[1],
+        "entropy": share("entropy_sum", "token_count"),
+    })
+    return metrics
