@@ -7,7 +7,7 @@ are interleaved round by round so that machine noise hits all of them alike. Com
     python scripts/benchmark.py --smoke                 # seconds; what CI runs (no assertion on times)
     python scripts/benchmark.py --repeats 5 --steps 20  # the CPU figures in the note
     python scripts/benchmark.py --interleaved --repeats 5 --steps 20   # whole steps alternated in one process
-    python scripts/benchmark.py --model qwen2.5-0.5b --device cuda --bf16 --prompt-length 512 --completion-length 512
+    python scripts/benchmark.py --model qwen2.5-0.5b --device cuda --bf16 --prompt_length 512 --completion_length 512
 
 Prints a table (median and spread of seconds per step, tokens per second, peak memory) and the ratios
 TOPR/GRPO, and writes them as JSON with `--output`.
@@ -73,7 +73,7 @@ def build_trainer(setting: str, options: dict, model_path: str):
 
     from topr_trl import TOPRConfig, TOPRTrainer
     from topr_trl.offline.rollout import make_behaviour_rollout
-    from topr_trl.evaluation.arithmetic import make_arithmetic_dataset
+    from topr_trl.tasks.arithmetic import make_arithmetic_dataset
 
     trainer_name, overrides = SETTINGS[setting]
     overrides = dict(overrides)
@@ -194,7 +194,7 @@ def loss_only(options, model_path: str) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from topr_trl import TOPRConfig, TOPRTrainer
-    from topr_trl.evaluation.arithmetic import make_arithmetic_dataset
+    from topr_trl.tasks.arithmetic import make_arithmetic_dataset
 
     cuda = options.device == "cuda"
     common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=options.batch_size,
@@ -336,7 +336,7 @@ def qwen_config(shape: str, tokenizer):
 
 
 def build_model(shape: str, path: str) -> None:
-    from topr_trl.evaluation.tiny import build_model as build, build_tokenizer, save_pretrained
+    from topr_trl.tasks.tiny import build_model as build, build_tokenizer, save_pretrained
 
     tokenizer = build_tokenizer()
     if shape in QWEN_SHAPES:
@@ -399,12 +399,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--num-generations", type=int, default=8)
-    parser.add_argument("--prompt-length", type=int, default=32)
-    parser.add_argument("--completion-length", type=int, default=32)
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--num_generations", type=int, default=8)
+    parser.add_argument("--prompt_length", type=int, default=32)
+    parser.add_argument("--completion_length", type=int, default=32)
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    parser.add_argument("--loss-only", action="store_true",
+    parser.add_argument("--loss_only", action="store_true",
                         help="time only loss+backward on one shared batch, all trainers in one process")
     parser.add_argument("--interleaved", action="store_true",
                         help="whole steps of every setting alternated in one process (wall and CPU time; no memory)")

@@ -1,5 +1,5 @@
-"""Build the built-in tiny models of the default settings into `topr_trl/evaluation/prebuilt/`, the weights every
-machine installs instead of training them (`topr_trl.evaluation.tiny`, "Built-in models shipped as weights").
+"""Build the built-in tiny models of the default settings into `topr_trl/tasks/prebuilt/`, the weights every
+machine installs instead of training them (`topr_trl.tasks.tiny`, "Built-in models shipped as weights").
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/build_prebuilt_models.py [--force]
 
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from topr_trl.cli import TaskArguments
-from topr_trl.evaluation.arithmetic import build_warm_model, warm_model_key
-from topr_trl.evaluation.reasoning import WarmStartSettings, build_reasoning_warm_model
-from topr_trl.evaluation.tiny import PREBUILT_DIR
+from topr_trl.arguments import TaskArguments
+from topr_trl.tasks.arithmetic import build_warm_model, warm_model_key
+from topr_trl.tasks.reasoning import WarmStartSettings, build_reasoning_warm_model
+from topr_trl.tasks.tiny import PREBUILT_DIR
 
 
 def main() -> None:

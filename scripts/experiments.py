@@ -1,10 +1,10 @@
 """What the evidence scripts (figure1, baseline_sweep, figure7, iterations, sample_efficiency, staleness) share:
 the testbed (warm-started base model, training prompts, reward, held-out measurement), a fixed dataset sampled once
-from mu per seed, one offline TOPRTrainer run with a held-out curve, and means with 95 % confidence intervals over
-seeds.
+from mu per seed, one offline TOPRTrainer run with a held-out curve, online runs with a held-out curve at
+checkpoints (sample_efficiency, staleness), and means with 95 % confidence intervals over seeds.
 
 Two testbeds (`--task`):
-- reasoning (default): `topr_trl.evaluation.reasoning`, 3-digit addition written out with carries (~32-token
+- reasoning (default): `topr_trl.tasks.reasoning`, 3-digit addition written out with carries (~32-token
   completions), a warm start that drops each carry with probability 0.25, about two thirds of samples correct (the
   paper's regime). Measured by sampled pass@1 at temperature 1 (4 samples x 1,000 held-out problems, a split
   disjoint from every training and warm-start problem), with greedy accuracy and pass@1 on problems with >= 2
@@ -65,22 +65,22 @@ def experiment_parser(doc: str, *, output: str, epochs: float | None, prompts: i
     parser.add_argument("--prompts", type=int, default=prompts, help="prompts sampled from mu (x8 completions)")
     if epochs is not None:
         parser.add_argument("--epochs", type=float, default=epochs, help="passes over the fixed dataset")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--learning-rate", type=float, default=3e-4)
-    parser.add_argument("--eval-prompts", type=int, default=eval_prompts, help="held-out problems for accuracy")
+    parser.add_argument("--batch_size", type=int, default=32)
+    parser.add_argument("--learning_rate", type=float, default=3e-4)
+    parser.add_argument("--eval_prompts", type=int, default=eval_prompts, help="held-out problems for accuracy")
     parser.add_argument("--task", default="reasoning", choices=TASKS,
                         help="reasoning: the written-addition testbed in the paper's regime (about two thirds of "
                              "samples correct; accuracy is sampled pass@1 at temperature 1); arithmetic: the "
                              "built-in 2-digit task with 3-token answers, the low-p stress test (greedy accuracy)")
     testbed = parser.add_argument_group("reasoning testbed (--task reasoning)")
     testbed.add_argument("--digits", type=int, default=3)
-    testbed.add_argument("--error-rate", type=float, default=0.25, help="planted carry-drop rate of the warm start")
-    testbed.add_argument("--warm-steps", type=int, default=2000, help="SFT steps of the warm start")
-    testbed.add_argument("--eval-samples", type=int, default=4, help="samples per held-out problem (temperature 1)")
+    testbed.add_argument("--error_rate", type=float, default=0.25, help="planted carry-drop rate of the warm start")
+    testbed.add_argument("--warm_steps", type=int, default=2000, help="SFT steps of the warm start")
+    testbed.add_argument("--eval_samples", type=int, default=4, help="samples per held-out problem (temperature 1)")
     testbed.add_argument("--threads", type=int, default=1, help="torch threads")
     arithmetic = parser.add_argument_group("built-in task (--task arithmetic)")
-    arithmetic.add_argument("--base-accuracy", type=float, default=0.3, help="warm-start target of the base model")
-    parser.add_argument("--work-dir", default="outputs/experiments",
+    arithmetic.add_argument("--base_accuracy", type=float, default=0.3, help="warm-start target of the base model")
+    parser.add_argument("--work_dir", default="outputs/experiments",
                         help="base model, sampled datasets and runs (reused by a rerun)")
     parser.add_argument("--output", default=output, help="writes OUTPUT.json and OUTPUT.png")
     return parser
@@ -114,7 +114,7 @@ def prepare(options) -> tuple[Path, Testbed]:
 
 
 def arithmetic_testbed(work: Path, options) -> Testbed:
-    from topr_trl.evaluation.arithmetic import accuracy, arithmetic_reward, make_arithmetic_dataset
+    from topr_trl.tasks.arithmetic import accuracy, arithmetic_reward, make_arithmetic_dataset
 
     held_out = make_arithmetic_dataset(options.eval_prompts, 2, seed=2)
     return Testbed(
@@ -130,7 +130,7 @@ def reasoning_testbed(work: Path, options):
     """(testbed, warm model, tokenizer, warm-start settings) of the reasoning testbed."""
     import torch
 
-    from topr_trl.evaluation.reasoning import (
+    from topr_trl.tasks.reasoning import (
         WarmStartSettings, build_reasoning_warm_model, make_reasoning_dataset, max_completion_tokens,
         reasoning_reward,
     )
@@ -155,7 +155,7 @@ def held_out_pass_at_1(model, tokenizer, held_out, options, greedy: bool = False
     its standard error across problems (std of per-problem pass@1 / sqrt(problems)), the invalid rate, pass@1 on
     the problems with at least 2 carries (where the planted error strikes most) and, with `greedy`, greedy accuracy.
     The evaluation seed is fixed, so an unchanged model gets the same samples."""
-    from topr_trl.evaluation.reasoning import count_carries, max_completion_tokens, parse_problem, reasoning_classify
+    from topr_trl.tasks.reasoning import count_carries, max_completion_tokens, parse_problem, reasoning_classify
     from topr_trl.evaluation.runner import evaluate_model
 
     common = dict(max_new_tokens=max_completion_tokens(options.digits), batch_size=64, seed=1234,
@@ -198,7 +198,7 @@ def save(results: dict, options, plot) -> None:
 def prepare_base(work_dir: Path, base_accuracy: float) -> Path:
     """The built-in task's warm-started tiny model, built once under `work_dir` (cached between scripts sharing a
     work dir)."""
-    from topr_trl.evaluation.arithmetic import build_warm_model
+    from topr_trl.tasks.arithmetic import build_warm_model
 
     base_dir = Path(work_dir) / f"base-{base_accuracy:g}"
     build_warm_model(base_dir, digits=2, target_accuracy=base_accuracy, seed=0)
@@ -278,3 +278,104 @@ def train_offline(testbed: Testbed, data, output_dir: Path, *, seed: int, epochs
     grad_norms = [{"step": entry["step"], "grad_norm": entry["grad_norm"]}
                   for entry in trainer.state.log_history if "grad_norm" in entry]
     return {"curve": curve, "grad_norms": grad_norms, "seconds": time.time() - started}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Online runs on the reasoning testbed (sample_efficiency, staleness): a counting reward, a clock without
+# evaluation time, held-out checkpoints
+# ---------------------------------------------------------------------------------------------------------
+
+
+def parse_testbed_options(parser, argv, smoke: dict):
+    """The options of an online run on the reasoning testbed (sample_efficiency.py, staleness.py): refuses another
+    task, applies the `smoke` overrides with --smoke, and checks that a batch holds whole prompt groups."""
+    options = parser.parse_args(argv)
+    if options.task != "reasoning":
+        parser.error("this script runs on the reasoning testbed only (--task reasoning)")
+    if options.smoke:
+        for name, value in smoke.items():
+            setattr(options, name, value)
+    if options.batch_size % options.num_generations:
+        parser.error("--batch_size must be a multiple of --num_generations (whole prompt groups per batch)")
+    return options
+
+
+def prepare_testbed(options) -> tuple:
+    """(warm model, tokenizer, its path, held-out problems, the results' header) of an online run on the reasoning
+    testbed. The warm model is built once under --work_dir/cache."""
+    testbed, model, tokenizer, settings = reasoning_testbed(Path(options.work_dir), options)
+    results = {**results_header(options, testbed), "warm_start": settings.to_dict()}
+    return model, tokenizer, testbed.base_dir, testbed.held_out, results
+
+
+class Tracker:
+    """One run's curve: counts the completions the reward scores, keeps a clock from which evaluation time is
+    taken out, and evaluates held-out pass@1 at each `checkpoint` (printed under `label`, the script's name)."""
+
+    def __init__(self, held_out, options, reward, label: str):
+        self.held_out, self.options, self.completions, self.curve = held_out, options, 0, []
+        self.label = label
+        self.started, self.evaluating = time.time(), 0.0
+
+        def counted(completions, **kwargs):
+            self.completions += len(completions)
+            return reward(completions, **kwargs)
+
+        counted.__name__ = reward.__name__
+        self.reward = counted
+
+    def seconds(self) -> float:
+        return time.time() - self.started - self.evaluating
+
+    def checkpoint(self, model, tokenizer, **where) -> dict:
+        seconds = self.seconds()
+        started = time.time()
+        point = {**where, "completions": self.completions, "seconds": seconds,
+                 **held_out_pass_at_1(model, tokenizer, self.held_out, self.options)}
+        self.evaluating += time.time() - started
+        self.curve.append(point)
+        print(f"[{self.label}]   {where} completions {self.completions:>6} {seconds:7.1f}s "
+              f"pass@1 {point['pass@1']:.3f} ± {point['pass@1_problem_se']:.3f}", flush=True)
+        return point
+
+
+def checkpoint_callback(tracker: Tracker, trainer_ref: list, checkpoints: int):
+    """Evaluates after `checkpoints` evenly spaced optimizer steps, the last one included."""
+    from transformers import TrainerCallback
+
+    class Checkpoints(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            total = state.max_steps
+            self.at = {max(1, round(total * i / checkpoints)) for i in range(1, checkpoints + 1)}
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step in self.at:
+                trainer = trainer_ref[0]
+                tracker.checkpoint(trainer.model, trainer.processing_class, step=state.global_step)
+
+    return Checkpoints()
+
+
+def train_config(options, seed: int, output_dir: Path) -> dict:
+    """What every trainer shares (the loss and its signal are each trainer's default)."""
+    from topr_trl.tasks.reasoning import max_completion_tokens
+
+    return dict(
+        output_dir=str(output_dir), per_device_train_batch_size=options.batch_size,
+        num_generations=options.num_generations, max_completion_length=max_completion_tokens(options.digits),
+        temperature=1.0, learning_rate=options.learning_rate, lr_scheduler_type="constant", max_grad_norm=1.0,
+        logging_steps=10**6, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
+        gradient_checkpointing=False, seed=seed, disable_tqdm=True,
+    )
+
+
+def run_trainer(trainer_class, config, base_path, reward, dataset, tracker: Tracker, checkpoints: int, **extra):
+    from transformers import PrinterCallback
+
+    trainer_ref: list = []
+    trainer = trainer_class(model=str(base_path), reward_funcs=reward, args=config, train_dataset=dataset,
+                            callbacks=[checkpoint_callback(tracker, trainer_ref, checkpoints)], **extra)
+    trainer.remove_callback(PrinterCallback)
+    trainer_ref.append(trainer)
+    trainer.train()
+    return trainer.state.global_step

@@ -27,15 +27,15 @@ METHODS = {
     "tis": {"loss_type": "tis"},
     "sft_positives": {"loss_type": "sft"},
     "topr": {"loss_type": "topr"},
-    # TOPR on data sampled from another model (`--far-error-rate`): pi starts from the base model, mu is not it
+    # TOPR on data sampled from another model (`--far_error_rate`): pi starts from the base model, mu is not it
     "topr_far_off_policy": {"loss_type": "topr"},
 }
 
 
 def far_behaviour_model(options, work: Path, testbed) -> tuple:
     """(model, tokenizer, path) of the other model the far off-policy data is sampled from: the reasoning testbed's
-    warm start with `--far-error-rate` and seed 1 (another init, other warm-start batches, another error rate)."""
-    from topr_trl.evaluation.reasoning import WarmStartSettings, build_reasoning_warm_model
+    warm start with `--far_error_rate` and seed 1 (another init, other warm-start batches, another error rate)."""
+    from topr_trl.tasks.reasoning import WarmStartSettings, build_reasoning_warm_model
 
     if testbed.task != "reasoning":
         raise SystemExit("topr_far_off_policy needs --task reasoning (the behaviour model is a testbed warm start)")
@@ -119,8 +119,8 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv=None) -> dict:
     parser = experiment_parser(__doc__, output="docs/figure1", epochs=4.0, prompts=128, methods=METHODS)
-    parser.add_argument("--eval-every", type=int, default=32)
-    parser.add_argument("--far-error-rate", type=float, default=0.5,
+    parser.add_argument("--eval_every", type=int, default=32)
+    parser.add_argument("--far_error_rate", type=float, default=0.5,
                         help="topr_far_off_policy: planted carry-drop rate of the other model the data comes from")
     options = parser.parse_args(argv)
     results = run(options)

@@ -7,7 +7,7 @@ sequence ratio pi/mu (limits (0, inf, 0, inf)) and TOPR (1, 1, 0, 1) are trained
 Recorded: gradient norm per step (before clipping) and held-out accuracy over steps.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/figure7.py     # 3 seeds, writes docs/figure7.{json,png}
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/figure7.py --task arithmetic --proportion 0.1 --eval-every 20 \
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/figure7.py --task arithmetic --proportion 0.1 --eval_every 20 \
         --output docs/stress/figure7                            # the low-p stress test
 
 The paper's claim to test: with mostly negative data, untruncated IS weights on negatives grow as pi moves away
@@ -99,10 +99,10 @@ def plot(results: dict, path: Path) -> None:
 def main(argv=None) -> dict:
     parser = experiment_parser(__doc__, output="docs/figure7", epochs=15.0, methods=METHODS)
     parser.add_argument("--proportion", type=float, default=0.4, help="share of positives kept in the dataset")
-    parser.add_argument("--effective-proportion", type=float, default=None,
+    parser.add_argument("--effective_proportion", type=float, default=None,
                         help="set the baseline c so that Eq. 12's p~ equals this (default: c = 0, p~ = p)")
-    parser.add_argument("--max-grad-norm", type=float, default=100.0)
-    parser.add_argument("--eval-every", type=int, default=40)
+    parser.add_argument("--max_grad_norm", type=float, default=100.0)
+    parser.add_argument("--eval_every", type=int, default=40)
     options = parser.parse_args(argv)
     results = run(options)
     save(results, options, plot)

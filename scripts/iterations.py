@@ -3,11 +3,11 @@ composing each iteration's data: uniform (every sample), positives only (rejecti
 Karenina (per prompt the first correct completion and every incorrect one).
 
 Each iteration samples 8 completions for each training prompt from the current model, composes the data, trains one
-TOPR pass on it with the paper's signal R - c (c = 0, or the c giving Eq. 12's p~ = --effective-proportion over
+TOPR pass on it with the paper's signal R - c (c = 0, or the c giving Eq. 12's p~ = --effective_proportion over
 the iteration's data; `--signal advantage`: GRPO's group advantage), and evaluates the testbed's held-out measure.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/iterations.py       # 3 seeds x 3 strategies x 3 iterations, docs/iterations.*
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/iterations.py --task arithmetic --prompts 256 --eval-prompts 200 \
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/iterations.py --task arithmetic --prompts 256 --eval_prompts 200 \
         --output docs/stress/iterations                             # the low-p stress test
 
 The paper's claims to test: accuracy keeps rising over iterations; keeping negatives (uniform, Anna Karenina)
@@ -98,7 +98,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--signal", default="reward", choices=["reward", "advantage"],
                         help="reward: the paper's R - c with c = 0; advantage: GRPO's group advantage (uniform only: "
                              "curated data has no whole groups)")
-    parser.add_argument("--effective-proportion", type=float, default=None,
+    parser.add_argument("--effective_proportion", type=float, default=None,
                         help="with --signal reward: set c per iteration so that Eq. 12's p~ equals this over the "
                              "iteration's data (default: c = 0)")
     options = parser.parse_args(argv)

@@ -1,15 +1,15 @@
-"""Sample efficiency of TOPR against online GRPO on the reasoning testbed (`topr_trl.evaluation.reasoning`):
+"""Sample efficiency of TOPR against online GRPO on the reasoning testbed (`topr_trl.tasks.reasoning`):
 held-out sampled pass@1 against the number of generated completions and against wall time, for
 
     grpo             online trl.GRPOTrainer, TRL's default loss (GRPOConfig.loss_type = "dapo" in TRL 1.16)
     topr_online      online TOPRTrainer (defaults: TOPR loss, group-advantage signal)
     topr_offline_kK  offline TOPR with reuse: one dataset sampled from the base model (--prompts x G completions,
-                     `generate_offline_dataset`), then K passes over it (`topr_offline_epochs`), K in --offline-epochs
-    topr_iterated    iterated TOPR (`run_iterations`, mu_i = pi_{i-1}): --iterations rounds of --iteration-prompts x G
+                     `generate_offline_dataset`), then K passes over it (`topr_offline_epochs`), K in --offline_epochs
+    topr_iterated    iterated TOPR (`run_iterations`, mu_i = pi_{i-1}): --iterations rounds of --iteration_prompts x G
 
 Every run starts from the same warm-started model (default: 3 digits, error_rate 0.25, about 68 % sampled pass@1)
-and is evaluated at a few checkpoints with `evaluate_model` (temperature 1, --eval-samples per problem on
---eval-prompts held-out problems; the standard error is across problems). "Generated completions" are counted
+and is evaluated at a few checkpoints with `evaluate_model` (temperature 1, --eval_samples per problem on
+--eval_prompts held-out problems; the standard error is across problems). "Generated completions" are counted
 by the reward function as it scores them and checked against each method's formula (`expected_completions`);
 wall time is training + generation, evaluation time excluded. One CPU thread (OMP_NUM_THREADS=1).
 
@@ -17,10 +17,10 @@ wall time is training + generation, evaluation time excluded. One CPU thread (OM
     OMP_NUM_THREADS=1 .venv/bin/python scripts/sample_efficiency.py --smoke --output outputs/sample_efficiency/smoke
 
 Run times measured on one CPU thread (2-core shared machine): building the warm model, once, ~2-3 min (cached under
---work-dir/cache afterwards); --smoke ~20 s; the full run (defaults: 3 seeds; online 60 steps x 32 completions =
+--work_dir/cache afterwards); --smoke ~20 s; the full run (defaults: 3 seeds; online 60 steps x 32 completions =
 1,920; offline 60 prompts x 8 = 480 completions, K = 1, 2, 4; iterated 4 x 32 prompts x 8 = 1,024; 5 checkpoints
 per run on 500 held-out problems x 4 samples) 6.2 min, most of it evaluation. Runs are deterministic on one thread.
-The shared --base-accuracy option of `experiments.py` does not apply here (see --error-rate).
+The shared --base_accuracy option of `experiments.py` does not apply here (see --error_rate).
 
 Reported per method (`summary`): final pass@1 (mean, 95 % CI over seeds) and, for the target accuracy (default:
 GRPO's final pass@1 of the same seed; --target sets one), the completions and seconds needed to reach it, or that
@@ -39,7 +39,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from experiments import (  # noqa: E402
-    experiment_parser, held_out_pass_at_1, mean_and_ci95, reasoning_testbed, results_header, save,
+    Tracker, experiment_parser, held_out_pass_at_1, mean_and_ci95, parse_testbed_options, prepare_testbed, run_trainer,
+    save, train_config,
 )
 
 ONLINE = ("grpo", "topr_online")
@@ -102,83 +103,6 @@ def summarise(runs: dict, methods: list[str]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Measuring: a counting reward, a clock without evaluation time, checkpoints
-# ---------------------------------------------------------------------------------------------------------
-
-
-class Tracker:
-    """One run's curve: counts the completions the reward scores, keeps a clock from which evaluation time is
-    taken out, and evaluates held-out pass@1 at each `checkpoint`."""
-
-    def __init__(self, held_out, options, reward):
-        self.held_out, self.options, self.completions, self.curve = held_out, options, 0, []
-        self.started, self.evaluating = time.time(), 0.0
-
-        def counted(completions, **kwargs):
-            self.completions += len(completions)
-            return reward(completions, **kwargs)
-
-        counted.__name__ = reward.__name__
-        self.reward = counted
-
-    def seconds(self) -> float:
-        return time.time() - self.started - self.evaluating
-
-    def checkpoint(self, model, tokenizer, **where) -> dict:
-        seconds = self.seconds()
-        started = time.time()
-        point = {**where, "completions": self.completions, "seconds": seconds,
-                 **held_out_pass_at_1(model, tokenizer, self.held_out, self.options)}
-        self.evaluating += time.time() - started
-        self.curve.append(point)
-        print(f"[sample_efficiency]   {where} completions {self.completions:>6} {seconds:7.1f}s "
-              f"pass@1 {point['pass@1']:.3f} ± {point['pass@1_problem_se']:.3f}", flush=True)
-        return point
-
-
-def checkpoint_callback(tracker: Tracker, trainer_ref: list, checkpoints: int):
-    """Evaluates after `checkpoints` evenly spaced optimizer steps, the last one included."""
-    from transformers import TrainerCallback
-
-    class Checkpoints(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            total = state.max_steps
-            self.at = {max(1, round(total * i / checkpoints)) for i in range(1, checkpoints + 1)}
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step in self.at:
-                trainer = trainer_ref[0]
-                tracker.checkpoint(trainer.model, trainer.processing_class, step=state.global_step)
-
-    return Checkpoints()
-
-
-def train_config(options, seed: int, output_dir: Path) -> dict:
-    """What every trainer shares (the loss and its signal are each trainer's default)."""
-    from topr_trl.evaluation.reasoning import max_completion_tokens
-
-    return dict(
-        output_dir=str(output_dir), per_device_train_batch_size=options.batch_size,
-        num_generations=options.num_generations, max_completion_length=max_completion_tokens(options.digits),
-        temperature=1.0, learning_rate=options.learning_rate, lr_scheduler_type="constant", max_grad_norm=1.0,
-        logging_steps=10**6, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
-        gradient_checkpointing=False, seed=seed, disable_tqdm=True,
-    )
-
-
-def run_trainer(trainer_class, config, base_path, reward, dataset, tracker: Tracker, checkpoints: int, **extra):
-    from transformers import PrinterCallback
-
-    trainer_ref: list = []
-    trainer = trainer_class(model=str(base_path), reward_funcs=reward, args=config, train_dataset=dataset,
-                            callbacks=[checkpoint_callback(tracker, trainer_ref, checkpoints)], **extra)
-    trainer.remove_callback(PrinterCallback)
-    trainer_ref.append(trainer)
-    trainer.train()
-    return trainer.state.global_step
-
-
-# ---------------------------------------------------------------------------------------------------------
 # The methods
 # ---------------------------------------------------------------------------------------------------------
 
@@ -188,12 +112,12 @@ def run_online(method, options, seed, base_path, held_out, base_point, work: Pat
     from trl import GRPOConfig, GRPOTrainer
 
     from topr_trl import TOPRConfig, TOPRTrainer
-    from topr_trl.evaluation.reasoning import make_reasoning_dataset, reasoning_reward
+    from topr_trl.tasks.reasoning import make_reasoning_dataset, reasoning_reward
 
     prompts_needed = options.steps * options.batch_size // options.num_generations
     prompts = make_reasoning_dataset(prompts_needed, options.digits, "train", seed=seed)
     torch.manual_seed(seed)
-    tracker = Tracker(held_out, options, reasoning_reward)
+    tracker = Tracker(held_out, options, reasoning_reward, "sample_efficiency")
     tracker.curve.append(base_point)
     config_class, trainer_class = (GRPOConfig, GRPOTrainer) if method == "grpo" else (TOPRConfig, TOPRTrainer)
     config = config_class(max_steps=options.steps, **train_config(options, seed, work / f"{method}-seed{seed}"))
@@ -207,12 +131,12 @@ def generate_once(options, seed, base_path, held_out, work: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from topr_trl.evaluation.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
+    from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
     from topr_trl.offline import generate_offline_dataset
 
     folder = work / f"offline-data-seed{seed}"
     shutil.rmtree(folder, ignore_errors=True)  # timed from scratch, never resumed
-    tracker = Tracker(held_out, options, reasoning_reward)
+    tracker = Tracker(held_out, options, reasoning_reward, "sample_efficiency")
     torch.manual_seed(seed)
     data = generate_offline_dataset(
         AutoModelForCausalLM.from_pretrained(base_path), AutoTokenizer.from_pretrained(base_path),
@@ -229,7 +153,7 @@ def run_offline(epochs, options, seed, base_path, held_out, base_point, work: Pa
     from topr_trl.offline import stored_reward
 
     data, completions, generation_seconds = generated
-    tracker = Tracker(held_out, options, stored_reward)
+    tracker = Tracker(held_out, options, stored_reward, "sample_efficiency")
     tracker.completions = completions
     tracker.started -= generation_seconds  # the dataset's generation is part of this method's time
     # every completion is generated before the first step: the curve is at the base model's pass@1 until then
@@ -245,12 +169,12 @@ def run_offline(epochs, options, seed, base_path, held_out, base_point, work: Pa
 def run_iterated(options, seed, base_path, held_out, base_point, work: Path) -> dict:
     import torch
 
-    from topr_trl.evaluation.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
+    from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
     from topr_trl.offline.iterations import IterationSettings, run_iterations
 
     folder = work / f"topr_iterated-seed{seed}"
     shutil.rmtree(folder, ignore_errors=True)  # timed from scratch, never resumed
-    tracker = Tracker(held_out, options, reasoning_reward)
+    tracker = Tracker(held_out, options, reasoning_reward, "sample_efficiency")
     tracker.curve.append(base_point)
     calls = []
 
@@ -273,28 +197,6 @@ def run_iterated(options, seed, base_path, held_out, base_point, work: Path) -> 
                                tracker.reward, folder, settings, evaluate=evaluate)
     return {"rows": [s["rows"] for s in summaries], "steps": [s["train_steps"] for s in summaries],
             "completions": tracker.completions, "seconds": tracker.seconds(), "curve": tracker.curve}
-
-
-def parse_testbed_options(parser, argv, smoke: dict):
-    """The options of an online run on the reasoning testbed (this script and scripts/staleness.py): refuses another
-    task, applies the `smoke` overrides with --smoke, and checks that a batch holds whole prompt groups."""
-    options = parser.parse_args(argv)
-    if options.task != "reasoning":
-        parser.error("this script runs on the reasoning testbed only (--task reasoning)")
-    if options.smoke:
-        for name, value in smoke.items():
-            setattr(options, name, value)
-    if options.batch_size % options.num_generations:
-        parser.error("--batch-size must be a multiple of --num-generations (whole prompt groups per batch)")
-    return options
-
-
-def prepare_testbed(options) -> tuple:
-    """(warm model, tokenizer, its path, held-out problems, the results' header) of a run on the reasoning testbed;
-    shared with scripts/staleness.py. The warm model is built once under --work-dir/cache."""
-    testbed, model, tokenizer, settings = reasoning_testbed(Path(options.work_dir), options)
-    results = {**results_header(options, testbed), "warm_start": settings.to_dict()}
-    return model, tokenizer, testbed.base_dir, testbed.held_out, results
 
 
 def run(options) -> dict:
@@ -371,10 +273,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--methods", nargs="+", default=None,
                         help="subset of grpo topr_online topr_offline_k<K> topr_iterated (default: all)")
     parser.add_argument("--steps", type=int, default=60, help="online optimizer steps (one generation batch each)")
-    parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (G)")
-    parser.add_argument("--offline-epochs", type=int, nargs="+", default=[1, 2, 4], help="passes K over the dataset")
+    parser.add_argument("--num_generations", type=int, default=8, help="completions per prompt (G)")
+    parser.add_argument("--offline_epochs", type=int, nargs="+", default=[1, 2, 4], help="passes K over the dataset")
     parser.add_argument("--iterations", type=int, default=4)
-    parser.add_argument("--iteration-prompts", type=int, default=32, help="prompts (x G) sampled per iteration")
+    parser.add_argument("--iteration_prompts", type=int, default=32, help="prompts (x G) sampled per iteration")
     parser.add_argument("--checkpoints", type=int, default=5, help="evaluations per training run")
     parser.add_argument("--target", type=float, default=None, help="pass@1 to reach (default: GRPO's final)")
     parser.add_argument("--smoke", action="store_true", help=f"a tiny run (overrides: {SMOKE})")

@@ -1,4 +1,4 @@
-"""Staleness: how far off-policy TOPR and GRPO-clip can go on the reasoning testbed (`topr_trl.evaluation.reasoning`)
+"""Staleness: how far off-policy TOPR and GRPO-clip can go on the reasoning testbed (`topr_trl.tasks.reasoning`)
 before held-out pass@1 degrades.
 
 The behaviour policy mu lags the trained policy pi by up to K - 1 optimizer updates, for each K in --lags:
@@ -16,11 +16,12 @@ steps_per_generation = K: the latter generates one K-times larger batch and spen
 lags by the same 0..K-1 updates but the number of completions stays steps x batch_size and the prompts per
 generation grow with K; num_iterations changes only the lag and the data budget, which is what "keep the optimizer
 steps equal, generate less" asks for, and it keeps each step's batch (and group statistics) the same size as K = 1.
-`--lag-via steps_per_generation` runs the other reading (fresh data, same completions) for comparison.
+`--lag_via steps_per_generation` runs the other reading (fresh data, same completions) for comparison.
 
-Every run starts from the warm model of scripts/sample_efficiency.py (cached under --work-dir/cache, shared with it
-by default) and is evaluated with its `held_out_pass_at_1` (temperature 1, --eval-samples per problem on
---eval-prompts held-out problems, standard error across problems) at --checkpoints evenly spaced steps. Completions
+Every run starts from the warm model that scripts/sample_efficiency.py also starts from (cached under
+--work_dir/cache, shared with it by default) and is evaluated as there, with `experiments.held_out_pass_at_1`
+(temperature 1, --eval_samples per problem on --eval_prompts held-out problems, standard error across problems) at
+--checkpoints evenly spaced steps. Completions
 are counted by the reward function as it scores them and checked against `expected_completions`. One CPU thread.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/staleness.py                   # full run, docs/staleness.*
@@ -29,8 +30,8 @@ are counted by the reward function as it scores them and checked against `expect
 Run times measured on one CPU thread (2-core shared machine, warm model already cached): --smoke 13 s (2 methods x
 lags 1, 4; 8 steps of 16 completions; 64 held-out problems x 2 samples); `--seeds 0 1` (otherwise the defaults:
 64 steps x 32 completions, lags 1 4 16 64, 4 checkpoints on 500 held-out problems x 4 samples) 5.5 min, most of it
-evaluation (5.7 min with --lag-via steps_per_generation); the default 3 seeds with --lag-via steps_per_generation
-8.5 min (not measured with num_iterations; expect about 8 min). The shared --prompts and --base-accuracy options
+evaluation (5.7 min with --lag_via steps_per_generation); the default 3 seeds with --lag_via steps_per_generation
+8.5 min (not measured with num_iterations; expect about 8 min). The shared --prompts and --base_accuracy options
 of `experiments.py` do not apply here.
 
 Reported per (method, K): final pass@1 (mean, 95 % CI over seeds), the curve at each checkpoint, completions
@@ -44,7 +45,7 @@ Measured (`--seeds 0 1`, base model 0.692; final pass@1 per seed): at K = 1 both
 last digit (on-policy, ratio 1: TOPR's and PPO-clip's gradients coincide), 0.905 / 0.918. With num_iterations = K
 both degrade from K = 4 on (TOPR 0.451/0.519, 0.603/0.243, 0.484/0.554 at K = 4, 16, 64; GRPO-clip 0.347/0.616,
 0.352/0.441, 0.232/0.333): reusing 4 prompts' completions for K steps overfits them, so this reading mixes staleness
-with K-times less data. With --lag-via steps_per_generation (same 2,048 fresh completions for every K; 3 seeds)
+with K-times less data. With --lag_via steps_per_generation (same 2,048 fresh completions for every K; 3 seeds)
 the K = 1 CI is 0.912 +- 0.017 and both fall below it already at K = 4, so the rule gives K = 1 for both; but the
 picture is not monotone: TOPR 0.856 +- 0.111, 0.847 +- 0.083, 0.953 +- 0.033 at K = 4, 16, 64 (above K = 1 at 64),
 GRPO-clip 0.861 +- 0.056, 0.652 +- 0.438, 0.766 +- 0.052 (one seed collapsed to 0.451 at K = 16). Run-averaged
@@ -64,13 +65,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from experiments import experiment_parser, held_out_pass_at_1, mean_and_ci95, save  # noqa: E402
-from sample_efficiency import (  # noqa: E402
-    Tracker,
-    parse_testbed_options,
-    prepare_testbed,
-    run_trainer,
-    train_config,
+from experiments import (  # noqa: E402
+    Tracker, experiment_parser, held_out_pass_at_1, mean_and_ci95, parse_testbed_options, prepare_testbed, run_trainer,
+    save, train_config,
 )
 
 METHODS = ("topr", "grpo_clip")
@@ -170,13 +167,13 @@ def run_lagged(method, lag, options, seed, base_path, held_out, base_point, work
     from trl import GRPOConfig, GRPOTrainer
 
     from topr_trl import TOPRConfig, TOPRTrainer
-    from topr_trl.evaluation.reasoning import make_reasoning_dataset, reasoning_reward
+    from topr_trl.tasks.reasoning import make_reasoning_dataset, reasoning_reward
 
     # enough prompts for fresh data every step (steps_per_generation); num_iterations uses the first 1/lag of them
     prompts = make_reasoning_dataset(options.steps * options.batch_size // options.num_generations, options.digits,
                                      "train", seed=seed)
     torch.manual_seed(seed)
-    tracker = Tracker(held_out, options, reasoning_reward)
+    tracker = Tracker(held_out, options, reasoning_reward, "staleness")
     tracker.curve.append(base_point)
     common = {**train_config(options, seed, work / f"{method}-k{lag}-seed{seed}"), "logging_steps": 1,
               options.lag_via: lag}
@@ -266,10 +263,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--lags", type=int, nargs="+", default=[1, 4, 16, 64],
                         help="K: mu lags pi by up to K - 1 updates (K = 1 must be among them for the summary rule)")
-    parser.add_argument("--lag-via", default="num_iterations", choices=LAG_VIA,
+    parser.add_argument("--lag_via", default="num_iterations", choices=LAG_VIA,
                         help="the GRPOConfig field set to K (see the docstring)")
     parser.add_argument("--steps", type=int, default=64, help="optimizer steps, the same for every K")
-    parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (G)")
+    parser.add_argument("--num_generations", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--checkpoints", type=int, default=4, help="evaluations per training run")
     parser.add_argument("--smoke", action="store_true", help=f"a tiny run (overrides: {SMOKE})")
     options = parse_testbed_options(parser, argv, SMOKE)

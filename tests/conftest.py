@@ -9,8 +9,8 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from topr_trl.evaluation.arithmetic import make_arithmetic_dataset  # noqa: E402
-from topr_trl.evaluation.tiny import build_model, build_tokenizer, save_pretrained  # noqa: E402
+from topr_trl.tasks.arithmetic import make_arithmetic_dataset  # noqa: E402
+from topr_trl.tasks.tiny import build_model, build_tokenizer, save_pretrained  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
@@ -73,7 +73,7 @@ def logged_values(trainer, key) -> list[float]:
 def parity_reward(completions, **kwargs) -> list[float]:
     """+1 when the completion's character codes sum to an even number, else -1: a coin flip for a random-init
     model, so groups have reward variance and every update is non-trivial."""
-    from topr_trl.evaluation.arithmetic import completion_text
+    from topr_trl.evaluation.rewards import completion_text
 
     return [1.0 if sum(map(ord, completion_text(c))) % 2 == 0 else -1.0 for c in completions]
 
@@ -84,7 +84,7 @@ def saved_model_accuracy(model_dir, eval_prompts: int, adapter_dir=None) -> dict
     reports, recomputed independently of the run."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from topr_trl.evaluation.arithmetic import accuracy, make_arithmetic_dataset
+    from topr_trl.tasks.arithmetic import accuracy, make_arithmetic_dataset
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if adapter_dir is not None:
@@ -93,3 +93,11 @@ def saved_model_accuracy(model_dir, eval_prompts: int, adapter_dir=None) -> dict
         model = PeftModel.from_pretrained(model, adapter_dir)
     held_out = make_arithmetic_dataset(eval_prompts, 2, seed=2)
     return accuracy(model, AutoTokenizer.from_pretrained(model_dir), held_out)
+
+
+def script_refusal(main, argv, capsys) -> str:
+    """The last line argparse prints when an evidence script refuses `argv` (exit status 2): its one-line error."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]

@@ -66,7 +66,7 @@ def test_qwen_shaped_models_have_the_published_parameter_counts(shape, published
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from topr_trl.evaluation.tiny import build_tokenizer
+    from topr_trl.tasks.tiny import build_tokenizer
 
     with torch.device("meta"):
         model = Qwen2ForCausalLM(benchmark.qwen_config(shape, build_tokenizer()))

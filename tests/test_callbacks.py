@@ -6,8 +6,7 @@ import pytest
 
 from topr_trl import TOPRConfig, TOPRTrainer
 from topr_trl.evaluation.callbacks import EvaluationCallback
-from topr_trl.evaluation.runner import arithmetic_classify
-from topr_trl.evaluation.arithmetic import make_arithmetic_dataset
+from topr_trl.tasks.arithmetic import arithmetic_classify, make_arithmetic_dataset
 
 from .conftest import parity_reward, small_config_kwargs
 

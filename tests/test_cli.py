@@ -9,9 +9,10 @@ import pytest
 
 from topr_trl.cli import generate as main_generate
 from topr_trl.cli import iterate as main_iterate
-from topr_trl.cli import main, resolve_reward
+from topr_trl.cli import main
 from topr_trl.offline import load_offline_dataset
-from topr_trl.evaluation.arithmetic import arithmetic_reward
+from topr_trl.tasks.arithmetic import arithmetic_reward
+from topr_trl.tasks.user_rewards import resolve_reward
 
 from .conftest import saved_model_accuracy
 
@@ -43,11 +44,11 @@ def test_module_entry_point_without_command_prints_usage():
 
 def test_reward_resolution():
     assert resolve_reward("arithmetic") is arithmetic_reward
-    assert resolve_reward("topr_trl.evaluation.arithmetic:arithmetic_reward") is arithmetic_reward
+    assert resolve_reward("topr_trl.tasks.arithmetic:arithmetic_reward") is arithmetic_reward
     with pytest.raises(ValueError, match="arithmetic"):
         resolve_reward("nonexistent")
     with pytest.raises(ValueError, match="no function 'arithmetic_rewardd'; did you mean 'arithmetic_reward'"):
-        resolve_reward("topr_trl.evaluation.arithmetic:arithmetic_rewardd")
+        resolve_reward("topr_trl.tasks.arithmetic:arithmetic_rewardd")
 
 
 def test_iterate_command_runs_offline_iterations(tmp_path):
@@ -153,3 +154,27 @@ def test_missing_offline_dataset_is_reported(tmp_path):
         main(["train", "--offline_dataset", str(tmp_path / "nothing"), "--warm_start_accuracy", "0",
               "--task_train_prompts", "4", "--task_eval_prompts", "4", "--base_model_dir", str(tmp_path / "base"),
               "--output_dir", str(tmp_path / "run")])
+
+
+def test_every_builtin_recipe_key_is_a_field_of_its_command():
+    """The built-in defaults live in YAML recipes: a misspelt key would silently not apply, so each must be a field."""
+    import dataclasses
+
+    from topr_trl import arguments
+
+    for command in ("train", "iterate", "generate"):
+        fields = {f.name for kind in arguments.command_dataclasses(command) for f in dataclasses.fields(kind)}
+        assert set(arguments.recipe(f"builtin-{command}")) <= fields, command
+    train_fields = {f.name for kind in arguments.command_dataclasses("train") for f in dataclasses.fields(kind)}
+    assert set(arguments.recipe("builtin-reasoning")) <= train_fields
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--max_steps", "1", "2"], "topr-trl: unexpected value '2'"),
+    (["train", "--learning_rat", "1"], "topr-trl: unknown option --learning_rat. Did you mean --learning_rate?"),
+    (["evaluate", "--model_name_or_path", "m", "--kk", "2"], "topr-trl: unknown option --kk. Did you mean --k?"),
+])
+def test_what_trls_parser_leaves_over_fails_in_one_line(argv, message):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert str(stop.value.code).startswith(message)

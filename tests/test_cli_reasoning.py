@@ -6,22 +6,18 @@ import json
 from pathlib import Path
 
 import pytest
-from trl import ModelConfig
-
-from topr_trl import TOPRConfig, cli
+from topr_trl import arguments
 from topr_trl.cli import main
-from topr_trl.evaluation.reasoning import make_reasoning_dataset, max_completion_tokens, measure_base_model
+from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, measure_base_model
 
 
 def parsed(command, argv):
-    arguments = {"train": cli.TrainScriptArguments, "iterate": cli.IterateScriptArguments}[command]
-    return cli.parse(argv, (arguments, TOPRConfig, ModelConfig), f"topr-trl {command}",
-                     cli.run_defaults(command, cli.user_settings(argv)))
+    return arguments.parse_command(command, argv)
 
 
 def test_reasoning_task_has_its_own_builtin_settings():
     options, config, _ = parsed("train", ["--task", "reasoning"])
-    assert cli.is_builtin_run({"task": "reasoning"})
+    assert arguments.is_builtin_run(arguments.chosen_run(["--task", "reasoning"]))
     assert (config.per_device_train_batch_size, config.max_steps, config.learning_rate) == (32, 60, 3e-4)
     assert config.max_completion_length == max_completion_tokens(3) and options.task_digits == 3
     assert options.task_eval_prompts == 500 and options.base_model_dir == "outputs/tiny-reasoning-base"
@@ -31,7 +27,7 @@ def test_reasoning_task_has_its_own_builtin_settings():
     _, config, _ = parsed("iterate", ["--task", "reasoning"])
     assert config.max_steps == -1 and config.per_device_train_batch_size == 32
     _, config, _ = parsed("train", [])  # the arithmetic task keeps its own
-    assert config.max_completion_length == cli.BUILTIN_TRAIN_DEFAULTS["max_completion_length"]
+    assert config.max_completion_length == arguments.recipe("builtin-train")["max_completion_length"] == 6
 
 
 def test_reasoning_task_trains_a_users_model_and_reports_sampled_pass_at_1(tiny_model_path, tmp_path, capsys):

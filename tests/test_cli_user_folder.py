@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from topr_trl.arguments import TaskArguments
 from datasets import Dataset
 
 from topr_trl import cli
@@ -115,9 +117,9 @@ def test_an_interrupted_run_is_not_restarted_over_its_checkpoints(user_dir, tiny
      "no/such-model-dir is not a local folder, and the Hub cannot be asked for it (HF_HUB_OFFLINE is set)"),
     (["--model_name_or_path", "MODEL", "--dataset_name", "data/missing.jsonl"],
      "--dataset_name data/missing.jsonl: no such file or folder"),
-    (["--learning_rate", "abc"], "--learning_rate abc: expected a number"),
-    (["--max_steps", "two"], "--max_steps two: expected an integer"),
-    (["--bf16", "maybe"], "--bf16 maybe: expected true or false"),
+    (["--learning_rate", "abc"], "--learning_rate: invalid float value: 'abc'"),
+    (["--max_steps", "two"], "--max_steps: invalid int value: 'two'"),
+    (["--bf16", "maybe"], "--bf16: Truthy value expected: got maybe"),
     (["--topr_unscored_batch", "stop"], "topr_unscored_batch"),
 ])
 @pytest.mark.parametrize("dry_run", [False, True])
@@ -141,7 +143,7 @@ def test_a_wrong_yaml_value_names_the_key(user_dir):
     (user_dir / "run.yaml").write_text("learning_rate: abc\nmax_steps: 3\n")
     with pytest.raises(SystemExit) as stop:
         main(["train", "--config", "run.yaml"])
-    assert one_line_error(stop) == "topr-trl: YAML key learning_rate: 'abc' in the config file: expected a number"
+    assert one_line_error(stop) == "topr-trl: --learning_rate: invalid float value: 'abc' (set in the config file)"
     main(["train", "--config", "run.yaml", "--learning_rate", "1e-3", "--dry_run", "true"])  # the flag wins
 
 
@@ -230,8 +232,9 @@ def test_summary_model_card_and_output_folders_of_a_custom_run(user_dir, tiny_mo
 
 
 def test_help_texts_say_what_the_flags_do(capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as stop:
         main(["train", "--help-all"])
+    assert stop.value.code == 0
     text = capsys.readouterr().out
     block = text[text.index("--no_gradient_checkpointing, "):].split("\n  --")[0]
     assert "Turn off gradient_checkpointing" in block and "Enable" not in block
@@ -249,10 +252,11 @@ def test_a_locally_built_model_shows_its_progress_and_is_keyed_on_the_machine(tm
     """Settings that are not shipped are trained here, with progress, under a key naming torch, kernels, threads."""
     import torch
 
-    from topr_trl.evaluation.tiny import machine_key
+    from topr_trl.tasks.loading import builtin_model
+    from topr_trl.tasks.tiny import machine_key
 
-    options = cli.TaskArguments(base_model_dir=str(tmp_path), warm_start_accuracy=0.0)
-    folder = Path(cli.builtin_model("arithmetic", options, seed=0))
+    options = TaskArguments(base_model_dir=str(tmp_path), warm_start_accuracy=0.0)
+    folder = Path(builtin_model("arithmetic", options, seed=0))
     out = capsys.readouterr().out
     assert "warm start step 2/3000" in out and "building the built-in tiny model" in out  # the target stops it at 2
     assert folder.name.endswith(machine_key()) and f"t{torch.get_num_threads()}" in folder.name

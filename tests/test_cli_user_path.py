@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 
-from topr_trl import cli
+from topr_trl import arguments, cli
 from topr_trl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,8 +82,7 @@ def test_custom_runs_start_from_grpo_defaults_and_builtin_runs_from_the_small_mo
     from topr_trl import TOPRConfig
 
     def parsed(argv):
-        return cli.parse(argv, (cli.TrainScriptArguments, TOPRConfig, ModelConfig), "topr-trl train",
-                         cli.run_defaults("train", cli.user_settings(argv)))[1]
+        return arguments.parse_command("train", argv)[1]
 
     custom = parsed(["--model_name_or_path", tiny_model_path, "--dataset_name", "x.jsonl"])
     reference = GRPOConfig(output_dir="x", use_cpu=True, bf16=False)
@@ -92,7 +91,7 @@ def test_custom_runs_start_from_grpo_defaults_and_builtin_runs_from_the_small_mo
         assert getattr(custom, name) == getattr(reference, name), name
     assert custom.output_dir == f"outputs/topr-{Path(tiny_model_path).name}-x-jsonl"
     builtin = parsed([])
-    for name, value in cli.BUILTIN_TRAIN_DEFAULTS.items():
+    for name, value in arguments.recipe("builtin-train").items():
         if name != "report_to":  # TrainingArguments turns "none" into []
             assert getattr(builtin, name) == value, name
     assert builtin.output_dir == "outputs/topr-tiny-arithmetic"
@@ -102,9 +101,9 @@ def test_custom_runs_start_from_grpo_defaults_and_builtin_runs_from_the_small_mo
 def test_a_model_in_the_config_file_makes_a_custom_run(tmp_path, tiny_model_path):
     recipe = tmp_path / "run.yaml"
     recipe.write_text(f"model_name_or_path: {tiny_model_path}\ndataset_name: data.jsonl\n")
-    settings = cli.user_settings(["--config", str(recipe)])
-    assert not cli.is_builtin_run(settings)
-    assert cli.run_defaults("train", settings)["output_dir"] == f"outputs/topr-{Path(tiny_model_path).name}-data-jsonl"
+    choice = arguments.chosen_run(["--config", str(recipe)])
+    assert not arguments.is_builtin_run(choice)
+    assert arguments.run_defaults("train", choice)["output_dir"] == f"outputs/topr-{Path(tiny_model_path).name}-data-jsonl"
 
 
 def test_a_finished_run_is_not_overwritten_unless_asked(user_dir, tiny_model_path):
@@ -232,8 +231,9 @@ def test_help_shows_topr_and_task_flags_first_and_help_all_shows_everything(caps
     for flag in ("--offline_dataset", "--loss_type", "--dataset_name", "--model_name_or_path", "--learning_rate"):
         assert flag in short
     assert "--adam_beta1" not in short and "--help-all" in short
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as stop:
         main(["train", "--help-all"])
+    assert stop.value.code == 0
     everything = capsys.readouterr().out
     assert "--adam_beta1" in everything and len(everything.splitlines()) > 3 * len(short.splitlines())
 

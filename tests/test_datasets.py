@@ -152,7 +152,7 @@ def test_gsm8k_clear_errors(tmp_path, cache):
 
 
 def test_unreachable_hub_dataset_says_what_to_do():
-    with pytest.raises(RuntimeError, match="local .json/.jsonl/.csv/.parquet file .* or a save_to_disk folder"):
+    with pytest.raises(FileNotFoundError, match="local .json/.jsonl/.csv/.parquet file .* or a save_to_disk folder"):
         load_gsm8k(split="test", source="topr-trl-tests/no-such-dataset")
 
 

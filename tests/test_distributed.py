@@ -51,7 +51,7 @@ def offline_data(tiny_model_path, tmp_path_factory) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from topr_trl.offline import generate_offline_dataset
-    from topr_trl.evaluation.arithmetic import make_arithmetic_dataset
+    from topr_trl.tasks.arithmetic import make_arithmetic_dataset
 
     from .conftest import parity_reward
 

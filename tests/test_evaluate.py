@@ -7,17 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from topr_trl.evaluation.runner import (
-    CLASSIFIERS,
-    arithmetic_classify,
-    evaluate_model,
-    gsm8k_classify,
-    main,
-    math_classify,
-    save_results,
-)
+from topr_trl.cli_evaluate import CLASSIFIERS, main
 from topr_trl.evaluation.metrics import mean_pass_at_k
 from topr_trl.evaluation.rewards import ANSWER_CLASSES, CORRECT, INCORRECT, INVALID, gsm8k_numbers_equal
+from topr_trl.evaluation.runner import evaluate_model, gsm8k_classify, math_classify, save_results
+from topr_trl.tasks.arithmetic import arithmetic_classify
 
 FAST = dict(k=4, max_new_tokens=6, show_progress=False)
 
@@ -181,7 +175,7 @@ def test_command_line_on_the_tiny_model(tiny_model_path, tmp_path, capsys):
     document = json.loads((tmp_path / "cli" / "results.json").read_text())
     assert document["settings"]["task"] == "arithmetic" and len(document["records"]) == 5
     # The built-in held-out set: make_arithmetic_dataset(200, 2, seed=2), first 5 problems.
-    from topr_trl.evaluation.arithmetic import make_arithmetic_dataset
+    from topr_trl.tasks.arithmetic import make_arithmetic_dataset
 
     assert [r["prompt"] for r in document["records"]] == make_arithmetic_dataset(200, 2, seed=2)["prompt"][:5]
     assert (tmp_path / "cli" / "results.png").is_file()
@@ -200,7 +194,7 @@ def test_command_line_gsm8k_from_a_local_file(tiny_model_path, tmp_path):
     assert [r["reference"] for r in document["records"]] == ["0", "2", "4"]
     assert document["records"][0]["prompt"].count("Question:") == 2
     assert not (tmp_path / "cli" / "results.png").exists()
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match=r"^topr-trl: `task`='nope' is not supported; choose one of"):
         main(["--model", tiny_model_path, "--task", "nope"])
 
 
@@ -227,7 +221,7 @@ def test_vllm_backend_samples_from_the_trainers_prompt_ids(tiny_model_path, arit
 def test_command_line_evaluates_the_reasoning_task_on_its_held_out_split(tiny_model_path, tmp_path):
     """`--task reasoning`: held-out written-addition problems (3 digits by default), each completion classed by the
     written-solution checker; the default length is the written solution's."""
-    from topr_trl.evaluation.reasoning import max_completion_tokens, parse_problem, split_of
+    from topr_trl.tasks.reasoning import max_completion_tokens, parse_problem, split_of
 
     main(["--model_name_or_path", tiny_model_path, "--task", "reasoning", "--task_eval_prompts", "3", "--k", "1",
           "--output_dir", str(tmp_path), "--no_plot", "--no_progress"])

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import script_refusal
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 
@@ -15,8 +17,8 @@ def test_baseline_sweep_sets_the_effective_proportion(evidence_work_dir, tmp_pat
     import baseline_sweep
 
     results = baseline_sweep.main(["--seeds", "0", "--targets", "0.01", "1.0", "--methods", "topr", "--epochs", "2",
-                                   "--prompts", "32", "--eval-prompts", "200", "--eval-samples", "2",
-                                   "--work-dir", str(evidence_work_dir), "--output", str(tmp_path / "sweep")])
+                                   "--prompts", "32", "--eval_prompts", "200", "--eval_samples", "2",
+                                   "--work_dir", str(evidence_work_dir), "--output", str(tmp_path / "sweep")])
     runs = results["runs"]
     nearly_all_negative, positives_only = runs["p0.67/pt0.01/topr/seed0"], runs["p0.67/pt1/topr/seed0"]
     assert nearly_all_negative["measured_p"] == pytest.approx(0.67, abs=0.01)
@@ -33,8 +35,8 @@ def test_figure7_untruncated_importance_weights_spike_the_gradient(evidence_work
     # the low-p stress test on the built-in task with its documented settings (docs/results.md), where untruncated
     # IS's largest gradient is above TOPR's in every seed
     results = figure7.main(["--task", "arithmetic", "--proportion", "0.1", "--seeds", "0", "--epochs", "15",
-                            "--learning-rate", "2e-4",
-                            "--eval-prompts", "100", "--eval-every", "1000", "--work-dir", str(evidence_work_dir),
+                            "--learning_rate", "2e-4",
+                            "--eval_prompts", "100", "--eval_every", "1000", "--work_dir", str(evidence_work_dir),
                             "--output", str(tmp_path / "figure7")])
     summary = results["summary"]
     assert results["task"] == "arithmetic"
@@ -47,8 +49,8 @@ def test_figure7_untruncated_importance_weights_spike_the_gradient(evidence_work
 def test_iterations_report_each_strategy(evidence_work_dir, tmp_path):
     import iterations
 
-    results = iterations.main(["--seeds", "0", "--iterations", "1", "--prompts", "16", "--eval-prompts", "100",
-                               "--eval-samples", "2", "--batch-size", "8", "--work-dir", str(evidence_work_dir),
+    results = iterations.main(["--seeds", "0", "--iterations", "1", "--prompts", "16", "--eval_prompts", "100",
+                               "--eval_samples", "2", "--batch_size", "8", "--work_dir", str(evidence_work_dir),
                                "--output", str(tmp_path / "iterations")])
     assert set(results["summary"]) == {"uniform", "positives_only", "anna_karenina"}
     proportions = {run["strategy"]: run["proportion_of_positives"][0] for run in results["runs"].values()}
@@ -60,7 +62,7 @@ def test_fixed_datasets_are_kept_apart_by_behaviour_model(tiny_model_path, behav
     """Data sampled from one model is never reused as another's (the folder is named after mu)."""
     import experiments
 
-    from topr_trl.evaluation.arithmetic import arithmetic_reward, make_arithmetic_dataset
+    from topr_trl.tasks.arithmetic import arithmetic_reward, make_arithmetic_dataset
 
     testbed = experiments.Testbed(
         task="arithmetic", base_dir=Path(tiny_model_path), held_out=None, reward=arithmetic_reward, max_new_tokens=3,
@@ -76,8 +78,8 @@ def test_fixed_datasets_are_kept_apart_by_behaviour_model(tiny_model_path, behav
     assert again["completion_ids"] == from_base["completion_ids"]
 
 
-def test_a_script_refuses_a_task_it_does_not_run():
+def test_a_script_refuses_a_task_it_does_not_run(capsys):
     import sample_efficiency
 
-    with pytest.raises(SystemExit):
-        sample_efficiency.main(["--task", "arithmetic"])
+    assert "runs on the reasoning testbed only" in script_refusal(sample_efficiency.main, ["--task", "arithmetic"],
+                                                                   capsys)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from topr_trl.evaluation.reasoning import make_reasoning_dataset
+from topr_trl.tasks.reasoning import make_reasoning_dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
@@ -20,8 +20,8 @@ def test_naive_reinforce_collapses_and_topr_improves(evidence_work_dir, tmp_path
 
     # 96 steps: in the full runs naive REINFORCE is below its start from step 64 on in every seed, not yet at 32
     results = figure1.main(["--seeds", "0", "--methods", "naive_reinforce", "topr", "--prompts", "64", "--epochs", "6",
-                            "--eval-prompts", "200", "--eval-samples", "2", "--eval-every", "1000",
-                            "--work-dir", str(evidence_work_dir), "--output", str(tmp_path / "figure1")])
+                            "--eval_prompts", "200", "--eval_samples", "2", "--eval_every", "1000",
+                            "--work_dir", str(evidence_work_dir), "--output", str(tmp_path / "figure1")])
     assert results["task"] == "reasoning" and results["measure"].startswith("sampled pass@1")
     naive = results["runs"]["naive_reinforce/seed0"]["curve"]
     topr = results["runs"]["topr/seed0"]["curve"]

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 from topr_trl import TOPRConfig, TOPRTrainer
-from topr_trl.evaluation.tiny import build_model, build_tokenizer, save_pretrained
+from topr_trl.tasks.tiny import build_model, build_tokenizer, save_pretrained
 
 from .conftest import parity_reward, small_config_kwargs
 

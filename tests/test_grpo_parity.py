@@ -21,7 +21,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from topr_trl import TOPRConfig, TOPRTrainer
-from topr_trl.evaluation.tiny import build_tokenizer, save_pretrained
+from topr_trl.tasks.tiny import build_tokenizer, save_pretrained
 
 from .conftest import parity_reward, small_config_kwargs
 

@@ -22,7 +22,7 @@ from topr_trl.offline import (
 )
 from topr_trl.offline.rollout import make_behaviour_rollout
 from topr_trl.prompts import tokenize_prompts
-from topr_trl.evaluation.tiny import CHAT_TEMPLATE, build_model, build_tokenizer, save_pretrained
+from topr_trl.tasks.tiny import CHAT_TEMPLATE, build_model, build_tokenizer, save_pretrained
 
 from .conftest import logged_values, parity_reward, small_config_kwargs
 

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from topr_trl.evaluation import reasoning
+from topr_trl.arguments import TaskArguments
+
+from topr_trl.tasks import reasoning
 from topr_trl.evaluation.runner import evaluate_model
-from topr_trl.evaluation.reasoning import (
+from topr_trl.tasks.reasoning import (
     PLANTED,
     SETTINGS_FILE,
     SPLITS,
@@ -191,7 +193,7 @@ def test_builder_caches_and_refuses_a_model_built_with_other_settings(tmp_path, 
     def no_training(*args, **kwargs):
         raise AssertionError("a cached model was trained again")
 
-    monkeypatch.setattr("topr_trl.evaluation.arithmetic.warm_start", no_training)
+    monkeypatch.setattr("topr_trl.tasks.arithmetic.warm_start", no_training)
     build_reasoning_warm_model(tmp_path, WarmStartSettings(**TINY))
     # the recorded settings are checked: a directory whose record disagrees is refused
     (path / SETTINGS_FILE).write_text(json.dumps(WarmStartSettings(**{**TINY, "seed": 5}).to_dict()))
@@ -212,7 +214,7 @@ def test_evaluate_model_and_measure_score_the_task(tmp_path):
 
 
 def test_max_completion_tokens_fits_the_longest_solution():
-    from topr_trl.evaluation.tiny import build_tokenizer
+    from topr_trl.tasks.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     for digits in (2, 3, 5):
@@ -226,7 +228,7 @@ def test_warm_start_plants_the_error_at_the_paper_regime(tmp_path, monkeypatch):
     """The recommended setting (3 digits, a quarter of carries dropped, 2,000 steps: ~2-4 CPU minutes), trained here
     rather than installed from the shipped weights, lands near two thirds sampled pass@1, and most wrong answers
     show the planted error."""
-    monkeypatch.setattr("topr_trl.evaluation.tiny.PREBUILT_DIR", tmp_path / "nothing-shipped")
+    monkeypatch.setattr("topr_trl.tasks.tiny.PREBUILT_DIR", tmp_path / "nothing-shipped")
     model, tokenizer, path = build_reasoning_warm_model(tmp_path, WarmStartSettings())
     assert (path / "build.json").is_file()  # trained here, and says on what
     report = measure_base_model(model, tokenizer, make_reasoning_dataset(300, 3, "heldout"), num_samples=4)
@@ -234,7 +236,7 @@ def test_warm_start_plants_the_error_at_the_paper_regime(tmp_path, monkeypatch):
 
 
 def test_count_carries_counts_every_carry_including_the_one_out_of_the_top_step():
-    from topr_trl.evaluation.reasoning import count_carries, write_solution
+    from topr_trl.tasks.reasoning import count_carries, write_solution
 
     assert count_carries(123, 456) == 0
     assert count_carries(4587, 2896) == 3  # into the tens, hundreds and thousands; 4+2+1 = 7 carries nothing out
@@ -249,11 +251,12 @@ def test_default_built_in_models_are_the_shipped_weights_on_every_machine(tmp_pa
     """The default settings install the shipped weights byte for byte (whatever the threads or CPU kernels here),
     under a folder named by the settings alone; the shipped reasoning model is in the paper's regime."""
     from topr_trl import cli
-    from topr_trl.evaluation.tiny import PREBUILT_DIR, machine_key
+    from topr_trl.tasks.loading import builtin_model
+    from topr_trl.tasks.tiny import PREBUILT_DIR, machine_key
 
-    for task, options in (("reasoning", cli.TaskArguments(task_digits=3, base_model_dir=str(tmp_path / "r"))),
-                          ("arithmetic", cli.TaskArguments(base_model_dir=str(tmp_path / "a")))):
-        folder = Path(cli.builtin_model(task, options, seed=0))
+    for task, options in (("reasoning", TaskArguments(task_digits=3, base_model_dir=str(tmp_path / "r"))),
+                          ("arithmetic", TaskArguments(base_model_dir=str(tmp_path / "a")))):
+        folder = Path(builtin_model(task, options, seed=0))
         shipped = PREBUILT_DIR / folder.name
         assert machine_key() not in folder.name
         assert (folder / "model.safetensors").read_bytes() == (shipped / "model.safetensors").read_bytes()

@@ -11,6 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import sample_efficiency  # noqa: E402
 
+from .conftest import script_refusal  # noqa: E402
+
 COUNTS = dict(steps=5, batch_size=32, num_generations=8, prompts=10, iterations=3, iteration_prompts=7)
 
 
@@ -58,18 +60,18 @@ def test_expected_completions_follow_each_methods_formula():
         expected("ppo", **COUNTS)
 
 
-def test_options_are_checked():
-    with pytest.raises(SystemExit):
-        sample_efficiency.main(["--methods", "topr_offline_k3", "--offline-epochs", "1", "2"])
-    with pytest.raises(SystemExit):
-        sample_efficiency.main(["--batch-size", "12", "--num-generations", "8"])
+def test_options_are_checked(capsys):
+    assert "unknown methods ['topr_offline_k3']" in script_refusal(
+        sample_efficiency.main, ["--methods", "topr_offline_k3", "--offline_epochs", "1", "2"], capsys)
+    assert "--batch_size must be a multiple of --num_generations" in script_refusal(
+        sample_efficiency.main, ["--batch_size", "12", "--num_generations", "8"], capsys)
 
 
 @pytest.mark.slow
 def test_smoke_run_counts_completions_and_beats_the_base_model(evidence_work_dir, tmp_path):
     # the warm model is built once per session under the shared work dir (~2-3 min on one thread)
     output = tmp_path / "sample_efficiency"
-    sample_efficiency.main(["--smoke", "--work-dir", str(evidence_work_dir), "--output", str(output)])
+    sample_efficiency.main(["--smoke", "--work_dir", str(evidence_work_dir), "--output", str(output)])
     results = json.loads(output.with_suffix(".json").read_text())
     options = results["options"]
     counts = {name: options[name] for name in COUNTS}

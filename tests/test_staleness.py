@@ -12,6 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import staleness  # noqa: E402
 
+from .conftest import script_refusal  # noqa: E402
+
 
 def test_expected_completions_for_a_lag():
     expected = staleness.expected_completions
@@ -83,20 +85,22 @@ def test_summary_uses_seed_cis_or_the_problem_se_for_one_seed():
     assert summary["grpo_clip"]["largest_tolerated_lag"]["lag"] == 4
 
 
-def test_options_are_checked():
-    with pytest.raises(SystemExit):
-        staleness.main(["--lags", "4", "16"])  # no on-policy reference
-    with pytest.raises(SystemExit):
-        staleness.main(["--batch-size", "12", "--num-generations", "8"])
-    with pytest.raises(SystemExit):
-        staleness.main(["--methods", "ppo"])
+def test_options_are_checked(capsys):
+    refused = [script_refusal(staleness.main, argv, capsys) for argv in (
+        ["--lags", "4", "16"],  # no on-policy reference
+        ["--batch_size", "12", "--num_generations", "8"],
+        ["--methods", "ppo"],
+    )]
+    assert "--lags must be >= 1 and include 1" in refused[0]
+    assert "--batch_size must be a multiple of --num_generations" in refused[1]
+    assert "argument --methods: invalid choice: 'ppo'" in refused[2]
 
 
 @pytest.mark.slow
 def test_smoke_run_has_every_method_and_lag_with_the_formulas_completions(evidence_work_dir, tmp_path):
     # the warm model is built once per session under the shared work dir (~2-3 min on one thread)
     output = tmp_path / "staleness"
-    staleness.main(["--smoke", "--work-dir", str(evidence_work_dir), "--output", str(output)])
+    staleness.main(["--smoke", "--work_dir", str(evidence_work_dir), "--output", str(output)])
     results = json.loads(output.with_suffix(".json").read_text())
     options = results["options"]
     assert results["threads"]["torch"] == 1

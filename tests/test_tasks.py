@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import torch
 from datasets import Dataset
 
-from topr_trl.evaluation.arithmetic import accuracy
+from topr_trl.tasks.arithmetic import accuracy
 
 
 class ScriptedModel:

@@ -251,3 +251,28 @@ def test_model_card_cites_topr(tiny_model_path, arithmetic_dataset, tmp_path):
     card = (tmp_path / "README.md").read_text()
     assert "2503.14286" in card and "Tapered Off-Policy REINFORCE" in card
     assert "## TOPR configuration" in card and "| 1.0, 1.0, 0.0, 1.0 |" in card and "`topr_signal` | advantage" in card
+
+
+@pytest.mark.parametrize("signal", ["advantage", "reward"])
+def test_training_leaves_no_state_beyond_what_grpo_trainer_keeps(signal, tiny_model_path, arithmetic_dataset,
+                                                                 tmp_path):
+    """Data flows one way: the attributes a TOPRTrainer gains or changes the type of while training are those a
+    GRPOTrainer gains on the same run (TRL's own state), and the batch's rows carry nothing of TOPR's afterwards."""
+    def attributes_gained(trainer_class, config_class, extra):
+        trainer = trainer_class(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
+                                args=config_class(**small_config_kwargs(tmp_path / trainer_class.__name__, **extra)))
+        before = {name: type(value) for name, value in vars(trainer).items()}
+        rollout = trainer.rollout_func
+        trainer.train()
+        assert trainer.rollout_func is rollout
+        return {name for name, value in vars(trainer).items() if before.get(name, object) is not type(value)}
+
+    topr = attributes_gained(TOPRTrainer, TOPRConfig, {"topr_signal": signal})
+    grpo = attributes_gained(GRPOTrainer, GRPOConfig, {})
+    assert topr == grpo and grpo  # GRPOTrainer does gain some (its buffers), TOPR none of its own
+    rows = [dict(row) for row in arithmetic_dataset.select(range(8))]
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
+                          args=TOPRConfig(**small_config_kwargs(tmp_path / "rows", topr_signal=signal)))
+    output = trainer._generate_and_score_completions(rows)
+    assert not any(key.startswith("topr_") for row in rows for key in row)
+    assert ("topr_signal" in output) == (signal == "reward")

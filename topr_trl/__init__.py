@@ -4,16 +4,26 @@ Swap `GRPOTrainer`/`GRPOConfig` for `TOPRTrainer`/`TOPRConfig`; nothing else cha
 """
 
 from .config import TOPRConfig
-from .loss import PRESETS, PolicyLossSpec, TruncationLimits, policy_per_token_loss, topr_loss
+from .loss import (
+    POLICY_LOSSES,
+    PRESETS,
+    PolicyLossSpec,
+    TruncationLimits,
+    policy_per_token_loss,
+    register_policy_loss,
+    topr_loss,
+)
 from .trainer import TOPRTrainer
 
 __version__ = "0.1.0"
 __all__ = [
+    "POLICY_LOSSES",
     "PRESETS",
     "PolicyLossSpec",
     "TOPRConfig",
     "TOPRTrainer",
     "TruncationLimits",
     "policy_per_token_loss",
+    "register_policy_loss",
     "topr_loss",
 ]

@@ -79,3 +79,11 @@ def end_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def say(message: str) -> None:
+    """A line of the command's own, `[topr-trl] ...`, printed once: by the main process under `accelerate launch`."""
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:
+        print(f"[topr-trl] {message}", flush=True)

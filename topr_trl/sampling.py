@@ -1,8 +1,12 @@
-"""The one generation loop: completions of prompts given as token ids, with transformers' `generate`.
+"""How completions are generated: the one transformers loop, and the one vLLM engine builder.
 
 Offline generation and the behaviour rollout (sampling, with mu's log-probs), the evaluation runner (sampled or
 greedy, with stop strings) and the built-in task's greedy accuracy all call `generate_completions`, on prompts
 tokenized by `topr_trl.prompts.tokenize_prompts`, so every path conditions on the prompts pi is trained on.
+
+With the `backend` "vllm" (`BACKENDS`), offline generation and the evaluation runner sample from an engine built by
+`make_vllm_engine` and released by `free_vllm_memory`. vLLM is an optional extra: it is imported only when an engine
+is built or released, never when this module is imported.
 """
 
 from __future__ import annotations
@@ -69,3 +73,45 @@ def generate_completions(
             completion["logps"] = token_logps[row, : len(tokens)].tolist()
         rows.append(completion)
     return rows
+
+
+# ---------------------------------------------------------------------------------------------------------
+# vLLM
+# ---------------------------------------------------------------------------------------------------------
+
+BACKENDS = ("auto", "transformers", "vllm")
+"""Generation backends; "auto" is vLLM when `vllm_available()`, transformers otherwise."""
+
+
+def vllm_available() -> bool:
+    """vLLM is installed and a CUDA GPU is present (vLLM's own requirement); checked without importing vLLM."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+
+
+def make_vllm_engine(model_name_or_path, seed: int = 0, tokenizer: str | None = None, **engine_kwargs):
+    """A vLLM engine for `model_name_or_path` (its own tokenizer unless `tokenizer` names another), seeded with
+    `seed`, whose reported log-probs are those of the sampling distribution (temperature, top-k and top-p applied):
+    the same quantity `generate_completions(..., with_logps=True)` returns. `engine_kwargs` go to `vllm.LLM`."""
+    from vllm import LLM
+
+    if tokenizer is not None:
+        engine_kwargs["tokenizer"] = str(tokenizer)
+    return LLM(model=str(model_name_or_path), seed=seed, logprobs_mode="processed_logprobs", **engine_kwargs)
+
+
+def free_vllm_memory() -> None:
+    """Return the GPU memory of engines no longer referenced, so that training or the next engine can use it:
+    vLLM holds its weights and KV cache past `del` until its own cleanup runs. That cleanup also destroys the
+    torch.distributed process group, so under `accelerate launch` (group already initialized, owned by the
+    trainer) only Python's and torch's caches are emptied."""
+    from .distributed import empty_caches
+
+    empty_caches()
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        try:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        except ImportError:  # a vLLM version without it: the generic release above is all there is
+            return
+        cleanup_dist_env_and_memory()

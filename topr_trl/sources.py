@@ -1,16 +1,33 @@
-"""Where a model or dataset named on the command line comes from, checked before anything loads: a local path that
-does not exist fails at once in one line, and a Hub id with the Hub out of reach fails at once instead of after
-minutes of retries."""
+"""Where a model or dataset named on the command line or in code comes from: checked before anything loads (a local
+path that does not exist fails at once in one line, and a Hub id with the Hub out of reach fails at once instead of
+after minutes of retries), and data loaded from it by one loader, `load_data_source`, on top of `datasets`' own
+reading of files and folders: prompts, benchmarks and offline datasets alike."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+"""The local data files `load_data_source` reads, by suffix, with the `datasets` builder that reads them."""
+
+SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "eval")
+"""What `datasets` reads as split names in a folder of data files."""
+
+TEXT_COLUMNS = ("prompt", "completion")
+"""Columns that stay text in a CSV file: a completion "3" is not the number 3, and an empty one is ""."""
 
 
 def looks_like_local_path(name: str) -> bool:
     """A name that can only be a path: `./x`, `../x`, `/x`, `~/x`, or more than one `/` (a Hub id is `owner/name`
     or a bare `name`)."""
     return name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
+def looks_like_local_data(name: str) -> bool:
+    """A data source that can only be local: a name that can only be a path, or a data file's name."""
+    return looks_like_local_path(name) or Path(name).suffix.lower() in LOCAL_FORMATS
 
 
 def hub_unreachable_reason() -> str | None:
@@ -57,9 +74,130 @@ def check_model_source(name: str | None, what: str = "model", dry_run: bool = Fa
 def check_data_source(name: str | None, flag: str) -> None:
     """Fail at once on a data path that does not exist (a name that can only be a path, or one with a data file's
     suffix); Hub ids are left to the loader."""
-    from .evaluation.benchmarks import LOCAL_FORMATS
-
     if name is None or Path(name).expanduser().exists():
         return
-    if looks_like_local_path(name) or Path(name).suffix.lower() in LOCAL_FORMATS:
+    if looks_like_local_data(name):
         raise SystemExit(f"topr-trl: {flag} {name}: no such file or folder")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading data
+# ---------------------------------------------------------------------------------------------------------
+
+
+def split_of_file(path: Path) -> str:
+    """`test.jsonl` -> `test`; `train-00000-of-00001.parquet` -> `train`."""
+    return re.split(r"[-.]", Path(path).name, maxsplit=1)[0]
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """Whether `path` is a folder written by `save_to_disk` (a Dataset or a DatasetDict)."""
+    return any((Path(path) / marker).is_file() for marker in ("dataset_info.json", "state.json", "dataset_dict.json"))
+
+
+def load_data_source(source, split: str, config: str | None = None, cache_dir: str | None = None, *,
+                     what: str = "dataset", one_split: str | None = None):
+    """The `split` of `source`, as a `datasets.Dataset`:
+
+    - a `{split: file or files}` mapping;
+    - a Hub dataset id (`datasets.load_dataset(source, config, split=split)`);
+    - a `save_to_disk` folder: a Dataset as it is, or the `split` (or the only split) of a DatasetDict;
+    - a `.json`/`.jsonl`/`.csv`/`.parquet` file;
+    - a folder of such files (under `config/` first when that folder exists), searched through: files named after
+      their split up to their first `-` or `.` (`train.jsonl` and `test.jsonl`, `test-00000-of-00001.parquet`) are
+      the splits, as `datasets` reads a folder (a downloaded copy of a Hub dataset repository reads as the Hub's);
+      a folder with no file named after a split is one split.
+
+    A single file, or a folder with no file named after a split, holds one split: `one_split` when it is given (any
+    other split is refused), else whichever split is asked for (the file the user pointed at is the data). A CSV
+    file keeps `TEXT_COLUMNS` as text. A name that can only be a path (`looks_like_local_data`) is never sent to
+    the Hub. `what` names the data in messages. Raises FileNotFoundError for a path that does not exist or a Hub
+    id that could not be loaded (saying what to do without the Hub), ValueError for a file or folder that holds
+    nothing loadable, mixes formats or lacks `split` (naming the splits there are)."""
+    if isinstance(source, Mapping):
+        if split not in source:
+            raise ValueError(f"unknown split {split!r}: the given files have splits {sorted(source)}")
+        chosen = source[split]
+        files = [Path(chosen)] if isinstance(chosen, (str, Path)) else [Path(file) for file in chosen]
+        for path in files:
+            if not path.is_file():
+                raise FileNotFoundError(f"no such data file: {str(path)!r}")
+        return _load_files(files, split, cache_dir, str(chosen))
+    text = str(source)
+    path = Path(text).expanduser()
+    if not path.exists() and not looks_like_local_data(text):
+        return _load_from_hub(text, split, config, cache_dir, what)
+    if not path.exists():
+        raise FileNotFoundError(f"no such data file or folder: {text!r}")
+    if path.is_dir() and is_saved_dataset(path):
+        return _load_saved(path, split)
+    if path.is_file():
+        if path.suffix.lower() not in LOCAL_FORMATS:
+            raise ValueError(f"{text!r} holds no {what}: unsupported local data file (use a "
+                             f"{'/'.join(LOCAL_FORMATS)} file, a folder of them, a save_to_disk folder or a Hub id)")
+        files, single = [path], "one file"
+    else:
+        root = path / config if config and (path / config).is_dir() else path
+        files = sorted(file for file in root.rglob("*") if file.is_file() and file.suffix.lower() in LOCAL_FORMATS)
+        if not files:
+            raise ValueError(f"{text!r} holds no {what}: no {'/'.join(LOCAL_FORMATS)} files in it, and it is no "
+                             "save_to_disk folder")
+        named = {split_of_file(file) for file in files} & {*SPLIT_NAMES, split}
+        single = None if named else "a folder of files not named after splits"
+        if named:
+            files = [file for file in files if split_of_file(file) == split]
+            if not files:
+                raise ValueError(f"unknown split {split!r}: {what} {text!r} has no {split!r} split; its files are "
+                                 f"named after the splits {sorted(named)}")
+    if single and one_split is not None and split != one_split:
+        raise ValueError(f"{what} {text!r} is {single}, which holds one split, {one_split!r}: it has no {split!r} "
+                         f"split (name files after their split, e.g. {one_split}.jsonl and {split}.jsonl)")
+    return _load_files(files, split, cache_dir, text)
+
+
+def _load_from_hub(name: str, split: str, config: str | None, cache_dir: str | None, what: str):
+    from datasets import load_dataset
+
+    try:
+        return load_dataset(name, config, split=split, cache_dir=cache_dir)
+    except Exception as error:  # the Hub's errors rarely say what to do offline, and span many lines
+        reason = (str(error).splitlines() or [""])[0][:200]
+        raise FileNotFoundError(
+            f"{what} {name!r} is no local file or folder, and its split {split!r}"
+            + (f" (config {config!r})" if config else "")
+            + f" could not be loaded from the Hub ({type(error).__name__}: {reason}); without Hub access, pass a "
+            "local .json/.jsonl/.csv/.parquet file (or a folder of them) or a save_to_disk folder"
+        ) from error
+
+
+def _load_files(files: Sequence[Path], split: str, cache_dir: str | None, source: str):
+    from datasets import load_dataset
+
+    formats = {LOCAL_FORMATS.get(path.suffix.lower()) for path in files}
+    if None in formats:
+        unsupported = next(path for path in files if path.suffix.lower() not in LOCAL_FORMATS)
+        raise ValueError(f"unsupported local data file {str(unsupported)!r}: use one of {sorted(LOCAL_FORMATS)} "
+                         "(or a Hub dataset id)")
+    if len(formats) > 1:
+        raise ValueError(f"{source!r} mixes data file formats {sorted(formats)} in split {split!r}: keep one format "
+                         "per split")
+    builder = formats.pop()
+    options = {"converters": {column: str for column in TEXT_COLUMNS}} if builder == "csv" else {}
+    dataset = load_dataset(builder, data_files={split: [str(path) for path in files]}, split=split,
+                           cache_dir=cache_dir, **options)
+    present = [column for column in TEXT_COLUMNS if column in dataset.column_names]
+    if builder == "csv" and present:  # an empty cell reads as None
+        dataset = dataset.map(lambda row: {column: row[column] or "" for column in present}, desc="reading text")
+    return dataset
+
+
+def _load_saved(path: Path, split: str):
+    """A folder written by `save_to_disk`: a Dataset as it is, or the `split` (or the only split) of a DatasetDict."""
+    from datasets import DatasetDict, load_from_disk
+
+    saved = load_from_disk(str(path))
+    if not isinstance(saved, DatasetDict):
+        return saved
+    if split not in saved and len(saved) != 1:
+        raise ValueError(f"unknown split {split!r}: {str(path)!r} holds splits {sorted(saved)}")
+    return saved[split] if split in saved else next(iter(saved.values()))

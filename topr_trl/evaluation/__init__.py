@@ -1,4 +1,4 @@
 """Measuring what training buys: answer checking and rewards (`rewards`), pass@k / maj@k and bootstrap errors
-(`metrics`), benchmark loaders (`benchmarks`: GSM8K, MATH, MATH-500, local files), the evaluation runner with its
-plots (`runner`, `topr-trl evaluate`), evaluation during training (`callbacks`), and the built-in tasks with their
-tiny model (`arithmetic`, `reasoning`, `tiny`)."""
+(`metrics`), benchmark loaders (`benchmarks`: GSM8K, MATH, MATH-500), the evaluation runner with its plots
+(`runner`: `evaluate_model`), and evaluation during training (`callbacks`). The tasks measured are
+`topr_trl.tasks`'; the `topr-trl evaluate` command is `topr_trl.cli_evaluate`."""

@@ -9,9 +9,9 @@
 The other columns of the source are kept (GSM8K's full reference solution moves to ``solution``, since
 ``answer`` now holds the bare number), so per-level or per-subject breakdowns stay possible.
 
-``source`` is either a Hugging Face Hub dataset id, loaded with ``datasets.load_dataset(source, config,
-split=split)``, or local data: one ``.json``/``.jsonl``/``.parquet`` file (it holds the requested split), a
-mapping ``{split: file}``, or a directory holding files named after their split (``test.jsonl``,
+``source`` is what `topr_trl.sources.load_data_source` loads: a Hugging Face Hub dataset id, or local data: one
+``.json``/``.jsonl``/``.csv``/``.parquet`` file (it holds the requested split), a mapping ``{split: file}``, a
+``save_to_disk`` folder, or a directory holding files named after their split (``test.jsonl``,
 ``train-00000-of-00001.parquet``, ...), as in a downloaded copy of a Hub dataset repository.
 
 The few-shot examples are short original problems written for this package (not taken from GSM8K or MATH),
@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
-from datasets import Dataset, concatenate_datasets, load_dataset
+from datasets import Dataset, concatenate_datasets
 
+from ..sources import load_data_source
 from .rewards import extract_boxed, extract_gsm8k_answer
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,6 @@ __all__ = [
     "load_math",
     "load_math500",
 ]
-
-LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 """Appended to every MATH problem by default: answers are only read from a final `\\boxed{}`."""
@@ -163,108 +161,6 @@ def _few_shot_examples(few_shot: int, pool: Sequence[tuple[str, str]], name: str
     return list(pool[:few_shot])
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Sources
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _local_format(path: Path) -> str:
-    builder = LOCAL_FORMATS.get(path.suffix.lower())
-    if builder is None:
-        raise ValueError(
-            f"unsupported local data file {str(path)!r}: use one of {sorted(LOCAL_FORMATS)} (or a Hub dataset id)"
-        )
-    return builder
-
-
-def _load_files(files: Sequence[Path], split: str, cache_dir: str | None) -> Dataset:
-    builders = {_local_format(path) for path in files}
-    if len(builders) != 1:
-        raise ValueError(f"split {split!r} mixes file formats: {[str(path) for path in files]}")
-    return load_dataset(builders.pop(), data_files={split: [str(path) for path in files]}, split=split,
-                        cache_dir=cache_dir)
-
-
-def is_saved_dataset(path: Path) -> bool:
-    """Whether `path` is a folder written by `save_to_disk` (a Dataset or a DatasetDict)."""
-    return any((Path(path) / marker).is_file() for marker in ("dataset_info.json", "state.json", "dataset_dict.json"))
-
-
-def _load_saved(path: Path, split: str) -> Dataset:
-    """A folder written by `save_to_disk`: a Dataset as it is, or the `split` (or the only split) of a DatasetDict."""
-    from datasets import DatasetDict, load_from_disk
-
-    saved = load_from_disk(str(path))
-    if not isinstance(saved, DatasetDict):
-        return saved
-    if split not in saved and len(saved) != 1:
-        raise ValueError(f"unknown split {split!r}: {str(path)!r} holds splits {sorted(saved)}")
-    return saved[split] if split in saved else next(iter(saved.values()))
-
-
-# What `datasets` reads as split names in a folder of data files.
-SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "eval")
-
-
-def split_of_file(path: Path) -> str:
-    """`test.jsonl` -> `test`; `train-00000-of-00001.parquet` -> `train`."""
-    return re.split(r"[-.]", path.name, maxsplit=1)[0]
-
-
-def _looks_local(source: str) -> bool:
-    path = Path(source)
-    return path.exists() or path.suffix.lower() in LOCAL_FORMATS or source.startswith((".", "/", "~"))
-
-
-def load_source(source, split: str, config: str | None = None, cache_dir: str | None = None) -> Dataset:
-    """The `split` of `source`: a Hub id, a local file, a `{split: file}` mapping, a `save_to_disk` folder (a
-    Dataset as it is, or the split of a DatasetDict), or a local directory of data files.
-
-    Local files need no network. A directory is searched (under `config/` first when that folder exists) for
-    data files whose name, up to its first `-` or `.`, is the split. Raises FileNotFoundError for a missing
-    file or directory, ValueError for an unsupported file type or a split that is not there (naming those
-    that are)."""
-    if isinstance(source, Mapping):
-        if split not in source:
-            raise ValueError(f"unknown split {split!r}: the given files have splits {sorted(source)}")
-        source = source[split]
-        files = [Path(source)] if isinstance(source, (str, Path)) else [Path(file) for file in source]
-        for path in files:
-            if not path.is_file():
-                raise FileNotFoundError(f"no such data file: {str(path)!r}")
-        return _load_files(files, split, cache_dir)
-    source = str(source)
-    if not _looks_local(source):
-        try:
-            return load_dataset(source, config, split=split, cache_dir=cache_dir)
-        except Exception as error:  # the Hub's errors rarely say what to do offline
-            raise RuntimeError(
-                f"could not load split {split!r} of the Hub dataset {source!r}"
-                + (f" (config {config!r})" if config else "")
-                + f": {error}. Without Hub access, pass a local .json/.jsonl/.csv/.parquet file (or a directory of "
-                "them) or a save_to_disk folder as `source`."
-            ) from error
-    path = Path(source).expanduser()
-    if path.is_file():
-        return _load_files([path], split, cache_dir)
-    if not path.is_dir():
-        raise FileNotFoundError(f"no such data file or directory: {source!r}")
-    if is_saved_dataset(path):
-        return _load_saved(path, split)
-    root = path / config if config and (path / config).is_dir() else path
-    candidates = sorted(
-        file for file in root.rglob("*") if file.is_file() and file.suffix.lower() in LOCAL_FORMATS
-    )
-    files = [file for file in candidates if split_of_file(file) == split]
-    if not files:
-        available = sorted({split_of_file(file) for file in candidates})
-        raise ValueError(
-            f"unknown split {split!r}: no data file named after it in {str(root)!r}"
-            + (f" (splits found: {available})" if available else " (no .json/.jsonl/.csv/.parquet files there)")
-        )
-    return _load_files(files, split, cache_dir)
-
-
 def _require_columns(dataset: Dataset, columns: Sequence[str], name: str) -> None:
     missing = [column for column in columns if column not in dataset.column_names]
     if missing:
@@ -311,12 +207,13 @@ def load_gsm8k(
     `solution`, other source columns as they are.
 
     `source`: a Hub id (schema `question` / `answer`, the answer ending in `#### <n>`), a local
-    `.json`/`.jsonl`/`.parquet` file, a `{split: file}` mapping or a directory (see `load_source`); the answer
-    column may also hold bare numbers. `few_shot` (0 to 8) prepends this package's own worked examples, as
-    user/assistant turns with `chat=True`, as `Question: ...\\nAnswer: ...` blocks otherwise. `instruction`
-    (none by default) is appended to every question; `system_prompt` starts the prompt."""
+    `.json`/`.jsonl`/`.csv`/`.parquet` file, a `{split: file}` mapping or a directory (see
+    `topr_trl.sources.load_data_source`); the answer column may also hold bare numbers. `few_shot` (0 to 8)
+    prepends this package's own worked examples, as user/assistant turns with `chat=True`, as
+    `Question: ...\\nAnswer: ...` blocks otherwise. `instruction` (none by default) is appended to every question;
+    `system_prompt` starts the prompt."""
     examples = _few_shot_examples(few_shot, GSM8K_FEW_SHOT, "load_gsm8k")
-    dataset = load_source(source, split, config, cache_dir)
+    dataset = load_data_source(source, split, config, cache_dir)
     _require_columns(dataset, [question_column, answer_column], "load_gsm8k")
 
     answers = []
@@ -384,12 +281,12 @@ def load_math(
     of the reference solution, via `topr_trl.evaluation.rewards.extract_boxed`); the source columns are kept. Rows whose
     solution has no box are dropped with a warning.
 
-    `source` is a Hub id or local data (see `load_source`); the default Hub id and its configs are not checked
-    here: some copies of MATH have one config per subject, so `config` may be a list of configs, whose
-    splits are concatenated. `instruction` (default `MATH_INSTRUCTION`, asking for a boxed answer) is appended
-    to every problem; `few_shot` (0 to 4) prepends worked examples ending in a box."""
+    `source` is a Hub id or local data (see `topr_trl.sources.load_data_source`); the default Hub id and its
+    configs are not checked here: some copies of MATH have one config per subject, so `config` may be a list of
+    configs, whose splits are concatenated. `instruction` (default `MATH_INSTRUCTION`, asking for a boxed answer)
+    is appended to every problem; `few_shot` (0 to 4) prepends worked examples ending in a box."""
     configs = list(config) if isinstance(config, (list, tuple)) else [config]
-    parts = [load_source(source, split, name, cache_dir) for name in configs]
+    parts = [load_data_source(source, split, name, cache_dir) for name in configs]
     dataset = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
     _require_columns(dataset, [problem_column, solution_column], "load_math")
     return _math_dataset(dataset, "load_math", problem_column, lambda row: extract_boxed(str(row[solution_column])),
@@ -412,7 +309,7 @@ def load_math500(
     """MATH-500 (the 500-problem test subset of Lightman et al., 2023) with columns `prompt` and `answer`
     (its `answer` column as a string; where that column is missing or empty, the last `\\boxed{}` of
     `solution`). Same prompt options as `load_math`."""
-    dataset = load_source(source, split, config, cache_dir)
+    dataset = load_data_source(source, split, config, cache_dir)
     if answer_column not in dataset.column_names and solution_column not in dataset.column_names:
         raise ValueError(f"load_math500: need a {answer_column!r} or {solution_column!r} column; the data has "
                          f"{dataset.column_names}")

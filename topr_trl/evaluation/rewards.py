@@ -30,14 +30,22 @@ import threading
 from collections.abc import Callable
 from fractions import Fraction
 
-from .arithmetic import completion_text as _completion_text
-
 logger = logging.getLogger(__name__)
 
 CORRECT = "correct"
 INCORRECT = "incorrect"
 INVALID = "invalid"
 ANSWER_CLASSES = (CORRECT, INCORRECT, INVALID)
+
+
+def completion_text(completion) -> str:
+    """The text of a completion, conversational (a list of messages) or plain."""
+    if isinstance(completion, list):
+        return "".join(message.get("content", "") for message in completion)
+    return completion
+
+
+_completion_text = completion_text  # the checkers below take a parameter of that name
 
 __all__ = [
     "ANSWER_CLASSES",
@@ -46,6 +54,7 @@ __all__ = [
     "INVALID",
     "classify_gsm8k",
     "classify_math",
+    "completion_text",
     "extract_boxed",
     "extract_gsm8k_answer",
     "format_reward",

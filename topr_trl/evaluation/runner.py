@@ -3,19 +3,20 @@ completions per question, class each one correct / incorrect / invalid, and repo
 unbiased pass@k, maj@k, the invalid rate, the paper's bootstrap standard errors, and the histogram of correct
 answers per question.
 
+`evaluate_model` is the measurement; `topr-trl evaluate` (`topr_trl.cli_evaluate`) runs it from the command line:
+
     topr-trl evaluate --model_name_or_path outputs/topr-tiny-arithmetic --task arithmetic --k 8 --output_dir outputs/eval
 
 Generation uses transformers' `generate`, or vLLM when the model is given by path, vLLM is installed and a GPU
-is present (`backend="auto"`); vLLM is only imported then, never when this module is imported.
+is present (`backend="auto"`); vLLM is only imported then (`topr_trl.sampling.make_vllm_engine`), never when this
+module is imported.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,26 +40,21 @@ from .rewards import (
     INVALID,
     classify_gsm8k,
     classify_math,
+    completion_text,
     extract_boxed,
     extract_gsm8k_answer,
     gsm8k_numbers_equal,
     math_answers_equal,
 )
-from ..offline.generation import BACKENDS
 from ..prompts import tokenize_prompts
-from ..sampling import generate_completions
-from .arithmetic import completion_text, parse_answer
-from .reasoning import reasoning_classify
+from ..sampling import generate_completions, make_vllm_engine, vllm_available
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CLASSIFIERS",
     "EvaluationResult",
-    "arithmetic_classify",
     "evaluate_model",
     "gsm8k_classify",
-    "main",
     "math_classify",
     "save_results",
 ]
@@ -77,13 +73,6 @@ def _classifier(function: Callable[[str, Any], str], extract: Callable[[str], An
     return function
 
 
-def _arithmetic_classify(text: str, reference) -> str:
-    answer = parse_answer(completion_text(text))
-    if answer is None:
-        return INVALID
-    return CORRECT if answer == str(reference).strip() else INCORRECT
-
-
 def _gsm8k_classify(text: str, reference) -> str:
     return classify_gsm8k(text, reference)
 
@@ -92,18 +81,12 @@ def _math_classify(text: str, reference) -> str:
     return classify_math(text, reference)
 
 
-arithmetic_classify = _classifier(_arithmetic_classify, lambda text: parse_answer(completion_text(text)), None)
-"""The built-in arithmetic task: the completion's first integer against the reference (as its reward does)."""
-
 gsm8k_classify = _classifier(_gsm8k_classify, extract_gsm8k_answer, gsm8k_numbers_equal)
 """GSM8K: `topr_trl.evaluation.rewards.classify_gsm8k`; votes are numbers, equal when numerically equal."""
 
 math_classify = _classifier(_math_classify, lambda text: extract_boxed(completion_text(text)) or None,
                             math_answers_equal)
 """MATH: `topr_trl.evaluation.rewards.classify_math` (last `\\boxed{}`, math-verify); votes equal when equivalent."""
-
-CLASSIFIERS = {"arithmetic": arithmetic_classify, "gsm8k": gsm8k_classify, "math": math_classify,
-               "math500": math_classify, "reasoning": reasoning_classify}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -157,12 +140,12 @@ class EvaluationResult:
         return asdict(self)
 
 
-def _json_safe(value):
+def json_safe(value):
     """Prompts, references and answers as JSON: containers kept, numbers kept, everything else as text."""
     if isinstance(value, dict):
-        return {str(key): _json_safe(item) for key, item in value.items()}
+        return {str(key): json_safe(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
+        return [json_safe(item) for item in value]
     if isinstance(value, (np.integer, np.floating)):
         return value.item()
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -192,8 +175,6 @@ def _use_vllm(model, backend: str) -> bool:
         return True
     if backend != "auto":
         raise ValueError(f"backend must be 'auto', 'transformers' or 'vllm', got {backend!r}")
-    from ..offline.rollout import vllm_available
-
     return isinstance(model, (str, Path)) and vllm_available()
 
 
@@ -243,9 +224,9 @@ def _generate_transformers(model, tokenizer, prompt_ids: list[list[int]], n: int
 def _generate_vllm(model_path: str, tokenizer, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
                    top_k: int, max_new_tokens: int, seed: int, stop_strings) -> list[list[dict]]:
     """n samples for each text with vLLM (imported here, only when chosen)."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(model=str(model_path), tokenizer=getattr(tokenizer, "name_or_path", None) or str(model_path), seed=seed)
+    llm = make_vllm_engine(model_path, seed=seed, tokenizer=getattr(tokenizer, "name_or_path", None) or None)
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
                             max_tokens=max_new_tokens, seed=seed, stop=list(stop_strings) if stop_strings else None)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
@@ -376,7 +357,8 @@ def evaluate_model(
     read as correct / incorrect). maj@k votes with `extract(text)` (default: `classify.extract`, else the
     stripped completion text) grouped by `equivalent(a, b)` (default: `classify.equivalent`, else equality);
     invalid completions do not vote, and a vote is correct when its group's first completion was classed
-    correct. The ready-made `arithmetic_classify`, `gsm8k_classify` and `math_classify` carry both.
+    correct. The ready-made `gsm8k_classify` and `math_classify`, and the built-in tasks' `arithmetic_classify` and
+    `reasoning_classify` (`topr_trl.tasks`), carry both.
 
     Returns an `EvaluationResult` (metrics, bootstrap standard errors with `num_bootstrap` rounds, histogram,
     one record per question with its completions, classes and answers)."""
@@ -430,13 +412,13 @@ def evaluate_model(
         group_correct.append(correct_groups)
         records.append({
             "index": index,
-            "prompt": _json_safe(prompt),
-            "reference": _json_safe(reference),
+            "prompt": json_safe(prompt),
+            "reference": json_safe(reference),
             "num_correct": question_classes.count(CORRECT),
             "num_invalid": question_classes.count(INVALID),
             "completions": question_texts,
             "classes": question_classes,
-            "answers": _json_safe(answers),
+            "answers": json_safe(answers),
             "num_tokens": [sample["num_tokens"] for sample in question_samples],
             "truncated": [sample["truncated"] for sample in question_samples],
         })
@@ -471,7 +453,7 @@ def save_results(results: EvaluationResult | dict, output_dir: str | Path, plot:
     output_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": output_dir / "results.json"}
     document = {"summary": results.summary(), **results.to_dict()}
-    paths["json"].write_text(json.dumps(_json_safe(document), indent=2, ensure_ascii=False))
+    paths["json"].write_text(json.dumps(json_safe(document), indent=2, ensure_ascii=False))
     if plot:
         import matplotlib
 
@@ -494,176 +476,3 @@ def save_results(results: EvaluationResult | dict, output_dir: str | Path, plot:
         figure.savefig(paths["plot"], dpi=120)
         plt.close(figure)
     return paths
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------------------------
-
-TASKS = ("arithmetic", "gsm8k", "math500", "math", "reasoning", "custom")
-_TASK_MAX_NEW_TOKENS = {"arithmetic": 8, "gsm8k": 512, "math500": 1024, "math": 1024, "custom": 256}
-ROW_COLUMN = "__row__"  # a custom dataset's "reference": the row the reward functions read their columns from
-
-
-def _default_max_new_tokens(options) -> int:
-    if options.task == "reasoning":  # a written solution of its digits, plus room to go wrong
-        from .reasoning import max_completion_tokens
-
-        return max_completion_tokens(options.arithmetic_digits or 3)
-    return _TASK_MAX_NEW_TOKENS[options.task]
-
-
-def _task_dataset(options):
-    from . import benchmarks as loaders
-
-    source = {"source": options.dataset_source} if options.dataset_source else {}
-    common = dict(chat=not options.plain_prompts, few_shot=options.few_shot, system_prompt=options.system_prompt)
-    if options.task == "arithmetic":
-        from .arithmetic import make_arithmetic_dataset
-
-        return make_arithmetic_dataset(options.arithmetic_prompts, options.arithmetic_digits or 2, seed=2)
-    if options.task == "reasoning":  # held-out problems: disjoint from its train and warm-start splits
-        from .reasoning import make_reasoning_dataset
-
-        return make_reasoning_dataset(options.arithmetic_prompts, options.arithmetic_digits or 3, split="heldout")
-    if options.task == "custom":  # the user's prompts, scored by the user's reward functions
-        dataset = loaders.load_source(options.dataset_source, options.split or "test", config=options.dataset_config)
-        if "prompt" not in dataset.column_names:
-            raise ValueError(f"dataset {options.dataset_source!r} has no `prompt` column (it has "
-                             f"{dataset.column_names}); rename the column that holds the prompts to `prompt`")
-        return dataset.add_column(ROW_COLUMN, list(range(len(dataset))))
-    if options.task == "gsm8k":
-        return loaders.load_gsm8k(split=options.split or "test", **source, **common)
-    if options.task == "math500":
-        return loaders.load_math500(split=options.split or "test", **source, **common)
-    return loaders.load_math(split=options.split or "test", config=options.dataset_config, **source, **common)
-
-
-def _resolve_task(options) -> str:
-    """The task: as given, or `custom` for a dataset with reward functions; one line refuses what cannot be meant."""
-    task = options.task or ("custom" if options.dataset_source or options.reward_funcs else "arithmetic")
-    if task == "custom" and not (options.dataset_source and options.reward_funcs):
-        raise SystemExit("topr-trl: evaluating your own prompts needs --dataset_name (a file or Hub id with a `prompt` "
-                         "column) and --reward_funcs (module:function, scoring each completion: > 0 counts as "
-                         "correct); or give --task gsm8k|math|math500 to use that benchmark's answer checker")
-    if task in ("arithmetic", "reasoning") and options.dataset_source:
-        raise SystemExit(f"topr-trl: --task {task} makes its own held-out problems: drop --dataset_name, or evaluate "
-                         "your prompts with --reward_funcs (and no --task)")
-    if task != "custom" and options.reward_funcs:
-        raise SystemExit(f"topr-trl: --task {task} scores with its own answer checker: drop --reward_funcs, or "
-                         "evaluate your prompts with --dataset_name and no --task")
-    return task
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """A wrong flag or value fails in one line (the usage is in --help), as in the other commands."""
-
-    def error(self, message: str):
-        raise SystemExit(f"topr-trl: {message}")
-
-
-def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    parser = _OneLineParser(
-        prog=prog or "python -m topr_trl.evaluation.runner",
-        description="Sample k completions per question and report pass@1, pass@k, maj@k, the invalid rate and "
-                    "bootstrap standard errors (results.json and results.png in --output_dir).",
-    )
-    # The same flag names as `topr-trl train`/`generate`/`iterate`; the earlier names still work.
-    parser.add_argument("--model_name_or_path", "--model", dest="model", required=True,
-                        help="Model path or Hub id.")
-    parser.add_argument("--tokenizer", default=None, help="Tokenizer path or Hub id (default: the model's).")
-    parser.add_argument("--task", choices=TASKS, default=None,
-                        help="arithmetic (the default without --dataset_name): the built-in held-out set "
-                             "(make_arithmetic_dataset(200, 2, seed=2)); reasoning: held-out written-addition "
-                             "problems (topr_trl.evaluation.reasoning); gsm8k/math/math500: the benchmark with its "
-                             "answer checker; custom (the default with --dataset_name): your prompts, scored by "
-                             "--reward_funcs.")
-    parser.add_argument("--dataset_name", "--dataset_source", dest="dataset_source", default=None,
-                        help="Your prompts (a `prompt` column; other columns go to --reward_funcs), or where to load "
-                             "gsm8k/math/math500 from: a Hub id, a local .json/.jsonl/.csv/.parquet file or a folder.")
-    parser.add_argument("--reward_funcs", nargs="+", default=None,
-                        help="With --dataset_name: reward functions as `topr-trl train` takes them "
-                             "(module:function, path/to/file.py:function); a completion whose summed reward is > 0 "
-                             "counts as correct, one no function could score (None) as invalid.")
-    parser.add_argument("--dataset_config", default=None, help="math: dataset configuration (e.g. a subject).")
-    parser.add_argument("--dataset_test_split", "--split", dest="split", default=None,
-                        help="Split to evaluate (default: test).")
-    parser.add_argument("--few_shot", type=int, default=0, help="Worked examples before each question.")
-    parser.add_argument("--system_prompt", default=None, help="System message (or text) before the prompt.")
-    parser.add_argument("--plain_prompts", action="store_true", help="Plain-text prompts instead of chat.")
-    parser.add_argument("--task_eval_prompts", "--arithmetic_prompts", dest="arithmetic_prompts", type=int,
-                        default=200, help="arithmetic: held-out problems (the ones `train` measures).")
-    parser.add_argument("--task_digits", "--arithmetic_digits", dest="arithmetic_digits", type=int, default=None,
-                        help="Built-in tasks: operand digits (default 2 for arithmetic, 3 for reasoning).")
-    parser.add_argument("--limit", type=int, default=None, help="Evaluate only the first N questions.")
-    parser.add_argument("--k", type=int, default=8, help="k of pass@k and maj@k.")
-    parser.add_argument("--num_samples", type=int, default=None,
-                        help="Samples per question, n >= k (default k); n > k gives standard errors at k.")
-    parser.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (0: greedy).")
-    parser.add_argument("--top_p", type=float, default=1.0)
-    parser.add_argument("--top_k", type=int, default=0, help="Top-k truncation (0: none).")
-    parser.add_argument("--max_completion_length", "--max_new_tokens", dest="max_new_tokens", type=int, default=None,
-                        help=f"Completion length cap (default per task: {_TASK_MAX_NEW_TOKENS}).")
-    parser.add_argument("--stop", action="append", default=None, help="Stop string (repeatable).")
-    parser.add_argument("--batch_size", type=int, default=64, help="Completions per generate call.")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num_bootstrap", type=int, default=100, help="Bootstrap rounds of the standard errors.")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto",
-                        help="auto: vLLM when installed and a GPU is present, else transformers.")
-    parser.add_argument("--output_dir", default=None, help="Where to write results (default outputs/eval-<task>).")
-    parser.add_argument("--no_plot", action="store_true", help="Skip results.png.")
-    parser.add_argument("--no_progress", action="store_true", help="No progress bar.")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None, prog: str | None = None) -> dict[str, Any]:
-    """`topr-trl evaluate --model_name_or_path PATH [--task arithmetic|gsm8k|math500|math] [--k 8] ...`: evaluate,
-    print the summary as JSON, write `results.json` and `results.png` to `--output_dir`; returns the summary."""
-    options = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
-    if options.limit is not None and options.limit < 1:
-        raise SystemExit("topr-trl: --limit must be positive")
-    options.task = _resolve_task(options)
-    from ..sources import check_data_source, check_model_source
-
-    check_model_source(options.model)
-    check_data_source(options.dataset_source, "--dataset_name")
-    dataset = _task_dataset(options)
-    if options.limit is not None:
-        dataset = dataset.select(range(min(options.limit, len(dataset))))
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(options.tokenizer or options.model)
-    classify, answer_column = CLASSIFIERS.get(options.task), "answer"
-    if options.task == "custom":
-        from ..user_rewards import reporting_reward, resolve_reward, reward_classifier
-
-        functions = [reporting_reward(resolve_reward(name)) for name in options.reward_funcs]
-        classify, answer_column = reward_classifier(functions, dataset), ROW_COLUMN
-    result = evaluate_model(
-        options.model, tokenizer, dataset, classify, k=options.k, answer_column=answer_column,
-        num_samples=options.num_samples, temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
-        max_new_tokens=options.max_new_tokens or _default_max_new_tokens(options), batch_size=options.batch_size,
-        seed=options.seed, show_progress=not options.no_progress, num_bootstrap=options.num_bootstrap,
-        backend=options.backend, stop_strings=options.stop,
-    )
-    from ..machine import describe_machine, machine_info
-
-    result.settings.update(task=options.task, machine=machine_info())
-    if options.task == "custom":
-        result.settings.update(dataset=options.dataset_source, reward_funcs=options.reward_funcs)
-    output_dir = Path(options.output_dir or f"outputs/eval-{options.task}")
-    paths = save_results(result, output_dir, plot=not options.no_plot)
-    summary = _json_safe(result.summary())
-    print(json.dumps(summary, indent=2), flush=True)
-    how = "greedy" if options.temperature == 0 else f"sampled at temperature {options.temperature:g}"
-    correct = "reward > 0" if options.task == "custom" else "correct answer"
-    print(f"[topr-trl] pass@1 {result.pass_at_1:.3f} ({how}, {result.num_samples} samples per problem, "
-          f"{correct}) on {result.num_prompts} problems; maj@{result.k} {result.maj_at_k:.3f}; on "
-          f"{describe_machine(result.settings['machine'])}", flush=True)
-    print(f"[topr-trl] evaluation written to {paths['json']}" + (f" and {paths['plot']}" if "plot" in paths else ""),
-          flush=True)
-    return summary
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """Offline TOPR (the paper's Algorithm 1): sample from mu once, label, store, train on what was stored, iterate.
 
     generation    generate_offline_dataset, load_offline_dataset, load_offline_source
-    rollout       sampling with mu's log-probs (transformers or vLLM), the behaviour `rollout_func`
+    rollout       sampling with mu's log-probs (transformers or a vLLM engine), the behaviour `rollout_func`
     composition   compose (uniform, positives_only, anna_karenina, target_proportion), proportion_of_positives
     schema        what TOPRTrainer checks and tokenizes at construction; stored_reward
     sampler       GroupShuffleSampler, the replay order
@@ -14,9 +14,8 @@ importing one (the trainer imports `schema` and `sampler`) does not import gener
 from importlib import import_module
 
 _EXPORTS = {
-    "generation": ("BACKENDS", "generate_offline_dataset", "load_offline_dataset", "load_offline_source"),
-    "rollout": ("make_behaviour_rollout", "make_vllm_engine", "sample_with_logps", "sample_with_logps_vllm",
-                "vllm_available", "free_vllm_memory"),
+    "generation": ("generate_offline_dataset", "load_offline_dataset", "load_offline_source"),
+    "rollout": ("make_behaviour_rollout", "sample_with_logps", "sample_with_logps_vllm"),
     "composition": ("COMPOSITIONS", "compose", "proportion_of_positives"),
     "schema": ("OFFLINE_COLUMNS", "stored_reward", "check_offline_columns", "check_reward_values",
                "RewardReturnError",

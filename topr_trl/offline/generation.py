@@ -17,19 +17,12 @@ import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from datasets import Dataset, concatenate_datasets, load_dataset, load_from_disk
+from datasets import Dataset, concatenate_datasets, load_from_disk
 
-from .rollout import (
-    free_vllm_memory,
-    make_vllm_engine,
-    sample_with_logps,
-    sample_with_logps_vllm,
-    vllm_available,
-)
+from ..sampling import BACKENDS, free_vllm_memory, make_vllm_engine, vllm_available
+from ..sources import load_data_source, looks_like_local_data
+from .rollout import sample_with_logps, sample_with_logps_vllm
 from .schema import check_reward_values
-
-BACKENDS = ("auto", "transformers", "vllm")
-
 
 _MANIFEST = "manifest.json"
 
@@ -65,7 +58,7 @@ def generate_offline_dataset(
     """Sample `num_completions` completions per prompt from `model` (mu), score them, save them in shards.
 
     `backend`: "transformers" (`model` a loaded causal LM), "vllm" (`model` a model path or Hub id, a loaded model
-    whose `name_or_path` is used, or a vLLM engine from `topr_trl.offline.rollout.make_vllm_engine`), or "auto": vLLM when
+    whose `name_or_path` is used, or a vLLM engine from `topr_trl.sampling.make_vllm_engine`), or "auto": vLLM when
     it is installed and a GPU is present, transformers otherwise. Both write the same schema; `seed` seeds the vLLM
     engine (seed transformers sampling with `torch.manual_seed`). An engine built here is released before returning,
     as is a model loaded here from a path, so that training can use their GPU memory.
@@ -208,64 +201,28 @@ _LIST_COLUMNS = ("prompt_ids", "completion_ids", "behaviour_logps")
 
 def load_offline_source(source: str | Path, split: str = "train") -> Dataset:
     """The `split` of an offline dataset from `source`: the shard folder `generate_offline_dataset` writes (one
-    split, `train`), a `save_to_disk` folder (a DatasetDict gives `split`, or its only one), a
-    `.json`/`.jsonl`/`.csv`/`.parquet` file (one split) or a folder of such files (one format; files named after
-    their split, `train.jsonl` and `test.jsonl`, are the splits, as `datasets` reads a folder; a folder with no
-    file named after a split is one split), or a Hub dataset id. Raises FileNotFoundError for a path that does not
-    exist and ValueError for one that holds nothing loadable or not `split`.
+    split, `train`), or whatever `topr_trl.sources.load_data_source` loads: a `save_to_disk` folder (a DatasetDict
+    gives `split`, or its only one), a `.json`/`.jsonl`/`.csv`/`.parquet` file (one split, `train`) or a folder of
+    such files (one format; files named after their split, `train.jsonl` and `test.jsonl`, are the splits, as
+    `datasets` reads a folder; a folder with no file named after a split is one split, `train`), or a Hub dataset
+    id. Raises FileNotFoundError for a path that does not exist and ValueError for one that holds nothing loadable
+    or not `split`.
 
     CSV cannot hold lists: a CSV offline dataset normally carries `completion` text (tokenized by TOPRTrainer); list
     columns written as JSON text (`[1, 2, 3]`) are parsed back."""
-    from ..evaluation.benchmarks import LOCAL_FORMATS, SPLIT_NAMES, is_saved_dataset, load_source, split_of_file
-
     text = str(source)
     path = Path(text).expanduser()
-    local = path.exists() or path.suffix.lower() in LOCAL_FORMATS or text.startswith((".", "/", "~")) \
-        or text.count("/") != 1  # a Hub dataset id is `owner/name`: anything else is a path, not a Hub request
-    if not local:
-        try:
-            return load_dataset(text, split=split)
-        except Exception as error:  # offline, the Hub's errors do not say that a local path was meant
-            reason = (str(error).splitlines() or [""])[0][:200]
-            raise FileNotFoundError(f"offline dataset {text!r} is no local path, and loading it from the Hub failed "
-                                    f"({type(error).__name__}: {reason}); check the path or the Hub id") from error
-    if not path.exists():
+    if path.is_dir() and any(path.glob("shard-*")):
+        if split != "train":
+            raise ValueError(f"offline dataset {text!r} is a generated shard folder, which holds one split, 'train': "
+                             f"it has no {split!r} split")
+        return load_offline_dataset(path)
+    if not path.exists() and (looks_like_local_data(text) or "/" not in text):  # on the Hub it is `owner/name`
         raise FileNotFoundError(f"offline dataset {text!r} not found: give the folder `topr-trl generate` wrote, a "
                                 "save_to_disk folder, a .json/.jsonl/.csv/.parquet file or folder, or a Hub id")
-    def only_train(kind: str) -> None:
-        if split != "train":
-            raise ValueError(f"offline dataset {text!r} is {kind}, one split used for training: it has no "
-                             f"{split!r} split (name files after their split, e.g. train.jsonl and {split}.jsonl)")
-
-    if path.is_dir() and any(path.glob("shard-*")):
-        only_train("a generated shard folder")
-        return load_offline_dataset(path)
-    if path.is_dir() and is_saved_dataset(path):
-        return load_source(str(path), split)
-    files = [path] if path.is_file() else sorted(
-        file for file in path.rglob("*") if file.is_file() and file.suffix.lower() in LOCAL_FORMATS)
-    formats = {LOCAL_FORMATS.get(file.suffix.lower()) for file in files}
-    if not files or None in formats:
-        raise ValueError(f"{text!r} holds no offline dataset: expected generated shards (shard-*), a save_to_disk "
-                         f"folder, or {'/'.join(LOCAL_FORMATS)} files")
-    if len(formats) > 1:
-        raise ValueError(f"{text!r} mixes data file formats {sorted(formats)}: keep one format per folder")
-    splits = {split_of_file(file) for file in files} & set(SPLIT_NAMES)
-    if path.is_file() or not splits:
-        only_train("one file" if path.is_file() else "a folder of files not named after splits")
-    else:
-        files = [file for file in files if split_of_file(file) == split]
-        if not files:
-            raise ValueError(f"offline dataset {text!r} has no {split!r} split: its files are named after the "
-                             f"splits {sorted(splits)}")
-    if formats != {"csv"}:
-        return load_source({"train": [str(file) for file in files]}, "train")
-    # text stays text (a completion "3" is not the number 3); an empty completion (EOS at once) is ""
-    dataset = load_dataset("csv", data_files=[str(file) for file in files], split="train",
-                           converters={"prompt": str, "completion": str})
-    if "completion" in dataset.column_names:
-        dataset = dataset.map(lambda row: {"completion": row["completion"] or ""}, desc="reading completions")
-    for column in _LIST_COLUMNS:
-        if column in dataset.column_names and dataset.features[column].dtype in ("string", "large_string"):
+    dataset = load_data_source(text, split, what="offline dataset", one_split="train")
+    for column in _LIST_COLUMNS:  # written as JSON text where the format holds no lists (CSV)
+        if column in dataset.column_names and getattr(dataset.features[column], "dtype", None) in ("string",
+                                                                                                  "large_string"):
             dataset = dataset.map(lambda row, c=column: {c: json.loads(row[c])}, desc=f"parsing {column}")
     return dataset

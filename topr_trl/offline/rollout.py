@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import torch
-
 from ..prompts import tokenize_prompts
 from ..sampling import generate_completions
 
@@ -50,37 +48,6 @@ def sample_with_logps(
     } for ids, sample in zip(repeated, samples, strict=True)]
 
 
-def vllm_available() -> bool:
-    """vLLM is installed and a CUDA GPU is present (vLLM's own requirement); checked without importing vLLM."""
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
-
-
-def make_vllm_engine(model_name_or_path: str, seed: int = 0, **engine_kwargs):
-    """A vLLM engine whose reported log-probs are those of the sampling distribution (temperature, top-k and
-    top-p applied), the same quantity `sample_with_logps` stores."""
-    from vllm import LLM
-
-    return LLM(model=model_name_or_path, seed=seed, logprobs_mode="processed_logprobs", **engine_kwargs)
-
-
-def free_vllm_memory() -> None:
-    """Return the GPU memory of engines no longer referenced, so that training or the next engine can use it:
-    vLLM holds its weights and KV cache past `del` until its own cleanup runs. That cleanup also destroys the
-    torch.distributed process group, so under `accelerate launch` (group already initialized, owned by the
-    trainer) only Python's and torch's caches are emptied."""
-    from ..distributed import empty_caches
-
-    empty_caches()
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        try:
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-        except ImportError:  # a vLLM version without it: the generic release above is all there is
-            return
-        cleanup_dist_env_and_memory()
-
-
 def sample_with_logps_vllm(
     llm,
     tokenizer,
@@ -93,7 +60,8 @@ def sample_with_logps_vllm(
     chat_template_kwargs: dict | None = None,
     tools: Sequence[Callable] | None = None,
 ) -> list[dict]:
-    """`sample_with_logps` with a vLLM engine (built by `make_vllm_engine`): the same rows, in the same order.
+    """`sample_with_logps` with a vLLM engine (built by `topr_trl.sampling.make_vllm_engine`): the same rows, in the
+    same order.
 
     Prompts are tokenized here by `tokenize_prompts`, as the transformers path does, and passed as token ids, so
     that both paths (and the trainer) condition on identical prompts. A completion that vLLM stopped at EOS keeps

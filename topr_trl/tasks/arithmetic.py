@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 
+from ..evaluation.rewards import CORRECT, INCORRECT, INVALID, completion_text
 from ..prompts import tokenize_prompts
 from ..sampling import generate_completions
 
@@ -38,13 +39,6 @@ def make_arithmetic_dataset(num_prompts: int, digits: int = 2, seed: int = 0, op
     return Dataset.from_dict({"prompt": prompts, "answer": answers})
 
 
-def completion_text(completion) -> str:
-    """The text of a completion, conversational (a list of messages) or plain."""
-    if isinstance(completion, list):
-        return "".join(message.get("content", "") for message in completion)
-    return completion
-
-
 def parse_answer(text: str) -> str | None:
     """The first integer in the completion, or None when there is none (an invalid answer)."""
     match = _INTEGER.search(text)
@@ -56,6 +50,21 @@ def arithmetic_reward(completions, answer, **kwargs) -> list[float]:
     return [
         1.0 if parse_answer(completion_text(c)) == str(a) else -1.0 for c, a in zip(completions, answer, strict=True)
     ]
+
+
+def _arithmetic_classify(text, reference) -> str:
+    answer = parse_answer(completion_text(text))
+    if answer is None:
+        return INVALID
+    return CORRECT if answer == str(reference).strip() else INCORRECT
+
+
+arithmetic_classify = _arithmetic_classify
+arithmetic_classify.extract = lambda text: parse_answer(completion_text(text))
+arithmetic_classify.equivalent = None
+"""classify(text, reference) -> "correct" | "incorrect" | "invalid": the completion's first integer against the
+reference (as `arithmetic_reward` scores it), with the `extract` / `equivalent` attributes
+`topr_trl.evaluation.runner.evaluate_model` uses for maj@k."""
 
 
 def _encode_example(tokenizer, prompt, answer) -> tuple[list[int], int]:

@@ -23,10 +23,10 @@ HOOK_KEYWORDS = ("trainer_state", "log_extra", "log_metric", "environments")
 
 def builtin_reward(name: str):
     if name == "arithmetic":
-        from .evaluation.arithmetic import arithmetic_reward
+        from .arithmetic import arithmetic_reward
 
         return arithmetic_reward
-    from .evaluation.reasoning import reasoning_reward
+    from .reasoning import reasoning_reward
 
     return reasoning_reward
 
@@ -143,7 +143,7 @@ def reward_classifier(reward_funcs: Sequence[Callable], dataset, reward_weights:
     it is > 0, `invalid` when no function could score it, else `incorrect`."""
     import asyncio
 
-    from .evaluation.rewards import CORRECT, INCORRECT, INVALID
+    from ..evaluation.rewards import CORRECT, INCORRECT, INVALID
 
     weights = list(reward_weights) if reward_weights is not None else [1.0] * len(reward_funcs)
     columns = [c for c in dataset.column_names if c not in ("prompt", "completion", "completion_ids")]

@@ -1,6 +1,6 @@
 """A reasoning testbed: multi-digit addition written out digit by digit, with a planted systematic error.
 
-The built-in arithmetic task (`topr_trl.evaluation.arithmetic`) answers in 3-4 tokens, so sequence ratios stay near one and a wrong
+The built-in arithmetic task (`topr_trl.tasks.arithmetic`) answers in 3-4 tokens, so sequence ratios stay near one and a wrong
 answer is a wrong last digit. Here the completion is a written solution of tens of tokens, one step per digit from
 the right with the carry written in, then the final answer the reward checks:
 
@@ -36,8 +36,7 @@ from pathlib import Path
 
 from datasets import Dataset
 
-from .rewards import CORRECT, INCORRECT, INVALID
-from .arithmetic import completion_text
+from ..evaluation.rewards import CORRECT, INCORRECT, INVALID, completion_text
 
 FORMAT_VERSION = 1
 """Bumped whenever the written-solution format or the warm-start recipe changes: part of every cache key, so a
@@ -334,8 +333,8 @@ class WarmStartSettings:
     `digits`: operand digits (>= 2; 3 gives 81,000 held-out problems). `error_rate`: probability that the SFT
     solution drops a carry that arrives at one of `error_positions` (carry positions 1..digits, `digits` being the
     answer's leading 1; None: all). `num_examples`: distinct warm-start problems. `steps`, `batch_size`,
-    `learning_rate`: the SFT run (`topr_trl.evaluation.arithmetic.warm_start`, AdamW, constant rate). `hidden_size`, `num_layers`:
-    the tiny model (`topr_trl.evaluation.tiny.build_model`). `seed`: model init, problems, planted errors and batches.
+    `learning_rate`: the SFT run (`topr_trl.tasks.arithmetic.warm_start`, AdamW, constant rate). `hidden_size`, `num_layers`:
+    the tiny model (`topr_trl.tasks.tiny.build_model`). `seed`: model init, problems, planted errors and batches.
     `device`: where the warm start trains ("cpu", "cuda"); part of the key since kernels differ in rounding.
 
     Once the warm start is long enough for the model to learn the algorithm, the base model's sampled pass@1 is set
@@ -399,7 +398,7 @@ SETTINGS_FILE = "reasoning_warm_start.json"
 
 def warm_model_path(cache_dir: str | Path, settings: WarmStartSettings) -> Path:
     """Where `build_reasoning_warm_model` keeps the model of `settings` under `cache_dir`. A shipped model (the
-    default settings, `topr_trl.evaluation.tiny.PREBUILT_DIR`) is the same everywhere and named by its settings
+    default settings, `topr_trl.tasks.tiny.PREBUILT_DIR`) is the same everywhere and named by its settings
     alone; a locally trained one's name adds the torch version, CPU kernels and threads that trained it, since they
     change its weights."""
     from .tiny import machine_key, prebuilt_model
@@ -432,7 +431,7 @@ def build_reasoning_warm_model(cache_dir: str | Path, settings: WarmStartSetting
                             seed=settings.seed).to(settings.device)
         examples = make_warm_start_dataset(settings.num_examples, settings.digits, settings.error_rate,
                                            settings.error_positions, seed=settings.seed)
-        # tasks.warm_start trains on its `answer` column: here the SFT target is the whole written solution
+        # arithmetic.warm_start trains on its `answer` column: here the SFT target is the whole written solution
         targets = examples.select_columns(["prompt", "solution"]).rename_column("solution", "answer")
         warm_start(model, tokenizer, targets, settings.steps, batch_size=settings.batch_size,
                    lr=settings.learning_rate, seed=settings.seed, progress=progress)
@@ -460,7 +459,7 @@ def measure_base_model(model, tokenizer, held_out: Dataset, num_samples: int = 4
     `pass@1_se` is the paper's bootstrap SE (samples redrawn within each problem: the sampling noise for this
     problem set); `pass@1_problem_se` is the SE over problems (std of per-problem pass@1 / sqrt(problems)), the
     one to use when comparing with another problem set or asking how well the problems represent the task."""
-    from .runner import evaluate_model
+    from ..evaluation.runner import evaluate_model
 
     digits = len(str(parse_problem(held_out[0]["prompt"])[0]))
     common = dict(max_new_tokens=max_completion_tokens(digits), batch_size=batch_size, seed=seed,
@@ -487,7 +486,7 @@ def measure_base_model(model, tokenizer, held_out: Dataset, num_samples: int = 4
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    """`python -m topr_trl.evaluation.reasoning --cache_dir DIR [--digits 3 --error_rate 0.25 --steps 2000 ...]`: build
+    """`python -m topr_trl.tasks.reasoning --cache_dir DIR [--digits 3 --error_rate 0.25 --steps 2000 ...]`: build
     (or load) the warm-started model and print `measure_base_model` on held-out problems as JSON."""
     import argparse
     import time

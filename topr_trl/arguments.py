@@ -1,0 +1,407 @@
+"""The command line's arguments, on TRL's parser: one `TrlParser` with a subcommand per command, each made of
+dataclasses (TRL's `ScriptArguments`, `TOPRConfig` and `ModelConfig` for the training commands), `--config FILE.yaml`
+then flags as TRL reads them, and below both the defaults of the run: the built-in recipes
+(`topr_trl/recipes/builtin-*.yaml`) on the built-in tiny model, TRL's own defaults (fitted to the hardware) otherwise.
+A wrong flag, YAML key or value fails in one line starting with `topr-trl:`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trl import ScriptArguments, TrlParser
+
+from .tasks.loading import BUILTIN_TASK, BUILTIN_TASKS
+
+COMMANDS = ("train", "generate", "iterate", "evaluate")
+RECIPES = Path(__file__).parent / "recipes"
+# Checks the Python API leaves off (GRPOTrainer's behaviour) and the command line turns on: a command-line user wants a
+# broken reward function or a NaN to stop the run in one line rather than train on.
+CLI_TRAINING_CHECKS = dict(topr_unscored_batch="error", topr_check_finite=True)
+_OUTPUT_PREFIX = {"train": "topr", "iterate": "topr-iterations", "generate": "data"}
+
+
+@dataclass
+class TaskArguments(ScriptArguments):
+    """What to run on (TRL's dataset fields, plus the task). With no model and no dataset: the built-in task and
+    model."""
+
+    task: str | None = field(
+        default=None,
+        metadata={"help": "arithmetic (the built-in task), reasoning (the built-in reasoning testbed: written "
+                          "addition with carries, the paper's regime), gsm8k or math500 (topr_trl's loaders and "
+                          "rewards), or custom (--dataset_name with a `prompt` column, and --reward_funcs). Default: "
+                          "custom when --dataset_name is given, else arithmetic."},
+    )
+    few_shot: int = field(default=0, metadata={"help": "gsm8k/math500: worked examples prepended to each prompt."})
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={"help": "Reward functions: a built-in name, 'module.function' (TRL's form) or 'module:function' "
+                          "(a module importable from the current directory) or 'path/to/file.py:function'. Default: "
+                          "the task's own."},
+    )
+    task_digits: int = field(default=2, metadata={"help": "Built-in tasks: operand digits (reasoning: 3)."})
+    task_train_prompts: int = field(default=1000, metadata={"help": "Built-in tasks: training prompts."})
+    task_eval_prompts: int = field(
+        default=200, metadata={"help": "Built-in tasks: held-out problems for accuracy (reasoning: 500)."}
+    )
+    warm_start_accuracy: float = field(
+        default=0.3, metadata={"help": "Arithmetic: SFT warm-start of the tiny model until this greedy accuracy."}
+    )
+    task_error_rate: float = field(
+        default=0.25, metadata={"help": "Reasoning: probability that the warm start's solutions drop a carry."}
+    )
+    base_model_dir: str = field(
+        default="outputs/tiny-arithmetic-base",
+        metadata={"help": "Where the built-in tiny model is cached (reasoning: outputs/tiny-reasoning-base)."},
+    )
+    dry_run: bool = field(default=False, metadata={"help": "Build and validate the configuration, then stop."})
+
+    def __post_init__(self):
+        # TRL's fields the commands have no use for fail rather than being ignored
+        for name in ("dataset_streaming", "ignore_bias_buffers"):
+            if getattr(self, name):
+                raise SystemExit(f"topr-trl: --{name} is not supported by topr-trl; drop it")
+
+
+@dataclass
+class TrainScriptArguments(TaskArguments):
+    offline_dataset: str | None = field(
+        default=None,
+        metadata={"help": "Train on stored completions without generating (the paper's Algorithm 1): a folder "
+                          "written by `topr-trl generate`, a save_to_disk folder, a .json/.jsonl/.csv/.parquet "
+                          "file, or a Hub id. Columns: see the README's offline dataset schema. Rewards are the "
+                          "stored `reward` column unless --reward_funcs is given."},
+    )
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Train into an output_dir that holds a finished run (it is refused "
+                                         "otherwise)."}
+    )
+
+
+@dataclass
+class GenerateScriptArguments(TaskArguments):
+    """Sample an offline dataset from mu (the model), with GRPOConfig's names and defaults for the sampling knobs."""
+
+    output_dir: str | None = field(
+        default=None, metadata={"help": "Where the dataset shards go (default outputs/data-<model>-<data>)."}
+    )
+    num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (the paper: 16)."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (the paper: 1)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus truncation (1: none)."})
+    top_k: int = field(default=0, metadata={"help": "Top-k truncation (0: none; the paper: 500)."})
+    max_completion_length: int = field(
+        default=256, metadata={"help": "New tokens per completion (GRPOConfig's default; the paper: 512; the "
+                                       "built-in task: 6)."}
+    )
+    max_prompts: int | None = field(default=None, metadata={"help": "Use only the first N prompts."})
+    prompts_per_shard: int = field(default=64, metadata={"help": "Prompts per saved shard (the unit of resume)."})
+    backend: str = field(default="auto", metadata={"help": "auto (vLLM when installed and a GPU is present), "
+                                                            "vllm or transformers."})
+    seed: int = field(default=0, metadata={"help": "Seed of sampling and of the built-in model."})
+    chat_template_kwargs: str | None = field(
+        default=None, metadata={"help": "JSON object of keyword arguments for the chat template (GRPOConfig's "
+                                        "chat_template_kwargs; give training the same), e.g. '{\"enable_thinking\": "
+                                        "false}'."}
+    )
+    push_to_hub: str | None = field(default=None, metadata={"help": "Hub dataset repository to push to (private)."})
+
+
+@dataclass
+class IterateScriptArguments(TaskArguments):
+    """Iterated offline TOPR (Algorithm 1, mu_i = pi_{i-1}). Sampling uses TOPRConfig's num_generations, temperature,
+    top_p, top_k and max_completion_length; training uses every other TOPRConfig field."""
+
+    iterations: int = field(default=1, metadata={"help": "Iterations K (GRPO's num_iterations, the reuse of one "
+                                                        "generation batch, keeps its meaning)."})
+    composition: str = field(default="uniform", metadata={"help": "uniform, positives_only, anna_karenina or "
+                                                                  "target_proportion."})
+    target_proportion: float | None = field(default=None, metadata={"help": "For composition=target_proportion."})
+    prompts_per_shard: int = field(default=64, metadata={"help": "Prompts per saved shard (the unit of resume)."})
+    backend: str = field(default="auto", metadata={"help": "Generation: auto, vllm or transformers."})
+
+
+@dataclass
+class EvaluateArguments:
+    """Sample completions per question and report pass@1, pass@k, maj@k, the invalid rate and bootstrap standard
+    errors (results.json and results.png in --output_dir). The same flag names as the other commands; the earlier
+    names still work."""
+
+    model_name_or_path: str = field(metadata={"help": "Model path or Hub id.", "aliases": ["--model"]})
+    tokenizer: str | None = field(default=None, metadata={"help": "Tokenizer path or Hub id (default: the model's)."})
+    task: str | None = field(
+        default=None,
+        metadata={"help": "arithmetic (the default without --dataset_name): the built-in held-out set; reasoning: "
+                          "held-out written-addition problems; gsm8k/math/math500: the benchmark with its answer "
+                          "checker; custom (the default with --dataset_name): your prompts, scored by --reward_funcs."},
+    )
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "Your prompts (a `prompt` column; other columns go to --reward_funcs), or where to load "
+                          "gsm8k/math/math500 from: a Hub id, a local .json/.jsonl/.csv/.parquet file or a folder.",
+                  "aliases": ["--dataset_source"]},
+    )
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={"help": "With --dataset_name: reward functions as `topr-trl train` takes them; a completion whose "
+                          "summed reward is > 0 counts as correct, one no function could score (None) as invalid."},
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "math: dataset configuration (a subject)."})
+    dataset_test_split: str | None = field(default=None, metadata={"help": "Split to evaluate (default: test).",
+                                                                    "aliases": ["--split"]})
+    few_shot: int = field(default=0, metadata={"help": "Worked examples before each question."})
+    system_prompt: str | None = field(default=None, metadata={"help": "System message (or text) before the prompt."})
+    plain_prompts: bool = field(default=False, metadata={"help": "Plain-text prompts instead of chat."})
+    task_eval_prompts: int = field(default=200, metadata={"help": "arithmetic: held-out problems (those `train` "
+                                                                  "measures).", "aliases": ["--arithmetic_prompts"]})
+    task_digits: int | None = field(default=None, metadata={
+        "help": "Built-in tasks: operand digits (default 2 for arithmetic, 3 for reasoning).",
+        "aliases": ["--arithmetic_digits"]})
+    limit: int | None = field(default=None, metadata={"help": "Evaluate only the first N questions."})
+    k: int = field(default=8, metadata={"help": "k of pass@k and maj@k."})
+    num_samples: int | None = field(default=None, metadata={
+        "help": "Samples per question, n >= k (default k); n > k gives standard errors at k."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (0: greedy)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus truncation (1: none)."})
+    top_k: int = field(default=0, metadata={"help": "Top-k truncation (0: none)."})
+    max_completion_length: int | None = field(default=None, metadata={
+        "help": "Completion length cap (default: the task's).", "aliases": ["--max_new_tokens"]})
+    stop: list[str] | None = field(default=None, metadata={"help": "Stop strings (one flag, several values)."})
+    batch_size: int = field(default=64, metadata={"help": "Completions per generate call."})
+    seed: int = field(default=0, metadata={"help": "Seed of sampling."})
+    num_bootstrap: int = field(default=100, metadata={"help": "Bootstrap rounds of the standard errors."})
+    backend: str = field(default="auto", metadata={"help": "auto (vLLM when installed and a GPU is present), vllm "
+                                                            "or transformers."})
+    output_dir: str | None = field(default=None, metadata={"help": "Where to write results (default "
+                                                                   "outputs/eval-<task>)."})
+    no_plot: bool = field(default=False, metadata={"help": "Skip results.png."})
+    no_progress: bool = field(default=False, metadata={"help": "No progress bar."})
+
+
+# ---------------------------------------------------------------------------------------------- the parser
+class CommandParser(TrlParser):
+    """TRL's parser, failing in one line (argparse would print the usage over hundreds of lines)."""
+
+    def error(self, message: str):
+        message = re.sub(r"^argument ([^:/]+)(/[^:]+)?: ", r"\1: ", message)  # `--model/--model_name_or_path: ...`
+        raise SystemExit(f"topr-trl: {message}")
+
+
+def command_dataclasses(command: str) -> tuple:
+    from trl import ModelConfig
+
+    from .config import TOPRConfig
+
+    return {"train": (TrainScriptArguments, TOPRConfig, ModelConfig),
+            "generate": (GenerateScriptArguments, ModelConfig),
+            "iterate": (IterateScriptArguments, TOPRConfig, ModelConfig),
+            "evaluate": (EvaluateArguments,)}[command]
+
+
+def build_parser() -> tuple[CommandParser, dict[str, CommandParser]]:
+    """The one parser, `topr-trl COMMAND [--config FILE.yaml] [--FIELD VALUE ...]`, and its subcommands' parsers."""
+    parser = CommandParser(prog="topr-trl", allow_abbrev=False)
+    subparsers = parser.add_subparsers(dest="command", parser_class=CommandParser, metavar="COMMAND")
+    commands = {}
+    for command in COMMANDS:
+        commands[command] = subparsers.add_parser(
+            command, dataclass_types=command_dataclasses(command), add_help=False, allow_abbrev=False,
+            help=command_dataclasses(command)[0].__doc__.split("\n")[0])
+        for action in commands[command]._actions:  # HfArgumentParser gives `--no_X` the help of `--X` ("Enable X")
+            if any(option.startswith("--no_") for option in action.option_strings) and action.const is False:
+                action.help = f"Turn off {action.dest} (sets it to False)."
+    return parser, commands
+
+
+def parse_command(command: str, argv: list[str]) -> tuple:
+    """The dataclasses of `command` from `argv`: the run's defaults (`run_defaults`), then `--config`, then the
+    flags. `--help` shows the main flags, `--help-all` every one."""
+    subparser = build_parser()[1][command]
+    if "--help-all" in argv:
+        subparser.print_help()
+        raise SystemExit(0)
+    if "-h" in argv or "--help" in argv:
+        print(short_help(command))
+        raise SystemExit(0)
+    given = list(argv)
+    if command != "evaluate":
+        choice = chosen_run(argv)
+        # a recipe key that is not a field of this command (generate has no learning rate) does not apply to it
+        subparser.set_defaults_with_config(**run_defaults(command, choice))
+        argv = argv + cpu_validation_flags(command, choice)
+    try:
+        *parsed, from_config, from_flags = subparser.parse_args_and_config(
+            argv, return_remaining_strings=True, separate_remaining_strings=True)
+    except FileNotFoundError as error:
+        raise SystemExit(f"topr-trl: config file {error.filename!r} not found") from None
+    except SystemExit as error:  # a bad value: say when it came from the config file rather than a flag
+        flag = re.match(r"topr-trl: (--\w+)", str(error.code or ""))
+        if flag and not any(argument.split("=", 1)[0] == flag.group(1) for argument in given):
+            raise SystemExit(f"{error.code} (set in the config file)") from None
+        raise
+    _refuse_unknown(subparser, from_config, from_flags)
+    return tuple(parsed)
+
+
+def _refuse_unknown(parser: CommandParser, from_config: list[str], from_flags: list[str]) -> None:
+    """TRL's parser hands back what no field takes (`--key value` pairs from the config file): fail on the first,
+    with the closest valid name."""
+    flags = [option for action in parser._actions for option in action.option_strings]
+
+    def fail(kind: str, name: str, candidates: list[str]) -> None:
+        close = difflib.get_close_matches(name, candidates, n=1)
+        raise SystemExit(f"topr-trl: unknown {kind} {name}." + (f" Did you mean {close[0]}?" if close else ""))
+
+    for string in from_flags:
+        if string.startswith("-"):
+            fail("option", string.split("=", 1)[0], flags)
+    if from_flags:
+        raise SystemExit(f"topr-trl: unexpected value {from_flags[0]!r} (values follow an --option)")
+    for key in from_config[::2]:
+        fail("key in the config file:", key.removeprefix("--"), [flag[2:] for flag in flags])
+
+
+# ---------------------------------------------------------------------------------------------- the run's defaults
+@dataclass
+class _RunChoice:
+    """What decides a run's defaults, read from `--config` and the flags by TRL's parser before the full parse."""
+
+    model_name_or_path: str | None = None
+    dataset_name: str | None = None
+    offline_dataset: str | None = None
+    task: str | None = None
+    task_digits: int | None = None
+    dry_run: bool = False
+    # typed as in TrainingArguments / GRPOConfig, so that they parse as there (`--use_cpu` alone is True)
+    bf16: bool | None = None
+    fp16: bool = False
+    use_cpu: bool = False
+    use_vllm: bool = False
+
+
+def chosen_run(argv: list[str]) -> _RunChoice:
+    try:
+        choice, _ = CommandParser(_RunChoice, allow_abbrev=False).parse_args_and_config(
+            argv, return_remaining_strings=True)
+    except FileNotFoundError as error:
+        raise SystemExit(f"topr-trl: config file {error.filename!r} not found") from None
+    return choice
+
+
+def is_builtin_run(choice: _RunChoice) -> bool:
+    """No model, no prompt dataset and no other task: the built-in tiny model on the built-in task."""
+    return not choice.model_name_or_path and not choice.dataset_name and choice.task in (None, *BUILTIN_TASKS)
+
+
+def recipe(name: str) -> dict:
+    """A built-in recipe, `topr_trl/recipes/<name>.yaml`, as a mapping of field: value."""
+    import yaml
+
+    return yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
+
+
+def run_defaults(command: str, choice: _RunChoice) -> dict:
+    """The parser defaults of a run, below the YAML and the flags: the built-in recipe for a built-in run, TRL's own
+    (fitted to the hardware) otherwise; the command line's checks; an output folder of its own."""
+    from .distributed import gpu_available
+    from .tasks.reasoning import max_completion_tokens
+
+    if is_builtin_run(choice):
+        defaults = recipe(f"builtin-{command}")
+        if choice.task == "reasoning":
+            reasoning = recipe("builtin-reasoning")
+            reasoning["max_completion_length"] = max_completion_tokens(choice.task_digits or reasoning["task_digits"])
+            defaults.update(reasoning)
+            if command == "iterate":
+                defaults["max_steps"] = -1  # one pass over each iteration's data
+    elif command != "generate" and not gpu_available():
+        # GRPOConfig asks for bf16 on the GPU, which TrainingArguments refuses on a machine without one
+        defaults = {"use_cpu": True, "bf16": False}
+    else:
+        defaults = {}
+    if command != "generate":
+        defaults.update(CLI_TRAINING_CHECKS)
+    defaults["output_dir"] = default_output_dir(command, choice)
+    return defaults
+
+
+def cpu_validation_flags(command: str, choice: _RunChoice) -> list[str]:
+    """For a dry run on a machine without a GPU: flags (above the config file) that turn off what needs one, so that
+    every other key and value of a GPU recipe still validates here. Says which ones it turned off."""
+    from .distributed import gpu_available
+
+    needs_gpu = [f"{name}=True" for name in ("bf16", "fp16", "use_vllm") if getattr(choice, name)]
+    if command == "generate" or not choice.dry_run or gpu_available() or not needs_gpu:
+        return []
+    print(f"[topr-trl] this configuration needs a GPU ({', '.join(needs_gpu)}); none here, so it is validated with "
+          "those off", flush=True)
+    return ["--use_cpu", "true", "--bf16", "false", "--fp16", "false", "--use_vllm", "false"]
+
+
+def short_name(value) -> str:
+    """The last part of a model or data name, safe as a folder name; a data file keeps its format
+    (`prompts.jsonl` -> `prompts-jsonl`), so that `prompts.jsonl` and `prompts.parquet` get folders of their own."""
+    name = Path(str(value).rstrip("/")).name
+    for suffix in (".jsonl", ".json", ".csv", ".parquet"):
+        if name.endswith(suffix):
+            name = f"{name.removesuffix(suffix)}-{suffix[1:]}"
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "run"
+
+
+def default_output_dir(command: str, choice: _RunChoice) -> str:
+    """`outputs/<prefix>-<model>-<data>` (prefix: `topr` for train, `topr-iterations` for iterate, `data` for
+    generate): one folder per model and data, so runs do not overwrite each other."""
+    model = short_name(choice.model_name_or_path) if choice.model_name_or_path else "tiny"
+    data = choice.offline_dataset or choice.dataset_name or choice.task or BUILTIN_TASK
+    return f"outputs/{_OUTPUT_PREFIX[command]}-{model}-{short_name(data)}"
+
+
+# ---------------------------------------------------------------------------------------------- help
+# GRPOConfig / TrainingArguments fields a TOPR user sets most; `--help-all` lists the rest.
+_COMMON_TRAINING_FLAGS = (
+    "loss_type", "output_dir", "learning_rate", "lr_scheduler_type", "max_steps", "num_train_epochs", "per_device_train_batch_size",
+    "gradient_accumulation_steps", "num_generations", "max_completion_length", "temperature", "top_p", "top_k",
+    "beta", "use_vllm", "vllm_mode", "bf16", "use_cpu", "gradient_checkpointing", "logging_steps", "save_strategy",
+    "save_steps", "eval_strategy", "eval_steps", "report_to", "seed", "push_to_hub", "hub_model_id",
+    "resume_from_checkpoint",
+)
+_COMMON_MODEL_FLAGS = ("model_name_or_path", "dtype", "use_peft", "lora_r", "lora_alpha", "lora_target_modules")
+
+
+def short_help(command: str) -> str:
+    """This command's own fields and TOPR's first, then the common GRPO and model fields, from the dataclasses."""
+    from trl import GRPOConfig, ModelConfig
+
+    from .config import TOPRConfig
+
+    grpo_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    groups: list[tuple[str, list[dataclasses.Field]]] = []
+    for kind in command_dataclasses(command):
+        fields = {f.name: f for f in dataclasses.fields(kind)}
+        if kind is TOPRConfig:
+            groups.append(("TOPR (TOPRConfig's own fields)", [f for n, f in fields.items() if n not in grpo_fields]))
+            groups.append(("training (GRPOConfig; the most used)", [fields[n] for n in _COMMON_TRAINING_FLAGS]))
+        elif kind is ModelConfig:
+            groups.append(("model (TRL's ModelConfig; the most used)", [fields[n] for n in _COMMON_MODEL_FLAGS]))
+        else:
+            groups.append((f"{command}: what to run on", list(fields.values())))
+    lines = [f"usage: topr-trl {command} [--config FILE.yaml] [--FIELD VALUE ...]"]
+    shown: set[str] = set()
+    for title, fields in groups:
+        lines += ["", f"{title}:"]
+        for item in fields:
+            if item.name in shown:
+                continue
+            shown.add(item.name)
+            default = "" if item.default is dataclasses.MISSING else f" (default: {item.default})"
+            text = " ".join(str(item.metadata.get("help", "")).split()) + default
+            lines += [f"  --{item.name}"] + textwrap.wrap(text, 116, initial_indent="      ",
+                                                           subsequent_indent="      ")
+    lines += ["", "--help-all lists every option (all of GRPOConfig, TrainingArguments and ModelConfig). --debug "
+                  "shows the traceback of an error."]
+    return "\n".join(lines)

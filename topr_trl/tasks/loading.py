@@ -1,0 +1,186 @@
+"""What a run trains on, chosen and loaded for the command line: the task of a run (`resolve_task`), its training
+prompts, held-out problems, evaluation set and reward functions (`load_task`), the built-in tiny model of a
+built-in task (`builtin_model`), and how a built-in task's held-out problems are scored and reported
+(`task_evaluator`, `held_out_accuracy`, `describe_accuracy`).
+
+`options` is a command's task arguments (`TaskArguments` of the command line: task, dataset_name, dataset_config,
+splits, few_shot, reward_funcs, task_digits, task_train_prompts, task_eval_prompts, warm_start_accuracy,
+task_error_rate, base_model_dir, dry_run). A wrong choice fails in one line starting with `topr-trl:`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..machine import describe_machine
+from ..sources import check_data_source, check_model_source, load_data_source
+from .user_rewards import reporting_reward, resolve_reward
+
+TASKS = ("arithmetic", "reasoning", "gsm8k", "math500", "custom")
+BUILTIN_TASK = "arithmetic"  # what a command runs with no model, no dataset and no task
+BUILTIN_TASKS = ("arithmetic", "reasoning")  # the tasks the built-in tiny model is built for
+_TASK_REWARDS = {"arithmetic": ["arithmetic"], "reasoning": ["reasoning"],
+                 "gsm8k": ["topr_trl.evaluation.rewards:gsm8k_reward"],
+                 "math500": ["topr_trl.evaluation.rewards:math_reward"]}
+
+
+def resolve_task(options, model_name_or_path: str | None, offline: bool = False) -> str:
+    """The task of the run, or a one-line exit saying what is missing."""
+    from ..config import check_choice
+
+    task = options.task or ("custom" if options.dataset_name or (offline and model_name_or_path) else BUILTIN_TASK)
+    check_choice("task", task, TASKS)
+    if model_name_or_path is None and task not in BUILTIN_TASKS:
+        what = f"--dataset_name {options.dataset_name}" if options.dataset_name else f"--task {task}"
+        raise SystemExit(f"topr-trl: {what} selects a custom run, which needs --model_name_or_path (a Hub id or a "
+                         "local model folder); the built-in tiny model knows only the arithmetic and reasoning "
+                         "tasks")
+    if task == "custom" and not options.dataset_name and not offline:
+        raise SystemExit("topr-trl: a custom run needs --dataset_name (a Hub id or a local file with a `prompt` "
+                         "column) or --offline_dataset")
+    if model_name_or_path is not None and options.task is None and not options.dataset_name and not offline:
+        raise SystemExit(f"topr-trl: --model_name_or_path {model_name_or_path} needs something to train on: "
+                         "--dataset_name FILE_OR_HUB_ID with --reward_funcs, --task gsm8k|math500|arithmetic|"
+                         "reasoning, or "
+                         "--offline_dataset")
+    if task == "custom" and not options.reward_funcs and not offline:
+        raise SystemExit("topr-trl: a custom dataset needs --reward_funcs (e.g. my_rewards:correctness, a function "
+                         "taking completions and the dataset's columns and returning one float per completion)")
+    return task
+
+
+def load_prompts(options, split: str):
+    """The custom prompt dataset: Hub id, local data files, or a save_to_disk folder; it must have `prompt`."""
+    try:
+        dataset = load_data_source(options.dataset_name, split, config=options.dataset_config)
+    except FileNotFoundError as error:  # not on the Hub, or the Hub out of reach: the message says what to do
+        raise SystemExit(f"topr-trl: {error}") from error
+    if "prompt" not in dataset.column_names:
+        raise SystemExit(f"topr-trl: dataset {options.dataset_name!r} has no `prompt` column (it has "
+                         f"{dataset.column_names}); rename the column that holds the prompts to `prompt`")
+    return dataset
+
+
+def load_task(options, model_name_or_path: str | None, seed: int, offline: bool = False,
+              eval_split: bool = False):
+    """(model, task, training prompts, held-out set of the built-in task or None, evaluation dataset for the trainer
+    or None, reward functions) of the run. Without a model, builds the built-in tiny one (on the main process first
+    under `accelerate launch`); with `dry_run`, validates and loads nothing."""
+    from .arithmetic import make_arithmetic_dataset
+
+    task = resolve_task(options, model_name_or_path, offline)
+    check_model_source(model_name_or_path, dry_run=options.dry_run)  # before anything heavy, dry runs included
+    check_data_source(options.dataset_name, "--dataset_name")
+    reward_names = options.reward_funcs or _TASK_REWARDS.get(task, [])
+    # a user's function that raises stops the command in one line naming it (the Python API lets it raise as is)
+    reward_funcs = [reporting_reward(resolve_reward(name)) for name in reward_names]
+    if options.dry_run:
+        return model_name_or_path, task, None, None, None, reward_funcs
+    if model_name_or_path is None:
+        model_name_or_path = builtin_model(task, options, seed)
+    held_out = eval_dataset = train_dataset = None
+    if task == "arithmetic":
+        train_dataset = make_arithmetic_dataset(options.task_train_prompts, options.task_digits, seed=1)
+        held_out = make_arithmetic_dataset(options.task_eval_prompts, options.task_digits, seed=2)
+    elif task == "reasoning":
+        from .reasoning import make_reasoning_dataset
+
+        # train and held-out problems come from splits that are disjoint by construction
+        train_dataset = make_reasoning_dataset(options.task_train_prompts, options.task_digits, "train", seed=1)
+        held_out = make_reasoning_dataset(options.task_eval_prompts, options.task_digits, "heldout", seed=0)
+    elif task == "gsm8k":
+        from ..evaluation.benchmarks import load_gsm8k
+
+        source = options.dataset_name or "openai/gsm8k"
+        train_dataset = load_gsm8k(options.dataset_train_split, source=source, few_shot=options.few_shot)
+        if eval_split:
+            eval_dataset = load_gsm8k(options.dataset_test_split, source=source, few_shot=options.few_shot)
+    elif task == "math500":
+        from ..evaluation.benchmarks import load_math500
+
+        train_dataset = load_math500(source=options.dataset_name or "HuggingFaceH4/MATH-500",
+                                     few_shot=options.few_shot)
+    elif options.dataset_name:
+        train_dataset = load_prompts(options, options.dataset_train_split)
+        if eval_split:
+            eval_dataset = load_prompts(options, options.dataset_test_split)
+    return model_name_or_path, task, train_dataset, held_out, eval_dataset, reward_funcs
+
+
+def builtin_model(task: str, options, seed: int) -> str:
+    """The built-in tiny model of `task`: the shipped weights for the default settings (the same on every machine),
+    else warm-started here once (on the main process first under `accelerate launch`, with progress); cached under
+    --base_model_dir. Returns its folder."""
+    from accelerate import PartialState
+
+    from ..distributed import outside_zero3_construction, say
+    from .arithmetic import build_warm_model, warm_model_folder, warm_model_key
+    from .reasoning import WarmStartSettings, build_reasoning_warm_model, warm_model_path
+    from .tiny import prebuilt_model
+
+    if task == "reasoning":
+        settings = WarmStartSettings(digits=options.task_digits, error_rate=options.task_error_rate, seed=seed)
+        folder = warm_model_path(options.base_model_dir, settings)
+        shipped = prebuilt_model(settings.key()) is not None
+        what = (f"SFT on written solutions that drop each carry with probability {options.task_error_rate:g}, "
+                f"{settings.steps} steps (1-3 min on an idle 2-core CPU)")
+    else:
+        folder = warm_model_folder(options.base_model_dir, options.task_digits, options.warm_start_accuracy, seed)
+        shipped = prebuilt_model(warm_model_key(options.task_digits, options.warm_start_accuracy, seed)) is not None
+        what = f"SFT warm start until {options.warm_start_accuracy:.0%} greedy accuracy (at most 3,000 steps)"
+    state = PartialState()
+    with state.main_process_first():
+        if state.is_main_process:
+            fresh = not (folder / "config.json").exists()
+            started = time.time()
+            if fresh and shipped:
+                say(f"installing the built-in tiny model's shipped weights into {folder}")
+            elif fresh:  # seconds to minutes on an idle CPU, longer on a busy one: say what it is, and how far
+                say(f"building the built-in tiny model for these settings (once; cached in {folder}): "
+                            f"{what}; on {describe_machine()}")
+
+            def progress(step: int, steps: int, loss: float) -> None:
+                say(f"  warm start step {step}/{steps}, loss {loss:.3f}, {time.time() - started:.0f} s")
+
+            with outside_zero3_construction():
+                if task == "reasoning":
+                    build_reasoning_warm_model(options.base_model_dir, settings, progress=progress)
+                else:
+                    build_warm_model(folder, digits=options.task_digits,
+                                     target_accuracy=options.warm_start_accuracy, seed=seed, progress=progress)
+            if fresh and not shipped:
+                say(f"built-in tiny model ready in {time.time() - started:.0f} s")
+    return str(folder)
+
+
+def task_evaluator(task: str, held_out):
+    """How a built-in task's held-out problems are scored, as `evaluate(model, tokenizer) -> dict`: greedy accuracy
+    for arithmetic; for reasoning, sampled pass@1 (temperature 1, 4 samples per problem, the headline: greedy
+    decoding hides the planted error) with greedy accuracy beside it."""
+    if task == "reasoning":
+        from .reasoning import measure_base_model
+
+        return lambda model, tokenizer: measure_base_model(model, tokenizer, held_out)
+    from .arithmetic import accuracy
+
+    return lambda model, tokenizer: accuracy(model, tokenizer, held_out)
+
+
+def held_out_accuracy(trainer, held_out, task: str) -> dict:
+    """The trainer's policy scored by `task_evaluator` (gathered under ZeRO-3). Every process must call it."""
+    from ..distributed import evaluate_policy
+
+    return evaluate_policy(trainer, task_evaluator(task, held_out))
+
+
+def describe_accuracy(result: dict | None, num_problems: int) -> str:
+    """'greedy accuracy 0.290 on 200 held-out problems': every accuracy printed says how it was measured."""
+    if not result:
+        return "not measured"
+    if "pass@1" in result:
+        return (f"sampled pass@1 {result['pass@1']:.3f} ± {result['pass@1_problem_se']:.3f} (temperature "
+                f"{result['temperature']:g}, {result['num_samples']} samples per problem), greedy accuracy "
+                f"{result['greedy_accuracy']:.3f}, on {num_problems} held-out problems")
+    return f"greedy accuracy {result['accuracy']:.3f} on {num_problems} held-out problems"
+
+
