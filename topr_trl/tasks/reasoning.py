@@ -483,37 +483,3 @@ def measure_base_model(model, tokenizer, held_out: Dataset, num_samples: int = 4
         "mean_completion_tokens": sum(lengths) / len(lengths),
         "truncated_rate": sum(t for record in sampled.records for t in record["truncated"]) / len(lengths),
     }
-
-
-def main(argv: Sequence[str] | None = None) -> dict:
-    """`python -m topr_trl.tasks.reasoning --cache_dir DIR [--digits 3 --error_rate 0.25 --steps 2000 ...]`: build
-    (or load) the warm-started model and print `measure_base_model` on held-out problems as JSON."""
-    import argparse
-    import time
-
-    defaults = WarmStartSettings()
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--cache_dir", required=True)
-    for name, value in asdict(defaults).items():
-        if name != "error_positions":
-            parser.add_argument(f"--{name}", type=type(value), default=value)
-    parser.add_argument("--error_positions", type=int, nargs="+", default=None)
-    parser.add_argument("--heldout_problems", type=int, default=1000)
-    parser.add_argument("--num_samples", type=int, default=4)
-    options = vars(parser.parse_args(argv))
-    cache_dir, problems, samples = options.pop("cache_dir"), options.pop("heldout_problems"), options.pop("num_samples")
-    settings = WarmStartSettings(**options)
-    started = time.time()
-    model, tokenizer, path = build_reasoning_warm_model(cache_dir, settings)
-    built = time.time() - started
-    started = time.time()
-    report = measure_base_model(model, tokenizer, make_reasoning_dataset(problems, settings.digits, "heldout"),
-                                num_samples=samples)
-    report.update(settings=settings.to_dict(), path=str(path), build_seconds=built,
-                  measure_seconds=time.time() - started)
-    print(json.dumps(report, indent=2), flush=True)
-    return report
-
-
-if __name__ == "__main__":
-    main()
