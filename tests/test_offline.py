@@ -313,3 +313,14 @@ def test_auto_backend_uses_transformers_without_a_gpu(behaviour, arithmetic_data
     assert len(fake_vllm.LLM.instances) == 1  # a loaded model is handed to vLLM by its name_or_path
     with pytest.raises(ValueError, match="Did you mean 'vllm'"):
         generate(behaviour, arithmetic_dataset.select(range(1)), tmp_path / "x", backend="vlm")
+
+
+@pytest.mark.parametrize("loss_type, whole", [("topr", False), ("off_policy_reinforce", False), ("kimi15", False),
+                                              ("grpo", True)])
+def test_only_losses_that_read_groups_need_whole_groups(loss_type, whole):
+    """Every loss of TOPR's registry on R - c with a numeric baseline reads no prompt group; TRL's losses do."""
+    from topr_trl.offline.schema import needs_whole_groups
+
+    extra = {} if loss_type == "grpo" else {"topr_signal": "reward"}
+    args = TOPRConfig(output_dir="/tmp/x", use_cpu=True, report_to="none", loss_type=loss_type, **extra)
+    assert needs_whole_groups(args) is whole

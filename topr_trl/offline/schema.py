@@ -201,7 +201,10 @@ def validate_offline_dataset(
 def needs_whole_groups(args) -> bool:
     """Whether the configured signal reads prompt groups (GRPO's advantage, or the group-mean baseline), so that an
     offline dataset must hold `num_generations` rows per prompt."""
-    return args.loss_type != "topr" or args.topr_signal == "advantage" or args.topr_baseline == "group_mean"
+    from ..loss import POLICY_LOSSES  # TRL's loss types read GRPO's group advantage
+
+    return (args.loss_type not in POLICY_LOSSES or args.topr_signal == "advantage"
+            or args.topr_baseline == "group_mean")
 
 
 def checked_eval_datasets(eval_dataset, args, uses_stored_reward: bool, has_behaviour_model: bool):
