@@ -286,9 +286,11 @@ class TOPRConfig(GRPOConfig):
             check_choice("pg_variant", self.pg_variant, tuple(_PG_VARIANT_LOSS_TYPES))
         if self.topr_preset is not None:
             check_choice("topr_preset", self.topr_preset, tuple(n for n, e in POLICY_LOSSES.items() if e.limits))
-        # pg_variant='topr' (the family with its preset) defers to topr_preset
-        wanted = {self.topr_preset if name == "pg_variant" and value == "topr" and self.topr_preset else
-                  (_PG_VARIANT_LOSS_TYPES[value] if name == "pg_variant" else value) for name, value in chosen.items()}
+        wanted = set()
+        if self.pg_variant is not None and not (self.pg_variant == "topr" and self.topr_preset):
+            wanted.add(_PG_VARIANT_LOSS_TYPES[self.pg_variant])  # pg_variant='topr' defers to a topr_preset
+        if self.topr_preset is not None:
+            wanted.add(self.topr_preset)
         if bounds:
             wanted.add("tis")
         if len(wanted) > 1 or (self.loss_type != "topr" and wanted != {self.loss_type}):
