@@ -1,9 +1,21 @@
 #!/usr/bin/env bash
-# The test command: sets up .venv if needed, then runs pytest. Extra arguments go to pytest, e.g.
+# The test command: sets up the environment if needed, then runs pytest. Extra arguments go to pytest, e.g.
+#   bash scripts/test.sh                # the default run (slow tests left out; vLLM tests skip without vLLM)
 #   bash scripts/test.sh -m slow        # the multi-process and DeepSpeed tests (minutes)
+#   bash scripts/test.sh --vllm         # the tests on a real vLLM engine (CPU build), in .venv-vllm
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh
+if [ "${1:-}" = "--vllm" ]; then
+  shift
+  bash scripts/bootstrap.sh --vllm
+  venv="${TOPR_VENV:-.venv-vllm}"
+  if [ "$#" -eq 0 ]; then set -- -m vllm; fi
+  # the engines' KV cache on a CPU (GiB; vLLM's default is 4 per engine)
+  export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+else
+  bash scripts/bootstrap.sh
+  venv="${TOPR_VENV:-.venv}"
+  if [ "$#" -eq 0 ]; then set -- -m "not slow"; fi
+fi
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
-if [ "$#" -eq 0 ]; then set -- -m "not slow"; fi
-exec "${TOPR_VENV:-.venv}/bin/python" -m pytest -q "$@"
+exec "$venv/bin/python" -m pytest -q "$@"

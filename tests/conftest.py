@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -13,6 +14,30 @@ from topr_trl.tasks.arithmetic import make_arithmetic_dataset  # noqa: E402
 from topr_trl.tasks.tiny import build_model, build_tokenizer, save_pretrained  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
+RUN_VLLM_TESTS = "bash scripts/test.sh --vllm"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `vllm` run on a real engine; where vLLM is not installed they are skipped, and said so once."""
+    if VLLM_INSTALLED:
+        return
+    skip = pytest.mark.skip(reason=f"vLLM is not installed here; run these with `{RUN_VLLM_TESTS}`")
+    skipped = [item for item in items if "vllm" in item.keywords]
+    for item in skipped:
+        item.add_marker(skip)
+    config.stash[_VLLM_SKIPPED] = len(skipped)
+
+
+_VLLM_SKIPPED = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    skipped = config.stash.get(_VLLM_SKIPPED, 0)
+    if skipped:
+        terminalreporter.write_line(f"{skipped} vLLM tests skipped: vLLM is not installed here; run them with "
+                                    f"`{RUN_VLLM_TESTS}` (sets up .venv-vllm with vLLM's CPU build)")
 
 
 @pytest.fixture(scope="session")

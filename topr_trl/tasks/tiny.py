@@ -46,19 +46,30 @@ def build_tokenizer(alphabet: str = string.printable) -> PreTrainedTokenizerFast
     return wrapped
 
 
+HEAD_DIM = 32
+"""The tiny models' attention head size: vLLM's CPU attention kernel refuses 16 (the size before), and 32 is the
+smallest it runs. Part of the built-in models' keys (`topr_trl.tasks.arithmetic.warm_model_key`,
+`topr_trl.tasks.reasoning.WarmStartSettings`), so a model cached with another head size is never loaded as this one."""
+
+
 def build_model(
-    tokenizer: PreTrainedTokenizerFast, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, **config_overrides
+    tokenizer: PreTrainedTokenizerFast, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
+    head_dim: int = HEAD_DIM, **config_overrides
 ):
     """A randomly initialised Llama-architecture (Mistral) causal LM sized for CPU tests (about 0.1M parameters
-    at the defaults). `config_overrides` go to `MistralConfig` (e.g. `initializer_range` for a more peaked random model)."""
+    at the defaults): `hidden_size // head_dim` attention heads (at least one) of `head_dim`, half as many key-value
+    heads (grouped-query attention, as Llama 3 and Qwen2.5 use). `config_overrides` go to `MistralConfig` (e.g.
+    `initializer_range` for a more peaked random model)."""
     torch.manual_seed(seed)
+    heads = max(1, hidden_size // head_dim)
     config = MistralConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=head_dim,
         max_position_embeddings=512,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,

@@ -1,0 +1,154 @@
+"""On a real vLLM engine (its CPU build, `bash scripts/test.sh --vllm`): offline generation, evaluation, and online
+TOPR with a colocated engine whose weights follow the policy. Skipped, with one line saying how to run them, where
+vLLM is not installed (tests/conftest.py).
+
+vLLM runs the tiny models in bfloat16 on a CPU (its "auto" dtype casts float32 down), while the policy computes in
+float32: per-token log-probs of the same weights differ by ~1e-2 on average, the train/inference mismatch TOPR's
+ratio pi/mu sees. The tolerances below are that mismatch's size, and every check also shows it could fail: the
+stale or untempered alternative is measured to sit far outside the same tolerance.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+from topr_trl.arguments import TaskArguments
+from topr_trl.tasks.loading import builtin_model
+from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
+
+pytestmark = pytest.mark.vllm
+
+MISMATCH = 0.03
+"""Mean |log pi - log mu| per token between float32 transformers and bfloat16 vLLM for the same weights: measured
+0.004-0.012 on the built-in reasoning model."""
+
+
+@pytest.fixture(scope="module")
+def reasoning_model(tmp_path_factory) -> str:
+    """The built-in reasoning model (shipped weights, head size 32: vLLM's CPU attention refuses 16)."""
+    options = TaskArguments(task_digits=3, base_model_dir=str(tmp_path_factory.mktemp("reasoning")))
+    return str(builtin_model("reasoning", options, seed=0))
+
+
+def token_logps(model, sequences: list[list[int]], prompt_lengths: list[int], temperature: float = 1.0):
+    """log softmax(logits / T) of each completion token (those after `prompt_lengths`) under `model`, in float32."""
+    rows = []
+    with torch.no_grad():
+        for sequence, start in zip(sequences, prompt_lengths, strict=True):
+            logits = model(torch.tensor([sequence])).logits[0, start - 1 : -1].float()
+            steps = torch.log_softmax(logits / temperature, -1)
+            rows.append(steps.gather(-1, torch.tensor(sequence[start:]).unsqueeze(-1)).squeeze(-1))
+    return rows
+
+
+def mean_gap(first: list[torch.Tensor], second: list[torch.Tensor]) -> float:
+    return torch.cat([a - torch.as_tensor(b) for a, b in zip(first, second, strict=True)]).abs().mean().item()
+
+
+def test_generate_with_vllm_writes_the_transformers_schema_with_the_samplers_logps(reasoning_model, tmp_path):
+    """`topr-trl generate --backend vllm` on a CPU: the same columns as the transformers backend, EOS kept on
+    stopped completions, and mu's log-probs those of the tempered distribution (T = 1.5) that sampled them."""
+    from topr_trl import cli
+    from topr_trl.offline import load_offline_dataset
+
+    common = ["generate", "--task", "reasoning", "--model_name_or_path", reasoning_model, "--max_prompts", "6",
+              "--num_generations", "4", "--temperature", "1.5"]
+    cli.main([*common, "--backend", "vllm", "--output_dir", str(tmp_path / "vllm")])
+    cli.main([*common, "--backend", "transformers", "--output_dir", str(tmp_path / "hf")])
+    through_vllm, through_hf = load_offline_dataset(tmp_path / "vllm"), load_offline_dataset(tmp_path / "hf")
+    assert through_vllm.column_names == through_hf.column_names
+    assert through_vllm.features == through_hf.features
+    assert len(through_vllm) == len(through_hf) == 24
+    tokenizer = AutoTokenizer.from_pretrained(reasoning_model)
+    model = AutoModelForCausalLM.from_pretrained(reasoning_model).eval()
+    assert through_vllm["prompt_ids"][::4] == through_hf["prompt_ids"][::4]
+    for row in through_vllm:
+        assert (row["completion_ids"][-1] == tokenizer.eos_token_id) == (not row["truncated"])
+    sequences = [row["prompt_ids"] + row["completion_ids"] for row in through_vllm]
+    starts = [len(row["prompt_ids"]) for row in through_vllm]
+    tempered = mean_gap(token_logps(model, sequences, starts, 1.5), through_vllm["behaviour_logps"])
+    untempered = mean_gap(token_logps(model, sequences, starts, 1.0), through_vllm["behaviour_logps"])
+    assert tempered < MISMATCH < untempered, (tempered, untempered)
+
+
+def test_evaluate_with_vllm_gives_the_transformers_pass_at_1(reasoning_model, tmp_path):
+    """`topr-trl evaluate --backend vllm` and `--backend transformers` on the same model and held-out problems:
+    sampled pass@1 within 3 standard errors of their difference (the engines draw different samples)."""
+    from topr_trl.cli_evaluate import main
+
+    results = {}
+    for backend in ("vllm", "transformers"):
+        main(["--model_name_or_path", reasoning_model, "--task", "reasoning", "--limit", "200", "--k", "1",
+              "--num_samples", "4", "--backend", backend, "--no_plot", "--no_progress",
+              "--output_dir", str(tmp_path / backend)])
+        results[backend] = json.loads((tmp_path / backend / "results.json").read_text())
+    assert results["vllm"]["settings"]["backend"] == "vllm"
+    assert results["transformers"]["settings"]["backend"] == "transformers"
+    vllm, hf = results["vllm"]["summary"], results["transformers"]["summary"]
+    se = (vllm["pass@1_se"] ** 2 + hf["pass@1_se"] ** 2) ** 0.5
+    assert abs(vllm["pass@1"] - hf["pass@1"]) < 3 * se
+    assert 0.5 < vllm["pass@1"] < 0.85  # the shipped model's regime, about two thirds correct
+
+
+class WeightSnapshots(TrainerCallback):
+    """The policy's weights at the start of every optimizer step: those the next generation must sample from."""
+
+    def __init__(self):
+        self.states: list[dict[str, torch.Tensor]] = []
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self.states.append({name: value.detach().clone() for name, value in model.state_dict().items()})
+
+
+def test_colocated_vllm_samples_from_the_policys_current_weights_and_mu_is_its_sampler(reasoning_model, tmp_path):
+    """Online TOPR with `use_vllm=True, vllm_mode="colocate"` on a CPU, where TRL's per-tensor weight load fails
+    (`topr_trl.vllm_colocate`). After 3 steps at a learning rate that moves the policy, the engine's log-probs of
+    fixed completions equal those of the weights the last generation was synced from, within the bf16 mismatch,
+    and sit far from the weights one step older (a stale sync) and the initial ones (a skipped sync). On the first
+    step, before any update, pi/mu is the pure train/inference mismatch: close to 1, not exactly 1."""
+    from vllm import SamplingParams
+
+    from topr_trl import TOPRConfig, TOPRTrainer
+
+    snapshots = WeightSnapshots()
+    args = TOPRConfig(str(tmp_path), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="colocate",
+                      vllm_gpu_memory_utilization=0.3, per_device_train_batch_size=16, num_generations=8,
+                      max_completion_length=max_completion_tokens(3), max_steps=3, learning_rate=3e-3,
+                      topr_behaviour_source="sampler", logging_steps=1, report_to="none", save_strategy="no")
+    trainer = TOPRTrainer(reasoning_model, reasoning_reward, args=args, train_dataset=make_reasoning_dataset(48, 3),
+                          callbacks=[snapshots])
+    trainer.train()
+
+    first = trainer.state.log_history[0]
+    ratios = [first[f"topr/ratio_{sign}/{stat}"] for sign in ("positive", "negative") for stat in ("min", "max")
+              if first.get(f"topr/ratio_{sign}/{stat}") is not None]
+    assert ratios and all(0.8 < ratio < 1.25 for ratio in ratios)
+    assert any(abs(ratio - 1) > 1e-4 for ratio in ratios)
+
+    llm, tokenizer = trainer.vllm_generation.llm, trainer.processing_class
+    prompt = tokenizer.apply_chat_template(make_reasoning_dataset(1, 3, "heldout")[0]["prompt"],
+                                           add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    sampled = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=4, max_tokens=30), use_tqdm=False)
+    sequences = [prompt + list(sample.token_ids) for sample in sampled[0].outputs]
+    scored = llm.generate([{"prompt_token_ids": sequence} for sequence in sequences],
+                          SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    engine = [torch.tensor([output.prompt_logprobs[i][sequence[i]].logprob for i in range(len(prompt), len(sequence))])
+              for output, sequence in zip(scored, sequences, strict=True)]
+
+    def gap_to(state) -> float:
+        model = AutoModelForCausalLM.from_pretrained(reasoning_model)
+        model.load_state_dict(state)
+        return mean_gap(token_logps(model.eval(), sequences, [len(prompt)] * len(sequences)), engine)
+
+    assert len(snapshots.states) == 3
+    synced, stale, initial = (gap_to(snapshots.states[i]) for i in (2, 1, 0))
+    assert synced < MISMATCH
+    assert stale > 3 * MISMATCH and initial > 3 * MISMATCH
+    del trainer, llm
+    gc.collect()

