@@ -5,7 +5,8 @@
 
 `throughput`: completions per second of a warm vLLM engine (`topr_trl.sampling.make_vllm_engine`) and of batched
 transformers `generate` (`topr_trl.sampling.generate_completions`, left padding) on the same weights, prompts,
-temperature and length; every completion is forced to the full length (vLLM's `min_tokens`, transformers'
+temperature and length (the engine in float32 like the transformers model by default; `--vllm_dtype auto` is vLLM's
+own choice, bfloat16, which a CPU without native bfloat16 runs slowly); every completion is forced to the full length (vLLM's `min_tokens`, transformers'
 `min_new_tokens`) so that both do the same work. The rounds alternate the two backends, and the ratio vLLM/HF of
 the medians is printed. Models: the built-in reasoning model (~0.1M parameters), and random-weight tiny models of
 head size 32 (`27m`: hidden 512, 8 layers; `small`: hidden 256, 4 layers) on the same character tokenizer.
@@ -55,7 +56,7 @@ def reasoning_prompt_ids(tokenizer, num_prompts: int, split: str = "heldout") ->
     return tokenize_prompts(tokenizer, make_reasoning_dataset(num_prompts, 3, split, seed=0)["prompt"])
 
 
-def throughput(name: str, work: Path, num_completions: int, length: int, repeats: int) -> dict:
+def throughput(name: str, work: Path, num_completions: int, length: int, repeats: int, dtype: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import SamplingParams
 
@@ -66,7 +67,7 @@ def throughput(name: str, work: Path, num_completions: int, length: int, repeats
     prompts = reasoning_prompt_ids(tokenizer, num_completions)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     started = time.perf_counter()
-    llm = make_vllm_engine(path, seed=0)
+    llm = make_vllm_engine(path, seed=0, dtype=dtype)
     load_seconds = time.perf_counter() - started
     params = SamplingParams(n=1, temperature=1.0, max_tokens=length, min_tokens=length, logprobs=0)
 
@@ -167,6 +168,9 @@ def main() -> None:
     parser.add_argument("--num_completions", type=int, default=128, help="throughput: completions per round")
     parser.add_argument("--completion_length", type=int, default=64, help="throughput: tokens per completion")
     parser.add_argument("--repeats", type=int, default=3, help="throughput: timed rounds per backend")
+    parser.add_argument("--vllm_dtype", default="float32", help="throughput: the engine's dtype (float32: the "
+                                                                   "transformers model's; auto: vLLM's default, "
+                                                                   "bfloat16 on a float32 model)")
     parser.add_argument("--num_prompts", type=int, default=64, help="mismatch: prompts")
     parser.add_argument("--num_generations", type=int, default=8, help="mismatch: completions per prompt")
     parser.add_argument("--dtypes", default="auto,float32", help="mismatch: the engine dtypes, comma-separated")
@@ -182,7 +186,7 @@ def main() -> None:
         if options.measure == "throughput":
             for name in options.models.split(","):
                 result = throughput(name, Path(work), options.num_completions, options.completion_length,
-                                    options.repeats)
+                                    options.repeats, options.vllm_dtype)
                 results.append(result)
                 rates = result["completions_per_second"]
                 print(f"{name} ({result['parameters'] / 1e6:.2f}M parameters, vLLM {result['vllm_dtype']}, "

@@ -1,4 +1,5 @@
-"""A stand-in for the parts of vLLM's offline API that topr_trl uses (vLLM needs CUDA and cannot run here).
+"""A stand-in for the parts of vLLM's offline API that topr_trl uses, so that their contract is tested in the default
+run (the real engine, vLLM's CPU build, is tested in tests/test_vllm.py with `bash scripts/test.sh --vllm`).
 
 It mirrors vLLM's contract, not our code: `LLM(model=..., seed=..., logprobs_mode=...)`, `SamplingParams` with
 vLLM's names (`n`, `max_tokens`, `top_k=-1` for no truncation, `logprobs=0`), prompts given as

