@@ -223,6 +223,18 @@ def test_gpu_recipe_validates_on_a_cpu_only_machine(capsys):
     assert "needs a GPU (bf16=True, use_vllm=True)" in out and "configuration valid" in out
 
 
+def test_gpu_recipe_keeps_vllm_on_a_cpu_with_vllms_cpu_build(capsys, monkeypatch):
+    """With vLLM's CPU build installed, use_vllm runs here: a dry run turns off only what needs a GPU (bf16)."""
+    from topr_trl import arguments, sampling
+
+    monkeypatch.setattr(sampling, "vllm_cpu_build_installed", lambda: True)
+    flags = arguments.cpu_validation_flags("train", arguments.chosen_run(
+        ["--config", str(ROOT / "examples" / "recipes" / "gsm8k_paper.yaml"), "--dry_run", "true"]))
+    out = capsys.readouterr().out
+    assert "needs a GPU (bf16=True);" in out
+    assert "--use_vllm" not in flags and flags[flags.index("--bf16") + 1] == "false"
+
+
 def test_help_shows_topr_and_task_flags_first_and_help_all_shows_everything(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["train", "--help"])
