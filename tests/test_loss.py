@@ -354,3 +354,43 @@ def test_ppo_two_sided_clip_caps_the_ratio_at_delta():
     free = policy_per_token_loss(logps, behaviour, torch.tensor([-1.0]), torch.ones(1, 1),
                                  PolicyLossSpec(loss_type="ppo", ratio_level="token"))
     torch.testing.assert_close(free.per_token_loss.detach(), torch.tensor([[3.0]]))
+
+
+@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean"])
+def test_packed_loss_equals_the_padded_loss_with_its_gradient(aggregation):
+    """Completions packed flat in any order of their segments (as TRL's asynchronous trainer packs rows) give the
+    loss and gradient of the same completions as a padded batch: the sequence ratio does not depend on packing."""
+    from topr_trl.loss import packed_topr_loss, unpack_segments
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = [3, 1, 5, 2]
+    signal = torch.tensor([1.0, -1.0, -0.5, 0.7])
+    padded_logps = -torch.rand(4, 5, generator=generator) * 3
+    padded_behaviour = padded_logps - 0.3 * torch.randn(4, 5, generator=generator)
+    mask = torch.arange(5).expand(4, 5) < torch.tensor(lengths)[:, None]
+    # pack: segments interleaved as a packer could place them (2, 0, 3, 1), tokens in order within each
+    layout = [(s, t) for s in (2, 0, 3, 1) for t in range(lengths[s])]
+    segment_id = torch.tensor([s for s, _ in layout])
+    flat_logps = torch.stack([padded_logps[s, t] for s, t in layout]).requires_grad_()
+    flat_behaviour = torch.stack([padded_behaviour[s, t] for s, t in layout])
+    flat_signal = signal[segment_id]
+
+    values, unpacked_mask = unpack_segments(flat_logps.detach(), segment_id)
+    assert torch.equal(unpacked_mask, mask)
+    assert torch.equal(values[mask], padded_logps[mask])
+
+    packed, _, _ = packed_topr_loss(flat_logps, flat_behaviour, flat_signal, segment_id, aggregation=aggregation)
+    packed.backward()
+    reference_logps = padded_logps.clone().requires_grad_()
+    reference, _ = topr_loss(reference_logps, padded_behaviour, signal, mask, aggregation=aggregation)
+    reference.backward()
+    assert packed.item() == pytest.approx(reference.item(), abs=1e-7)
+    expected_grad = torch.stack([reference_logps.grad[s, t] for s, t in layout])
+    assert torch.allclose(flat_logps.grad, expected_grad, atol=1e-7)
+    # another packing of the same completions (segments in another order) gives the same loss
+    other = [(s, t) for s in (1, 3, 0, 2) for t in range(lengths[s])]
+    other_ids = torch.tensor([s for s, _ in other])
+    repacked, _, _ = packed_topr_loss(torch.stack([padded_logps[s, t] for s, t in other]),
+                                      torch.stack([padded_behaviour[s, t] for s, t in other]), signal[other_ids],
+                                      other_ids, aggregation=aggregation)
+    assert repacked.item() == pytest.approx(reference.item(), abs=1e-7)

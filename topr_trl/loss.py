@@ -339,6 +339,50 @@ def topr_loss(
     return aggregate(terms.per_token_loss, mask, aggregation, **aggregate_kwargs), terms
 
 
+def unpack_segments(
+    token_values: torch.Tensor, segment_id: torch.Tensor, num_segments: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed completions as a padded batch: `token_values` (N,) are the tokens of several completions laid out flat
+    (as TRL's asynchronous trainer packs them), `segment_id` (N,) the completion each token belongs to (0..S-1), in
+    order within each completion. Returns the (S, L) values, L the longest completion, and the (S, L) mask of real
+    tokens. Differentiable with respect to `token_values`; a segment id with no token gives an all-masked row."""
+    segment_id = segment_id.long()
+    if num_segments is None:
+        num_segments = int(segment_id.max()) + 1 if segment_id.numel() else 0
+    lengths = torch.bincount(segment_id, minlength=num_segments)
+    width = int(lengths.max()) if lengths.numel() else 0
+    order = torch.argsort(segment_id, stable=True)
+    starts = torch.cumsum(lengths, 0) - lengths
+    position = torch.empty_like(segment_id)
+    position[order] = torch.arange(segment_id.numel(), device=segment_id.device) - starts[segment_id[order]]
+    padded = token_values.new_zeros(num_segments, width).index_put((segment_id, position), token_values)
+    mask = torch.zeros(num_segments, width, dtype=torch.bool, device=token_values.device)
+    mask[segment_id, position] = True
+    return padded, mask
+
+
+def packed_topr_loss(
+    per_token_logps: torch.Tensor,
+    behaviour_logps: torch.Tensor,
+    token_signal: torch.Tensor,
+    segment_id: torch.Tensor,
+    spec: PolicyLossSpec = PolicyLossSpec(),
+    aggregation: Aggregation = "seq-mean-token-mean",
+    **aggregate_kwargs,
+) -> tuple[torch.Tensor, PolicyTerms, torch.Tensor]:
+    """`topr_loss` on packed completions (`unpack_segments`): the sequence ratio of Eq. 7 is each completion's sum of
+    token log-ratios, whatever row or position its tokens were packed at. `token_signal` (N,) repeats each
+    completion's signal on its tokens (TRL's packed `advantages`). Returns the loss, its terms and the (S, L) mask,
+    the terms being those of the padded batch (one row per completion)."""
+    logps, mask = unpack_segments(per_token_logps, segment_id)
+    behaviour, _ = unpack_segments(behaviour_logps.to(per_token_logps.dtype), segment_id)
+    signal, _ = unpack_segments(token_signal.to(per_token_logps.dtype), segment_id)
+    # the signal of a completion is the one its tokens carry; read at its first token
+    first = signal[:, :1]
+    loss, terms = topr_loss(logps, behaviour, first, mask, spec, aggregation, **aggregate_kwargs)
+    return loss, terms, mask
+
+
 def branch_losses(
     per_token_loss: torch.Tensor, is_positive: torch.Tensor, mask: torch.Tensor, aggregation: Aggregation, **kwargs
 ) -> tuple[torch.Tensor, torch.Tensor]:
