@@ -357,16 +357,7 @@ class TOPRConfig(GRPOConfig):
     def topr_limits(self) -> TruncationLimits | None:
         """The truncation limits (a+, b+, a-, b-) in force: the loss type's (Eq. 7's entries of the registry),
         overridden by the explicit topr_*_lower/upper fields; None for a loss that is not Eq. 7's."""
-        entry = POLICY_LOSSES.get(self.loss_type)
-        if entry is None or entry.limits is None:
-            return None
-        explicit = {name.removeprefix("topr_"): getattr(self, name) for name in LIMIT_FIELDS}
-        resolved = {name: (getattr(entry.limits, name) if value is None else float(value))
-                    for name, value in explicit.items()}
-        try:
-            return TruncationLimits(**resolved)
-        except ValueError as error:
-            raise ValueError(f"Invalid truncation limits topr_*_lower/upper: {error}.") from None
+        return resolve_limits(self)
 
     @property
     def policy_loss_spec(self) -> PolicyLossSpec:
@@ -384,6 +375,22 @@ class TOPRConfig(GRPOConfig):
             cispo_epsilon_high=float(self.cispo_epsilon_high),
             kimi15_tau=float(self.kimi15_tau),
         )
+
+
+def resolve_limits(args) -> TruncationLimits | None:
+    """The truncation limits (a+, b+, a-, b-) of a config with `loss_type` and the topr_*_lower/upper fields
+    (TOPRConfig, AsyncTOPRConfig): the loss type's, overridden by the explicit fields; None for a loss that is not
+    Eq. 7's."""
+    entry = POLICY_LOSSES.get(args.loss_type)
+    if entry is None or entry.limits is None:
+        return None
+    explicit = {name.removeprefix("topr_"): getattr(args, name) for name in LIMIT_FIELDS}
+    resolved = {name: (getattr(entry.limits, name) if value is None else float(value))
+                for name, value in explicit.items()}
+    try:
+        return TruncationLimits(**resolved)
+    except ValueError as error:
+        raise ValueError(f"Invalid truncation limits topr_*_lower/upper: {error}.") from None
 
 
 # TOPRTrainer also takes a plain GRPOConfig (only the trainer's name swapped): TOPR's run-level fields then keep their

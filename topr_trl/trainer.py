@@ -21,7 +21,44 @@ from .policy_metrics import metric_sums, policy_metrics, ratio_minima
 logger = logging.get_logger(__name__)
 
 
-class TOPRTrainer(OfflineReplay, GRPOLossMirror, GRPOTrainer):
+class PolicyMetricsLogging:
+    """TOPR's metrics and the non-finite-loss check, shared by `TOPRTrainer` and the asynchronous trainer
+    (`topr_trl.asynchronous`): both have `accelerator`, `args.topr_signal`, `_loss_spec`, `_metrics` and `state`."""
+
+    def _log_policy_metrics(self, mode, terms, signal, mask, entropies, policy_per_token, aggregation, loss):
+        """TOPR's metrics (`topr_trl.policy_metrics`), reduced over processes with two collectives, so every rank logs
+        every key; returns what `_on_nonfinite_loss` needs (the number of processes whose loss is not finite, and the
+        ratio ranges), which every rank agrees on."""
+        sums = metric_sums(terms, signal, mask, entropies, loss, self._loss_spec.negative_weight)
+        totals = dict(zip(sums, self.accelerator.reduce(torch.stack(list(sums.values())), reduction="sum").tolist()))
+        branch_kwargs = {("aggregation" if key == "mode" else key): value for key, value in aggregation.items()}
+        per_rank = torch.cat([ratio_minima(terms, signal, mask),
+                              torch.stack(branch_losses(policy_per_token, terms.is_positive, mask, **branch_kwargs))
+                              .float()])
+        gathered = self.accelerator.gather(per_rank.unsqueeze(0))
+        values = policy_metrics(totals, gathered[:, :4].amin(dim=0).tolist(), gathered[:, 4:].mean(dim=0).tolist(),
+                                reward_signal=self.args.topr_signal == "reward")
+        for name, value in values.items():
+            self._metrics[mode][name].append(value)
+        ratio_ranges = (f"positives [{values['topr/ratio_positive/min']}, {values['topr/ratio_positive/max']}], "
+                        f"negatives [{values['topr/ratio_negative/min']}, {values['topr/ratio_negative/max']}]")
+        return int(totals["nonfinite_loss"]), ratio_ranges
+
+    def _on_nonfinite_loss(self, processes: int, ratio_ranges: str) -> None:
+        """GRPOTrainer trains on a non-finite loss (logged as NaN); TOPRTrainer does too unless topr_check_finite,
+        warning once (the ratio ranges of every step are logged as topr/ratio_*)."""
+        if topr_setting(self.args, "topr_check_finite"):
+            raise FloatingPointError(
+                f"TOPR loss is not finite on {processes} process(es) at step {self.state.global_step}. Ratio ranges: "
+                f"{ratio_ranges}. Check the reward functions and, in bf16/fp16, the model's logits; rerun with "
+                "bf16=False to rule out overflow.")
+        logger.warning_once(
+            "TOPR loss is not finite on some steps (logged as NaN; the ratio ranges are logged as topr/ratio_*). "
+            "Check the reward functions and, in bf16/fp16, the model's logits. Training goes on, as in GRPOTrainer "
+            "(topr_check_finite=True stops at the first such step); this is said once.")
+
+
+class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrainer):
     """
     Trainer for Tapered Off-Policy REINFORCE (TOPR, [arXiv:2503.14286](https://huggingface.co/papers/2503.14286)).
 
@@ -224,36 +261,3 @@ class TOPRTrainer(OfflineReplay, GRPOLossMirror, GRPOTrainer):
         if nonfinite:
             self._on_nonfinite_loss(nonfinite, ratio_ranges)
         return loss
-
-    # ------------------------------------------------------------------ metrics and checks
-    def _log_policy_metrics(self, mode, terms, signal, mask, entropies, policy_per_token, aggregation, loss):
-        """TOPR's metrics (`topr_trl.policy_metrics`), reduced over processes with two collectives, so every rank logs
-        every key; returns what `_on_nonfinite_loss` needs (the number of processes whose loss is not finite, and the
-        ratio ranges), which every rank agrees on."""
-        sums = metric_sums(terms, signal, mask, entropies, loss, self._loss_spec.negative_weight)
-        totals = dict(zip(sums, self.accelerator.reduce(torch.stack(list(sums.values())), reduction="sum").tolist()))
-        branch_kwargs = {("aggregation" if key == "mode" else key): value for key, value in aggregation.items()}
-        per_rank = torch.cat([ratio_minima(terms, signal, mask),
-                              torch.stack(branch_losses(policy_per_token, terms.is_positive, mask, **branch_kwargs))
-                              .float()])
-        gathered = self.accelerator.gather(per_rank.unsqueeze(0))
-        values = policy_metrics(totals, gathered[:, :4].amin(dim=0).tolist(), gathered[:, 4:].mean(dim=0).tolist(),
-                                reward_signal=self.args.topr_signal == "reward")
-        for name, value in values.items():
-            self._metrics[mode][name].append(value)
-        ratio_ranges = (f"positives [{values['topr/ratio_positive/min']}, {values['topr/ratio_positive/max']}], "
-                        f"negatives [{values['topr/ratio_negative/min']}, {values['topr/ratio_negative/max']}]")
-        return int(totals["nonfinite_loss"]), ratio_ranges
-
-    def _on_nonfinite_loss(self, processes: int, ratio_ranges: str) -> None:
-        """GRPOTrainer trains on a non-finite loss (logged as NaN); TOPRTrainer does too unless topr_check_finite,
-        warning once (the ratio ranges of every step are logged as topr/ratio_*)."""
-        if topr_setting(self.args, "topr_check_finite"):
-            raise FloatingPointError(
-                f"TOPR loss is not finite on {processes} process(es) at step {self.state.global_step}. Ratio ranges: "
-                f"{ratio_ranges}. Check the reward functions and, in bf16/fp16, the model's logits; rerun with "
-                "bf16=False to rule out overflow.")
-        logger.warning_once(
-            "TOPR loss is not finite on some steps (logged as NaN; the ratio ranges are logged as topr/ratio_*). "
-            "Check the reward functions and, in bf16/fp16, the model's logits. Training goes on, as in GRPOTrainer "
-            "(topr_check_finite=True stops at the first such step); this is said once.")

@@ -1,0 +1,315 @@
+"""Asynchronous TOPR (`topr_trl.asynchronous`): TRL's AsyncGRPOTrainer on a CPU, TOPR's packed loss against the
+synchronous TOPR loss on the same samples, the mirrored forward against TRL's, the stand-in worker's lag, and the
+no-drop rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.conftest import logged_values
+from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer, LaggedRolloutWorker
+from topr_trl.asynchronous.cpu import cpu_capable, tree_attention_mask
+from topr_trl.asynchronous.lagged_worker import group_advantages, summed_rewards
+from topr_trl.loss import PolicyLossSpec, topr_loss
+from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
+from topr_trl.tasks.tiny import prebuilt_model
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout  # noqa: E402
+from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
+
+MODEL = str(prebuilt_model("reasoning-d3-q0.25-atall-steps3000-h64x2-seed0-108798e4f5"))
+COMPLETION = max_completion_tokens(3)
+
+
+def async_kwargs(output_dir, **overrides) -> dict:
+    kwargs = dict(output_dir=str(output_dir), bf16=False, use_cpu=True, per_device_train_batch_size=8,
+                  gradient_accumulation_steps=1, num_generations=4, max_completion_length=COMPLETION, max_steps=3,
+                  learning_rate=1e-3, token_budget=0, logging_steps=1, report_to="none", save_strategy="no",
+                  heartbeat_stale_after_s=60, seed=0)
+    kwargs.update(overrides)
+    return kwargs
+
+
+def make_worker(**overrides) -> LaggedRolloutWorker:
+    kwargs = dict(num_generations=4, max_completion_length=COMPLETION, lockstep=True, samples_per_version=8)
+    kwargs.update(overrides)
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    return LaggedRolloutWorker(AutoModelForCausalLM.from_pretrained(MODEL), tokenizer, make_reasoning_dataset(16),
+                               reasoning_reward, **kwargs)
+
+
+def build(trainer_class, args, worker=None):
+    worker = worker or make_worker()
+    return trainer_class(MODEL, reasoning_reward, args, train_dataset=make_reasoning_dataset(16),
+                         processing_class=AutoTokenizer.from_pretrained(MODEL), rollout_worker=worker,
+                         weight_transfer=worker.weight_transfer())
+
+
+def packed_samples(seed: int = 0) -> list[dict]:
+    """Two groups of three completions sharing their prompt (so TRL's tree packing shares it), with behaviour
+    log-probs away from the policy's and signals of both signs."""
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for group, prompt in enumerate(["123+456=", "905+88="]):
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        for index in range(3):
+            completion = torch.randint(5, 60, (5 + 2 * index,), generator=generator).tolist()
+            ids = prompt_ids + completion
+            samples.append({
+                "input_ids": np.asarray(ids),
+                "completion_mask": np.asarray([0] * len(prompt_ids) + [1] * len(completion)),
+                "old_log_probs": np.asarray([0.0] * len(prompt_ids)
+                                            + (-3 + torch.randn(len(completion), generator=generator)).tolist(),
+                                            dtype=np.float32),
+                "advantage": [1.0, -0.5, -1.5][index] * (1 if group == 0 else -1),
+                "group_id": group, "metrics": {},
+            })
+    return samples
+
+
+def collate(samples: list[dict]) -> dict:
+    row = TreeRow()
+    for sample in samples:
+        row.add(sample)
+    return DataCollatorForRollout(pad_token_id=0, num_processes=1).torch_call([[row]])
+
+
+def reference_logps(model, samples):
+    """Each completion's token log-probs from a plain forward of prompt + completion alone (no packing)."""
+    rows = []
+    for sample in samples:
+        ids = torch.as_tensor(sample["input_ids"]).unsqueeze(0)
+        logps = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+        token_logps = logps.gather(-1, ids[0, 1:, None])[:, 0]
+        rows.append(token_logps[torch.as_tensor(sample["completion_mask"][1:]).bool()])
+    return rows
+
+
+def padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    values = torch.stack([torch.nn.functional.pad(row, (0, width - len(row))) for row in rows])
+    mask = torch.stack([torch.arange(width) < len(row) for row in rows])
+    return values, mask
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention and loss
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_tree_attention_mask_matches_the_causal_rule_on_each_path():
+    # two segments: a shared prompt of 3 tokens (path 0..2) and a branch of 2 tokens whose path is 0..4
+    mask = tree_attention_mask(torch.tensor([0, 3, 5]), torch.tensor([0, 3, 8]), num_keys=8)
+    expected = torch.zeros(5, 8, dtype=torch.bool)
+    for query in range(3):
+        expected[query, : query + 1] = True
+    for offset in range(2):  # the branch's queries are positions 3 and 4 of its 5-key path
+        expected[3 + offset, 3: 3 + 3 + offset + 1] = True
+    assert torch.equal(mask, expected)
+    windowed = tree_attention_mask(torch.tensor([0, 3, 5]), torch.tensor([0, 3, 8]), num_keys=8, sliding_window=2)
+    assert windowed[4].tolist() == [False] * 6 + [True, True]
+
+
+def test_trl_async_trainer_constructs_and_its_packed_forward_matches_plain_log_probs(tmp_path):
+    trainer = build(cpu_capable(AsyncGRPOTrainer), AsyncGRPOConfig(**async_kwargs(tmp_path)))
+    samples = packed_samples()
+    batch = collate(samples)
+    assert batch["input_ids"].shape[1] < sum(len(s["input_ids"]) for s in samples)  # the prompts were shared
+    from topr_trl.asynchronous.trainer import AsyncTOPRTrainer as Mirror
+    log_probs, _, _, _ = Mirror._packed_forward(trainer, trainer.model, batch)
+    expected = torch.cat(reference_logps(AutoModelForCausalLM.from_pretrained(MODEL), samples))
+    assert torch.allclose(log_probs, expected, atol=1e-5), (log_probs - expected).abs().max()
+
+
+@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "global-token-mean"])
+def test_async_topr_loss_equals_the_synchronous_topr_loss_on_the_same_samples(tmp_path, aggregation):
+    trainer = build(AsyncTOPRTrainer, AsyncTOPRConfig(**async_kwargs(tmp_path, topr_loss_aggregation=aggregation)))
+    trainer.current_gradient_accumulation_steps = 1
+    samples = packed_samples()
+    loss = trainer.compute_loss(trainer.model, collate(samples))
+    loss.backward()
+    weight = trainer.model.get_input_embeddings().weight
+    gradient = weight.grad.clone()
+
+    reference = AutoModelForCausalLM.from_pretrained(MODEL)
+    logps, mask = padded(reference_logps(reference, samples))
+    behaviour, _ = padded([torch.as_tensor(s["old_log_probs"][s["completion_mask"] == 1]) for s in samples])
+    signal = torch.tensor([s["advantage"] for s in samples])
+    kwargs = {"num_tokens": mask.sum()} if aggregation == "global-token-mean" else {}
+    expected, terms = topr_loss(logps, behaviour, signal, mask, PolicyLossSpec(), aggregation, **kwargs)
+    expected.backward()
+    assert torch.allclose(loss, expected, atol=1e-6), (loss.item(), expected.item())
+    assert torch.allclose(gradient, reference.get_input_embeddings().weight.grad, atol=1e-6)
+    # the weights are TOPR's: positives 1, negatives pi/mu truncated at 1, and some negatives were truncated
+    assert sorted(set(terms.weights[signal >= 0].flatten().tolist())) == [1.0]
+    negative_weights = terms.weights[signal < 0].flatten()
+    assert (negative_weights <= 1).all() and (negative_weights < 1).any()
+
+
+def test_mirrored_forward_and_accounting_equal_trls_compute_loss_under_ppo_clipping(tmp_path):
+    """The copy of AsyncGRPOTrainer.compute_loss's forward and step accounting, with TOPR's registry loss set to
+    PPO clipping per token over the micro-batch's tokens, gives TRL's own loss, gradient and accounting."""
+    batch = collate(packed_samples(seed=1))
+    results = []
+    for trainer_class, config in ((cpu_capable(AsyncGRPOTrainer), AsyncGRPOConfig(**async_kwargs(tmp_path / "g"))),
+                                  (AsyncTOPRTrainer, AsyncTOPRConfig(**async_kwargs(
+                                      tmp_path / "t", loss_type="ppo", topr_ratio_level="token",
+                                      topr_loss_aggregation="global-token-mean")))):
+        trainer = build(trainer_class, config)
+        trainer.current_gradient_accumulation_steps = 2
+        loss = trainer.compute_loss(trainer.model, dict(batch))
+        loss.backward()
+        accounting = [trainer._step_forward_tokens, trainer._step_trained_tokens, trainer._step_samples]
+        results.append((loss.detach(), trainer.model.get_input_embeddings().weight.grad.clone(), accounting))
+    (trl_loss, trl_grad, trl_accounting), (loss, grad, accounting) = results
+    assert torch.allclose(loss, trl_loss, atol=1e-7) and trl_loss.abs() > 0
+    assert torch.allclose(grad, trl_grad, atol=1e-7)
+    assert accounting == trl_accounting
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The stand-in worker
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_group_advantages_and_summed_rewards_follow_trls_rules():
+    assert np.allclose(group_advantages([1.0, 0.0, math.nan, 1.0]),
+                       [(1 - 2 / 3) / (np.std([1, 0, 1]) + 1e-8), (0 - 2 / 3) / (np.std([1, 0, 1]) + 1e-8), 0.0,
+                        (1 - 2 / 3) / (np.std([1, 0, 1]) + 1e-8)])
+    assert summed_rewards([[1.0, None, None], [0.5, 2.0, None]])[:2] == [1.5, 2.0]
+    assert math.isnan(summed_rewards([[1.0, None, None], [0.5, 2.0, None]])[2])
+
+
+def take(worker, count, timeout=60.0):
+    return [worker.rollout_buffer.get(timeout=timeout) for _ in range(count)]
+
+
+def test_lagged_worker_samples_from_the_policy_k_versions_old():
+    lag = 2
+    worker = make_worker(lag=lag)
+    base = {name: value.clone() for name, value in worker.model.state_dict().items()}
+    versions = {}
+
+    def publish(version):
+        # every version has its own lm_head, so a sample's log-probs tell which version sampled it
+        weights = {name: value.clone() for name, value in base.items()}
+        weights["lm_head.weight"] = base["lm_head.weight"] * (1 + 0.3 * version)
+        versions[version] = weights
+        worker.receive_weights(weights)
+        worker.update_model_version(version)
+
+    publish(1)
+    worker.start()
+    try:
+        taken = [(1, sample) for sample in take(worker, 16)]  # the version-1 step and the one read ahead
+        for version in range(2, 7):
+            publish(version)
+            taken += [(version, sample) for sample in take(worker, 8)]
+        time.sleep(0.5)
+        assert worker.rollout_buffer.qsize() == 0  # lockstep: nothing beyond one step ahead
+    finally:
+        worker.stop()
+    model = AutoModelForCausalLM.from_pretrained(MODEL)
+    for version, sample in taken:
+        assert sample.model_version == max(1, version - lag)
+        model.load_state_dict(versions[sample.model_version], strict=False)
+        recomputed = reference_logps(model, [{"input_ids": sample.input_ids,
+                                              "completion_mask": sample.completion_mask}])[0]
+        stored = torch.as_tensor(sample.old_log_probs[sample.completion_mask == 1])
+        assert torch.allclose(recomputed, stored, atol=1e-4)
+
+
+def test_lagged_worker_takes_the_set_time_per_sample_and_reports_a_failing_reward():
+    worker = make_worker(lockstep=False, seconds_per_sample=0.1)
+    worker.receive_weights(dict(worker.model.state_dict()))
+    worker.update_model_version(1)
+    started = time.time()
+    worker.start()
+    try:
+        take(worker, 8)
+        assert time.time() - started >= 0.8
+    finally:
+        worker.stop()
+
+    def broken_reward(completions, **kwargs):
+        raise ValueError("reward service down")
+
+    worker = LaggedRolloutWorker(AutoModelForCausalLM.from_pretrained(MODEL), AutoTokenizer.from_pretrained(MODEL),
+                                 make_reasoning_dataset(4), broken_reward, num_generations=2, max_completion_length=4)
+    worker.receive_weights(dict(worker.model.state_dict()))
+    worker.update_model_version(1)
+    worker.start()
+    worker._thread.join(timeout=60)
+    with pytest.raises(RuntimeError, match="reward service down"):
+        worker.check_health(300)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training: no sample dropped, staleness recorded, the cap as TRL's rule
+# ---------------------------------------------------------------------------------------------------------
+
+
+def run_ahead(tmp_path, **config):
+    """Lockstep, but with two steps' samples generated ahead: from the second step on the trainer reads samples one
+    version old, first."""
+    worker = make_worker(samples_ahead=24)
+    trainer = build(AsyncTOPRTrainer, AsyncTOPRConfig(**async_kwargs(tmp_path, max_steps=4, **config)), worker)
+    trainer.train()
+    return trainer, worker
+
+
+def test_async_topr_keeps_every_stale_sample_and_a_cap_drops_them_as_trl_does(tmp_path):
+    trainer, worker = run_ahead(tmp_path / "keep")
+    assert 1 in trainer.staleness_counts and logged_values(trainer, "sample/dropped_stale_total") == []
+    trained = sum(logged_values(trainer, "batch/samples_per_step"))
+    read = sum(trainer.staleness_counts.values())
+    assert trained == 4 * 8 and read - trained <= 8  # at most the micro-batch read ahead is not trained
+    assert worker.samples_queued == read + worker.rollout_buffer.qsize()  # nothing lost
+    histogram = {key: sum(logged_values(trainer, key)) for entry in trainer.state.log_history for key in entry
+                 if key.startswith("sample/staleness_") and key.endswith("_total")}
+    assert histogram == {f"sample/staleness_{k}_total": float(v) for k, v in trainer.staleness_counts.items()}
+
+    capped, _ = run_ahead(tmp_path / "cap", max_staleness=0)
+    assert sum(logged_values(capped, "sample/dropped_stale_total")) > 0
+
+
+def test_reward_signal_trains_on_r_minus_c(tmp_path):
+    trainer = build(AsyncTOPRTrainer, AsyncTOPRConfig(**async_kwargs(tmp_path, topr_signal="reward",
+                                                                      topr_baseline=0.25, max_steps=1)))
+    source = trainer.rollout_queue
+
+    @dataclasses.dataclass
+    class Row:
+        model_version: int
+        metrics: dict
+        advantage: float
+
+    source.source.put(Row(0, {"reward": 1.0}, 0.7))
+    source.source.put(Row(0, {"reward": math.nan}, 0.7))
+    assert [source.get(timeout=1).advantage for _ in range(2)] == [0.75, 0.0]
+    trainer.train()
+    assert logged_values(trainer, "topr/effective_positive_proportion")
+
+
+def test_config_refuses_what_it_cannot_do(tmp_path):
+    with pytest.raises(ValueError, match="max_staleness"):
+        AsyncTOPRConfig(**async_kwargs(tmp_path, max_staleness=2.5))
+    with pytest.raises(ValueError, match="must be a number"):
+        AsyncTOPRConfig(**async_kwargs(tmp_path, topr_signal="reward", topr_baseline="group_mean"))
+    with pytest.raises(ValueError, match="loss_type"):
+        AsyncTOPRConfig(**async_kwargs(tmp_path, loss_type="grpo"))
+    with pytest.raises(TypeError, match="AsyncTOPRConfig"):
+        build(AsyncTOPRTrainer, AsyncGRPOConfig(**async_kwargs(tmp_path)))
+    config = AsyncTOPRConfig(**async_kwargs(tmp_path))
+    assert config.keeps_every_sample and AsyncTOPRConfig(**async_kwargs(tmp_path, max_staleness=3)).max_staleness == 3

@@ -1,0 +1,113 @@
+"""`AsyncTOPRConfig`: TRL's `AsyncGRPOConfig` with TOPR's loss, and no staleness cap by default."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+from trl.experimental.async_grpo import AsyncGRPOConfig
+
+from ..config import SIGNALS, TOPRConfig, check_choice, resolve_limits
+from ..loss import POLICY_LOSSES, RATIO_LEVELS, PolicyLossSpec, TruncationLimits
+
+# How the per-token loss of a micro-batch is reduced: the paper's per-trajectory mean of token means, or TRL's
+# asynchronous trainer's sum over the micro-batch's tokens divided by their number.
+ASYNC_AGGREGATIONS: tuple[str, ...] = ("seq-mean-token-mean", "global-token-mean")
+
+
+@dataclass
+class AsyncTOPRConfig(AsyncGRPOConfig):
+    r"""
+    Configuration for [`~topr_trl.asynchronous.AsyncTOPRTrainer`]: every field of TRL's `AsyncGRPOConfig`, with
+    `max_staleness` off by default, plus TOPR's loss fields (as in [`TOPRConfig`]).
+
+    Parameters:
+        max_staleness (`float`, *optional*, defaults to `inf`):
+            TRL's cap: a sample generated more than this many policy versions before the one being trained is dropped
+            (counted in `sample/dropped_stale_total`). `inf` keeps every sample: TOPR's truncated ratio weighs stale
+            samples instead. An integer restores TRL's rule. How far generation may run ahead is set by
+            `max_inflight_tasks` and `queue_maxsize`; with `max_inflight_tasks=-1` it defaults to TRL's default
+            pipeline depth, 4 optimizer steps of samples.
+        loss_type (`str`, *optional*, defaults to `"topr"`):
+            A loss of TOPR's registry (`topr_trl.loss.POLICY_LOSSES`): `"topr"` and Table 1's rows (`"sft"`,
+            `"naive_reinforce"`, `"off_policy_reinforce"`, `"tis"`), `"ppo"` (PPO clipping at `epsilon`,
+            `epsilon_high`), `"cispo_two_sided"`, `"kimi15"`.
+        topr_positive_lower (`float` or `None`, *optional*, defaults to `None`):
+            a+ of Eq. 7 (None: the loss type's). Likewise `topr_positive_upper` (b+), `topr_negative_lower` (a-) and
+            `topr_negative_upper` (b-).
+        topr_ratio_level (`str`, *optional*, defaults to `"sequence"`):
+            How pi/mu is formed: `"sequence"` (the paper: the product of the completion's token ratios, summed in log
+            space over its packed tokens), `"length_normalized"` or `"token"`.
+        topr_signal (`str`, *optional*, defaults to `"advantage"`):
+            `"advantage"`: the rollout worker's group advantage (TRL's, (r - mean) / (std + 1e-8)); `"reward"`: the
+            paper's R(tau) - c, from each sample's summed reward and `topr_baseline`.
+        topr_baseline (`float`, *optional*, defaults to `0.0`):
+            c, with `topr_signal="reward"`.
+        topr_loss_aggregation (`str`, *optional*, defaults to `"seq-mean-token-mean"`):
+            `"seq-mean-token-mean"` (the paper: each completion's loss divided by its length, averaged over the
+            step's completions) or `"global-token-mean"` (TRL's asynchronous trainer: divided by the tokens of the
+            micro-batch).
+    """
+
+    max_staleness: float = field(
+        default=math.inf,
+        metadata={"help": "Drop samples more than this many policy versions old (TRL's rule); inf (default) keeps "
+                          "every sample, weighed by TOPR's truncated ratio."},
+    )
+    loss_type: str = field(default="topr", metadata={"help": f"The loss: one of {list(POLICY_LOSSES)}."})
+    topr_positive_lower: float | None = field(default=None, metadata={"help": "a+ (None: the loss type's)."})
+    topr_positive_upper: float | None = field(default=None, metadata={"help": "b+, may be inf (None: loss type's)."})
+    topr_negative_lower: float | None = field(default=None, metadata={"help": "a- (None: the loss type's)."})
+    topr_negative_upper: float | None = field(default=None, metadata={"help": "b-, may be inf (None: loss type's)."})
+    topr_ratio_level: str = field(default="sequence", metadata={"help": f"How pi/mu is formed: {list(RATIO_LEVELS)}."})
+    topr_signal: str = field(
+        default="advantage", metadata={"help": "'advantage' (the worker's group advantage) or 'reward' (R - c)."})
+    topr_baseline: float = field(default=0.0, metadata={"help": "c, with topr_signal='reward'."})
+    topr_loss_aggregation: str = field(
+        default="seq-mean-token-mean", metadata={"help": f"Loss aggregation: {list(ASYNC_AGGREGATIONS)}."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_choice("loss_type", self.loss_type, tuple(POLICY_LOSSES))
+        check_choice("topr_ratio_level", self.topr_ratio_level, RATIO_LEVELS)
+        check_choice("topr_signal", self.topr_signal, SIGNALS)
+        check_choice("topr_loss_aggregation", self.topr_loss_aggregation, ASYNC_AGGREGATIONS)
+        self.topr_baseline = TOPRConfig._parse_baseline(self.topr_baseline)
+        if isinstance(self.topr_baseline, str):
+            raise ValueError(f"`topr_baseline` must be a number for the asynchronous trainer, got "
+                             f"{self.topr_baseline!r}: its samples arrive one at a time, not as a batch or a group "
+                             "(use topr_signal='advantage' for a group baseline).")
+        if self.topr_baseline != 0.0 and self.topr_signal == "advantage":
+            warnings.warn("topr_baseline is only used with topr_signal='reward'; with 'advantage' the group "
+                          "advantage already has its baseline subtracted.", UserWarning, stacklevel=3)
+        staleness = self.max_staleness
+        if not (isinstance(staleness, (int, float)) and (staleness == math.inf or
+                                                          (staleness >= 0 and float(staleness).is_integer()))):
+            raise ValueError(f"`max_staleness` must be a whole number of policy versions >= 0, or inf to keep every "
+                             f"sample; got {staleness!r}.")
+        if staleness != math.inf:
+            self.max_staleness = int(staleness)
+        limits = self.topr_limits  # validates the limits
+        if limits is not None and limits.negative_lower > 0:
+            warnings.warn(f"topr_negative_lower (a-) = {limits.negative_lower} > 0: the TOPR objective is then "
+                          "unbounded (Prop. 3.2 of the paper). Set topr_negative_lower=0 unless this is the point "
+                          "of the experiment.", UserWarning, stacklevel=3)
+
+    @property
+    def keeps_every_sample(self) -> bool:
+        return self.max_staleness == math.inf
+
+    @property
+    def topr_limits(self) -> TruncationLimits | None:
+        return resolve_limits(self)
+
+    @property
+    def policy_loss_spec(self) -> PolicyLossSpec:
+        return PolicyLossSpec(
+            loss_type=self.loss_type,
+            limits=self.topr_limits,
+            ratio_level=self.topr_ratio_level,
+            ppo_epsilon_low=float(self.epsilon),
+            ppo_epsilon_high=float(self.epsilon_high if self.epsilon_high is not None else self.epsilon),
+        )

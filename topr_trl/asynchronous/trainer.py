@@ -1,0 +1,186 @@
+"""`AsyncTOPRTrainer`: TRL's asynchronous GRPO trainer with TOPR's loss, keeping every stale sample.
+
+Generation and training are decoupled by TRL 1.16's `trl.experimental.async_grpo.AsyncGRPOTrainer`: a rollout worker
+fills a queue with scored samples (prompt + completion ids, mu's per-token log-probs, the reward, the policy version
+that generated them) while the trainer packs, trains and syncs weights. What this class changes:
+
+- the loss: TOPR's (Eq. 7) on each packed micro-batch (`topr_trl.loss.packed_topr_loss`): the sequence ratio is each
+  completion's sum of token log-ratios pi/mu over its packed tokens, truncated to [a+, b+] or [a-, b-] by the sign of
+  its signal, a stop-gradient weight; each completion's loss is divided by its length. No KL, no clipping;
+- the staleness cap: `AsyncTOPRConfig.max_staleness` is inf by default, so TRL's queue drops nothing;
+- the signal: the worker's group advantage, or the paper's R - c from each sample's reward (`ConsumedSamples`);
+- staleness is recorded for every sample and logged (TRL's `sample/staleness_mean`/`_max`, this class's histogram
+  `sample/staleness_<bin>_total`).
+
+Everything else (the worker, packing, batching, weight sync, checkpointing, metrics) is TRL's. `CPUSupport` lets it
+run without CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import Counter
+
+import torch
+from accelerate import PartialState
+from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+from ..loss import branch_losses, packed_topr_loss, unpack_segments
+from ..trainer import PolicyMetricsLogging, TOPRTrainer
+from .config import AsyncTOPRConfig
+from .cpu import CPUSupport
+
+# TRL's pipeline depth when its own default max_staleness (4) sizes max_inflight_tasks: optimizer steps of samples
+# the worker may have in flight. With no cap, the same depth keeps the same throughput and memory as TRL's default.
+DEFAULT_PIPELINE_DEPTH = 4
+# Histogram bins of staleness (policy versions), logged as sample/staleness_<bin>_total. A negative staleness (a
+# sample stamped with a version the trainer has not reached, e.g. a worker that outlived a restart) gets its own bin.
+STALENESS_BINS: tuple[tuple[float, float, str], ...] = (
+    (-math.inf, -1, "negative"), (0, 0, "0"), (1, 1, "1"), (2, 3, "2to3"), (4, 7, "4to7"), (8, 15, "8to15"), (16, 31, "16to31"),
+    (32, 63, "32to63"), (64, math.inf, "64plus"),
+)
+
+
+def staleness_bin(staleness: int) -> str:
+    return next(name for low, high, name in STALENESS_BINS if low <= staleness <= high)
+
+
+class ConsumedSamples:
+    """The rollout queue as the trainer's `RolloutQueueDataset` reads it (`get`, `qsize`): each sample's staleness
+    (trainer version minus the version that generated it) is counted in `staleness_counts` and logged as a histogram
+    bin, and with `reward_baseline` set its `advantage` becomes the paper's signal R - c (0 for an unscored sample)."""
+
+    def __init__(self, source, model_version_fn, metrics, reward_baseline: float | None = None):
+        self.source = source
+        self.model_version_fn = model_version_fn
+        self.metrics = metrics
+        self.reward_baseline = reward_baseline
+        self.staleness_counts: Counter[int] = Counter()
+
+    def get(self, block: bool = True, timeout: float | None = None):
+        sample = self.source.get(block, timeout)
+        staleness = self.model_version_fn() - sample.model_version
+        self.staleness_counts[staleness] += 1
+        self.metrics[f"sample/staleness_{staleness_bin(staleness)}_total"].append(1.0)
+        if self.reward_baseline is not None:
+            reward = sample.metrics.get("reward", math.nan)
+            signal = 0.0 if math.isnan(reward) else reward - self.reward_baseline
+            sample = dataclasses.replace(sample, advantage=signal)
+        return sample
+
+    def qsize(self) -> int:
+        return self.source.qsize()
+
+
+class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
+    """
+    Asynchronous TOPR: [`trl.experimental.async_grpo.AsyncGRPOTrainer`] with TOPR's loss and no stale sample thrown
+    away (see the module docstring). Same constructor as TRL's class; `args` is an [`AsyncTOPRConfig`].
+
+    On a CPU (no CUDA) it runs with a rollout worker of your own (TRL's `RolloutWorkerProtocol`), such as
+    [`~topr_trl.asynchronous.LaggedRolloutWorker`] with its `weight_transfer()`: TRL's default worker needs a vLLM
+    server and its weight sync NCCL.
+    """
+
+    _tag_names = ["trl", "async-grpo", "topr"]
+    _name = "AsyncTOPR"
+    _paper = TOPRTrainer._paper
+
+    def __init__(self, model: str, reward_funcs=None, args: AsyncTOPRConfig | None = None, *pargs, **kwargs):
+        if args is None:
+            args = AsyncTOPRConfig(f"{str(model).rstrip('/').split('/')[-1]}-AsyncTOPR")
+        if not isinstance(args, AsyncTOPRConfig):
+            raise TypeError(f"AsyncTOPRTrainer takes an AsyncTOPRConfig, got {type(args).__name__}: swap "
+                            "AsyncGRPOConfig for AsyncTOPRConfig (same fields, TOPR's loss, no staleness cap).")
+        if args.keeps_every_sample and args.max_inflight_tasks < 0:
+            # TRL sizes this from max_staleness (inf here); keep its default depth instead
+            args.max_inflight_tasks = DEFAULT_PIPELINE_DEPTH * args.per_device_train_batch_size * \
+                args.gradient_accumulation_steps * PartialState().num_processes
+        super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        self._loss_spec = args.policy_loss_spec
+        if self.accelerator.is_main_process:
+            self.rollout_queue = ConsumedSamples(
+                self.rollout_queue, lambda: self.model_version, self._metrics["train"],
+                reward_baseline=args.topr_baseline if args.topr_signal == "reward" else None)
+
+    @property
+    def staleness_counts(self) -> Counter[int]:
+        """How many samples the trainer received at each staleness (policy versions), over the whole run (main
+        process; empty elsewhere)."""
+        return self.rollout_queue.staleness_counts if isinstance(self.rollout_queue, ConsumedSamples) else Counter()
+
+    # ------------------------------------------------------------------ the loss
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TOPR's loss on one packed micro-batch of this rank, scaled as TRL scales its own: DDP averages the
+        gradients of the ranks and the micro-batches of a step are summed, so the rank's share is divided by the
+        micro-batch's completions (or tokens) per rank and by the accumulation steps."""
+        log_probs, entropy, selected, aux_loss = self._packed_forward(model, inputs)
+        behaviour_logps = inputs["old_log_probs"][selected]
+        token_signal = inputs["advantages"][selected]
+        segment_id = inputs["segment_id"][selected]
+        world_size = self.accelerator.num_processes
+        aggregation = {"mode": self.args.topr_loss_aggregation}
+        if aggregation["mode"] == "global-token-mean":
+            aggregation["num_tokens"] = (inputs["global_n_tokens"][0] / world_size).clamp(min=1.0)
+        if segment_id.numel() == 0:  # a row with nothing to train: a zero that still joins the gradient all-reduce
+            loss = log_probs.sum() * 0.0
+            self._account_step(inputs)
+            return loss
+        kwargs = {key: value for key, value in aggregation.items() if key != "mode"}
+        loss, terms, mask = packed_topr_loss(log_probs, behaviour_logps, token_signal, segment_id, self._loss_spec,
+                                             aggregation["mode"], **kwargs)
+        if aggregation["mode"] == "seq-mean-token-mean":
+            # the mean over this rank's completions, as a share of the micro-batch's mean over all completions
+            completions = inputs["global_n_forward_tokens"][0] / inputs["mean_seq_len"][0]
+            loss = loss * mask.size(0) / (completions / world_size).clamp(min=1.0)
+        loss = loss / self.current_gradient_accumulation_steps
+        if aux_loss is not None:  # TRL's: the router's load-balancing loss, scaled for accumulation like the loss
+            loss = loss + self.router_aux_loss_coef * aux_loss / self.current_gradient_accumulation_steps
+        with torch.no_grad():
+            entropies, _ = unpack_segments(entropy.detach(), segment_id)
+            signal, _ = unpack_segments(token_signal.to(log_probs.dtype), segment_id)
+            nonfinite, ratio_ranges = self._log_policy_metrics(
+                "train", terms, signal[:, :1], mask, entropies, terms.per_token_loss, aggregation, loss)
+        if nonfinite:
+            self._on_nonfinite_loss(nonfinite, ratio_ranges)
+        self._account_step(inputs)
+        return loss
+
+    # ------------------------------------------------------------------ MIRROR of TRL 1.16.0
+    # `AsyncGRPOTrainer.compute_loss` is one method: the packed forward, its PPO loss and metrics, and the step's
+    # accounting. The forward and the accounting are copied here from it, unchanged, so that the loss between them
+    # can be TOPR's; tests/test_async.py holds this copy to TRL's method (same loss and gradient for PPO clipping).
+    def _packed_forward(self, model, inputs):
+        """The packed forward of `AsyncGRPOTrainer.compute_loss`: per-token log-probs and entropies of the trained
+        tokens of this rank's row (inter-rank padding stripped), the mask selecting their loss terms, and the MoE
+        router's auxiliary loss (None unless enabled)."""
+        mask_bool = inputs["attention_mask"].bool()
+        selected = inputs["token_index"] >= 0
+        input_ids = inputs["input_ids"][mask_bool].unsqueeze(0)
+        position_ids = inputs["position_ids"][mask_bool].unsqueeze(0)
+        shift_labels = inputs["shift_labels"][mask_bool].unsqueeze(0)
+        token_index = inputs["token_index"][selected]
+        tree_kwargs = {
+            key: inputs[key][inputs[key] >= 0] for key in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")
+        }
+        tree_kwargs["tree_max_seqlen_q"], tree_kwargs["tree_max_seqlen_k"] = inputs["tree_max_seqlens"][0].tolist()
+        forward_start = time.time()
+        router_kwargs = {"output_router_logits": True} if self.aux_loss_enabled else {}
+        outputs = model(input_ids=input_ids, position_ids=position_ids, shift_labels=shift_labels, fused_lm_head=True,
+                        **router_kwargs, **tree_kwargs)
+        self._last_forward_time_s = time.time() - forward_start
+        aux_loss = outputs.aux_loss if self.aux_loss_enabled else None
+        return outputs.log_probs.flatten()[token_index], outputs.entropy.flatten()[token_index], selected, aux_loss
+
+    def _account_step(self, inputs) -> None:
+        """The per-step accounting at the end of `AsyncGRPOTrainer.compute_loss` (flushed by its `_log_step_metrics`)."""
+        n_forward_tokens = float(inputs["global_n_forward_tokens"][0])
+        mean_seq_len = float(inputs["mean_seq_len"][0])
+        self._step_forward_tokens += n_forward_tokens
+        self._step_trained_tokens += float(inputs["global_n_tokens"][0])
+        self._step_seq_len_weighted += mean_seq_len * n_forward_tokens
+        self._step_samples += n_forward_tokens / mean_seq_len
+        self._step_forward_s += self._last_forward_time_s
+
