@@ -313,3 +313,54 @@ def test_config_refuses_what_it_cannot_do(tmp_path):
         build(AsyncTOPRTrainer, AsyncGRPOConfig(**async_kwargs(tmp_path)))
     config = AsyncTOPRConfig(**async_kwargs(tmp_path))
     assert config.keeps_every_sample and AsyncTOPRConfig(**async_kwargs(tmp_path, max_staleness=3)).max_staleness == 3
+
+
+def test_the_trained_model_still_generates_like_the_base_model(tmp_path):
+    """On a CPU the trainer's attention is the tree attention in PyTorch; without tree arguments it is SDPA, so the
+    policy generates (evaluation, saving, the CLI's before/after) exactly as the model loaded on its own."""
+    trainer = build(AsyncTOPRTrainer, AsyncTOPRConfig(**async_kwargs(tmp_path)))
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    batch = tokenizer(["12+5=", "905+88="], padding=True, padding_side="left", return_tensors="pt")
+    plain = AutoModelForCausalLM.from_pretrained(MODEL)
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    assert policy.config._attn_implementation == "tree_sdpa"
+    with torch.no_grad():
+        assert torch.allclose(policy(**batch).logits, plain(**batch).logits, atol=1e-5)
+        assert torch.equal(policy.generate(**batch, max_new_tokens=8, do_sample=False),
+                           plain.generate(**batch, max_new_tokens=8, do_sample=False))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_train_command_runs_asynchronous_topr_and_saves_a_model_that_loads_anywhere(tmp_path):
+    import json
+
+    from tests.conftest import saved_model_accuracy
+    from topr_trl.cli import main
+
+    output = tmp_path / "run"
+    main(["train", "--asynchronous", "--async_lag", "1", "--max_steps", "3", "--task_train_prompts", "16",
+          "--task_eval_prompts", "8", "--warm_start_accuracy", "0", "--base_model_dir", str(tmp_path / "base"),
+          "--output_dir", str(output), "--per_device_train_batch_size", "8", "--num_generations", "4"])
+    summary = json.loads((output / "topr_summary.json").read_text())
+    assert summary["steps"] == 3 and summary["asynchronous"]["dropped"] == 0
+    counts = {int(k): v for k, v in summary["asynchronous"]["staleness_counts"].items()}
+    assert sum(counts.values()) >= 3 * 8 and max(counts) >= 1  # the lag of 1 shows up as staleness
+    # the saved model loads with its ordinary attention and scores what the run reported
+    assert "tree" not in json.loads((output / "config.json").read_text()).get("_attn_implementation", "")
+    assert summary["after"] == saved_model_accuracy(output, 8)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--beta", "0.1"], "`beta`=0.1 has no effect on the asynchronous trainer"),
+    (["--loss_type", "grpo"], "loss_type"),
+    (["--async_max_staleness", "2.5"], "max_staleness"),
+])
+def test_train_command_refuses_what_the_asynchronous_trainer_cannot_do(tmp_path, flags, message):
+    from topr_trl.cli import main
+
+    with pytest.raises(SystemExit, match=message):
+        main(["train", "--asynchronous", "--dry_run", "true", "--output_dir", str(tmp_path / "run"), *flags])

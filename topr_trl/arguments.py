@@ -82,6 +82,24 @@ class TrainScriptArguments(TaskArguments):
         default=False, metadata={"help": "Train into an output_dir that holds a finished run (it is refused "
                                          "otherwise)."}
     )
+    asynchronous: bool = field(
+        default=False,
+        metadata={"help": "Asynchronous TOPR (topr_trl.asynchronous.AsyncTOPRTrainer on TRL's AsyncGRPOTrainer): "
+                          "a rollout worker generates ahead of training and no stale sample is dropped. Here the "
+                          "worker is the stand-in that samples from the policy in this process (a second copy of "
+                          "the model); see the README for TRL's vLLM worker on a GPU."},
+    )
+    async_pipeline_steps: int = field(
+        default=4, metadata={"help": "--asynchronous: optimizer steps of samples the worker may generate ahead."})
+    async_lag: int = field(
+        default=0, metadata={"help": "--asynchronous: sample from the policy this many versions older (a "
+                                     "controlled staleness, for experiments)."})
+    async_seconds_per_sample: float = field(
+        default=0.0, metadata={"help": "--asynchronous: the least time the worker spends per completion (stands in "
+                                       "for an inference server's speed)."})
+    async_max_staleness: float = field(
+        default=float("inf"), metadata={"help": "--asynchronous: drop samples more than this many policy versions "
+                                                "old (TRL's rule); inf keeps every sample."})
 
 
 @dataclass

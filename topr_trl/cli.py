@@ -73,11 +73,15 @@ def train(argv: list[str]) -> dict:
         from .offline import stored_reward
 
         reward_funcs = [stored_reward]
+    async_args = _asynchronous_config(script_args, training_args, model_args, eval_dataset) \
+        if script_args.asynchronous else None
     if script_args.dry_run:
         print(f"[topr-trl] configuration valid: task={task} model={model or 'built-in tiny model'} "
               f"loss_type={training_args.loss_type} limits={training_args.topr_limits} "
               f"rewards={[f.__name__ for f in reward_funcs]} offline_dataset={script_args.offline_dataset} "
-              f"output_dir={training_args.output_dir}")
+              f"output_dir={training_args.output_dir}"
+              + (f" asynchronous: max_staleness={async_args.max_staleness} pipeline_steps="
+                 f"{script_args.async_pipeline_steps} lag={script_args.async_lag}" if async_args else ""))
         return {"dry_run": True}
     if offline:
         train_dataset, eval_dataset = offline_data, offline_eval
@@ -86,9 +90,12 @@ def train(argv: list[str]) -> dict:
     from .trainer import TOPRTrainer
 
     with removed_if_left_empty(training_args.output_dir):
-        trainer = TOPRTrainer(model=model, reward_funcs=reward_funcs, args=training_args,
-                              train_dataset=train_dataset, eval_dataset=eval_dataset,
-                              peft_config=get_peft_config(model_args))
+        if async_args is not None:
+            trainer = _asynchronous_trainer(script_args, async_args, model, reward_funcs, train_dataset)
+        else:
+            trainer = TOPRTrainer(model=model, reward_funcs=reward_funcs, args=training_args,
+                                  train_dataset=train_dataset, eval_dataset=eval_dataset,
+                                  peft_config=get_peft_config(model_args))
         summary: dict = {"output_dir": training_args.output_dir, "model": model, "task": task,
                          "machine": machine_info()}
         say(f"measured on {describe_machine(summary['machine'])}")
@@ -101,6 +108,8 @@ def train(argv: list[str]) -> dict:
             summary["after"] = held_out_accuracy(trainer, held_out, task)
             say(f"after training:  {describe_accuracy(summary['after'], len(held_out))}")
         summary["steps"] = trainer.state.global_step
+        if async_args is not None:
+            summary["asynchronous"] = _asynchronous_summary(trainer)
         summary["end_of_training"] = last_logged(trainer.state.log_history, SUMMARY_METRICS)
         if summary["end_of_training"]:
             say("at the end of training: " + ", ".join(
@@ -113,6 +122,51 @@ def train(argv: list[str]) -> dict:
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.offline_dataset or script_args.dataset_name)
     return summary
+
+
+def _asynchronous_config(script_args, training_args, model_args, eval_dataset):
+    """`--asynchronous`: the run's TOPRConfig as an AsyncTOPRConfig, or a one-line exit saying what it cannot do."""
+    refused = {"--offline_dataset": script_args.offline_dataset is not None, "--use_peft": model_args.use_peft,
+               "an eval_strategy (TRL's asynchronous trainer has no evaluation loop)": eval_dataset is not None,
+               "--resume_from_checkpoint": bool(training_args.resume_from_checkpoint)}
+    for what, given in refused.items():
+        if given:
+            raise SystemExit(f"topr-trl: --asynchronous does not take {what}; drop it, or train without "
+                             "--asynchronous.")
+    from .asynchronous.config import async_config_from
+
+    try:
+        return async_config_from(training_args, max_staleness=script_args.async_max_staleness, token_budget=0,
+                                 eval_strategy="no")
+    except ValueError as error:
+        raise SystemExit(f"topr-trl: --asynchronous: {error}") from None
+
+
+def _asynchronous_trainer(script_args, async_args, model, reward_funcs, train_dataset):
+    from .asynchronous import AsyncTOPRTrainer
+    from .asynchronous.runs import WorkerSettings, build_async_trainer
+
+    say(f"asynchronous: the worker generates up to {script_args.async_pipeline_steps} steps ahead"
+        + (f", {script_args.async_lag} policy versions behind" if script_args.async_lag else "")
+        + ("" if async_args.keeps_every_sample else f"; samples over {async_args.max_staleness} versions old are "
+           "dropped"))
+    worker = WorkerSettings(lag=script_args.async_lag, seconds_per_sample=script_args.async_seconds_per_sample,
+                            pipeline_steps=script_args.async_pipeline_steps)
+    try:
+        return build_async_trainer(AsyncTOPRTrainer, str(model), reward_funcs, async_args, train_dataset, worker)
+    except ValueError as error:
+        raise SystemExit(f"topr-trl: --asynchronous: {error}") from None
+
+
+def _asynchronous_summary(trainer) -> dict:
+    """What the asynchronous run trained on: samples per staleness, samples dropped (0 unless capped)."""
+    counts = dict(sorted(trainer.staleness_counts.items()))
+    dropped = sum(entry.get("sample/dropped_stale_total") or 0 for entry in trainer.state.log_history)
+    read = sum(counts.values())
+    mean = sum(k * v for k, v in counts.items()) / read if read else float("nan")
+    say(f"asynchronous: {read} samples read, staleness mean {mean:.2f}, max {max(counts, default=0)} policy "
+        f"versions; {dropped:g} dropped")
+    return {"staleness_counts": {str(k): v for k, v in counts.items()}, "staleness_mean": mean, "dropped": dropped}
 
 
 def generate(argv: list[str]) -> dict:

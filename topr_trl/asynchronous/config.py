@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -111,3 +112,35 @@ class AsyncTOPRConfig(AsyncGRPOConfig):
             ppo_epsilon_low=float(self.epsilon),
             ppo_epsilon_high=float(self.epsilon_high if self.epsilon_high is not None else self.epsilon),
         )
+
+
+# TOPRConfig fields with no counterpart in the asynchronous trainer, and the value that means "not used".
+_SYNCHRONOUS_ONLY = {"beta": 0.0, "num_iterations": 1, "use_vllm": False, "topr_behaviour_model": None,
+                     "topr_target_effective_proportion": None, "topr_offline_epochs": 1.0}
+
+
+def async_config_from(args: TOPRConfig, **overrides) -> AsyncTOPRConfig:
+    """The `AsyncTOPRConfig` of a run configured as a `TOPRConfig` (the command line's `--asynchronous`): every field
+    the two share, then `overrides`. A field only the synchronous trainer reads, set to something that matters,
+    fails in one line naming it."""
+    for name, unused in _SYNCHRONOUS_ONLY.items():
+        value = getattr(args, name, unused)
+        if value != unused:
+            raise ValueError(f"`{name}`={value!r} has no effect on the asynchronous trainer: drop it (or train "
+                             "without --asynchronous).")
+    if args.topr_signal == "reward" and isinstance(args.topr_baseline, str):
+        raise ValueError(f"`topr_baseline`={args.topr_baseline!r}: the asynchronous trainer takes a number (its "
+                         "samples arrive one at a time); use topr_signal='advantage' for a group baseline.")
+    own = {f.name for f in dataclasses.fields(AsyncTOPRConfig) if f.init}
+    # what the run set (a recipe, a config file, a flag): a field left at TOPRConfig's default takes the asynchronous
+    # config's own (the two disagree on some, e.g. vllm_server_base_url)
+    shared = {f.name: getattr(args, f.name) for f in dataclasses.fields(type(args))
+              if f.init and f.name in own and getattr(args, f.name) != _default(f)}
+    shared.pop("max_staleness", None)
+    return AsyncTOPRConfig(**{**shared, **overrides})
+
+
+def _default(field_):
+    if field_.default is not dataclasses.MISSING:
+        return field_.default
+    return field_.default_factory() if field_.default_factory is not dataclasses.MISSING else dataclasses.MISSING

@@ -19,7 +19,8 @@ import importlib
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 TRL_ASYNC_TRAINER_MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
 TREE_ATTENTION_SDPA = "tree_sdpa"
@@ -47,12 +48,17 @@ def tree_attention_mask(
 
 
 def tree_attention_sdpa(
-    module, query, key, value, attention_mask, *, tree_kv_index, tree_cu_seqlens_q, tree_cu_seqlens_k,
+    module, query, key, value, attention_mask, *, tree_kv_index=None, tree_cu_seqlens_q=None, tree_cu_seqlens_k=None,
     tree_max_seqlen_q=None, tree_max_seqlen_k=None, scaling=None, sliding_window=None, softcap=None, **kwargs,
 ):
     """TRL's `packing.tree_attention` (same arguments, same output) computed by `torch.nn.functional.
     scaled_dot_product_attention` with an explicit mask instead of FlashAttention-3's varlen kernel: every segment's
-    queries attend to the keys and values gathered along its root-to-segment path (`tree_kv_index`)."""
+    queries attend to the keys and values gathered along its root-to-segment path (`tree_kv_index`). Called without
+    the tree arguments (generation, evaluation, a plain forward) it is transformers' own SDPA attention, so the
+    trained model generates as before."""
+    if tree_kv_index is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      sliding_window=sliding_window, **kwargs)
     if softcap:
         raise NotImplementedError("tree_attention_sdpa: attention logit soft-capping is not implemented (the model "
                                   "sets `attn_logit_softcapping`); train it on a GPU with TRL's tree_fa3 attention.")
@@ -72,7 +78,8 @@ def tree_attention_sdpa(
 
 def register_tree_attention_sdpa() -> None:
     AttentionInterface.register(TREE_ATTENTION_SDPA, tree_attention_sdpa)
-    AttentionMaskInterface.register(TREE_ATTENTION_SDPA, lambda **kwargs: None)
+    # the packed forward ignores the mask (its tree arguments say what each token sees); everything else needs SDPA's
+    AttentionMaskInterface.register(TREE_ATTENTION_SDPA, sdpa_mask)
 
 
 @contextlib.contextmanager

@@ -107,6 +107,7 @@ class LaggedRolloutWorker:
         samples_ahead: int | None = None,
         max_queued_samples: int = 256,
         chat_template_kwargs: dict | None = None,
+        generation_kwargs: dict | None = None,
         seed: int = 0,
     ):
         if lag < 0 or int(lag) != lag:
@@ -127,6 +128,7 @@ class LaggedRolloutWorker:
         self.lockstep = lockstep
         self.samples_per_version = samples_per_version
         self.samples_ahead = samples_per_version if samples_ahead is None else samples_ahead
+        self.generation_kwargs = dict(generation_kwargs or {})  # extra `generate` arguments, e.g. min_new_tokens
         self.rows = [dict(row) for row in dataset]
         if not self.rows:
             raise ValueError("the rollout worker's dataset has no rows.")
@@ -263,7 +265,8 @@ class LaggedRolloutWorker:
             torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._generator)))
             completions = generate_completions(
                 self.model, self.tokenizer, [prompt_ids] * self.num_generations,
-                max_new_tokens=self.max_completion_length, temperature=self.temperature, with_logps=True)
+                max_new_tokens=self.max_completion_length, temperature=self.temperature, with_logps=True,
+                **self.generation_kwargs)
         texts = [self.tokenizer.decode(c["completion_ids"], skip_special_tokens=True) for c in completions]
         prompt = row["prompt"]
         completion_messages = [[{"role": "assistant", "content": text}] for text in texts] \

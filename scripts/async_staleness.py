@@ -1,0 +1,242 @@
+"""Accuracy against staleness for asynchronous training on the reasoning testbed: TOPR keeping every sample against
+TRL's AsyncGRPOTrainer as shipped (dropping stale samples) and GRPO-clip keeping them.
+
+Every run trains the reasoning testbed's warm model (`topr_trl.tasks.reasoning`, as scripts/staleness.py) with a
+trainer of TRL's asynchronous family fed by the stand-in worker (`topr_trl.asynchronous.LaggedRolloutWorker`) in
+lockstep with lag K: the samples of each step come from the policy K versions before the newest one, so TRL's
+staleness counter reads K for every sample once K versions exist (and the sample is trained one optimizer step
+after it is read: TRL's dataloader reads one micro-batch ahead). Methods:
+
+    async_topr        AsyncTOPRTrainer, defaults: TOPR's loss (Eq. 7, group-advantage signal), no staleness cap
+    async_grpo_drop   trl.experimental.async_grpo.AsyncGRPOTrainer as shipped: token-level PPO clipping at
+                      epsilon 0.2 and max_staleness=4 (a sample more than 4 versions old is dropped)
+    async_grpo_keep   the same trainer with max_staleness=10**9: GRPO-clip keeping every sample
+
+(TRL's trainer runs on a CPU through `topr_trl.asynchronous.cpu.cpu_capable`; nothing else of it is changed.) With
+K > 4 the dropping trainer gets no sample it accepts once K versions exist: the lockstep worker then waits for a
+new version that never comes and the run stops at TRL's heartbeat check (`--heartbeat` seconds); the steps it
+trained are recorded, and the model is evaluated as it stands.
+
+Held-out sampled pass@1 (temperature 1, --eval_samples per problem on --eval_prompts problems of the held-out split,
+disjoint from the training prompts) at --checkpoints evenly spaced steps; the robust statistic reported per run is
+the mean of its last two checkpoints. Per (method, K): mean and 95 % t-interval over seeds, samples dropped, steps
+trained, and the first checkpoint whose seed-mean pass@1 reaches the final pass@1 of async_topr at K=0 (the
+synchronous reference: lockstep, no lag), with its training seconds (evaluation excluded). One torch thread.
+
+    # two lanes, one per core (as measured: about 30 minutes each)
+    S=scripts/async_staleness.py O=outputs/async_staleness
+    (OMP_NUM_THREADS=1 .venv/bin/python $S --seeds 0 1 2 --methods async_topr async_grpo_keep --output $O/a1 &&
+     OMP_NUM_THREADS=1 .venv/bin/python $S --seeds 0 1 --methods async_grpo_drop --output $O/a2) &
+    (OMP_NUM_THREADS=1 .venv/bin/python $S --seeds 3 4 --methods async_topr async_grpo_keep --output $O/b1 &&
+     OMP_NUM_THREADS=1 .venv/bin/python $S --seeds 2 3 4 --methods async_grpo_drop --output $O/b2) &
+    wait; .venv/bin/python $S --merge $O/a1.json $O/a2.json $O/b1.json $O/b2.json --output docs/async_staleness
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/async_staleness.py --smoke --output /tmp/async_staleness_smoke
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from experiments import (  # noqa: E402
+    experiment_parser, held_out_pass_at_1, mean_and_ci95, parse_testbed_options, prepare_testbed, save,
+)
+
+METHODS = {
+    "async_topr": "AsyncTOPRTrainer (TOPR, keeps every sample)",
+    "async_grpo_drop": "AsyncGRPOTrainer as shipped (PPO-clip, drops samples > 4 versions old)",
+    "async_grpo_keep": "AsyncGRPOTrainer, max_staleness=10**9 (PPO-clip, keeps every sample)",
+}
+SMOKE = dict(seeds=[0], steps=6, batch_size=16, lags=[0, 8], eval_prompts=32, eval_samples=2, checkpoints=2,
+             heartbeat=5.0, methods=["async_topr", "async_grpo_drop"])
+
+
+def parse(argv):
+    parser = experiment_parser(__doc__, output="docs/async_staleness", epochs=None, eval_prompts=500, methods=METHODS)
+    parser.set_defaults(seeds=[0, 1, 2, 3, 4])
+    parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 4, 16, 64])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--num_generations", type=int, default=8)
+    parser.add_argument("--checkpoints", type=int, default=3)
+    parser.add_argument("--heartbeat", type=float, default=10.0,
+                        help="seconds without a sample after which a run stops (TRL's heartbeat check)")
+    parser.add_argument("--merge", nargs="+", help="merge these result files (of disjoint seeds) and summarise")
+    parser.add_argument("--smoke", action="store_true")
+    if "--merge" in argv:
+        return parser.parse_args(argv)
+    return parse_testbed_options(parser, argv, SMOKE)
+
+
+def run_one(method, lag, options, seed, base_path, held_out, work: Path) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer
+    from topr_trl.asynchronous.cpu import cpu_capable
+    from topr_trl.asynchronous.runs import WorkerSettings, build_async_trainer
+    from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
+
+    prompts = make_reasoning_dataset(options.steps * options.batch_size // options.num_generations, options.digits,
+                                     "train", seed=seed)
+    common = dict(output_dir=str(work / f"{method}-k{lag}-seed{seed}"), per_device_train_batch_size=options.batch_size,
+                  num_generations=options.num_generations, max_completion_length=max_completion_tokens(options.digits),
+                  temperature=1.0, learning_rate=options.learning_rate, max_grad_norm=1.0, max_steps=options.steps,
+                  token_budget=0, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
+                  seed=seed, disable_tqdm=True, heartbeat_stale_after_s=options.heartbeat)
+    if method == "async_topr":
+        trainer_class, config = AsyncTOPRTrainer, AsyncTOPRConfig(**common)
+    else:
+        staleness = 4 if method == "async_grpo_drop" else 10**9
+        trainer_class, config = cpu_capable(AsyncGRPOTrainer), AsyncGRPOConfig(max_staleness=staleness, **common)
+    torch.manual_seed(seed)
+    evaluator = AutoModelForCausalLM.from_pretrained(base_path)  # the policy's weights, with generation's attention
+    curve, clock = [], {"training": 0.0, "since": time.time()}
+    checkpoints = {max(1, round(options.steps * i / options.checkpoints)) for i in range(1, options.checkpoints + 1)}
+
+    def evaluate(trainer, step):
+        clock["training"] += time.time() - clock["since"]
+        evaluator.load_state_dict(trainer.accelerator.unwrap_model(trainer.model).state_dict(), strict=False)
+        point = {"step": step, "seconds": clock["training"],
+                 **held_out_pass_at_1(evaluator, trainer.processing_class, held_out, options)}
+        curve.append(point)
+        print(f"[async_staleness] {method} K={lag} seed {seed} step {step:>3} {clock['training']:6.1f}s "
+              f"pass@1 {point['pass@1']:.3f}", flush=True)
+        clock["since"] = time.time()
+
+    class Checkpoints(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step in checkpoints:
+                evaluate(trainer, state.global_step)
+
+    trainer = build_async_trainer(trainer_class, str(base_path), reasoning_reward, config, prompts,
+                                  WorkerSettings(lag=lag, lockstep=True), callbacks=[Checkpoints()])
+    trainer.remove_callback(PrinterCallback)
+    stalled = None
+    try:
+        trainer.train()
+    except RuntimeError as error:  # TRL's heartbeat check: no acceptable sample arrived
+        stalled = str(error)
+        trainer.rollout_worker.stop()
+        if not curve or curve[-1]["step"] != trainer.state.global_step:
+            evaluate(trainer, trainer.state.global_step)
+    history = trainer.state.log_history
+    return {
+        "steps": trainer.state.global_step, "stalled": stalled, "curve": curve,
+        "dropped": sum(entry.get("sample/dropped_stale_total") or 0 for entry in history),
+        "trained_samples": sum(entry.get("batch/samples_per_step") or 0 for entry in history),
+        "staleness_mean": statistics.mean([entry["sample/staleness_mean"] for entry in history
+                                           if entry.get("sample/staleness_mean") is not None] or [math.nan]),
+        "robust_pass@1": statistics.mean(point["pass@1"] for point in curve[-2:]),
+        "final_pass@1": curve[-1]["pass@1"],
+    }
+
+
+def summarise(runs: dict, methods, lags) -> dict:
+    summary = {}
+    reference = [run["final_pass@1"] for run in runs.values() if run["method"] == "async_topr" and run["lag"] == 0]
+    target = statistics.mean(reference) if reference else None
+    for method in methods:
+        for lag in lags:
+            chosen = [run for run in runs.values() if run["method"] == method and run["lag"] == lag]
+            if not chosen:
+                continue
+            entry = {"robust_pass@1": mean_and_ci95([run["robust_pass@1"] for run in chosen]),
+                     "final_pass@1": mean_and_ci95([run["final_pass@1"] for run in chosen]),
+                     "dropped_mean": statistics.mean(run["dropped"] for run in chosen),
+                     "steps_mean": statistics.mean(run["steps"] for run in chosen),
+                     "stalled_runs": sum(run["stalled"] is not None for run in chosen),
+                     "staleness_mean": statistics.mean(run["staleness_mean"] for run in chosen),
+                     "seeds": sorted(run["seed"] for run in chosen)}
+            if target is not None:
+                by_step = {}
+                for run in chosen:
+                    for point in run["curve"]:
+                        by_step.setdefault(point["step"], []).append(point)
+                reached = [(step, points) for step, points in sorted(by_step.items())
+                           if len(points) == len(chosen) and statistics.mean(p["pass@1"] for p in points) >= target]
+                entry["reaches_sync_final"] = None if not reached else {
+                    "step": reached[0][0], "training_seconds": statistics.mean(p["seconds"] for p in reached[0][1])}
+            summary[f"{method}/k{lag}"] = entry
+    return {"sync_reference_final_pass@1": target, "by_method_and_lag": summary}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = results["summary"]["by_method_and_lag"]
+    lags = results["options"]["lags"]
+    figure, axis = plt.subplots(figsize=(6.5, 4))
+    for method in results["options"]["methods"]:
+        points = [(lag, summary[f"{method}/k{lag}"]["robust_pass@1"]) for lag in lags if f"{method}/k{lag}" in summary]
+        positions = [lags.index(lag) for lag, _ in points]
+        axis.errorbar(positions, [p["mean"] for _, p in points], yerr=[p["ci95"] for _, p in points], marker="o",
+                      capsize=3, label=METHODS[method])
+    if results.get("base"):
+        axis.axhline(results["base"]["pass@1"], color="grey", linestyle=":", label="base model")
+    axis.set_xticks(range(len(lags)), [str(lag) for lag in lags])
+    axis.set_xlabel("lag K of the behaviour policy (policy versions)")
+    axis.set_ylabel("held-out sampled pass@1 (mean of last 2 checkpoints)")
+    axis.set_title(f"Asynchronous training against staleness ({len(results['options']['seeds'])} seeds, 95% CI)")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def merge(options) -> dict:
+    parts = [json.loads(Path(name).read_text()) for name in options.merge]
+    results = parts[0]
+    for part in parts[1:]:
+        results["runs"].update(part["runs"])
+    runs = results["runs"].values()
+    results["options"]["seeds"] = sorted({run["seed"] for run in runs})
+    results["options"]["methods"] = [method for method in METHODS if any(run["method"] == method for run in runs)]
+    results["options"]["lags"] = sorted({run["lag"] for run in runs})
+    results["merged_from"] = options.merge
+    results["summary"] = summarise(results["runs"], results["options"]["methods"], results["options"]["lags"])
+    results["options"]["output"] = options.output
+    return results
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    options = parse(argv)
+    if options.merge:
+        results = merge(options)
+        save(results, options, plot)
+        return results
+    started = time.time()
+    model, tokenizer, base_path, held_out, results = prepare_testbed(options)
+    results["base"] = held_out_pass_at_1(model, tokenizer, held_out, options)
+    print(f"[async_staleness] base pass@1 {results['base']['pass@1']:.3f}", flush=True)
+    work = Path(options.work_dir) / "async-staleness-runs"
+    for seed in options.seeds:
+        for method in options.methods:
+            for lag in options.lags:
+                outcome = run_one(method, lag, options, seed, base_path, held_out, work)
+                results["runs"][f"{method}/k{lag}/seed{seed}"] = {"method": method, "lag": lag, "seed": seed,
+                                                                  **outcome}
+                Path(options.output + ".json").parent.mkdir(parents=True, exist_ok=True)
+                Path(options.output + ".json").write_text(json.dumps(results, indent=1))  # progress kept
+    results["summary"] = summarise(results["runs"], options.methods, options.lags)
+    results["seconds"] = time.time() - started
+    save(results, options, plot)
+    return results
+
+
+if __name__ == "__main__":
+    main()
