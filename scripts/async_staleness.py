@@ -11,6 +11,9 @@ after it is read: TRL's dataloader reads one micro-batch ahead). Methods:
     async_grpo_drop   trl.experimental.async_grpo.AsyncGRPOTrainer as shipped: token-level PPO clipping at
                       epsilon 0.2 and max_staleness=4 (a sample more than 4 versions old is dropped)
     async_grpo_keep   the same trainer with max_staleness=10**9: GRPO-clip keeping every sample
+    async_topr_token_mean  the control: AsyncTOPRTrainer with TRL's aggregation (the sum over the micro-batch's
+                      tokens divided by their number) instead of the paper's mean over completions of the mean over
+                      each completion's tokens: what is TOPR's loss and what is the aggregation
 
 (TRL's trainer runs on a CPU through `topr_trl.asynchronous.cpu.cpu_capable`; nothing else of it is changed.) With
 K > 4 the dropping trainer gets no sample it accepts once K versions exist: the lockstep worker then waits for a
@@ -56,6 +59,7 @@ METHODS = {
     "async_topr": "AsyncTOPRTrainer (TOPR, keeps every sample)",
     "async_grpo_drop": "AsyncGRPOTrainer as shipped (PPO-clip, drops samples > 4 versions old)",
     "async_grpo_keep": "AsyncGRPOTrainer, max_staleness=10**9 (PPO-clip, keeps every sample)",
+    "async_topr_token_mean": "AsyncTOPRTrainer, loss over the micro-batch's tokens (TRL's aggregation)",
 }
 SMOKE = dict(seeds=[0], steps=6, batch_size=16, lags=[0, 8], eval_prompts=32, eval_samples=2, checkpoints=2,
              heartbeat=5.0, methods=["async_topr", "async_grpo_drop"])
@@ -96,6 +100,9 @@ def run_one(method, lag, options, seed, base_path, held_out, work: Path) -> dict
                   seed=seed, disable_tqdm=True, heartbeat_stale_after_s=options.heartbeat)
     if method == "async_topr":
         trainer_class, config = AsyncTOPRTrainer, AsyncTOPRConfig(**common)
+    elif method == "async_topr_token_mean":
+        trainer_class = AsyncTOPRTrainer
+        config = AsyncTOPRConfig(topr_loss_aggregation="global-token-mean", **common)
     else:
         staleness = 4 if method == "async_grpo_drop" else 10**9
         trainer_class, config = cpu_capable(AsyncGRPOTrainer), AsyncGRPOConfig(max_staleness=staleness, **common)
@@ -133,7 +140,9 @@ def run_one(method, lag, options, seed, base_path, held_out, work: Path) -> dict
     history = trainer.state.log_history
     return {
         "steps": trainer.state.global_step, "stalled": stalled, "curve": curve,
-        "dropped": sum(entry.get("sample/dropped_stale_total") or 0 for entry in history),
+        # logged, plus what TRL's sink holds for the next log (a stalled run stops before logging its drops)
+        "dropped": sum(entry.get("sample/dropped_stale_total") or 0 for entry in history)
+        + sum(trainer._metrics["train"].get("sample/dropped_stale_total", [])),
         "trained_samples": sum(entry.get("batch/samples_per_step") or 0 for entry in history),
         "staleness_mean": statistics.mean([entry["sample/staleness_mean"] for entry in history
                                            if entry.get("sample/staleness_mean") is not None] or [math.nan]),

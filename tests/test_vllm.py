@@ -10,8 +10,14 @@ stale or untempered alternative is measured to sit far outside the same toleranc
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -169,12 +175,6 @@ def test_server_mode_on_a_cpu_generates_but_trls_weight_sync_needs_cuda(reasonin
     generates for TRL's client, with log-probs. (3) The weights cannot follow the policy: TRL syncs them through
     vLLM's NCCL weight-transfer engine, which needs a CUDA device, so TOPRTrainer (as GRPOTrainer) stops in its
     constructor with TRL's own NotImplementedError. On a GPU all three work."""
-    import os
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
     from trl.generation.vllm_client import VLLMClient
 
     from topr_trl import TOPRConfig, TOPRTrainer
@@ -186,12 +186,31 @@ def test_server_mode_on_a_cpu_generates_but_trls_weight_sync_needs_cuda(reasonin
     assert trl_command.returncode != 0
     assert "No package metadata was found for vllm" in trl_command.stdout + trl_command.stderr
 
+    with vllm_server(reasoning_model, tmp_path) as url:
+        client = VLLMClient(base_url=url, connection_timeout=60)
+        output = client.generate(prompts=["123+456="], n=2, max_tokens=8)
+        assert len(output["completion_ids"]) == 2
+        assert [len(logps) for logps in output["logprobs"]] == [len(ids) for ids in output["completion_ids"]]
+
+        args = TOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="server",
+                          vllm_server_base_url=url, per_device_train_batch_size=8,
+                          num_generations=8, max_steps=1, report_to="none", save_strategy="no")
+        with pytest.raises(NotImplementedError, match="needs a CUDA device"):
+            TOPRTrainer(reasoning_model, reasoning_reward, args=args, train_dataset=make_reasoning_dataset(8, 3))
+
+
+@contextlib.contextmanager
+def vllm_server(model: str, tmp_path):
+    """vLLM's OpenAI server on the CPU engine, started through vLLM's module with the flags TRL's `vllm-serve`
+    passes (and those TRL's asynchronous worker asks for: processed log-probs, the dev-mode endpoints); yields its
+    URL once it answers /health."""
     port = free_port()
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", reasoning_model, "--port", str(port),
-         "--enforce-eager", "--gpu-memory-utilization", "0.5", "--weight-transfer-config", '{"backend": "nccl"}', "--logprobs-mode", "processed_logprobs",
-         "--max-logprobs", "-1"], env=environment, stdout=log, stderr=subprocess.STDOUT)
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+         "--enforce-eager", "--gpu-memory-utilization", "0.5", "--weight-transfer-config", '{"backend": "nccl"}',
+         "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"],
+        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 300
         while True:
@@ -202,17 +221,71 @@ def test_server_mode_on_a_cpu_generates_but_trls_weight_sync_needs_cuda(reasonin
                 pass
             assert server.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[-3000:]
             time.sleep(2)
-        client = VLLMClient(base_url=f"http://127.0.0.1:{port}", connection_timeout=60)
-        output = client.generate(prompts=["123+456="], n=2, max_tokens=8)
-        assert len(output["completion_ids"]) == 2
-        assert [len(logps) for logps in output["logprobs"]] == [len(ids) for ids in output["completion_ids"]]
-
-        args = TOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="server",
-                          vllm_server_base_url=f"http://127.0.0.1:{port}", per_device_train_batch_size=8,
-                          num_generations=8, max_steps=1, report_to="none", save_strategy="no")
-        with pytest.raises(NotImplementedError, match="needs a CUDA device"):
-            TOPRTrainer(reasoning_model, reasoning_reward, args=args, train_dataset=make_reasoning_dataset(8, 3))
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.terminate()
         server.wait(timeout=60)
         log.close()
+
+
+class NoWeightSync:
+    """TRL's `WeightTransferProtocol` doing nothing: TRL's documented way to disable trainer-side weight sync."""
+
+    def init_weight_transfer(self):
+        pass
+
+    def pause(self):
+        pass
+
+    def send_weights(self, iterator):
+        for _ in iterator:
+            pass
+
+    def resume(self):
+        pass
+
+    def destroy(self):
+        pass
+
+
+def test_async_topr_trains_on_trls_own_vllm_worker_against_the_cpu_engine(reasoning_model, tmp_path):
+    """TRL's asynchronous rollout worker (a spawned process sending /v1/completions requests to a vLLM server) with
+    the CPU engine, trained by AsyncTOPRTrainer with TRL's default batching. TRL's weight transfer is NCCL (a GPU), so
+    here a no-op transfer leaves the engine on the base model: mu is fixed and every later step is off-policy, the
+    regime TOPR is for. Nothing is dropped however stale the samples get, and mu's log-probs are vLLM's: at the first
+    step (pi = the base model) pi/mu is only the float32/bfloat16 mismatch."""
+    from trl.chat_template_utils import qwen3_template
+
+    from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer
+
+    # TRL's worker parses every completion as a chat response and knows the response format of a list of chat
+    # templates only; the built-in tokenizer's ChatML responses end as Qwen's do, so it is given Qwen's format
+    tokenizer = AutoTokenizer.from_pretrained(reasoning_model)
+    tokenizer.response_template = qwen3_template
+    with vllm_server(reasoning_model, tmp_path) as url:
+        args = AsyncTOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, vllm_server_base_url=url,
+                               per_device_train_batch_size=16, num_generations=8, learning_rate=1e-3,
+                               # at 4 steps' worth of requests in flight vLLM's CPU engine can crash on TRL's seeded
+                               # requests ("CPU Generator does not use offset"): keep one step's
+                               max_inflight_tasks=16,
+                               max_completion_length=max_completion_tokens(3), max_steps=4, logging_steps=1,
+                               report_to="none", save_strategy="no")
+        trainer = AsyncTOPRTrainer(reasoning_model, reasoning_reward, args, train_dataset=make_reasoning_dataset(64, 3),
+                                   processing_class=tokenizer, weight_transfer=NoWeightSync())
+        trainer.train()
+    history = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert trainer.state.global_step == 4 and len(history) == 4
+    assert not any(entry.get("sample/dropped_stale_total") or entry.get("batch/dropped_oversize_total")
+                   for entry in trainer.state.log_history)
+    assert sum(trainer.staleness_counts.values()) >= 4 * 8
+    # while the policy is still the base model (no update yet), pi/mu is the mismatch only: mu is vLLM's log-probs of
+    # the same weights. (A step whose groups all have equal rewards has no signal and moves nothing.)
+    checked = False
+    for entry in history:
+        ratios = [entry.get(f"topr/ratio_{branch}/mean") for branch in ("positive", "negative")]
+        if any(value is not None for value in ratios):
+            assert all(0.7 < value < 1.4 for value in ratios if value is not None), ratios
+            checked = True
+            break
+        assert entry["grad_norm"] == 0  # no signal, no update: the policy is still the base model
+    assert checked

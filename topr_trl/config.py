@@ -362,14 +362,10 @@ class TOPRConfig(GRPOConfig):
     @property
     def policy_loss_spec(self) -> PolicyLossSpec:
         """The loss the trainer computes when `loss_type="topr"`."""
-        return PolicyLossSpec(
-            loss_type=self.loss_type,
-            limits=self.topr_limits,
-            ratio_level=self.topr_ratio_level,
+        return policy_loss_spec_of(
+            self,
             positive_weight=float(self.topr_positive_weight),
             negative_weight=float(self.topr_negative_weight),
-            ppo_epsilon_low=float(self.epsilon),
-            ppo_epsilon_high=float(self.epsilon_high if self.epsilon_high is not None else self.epsilon),
             ppo_delta=float(self.delta) if self.delta is not None else None,
             cispo_epsilon_low=float(self.cispo_epsilon_low),
             cispo_epsilon_high=float(self.cispo_epsilon_high),
@@ -391,6 +387,19 @@ def resolve_limits(args) -> TruncationLimits | None:
         return TruncationLimits(**resolved)
     except ValueError as error:
         raise ValueError(f"Invalid truncation limits topr_*_lower/upper: {error}.") from None
+
+
+def policy_loss_spec_of(args, **knobs) -> PolicyLossSpec:
+    """The `PolicyLossSpec` of a config with `loss_type`, the limit fields, `topr_ratio_level` and PPO's `epsilon`,
+    `epsilon_high` (TOPRConfig, AsyncTOPRConfig); `knobs` set the spec's other fields."""
+    return PolicyLossSpec(
+        loss_type=args.loss_type,
+        limits=resolve_limits(args),
+        ratio_level=args.topr_ratio_level,
+        ppo_epsilon_low=float(args.epsilon),
+        ppo_epsilon_high=float(args.epsilon_high if args.epsilon_high is not None else args.epsilon),
+        **knobs,
+    )
 
 
 # TOPRTrainer also takes a plain GRPOConfig (only the trainer's name swapped): TOPR's run-level fields then keep their

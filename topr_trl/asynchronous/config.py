@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from ..config import SIGNALS, TOPRConfig, check_choice, resolve_limits
+from ..config import SIGNALS, TOPRConfig, check_choice, policy_loss_spec_of, resolve_limits
 from ..loss import POLICY_LOSSES, RATIO_LEVELS, PolicyLossSpec, TruncationLimits
 
 # How the per-token loss of a micro-batch is reduced: the paper's per-trajectory mean of token means, or TRL's
@@ -105,13 +105,7 @@ class AsyncTOPRConfig(AsyncGRPOConfig):
 
     @property
     def policy_loss_spec(self) -> PolicyLossSpec:
-        return PolicyLossSpec(
-            loss_type=self.loss_type,
-            limits=self.topr_limits,
-            ratio_level=self.topr_ratio_level,
-            ppo_epsilon_low=float(self.epsilon),
-            ppo_epsilon_high=float(self.epsilon_high if self.epsilon_high is not None else self.epsilon),
-        )
+        return policy_loss_spec_of(self)
 
 
 # TOPRConfig fields with no counterpart in the asynchronous trainer, and the value that means "not used".

@@ -27,7 +27,7 @@ import torch
 from accelerate import PartialState
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-from ..loss import branch_losses, packed_topr_loss, unpack_segments
+from ..loss import packed_topr_loss, unpack_segments
 from ..trainer import PolicyMetricsLogging, TOPRTrainer
 from .config import AsyncTOPRConfig
 from .cpu import CPUSupport
