@@ -188,17 +188,19 @@ def plot(results: dict, path: Path) -> None:
 
     summary = results["summary"]["by_method_and_lag"]
     lags = results["options"]["lags"]
-    figure, axis = plt.subplots(figsize=(6.5, 4))
+    figure, axis = plt.subplots(figsize=(7.5, 4.5))
     for method in results["options"]["methods"]:
         points = [(lag, summary[f"{method}/k{lag}"]["robust_pass@1"]) for lag in lags if f"{method}/k{lag}" in summary]
         positions = [lags.index(lag) for lag, _ in points]
+        stalled = [lag for lag, _ in points if summary[f"{method}/k{lag}"]["stalled_runs"]]
+        label = METHODS[method] + (f"; stopped after ~5 steps at K = {', '.join(map(str, stalled))}" if stalled else "")
         axis.errorbar(positions, [p["mean"] for _, p in points], yerr=[p["ci95"] for _, p in points], marker="o",
-                      capsize=3, label=METHODS[method])
+                      capsize=3, label=label, linestyle="-" if len(points) == len(lags) else "none")
     if results.get("base"):
         axis.axhline(results["base"]["pass@1"], color="grey", linestyle=":", label="base model")
     axis.set_xticks(range(len(lags)), [str(lag) for lag in lags])
     axis.set_xlabel("lag K of the behaviour policy (policy versions)")
-    axis.set_ylabel("held-out sampled pass@1 (mean of last 2 checkpoints)")
+    axis.set_ylabel("held-out pass@1 (last 2 checkpoints)")
     axis.set_title(f"Asynchronous training against staleness ({len(results['options']['seeds'])} seeds, 95% CI)")
     axis.legend(fontsize=7)
     figure.tight_layout()
