@@ -43,6 +43,26 @@ def mean_and_ci95(values: list[float]) -> dict:
     return {"mean": mean, "ci95": half, "values": values}
 
 
+def late_mean(curve: list[dict], key: str = "pass@1", share: float = 0.25) -> float:
+    """The robust end point of one run's curve: the mean of `key` over the checkpoints in the last `share` of its
+    steps (step > (1 - share) x the last step; at least the last checkpoint). A single final checkpoint of a noisy
+    curve can land on a dip or a spike; the mean over the run's late checkpoints cannot hinge on one of them."""
+    steps = [point.get("step", index) for index, point in enumerate(curve)]
+    last = steps[-1]
+    late = [point[key] for point, step in zip(curve, steps, strict=True) if step > (1 - share) * last]
+    return statistics.mean(late or [curve[-1][key]])
+
+
+def paired_difference(first: dict[int, float], second: dict[int, float]) -> dict:
+    """Mean and 95 % t-interval of first - second over the seeds both have (`first` and `second` map a seed to a
+    value): the interval of a paired comparison, which removes what the two runs of one seed share (its prompts,
+    its data, its evaluation draws)."""
+    seeds = sorted(set(first) & set(second))
+    if not seeds:
+        raise ValueError("no seed in common: a paired difference needs runs of the same seeds")
+    return {**mean_and_ci95([first[seed] - second[seed] for seed in seeds]), "seeds": seeds}
+
+
 def baseline_for(p: float, target: float) -> float:
     """The baseline c that gives Eq. 12's effective proportion `target` for a proportion p of +1 rewards; p~ = 1 is
     the limit c = -1 (negatives weigh nothing)."""
@@ -52,6 +72,9 @@ def baseline_for(p: float, target: float) -> float:
 
 
 TASKS = ("reasoning", "arithmetic")
+# the reasoning testbed's splits a script may measure on (topr_trl.tasks.reasoning.SPLITS): choices are made on
+# "validation", results are reported on "heldout"
+EVAL_SPLITS = ("heldout", "validation")
 
 
 def experiment_parser(doc: str, *, output: str, epochs: float | None, prompts: int = 128,
@@ -77,6 +100,9 @@ def experiment_parser(doc: str, *, output: str, epochs: float | None, prompts: i
     testbed.add_argument("--error_rate", type=float, default=0.25, help="planted carry-drop rate of the warm start")
     testbed.add_argument("--warm_steps", type=int, default=2000, help="SFT steps of the warm start")
     testbed.add_argument("--eval_samples", type=int, default=4, help="samples per held-out problem (temperature 1)")
+    testbed.add_argument("--eval_split", default="heldout", choices=EVAL_SPLITS,
+                         help="where accuracy is measured: 'validation' to choose settings (learning rate, error "
+                              "rate, p~), 'heldout' (default) to report them; the two are disjoint")
     testbed.add_argument("--threads", type=int, default=1, help="torch threads")
     arithmetic = parser.add_argument_group("built-in task (--task arithmetic)")
     arithmetic.add_argument("--base_accuracy", type=float, default=0.3, help="warm-start target of the base model")
@@ -138,11 +164,12 @@ def reasoning_testbed(work: Path, options):
     torch.set_num_threads(options.threads)
     settings = WarmStartSettings(digits=options.digits, error_rate=options.error_rate, steps=options.warm_steps)
     model, tokenizer, base_path = build_reasoning_warm_model(work / "cache", settings)
-    held_out = make_reasoning_dataset(options.eval_prompts, options.digits, "heldout", seed=0)
+    split = options.eval_split
+    held_out = make_reasoning_dataset(options.eval_prompts, options.digits, split, seed=0)
     testbed = Testbed(
         task="reasoning", base_dir=base_path, held_out=held_out, reward=reasoning_reward,
         max_new_tokens=max_completion_tokens(options.digits),
-        measure=f"sampled pass@1 (T=1, {options.eval_samples} samples x {len(held_out)} held-out problems)",
+        measure=f"sampled pass@1 (T=1, {options.eval_samples} samples x {len(held_out)} {split} problems)",
         metrics=("accuracy", "greedy_accuracy", "invalid_rate", "pass@1_carries>=2"),
         prompts=lambda count, seed: make_reasoning_dataset(count, options.digits, "train", seed=seed),
         evaluate=lambda model, tokenizer: held_out_pass_at_1(model, tokenizer, held_out, options, greedy=True),

@@ -6,6 +6,10 @@ held-out sampled pass@1 against the number of generated completions and against 
     topr_offline_kK  offline TOPR with reuse: one dataset sampled from the base model (--prompts x G completions,
                      `generate_offline_dataset`), then K passes over it (`topr_offline_epochs`), K in --offline_epochs
     topr_iterated    iterated TOPR (`run_iterations`, mu_i = pi_{i-1}): --iterations rounds of --iteration_prompts x G
+    sft_offline_kK, ppo_offline_kK
+                     the reuse controls (--controls): the same dataset and the same K passes (the largest of
+                     --offline_epochs) with positives-only SFT (Table 1's (1,1,0,0)) or PPO clipping of the token
+                     ratios against mu's stored log-probs (loss_type="ppo"): what reuse gives without TOPR's weights
 
 Every run starts from the same warm-started model (default: 3 digits, error_rate 0.25, about 68 % sampled pass@1)
 and is evaluated at a few checkpoints with `evaluate_model` (temperature 1, --eval_samples per problem on
@@ -19,12 +23,16 @@ wall time is training + generation, evaluation time excluded. One CPU thread (OM
 Run times measured on one CPU thread (2-core shared machine): building the warm model, once, ~2-3 min (cached under
 --work_dir/cache afterwards); --smoke ~20 s; the full run (defaults: 3 seeds; online 60 steps x 32 completions =
 1,920; offline 60 prompts x 8 = 480 completions, K = 1, 2, 4; iterated 4 x 32 prompts x 8 = 1,024; 5 checkpoints
-per run on 500 held-out problems x 4 samples) 6.2 min, most of it evaluation. Runs are deterministic on one thread.
+per run on 500 held-out problems x 4 samples) 6.2 min, most of it evaluation. Runs are deterministic on one thread of one machine.
 The shared --base_accuracy option of `experiments.py` does not apply here (see --error_rate).
 
-Reported per method (`summary`): final pass@1 (mean, 95 % CI over seeds) and, for the target accuracy (default:
-GRPO's final pass@1 of the same seed; --target sets one), the completions and seconds needed to reach it, or that
-the method never did.
+Reported per method (`summary`), fixed before any run by the options: the robust end point `late_pass@1`, each
+run's mean pass@1 over the checkpoints in the last quarter of its steps (`experiments.late_mean`), as a mean and
+95 % t-interval over seeds, and its paired difference to online GRPO of the same seeds (`late_minus_grpo`); the
+optimizer steps each method took (offline K = 1, 2 and the iterated runs take fewer than the online 60 by
+construction: one pass over fewer completions); the final pass@1; and, for the target accuracy (default: GRPO's
+final pass@1 of the same seed; --target sets one), the completions and seconds at the first checkpoint at or
+above it (a first crossing of a noisy curve, and for offline runs the whole dataset by construction: secondary).
 """
 
 from __future__ import annotations
@@ -39,8 +47,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from experiments import (  # noqa: E402
-    Tracker, experiment_parser, held_out_pass_at_1, mean_and_ci95, parse_testbed_options, prepare_testbed, run_trainer,
-    save, train_config,
+    Tracker, experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95, paired_difference, parse_testbed_options,
+    prepare_testbed, run_trainer, save, train_config,
 )
 
 ONLINE = ("grpo", "topr_online")
@@ -53,8 +61,23 @@ SMOKE = dict(seeds=[0], steps=8, batch_size=16, prompts=8, iterations=2, iterati
 # ---------------------------------------------------------------------------------------------------------
 
 
-def method_names(offline_epochs: list[int]) -> list[str]:
-    return [*ONLINE, *(f"topr_offline_k{k}" for k in offline_epochs), "topr_iterated"]
+# the losses an offline run may train with: TOPR, and the reuse controls
+OFFLINE_LOSSES = ("topr", "sft", "ppo")
+
+
+def method_names(offline_epochs: list[int], controls: list[str] = ()) -> list[str]:
+    """Every method a run has: the online ones, offline TOPR at each K, iterated TOPR, and each control loss at the
+    largest K."""
+    return [*ONLINE, *(f"topr_offline_k{k}" for k in offline_epochs), "topr_iterated",
+            *(f"{loss}_offline_k{max(offline_epochs)}" for loss in controls)]
+
+
+def offline_method(method: str) -> tuple[str, int] | None:
+    """(loss, passes) of an offline method name `<loss>_offline_k<K>`, None for another method."""
+    loss, found, passes = method.partition("_offline_k")
+    if not found or loss not in OFFLINE_LOSSES or not passes.isdigit():
+        return None
+    return loss, int(passes)
 
 
 def expected_completions(method: str, *, steps: int, batch_size: int, num_generations: int, prompts: int,
@@ -64,7 +87,7 @@ def expected_completions(method: str, *, steps: int, batch_size: int, num_genera
     num_generations, whatever the passes over it; iterated, iteration_prompts x num_generations per iteration."""
     if method in ONLINE:
         return num_generations * (batch_size // num_generations) * steps
-    if method.startswith("topr_offline"):
+    if offline_method(method) is not None:
         return prompts * num_generations
     if method == "topr_iterated":
         return iterations * iteration_prompts * num_generations
@@ -80,17 +103,33 @@ def first_reaching(curve: list[dict], target: float) -> dict | None:
     return None
 
 
+def late_point(run: dict) -> float:
+    """A run's robust end point: its mean pass@1 over the checkpoints in the last quarter of its training (optimizer
+    steps, or iterations for the iterated runs; the points before any training, the base model and an offline run's
+    generation, excluded)."""
+    trained = [{**point, "step": point.get("step", point.get("iteration", 0))} for point in run["curve"]]
+    return late_mean([point for point in trained if point["step"] > 0])
+
+
 def summarise(runs: dict, methods: list[str]) -> dict:
-    """Per method over seeds: final pass@1, completions and seconds in all, and those needed to reach each seed's
-    target (None where never reached; `reached` counts the seeds that did)."""
+    """Per method over seeds: the late pass@1 (`late_point`) and its paired difference to online GRPO, the optimizer
+    steps, the final pass@1, completions and seconds in all, and those needed to reach each seed's target (None where
+    never reached; `reached` counts the seeds that did)."""
     summary = {}
+    late = {method: {run["seed"]: late_point(run) for run in runs.values() if run["method"] == method}
+            for method in methods}
     for method in methods:
         chosen = [run for run in runs.values() if run["method"] == method]
         if not chosen:
             continue
         reach = [first_reaching(run["curve"], run["target"]) for run in chosen]
         reached = [point for point in reach if point is not None]
+        steps = [sum(run["steps"]) if isinstance(run["steps"], list) else run["steps"] for run in chosen]
         summary[method] = {
+            "late_pass@1": mean_and_ci95([late[method][run["seed"]] for run in chosen]),
+            "late_minus_grpo": (paired_difference(late[method], late["grpo"])
+                                if method != "grpo" and late.get("grpo") else None),
+            "steps": mean_and_ci95(steps),
             "final_pass@1": mean_and_ci95([run["curve"][-1]["pass@1"] for run in chosen]),
             "completions_total": mean_and_ci95([run["completions"] for run in chosen]),
             "seconds_total": mean_and_ci95([run["seconds"] for run in chosen]),
@@ -146,7 +185,7 @@ def generate_once(options, seed, base_path, held_out, work: Path):
     return data, tracker.completions, tracker.seconds()
 
 
-def run_offline(epochs, options, seed, base_path, held_out, base_point, work: Path, generated) -> dict:
+def run_offline(loss, epochs, options, seed, base_path, held_out, base_point, work: Path, generated) -> dict:
     import torch
 
     from topr_trl import TOPRConfig, TOPRTrainer
@@ -159,10 +198,10 @@ def run_offline(epochs, options, seed, base_path, held_out, base_point, work: Pa
     # every completion is generated before the first step: the curve is at the base model's pass@1 until then
     tracker.curve += [base_point, {**base_point, "completions": completions, "seconds": generation_seconds}]
     torch.manual_seed(seed)
-    config = TOPRConfig(topr_offline_epochs=epochs,
-                        **train_config(options, seed, work / f"topr_offline_k{epochs}-seed{seed}"))
+    config = TOPRConfig(topr_offline_epochs=epochs, loss_type=loss,
+                        **train_config(options, seed, work / f"{loss}_offline_k{epochs}-seed{seed}"))
     steps = run_trainer(TOPRTrainer, config, base_path, stored_reward, data, tracker, options.checkpoints)
-    return {"epochs": epochs, "rows": len(data), "steps": steps, "completions": completions,
+    return {"loss_type": loss, "epochs": epochs, "rows": len(data), "steps": steps, "completions": completions,
             "generation_seconds": generation_seconds, "seconds": tracker.seconds(), "curve": tracker.curve}
 
 
@@ -218,11 +257,11 @@ def run(options) -> dict:
             print(f"[sample_efficiency] seed {seed} {method}", flush=True)
             if method in ONLINE:
                 outcome = run_online(method, options, seed, base_path, held_out, base_point, work / "runs")
-            elif method.startswith("topr_offline_k"):
+            elif offline_method(method) is not None:
                 if generated is None:
                     generated = generate_once(options, seed, base_path, held_out, work / "runs")
-                outcome = run_offline(int(method.removeprefix("topr_offline_k")), options, seed, base_path, held_out,
-                                      base_point, work / "runs", generated)
+                outcome = run_offline(*offline_method(method), options, seed, base_path, held_out, base_point,
+                                      work / "runs", generated)
             else:
                 outcome = run_iterated(options, seed, base_path, held_out, base_point, work / "runs")
             if target is None and method == "grpo":
@@ -271,17 +310,21 @@ def main(argv=None) -> dict:
     parser = experiment_parser(__doc__, output="docs/sample_efficiency", epochs=None, prompts=60, eval_prompts=500)
     # 3e-4: 40 GRPO steps take the default model from ~0.71 to ~0.87 pass@1; 1e-3 collapses it to 0 (seed 0)
     parser.add_argument("--methods", nargs="+", default=None,
-                        help="subset of grpo topr_online topr_offline_k<K> topr_iterated (default: all)")
+                        help="subset of grpo topr_online topr_offline_k<K> topr_iterated and the controls "
+                             "<loss>_offline_k<K> (default: all)")
     parser.add_argument("--steps", type=int, default=60, help="online optimizer steps (one generation batch each)")
     parser.add_argument("--num_generations", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--offline_epochs", type=int, nargs="+", default=[1, 2, 4], help="passes K over the dataset")
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--iteration_prompts", type=int, default=32, help="prompts (x G) sampled per iteration")
-    parser.add_argument("--checkpoints", type=int, default=5, help="evaluations per training run")
+    parser.add_argument("--controls", nargs="*", default=["sft", "ppo"], choices=OFFLINE_LOSSES[1:],
+                        help="reuse controls: these losses on the same dataset with the largest K of --offline_epochs")
+    parser.add_argument("--checkpoints", type=int, default=12,
+                        help="evaluations per training run (the late pass@1 averages those in the last quarter)")
     parser.add_argument("--target", type=float, default=None, help="pass@1 to reach (default: GRPO's final)")
     parser.add_argument("--smoke", action="store_true", help=f"a tiny run (overrides: {SMOKE})")
     options = parse_testbed_options(parser, argv, SMOKE)
-    known = method_names(options.offline_epochs)
+    known = method_names(options.offline_epochs, options.controls)
     options.methods = options.methods or known
     unknown = [m for m in options.methods if m not in known]
     if unknown:
@@ -291,7 +334,11 @@ def main(argv=None) -> dict:
     print(f"base pass@1 {results['base']['pass@1']:.3f}; target per seed "
           f"{[round(t, 3) for t in next(iter(results['summary'].values()))['targets']]}", flush=True)
     for method, row in results["summary"].items():
-        print(f"{method:<17} final pass@1 {row['final_pass@1']['mean']:.3f} ± {row['final_pass@1']['ci95']:.3f}  "
+        paired = row["late_minus_grpo"]
+        versus = f"  - grpo {paired['mean']:+.3f} ± {paired['ci95']:.3f}" if paired else ""
+        print(f"{method:<17} late pass@1 {row['late_pass@1']['mean']:.3f} ± {row['late_pass@1']['ci95']:.3f}{versus}  "
+              f"steps {row['steps']['mean']:.0f}  "
+              f"final {row['final_pass@1']['mean']:.3f} ± {row['final_pass@1']['ci95']:.3f}  "
               f"completions {row['completions_total']['mean']:>7.0f}  {row['seconds_total']['mean']:6.0f}s  "
               f"reached target {row['reached']}: completions {row['completions_to_target']} "
               f"seconds {[None if s is None else round(s) for s in row['seconds_to_target']]}", flush=True)

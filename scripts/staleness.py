@@ -66,8 +66,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from experiments import (  # noqa: E402
-    Tracker, experiment_parser, held_out_pass_at_1, mean_and_ci95, parse_testbed_options, prepare_testbed, run_trainer,
-    save, train_config,
+    Tracker, experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95, parse_testbed_options, prepare_testbed,
+    run_trainer, save, train_config,
 )
 
 METHODS = ("topr", "grpo_clip")
@@ -81,15 +81,18 @@ SMOKE = dict(seeds=[0], steps=8, batch_size=16, lags=[1, 4], eval_prompts=64, ev
 # ---------------------------------------------------------------------------------------------------------
 
 
-def expected_completions(lag: int, *, steps: int, batch_size: int, lag_via: str = "num_iterations") -> int:
+def expected_completions(lag: int, *, steps: int, batch_size: int, lag_via: str = "num_iterations",
+                         reuse_spacing: int = 1) -> int:
     """Completions generated in `steps` optimizer steps of `batch_size` completions when mu lags by up to lag - 1
     updates: with num_iterations = lag one batch is generated every `lag` steps (the last one even when the run
-    stops before reusing it `lag` times); with steps_per_generation = lag a lag-times larger batch is."""
-    if lag < 1 or steps < 1:
-        raise ValueError(f"lag and steps must be >= 1, got lag={lag}, steps={steps}")
-    generations = math.ceil(steps / lag)
+    stops before reusing it `lag` times), or with `reuse_spacing` S > 1 (steps_per_generation = S) S batches every
+    S x lag steps, each reused every S steps; with steps_per_generation = lag a lag-times larger batch is."""
+    if lag < 1 or steps < 1 or reuse_spacing < 1:
+        raise ValueError(f"lag, steps and reuse_spacing must be >= 1, got lag={lag}, steps={steps}, "
+                         f"reuse_spacing={reuse_spacing}")
     if lag_via == "num_iterations":
-        return generations * batch_size
+        return math.ceil(steps / (lag * reuse_spacing)) * reuse_spacing * batch_size
+    generations = math.ceil(steps / lag)
     if lag_via == "steps_per_generation":
         return generations * lag * batch_size
     raise ValueError(f"unknown lag_via {lag_via!r}: choose among {LAG_VIA}")
@@ -142,6 +145,8 @@ def summarise(runs: dict, methods, lags) -> dict:
             keys = sorted({key for run in chosen for key in run["logged"]})
             per_lag[lag] = {
                 "final_pass@1": final,
+                # the robust end point: mean pass@1 over the checkpoints in the last quarter of the steps
+                "late_pass@1": mean_and_ci95([late_mean(run["curve"]) for run in chosen]),
                 "completions": mean_and_ci95([run["completions"] for run in chosen]),
                 "seconds": mean_and_ci95([run["seconds"] for run in chosen]),
                 "logged": {key: mean_and_ci95([run["logged"][key] for run in chosen if key in run["logged"]])["mean"]
@@ -177,6 +182,8 @@ def run_lagged(method, lag, options, seed, base_path, held_out, base_point, work
     tracker.curve.append(base_point)
     common = {**train_config(options, seed, work / f"{method}-k{lag}-seed{seed}"), "logging_steps": 1,
               options.lag_via: lag}
+    if options.reuse_spacing > 1:  # reuse each batch every S steps instead of back to back (num_iterations only)
+        common["steps_per_generation"] = options.reuse_spacing
     if method == "grpo_clip":
         config_class, trainer_class, common["loss_type"] = GRPOConfig, GRPOTrainer, "grpo"
     else:
@@ -209,7 +216,8 @@ def run(options) -> dict:
                 outcome = run_lagged(method, lag, options, seed, base_path, held_out, base_point,
                                      work / "staleness-runs")
                 outcome["expected_completions"] = expected_completions(
-                    lag, steps=options.steps, batch_size=options.batch_size, lag_via=options.lag_via)
+                    lag, steps=options.steps, batch_size=options.batch_size, lag_via=options.lag_via,
+                    reuse_spacing=options.reuse_spacing)
                 results["runs"][f"{method}/k{lag}/seed{seed}"] = {"method": method, "lag": lag, "seed": seed,
                                                                   **outcome}
     results["summary"] = summarise(results["runs"], options.methods, options.lags)
@@ -265,6 +273,11 @@ def main(argv=None) -> dict:
                         help="K: mu lags pi by up to K - 1 updates (K = 1 must be among them for the summary rule)")
     parser.add_argument("--lag_via", default="num_iterations", choices=LAG_VIA,
                         help="the GRPOConfig field set to K (see the docstring)")
+    parser.add_argument("--reuse_spacing", type=int, default=1,
+                        help="with --lag_via num_iterations: steps between two uses of one batch (S, set as "
+                             "steps_per_generation): S = 1 reuses a batch K times back to back, S > 1 generates S "
+                             "batches at once and cycles through them K times (same completions, mu up to S x K - 1 "
+                             "updates behind)")
     parser.add_argument("--steps", type=int, default=64, help="optimizer steps, the same for every K")
     parser.add_argument("--num_generations", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--checkpoints", type=int, default=4, help="evaluations per training run")
@@ -273,6 +286,8 @@ def main(argv=None) -> dict:
     if any(lag < 1 for lag in options.lags) or 1 not in options.lags:
         parser.error("--lags must be >= 1 and include 1 (the on-policy reference of the summary)")
     options.lags = sorted(set(options.lags))
+    if options.reuse_spacing < 1 or (options.reuse_spacing > 1 and options.lag_via != "num_iterations"):
+        parser.error("--reuse_spacing must be >= 1, and above 1 only with --lag_via num_iterations")
     results = run(options)
     save(results, options, plot)
     print(f"base pass@1 {results['base']['pass@1']:.3f}", flush=True)
@@ -281,7 +296,9 @@ def main(argv=None) -> dict:
             final, logged = entry["final_pass@1"], entry["logged"]
             shown = {k: round(v, 3) for k, v in logged.items()
                      if k in ("topr/ratio_negative/min", "topr/negative_truncated_fraction", "clip_ratio/region_mean")}
+            late = entry["late_pass@1"]
             print(f"{method:<10} K={lag:<3} final pass@1 {final['mean']:.3f} ± {final['ci95']:.3f}  "
+                  f"late {late['mean']:.3f} ± {late['ci95']:.3f}  "
                   f"completions {entry['completions']['mean']:>6.0f}  {entry['seconds']['mean']:5.0f}s  {shown}",
                   flush=True)
         if "largest_tolerated_lag" in row:

@@ -83,3 +83,43 @@ def test_a_script_refuses_a_task_it_does_not_run(capsys):
 
     assert "runs on the reasoning testbed only" in script_refusal(sample_efficiency.main, ["--task", "arithmetic"],
                                                                    capsys)
+
+
+def test_late_mean_averages_the_last_quarter_of_the_steps():
+    import experiments
+
+    curve = [{"step": step, "pass@1": value} for step, value in
+             [(0, 0.5), (20, 0.6), (40, 0.7), (60, 0.9), (70, 0.6), (80, 0.8)]]
+    # the last quarter of 80 steps is step > 60: 0.6 and 0.8; the spike at 60 and the dip at 70 do not decide it alone
+    assert experiments.late_mean(curve) == pytest.approx(0.7)
+    assert experiments.late_mean(curve, share=0.5) == pytest.approx((0.9 + 0.6 + 0.8) / 3)  # step > 40
+    # checkpoints too sparse for the share: the last one
+    assert experiments.late_mean([{"step": 0, "pass@1": 0.5}, {"step": 64, "pass@1": 0.75}]) == 0.75
+    assert experiments.late_mean(curve, key="step") == pytest.approx(75)
+
+
+def test_paired_difference_is_taken_per_seed():
+    import experiments
+
+    first, second = {0: 0.9, 1: 0.8, 2: 0.7, 3: 0.5}, {0: 0.8, 1: 0.75, 2: 0.6}
+    paired = experiments.paired_difference(first, second)
+    assert paired["seeds"] == [0, 1, 2]  # seed 3 has no partner
+    assert paired["values"] == pytest.approx([0.1, 0.05, 0.1])
+    assert paired["mean"] == pytest.approx(0.25 / 3)
+    # t(2 df) = 4.30, sd of (0.1, 0.05, 0.1) = 0.02887
+    assert paired["ci95"] == pytest.approx(4.30 * 0.028868 / 3 ** 0.5, rel=1e-3)
+    # the unpaired interval of the same seeds is wider: the seeds' shared level cancels in the pairing
+    unpaired = experiments.mean_and_ci95([0.9, 0.8, 0.7])["ci95"] + experiments.mean_and_ci95([0.8, 0.75, 0.6])["ci95"]
+    assert paired["ci95"] < unpaired
+    with pytest.raises(ValueError, match="no seed in common"):
+        experiments.paired_difference({0: 1.0}, {1: 1.0})
+
+
+def test_the_validation_split_is_measured_apart_from_the_held_out_one():
+    import experiments
+
+    parser = experiments.experiment_parser("", output="x", epochs=None)
+    assert parser.parse_args([]).eval_split == "heldout"
+    assert parser.parse_args(["--eval_split", "validation"]).eval_split == "validation"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--eval_split", "train"])

@@ -2,6 +2,7 @@
 and the warm-started model's cache key."""
 
 import dataclasses
+import itertools
 import json
 import random
 import re
@@ -124,9 +125,12 @@ def test_splits_are_disjoint_whatever_the_seeds():
     held_out = make_reasoning_dataset(1000, digits=3, split="heldout", seed=0)
     train = make_reasoning_dataset(2000, digits=3, split="train", seed=0)
     warm = make_warm_start_dataset(2000, digits=3, seed=0)
-    unordered = [{frozenset(parse_problem(p)) for p in d["prompt"]} for d in (held_out, train, warm)]
+    validation = make_reasoning_dataset(1000, digits=3, split="validation", seed=0)
+    unordered = [{frozenset(parse_problem(p)) for p in d["prompt"]} for d in (held_out, train, warm, validation)]
     assert len({parse_problem(p) for p in held_out["prompt"]}) == 1000
-    assert not unordered[0] & unordered[1] and not unordered[0] & unordered[2] and not unordered[1] & unordered[2]
+    assert len({parse_problem(p) for p in validation["prompt"]}) == 1000
+    for i, j in itertools.combinations(range(4), 2):
+        assert not unordered[i] & unordered[j], (i, j)
     # another seed gives other problems, never from another split
     other = {frozenset(parse_problem(p)) for p in make_reasoning_dataset(1000, 3, "train", seed=7)["prompt"]}
     assert other != unordered[1] and not other & unordered[0] and not other & unordered[2]

@@ -16,8 +16,9 @@ from .conftest import script_refusal  # noqa: E402
 COUNTS = dict(steps=5, batch_size=32, num_generations=8, prompts=10, iterations=3, iteration_prompts=7)
 
 
-def point(completions, seconds, pass_at_1):
-    return {"completions": completions, "seconds": seconds, "pass@1": pass_at_1}
+def point(completions, seconds, pass_at_1, step=None):
+    return {"completions": completions, "seconds": seconds, "pass@1": pass_at_1,
+            **({} if step is None else {"step": step})}
 
 
 def test_first_reaching_takes_the_first_point_at_or_above_the_target():
@@ -30,23 +31,42 @@ def test_first_reaching_takes_the_first_point_at_or_above_the_target():
 
 def test_summary_reports_per_seed_reach_and_never():
     runs = {
-        "grpo/seed0": {"method": "grpo", "seed": 0, "target": 0.7, "completions": 300, "seconds": 6.0,
-                       "curve": [point(0, 0, 0.6), point(150, 3, 0.65), point(300, 6, 0.7)]},
-        "grpo/seed1": {"method": "grpo", "seed": 1, "target": 0.8, "completions": 300, "seconds": 7.0,
-                       "curve": [point(0, 0, 0.6), point(150, 3, 0.85), point(300, 7, 0.8)]},
+        "grpo/seed0": {"method": "grpo", "seed": 0, "target": 0.7, "completions": 300, "seconds": 6.0, "steps": 4,
+                       "curve": [point(0, 0, 0.6, 0), point(150, 3, 0.65, 2), point(300, 6, 0.7, 4)]},
+        "grpo/seed1": {"method": "grpo", "seed": 1, "target": 0.8, "completions": 300, "seconds": 7.0, "steps": 4,
+                       "curve": [point(0, 0, 0.6, 0), point(150, 3, 0.85, 2), point(300, 7, 0.8, 4)]},
+        # an offline run's curve: the base model, the base model after the generation (no step yet), then steps
         "topr_offline_k2/seed0": {"method": "topr_offline_k2", "seed": 0, "target": 0.7, "completions": 80,
-                                  "seconds": 2.0, "curve": [point(0, 0, 0.6), point(80, 1, 0.72), point(80, 2, 0.74)]},
+                                  "seconds": 2.0, "steps": 2,
+                                  "curve": [point(0, 0, 0.6), point(80, 0.5, 0.6), point(80, 1, 0.72, 1),
+                                            point(80, 2, 0.74, 2)]},
         "topr_offline_k2/seed1": {"method": "topr_offline_k2", "seed": 1, "target": 0.8, "completions": 80,
-                                  "seconds": 2.0, "curve": [point(0, 0, 0.6), point(80, 1, 0.7), point(80, 2, 0.75)]},
+                                  "seconds": 2.0, "steps": 2,
+                                  "curve": [point(0, 0, 0.6), point(80, 0.5, 0.6), point(80, 1, 0.7, 1),
+                                            point(80, 2, 0.75, 2)]},
+        "topr_iterated/seed0": {"method": "topr_iterated", "seed": 0, "target": 0.7, "completions": 160,
+                                "seconds": 3.0, "steps": [1, 2],
+                                "curve": [point(0, 0, 0.6, 0), {**point(80, 2, 0.7), "iteration": 1},
+                                          {**point(160, 3, 0.9), "iteration": 2}]},
     }
-    summary = sample_efficiency.summarise(runs, ["grpo", "topr_offline_k2", "topr_iterated"])
+    summary = sample_efficiency.summarise(runs, ["grpo", "topr_offline_k2", "topr_iterated", "sft_offline_k2"])
     assert summary["grpo"]["completions_to_target"] == [300, 150]
     assert summary["grpo"]["seconds_to_target"] == [6, 3]
     assert summary["topr_offline_k2"]["completions_to_target"] == [80, None]
     assert summary["topr_offline_k2"]["seconds_to_target"] == [1, None]
     assert summary["topr_offline_k2"]["reached"] == "1/2"
     assert summary["topr_offline_k2"]["final_pass@1"]["mean"] == pytest.approx(0.745)
-    assert "topr_iterated" not in summary  # not run: no row rather than an empty one
+    assert "sft_offline_k2" not in summary  # not run: no row rather than an empty one
+    # the robust end point: the checkpoints in the last quarter of the steps (grpo: step 4 of 4; offline: step 2 of 2)
+    assert summary["grpo"]["late_pass@1"]["values"] == [0.7, 0.8]
+    assert summary["topr_offline_k2"]["late_pass@1"]["values"] == [0.74, 0.75]
+    paired = summary["topr_offline_k2"]["late_minus_grpo"]
+    assert paired["values"] == pytest.approx([0.04, -0.05]) and paired["seeds"] == [0, 1]
+    assert summary["grpo"]["late_minus_grpo"] is None
+    assert summary["topr_iterated"]["late_minus_grpo"]["seeds"] == [0]  # only the seeds both have
+    assert summary["topr_iterated"]["late_pass@1"]["values"] == [0.9]  # iteration 2 of 2
+    # the steps each method took, so unequal budgets are read as such (iterated: summed over its iterations)
+    assert summary["grpo"]["steps"]["mean"] == 4 and summary["topr_iterated"]["steps"]["mean"] == 3
 
 
 def test_expected_completions_follow_each_methods_formula():
@@ -56,8 +76,18 @@ def test_expected_completions_follow_each_methods_formula():
     for k in (1, 2, 4):  # passes over the dataset generate nothing more
         assert expected(f"topr_offline_k{k}", **COUNTS) == 10 * 8
     assert expected("topr_iterated", **COUNTS) == 3 * 7 * 8
+    assert expected("sft_offline_k4", **COUNTS) == expected("ppo_offline_k4", **COUNTS) == 10 * 8
     with pytest.raises(ValueError, match="unknown method"):
         expected("ppo", **COUNTS)
+
+
+def test_method_names_add_each_control_at_the_largest_number_of_passes():
+    names = sample_efficiency.method_names([1, 4, 2], ["sft", "ppo"])
+    assert names[-2:] == ["sft_offline_k4", "ppo_offline_k4"]
+    assert sample_efficiency.offline_method("ppo_offline_k4") == ("ppo", 4)
+    assert sample_efficiency.offline_method("topr_offline_k2") == ("topr", 2)
+    assert sample_efficiency.offline_method("topr_iterated") is None
+    assert sample_efficiency.offline_method("dapo_offline_k4") is None
 
 
 def test_options_are_checked(capsys):
@@ -76,7 +106,10 @@ def test_smoke_run_counts_completions_and_beats_the_base_model(evidence_work_dir
     options = results["options"]
     counts = {name: options[name] for name in COUNTS}
     assert results["threads"]["torch"] == 1
-    assert set(results["summary"]) == set(sample_efficiency.method_names(options["offline_epochs"]))
+    assert set(results["summary"]) == set(sample_efficiency.method_names(options["offline_epochs"],
+                                                                          options["controls"]))
+    assert {run["loss_type"] for run in results["runs"].values() if run["method"].endswith("_offline_k4")} == \
+        {"topr", "sft", "ppo"}
     for run in results["runs"].values():
         curve = run["curve"]
         completions = [p["completions"] for p in curve]

@@ -23,6 +23,9 @@ def test_expected_completions_for_a_lag():
     assert expected(64, steps=8, batch_size=16) == 16  # a lag longer than the run still generates once
     # steps_per_generation = K: a K-times larger batch every K steps, as many completions as on-policy
     assert [expected(k, steps=64, batch_size=32, lag_via="steps_per_generation") for k in (1, 4, 64)] == [2048] * 3
+    # reuse_spacing S: S batches every S x K steps, each reused every S steps; the same completions as S = 1
+    assert [expected(4, steps=64, batch_size=32, reuse_spacing=s) for s in (1, 4, 16)] == [512] * 3
+    assert expected(4, steps=64, batch_size=32, reuse_spacing=32) == 1024  # one generation of 32 batches, half used
     with pytest.raises(ValueError, match="unknown lag_via"):
         expected(4, steps=8, batch_size=16, lag_via="epochs")
     with pytest.raises(ValueError, match=">= 1"):
@@ -90,10 +93,14 @@ def test_options_are_checked(capsys):
         ["--lags", "4", "16"],  # no on-policy reference
         ["--batch_size", "12", "--num_generations", "8"],
         ["--methods", "ppo"],
+        ["--lag_via", "steps_per_generation", "--reuse_spacing", "4"],
+        ["--reuse_spacing", "0"],
     )]
     assert "--lags must be >= 1 and include 1" in refused[0]
     assert "--batch_size must be a multiple of --num_generations" in refused[1]
     assert "argument --methods: invalid choice: 'ppo'" in refused[2]
+    assert all("--reuse_spacing must be >= 1, and above 1 only with --lag_via num_iterations" in message
+               for message in refused[3:])
 
 
 @pytest.mark.slow
@@ -109,7 +116,8 @@ def test_smoke_run_has_every_method_and_lag_with_the_formulas_completions(eviden
                                                                 for k in options["lags"]}
     for run_ in runs.values():
         expected = staleness.expected_completions(run_["lag"], steps=options["steps"],
-                                                  batch_size=options["batch_size"], lag_via=options["lag_via"])
+                                                  batch_size=options["batch_size"], lag_via=options["lag_via"],
+                                                  reuse_spacing=options["reuse_spacing"])
         assert run_["completions"] == run_["expected_completions"] == expected
         assert run_["steps"] == options["steps"]
         assert run_["num_iterations"] == run_["lag"]

@@ -18,7 +18,8 @@ final answer is wrong by exactly that carry. The model learns to drop carries at
 in its distribution (probability 1 - error_rate per carry), which is what RL reinforces.
 
 Splits are disjoint by construction: a hash of the unordered pair {a, b} puts every problem in exactly one of
-`SPLITS` (RL train prompts, warm-start problems, held-out problems), whatever the seeds.
+`SPLITS` (RL train prompts, warm-start problems, held-out problems, and a validation split for choosing settings,
+so that the held-out problems only report), whatever the seeds.
 
 Rewards are +1 for a correct final answer and -1 otherwise; a completion that breaks the format is invalid (-1).
 """
@@ -46,8 +47,11 @@ model cached under an older format is never loaded as if it were current."""
 STEP_SEPARATOR = "|"
 ANSWER_MARK = "="
 
-SPLITS: dict[str, tuple[float, float]] = {"heldout": (0.0, 0.1), "warm_start": (0.1, 0.55), "train": (0.55, 1.0)}
-"""Each split's share of the unit interval the pair hash falls in: a problem's split depends on {a, b} only."""
+SPLITS: dict[str, tuple[float, float]] = {
+    "heldout": (0.0, 0.1), "warm_start": (0.1, 0.55), "train": (0.55, 0.95), "validation": (0.95, 1.0),
+}
+"""Each split's share of the unit interval the pair hash falls in: a problem's split depends on {a, b} only.
+"validation" is where settings (learning rate, error rates, baselines) are chosen; "heldout" only reports."""
 
 _STEP = re.compile(r"(\d)\+(\d)\+([01])=(\d\d)")
 _SOLUTION = re.compile(r"((?:\d\+\d\+[01]=\d\d\|)+)=(\d+)")
@@ -143,7 +147,7 @@ def parse_problem(prompt) -> tuple[int, int]:
 
 def make_reasoning_dataset(num_prompts: int, digits: int = 3, split: str = "train", seed: int = 0) -> Dataset:
     """Conversational prompts `a+b=` with the final answer as `answer` (what the reward checks), from `split`:
-    "train" for RL prompts, "heldout" for evaluation (see `SPLITS`)."""
+    "train" for RL prompts, "validation" for choosing settings, "heldout" for reporting (see `SPLITS`)."""
     problems = make_problems(num_prompts, digits, split, seed)
     return Dataset.from_dict({
         "prompt": [[{"role": "user", "content": prompt_text(a, b)}] for a, b in problems],
