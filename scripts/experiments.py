@@ -81,6 +81,8 @@ def experiment_parser(doc: str, *, output: str, epochs: float | None, prompts: i
                       eval_prompts: int = 1000, methods: dict | None = None) -> argparse.ArgumentParser:
     """The options every evidence script takes (`--methods` chooses among `methods` when given); each script adds
     its own."""
+    from topr_trl.tasks.reasoning import WarmStartSettings
+
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     if methods is not None:
         parser.add_argument("--methods", nargs="+", default=list(methods), choices=list(methods))
@@ -98,7 +100,10 @@ def experiment_parser(doc: str, *, output: str, epochs: float | None, prompts: i
     testbed = parser.add_argument_group("reasoning testbed (--task reasoning)")
     testbed.add_argument("--digits", type=int, default=3)
     testbed.add_argument("--error_rate", type=float, default=0.25, help="planted carry-drop rate of the warm start")
-    testbed.add_argument("--warm_steps", type=int, default=2000, help="SFT steps of the warm start")
+    # the shipped model's recipe (3,000 steps): at the default digits and error rate every machine starts from the
+    # same shipped weights; a locally built warm start differs with the CPU's kernels (README, "The model")
+    testbed.add_argument("--warm_steps", type=int, default=WarmStartSettings().steps,
+                         help="SFT steps of the warm start")
     testbed.add_argument("--eval_samples", type=int, default=4, help="samples per held-out problem (temperature 1)")
     testbed.add_argument("--eval_split", default="heldout", choices=EVAL_SPLITS,
                          help="where accuracy is measured: 'validation' to choose settings (learning rate, error "

@@ -9,15 +9,22 @@ at least 2 carries, where the planted error strikes, is reported beside the over
 
 The paper's claims to test: naive REINFORCE collapses, PPO stalls (its clipped ratio stops learning from data
 far from pi), TOPR keeps improving; far off-policy data still helps TOPR.
+
+What counts is fixed by the options before a run (pre-registration): the seeds (--seeds), the checkpoints
+(--eval_every), the robust end point (each run's mean of every metric over the checkpoints in the last
+--late_share of its steps, `experiments.late_mean`) and the paired comparisons (--compare A-B: per seed, A's late
+value minus B's, mean and 95 % t-interval over seeds). The final checkpoint is reported beside them.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from pathlib import Path
 
 from experiments import (
-    experiment_parser, mean_and_ci95, prepare, results_header, sample_fixed_dataset, save, train_offline,
+    experiment_parser, late_mean, mean_and_ci95, paired_difference, prepare, results_header, sample_fixed_dataset,
+    save, train_offline,
 )
 
 METHODS = {
@@ -71,6 +78,8 @@ def run(options) -> dict:
                 f"{metric} {curve[0][metric]:.3f} -> {curve[-1][metric]:.3f}" for metric in testbed.metrics) +
                 f"  ({run_result['seconds']:.0f}s)", flush=True)
     results["summary"] = summarise(results["runs"], testbed.metrics)
+    results["late"] = summarise_late(results["runs"], testbed.metrics, options.late_share)
+    results["paired"] = compare(results["runs"], testbed.metrics, options.compare, options.late_share)
     return results
 
 
@@ -81,6 +90,41 @@ def summarise(runs: dict, metrics) -> dict:
         finals = [run["curve"][-1] for run in runs.values() if run["method"] == method]
         summary[method] = {metric: mean_and_ci95([f[metric] for f in finals]) for metric in metrics}
     return summary
+
+
+def late_values(runs: dict, method: str, metric: str, share: float) -> dict[int, float]:
+    """Per seed, a method's robust end point of `metric`: its mean over the checkpoints in the last `share` of the
+    run's steps (the start excluded)."""
+    return {run["seed"]: late_mean([p for p in run["curve"] if p["step"] > 0], metric, share)
+            for run in runs.values() if run["method"] == method}
+
+
+def summarise_late(runs: dict, metrics, share: float) -> dict:
+    """Per method: mean and 95 % t-interval over seeds of each metric's robust end point (`late_values`)."""
+    return {method: {metric: mean_and_ci95(list(late_values(runs, method, metric, share).values()))
+                     for metric in metrics}
+            for method in dict.fromkeys(run["method"] for run in runs.values())}
+
+
+def compare(runs: dict, metrics, pairs: list[str], share: float) -> dict:
+    """Each pre-registered pair "A-B" with both methods run: per metric, the paired difference of the late values."""
+    ran = {run["method"] for run in runs.values()}
+    outcome = {}
+    for pair in pairs:
+        first, second = pair.split("-")
+        if first in ran and second in ran:
+            outcome[pair] = {metric: paired_difference(late_values(runs, first, metric, share),
+                                                       late_values(runs, second, metric, share))
+                             for metric in metrics}
+    return outcome
+
+
+def comparison(text: str) -> str:
+    """An argparse type: "A-B" with A and B methods of this script."""
+    first, dash, second = text.partition("-")
+    if not dash or first not in METHODS or second not in METHODS or first == second:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected METHOD-METHOD, two of {list(METHODS)}")
+    return text
 
 
 TITLES = {"accuracy": "held-out accuracy", "greedy_accuracy": "greedy accuracy", "invalid_rate": "invalid rate",
@@ -120,6 +164,12 @@ def plot(results: dict, path: Path) -> None:
 def main(argv=None) -> dict:
     parser = experiment_parser(__doc__, output="docs/figure1", epochs=4.0, prompts=128, methods=METHODS)
     parser.add_argument("--eval_every", type=int, default=32)
+    parser.add_argument("--late_share", type=float, default=0.25,
+                        help="the robust end point averages the checkpoints in this last share of the steps")
+    parser.add_argument("--compare", nargs="*", type=comparison,
+                        default=["topr-sft_positives", "topr-tis", "topr-ppo", "topr-naive_reinforce",
+                                 "topr-topr_far_off_policy"],
+                        help="pre-registered paired comparisons A-B of the late values (pairs whose methods ran)")
     parser.add_argument("--far_error_rate", type=float, default=0.5,
                         help="topr_far_off_policy: planted carry-drop rate of the other model the data comes from")
     options = parser.parse_args(argv)
@@ -129,6 +179,12 @@ def main(argv=None) -> dict:
     for method, row in results["summary"].items():
         print(f"{method:<20} final " + "   ".join(f"{metric} {value['mean']:.3f} ± {value['ci95']:.3f}"
                                                   for metric, value in row.items()))
+    for method, row in results["late"].items():
+        print(f"{method:<20} late  " + "   ".join(f"{metric} {value['mean']:.3f} ± {value['ci95']:.3f}"
+                                                  for metric, value in row.items()))
+    for pair, row in results["paired"].items():
+        print(f"{pair:<32} paired late " + "   ".join(f"{metric} {value['mean']:+.3f} ± {value['ci95']:.3f}"
+                                                      for metric, value in row.items()))
     return results
 
 

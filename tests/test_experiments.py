@@ -50,9 +50,14 @@ def test_iterations_report_each_strategy(evidence_work_dir, tmp_path):
     import iterations
 
     results = iterations.main(["--seeds", "0", "--iterations", "1", "--prompts", "16", "--eval_prompts", "100",
-                               "--eval_samples", "2", "--batch_size", "8", "--work_dir", str(evidence_work_dir),
-                               "--output", str(tmp_path / "iterations")])
+                               "--eval_samples", "2", "--batch_size", "8", "--steps_per_iteration", "20",
+                               "--work_dir", str(evidence_work_dir), "--output", str(tmp_path / "iterations")])
     assert set(results["summary"]) == {"uniform", "positives_only", "anna_karenina"}
+    # equal steps: 20 for every composition, though one pass over 16 x 8 rows in batches of 8 is 16 steps, and
+    # fewer over the curated ones
+    assert {run["strategy"]: run["steps"] for run in results["runs"].values()} == {
+        "uniform": [20], "positives_only": [20], "anna_karenina": [20]}
+    assert all(run["rows"][0] < 160 for run in results["runs"].values())
     proportions = {run["strategy"]: run["proportion_of_positives"][0] for run in results["runs"].values()}
     assert proportions["positives_only"] == 1.0 and proportions["anna_karenina"] < proportions["uniform"] < 1
     assert (tmp_path / "iterations.png").exists()
@@ -123,3 +128,16 @@ def test_the_validation_split_is_measured_apart_from_the_held_out_one():
     assert parser.parse_args(["--eval_split", "validation"]).eval_split == "validation"
     with pytest.raises(SystemExit):
         parser.parse_args(["--eval_split", "train"])
+
+
+def test_the_default_testbed_is_the_shipped_model():
+    """The evidence scripts start from the weights every machine gets, not a warm start trained on local kernels."""
+    import experiments
+
+    from topr_trl.tasks.reasoning import WarmStartSettings
+    from topr_trl.tasks.tiny import prebuilt_model
+
+    options = experiments.experiment_parser("", output="x", epochs=None).parse_args([])
+    settings = WarmStartSettings(digits=options.digits, error_rate=options.error_rate, steps=options.warm_steps)
+    assert settings == WarmStartSettings()
+    assert prebuilt_model(settings.key()) is not None

@@ -40,3 +40,26 @@ def test_naive_reinforce_collapses_and_topr_improves(evidence_work_dir, tmp_path
     assert naive[-1]["accuracy"] < naive[0]["accuracy"]
     assert naive[-1]["accuracy"] < topr[-1]["accuracy"] - 0.1
     assert (tmp_path / "figure1.png").exists()
+
+
+def test_late_values_and_preregistered_comparisons():
+    import figure1
+
+    def run(method, seed, values):
+        curve = [{"step": step, "accuracy": value} for step, value in zip((0, 32, 64, 96, 128), values)]
+        return {"method": method, "seed": seed, "curve": curve}
+
+    runs = {f"{m}/seed{s}": run(m, s, v) for m, s, v in [
+        ("topr", 0, (0.7, 0.8, 0.9, 0.92, 0.96)), ("topr", 1, (0.7, 0.85, 0.9, 0.94, 0.90)),
+        ("sft_positives", 0, (0.7, 0.8, 0.9, 0.90, 0.92)), ("sft_positives", 1, (0.7, 0.8, 0.9, 0.95, 0.93))]}
+    # last quarter of 128 steps: step > 96, the final checkpoint; with share 0.5: steps 96 and 128
+    assert figure1.late_values(runs, "topr", "accuracy", 0.25) == {0: 0.96, 1: 0.90}
+    assert figure1.late_values(runs, "topr", "accuracy", 0.5) == pytest.approx({0: 0.94, 1: 0.92})
+    late = figure1.summarise_late(runs, ["accuracy"], 0.5)
+    assert late["sft_positives"]["accuracy"]["mean"] == pytest.approx(0.925)
+    paired = figure1.compare(runs, ["accuracy"], ["topr-sft_positives", "topr-tis"], 0.5)
+    assert set(paired) == {"topr-sft_positives"}  # TIS did not run: no row
+    assert paired["topr-sft_positives"]["accuracy"]["values"] == pytest.approx([0.03, -0.02])
+    with pytest.raises(Exception, match="expected METHOD-METHOD"):
+        figure1.comparison("topr-sgd")
+    assert figure1.comparison("tis-ppo") == "tis-ppo"
