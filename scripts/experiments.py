@@ -100,6 +100,8 @@ def experiment_parser(doc: str, *, output: str, epochs: float | None, prompts: i
     testbed = parser.add_argument_group("reasoning testbed (--task reasoning)")
     testbed.add_argument("--digits", type=int, default=3)
     testbed.add_argument("--error_rate", type=float, default=0.25, help="planted carry-drop rate of the warm start")
+    testbed.add_argument("--spurious_carry_rate", type=float, default=0.0,
+                         help="the second planted error: rate of a carry written where none arrives (0: off)")
     # the shipped model's recipe (3,000 steps): at the default digits and error rate every machine starts from the
     # same shipped weights; a locally built warm start differs with the CPU's kernels (README, "The model")
     testbed.add_argument("--warm_steps", type=int, default=WarmStartSettings().steps,
@@ -167,7 +169,8 @@ def reasoning_testbed(work: Path, options):
     )
 
     torch.set_num_threads(options.threads)
-    settings = WarmStartSettings(digits=options.digits, error_rate=options.error_rate, steps=options.warm_steps)
+    settings = WarmStartSettings(digits=options.digits, error_rate=options.error_rate, steps=options.warm_steps,
+                                 spurious_carry_rate=options.spurious_carry_rate)
     model, tokenizer, base_path = build_reasoning_warm_model(work / "cache", settings)
     split = options.eval_split
     held_out = make_reasoning_dataset(options.eval_prompts, options.digits, split, seed=0)

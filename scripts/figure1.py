@@ -47,7 +47,7 @@ def far_behaviour_model(options, work: Path, testbed) -> tuple:
     if testbed.task != "reasoning":
         raise SystemExit("topr_far_off_policy needs --task reasoning (the behaviour model is a testbed warm start)")
     settings = WarmStartSettings(digits=options.digits, error_rate=options.far_error_rate, steps=options.warm_steps,
-                                 seed=1)
+                                 spurious_carry_rate=options.spurious_carry_rate, seed=1)
     return build_reasoning_warm_model(work / "cache", settings)
 
 

@@ -162,7 +162,7 @@ def test_split_sizes_and_errors():
 def test_cache_path_changes_with_every_setting():
     base = WarmStartSettings()
     changed = dict(digits=4, error_rate=0.5, error_positions=(1,), num_examples=1000, steps=10, batch_size=8,
-                   learning_rate=1e-3, hidden_size=32, num_layers=3, seed=1, device="cuda")
+                   learning_rate=1e-3, hidden_size=32, num_layers=3, seed=1, device="cuda", spurious_carry_rate=0.1)
     assert set(changed) == {f.name for f in dataclasses.fields(WarmStartSettings)}
     paths = {warm_model_path("cache", base)}
     for name, value in changed.items():
@@ -267,3 +267,29 @@ def test_default_built_in_models_are_the_shipped_weights_on_every_machine(tmp_pa
     model, tokenizer, _ = build_reasoning_warm_model(tmp_path / "r", WarmStartSettings())
     measured = measure_base_model(model, tokenizer, make_reasoning_dataset(200, 3, "heldout", seed=0))
     assert 0.5 < measured["pass@1"] < 0.85  # about two thirds of samples correct, as in the paper
+
+
+def test_the_second_planted_error_writes_a_carry_where_none_arrives():
+    spurious_rate = 0.3
+    data = make_warm_start_dataset(2000, digits=3, error_rate=0.0, seed=3, spurious_carry_rate=spurious_rate)
+    arrivals = added_total = 0
+    for text, prompt, added, dropped in zip(data["solution"], data["prompt"], data["added"], data["dropped"],
+                                            strict=True):
+        a, b = parse_problem(prompt)
+        assert dropped == [] and text == write_solution(a, b, added=added)
+        # each added carry makes the answer too large by that power of ten (the steps after follow from it)
+        assert int(parse_solution(text).answer) == a + b + sum(10**position for position in added)
+        if added:
+            assert diagnose(text, a, b)["kind"] == "other"  # not the planted carry drop
+            assert "wrong_carry" in diagnose(text, a, b)["errors"]
+        # the positions where no carry arrives in the solution as written (steps 1 and 2 of 3)
+        written = parse_solution(text).steps
+        arrivals += sum(1 for i in (1, 2) if written[i][2] == 0 or i in added)
+        added_total += len(added)
+    assert abs(added_total / arrivals - spurious_rate) < 0.03
+    # off by default, and then the settings and the key are those of every model built before it existed
+    assert "spurious_carry_rate" not in WarmStartSettings().to_dict()
+    harder = WarmStartSettings(digits=5, spurious_carry_rate=0.1)
+    assert harder.to_dict()["spurious_carry_rate"] == 0.1 and "-s0.1-" in harder.key()
+    with pytest.raises(ValueError, match="spurious_carry_rate must be in"):
+        WarmStartSettings(spurious_carry_rate=1.5)

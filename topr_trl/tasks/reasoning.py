@@ -15,7 +15,9 @@ The warm-start (SFT) solutions carry a SYSTEMATIC error RL can fix: each carry (
 is dropped with probability `error_rate` -- the step writes `+0` instead of `+1` (or, for the carry out of the top
 digit, the answer loses its leading 1) and everything after it is computed consistently from the wrong step, so the
 final answer is wrong by exactly that carry. The model learns to drop carries at that rate; the right behaviour stays
-in its distribution (probability 1 - error_rate per carry), which is what RL reinforces.
+in its distribution (probability 1 - error_rate per carry), which is what RL reinforces. A second planted error,
+off by default (`spurious_carry_rate`), writes a carry of 1 into a step where none arrives, so the answer is too
+large by that power of ten: two systematic errors of opposite kinds, for a harder setting.
 
 Splits are disjoint by construction: a hash of the unordered pair {a, b} puts every problem in exactly one of
 `SPLITS` (RL train prompts, warm-start problems, held-out problems, and a validation split for choosing settings,
@@ -164,19 +166,23 @@ def _digits_from_right(value: int, count: int) -> list[int]:
     return [value // 10**i % 10 for i in range(count)]
 
 
-def _solve(a: int, b: int, drop) -> tuple[str, list[int]]:
+def _solve(a: int, b: int, drop, add=None) -> tuple[str, list[int], list[int]]:
     """The written solution of a+b where `drop(position)` says whether the carry arriving at `position` (i in
-    1..digits-1: the carry into step i; `digits`: the carry out of the top step, the answer's leading 1) is lost.
-    Steps after a lost carry follow from the wrong step, so `drop` is asked only about carries that still arrive.
-    Returns the text and the positions dropped."""
+    1..digits-1: the carry into step i; `digits`: the carry out of the top step, the answer's leading 1) is lost,
+    and `add(position)` (i in 1..digits-1; None: never) whether a carry of 1 is written into step i where none
+    arrives. Steps after a changed carry follow from the wrong step, so `drop` is asked only about carries that still
+    arrive and `add` only where none does. Returns the text, the positions dropped and the positions added."""
     if a < 0 or b < 0:
         raise ValueError("operands must be non-negative")
     digits = len(str(max(a, b)))
-    steps, units, dropped, carry = [], [], [], 0
+    steps, units, dropped, added, carry = [], [], [], [], 0
     for i, (x, y) in enumerate(zip(_digits_from_right(a, digits), _digits_from_right(b, digits), strict=True)):
         if carry and drop(i):
             dropped.append(i)
             carry = 0
+        elif i > 0 and not carry and add is not None and add(i):
+            added.append(i)
+            carry = 1
         total = x + y + carry
         steps.append(f"{x}+{y}+{carry}={total:02d}")
         units.append(total % 10)
@@ -185,7 +191,7 @@ def _solve(a: int, b: int, drop) -> tuple[str, list[int]]:
         dropped.append(digits)
         carry = 0
     answer = ("1" if carry else "") + "".join(str(unit) for unit in reversed(units))
-    return STEP_SEPARATOR.join(steps) + STEP_SEPARATOR + ANSWER_MARK + (answer.lstrip("0") or "0"), dropped
+    return STEP_SEPARATOR.join(steps) + STEP_SEPARATOR + ANSWER_MARK + (answer.lstrip("0") or "0"), dropped, added
 
 
 def count_carries(a: int, b: int) -> int:
@@ -199,36 +205,46 @@ def count_carries(a: int, b: int) -> int:
     return carries
 
 
-def write_solution(a: int, b: int, dropped: Iterable[int] = ()) -> str:
+def write_solution(a: int, b: int, dropped: Iterable[int] = (), added: Iterable[int] = ()) -> str:
     """The written solution of a+b; a carry arriving at a position in `dropped` (1..digits-1: into that step;
-    digits: the answer's leading 1) is lost, and everything after it follows from the wrong step."""
-    dropped = set(dropped)
-    return _solve(a, b, lambda position: position in dropped)[0]
+    digits: the answer's leading 1) is lost, a carry of 1 is written into a step in `added` (1..digits-1) where none
+    arrives, and everything after either follows from the wrong step."""
+    dropped, added = set(dropped), set(added)
+    return _solve(a, b, lambda position: position in dropped, lambda position: position in added)[0]
 
 
 def planted_error_solution(a: int, b: int, error_rate: float, rng: random.Random,
-                           error_positions: Sequence[int] | None = None) -> tuple[str, list[int]]:
+                           error_positions: Sequence[int] | None = None,
+                           spurious_carry_rate: float = 0.0) -> tuple[str, list[int], list[int]]:
     """A warm-start solution of a+b: each carry that arrives at one of `error_positions` (None: any position) is
-    dropped with probability `error_rate`, independently. Returns the text and the positions dropped (empty: the
-    solution is correct)."""
-    if not 0.0 <= error_rate <= 1.0:
-        raise ValueError(f"error_rate must be in [0, 1], got {error_rate}")
+    dropped with probability `error_rate`, and a carry is written into each step where none arrives with probability
+    `spurious_carry_rate`, independently. Returns the text, the positions dropped and the positions added (both
+    empty: the solution is correct). With `spurious_carry_rate` 0 the generator is drawn exactly as before it
+    existed, so every earlier warm start is unchanged."""
+    for name, rate in (("error_rate", error_rate), ("spurious_carry_rate", spurious_carry_rate)):
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {rate}")
+    add = (lambda position: rng.random() < spurious_carry_rate) if spurious_carry_rate > 0 else None
     return _solve(a, b, lambda position: (error_positions is None or position in error_positions)
-                  and rng.random() < error_rate)
+                  and rng.random() < error_rate, add)
 
 
 def make_warm_start_dataset(num_examples: int, digits: int = 3, error_rate: float = 0.0,
-                            error_positions: Sequence[int] | None = None, seed: int = 0) -> Dataset:
+                            error_positions: Sequence[int] | None = None, seed: int = 0,
+                            spurious_carry_rate: float = 0.0) -> Dataset:
     """Warm-start (SFT) examples from the "warm_start" split: `prompt`, `answer` (the correct final answer),
-    `solution` (the SFT target: the written solution, with planted errors) and `dropped` (its dropped carries)."""
+    `solution` (the SFT target: the written solution, with planted errors), `dropped` (its dropped carries) and
+    `added` (its spurious carries)."""
     rng = random.Random(f"planted-{seed}")
     problems = make_problems(num_examples, digits, "warm_start", seed)
-    solutions = [planted_error_solution(a, b, error_rate, rng, error_positions) for a, b in problems]
+    solutions = [planted_error_solution(a, b, error_rate, rng, error_positions, spurious_carry_rate)
+                 for a, b in problems]
     return Dataset.from_dict({
         "prompt": [[{"role": "user", "content": prompt_text(a, b)}] for a, b in problems],
         "answer": [str(a + b) for a, b in problems],
-        "solution": [text for text, _ in solutions],
-        "dropped": [dropped for _, dropped in solutions],
+        "solution": [text for text, _, _ in solutions],
+        "dropped": [dropped for _, dropped, _ in solutions],
+        "added": [added for _, _, added in solutions],
     })
 
 
@@ -341,6 +357,8 @@ class WarmStartSettings:
     `learning_rate`: the SFT run (`topr_trl.tasks.arithmetic.warm_start`, AdamW, constant rate). `hidden_size`, `num_layers`:
     the tiny model (`topr_trl.tasks.tiny.build_model`). `seed`: model init, problems, planted errors and batches.
     `device`: where the warm start trains ("cpu", "cuda"); part of the key since kernels differ in rounding.
+    `spurious_carry_rate`: the second planted error, a carry of 1 written where none arrives (0: off; only a nonzero
+    rate enters the key, so every model built before it existed keeps its key).
 
     Once the warm start is long enough for the model to learn the algorithm, the base model's sampled pass@1 is set
     by the planted errors and its greedy accuracy by whether `error_rate` is over one half. Measured at temperature
@@ -370,12 +388,14 @@ class WarmStartSettings:
     num_layers: int = 2
     seed: int = 0
     device: str = "cpu"
+    spurious_carry_rate: float = 0.0
 
     def __post_init__(self):
         if self.digits < 2:
             raise ValueError(f"digits must be at least 2 (a carry needs two digits), got {self.digits}")
-        if not 0.0 <= self.error_rate <= 1.0:
-            raise ValueError(f"error_rate must be in [0, 1], got {self.error_rate}")
+        for name in ("error_rate", "spurious_carry_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.error_positions is not None:
             positions = tuple(sorted(set(self.error_positions)))
             if not positions or not all(1 <= p <= self.digits for p in positions):
@@ -391,6 +411,8 @@ class WarmStartSettings:
     def to_dict(self) -> dict:
         settings = asdict(self)
         settings["error_positions"] = list(self.error_positions) if self.error_positions is not None else None
+        if not self.spurious_carry_rate:  # off: the settings (and the key) of every model built before it existed
+            del settings["spurious_carry_rate"]
         # the tiny model's head size is fixed by `build_model`, but a change of it must change the key
         return {"format_version": FORMAT_VERSION, "head_dim": HEAD_DIM, **settings}
 
@@ -399,7 +421,8 @@ class WarmStartSettings:
         digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
         positions = "all" if self.error_positions is None else "-".join(map(str, self.error_positions))
         device = "" if self.device == "cpu" else f"-{self.device.replace(':', '')}"
-        return (f"reasoning-d{self.digits}-q{self.error_rate:g}-at{positions}-steps{self.steps}"
+        spurious = f"-s{self.spurious_carry_rate:g}" if self.spurious_carry_rate else ""
+        return (f"reasoning-d{self.digits}-q{self.error_rate:g}{spurious}-at{positions}-steps{self.steps}"
                 f"-h{self.hidden_size}x{self.num_layers}-seed{self.seed}{device}-{digest}")
 
 
@@ -440,7 +463,8 @@ def build_reasoning_warm_model(cache_dir: str | Path, settings: WarmStartSetting
         model = build_model(tokenizer, hidden_size=settings.hidden_size, num_layers=settings.num_layers,
                             seed=settings.seed).to(settings.device)
         examples = make_warm_start_dataset(settings.num_examples, settings.digits, settings.error_rate,
-                                           settings.error_positions, seed=settings.seed)
+                                           settings.error_positions, seed=settings.seed,
+                                           spurious_carry_rate=settings.spurious_carry_rate)
         # arithmetic.warm_start trains on its `answer` column: here the SFT target is the whole written solution
         targets = examples.select_columns(["prompt", "solution"]).rename_column("solution", "answer")
         warm_start(model, tokenizer, targets, settings.steps, batch_size=settings.batch_size,
