@@ -37,6 +37,7 @@ above it (a first crossing of a noisy curve, and for offline runs the whole data
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import time
@@ -146,6 +147,22 @@ def summarise(runs: dict, methods: list[str]) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def method_config(method: str, options, seed: int, output_dir: Path) -> dict:
+    """The shared training settings (`experiments.train_config`) with the method's own learning rate when
+    --method_learning_rates gives one."""
+    return {**train_config(options, seed, output_dir),
+            "learning_rate": options.method_learning_rates.get(method, options.learning_rate)}
+
+
+def learning_rate_of_method(text: str) -> tuple[str, float]:
+    """An argparse type: METHOD=RATE."""
+    method, equals, rate = text.partition("=")
+    try:
+        return method, float(rate) if equals else float("nan")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected METHOD=RATE, e.g. grpo=1e-4") from None
+
+
 def run_online(method, options, seed, base_path, held_out, base_point, work: Path) -> dict:
     import torch
     from trl import GRPOConfig, GRPOTrainer
@@ -159,7 +176,8 @@ def run_online(method, options, seed, base_path, held_out, base_point, work: Pat
     tracker = Tracker(held_out, options, reasoning_reward, "sample_efficiency")
     tracker.curve.append(base_point)
     config_class, trainer_class = (GRPOConfig, GRPOTrainer) if method == "grpo" else (TOPRConfig, TOPRTrainer)
-    config = config_class(max_steps=options.steps, **train_config(options, seed, work / f"{method}-seed{seed}"))
+    config = config_class(max_steps=options.steps,
+                          **method_config(method, options, seed, work / f"{method}-seed{seed}"))
     steps = run_trainer(trainer_class, config, base_path, tracker.reward, prompts, tracker, options.checkpoints)
     return {"loss_type": config.loss_type, "steps": steps, "completions": tracker.completions,
             "seconds": tracker.seconds(), "curve": tracker.curve}
@@ -199,7 +217,8 @@ def run_offline(loss, epochs, options, seed, base_path, held_out, base_point, wo
     tracker.curve += [base_point, {**base_point, "completions": completions, "seconds": generation_seconds}]
     torch.manual_seed(seed)
     config = TOPRConfig(topr_offline_epochs=epochs, loss_type=loss,
-                        **train_config(options, seed, work / f"{loss}_offline_k{epochs}-seed{seed}"))
+                        **method_config(f"{loss}_offline_k{epochs}", options, seed,
+                                        work / f"{loss}_offline_k{epochs}-seed{seed}"))
     steps = run_trainer(TOPRTrainer, config, base_path, stored_reward, data, tracker, options.checkpoints)
     return {"loss_type": loss, "epochs": epochs, "rows": len(data), "steps": steps, "completions": completions,
             "generation_seconds": generation_seconds, "seconds": tracker.seconds(), "curve": tracker.curve}
@@ -223,7 +242,7 @@ def run_iterated(options, seed, base_path, held_out, base_point, work: Path) -> 
             return base_point
         return tracker.checkpoint(model, tokenizer, iteration=len(calls) - 1)
 
-    common = train_config(options, seed, folder)
+    common = method_config("topr_iterated", options, seed, folder)
     for name in ("output_dir", "num_generations", "max_completion_length", "temperature"):
         common.pop(name)  # run_iterations sets these from the iteration settings
     settings = IterationSettings(
@@ -317,6 +336,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--offline_epochs", type=int, nargs="+", default=[1, 2, 4], help="passes K over the dataset")
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--iteration_prompts", type=int, default=32, help="prompts (x G) sampled per iteration")
+    parser.add_argument("--method_learning_rates", nargs="*", type=learning_rate_of_method, default=[],
+                        help="METHOD=RATE: a method's own learning rate (chosen on --eval_split validation), "
+                             "--learning_rate for the others")
     parser.add_argument("--controls", nargs="*", default=["sft", "ppo"], choices=OFFLINE_LOSSES[1:],
                         help="reuse controls: these losses on the same dataset with the largest K of --offline_epochs")
     parser.add_argument("--checkpoints", type=int, default=12,
@@ -329,6 +351,12 @@ def main(argv=None) -> dict:
     unknown = [m for m in options.methods if m not in known]
     if unknown:
         parser.error(f"unknown methods {unknown}: choose among {known}")
+    rates = dict(options.method_learning_rates)
+    wrong = [f"{m}={r}" for m, r in rates.items() if m not in known or not r > 0]
+    if wrong:
+        parser.error(f"--method_learning_rates {wrong}: each must be METHOD=RATE with a method among {known} "
+                     "and a positive rate")
+    options.method_learning_rates = rates
     results = run(options)
     save(results, options, plot)
     print(f"base pass@1 {results['base']['pass@1']:.3f}; target per seed "

@@ -4,6 +4,7 @@
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -95,6 +96,18 @@ def test_options_are_checked(capsys):
         sample_efficiency.main, ["--methods", "topr_offline_k3", "--offline_epochs", "1", "2"], capsys)
     assert "--batch_size must be a multiple of --num_generations" in script_refusal(
         sample_efficiency.main, ["--batch_size", "12", "--num_generations", "8"], capsys)
+    for rates in (["grpo"], ["gpro=1e-4"], ["grpo=-1"]):
+        assert "each must be METHOD=RATE" in script_refusal(
+            sample_efficiency.main, ["--method_learning_rates", *rates], capsys)
+    assert "expected METHOD=RATE" in script_refusal(
+        sample_efficiency.main, ["--method_learning_rates", "grpo=fast"], capsys)
+
+
+def test_a_method_trains_at_its_own_learning_rate(tmp_path):
+    options = SimpleNamespace(batch_size=32, num_generations=8, digits=3, learning_rate=3e-4,
+                              method_learning_rates={"grpo": 1e-4})
+    assert sample_efficiency.method_config("grpo", options, 0, tmp_path)["learning_rate"] == 1e-4
+    assert sample_efficiency.method_config("topr_online", options, 0, tmp_path)["learning_rate"] == 3e-4
 
 
 @pytest.mark.slow
