@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -66,8 +67,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from experiments import (  # noqa: E402
-    Tracker, experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95, parse_testbed_options, prepare_testbed,
-    run_trainer, save, train_config,
+    Tracker, experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95, paired_difference, parse_testbed_options,
+    prepare_testbed, run_trainer, save, train_config,
 )
 
 METHODS = ("topr", "grpo_clip")
@@ -162,6 +163,25 @@ def summarise(runs: dict, methods, lags) -> dict:
     return summary
 
 
+def paired_comparisons(runs: dict, methods, lags) -> dict:
+    """Paired differences of the late pass@1 (per seed, then mean and 95 % t-interval): each lag against K = 1
+    within a method ("topr/k4-k1"), and the first method against each other at every lag ("topr-grpo_clip/k4")."""
+    late = {(run["method"], run["lag"]): {} for run in runs.values()}
+    for run in runs.values():
+        late[run["method"], run["lag"]][run["seed"]] = late_mean(run["curve"])
+    outcome = {}
+    for method in methods:
+        for lag in lags:
+            if lag != 1 and (method, lag) in late and (method, 1) in late:
+                outcome[f"{method}/k{lag}-k1"] = paired_difference(late[method, lag], late[method, 1])
+    first, *others = [method for method in methods if any(key[0] == method for key in late)] or [None]
+    for other in others:
+        for lag in lags:
+            if (first, lag) in late and (other, lag) in late:
+                outcome[f"{first}-{other}/k{lag}"] = paired_difference(late[first, lag], late[other, lag])
+    return outcome
+
+
 # ---------------------------------------------------------------------------------------------------------
 # One run
 # ---------------------------------------------------------------------------------------------------------
@@ -221,6 +241,7 @@ def run(options) -> dict:
                 results["runs"][f"{method}/k{lag}/seed{seed}"] = {"method": method, "lag": lag, "seed": seed,
                                                                   **outcome}
     results["summary"] = summarise(results["runs"], options.methods, options.lags)
+    results["paired"] = paired_comparisons(results["runs"], options.methods, options.lags)
     results["seconds"] = time.time() - started
     return results
 
@@ -265,6 +286,25 @@ def plot(results: dict, path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+def resummarise(paths: list[str]) -> dict:
+    """The summary and paired comparisons of each finished run's JSON, recomputed with this script's rules."""
+    import json
+
+    outcome = {}
+    for path in map(Path, paths):
+        results = json.loads(path.read_text())
+        methods = [m for m in METHODS if any(run["method"] == m for run in results["runs"].values())]
+        lags = sorted({run["lag"] for run in results["runs"].values()})
+        results["summary"] = summarise(results["runs"], methods, lags)
+        results["paired"] = paired_comparisons(results["runs"], methods, lags)
+        path.write_text(json.dumps(results, indent=2))
+        plot(results, path.with_suffix(".png"))
+        for name, difference in results["paired"].items():
+            print(f"{path.stem}: paired late pass@1 {name:<24} {difference['mean']:+.3f} ± {difference['ci95']:.3f}")
+        outcome[str(path)] = results
+    return outcome
+
+
 def main(argv=None) -> dict:
     parser = experiment_parser(__doc__, output="docs/staleness", epochs=None, eval_prompts=500)
     # the warm model cache is shared with sample_efficiency.py; 3e-4 is its learning rate
@@ -282,6 +322,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--num_generations", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--checkpoints", type=int, default=4, help="evaluations per training run")
     parser.add_argument("--smoke", action="store_true", help=f"a tiny run (overrides: {SMOKE})")
+    parser.add_argument("--resummarise", nargs="+", metavar="JSON", default=None,
+                        help="recompute the summary and the paired comparisons of finished runs' JSON files (rewritten "
+                             "in place, with their plots), training nothing")
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--resummarise" in argv:
+        return resummarise(parser.parse_args(argv).resummarise)
     options = parse_testbed_options(parser, argv, SMOKE)
     if any(lag < 1 for lag in options.lags) or 1 not in options.lags:
         parser.error("--lags must be >= 1 and include 1 (the on-policy reference of the summary)")
@@ -305,6 +352,8 @@ def main(argv=None) -> dict:
             rule = row["largest_tolerated_lag"]
             print(f"{method:<10} largest K within one CI of K=1 (>= {rule['threshold']:.3f}): {rule['lag']}",
                   flush=True)
+    for name, difference in results["paired"].items():
+        print(f"paired late pass@1 {name:<24} {difference['mean']:+.3f} ± {difference['ci95']:.3f}", flush=True)
     return results
 
 

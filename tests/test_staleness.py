@@ -129,3 +129,34 @@ def test_smoke_run_has_every_method_and_lag_with_the_formulas_completions(eviden
     assert "topr/negative_truncated_fraction" in runs["topr/k4/seed0"]["logged"]
     assert set(results["summary"]) == set(staleness.METHODS)
     assert output.with_suffix(".png").exists()
+
+
+def test_paired_comparisons_take_the_late_pass_at_1_per_seed():
+    def curved(method, lag, seed, late):
+        return {"method": method, "lag": lag, "seed": seed,
+                "curve": [{"step": 0, "pass@1": 0.6}, {"step": 32, "pass@1": 0.1}, {"step": 64, "pass@1": late}]}
+
+    runs = {f"{m}/k{k}/seed{s}": curved(m, k, s, late) for m, k, s, late in [
+        ("topr", 1, 0, 0.80), ("topr", 1, 1, 0.82), ("topr", 4, 0, 0.70), ("topr", 4, 1, 0.76),
+        ("grpo_clip", 1, 0, 0.80), ("grpo_clip", 4, 0, 0.50), ("grpo_clip", 4, 1, 0.56)]}
+    paired = staleness.paired_comparisons(runs, staleness.METHODS, [1, 4, 16])
+    # the last quarter of 64 steps is the final checkpoint: the dip at step 32 does not count
+    assert paired["topr/k4-k1"]["values"] == pytest.approx([-0.10, -0.06])
+    assert paired["grpo_clip/k4-k1"]["seeds"] == [0]  # seed 1 has no K = 1 run
+    assert paired["topr-grpo_clip/k4"]["values"] == pytest.approx([0.20, 0.20])
+    assert paired["topr-grpo_clip/k1"]["seeds"] == [0]
+    assert not any("k16" in name for name in paired)  # not run
+
+
+def test_resummarise_recomputes_a_finished_runs_json(tmp_path):
+    runs = {f"{m}/k{k}/seed{s}": {**run(m, k, s, p), "curve": [{"step": 0, "pass@1": 0.6, "pass@1_problem_se": 0.02},
+                                                              {"step": 64, "pass@1": p, "pass@1_problem_se": 0.02}]}
+            for m, k, s, p in [("topr", 1, 0, 0.8), ("topr", 4, 0, 0.7), ("topr", 1, 1, 0.9), ("topr", 4, 1, 0.6)]}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"runs": runs, "base": {"pass@1": 0.6}, "summary": {},
+                                "options": {"seeds": [0, 1], "lags": [1, 4], "lag_via": "num_iterations"}}))
+    staleness.main(["--resummarise", str(path)])
+    rewritten = json.loads(path.read_text())
+    assert rewritten["paired"]["topr/k4-k1"]["values"] == pytest.approx([-0.1, -0.3])
+    assert rewritten["summary"]["topr"]["lags"]["4"]["late_pass@1"]["mean"] == pytest.approx(0.65)
+    assert path.with_suffix(".png").exists()
