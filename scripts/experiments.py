@@ -230,6 +230,25 @@ def save(results: dict, options, plot) -> None:
     plot(results, Path(options.output + ".png"))
 
 
+def resummarise(paths: list[str], update: Callable[[dict], None], plot) -> dict:
+    """Finished runs' JSON files with their summaries recomputed by `update(results)` (which rewrites the summary
+    keys in place from `results["runs"]`), written back with their plots; nothing is trained. Returns them by path."""
+    outcome = {}
+    for path in map(Path, paths):
+        results = json.loads(path.read_text())
+        update(results)
+        path.write_text(json.dumps(results, indent=2))
+        plot(results, path.with_suffix(".png"))
+        outcome[str(path)] = results
+    return outcome
+
+
+def add_resummarise_option(parser) -> None:
+    parser.add_argument("--resummarise", nargs="+", metavar="JSON", default=None,
+                        help="recompute the summaries of finished runs' JSON files (rewritten in place, with their "
+                             "plots) by this script's current rules, training nothing")
+
+
 def prepare_base(work_dir: Path, base_accuracy: float) -> Path:
     """The built-in task's warm-started tiny model, built once under `work_dir` (cached between scripts sharing a
     work dir)."""

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -48,8 +49,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from experiments import (  # noqa: E402
-    Tracker, experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95, paired_difference, parse_testbed_options,
-    prepare_testbed, run_trainer, save, train_config,
+    Tracker, add_resummarise_option, experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95,
+    paired_difference, parse_testbed_options, prepare_testbed, resummarise, run_trainer, save, train_config,
 )
 
 ONLINE = ("grpo", "topr_online")
@@ -112,6 +113,15 @@ def late_point(run: dict) -> float:
     return late_mean([point for point in trained if point["step"] > 0])
 
 
+def topr_minus_control(method: str, late: dict) -> dict | None:
+    """For a reuse control `<loss>_offline_k<K>` (loss other than TOPR), the paired difference of offline TOPR with
+    the same K minus the control; None for any other method or when that TOPR run is missing."""
+    parsed = offline_method(method)
+    if parsed is None or parsed[0] == "topr" or not late.get(f"topr_offline_k{parsed[1]}") or not late.get(method):
+        return None
+    return paired_difference(late[f"topr_offline_k{parsed[1]}"], late[method])
+
+
 def summarise(runs: dict, methods: list[str]) -> dict:
     """Per method over seeds: the late pass@1 (`late_point`) and its paired difference to online GRPO, the optimizer
     steps, the final pass@1, completions and seconds in all, and those needed to reach each seed's target (None where
@@ -130,6 +140,8 @@ def summarise(runs: dict, methods: list[str]) -> dict:
             "late_pass@1": mean_and_ci95([late[method][run["seed"]] for run in chosen]),
             "late_minus_grpo": (paired_difference(late[method], late["grpo"])
                                 if method != "grpo" and late.get("grpo") else None),
+            # a reuse control: offline TOPR with the same passes minus the control (what TOPR's weights add)
+            "topr_minus_this": topr_minus_control(method, late),
             "steps": mean_and_ci95(steps),
             "final_pass@1": mean_and_ci95([run["curve"][-1]["pass@1"] for run in chosen]),
             "completions_total": mean_and_ci95([run["completions"] for run in chosen]),
@@ -295,6 +307,12 @@ def run(options) -> dict:
     return results
 
 
+def update_summary(results: dict) -> None:
+    """`results`' summary, from its runs (for --resummarise)."""
+    results["summary"] = summarise(results["runs"], list(dict.fromkeys(run["method"]
+                                                                       for run in results["runs"].values())))
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -345,6 +363,11 @@ def main(argv=None) -> dict:
                         help="evaluations per training run (the late pass@1 averages those in the last quarter)")
     parser.add_argument("--target", type=float, default=None, help="pass@1 to reach (default: GRPO's final)")
     parser.add_argument("--smoke", action="store_true", help=f"a tiny run (overrides: {SMOKE})")
+    add_resummarise_option(parser)
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--resummarise" in argv:
+        return resummarise(parser.parse_args(argv).resummarise, update_summary, plot)
     options = parse_testbed_options(parser, argv, SMOKE)
     known = method_names(options.offline_epochs, options.controls)
     options.methods = options.methods or known

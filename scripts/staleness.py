@@ -67,8 +67,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from experiments import (  # noqa: E402
-    Tracker, experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95, paired_difference, parse_testbed_options,
-    prepare_testbed, run_trainer, save, train_config,
+    Tracker, add_resummarise_option, experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95,
+    paired_difference, parse_testbed_options, prepare_testbed, resummarise, run_trainer, save, train_config,
 )
 
 METHODS = ("topr", "grpo_clip")
@@ -286,23 +286,14 @@ def plot(results: dict, path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
-def resummarise(paths: list[str]) -> dict:
-    """The summary and paired comparisons of each finished run's JSON, recomputed with this script's rules."""
-    import json
-
-    outcome = {}
-    for path in map(Path, paths):
-        results = json.loads(path.read_text())
-        methods = [m for m in METHODS if any(run["method"] == m for run in results["runs"].values())]
-        lags = sorted({run["lag"] for run in results["runs"].values()})
-        results["summary"] = summarise(results["runs"], methods, lags)
-        results["paired"] = paired_comparisons(results["runs"], methods, lags)
-        path.write_text(json.dumps(results, indent=2))
-        plot(results, path.with_suffix(".png"))
-        for name, difference in results["paired"].items():
-            print(f"{path.stem}: paired late pass@1 {name:<24} {difference['mean']:+.3f} ± {difference['ci95']:.3f}")
-        outcome[str(path)] = results
-    return outcome
+def update_summary(results: dict) -> None:
+    """`results`' summary and paired comparisons, from its runs (for --resummarise)."""
+    methods = [m for m in METHODS if any(run["method"] == m for run in results["runs"].values())]
+    lags = sorted({run["lag"] for run in results["runs"].values()})
+    results["summary"] = summarise(results["runs"], methods, lags)
+    results["paired"] = paired_comparisons(results["runs"], methods, lags)
+    for name, difference in results["paired"].items():
+        print(f"paired late pass@1 {name:<24} {difference['mean']:+.3f} ± {difference['ci95']:.3f}")
 
 
 def main(argv=None) -> dict:
@@ -322,13 +313,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--num_generations", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--checkpoints", type=int, default=4, help="evaluations per training run")
     parser.add_argument("--smoke", action="store_true", help=f"a tiny run (overrides: {SMOKE})")
-    parser.add_argument("--resummarise", nargs="+", metavar="JSON", default=None,
-                        help="recompute the summary and the paired comparisons of finished runs' JSON files (rewritten "
-                             "in place, with their plots), training nothing")
+    add_resummarise_option(parser)
     if argv is None:
         argv = sys.argv[1:]
     if "--resummarise" in argv:
-        return resummarise(parser.parse_args(argv).resummarise)
+        return resummarise(parser.parse_args(argv).resummarise, update_summary, plot)
     options = parse_testbed_options(parser, argv, SMOKE)
     if any(lag < 1 for lag in options.lags) or 1 not in options.lags:
         parser.error("--lags must be >= 1 and include 1 (the on-policy reference of the summary)")

@@ -66,8 +66,22 @@ def test_summary_reports_per_seed_reach_and_never():
     assert summary["grpo"]["late_minus_grpo"] is None
     assert summary["topr_iterated"]["late_minus_grpo"]["seeds"] == [0]  # only the seeds both have
     assert summary["topr_iterated"]["late_pass@1"]["values"] == [0.9]  # iteration 2 of 2
+    assert summary["topr_offline_k2"]["topr_minus_this"] is None  # not a control
     # the steps each method took, so unequal budgets are read as such (iterated: summed over its iterations)
     assert summary["grpo"]["steps"]["mean"] == 4 and summary["topr_iterated"]["steps"]["mean"] == 3
+
+
+def test_a_reuse_control_is_compared_with_topr_at_the_same_passes():
+    def offline(method, seed, late):
+        return {"method": method, "seed": seed, "target": 0.5, "completions": 80, "seconds": 1.0, "steps": 4,
+                "curve": [point(0, 0, 0.6, 0), point(80, 1, late, 4)]}
+
+    runs = {f"{m}/seed{s}": offline(m, s, late) for m, s, late in [
+        ("topr_offline_k4", 0, 0.9), ("topr_offline_k4", 1, 0.8), ("sft_offline_k4", 0, 0.85),
+        ("sft_offline_k4", 1, 0.82), ("ppo_offline_k2", 0, 0.5)]}
+    summary = sample_efficiency.summarise(runs, ["topr_offline_k4", "sft_offline_k4", "ppo_offline_k2"])
+    assert summary["sft_offline_k4"]["topr_minus_this"]["values"] == pytest.approx([0.05, -0.02])
+    assert summary["ppo_offline_k2"]["topr_minus_this"] is None  # no TOPR run with 2 passes
 
 
 def test_expected_completions_follow_each_methods_formula():
@@ -139,3 +153,19 @@ def test_smoke_run_counts_completions_and_beats_the_base_model(evidence_work_dir
     finals = [run["curve"][-1]["pass@1"] for run in results["runs"].values()]
     assert all(final != results["base"]["pass@1"] for final in finals)
     assert output.with_suffix(".png").exists()
+
+
+def test_resummarise_adds_the_current_summary_to_a_finished_run(tmp_path):
+    runs = {"topr_offline_k4/seed0": {"method": "topr_offline_k4", "seed": 0, "target": 0.5, "completions": 80,
+                                      "seconds": 1.0, "steps": 4, "curve": [point(0, 0, 0.6, 0), point(80, 1, 0.9, 4)]},
+            "sft_offline_k4/seed0": {"method": "sft_offline_k4", "seed": 0, "target": 0.5, "completions": 80,
+                                     "seconds": 1.0, "steps": 4, "curve": [point(0, 0, 0.6, 0), point(80, 1, 0.8, 4)]}}
+    path = tmp_path / "old.json"
+    for run in runs.values():
+        for checkpoint in run["curve"]:
+            checkpoint["pass@1_problem_se"] = 0.01
+    path.write_text(json.dumps({"runs": runs, "summary": {}, "options": {"seeds": [0]}}))
+    sample_efficiency.main(["--resummarise", str(path)])
+    summary = json.loads(path.read_text())["summary"]
+    assert summary["sft_offline_k4"]["topr_minus_this"]["values"] == pytest.approx([0.1])
+    assert path.with_suffix(".png").exists()
