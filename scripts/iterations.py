@@ -24,7 +24,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from experiments import experiment_parser, mean_and_ci95, prepare, results_header, save
+import sys
+
+from experiments import (
+    add_resummarise_option, experiment_parser, late_mean, mean_and_ci95, paired_difference, prepare, results_header,
+    resummarise, save,
+)
 
 STRATEGIES = ("uniform", "positives_only", "anna_karenina")
 
@@ -67,7 +72,7 @@ def run(options) -> dict:
             print(f"[iterations] seed {seed} {strategy:<15} accuracy " + " -> ".join(f"{a:.3f}" for a in curve) +
                   "  p " + ", ".join(f"{s['proportion_of_positives']:.2f}" for s in summaries) +
                   "  steps " + ", ".join(str(s["train_steps"]) for s in summaries), flush=True)
-    results["summary"] = summarise(results["runs"])
+    update_summary(results)
     return results
 
 
@@ -78,6 +83,29 @@ def summarise(runs: dict) -> dict:
         curves = [run["accuracy"] for run in runs.values() if run["strategy"] == strategy]
         summary[strategy] = [mean_and_ci95([curve[i] for curve in curves]) for i in range(len(curves[0]))]
     return summary
+
+
+def late_values(runs: dict, strategy: str) -> dict[int, float]:
+    """Per seed, a strategy's robust end point: the mean accuracy over the iterations in the last quarter of the
+    run (`experiments.late_mean` with the iteration as the step; the base model excluded)."""
+    return {run["seed"]: late_mean([{"step": i, "accuracy": a} for i, a in enumerate(run["accuracy"]) if i > 0],
+                                   "accuracy")
+            for run in runs.values() if run["strategy"] == strategy}
+
+
+def compare(runs: dict) -> dict:
+    """Every pair of strategies that ran ("A-B", in STRATEGIES' order): the paired difference of the late values."""
+    ran = [s for s in STRATEGIES if any(run["strategy"] == s for run in runs.values())]
+    return {f"{first}-{second}": paired_difference(late_values(runs, first), late_values(runs, second))
+            for i, first in enumerate(ran) for second in ran[i + 1:]}
+
+
+def update_summary(results: dict) -> None:
+    """`results`' per-iteration summary, late values and paired comparisons, from its runs."""
+    results["summary"] = summarise(results["runs"])
+    results["late"] = {strategy: mean_and_ci95(list(late_values(results["runs"], strategy).values()))
+                       for strategy in results["summary"]}
+    results["paired"] = compare(results["runs"])
 
 
 def plot(results: dict, path: Path) -> None:
@@ -112,6 +140,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps_per_iteration", type=int, default=None,
                         help="optimizer steps per iteration for every composition (default: one pass over the "
                              "iteration's data, so curated compositions take fewer steps)")
+    add_resummarise_option(parser)
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--resummarise" in argv:
+        return resummarise(parser.parse_args(argv).resummarise, update_summary, plot)
     options = parser.parse_args(argv)
     if options.steps_per_iteration is not None and options.steps_per_iteration < 1:
         parser.error("--steps_per_iteration must be >= 1")
@@ -121,6 +154,8 @@ def main(argv=None) -> dict:
     save(results, options, plot)
     for strategy, points in results["summary"].items():
         print(f"{strategy:<15} " + " -> ".join(f"{p['mean']:.3f}±{p['ci95']:.3f}" for p in points))
+    for pair, difference in results["paired"].items():
+        print(f"paired late accuracy {pair:<30} {difference['mean']:+.3f} ± {difference['ci95']:.3f}")
     return results
 
 

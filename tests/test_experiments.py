@@ -141,3 +141,18 @@ def test_the_default_testbed_is_the_shipped_model():
     settings = WarmStartSettings(digits=options.digits, error_rate=options.error_rate, steps=options.warm_steps)
     assert settings == WarmStartSettings()
     assert prebuilt_model(settings.key()) is not None
+
+
+def test_iterations_compare_compositions_per_seed_at_the_last_iteration():
+    import iterations
+
+    runs = {f"{s}/seed{seed}": {"strategy": s, "seed": seed, "accuracy": curve} for s, seed, curve in [
+        ("uniform", 0, [0.6, 0.8, 0.9, 0.94]), ("uniform", 1, [0.6, 0.8, 0.9, 0.92]),
+        ("anna_karenina", 0, [0.6, 0.7, 0.9, 0.95]), ("anna_karenina", 1, [0.6, 0.7, 0.9, 0.90])]}
+    results = {"runs": runs}
+    iterations.update_summary(results)
+    # three iterations: the last quarter is the last one
+    assert results["late"]["uniform"]["values"] == [0.94, 0.92]
+    assert set(results["paired"]) == {"uniform-anna_karenina"}
+    assert results["paired"]["uniform-anna_karenina"]["values"] == pytest.approx([-0.01, 0.02])
+    assert results["summary"]["uniform"][0]["mean"] == 0.6  # the base model, index 0
