@@ -13,6 +13,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 import torch  # noqa: E402
 
 from topr_trl import TOPRConfig, TOPRTrainer  # noqa: E402
+from topr_trl.distributed import end_process_group  # noqa: E402
 from topr_trl.offline import load_offline_dataset, stored_reward  # noqa: E402
 
 
@@ -43,6 +44,9 @@ def main(model_path: str, data_dir: str, output_dir: str, results_dir: str, per_
     torch.save(gathered, os.path.join(results_dir, f"parameters-rank{rank}.pt"))
     with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as handle:
         json.dump(result, handle)
+    # as the command line does: left to interpreter shutdown, a rank can abort after it has finished ("terminate
+    # called without an active exception", seen under DDP on a busy CPU), which fails the launch
+    end_process_group()
 
 
 if __name__ == "__main__":
