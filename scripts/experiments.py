@@ -277,6 +277,10 @@ def sample_fixed_dataset(testbed: Testbed, num_prompts: int, seed: int, work_dir
                                     backend="transformers", seed=seed)
 
 
+# TOPRTrainer's per-step metrics kept by `train_offline` beside the gradient norms
+RATIO_MAXIMA = ("topr/ratio_negative/max", "topr/ratio_positive/max")
+
+
 def train_offline(testbed: Testbed, data, output_dir: Path, *, seed: int, epochs: float, batch_size: int,
                   learning_rate: float, max_grad_norm: float = 1.0, eval_every: int = 0, **overrides) -> dict:
     """One offline run: train the testbed's base model on `data` with TOPRConfig `overrides`; returns the held-out
@@ -331,7 +335,11 @@ def train_offline(testbed: Testbed, data, output_dir: Path, *, seed: int, epochs
     trainer.train()
     grad_norms = [{"step": entry["step"], "grad_norm": entry["grad_norm"]}
                   for entry in trainer.state.log_history if "grad_norm" in entry]
-    return {"curve": curve, "grad_norms": grad_norms, "seconds": time.time() - started}
+    # the largest sequence ratio pi/mu of the step's negatives and positives (before truncation), where logged
+    ratio_maxima = [{"step": entry["step"], **{key: entry[key] for key in RATIO_MAXIMA if key in entry}}
+                    for entry in trainer.state.log_history if any(key in entry for key in RATIO_MAXIMA)]
+    return {"curve": curve, "grad_norms": grad_norms, "ratio_maxima": ratio_maxima,
+            "seconds": time.time() - started}
 
 
 # ---------------------------------------------------------------------------------------------------------

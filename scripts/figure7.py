@@ -4,7 +4,10 @@ dataset, with gradient clipping at 100 (loose enough that clipping does not hide
 Per seed, one dataset is sampled from mu and subsampled to --proportion positives (default 0.4: the paper's
 stress test with 60 % negatives); off-policy REINFORCE with the plain
 sequence ratio pi/mu (limits (0, inf, 0, inf)) and TOPR (1, 1, 0, 1) are trained on it for several epochs.
-Recorded: gradient norm per step (before clipping) and held-out accuracy over steps.
+Recorded: gradient norm per step (before clipping), the step's largest sequence ratio pi/mu among negatives and
+positives (before truncation), and held-out accuracy over steps. Reported per method: the late accuracy (the
+checkpoints in the last quarter of the steps), how many seeds collapsed (late accuracy below the start by more
+than --collapse_margin, fixed before the run), and TOPR's paired difference to untruncated IS.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/figure7.py     # 3 seeds, writes docs/figure7.{json,png}
     OMP_NUM_THREADS=1 .venv/bin/python scripts/figure7.py --task arithmetic --proportion 0.1 --eval_every 20 \
@@ -20,8 +23,8 @@ import statistics
 from pathlib import Path
 
 from experiments import (
-    baseline_for, experiment_parser, mean_and_ci95, prepare, results_header, sample_fixed_dataset, save,
-    train_offline,
+    baseline_for, experiment_parser, late_mean, mean_and_ci95, paired_difference, prepare, results_header,
+    sample_fixed_dataset, save, train_offline,
 )
 
 METHODS = {"untruncated_is": {"loss_type": "off_policy_reinforce"}, "topr": {"loss_type": "topr"}}
@@ -49,22 +52,40 @@ def run(options) -> dict:
             print(f"[figure7] seed {seed} p={p:.3f} {method:<15} accuracy {outcome['curve'][0]['accuracy']:.3f} -> "
                   f"{outcome['curve'][-1]['accuracy']:.3f}  grad norm median {statistics.median(norms):.3g} "
                   f"max {max(norms):.3g} ({outcome['seconds']:.0f}s)", flush=True)
-    results["summary"] = summarise(results["runs"], options.max_grad_norm)
+    results["summary"] = summarise(results["runs"], options.max_grad_norm, options.collapse_margin)
     return results
 
 
-def summarise(runs: dict, clip: float) -> dict:
-    """Per method over seeds: final accuracy, maximum and median gradient norm, share of steps above `clip`."""
+def late_accuracy(run: dict) -> float:
+    return late_mean([point for point in run["curve"] if point["step"] > 0], "accuracy")
+
+
+def summarise(runs: dict, clip: float, collapse_margin: float = 0.1) -> dict:
+    """Per method over seeds: final and late accuracy, the seeds whose late accuracy fell more than `collapse_margin`
+    below the start, the largest negative sequence ratio, maximum and median gradient norm, share of steps above
+    `clip`; TOPR's paired late-accuracy difference to each other method."""
     summary = {}
+    late = {}
     for method in dict.fromkeys(run["method"] for run in runs.values()):
         chosen = [run for run in runs.values() if run["method"] == method]
+        late[method] = {run["seed"]: late_accuracy(run) for run in chosen}
         norms = [[entry["grad_norm"] for entry in run["grad_norms"]] for run in chosen]
+        largest = [max((entry.get("topr/ratio_negative/max", float("nan")) for entry in run.get("ratio_maxima", [])),
+                       default=float("nan")) for run in chosen]
         summary[method] = {
+            "late_accuracy": mean_and_ci95(list(late[method].values())),
+            "collapsed_seeds": [run["seed"] for run in chosen
+                                if late[method][run["seed"]] < run["curve"][0]["accuracy"] - collapse_margin],
+            "largest_negative_ratio": largest,
             "accuracy": mean_and_ci95([run["curve"][-1]["accuracy"] for run in chosen]),
             "max_grad_norm": mean_and_ci95([max(n) for n in norms]),
             "median_grad_norm": mean_and_ci95([statistics.median(n) for n in norms]),
             "clipped_step_fraction": mean_and_ci95([sum(x > clip for x in n) / len(n) for n in norms]),
         }
+    if "topr" in late:
+        for method in late:
+            if method != "topr":
+                summary["topr"][f"late_minus_{method}"] = paired_difference(late["topr"], late[method])
     return summary
 
 
@@ -103,11 +124,15 @@ def main(argv=None) -> dict:
                         help="set the baseline c so that Eq. 12's p~ equals this (default: c = 0, p~ = p)")
     parser.add_argument("--max_grad_norm", type=float, default=100.0)
     parser.add_argument("--eval_every", type=int, default=40)
+    parser.add_argument("--collapse_margin", type=float, default=0.1,
+                        help="a run has collapsed when its late accuracy is this far below its start")
     options = parser.parse_args(argv)
     results = run(options)
     save(results, options, plot)
     for method, row in results["summary"].items():
-        print(f"{method:<15} final accuracy {row['accuracy']['mean']:.3f} ± {row['accuracy']['ci95']:.3f}  "
+        print(f"{method:<15} late accuracy {row['late_accuracy']['mean']:.3f} ± {row['late_accuracy']['ci95']:.3f}  "
+              f"collapsed seeds {row['collapsed_seeds']}  "
+              f"final accuracy {row['accuracy']['mean']:.3f} ± {row['accuracy']['ci95']:.3f}  "
               f"max grad norm {row['max_grad_norm']['mean']:.3g}  median {row['median_grad_norm']['mean']:.3g}")
     return results
 

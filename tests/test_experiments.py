@@ -156,3 +156,21 @@ def test_iterations_compare_compositions_per_seed_at_the_last_iteration():
     assert set(results["paired"]) == {"uniform-anna_karenina"}
     assert results["paired"]["uniform-anna_karenina"]["values"] == pytest.approx([-0.01, 0.02])
     assert results["summary"]["uniform"][0]["mean"] == 0.6  # the base model, index 0
+
+
+def test_figure7_counts_collapses_and_pairs_topr_with_untruncated_is():
+    import figure7
+
+    def run(method, seed, late):
+        return {"method": method, "seed": seed,
+                "curve": [{"step": 0, "accuracy": 0.6}, {"step": 40, "accuracy": 0.8}, {"step": 80, "accuracy": late}],
+                "grad_norms": [{"step": 1, "grad_norm": 0.5}, {"step": 2, "grad_norm": 150.0}],
+                "ratio_maxima": [{"step": 1, "topr/ratio_negative/max": 2.0}, {"step": 2, "topr/ratio_negative/max": 9.0}]}
+
+    runs = {f"{m}/seed{s}": run(m, s, late) for m, s, late in [
+        ("untruncated_is", 0, 0.95), ("untruncated_is", 1, 0.2), ("topr", 0, 0.96), ("topr", 1, 0.97)]}
+    summary = figure7.summarise(runs, clip=100.0)
+    assert summary["untruncated_is"]["collapsed_seeds"] == [1] and summary["topr"]["collapsed_seeds"] == []
+    assert summary["topr"]["late_minus_untruncated_is"]["values"] == pytest.approx([0.01, 0.77])
+    assert summary["untruncated_is"]["largest_negative_ratio"] == [9.0, 9.0]
+    assert summary["untruncated_is"]["clipped_step_fraction"]["mean"] == 0.5
