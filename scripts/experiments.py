@@ -243,6 +243,21 @@ def resummarise(paths: list[str], update: Callable[[dict], None], plot) -> dict:
     return outcome
 
 
+def merge_results(paths: list[str]) -> dict:
+    """One results dict from the JSON files of runs of one command split by seeds (e.g. one per core): the first
+    file's header and options, every file's runs (refused when two files hold the same run), the seeds of all."""
+    parts = [json.loads(Path(path).read_text()) for path in paths]
+    results = parts[0]
+    for part in parts[1:]:
+        shared = set(results["runs"]) & set(part["runs"])
+        if shared:
+            raise SystemExit(f"--merge: {sorted(shared)[:3]} are in more than one file; merge runs of disjoint seeds")
+        results["runs"].update(part["runs"])
+    results["options"]["seeds"] = sorted({run["seed"] for run in results["runs"].values()})
+    results["merged_from"] = list(paths)
+    return results
+
+
 def add_resummarise_option(parser) -> None:
     parser.add_argument("--resummarise", nargs="+", metavar="JSON", default=None,
                         help="recompute the summaries of finished runs' JSON files (rewritten in place, with their "

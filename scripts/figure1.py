@@ -23,8 +23,8 @@ import statistics
 from pathlib import Path
 
 from experiments import (
-    experiment_parser, late_mean, mean_and_ci95, paired_difference, prepare, results_header, sample_fixed_dataset,
-    save, train_offline,
+    experiment_parser, late_mean, mean_and_ci95, merge_results, paired_difference, prepare, results_header,
+    sample_fixed_dataset, save, train_offline,
 )
 
 METHODS = {
@@ -77,10 +77,15 @@ def run(options) -> dict:
             print(f"[figure1] seed {seed} {method:<20} p {positives:.3f} " + "  ".join(
                 f"{metric} {curve[0][metric]:.3f} -> {curve[-1][metric]:.3f}" for metric in testbed.metrics) +
                 f"  ({run_result['seconds']:.0f}s)", flush=True)
-    results["summary"] = summarise(results["runs"], testbed.metrics)
-    results["late"] = summarise_late(results["runs"], testbed.metrics, options.late_share)
-    results["paired"] = compare(results["runs"], testbed.metrics, options.compare, options.late_share)
+    summarise_all(results, testbed.metrics, options)
     return results
+
+
+def summarise_all(results: dict, metrics, options) -> None:
+    """The final-checkpoint summary, the late values and the pre-registered paired comparisons of `results`' runs."""
+    results["summary"] = summarise(results["runs"], metrics)
+    results["late"] = summarise_late(results["runs"], metrics, options.late_share)
+    results["paired"] = compare(results["runs"], metrics, options.compare, options.late_share)
 
 
 def summarise(runs: dict, metrics) -> dict:
@@ -139,7 +144,8 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     metrics = list(next(iter(results["summary"].values())))
-    figure, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4))
+    figure, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
+    axes = axes[0]
     for method in dict.fromkeys(run["method"] for run in results["runs"].values()):
         curves = [run["curve"] for run in results["runs"].values() if run["method"] == method]
         steps = [point["step"] for point in curves[0]]
@@ -172,7 +178,17 @@ def main(argv=None) -> dict:
                         help="pre-registered paired comparisons A-B of the late values (pairs whose methods ran)")
     parser.add_argument("--far_error_rate", type=float, default=0.5,
                         help="topr_far_off_policy: planted carry-drop rate of the other model the data comes from")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                        help="merge these result files of one command run on disjoint seeds (e.g. one per core) into "
+                             "--output, with the late values and comparisons of their own options; trains nothing")
     options = parser.parse_args(argv)
+    if options.merge:
+        results = merge_results(options.merge)
+        recorded = argparse.Namespace(**{**results["options"], "output": options.output})
+        summarise_all(results, list(next(iter(results["summary"].values()))), recorded)
+        results["options"] = vars(recorded)
+        save(results, recorded, plot)
+        return results
     results = run(options)
     save(results, options, plot)
     print(f"measure: {results['measure']}")

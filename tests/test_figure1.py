@@ -63,3 +63,28 @@ def test_late_values_and_preregistered_comparisons():
     with pytest.raises(Exception, match="expected METHOD-METHOD"):
         figure1.comparison("topr-sgd")
     assert figure1.comparison("tis-ppo") == "tis-ppo"
+
+
+def test_merging_runs_of_disjoint_seeds_recomputes_the_comparisons(tmp_path):
+    import json
+
+    import figure1
+
+    def part(seed, topr, sft):
+        runs = {f"{m}/seed{seed}": {"method": m, "seed": seed,
+                                    "curve": [{"step": 0, "accuracy": 0.6}, {"step": 128, "accuracy": late}]}
+                for m, late in (("topr", topr), ("sft_positives", sft))}
+        summary = figure1.summarise(runs, ["accuracy"])
+        return {"runs": runs, "summary": summary, "measure": "m", "task": "reasoning",
+                "options": {"seeds": [seed], "late_share": 0.25, "compare": ["topr-sft_positives"], "output": "x"}}
+
+    paths = []
+    for seed, topr, sft in ((0, 0.9, 0.8), (1, 0.85, 0.9)):
+        paths.append(tmp_path / f"part{seed}.json")
+        paths[-1].write_text(json.dumps(part(seed, topr, sft)))
+    merged = figure1.main(["--merge", *map(str, paths), "--output", str(tmp_path / "merged")])
+    assert merged["options"]["seeds"] == [0, 1]
+    assert merged["paired"]["topr-sft_positives"]["accuracy"]["values"] == pytest.approx([0.1, -0.05])
+    assert json.loads((tmp_path / "merged.json").read_text())["merged_from"] == list(map(str, paths))
+    with pytest.raises(SystemExit, match="more than one file"):
+        figure1.main(["--merge", str(paths[0]), str(paths[0]), "--output", str(tmp_path / "twice")])
