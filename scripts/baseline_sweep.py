@@ -20,8 +20,8 @@ import statistics
 from pathlib import Path
 
 from experiments import (
-    baseline_for, experiment_parser, mean_and_ci95, prepare, results_header, sample_fixed_dataset, save,
-    train_offline,
+    baseline_for, experiment_parser, late_mean, mean_and_ci95, paired_difference, prepare, results_header,
+    sample_fixed_dataset, save, train_offline,
 )
 
 METHODS = {"topr": {"loss_type": "topr"}, "tis": {"loss_type": "tis"}}
@@ -43,7 +43,7 @@ def run(options) -> dict:
                     outcome = train_offline(
                         testbed, data, work / "runs" / f"sweep-{key.replace('/', '-')}", seed=seed,
                         epochs=options.epochs, batch_size=options.batch_size, learning_rate=options.learning_rate,
-                        topr_baseline=c, **METHODS[method],
+                        topr_baseline=c, eval_every=options.eval_every, **METHODS[method],
                     )
                     results["runs"][key] = {"proportion": proportion, "measured_p": p, "rows": len(data),
                                             "target": target, "baseline": c, "method": method, "seed": seed,
@@ -52,7 +52,24 @@ def run(options) -> dict:
                           f"{outcome['curve'][0]['accuracy']:.3f} -> {outcome['curve'][-1]['accuracy']:.3f} "
                           f"({outcome['seconds']:.0f}s)", flush=True)
     results["summary"] = summarise(results["runs"])
+    results["late"], results["paired"] = summarise_late(results["runs"])
     return results
+
+
+def summarise_late(runs: dict) -> tuple[dict, dict]:
+    """Per "p/p~/method": the late accuracy (checkpoints in the last quarter of the steps; with no checkpoint
+    between the start and the end, the final one), mean and 95 % CI over seeds; per "p/p~": TOPR − TIS, paired by
+    seed, where both ran."""
+    late: dict[str, dict[int, float]] = {}
+    for run in runs.values():
+        key = f"p{run['proportion']:g}/pt{run['target']:g}/{run['method']}"
+        late.setdefault(key, {})[run["seed"]] = late_mean([p for p in run["curve"] if p["step"] > 0], "accuracy")
+    paired = {}
+    for key in late:
+        setting, _, method = key.rpartition("/")
+        if method == "topr" and f"{setting}/tis" in late:
+            paired[setting] = paired_difference(late[key], late[f"{setting}/tis"])
+    return {key: mean_and_ci95(list(values.values())) for key, values in late.items()}, paired
 
 
 def summarise(runs: dict) -> dict:
@@ -101,6 +118,9 @@ def main(argv=None) -> dict:
                         help="proportions of positives p the dataset is subsampled to")
     parser.add_argument("--targets", type=float, nargs="+", default=[0.01, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0],
                         help="effective proportions p~ the baseline is solved for")
+    parser.add_argument("--eval_every", type=int, default=0,
+                        help="evaluate every this many steps (0: start and end only); the late accuracy averages "
+                             "the checkpoints in the last quarter of the steps")
     options = parser.parse_args(argv)
     for target in options.targets:
         if not 0 < target <= 1:
@@ -110,7 +130,11 @@ def main(argv=None) -> dict:
     print(f"start accuracy {results['summary']['start_accuracy']:.3f}")
     for key, row in results["summary"].items():
         if key != "start_accuracy":
-            print(f"{key:<24} final accuracy {row['mean']:.3f} ± {row['ci95']:.3f}")
+            late = results["late"][key]
+            print(f"{key:<24} final accuracy {row['mean']:.3f} ± {row['ci95']:.3f}  "
+                  f"late {late['mean']:.3f} ± {late['ci95']:.3f}")
+    for setting, difference in results["paired"].items():
+        print(f"{setting:<16} TOPR - TIS (late, paired) {difference['mean']:+.3f} ± {difference['ci95']:.3f}")
     return results
 
 

@@ -174,3 +174,17 @@ def test_figure7_counts_collapses_and_pairs_topr_with_untruncated_is():
     assert summary["topr"]["late_minus_untruncated_is"]["values"] == pytest.approx([0.01, 0.77])
     assert summary["untruncated_is"]["largest_negative_ratio"] == [9.0, 9.0]
     assert summary["untruncated_is"]["clipped_step_fraction"]["mean"] == 0.5
+
+
+def test_baseline_sweep_pairs_topr_with_tis_on_the_late_accuracy():
+    import baseline_sweep
+
+    def run(method, seed, late):
+        return {"proportion": 0.67, "target": 0.1, "method": method, "seed": seed,
+                "curve": [{"step": 0, "accuracy": 0.6}, {"step": 40, "accuracy": 0.1}, {"step": 80, "accuracy": late}]}
+
+    runs = {f"{m}/{s}": run(m, s, late) for m, s, late in
+            [("topr", 0, 0.9), ("topr", 1, 0.8), ("tis", 0, 0.0), ("tis", 1, 0.5)]}
+    late, paired = baseline_sweep.summarise_late(runs)
+    assert late["p0.67/pt0.1/topr"]["values"] == [0.9, 0.8]  # the dip at step 40 is not in the last quarter
+    assert paired["p0.67/pt0.1"]["values"] == pytest.approx([0.9, 0.3])
