@@ -63,7 +63,7 @@ def summarise_late(runs: dict) -> tuple[dict, dict]:
     late: dict[str, dict[int, float]] = {}
     for run in runs.values():
         key = f"p{run['proportion']:g}/pt{run['target']:g}/{run['method']}"
-        late.setdefault(key, {})[run["seed"]] = late_mean([p for p in run["curve"] if p["step"] > 0], "accuracy")
+        late.setdefault(key, {})[run["seed"]] = late_mean(run["curve"], "accuracy")
     paired = {}
     for key in late:
         setting, _, method = key.rpartition("/")

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ def late_mean(curve: list[dict], key: str = "pass@1", share: float = 0.25) -> fl
     """The robust end point of one run's curve: the mean of `key` over the checkpoints in the last `share` of its
     steps (step > (1 - share) x the last step; at least the last checkpoint). A single final checkpoint of a noisy
     curve can land on a dip or a spike; the mean over the run's late checkpoints cannot hinge on one of them."""
+    # the start (step 0, and an offline run's generation) lies outside the last share of any run with a step
     steps = [point.get("step", index) for index, point in enumerate(curve)]
     last = steps[-1]
     late = [point[key] for point, step in zip(curve, steps, strict=True) if step > (1 - share) * last]
@@ -258,10 +260,16 @@ def merge_results(paths: list[str]) -> dict:
     return results
 
 
-def add_resummarise_option(parser) -> None:
+def resummarise_if_asked(parser, argv: list[str] | None, update: Callable[[dict], None], plot) -> dict | None:
+    """Adds the --resummarise option to a script's `parser`; when `argv` (None: the command line) asks for it, runs
+    `resummarise` on the files it names and returns their results, else None (the script then trains as usual)."""
     parser.add_argument("--resummarise", nargs="+", metavar="JSON", default=None,
                         help="recompute the summaries of finished runs' JSON files (rewritten in place, with their "
                              "plots) by this script's current rules, training nothing")
+    argv = sys.argv[1:] if argv is None else argv
+    if "--resummarise" not in argv:
+        return None
+    return resummarise(parser.parse_args(argv).resummarise, update, plot)
 
 
 def prepare_base(work_dir: Path, base_accuracy: float) -> Path:

@@ -100,7 +100,7 @@ def summarise(runs: dict, metrics) -> dict:
 def late_values(runs: dict, method: str, metric: str, share: float) -> dict[int, float]:
     """Per seed, a method's robust end point of `metric`: its mean over the checkpoints in the last `share` of the
     run's steps (the start excluded)."""
-    return {run["seed"]: late_mean([p for p in run["curve"] if p["step"] > 0], metric, share)
+    return {run["seed"]: late_mean(run["curve"], metric, share)
             for run in runs.values() if run["method"] == method}
 
 

@@ -57,7 +57,7 @@ def run(options) -> dict:
 
 
 def late_accuracy(run: dict) -> float:
-    return late_mean([point for point in run["curve"] if point["step"] > 0], "accuracy")
+    return late_mean(run["curve"], "accuracy")
 
 
 def summarise(runs: dict, clip: float, collapse_margin: float = 0.1) -> dict:

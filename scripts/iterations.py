@@ -24,11 +24,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import sys
-
 from experiments import (
-    add_resummarise_option, experiment_parser, late_mean, mean_and_ci95, paired_difference, prepare, results_header,
-    resummarise, save,
+    experiment_parser, late_mean, mean_and_ci95, paired_difference, prepare, results_header, resummarise_if_asked,
+    save,
 )
 
 STRATEGIES = ("uniform", "positives_only", "anna_karenina")
@@ -88,8 +86,7 @@ def summarise(runs: dict) -> dict:
 def late_values(runs: dict, strategy: str) -> dict[int, float]:
     """Per seed, a strategy's robust end point: the mean accuracy over the iterations in the last quarter of the
     run (`experiments.late_mean` with the iteration as the step; the base model excluded)."""
-    return {run["seed"]: late_mean([{"step": i, "accuracy": a} for i, a in enumerate(run["accuracy"]) if i > 0],
-                                   "accuracy")
+    return {run["seed"]: late_mean([{"step": i, "accuracy": a} for i, a in enumerate(run["accuracy"])], "accuracy")
             for run in runs.values() if run["strategy"] == strategy}
 
 
@@ -140,11 +137,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps_per_iteration", type=int, default=None,
                         help="optimizer steps per iteration for every composition (default: one pass over the "
                              "iteration's data, so curated compositions take fewer steps)")
-    add_resummarise_option(parser)
-    if argv is None:
-        argv = sys.argv[1:]
-    if "--resummarise" in argv:
-        return resummarise(parser.parse_args(argv).resummarise, update_summary, plot)
+    rewritten = resummarise_if_asked(parser, argv, update_summary, plot)
+    if rewritten is not None:
+        return rewritten
     options = parser.parse_args(argv)
     if options.steps_per_iteration is not None and options.steps_per_iteration < 1:
         parser.error("--steps_per_iteration must be >= 1")

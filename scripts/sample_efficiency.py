@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -49,8 +48,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from experiments import (  # noqa: E402
-    Tracker, add_resummarise_option, experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95,
-    paired_difference, parse_testbed_options, prepare_testbed, resummarise, run_trainer, save, train_config,
+    Tracker, experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95, paired_difference, parse_testbed_options,
+    prepare_testbed, resummarise_if_asked, run_trainer, save, train_config,
 )
 
 ONLINE = ("grpo", "topr_online")
@@ -109,8 +108,7 @@ def late_point(run: dict) -> float:
     """A run's robust end point: its mean pass@1 over the checkpoints in the last quarter of its training (optimizer
     steps, or iterations for the iterated runs; the points before any training, the base model and an offline run's
     generation, excluded)."""
-    trained = [{**point, "step": point.get("step", point.get("iteration", 0))} for point in run["curve"]]
-    return late_mean([point for point in trained if point["step"] > 0])
+    return late_mean([{**point, "step": point.get("step", point.get("iteration", 0))} for point in run["curve"]])
 
 
 def topr_minus_control(method: str, late: dict) -> dict | None:
@@ -363,11 +361,9 @@ def main(argv=None) -> dict:
                         help="evaluations per training run (the late pass@1 averages those in the last quarter)")
     parser.add_argument("--target", type=float, default=None, help="pass@1 to reach (default: GRPO's final)")
     parser.add_argument("--smoke", action="store_true", help=f"a tiny run (overrides: {SMOKE})")
-    add_resummarise_option(parser)
-    if argv is None:
-        argv = sys.argv[1:]
-    if "--resummarise" in argv:
-        return resummarise(parser.parse_args(argv).resummarise, update_summary, plot)
+    rewritten = resummarise_if_asked(parser, argv, update_summary, plot)
+    if rewritten is not None:
+        return rewritten
     options = parse_testbed_options(parser, argv, SMOKE)
     known = method_names(options.offline_epochs, options.controls)
     options.methods = options.methods or known

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -67,8 +66,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from experiments import (  # noqa: E402
-    Tracker, add_resummarise_option, experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95,
-    paired_difference, parse_testbed_options, prepare_testbed, resummarise, run_trainer, save, train_config,
+    Tracker, experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95, paired_difference, parse_testbed_options,
+    prepare_testbed, resummarise_if_asked, run_trainer, save, train_config,
 )
 
 METHODS = ("topr", "grpo_clip")
@@ -313,11 +312,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--num_generations", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--checkpoints", type=int, default=4, help="evaluations per training run")
     parser.add_argument("--smoke", action="store_true", help=f"a tiny run (overrides: {SMOKE})")
-    add_resummarise_option(parser)
-    if argv is None:
-        argv = sys.argv[1:]
-    if "--resummarise" in argv:
-        return resummarise(parser.parse_args(argv).resummarise, update_summary, plot)
+    rewritten = resummarise_if_asked(parser, argv, update_summary, plot)
+    if rewritten is not None:
+        return rewritten
     options = parse_testbed_options(parser, argv, SMOKE)
     if any(lag < 1 for lag in options.lags) or 1 not in options.lags:
         parser.error("--lags must be >= 1 and include 1 (the on-policy reference of the summary)")
