@@ -2,6 +2,7 @@
 and the warm-started model's cache key."""
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import random
@@ -289,6 +290,10 @@ def test_the_second_planted_error_writes_a_carry_where_none_arrives():
     assert abs(added_total / arrivals - spurious_rate) < 0.03
     # off by default, and then the settings and the key are those of every model built before it existed
     assert "spurious_carry_rate" not in WarmStartSettings().to_dict()
+    # ... and so are the warm-start solutions: this digest was computed with the code before the second error existed
+    # (commit bd0676f), so a change in how the generator is drawn at rate 0 fails here
+    unchanged = make_warm_start_dataset(500, 3, error_rate=0.25, seed=0)["solution"]
+    assert hashlib.sha256("\n".join(unchanged).encode()).hexdigest()[:16] == "7ae32d6ff2e17fd9"
     harder = WarmStartSettings(digits=5, spurious_carry_rate=0.1)
     assert harder.to_dict()["spurious_carry_rate"] == 0.1 and "-s0.1-" in harder.key()
     with pytest.raises(ValueError, match="spurious_carry_rate must be in"):
