@@ -21,18 +21,21 @@ new version that never comes and the run stops at TRL's heartbeat check (`--hear
 trained are recorded, and the model is evaluated as it stands.
 
 Held-out sampled pass@1 (temperature 1, --eval_samples per problem on --eval_prompts problems of the held-out split,
-disjoint from the training prompts) at --checkpoints evenly spaced steps; the robust statistic reported per run is
-the mean of its last two checkpoints. Per (method, K): mean and 95 % t-interval over seeds, samples dropped, steps
-trained, and the first checkpoint whose seed-mean pass@1 reaches the final pass@1 of async_topr at K=0 (the
-synchronous reference: lockstep, no lag), with its training seconds (evaluation excluded). One torch thread.
+disjoint from the training prompts) at --checkpoints evenly spaced steps; the robust statistic of a run is its late
+pass@1, the mean of its checkpoints in the last quarter of the steps (`experiments.late_mean`). Per (method, K): the
+late and final pass@1 (mean and 95 % t-interval over seeds), samples dropped, steps trained, and the first checkpoint
+whose seed-mean pass@1 reaches the final pass@1 of async_topr at K=0 (the synchronous reference: lockstep, no lag),
+with its training seconds (evaluation excluded). Paired by seed (`experiments.paired_difference`): the first method
+against each other one at every K, and every method's K against its own K = 0. One torch thread.
+`--resummarise JSON` recomputes the summary of finished runs.
 
-    # two lanes, one per core (as measured: about 30 minutes each)
-    S=scripts/async_staleness.py O=outputs/async_staleness
-    (OMP_NUM_THREADS=1 .venv/bin/python $S --seeds 0 1 2 --methods async_topr async_grpo_keep --output $O/a1 &&
-     OMP_NUM_THREADS=1 .venv/bin/python $S --seeds 0 1 --methods async_grpo_drop --output $O/a2) &
-    (OMP_NUM_THREADS=1 .venv/bin/python $S --seeds 3 4 --methods async_topr async_grpo_keep --output $O/b1 &&
-     OMP_NUM_THREADS=1 .venv/bin/python $S --seeds 2 3 4 --methods async_grpo_drop --output $O/b2) &
-    wait; .venv/bin/python $S --merge $O/a1.json $O/a2.json $O/b1.json $O/b2.json --output docs/async_staleness
+    # issue 22's rerun (docs/async_staleness_v2): shipped model, learning rate 1e-4 (chosen on validation for the
+    # synchronous runs), 8 checkpoints; the keeping trainers first, then the dropping one and the control
+    S=scripts/async_staleness.py O=outputs/async_v2 common="--seeds 0 1 2 3 4 --learning_rate 1e-4 --checkpoints 8"
+    OMP_NUM_THREADS=1 .venv/bin/python $S $common --methods async_topr async_grpo_keep --output $O/main
+    OMP_NUM_THREADS=1 .venv/bin/python $S $common --methods async_grpo_drop --lags 16 64 --output $O/drop
+    OMP_NUM_THREADS=1 .venv/bin/python $S $common --methods async_topr_token_mean --lags 0 64 --output $O/control
+    .venv/bin/python $S --merge $O/main.json $O/drop.json $O/control.json --output docs/async_staleness_v2
     OMP_NUM_THREADS=1 .venv/bin/python scripts/async_staleness.py --smoke --output /tmp/async_staleness_smoke
 """
 
@@ -52,7 +55,8 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from experiments import (  # noqa: E402
-    experiment_parser, held_out_pass_at_1, mean_and_ci95, parse_testbed_options, prepare_testbed, save,
+    experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95, paired_difference, parse_testbed_options,
+    prepare_testbed, resummarise_if_asked, save,
 )
 
 METHODS = {
@@ -71,14 +75,20 @@ def parse(argv):
     parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 4, 16, 64])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--num_generations", type=int, default=8)
-    parser.add_argument("--checkpoints", type=int, default=3)
+    parser.add_argument("--checkpoints", type=int, default=8, help="evaluations per run, evenly spaced")
     parser.add_argument("--heartbeat", type=float, default=10.0,
                         help="seconds without a sample after which a run stops (TRL's heartbeat check)")
-    parser.add_argument("--merge", nargs="+", help="merge these result files (of disjoint seeds) and summarise")
+    parser.add_argument("--merge", nargs="+", help="merge these result files (of disjoint runs: other seeds, methods or lags) and summarise")
     parser.add_argument("--smoke", action="store_true")
     if "--merge" in argv:
         return parser.parse_args(argv)
     return parse_testbed_options(parser, argv, SMOKE)
+
+
+def resummarised(argv):
+    """The results of `--resummarise JSON ...` (None when not asked): the finished runs' summaries recomputed."""
+    parser = experiment_parser(__doc__, output="docs/async_staleness", epochs=None, eval_prompts=500, methods=METHODS)
+    return resummarise_if_asked(parser, argv, update_summary, plot)
 
 
 def run_one(method, lag, options, seed, base_path, held_out, work: Path) -> dict:
@@ -146,7 +156,6 @@ def run_one(method, lag, options, seed, base_path, held_out, work: Path) -> dict
         "trained_samples": sum(entry.get("batch/samples_per_step") or 0 for entry in history),
         "staleness_mean": statistics.mean([entry["sample/staleness_mean"] for entry in history
                                            if entry.get("sample/staleness_mean") is not None] or [math.nan]),
-        "robust_pass@1": statistics.mean(point["pass@1"] for point in curve[-2:]),
         "final_pass@1": curve[-1]["pass@1"],
     }
 
@@ -160,7 +169,7 @@ def summarise(runs: dict, methods, lags) -> dict:
             chosen = [run for run in runs.values() if run["method"] == method and run["lag"] == lag]
             if not chosen:
                 continue
-            entry = {"robust_pass@1": mean_and_ci95([run["robust_pass@1"] for run in chosen]),
+            entry = {"late_pass@1": mean_and_ci95([late_mean(run["curve"]) for run in chosen]),
                      "final_pass@1": mean_and_ci95([run["final_pass@1"] for run in chosen]),
                      "dropped_mean": statistics.mean(run["dropped"] for run in chosen),
                      "steps_mean": statistics.mean(run["steps"] for run in chosen),
@@ -177,7 +186,33 @@ def summarise(runs: dict, methods, lags) -> dict:
                 entry["reaches_sync_final"] = None if not reached else {
                     "step": reached[0][0], "training_seconds": statistics.mean(p["seconds"] for p in reached[0][1])}
             summary[f"{method}/k{lag}"] = entry
-    return {"sync_reference_final_pass@1": target, "by_method_and_lag": summary}
+    return {"sync_reference_final_pass@1": target, "by_method_and_lag": summary,
+            "paired": paired_comparisons(runs, methods, lags)}
+
+
+def paired_comparisons(runs: dict, methods, lags) -> dict:
+    """Paired differences of the late pass@1 (per seed, then mean and 95 % t-interval): the first method against
+    each other one at every K ("async_topr-async_grpo_keep/k64") and each K against K = 0 within a method
+    ("async_topr/k64-k0")."""
+    late: dict[tuple, dict[int, float]] = {}
+    for run in runs.values():
+        late.setdefault((run["method"], run["lag"]), {})[run["seed"]] = late_mean(run["curve"])
+    present = [method for method in methods if any(key[0] == method for key in late)]
+    outcome = {}
+    for other in present[1:]:
+        for lag in lags:
+            if (present[0], lag) in late and (other, lag) in late:
+                outcome[f"{present[0]}-{other}/k{lag}"] = paired_difference(late[present[0], lag], late[other, lag])
+    for method in present:
+        for lag in lags:
+            if lag != 0 and (method, lag) in late and (method, 0) in late:
+                outcome[f"{method}/k{lag}-k0"] = paired_difference(late[method, lag], late[method, 0])
+    return outcome
+
+
+def update_summary(results: dict) -> None:
+    """Recomputes `results["summary"]` from its runs in place (`--resummarise`)."""
+    results["summary"] = summarise(results["runs"], results["options"]["methods"], results["options"]["lags"])
 
 
 def plot(results: dict, path: Path) -> None:
@@ -190,7 +225,7 @@ def plot(results: dict, path: Path) -> None:
     lags = results["options"]["lags"]
     figure, axis = plt.subplots(figsize=(7.5, 4.5))
     for method in results["options"]["methods"]:
-        points = [(lag, summary[f"{method}/k{lag}"]["robust_pass@1"]) for lag in lags if f"{method}/k{lag}" in summary]
+        points = [(lag, summary[f"{method}/k{lag}"]["late_pass@1"]) for lag in lags if f"{method}/k{lag}" in summary]
         positions = [lags.index(lag) for lag, _ in points]
         stalled = [lag for lag, _ in points if summary[f"{method}/k{lag}"]["stalled_runs"]]
         label = METHODS[method] + (f"; stopped after ~5 steps at K = {', '.join(map(str, stalled))}" if stalled else "")
@@ -200,7 +235,7 @@ def plot(results: dict, path: Path) -> None:
         axis.axhline(results["base"]["pass@1"], color="grey", linestyle=":", label="base model")
     axis.set_xticks(range(len(lags)), [str(lag) for lag in lags])
     axis.set_xlabel("lag K of the behaviour policy (policy versions)")
-    axis.set_ylabel("held-out pass@1 (last 2 checkpoints)")
+    axis.set_ylabel("held-out pass@1 (late: last quarter of steps)")
     axis.set_title(f"Asynchronous training against staleness ({len(results['options']['seeds'])} seeds, 95% CI)")
     axis.legend(fontsize=7)
     figure.tight_layout()
@@ -225,6 +260,9 @@ def merge(options) -> dict:
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
+    rewritten = resummarised(argv)
+    if rewritten is not None:
+        return rewritten
     options = parse(argv)
     if options.merge:
         results = merge(options)

@@ -300,15 +300,56 @@ def sample_fixed_dataset(testbed: Testbed, num_prompts: int, seed: int, work_dir
                                     backend="transformers", seed=seed)
 
 
+def clipped_token_shares(model, data, epsilon: float = 0.2, batch_size: int = 64) -> dict[str, float]:
+    """Where PPO's clip stops the gradient on a fixed dataset (prompt_ids, completion_ids, behaviour_logps and a
+    +1/-1 reward, as `sample_fixed_dataset` makes it), for the policy `model` as it stands: the share of the
+    completion tokens whose ratio pi/mu lies in the clipped region of the signal's sign (r > 1 + epsilon where
+    R > 0, r < 1 - epsilon where R < 0; the paper's signal R - c with c = 0), overall and per sign. Computed here
+    from the model's own forward pass, independently of the trainer's loss and metrics."""
+    import torch
+
+    counts = {"clipped": 0, "tokens": 0, "clipped_positive": 0, "tokens_positive": 0, "clipped_negative": 0,
+              "tokens_negative": 0}
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(data), batch_size):
+            rows = data[start:start + batch_size]
+            sequences = [list(p) + list(c) for p, c in zip(rows["prompt_ids"], rows["completion_ids"], strict=True)]
+            width = max(map(len, sequences))
+            ids = torch.tensor([sequence + [0] * (width - len(sequence)) for sequence in sequences], device=device)
+            attention = torch.tensor([[1] * len(sequence) + [0] * (width - len(sequence)) for sequence in sequences],
+                                     device=device)
+            logps = torch.log_softmax(model(input_ids=ids, attention_mask=attention).logits.float(), dim=-1)
+            for row, (prompt, completion, mu, reward) in enumerate(zip(
+                    rows["prompt_ids"], rows["completion_ids"], rows["behaviour_logps"], rows["reward"], strict=True)):
+                if not completion or reward == 0:
+                    continue
+                positions = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1, device=device)
+                pi = logps[row, positions, torch.tensor(completion, device=device)]
+                ratio = (pi - torch.tensor(mu, device=device, dtype=pi.dtype)).exp()
+                sign = "positive" if reward > 0 else "negative"
+                clipped = int((ratio > 1 + epsilon).sum() if reward > 0 else (ratio < 1 - epsilon).sum())
+                counts["clipped"] += clipped
+                counts[f"clipped_{sign}"] += clipped
+                counts["tokens"] += len(completion)
+                counts[f"tokens_{sign}"] += len(completion)
+    model.train(was_training)
+    return {f"clipped_share{suffix}": counts[f"clipped{suffix}"] / counts[f"tokens{suffix}"]
+            if counts[f"tokens{suffix}"] else float("nan") for suffix in ("", "_positive", "_negative")}
+
+
 # TOPRTrainer's per-step metrics kept by `train_offline` beside the gradient norms
 RATIO_MAXIMA = ("topr/ratio_negative/max", "topr/ratio_positive/max")
 
 
 def train_offline(testbed: Testbed, data, output_dir: Path, *, seed: int, epochs: float, batch_size: int,
-                  learning_rate: float, max_grad_norm: float = 1.0, eval_every: int = 0, **overrides) -> dict:
+                  learning_rate: float, max_grad_norm: float = 1.0, eval_every: int = 0,
+                  probe: Callable | None = None, **overrides) -> dict:
     """One offline run: train the testbed's base model on `data` with TOPRConfig `overrides`; returns the held-out
-    curve (`testbed.evaluate` at the start, every `eval_every` steps when > 0, and at the end), the logged gradient
-    norms and the run time (evaluation included)."""
+    curve (`testbed.evaluate` at the start, every `eval_every` steps when > 0, and at the end; with `probe`, each
+    point also holds `probe(model)`'s values), the logged gradient norms and the run time (evaluation included)."""
     import warnings
 
     from transformers import PrinterCallback, TrainerCallback
@@ -325,12 +366,12 @@ def train_offline(testbed: Testbed, data, output_dir: Path, *, seed: int, epochs
         def _evaluate(self, step: int) -> None:
             trainer = trainer_ref[0]
             if step == 0 and testbed.start is not None:  # the evaluation is seeded: the base model scores the same
-                curve.append({"step": 0, **testbed.start})
-                return
-            point = testbed.evaluate(trainer.model, trainer.processing_class)
+                point = testbed.start
+            else:
+                point = testbed.evaluate(trainer.model, trainer.processing_class)
             if step == 0:
                 testbed.start = point
-            curve.append({"step": step, **point})
+            curve.append({"step": step, **point, **(probe(trainer.model) if probe else {})})
 
         def on_train_begin(self, args, state, control, **kwargs):
             self._evaluate(0)

@@ -14,6 +14,11 @@ What counts is fixed by the options before a run (pre-registration): the seeds (
 (--eval_every), the robust end point (each run's mean of every metric over the checkpoints in the last
 --late_share of its steps, `experiments.late_mean`) and the paired comparisons (--compare A-B: per seed, A's late
 value minus B's, mean and 95 % t-interval over seeds). The final checkpoint is reported beside them.
+
+At every checkpoint each run also records where PPO's clip would stop the gradient on its fixed dataset (the share
+of the dataset's tokens with pi/mu above 1.2 on positives or below 0.8 on negatives, `experiments.
+clipped_token_shares`, computed from the model's forward pass); `clipped_share` in the JSON has its seed means by
+step, per method.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ import statistics
 from pathlib import Path
 
 from experiments import (
-    experiment_parser, late_mean, mean_and_ci95, merge_results, paired_difference, prepare, results_header,
-    sample_fixed_dataset, save, train_offline,
+    clipped_token_shares, experiment_parser, late_mean, mean_and_ci95, merge_results, paired_difference, prepare,
+    results_header, sample_fixed_dataset, save, train_offline,
 )
 
 METHODS = {
@@ -69,7 +74,8 @@ def run(options) -> dict:
             run_result = train_offline(
                 testbed, data[source], work / "runs" / f"figure1-{method}-seed{seed}", seed=seed,
                 epochs=options.epochs, batch_size=options.batch_size, learning_rate=options.learning_rate,
-                eval_every=options.eval_every, **METHODS[method],
+                eval_every=options.eval_every, probe=lambda model, rows=data[source]: clipped_token_shares(model, rows),
+                **METHODS[method],
             )
             results["runs"][f"{method}/seed{seed}"] = {"method": method, "seed": seed,
                                                        "dataset_positive_fraction": positives, **run_result}
@@ -86,6 +92,22 @@ def summarise_all(results: dict, metrics, options) -> None:
     results["summary"] = summarise(results["runs"], metrics)
     results["late"] = summarise_late(results["runs"], metrics, options.late_share)
     results["paired"] = compare(results["runs"], metrics, options.compare, options.late_share)
+    results["clipped_share"] = clipped_share_by_step(results["runs"])
+
+
+def clipped_share_by_step(runs: dict) -> dict:
+    """Per method, at each checkpoint: the seed mean of the share of the fixed dataset's tokens PPO's clip would
+    stop (`experiments.clipped_token_shares`, by the signal's sign), where the runs recorded it."""
+    outcome = {}
+    for method in dict.fromkeys(run["method"] for run in runs.values()):
+        curves = [run["curve"] for run in runs.values() if run["method"] == method]
+        if not all("clipped_share" in point for curve in curves for point in curve):
+            continue
+        outcome[method] = [{"step": points[0]["step"], **{key: statistics.mean(point[key] for point in points)
+                                                          for key in ("clipped_share", "clipped_share_positive",
+                                                                      "clipped_share_negative")}}
+                           for points in zip(*curves)]
+    return outcome
 
 
 def summarise(runs: dict, metrics) -> dict:

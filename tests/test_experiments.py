@@ -83,6 +83,38 @@ def test_fixed_datasets_are_kept_apart_by_behaviour_model(tiny_model_path, behav
     assert again["completion_ids"] == from_base["completion_ids"]
 
 
+def test_clipped_token_shares_count_the_tokens_ppo_clips_by_the_signals_sign(tiny_model_path):
+    """The share of a fixed dataset's tokens where PPO's clip stops the gradient, against hand-set behaviour
+    log-probs: mu equal to pi clips nothing; mu e times above pi (ratio 0.37) clips every negative token and no
+    positive one; mu e times below (ratio 2.7) the reverse."""
+    import experiments
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    prompts, completions, rewards = [[5, 6, 7], [5, 8], [9, 6, 7, 8]], [[10, 11], [12, 13, 14], [11]], [1.0, -1.0, -1.0]
+    with torch.no_grad():
+        own = []
+        for prompt, completion in zip(prompts, completions):
+            logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].log_softmax(-1)
+            own.append([logits[len(prompt) - 1 + i, token].item() for i, token in enumerate(completion)])
+
+    def data(shift):
+        return Dataset.from_dict({"prompt_ids": prompts, "completion_ids": completions, "reward": rewards,
+                                  "behaviour_logps": [[value + shift for value in row] for row in own]})
+
+    # two rows per batch: the padded rows must read as the unpadded ones
+    on_policy = experiments.clipped_token_shares(model, data(0.0), batch_size=2)
+    assert on_policy == {"clipped_share": 0.0, "clipped_share_positive": 0.0, "clipped_share_negative": 0.0}
+    mu_above = experiments.clipped_token_shares(model, data(1.0), batch_size=2)
+    assert mu_above == {"clipped_share": pytest.approx(4 / 6), "clipped_share_positive": 0.0,
+                        "clipped_share_negative": 1.0}
+    mu_below = experiments.clipped_token_shares(model, data(-1.0))
+    assert mu_below == {"clipped_share": pytest.approx(2 / 6), "clipped_share_positive": 1.0,
+                        "clipped_share_negative": 0.0}
+
+
 def test_a_script_refuses_a_task_it_does_not_run(capsys):
     import sample_efficiency
 
