@@ -41,6 +41,8 @@ METHODS = {
     "topr": {"loss_type": "topr"},
     # TOPR on data sampled from another model (`--far_error_rate`): pi starts from the base model, mu is not it
     "topr_far_off_policy": {"loss_type": "topr"},
+    # TOPR with the baseline c solved once on the fixed dataset for Eq. 12's p~ = --target_effective_proportion
+    "topr_target": {"loss_type": "topr", "topr_baseline_scope": "dataset"},
 }
 
 
@@ -54,6 +56,13 @@ def far_behaviour_model(options, work: Path, testbed) -> tuple:
     settings = WarmStartSettings(digits=options.digits, error_rate=options.far_error_rate, steps=options.warm_steps,
                                  spurious_carry_rate=options.spurious_carry_rate, seed=1)
     return build_reasoning_warm_model(work / "cache", settings)
+
+
+def method_overrides(method: str, options) -> dict:
+    """The TOPRConfig fields of `method`: METHODS' entry, and for topr_target its p~ from the options."""
+    if method == "topr_target":
+        return {**METHODS[method], "topr_target_effective_proportion": options.target_effective_proportion}
+    return METHODS[method]
 
 
 def run(options) -> dict:
@@ -75,7 +84,7 @@ def run(options) -> dict:
                 testbed, data[source], work / "runs" / f"figure1-{method}-seed{seed}", seed=seed,
                 epochs=options.epochs, batch_size=options.batch_size, learning_rate=options.learning_rate,
                 eval_every=options.eval_every, probe=lambda model, rows=data[source]: clipped_token_shares(model, rows),
-                **METHODS[method],
+                **method_overrides(method, options),
             )
             results["runs"][f"{method}/seed{seed}"] = {"method": method, "seed": seed,
                                                        "dataset_positive_fraction": positives, **run_result}
@@ -200,6 +209,8 @@ def main(argv=None) -> dict:
                         help="pre-registered paired comparisons A-B of the late values (pairs whose methods ran)")
     parser.add_argument("--far_error_rate", type=float, default=0.5,
                         help="topr_far_off_policy: planted carry-drop rate of the other model the data comes from")
+    parser.add_argument("--target_effective_proportion", type=float, default=0.5,
+                        help="topr_target: the p~ (Eq. 12) its baseline c is solved for on each fixed dataset")
     parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                         help="merge these result files of one command run on disjoint seeds (e.g. one per core) into "
                              "--output, with the late values and comparisons of their own options; trains nothing")
