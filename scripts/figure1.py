@@ -2,7 +2,9 @@
 epochs) with naive REINFORCE, PPO-clip, TIS, positives-only SFT and TOPR, and TOPR on data sampled from another
 model (far off-policy); held-out accuracy and invalid rate over training steps, several seeds. On the reasoning
 testbed (the default) the positives-only row is also the paper's Figure 4 comparison: pass@1 on the problems with
-at least 2 carries, where the planted error strikes, is reported beside the overall pass@1.
+at least 2 carries, where the planted error strikes, is reported beside the overall pass@1. `topr_target` is TOPR
+with the baseline c solved once on each fixed dataset for Eq. 12's p~ = --target_effective_proportion (the paper
+sets c; the other methods use c = 0).
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/figure1.py          # 3 seeds, writes docs/figure1.{json,png}
     OMP_NUM_THREADS=1 .venv/bin/python scripts/figure1.py --task arithmetic --output docs/stress/figure1

@@ -88,3 +88,26 @@ def test_merging_runs_of_disjoint_seeds_recomputes_the_comparisons(tmp_path):
     assert json.loads((tmp_path / "merged.json").read_text())["merged_from"] == list(map(str, paths))
     with pytest.raises(SystemExit, match="more than one file"):
         figure1.main(["--merge", str(paths[0]), str(paths[0]), "--output", str(tmp_path / "twice")])
+
+
+def test_topr_target_sets_its_p_tilde_and_clipped_shares_are_averaged_per_checkpoint():
+    import figure1
+
+    options = SimpleNamespace(target_effective_proportion=0.35)
+    overrides = figure1.method_overrides("topr_target", options)
+    assert overrides == {"loss_type": "topr", "topr_baseline_scope": "dataset",
+                         "topr_target_effective_proportion": 0.35}
+    assert "topr_target_effective_proportion" not in figure1.METHODS["topr_target"]  # the option, not a constant
+    assert figure1.method_overrides("topr", options) == {"loss_type": "topr"}
+
+    def point(step, share, positive, negative):
+        return {"step": step, "clipped_share": share, "clipped_share_positive": positive,
+                "clipped_share_negative": negative}
+
+    runs = {"ppo/seed0": {"method": "ppo", "seed": 0, "curve": [point(0, 0, 0, 0), point(16, 0.02, 0.01, 0.04)]},
+            "ppo/seed1": {"method": "ppo", "seed": 1, "curve": [point(0, 0, 0, 0), point(16, 0.04, 0.03, 0.06)]},
+            "tis/seed0": {"method": "tis", "seed": 0, "curve": [{"step": 0}, {"step": 16}]}}  # an older run: no probe
+    shares = figure1.clipped_share_by_step(runs)
+    assert set(shares) == {"ppo"}
+    assert shares["ppo"][1] == pytest.approx({"step": 16, "clipped_share": 0.03, "clipped_share_positive": 0.02,
+                                              "clipped_share_negative": 0.05})
