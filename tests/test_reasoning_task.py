@@ -298,3 +298,51 @@ def test_the_second_planted_error_writes_a_carry_where_none_arrives():
     assert harder.to_dict()["spurious_carry_rate"] == 0.1 and "-s0.1-" in harder.key()
     with pytest.raises(ValueError, match="spurious_carry_rate must be in"):
         WarmStartSettings(spurious_carry_rate=1.5)
+
+
+def test_two_processes_installing_one_shipped_model_at_once_both_get_it_whole(tmp_path):
+    """Two runs sharing a cache folder (one per core) install the same shipped model at the same time: each copies
+    into a folder of its own, the first rename publishes it, the other copy is dropped; neither fails and no half
+    model or staging folder is left behind. (Both once copied into one shared `.partial` folder, and the slower
+    one failed with `shutil.Error` when the faster renamed it away.)"""
+    import multiprocessing
+
+    from topr_trl.tasks.tiny import PREBUILT_DIR
+
+    key = WarmStartSettings().key()
+    destination = tmp_path / "cache" / key
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(4) as pool:
+        installed = pool.starmap(_install, [(key, str(destination))] * 8)
+    assert installed == [True] * 8
+    shipped = PREBUILT_DIR / key
+    assert sorted(p.name for p in destination.iterdir()) == sorted(p.name for p in shipped.iterdir())
+    assert (destination / "model.safetensors").read_bytes() == (shipped / "model.safetensors").read_bytes()
+    assert [p.name for p in destination.parent.iterdir()] == [key]  # no staging folder left
+
+
+def _install(key: str, destination: str) -> bool:
+    from topr_trl.tasks.tiny import install_prebuilt
+
+    return install_prebuilt(key, destination)
+
+
+def test_a_staged_folder_is_published_whole_or_not_at_all(tmp_path):
+    from topr_trl.tasks.tiny import staged_folder
+
+    destination = tmp_path / "model"
+    with pytest.raises(RuntimeError, match="interrupted"), staged_folder(destination) as staging:
+        (staging / "config.json").write_text("{}")
+        raise RuntimeError("interrupted")  # a build that fails half way publishes nothing
+    assert list(tmp_path.iterdir()) == []
+    with staged_folder(destination) as staging:
+        (staging / "config.json").write_text('{"first": true}')
+        with staged_folder(destination) as other:  # another process finishes first
+            (other / "config.json").write_text('{"second": true}')
+        assert (destination / "config.json").read_text() == '{"second": true}'
+    assert (destination / "config.json").read_text() == '{"second": true}'  # the finished copy stays
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    (destination / "config.json").unlink()  # a folder there that is no model: refused, not silently kept
+    (destination / "stray").write_text("")
+    with pytest.raises(OSError), staged_folder(destination) as staging:
+        (staging / "config.json").write_text("{}")

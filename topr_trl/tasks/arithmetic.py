@@ -189,7 +189,7 @@ def build_warm_model(
     weights are installed instead where these are the settings they were built with."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .tiny import build_model, build_tokenizer, install_prebuilt, record_build, save_pretrained
+    from .tiny import build_model, build_tokenizer, install_prebuilt, record_build, save_pretrained, staged_folder
 
     path = Path(path)
     if not (path / "config.json").exists() and not model_kwargs and max_steps == WARM_START_MAX_STEPS:
@@ -207,7 +207,8 @@ def build_warm_model(
         eval_dataset=make_arithmetic_dataset(100, digits=digits, seed=seed + 2000),
         progress=progress,
     )
-    save_pretrained(model, tokenizer, path)
-    record_build(path, dict(digits=digits, target_accuracy=target_accuracy, max_steps=max_steps, seed=seed,
-                            **model_kwargs))
+    with staged_folder(path) as staging:
+        save_pretrained(model, tokenizer, staging)
+        record_build(staging, dict(digits=digits, target_accuracy=target_accuracy, max_steps=max_steps, seed=seed,
+                                   **model_kwargs))
     return model, tokenizer

@@ -450,7 +450,7 @@ def build_reasoning_warm_model(cache_dir: str | Path, settings: WarmStartSetting
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .arithmetic import warm_start
-    from .tiny import build_model, build_tokenizer, install_prebuilt, record_build, save_pretrained
+    from .tiny import build_model, build_tokenizer, install_prebuilt, record_build, save_pretrained, staged_folder
 
     if settings is None:
         settings = WarmStartSettings(**overrides)
@@ -469,9 +469,10 @@ def build_reasoning_warm_model(cache_dir: str | Path, settings: WarmStartSetting
         targets = examples.select_columns(["prompt", "solution"]).rename_column("solution", "answer")
         warm_start(model, tokenizer, targets, settings.steps, batch_size=settings.batch_size,
                    lr=settings.learning_rate, seed=settings.seed, progress=progress)
-        save_pretrained(model, tokenizer, path)
-        recorded.write_text(json.dumps(settings.to_dict(), indent=2))
-        record_build(path, settings.to_dict())
+        with staged_folder(path) as staging:
+            save_pretrained(model, tokenizer, staging)
+            (staging / SETTINGS_FILE).write_text(json.dumps(settings.to_dict(), indent=2))
+            record_build(staging, settings.to_dict())
     if not recorded.exists() or json.loads(recorded.read_text()) != settings.to_dict():
         raise ValueError(f"{path} holds a model built with other settings ({recorded.name} differs from "
                          f"{settings.to_dict()}); delete the directory or use another cache_dir")

@@ -6,8 +6,12 @@ alphabet and the model is a randomly initialised Llama-architecture model from a
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import string
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -125,18 +129,35 @@ def prebuilt_model(key: str) -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
+@contextlib.contextmanager
+def staged_folder(destination: str | Path) -> Iterator[Path]:
+    """A new folder of this process's own beside `destination`, to write a model into; renamed to `destination`
+    when the block ends without an error, removed otherwise. A reader never sees half a model, and two processes
+    making the same model at once (two runs, one per core, sharing a cache folder) never write into or rename each
+    other's folder: the first to finish publishes its copy, the other's is dropped (the same settings make the same
+    model)."""
+    destination = Path(destination)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f"{destination.name}.partial-", dir=destination.parent))
+    staging.chmod(0o755)  # mkdtemp's folder is private; a cache folder is not
+    try:
+        yield staging
+        try:
+            staging.rename(destination)
+        except OSError:
+            if not (destination / "config.json").is_file():  # not another process's finished copy
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def install_prebuilt(key: str, destination: str | Path) -> bool:
     """Copy the shipped model of `key` to `destination` (the cache folder); False when none is shipped."""
-    import shutil
-
     source = prebuilt_model(key)
     if source is None:
         return False
-    destination = Path(destination)
-    staging = destination.with_name(destination.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(source, staging)
-    staging.rename(destination)  # a reader never sees half a model
+    with staged_folder(destination) as staging:
+        shutil.copytree(source, staging, dirs_exist_ok=True)
     return True
 
 
