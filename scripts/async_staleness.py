@@ -69,7 +69,7 @@ SMOKE = dict(seeds=[0], steps=6, batch_size=16, lags=[0, 8], eval_prompts=32, ev
              heartbeat=5.0, methods=["async_topr", "async_grpo_drop"])
 
 
-def parse(argv):
+def build_parser():
     parser = experiment_parser(__doc__, output="docs/async_staleness", epochs=None, eval_prompts=500, methods=METHODS)
     parser.set_defaults(seeds=[0, 1, 2, 3, 4])
     parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 4, 16, 64])
@@ -78,17 +78,16 @@ def parse(argv):
     parser.add_argument("--checkpoints", type=int, default=8, help="evaluations per run, evenly spaced")
     parser.add_argument("--heartbeat", type=float, default=10.0,
                         help="seconds without a sample after which a run stops (TRL's heartbeat check)")
-    parser.add_argument("--merge", nargs="+", help="merge these result files (of disjoint runs: other seeds, methods or lags) and summarise")
+    parser.add_argument("--merge", nargs="+",
+                        help="merge these result files (of disjoint runs: other seeds, methods or lags) and summarise")
     parser.add_argument("--smoke", action="store_true")
+    return parser
+
+
+def parse(parser, argv):
     if "--merge" in argv:
         return parser.parse_args(argv)
     return parse_testbed_options(parser, argv, SMOKE)
-
-
-def resummarised(argv):
-    """The results of `--resummarise JSON ...` (None when not asked): the finished runs' summaries recomputed."""
-    parser = experiment_parser(__doc__, output="docs/async_staleness", epochs=None, eval_prompts=500, methods=METHODS)
-    return resummarise_if_asked(parser, argv, update_summary, plot)
 
 
 def run_one(method, lag, options, seed, base_path, held_out, work: Path) -> dict:
@@ -260,10 +259,11 @@ def merge(options) -> dict:
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    rewritten = resummarised(argv)
+    parser = build_parser()
+    rewritten = resummarise_if_asked(parser, argv, update_summary, plot)
     if rewritten is not None:
         return rewritten
-    options = parse(argv)
+    options = parse(parser, argv)
     if options.merge:
         results = merge(options)
         save(results, options, plot)
