@@ -55,8 +55,8 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from experiments import (  # noqa: E402
-    experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95, paired_difference, parse_testbed_options,
-    prepare_testbed, resummarise_if_asked, save,
+    experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95, merge_results, paired_by_lag,
+    parse_testbed_options, prepare_testbed, resummarise_if_asked, save,
 )
 
 METHODS = {
@@ -186,27 +186,8 @@ def summarise(runs: dict, methods, lags) -> dict:
                     "step": reached[0][0], "training_seconds": statistics.mean(p["seconds"] for p in reached[0][1])}
             summary[f"{method}/k{lag}"] = entry
     return {"sync_reference_final_pass@1": target, "by_method_and_lag": summary,
-            "paired": paired_comparisons(runs, methods, lags)}
-
-
-def paired_comparisons(runs: dict, methods, lags) -> dict:
-    """Paired differences of the late pass@1 (per seed, then mean and 95 % t-interval): the first method against
-    each other one at every K ("async_topr-async_grpo_keep/k64") and each K against K = 0 within a method
-    ("async_topr/k64-k0")."""
-    late: dict[tuple, dict[int, float]] = {}
-    for run in runs.values():
-        late.setdefault((run["method"], run["lag"]), {})[run["seed"]] = late_mean(run["curve"])
-    present = [method for method in methods if any(key[0] == method for key in late)]
-    outcome = {}
-    for other in present[1:]:
-        for lag in lags:
-            if (present[0], lag) in late and (other, lag) in late:
-                outcome[f"{present[0]}-{other}/k{lag}"] = paired_difference(late[present[0], lag], late[other, lag])
-    for method in present:
-        for lag in lags:
-            if lag != 0 and (method, lag) in late and (method, 0) in late:
-                outcome[f"{method}/k{lag}-k0"] = paired_difference(late[method, lag], late[method, 0])
-    return outcome
+            # the first method against each other one at every K, each K against K = 0 within a method
+            "paired": paired_by_lag(runs, methods, lags, reference=0)}
 
 
 def update_summary(results: dict) -> None:
@@ -243,15 +224,11 @@ def plot(results: dict, path: Path) -> None:
 
 
 def merge(options) -> dict:
-    parts = [json.loads(Path(name).read_text()) for name in options.merge]
-    results = parts[0]
-    for part in parts[1:]:
-        results["runs"].update(part["runs"])
+    """One results dict from the files of one experiment split into disjoint runs (other seeds, methods or lags)."""
+    results = merge_results(options.merge)
     runs = results["runs"].values()
-    results["options"]["seeds"] = sorted({run["seed"] for run in runs})
     results["options"]["methods"] = [method for method in METHODS if any(run["method"] == method for run in runs)]
     results["options"]["lags"] = sorted({run["lag"] for run in runs})
-    results["merged_from"] = options.merge
     results["summary"] = summarise(results["runs"], results["options"]["methods"], results["options"]["lags"])
     results["options"]["output"] = options.output
     return results

@@ -65,6 +65,26 @@ def paired_difference(first: dict[int, float], second: dict[int, float]) -> dict
     return {**mean_and_ci95([first[seed] - second[seed] for seed in seeds]), "seeds": seeds}
 
 
+def paired_by_lag(runs: dict, methods, lags, reference: int) -> dict:
+    """The paired late pass@1 comparisons of a lag experiment (runs with "method", "lag", "seed" and a "curve"): each
+    lag against the `reference` lag within a method ("topr/k4-k1") and the first method that ran against each other
+    one at every lag ("topr-grpo_clip/k4")."""
+    late: dict[tuple, dict[int, float]] = {}
+    for run in runs.values():
+        late.setdefault((run["method"], run["lag"]), {})[run["seed"]] = late_mean(run["curve"])
+    ran = [method for method in methods if any(key[0] == method for key in late)]
+    outcome = {}
+    for method in ran:
+        for lag in lags:
+            if lag != reference and (method, lag) in late and (method, reference) in late:
+                outcome[f"{method}/k{lag}-k{reference}"] = paired_difference(late[method, lag], late[method, reference])
+    for other in ran[1:]:
+        for lag in lags:
+            if (ran[0], lag) in late and (other, lag) in late:
+                outcome[f"{ran[0]}-{other}/k{lag}"] = paired_difference(late[ran[0], lag], late[other, lag])
+    return outcome
+
+
 def baseline_for(p: float, target: float) -> float:
     """The baseline c that gives Eq. 12's effective proportion `target` for a proportion p of +1 rewards; p~ = 1 is
     the limit c = -1 (negatives weigh nothing)."""
@@ -253,7 +273,7 @@ def merge_results(paths: list[str]) -> dict:
     for part in parts[1:]:
         shared = set(results["runs"]) & set(part["runs"])
         if shared:
-            raise SystemExit(f"--merge: {sorted(shared)[:3]} are in more than one file; merge runs of disjoint seeds")
+            raise SystemExit(f"--merge: {sorted(shared)[:3]} are in more than one file; merge files of disjoint runs")
         results["runs"].update(part["runs"])
     results["options"]["seeds"] = sorted({run["seed"] for run in results["runs"].values()})
     results["merged_from"] = list(paths)
@@ -307,9 +327,9 @@ def clipped_token_shares(model, data, epsilon: float = 0.2, batch_size: int = 64
     R > 0, r < 1 - epsilon where R < 0; the paper's signal R - c with c = 0), overall and per sign. Computed here
     from the model's own forward pass, independently of the trainer's loss and metrics."""
     import torch
+    from trl.trainer.utils import selective_log_softmax
 
-    counts = {"clipped": 0, "tokens": 0, "clipped_positive": 0, "tokens_positive": 0, "clipped_negative": 0,
-              "tokens_negative": 0}
+    counts = {"positive": [0, 0], "negative": [0, 0]}  # per sign of R: clipped tokens, tokens
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -321,23 +341,25 @@ def clipped_token_shares(model, data, epsilon: float = 0.2, batch_size: int = 64
             ids = torch.tensor([sequence + [0] * (width - len(sequence)) for sequence in sequences], device=device)
             attention = torch.tensor([[1] * len(sequence) + [0] * (width - len(sequence)) for sequence in sequences],
                                      device=device)
-            logps = torch.log_softmax(model(input_ids=ids, attention_mask=attention).logits.float(), dim=-1)
+            logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+            logps = selective_log_softmax(logits, ids[:, 1:])  # position t: log pi of token t + 1
             for row, (prompt, completion, mu, reward) in enumerate(zip(
                     rows["prompt_ids"], rows["completion_ids"], rows["behaviour_logps"], rows["reward"], strict=True)):
                 if not completion or reward == 0:
                     continue
-                positions = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1, device=device)
-                pi = logps[row, positions, torch.tensor(completion, device=device)]
+                pi = logps[row, len(prompt) - 1:len(prompt) + len(completion) - 1]
                 ratio = (pi - torch.tensor(mu, device=device, dtype=pi.dtype)).exp()
-                sign = "positive" if reward > 0 else "negative"
-                clipped = int((ratio > 1 + epsilon).sum() if reward > 0 else (ratio < 1 - epsilon).sum())
-                counts["clipped"] += clipped
-                counts[f"clipped_{sign}"] += clipped
-                counts["tokens"] += len(completion)
-                counts[f"tokens_{sign}"] += len(completion)
+                clipped = ratio > 1 + epsilon if reward > 0 else ratio < 1 - epsilon
+                tally = counts["positive" if reward > 0 else "negative"]
+                tally[0] += int(clipped.sum())
+                tally[1] += len(completion)
     model.train(was_training)
-    return {f"clipped_share{suffix}": counts[f"clipped{suffix}"] / counts[f"tokens{suffix}"]
-            if counts[f"tokens{suffix}"] else float("nan") for suffix in ("", "_positive", "_negative")}
+
+    def share(clipped: int, tokens: int) -> float:
+        return clipped / tokens if tokens else float("nan")
+
+    return {"clipped_share": share(*map(sum, zip(*counts.values()))),
+            "clipped_share_positive": share(*counts["positive"]), "clipped_share_negative": share(*counts["negative"])}
 
 
 # TOPRTrainer's per-step metrics kept by `train_offline` beside the gradient norms

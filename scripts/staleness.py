@@ -60,7 +60,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from experiments import (  # noqa: E402
-    Tracker, experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95, paired_difference, parse_testbed_options,
+    Tracker, experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95, paired_by_lag, parse_testbed_options,
     prepare_testbed, resummarise_if_asked, run_trainer, save, train_config,
 )
 
@@ -159,20 +159,7 @@ def summarise(runs: dict, methods, lags) -> dict:
 def paired_comparisons(runs: dict, methods, lags) -> dict:
     """Paired differences of the late pass@1 (per seed, then mean and 95 % t-interval): each lag against K = 1
     within a method ("topr/k4-k1"), and the first method against each other at every lag ("topr-grpo_clip/k4")."""
-    late = {(run["method"], run["lag"]): {} for run in runs.values()}
-    for run in runs.values():
-        late[run["method"], run["lag"]][run["seed"]] = late_mean(run["curve"])
-    outcome = {}
-    for method in methods:
-        for lag in lags:
-            if lag != 1 and (method, lag) in late and (method, 1) in late:
-                outcome[f"{method}/k{lag}-k1"] = paired_difference(late[method, lag], late[method, 1])
-    first, *others = [method for method in methods if any(key[0] == method for key in late)] or [None]
-    for other in others:
-        for lag in lags:
-            if (first, lag) in late and (other, lag) in late:
-                outcome[f"{first}-{other}/k{lag}"] = paired_difference(late[first, lag], late[other, lag])
-    return outcome
+    return paired_by_lag(runs, methods, lags, reference=1)
 
 
 # ---------------------------------------------------------------------------------------------------------
