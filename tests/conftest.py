@@ -90,6 +90,29 @@ def small_config_kwargs(output_dir, **overrides) -> dict:
     return kwargs
 
 
+FLOAT32_EPS = 2.0**-23  # torch.finfo(torch.float32).eps = 1.19e-7: one rounding, relative
+
+
+def float32_tolerance(expected, roundings: int, scale: float | None = None) -> dict:
+    """`rtol` and `atol` (for torch.allclose, torch.testing.assert_close) between `expected` and the same quantity
+    computed in float32 by another path (packed against padded, batched against one at a time, other kernels, ISA or
+    thread counts), derived from what float32 can promise rather than from what one CPU happened to give.
+
+    Each of `roundings` rounding steps on the way (a stage of a forward or backward pass, a reduction summed in
+    another order) can move a result by about eps relative to the largest magnitude it was computed from; the caller
+    states the count and where it comes from. So the tolerance is `roundings * eps` relative to each entry (`rtol`),
+    plus the same relative to the largest entry (`atol`): an entry far smaller than the largest (a gradient entry
+    near 0, a log-prob near 0) is a sum of terms as large as the largest ones, and carries their rounding, not its
+    own (`scale` replaces max |expected| where the results come from larger values the caller knows of). A real bug
+    (a wrong aggregation, a sample weighted or masked wrongly) moves results by a fraction of their size, orders of
+    magnitude above this while `roundings` stays far below 1 / eps."""
+    import torch
+
+    bound = roundings * FLOAT32_EPS
+    largest = torch.as_tensor(expected if scale is None else scale).detach().abs().max().item()
+    return {"rtol": bound, "atol": bound * largest}
+
+
 def logged_values(trainer, key) -> list[float]:
     """Every value logged under `key` (TRL logs an empty metric, NaN, as None)."""
     return [entry[key] for entry in trainer.state.log_history if entry.get(key) is not None]

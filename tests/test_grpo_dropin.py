@@ -62,10 +62,17 @@ DELIBERATE_DIFFERENCES = {
         "test_reward_path_outcome_equals_grpo below and tests/test_offline_sources.py",
     ),
     "default output folder and model card": (
-        "args=None writes to '<model>-TOPR' (GRPO: '<model>-GRPO'); the model card is tagged 'topr', cites the "
-        "TOPR paper and lists the TOPR configuration",
+        "args=None writes to '<model>-TOPR' (GRPO: '<model>-GRPO'); with loss_type='topr' the model card is tagged "
+        "'topr', cites the TOPR paper and lists the TOPR configuration; with another loss it names that loss",
         "the run and its card say which method trained the model",
-        "test_default_output_dir_and_card_name_topr below",
+        "test_default_output_dir_and_card_name_topr below and "
+        "tests/test_trainer.py::test_the_card_and_tags_name_the_loss_that_trained_never_topr_for_another",
+    ),
+    "a GRPOConfig given to TOPRTrainer": (
+        "trains TRL's loss_type exactly as GRPOTrainer (outcome for outcome), and warns once, on topr_trl's logger, "
+        "that the run is not TOPR and that TOPRConfig is what trains TOPR",
+        "a user who swapped only the trainer's name must not believe they trained TOPR",
+        "test_a_grpo_config_works_with_the_topr_trainer below",
     ),
 }
 
@@ -393,6 +400,8 @@ def test_a_grpo_config_works_with_the_topr_trainer(tiny_model_path, arithmetic_d
                    dict(reward_funcs=[none_for_odd, parity_reward], train_dataset=arithmetic_dataset), {}, caplog)
     topr = outcome(TOPRTrainer, GRPOConfig, tiny_model_path, tmp_path / "topr",
                    dict(reward_funcs=[none_for_odd, parity_reward], train_dataset=arithmetic_dataset), {}, caplog)
+    warned = [record.getMessage() for record in caplog.records if record.name.startswith("topr_trl")]
+    assert len(warned) == 1 and "trains TRL's loss_type='dapo'" in warned[0] and "not TOPR" in warned[0]
     assert_same_outcome(grpo, topr)
     for name, parameter in grpo["trainer"].model.named_parameters():
         torch.testing.assert_close(topr["trainer"].model.get_parameter(name), parameter, rtol=1e-6, atol=1e-7)

@@ -253,6 +253,41 @@ def test_model_card_cites_topr(tiny_model_path, arithmetic_dataset, tmp_path):
     assert "## TOPR configuration" in card and "| 1.0, 1.0, 0.0, 1.0 |" in card and "`topr_signal` | advantage" in card
 
 
+@pytest.mark.parametrize("config_class, loss_type, says", [
+    (GRPOConfig, None, "This model was trained with GRPO"),  # GRPOConfig's own default loss ("dapo")
+    (TOPRConfig, "dapo", "This model was trained with GRPO"),
+    (TOPRConfig, "sft", "This model was trained with the `sft` policy loss of topr-trl"),
+])
+def test_the_card_and_tags_name_the_loss_that_trained_never_topr_for_another(
+        config_class, loss_type, says, tiny_model_path, arithmetic_dataset, tmp_path, caplog):
+    """Never claim TOPR where another loss trained: a GRPOConfig (which carries TRL's loss) warns that the run is
+    GRPO's, and the card, the model's tags and the run cite TOPR only for loss_type='topr'."""
+    overrides = {} if loss_type is None else {"loss_type": loss_type}
+    with caplog.at_level(logging.WARNING, logger="topr_trl"):
+        trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
+                              args=config_class(**small_config_kwargs(tmp_path, **overrides)))
+    warned = [record.getMessage() for record in caplog.records if "not TOPR" in record.getMessage()]
+    if config_class is GRPOConfig:
+        assert len(warned) == 1 and "loss_type='dapo'" in warned[0] and "TOPRConfig" in warned[0]
+    else:
+        assert not warned
+    trainer.create_model_card(model_name="tiny")
+    card = (tmp_path / "README.md").read_text()
+    assert says in card
+    assert "2503.14286" not in card and "Tapered Off-Policy" not in card and "- topr\n" not in card
+    assert "topr" not in (getattr(trainer.model, "model_tags", None) or [])
+    if config_class is GRPOConfig or loss_type == "dapo":
+        assert "Trained with TRL's `loss_type='dapo'`" in card and "## TOPR configuration" not in card
+
+
+def test_a_topr_config_gives_no_warning_and_a_topr_card(tiny_model_path, arithmetic_dataset, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="topr_trl"):
+        trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
+                              args=TOPRConfig(**small_config_kwargs(tmp_path)))
+    assert not [record for record in caplog.records if "not TOPR" in record.getMessage()]
+    assert "topr" in trainer.model.model_tags
+
+
 @pytest.mark.parametrize("signal", ["advantage", "reward"])
 def test_training_leaves_no_state_beyond_what_grpo_trainer_keeps(signal, tiny_model_path, arithmetic_dataset,
                                                                  tmp_path):

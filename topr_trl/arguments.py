@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,9 @@ RECIPES = Path(__file__).parent / "recipes"
 # Checks the Python API leaves off (GRPOTrainer's behaviour) and the command line turns on: a command-line user wants a
 # broken reward function or a NaN to stop the run in one line rather than train on.
 CLI_TRAINING_CHECKS = dict(topr_unscored_batch="error", topr_check_finite=True)
+# Every training run on the command line leaves its curves in TensorBoard's files under <output_dir>/runs (installed
+# with topr-trl, offline); GRPOConfig's own default, kept by the Python API, is "none".
+CLI_TRACKING = dict(report_to="tensorboard")
 _OUTPUT_PREFIX = {"train": "topr", "iterate": "topr-iterations", "generate": "data"}
 
 
@@ -42,8 +46,8 @@ class TaskArguments(ScriptArguments):
     reward_funcs: list[str] | None = field(
         default=None,
         metadata={"help": "Reward functions: a built-in name, 'module.function' (TRL's form) or 'module:function' "
-                          "(a module importable from the current directory) or 'path/to/file.py:function'. Default: "
-                          "the task's own."},
+                          "(a module importable from the current directory) or 'path/to/file.py:function' (the .py "
+                          "may be left off). In YAML, one function may be a string. Default: the task's own."},
     )
     task_digits: int = field(default=2, metadata={"help": "Built-in tasks: operand digits (reasoning: 3)."})
     task_train_prompts: int = field(default=1000, metadata={"help": "Built-in tasks: training prompts."})
@@ -114,8 +118,8 @@ class GenerateScriptArguments(TaskArguments):
     top_p: float = field(default=1.0, metadata={"help": "Nucleus truncation (1: none)."})
     top_k: int = field(default=0, metadata={"help": "Top-k truncation (0: none; the paper: 500)."})
     max_completion_length: int = field(
-        default=256, metadata={"help": "New tokens per completion (GRPOConfig's default; the paper: 512; the "
-                                       "built-in task: 6)."}
+        default=512, metadata={"help": "New tokens per completion (GRPOConfig's default, as `train` takes it; the "
+                                       "paper: 512; the built-in task: 6)."}
     )
     max_prompts: int | None = field(default=None, metadata={"help": "Use only the first N prompts."})
     prompts_per_shard: int = field(default=64, metadata={"help": "Prompts per saved shard (the unit of resume)."})
@@ -128,6 +132,11 @@ class GenerateScriptArguments(TaskArguments):
                                         "false}'."}
     )
     push_to_hub: str | None = field(default=None, metadata={"help": "Hub dataset repository to push to (private)."})
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Delete the generation already in output_dir and generate again (a rerun "
+                                         "with other settings, model or prompts is refused otherwise; the same "
+                                         "settings resume it)."}
+    )
 
 
 @dataclass
@@ -203,11 +212,78 @@ class EvaluateArguments:
 
 # ---------------------------------------------------------------------------------------------- the parser
 class CommandParser(TrlParser):
-    """TRL's parser, failing in one line (argparse would print the usage over hundreds of lines)."""
+    """TRL's parser, failing in one line (argparse would print the usage over hundreds of lines), taking negative
+    numbers as values, and reading a YAML value as the flag would give it."""
+
+    # argparse takes `-1e-5` or `-inf` for an option (it knows only `-1` and `-.5` as numbers), and fails with
+    # "expected one argument"; no option of ours looks like a number, so any number may be a value.
+    NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = self.NEGATIVE_NUMBER
+        self.config_file: str | None = None  # the config file the last parse read
+        self._reading_config = False
+        self.config_keys: set[str] = set()  # the keys the last config file set
 
     def error(self, message: str):
         message = re.sub(r"^argument ([^:/]+)(/[^:]+)?: ", r"\1: ", message)  # `--model/--model_name_or_path: ...`
         raise SystemExit(f"topr-trl: {message}")
+
+    def parse_args_and_config(self, args=None, *options, **keywords):
+        args = list(args) if args is not None else sys.argv[1:]
+        self.config_file = args[args.index("--config") + 1] if "--config" in args[:-1] else None
+        self.config_keys, self._reading_config = set(), True
+        try:
+            return super().parse_args_and_config(args, *options, **keywords)
+        finally:
+            self._reading_config = False
+
+    def set_defaults_with_config(self, **values) -> list[str]:
+        """TRL's, with each value as its flag would give it: argparse leaves a default that is not a string as it
+        is, so a YAML scalar for a list field would be iterated character by character, and a YAML list for a
+        one-value field would reach the run."""
+        if self._reading_config:
+            self.config_keys.update(values)
+        actions = {}
+        for action in self._actions:  # the first action of a field is its own (`--no_X` comes after `--X`)
+            if action.option_strings:
+                actions.setdefault(action.dest, action)
+        return super().set_defaults_with_config(
+            **{key: self._as_flag_gives(actions[key], key, value) if key in actions else value
+               for key, value in values.items()})
+
+    def _as_flag_gives(self, action, key: str, value):
+        where = f"in the config file {self.config_file}" if self.config_file else "in the config file"
+        if value is None:
+            return value
+        if action.nargs in ("+", "*"):  # a single value means a list of one
+            items = value if isinstance(value, (list, tuple)) else [value]
+            try:
+                return [action.type(item) if isinstance(item, str) and action.type not in (None, str) else item
+                        for item in items]
+            except (TypeError, ValueError) as error:
+                raise SystemExit(f"topr-trl: {key}: {value!r} {where} is not a list of values of its type "
+                                 f"({error})") from None
+        if isinstance(value, (list, tuple)) and not self._takes_list(key):
+            example = f"`{key}: {value[0]}`" if len(value) == 1 else "one value"
+            raise SystemExit(f"topr-trl: {key}: {list(value)!r} {where} is a list, and {key} takes one value; "
+                             f"write {example}")
+        return value
+
+    def _takes_list(self, key: str) -> bool:
+        """Whether the field `key` of this parser's dataclasses accepts a list (TrainingArguments' `report_to`)."""
+        import typing
+
+        for kind in self.dataclass_types:
+            try:
+                hint = typing.get_type_hints(kind).get(key)
+            except (NameError, TypeError):  # a hint that does not resolve: the field's own check decides
+                return True
+            if hint is not None:
+                return any(typing.get_origin(option) is list or option is list
+                           for option in (typing.get_args(hint) or (hint,)))
+        return False
 
 
 def command_dataclasses(command: str) -> tuple:
@@ -262,8 +338,29 @@ def parse_command(command: str, argv: list[str]) -> tuple:
         if flag and not any(argument.split("=", 1)[0] == flag.group(1) for argument in given):
             raise SystemExit(f"{error.code} (set in the config file)") from None
         raise
+    except ValueError as error:  # refused by a config's own checks, which name fields: name them as flags
+        raise ValueError(_in_flags(str(error), subparser, given)) from error  # `--debug` shows where
     _refuse_unknown(subparser, from_config, from_flags)
     return tuple(parsed)
+
+
+def _in_flags(message: str, parser: CommandParser, given: list[str]) -> str:
+    """A config's error, which names fields as `name`, in the user's words: `--name` for a flag (or a default), and
+    `name (set in FILE)` for a key of the config file."""
+    fields = {action.dest for action in parser._actions if action.option_strings}
+    flags = {argument.split("=", 1)[0] for argument in given}
+    said: set[str] = set()
+
+    def user_name(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in fields:
+            return match.group(0)
+        if name not in parser.config_keys or f"--{name}" in flags:
+            return f"--{name}"
+        first, _ = name not in said, said.add(name)
+        return f"{name} (set in {parser.config_file})" if first else name
+
+    return "topr-trl: " + re.sub(r"`(\w+)`", user_name, " ".join(message.split()))
 
 
 def _refuse_unknown(parser: CommandParser, from_config: list[str], from_flags: list[str]) -> None:
@@ -344,6 +441,7 @@ def run_defaults(command: str, choice: _RunChoice) -> dict:
         defaults = {}
     if command != "generate":
         defaults.update(CLI_TRAINING_CHECKS)
+        defaults.update(CLI_TRACKING)
     defaults["output_dir"] = default_output_dir(command, choice)
     return defaults
 
@@ -427,3 +525,17 @@ def short_help(command: str) -> str:
     lines += ["", "--help-all lists every option (all of GRPOConfig, TrainingArguments and ModelConfig). --debug "
                   "shows the traceback of an error."]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- dry-run checks
+def check_reward_weights(reward_funcs: list, reward_weights: list[float] | None, argv: list[str]) -> None:
+    """One weight per reward function, which GRPOTrainer checks only when it is built: a dry run checks it too, in
+    the user's words (`argv`: the command's flags)."""
+    if reward_weights is None or len(reward_weights) == len(reward_funcs):
+        return
+    names = ", ".join(getattr(function, "__name__", "reward") for function in reward_funcs)
+    flags = {argument.split("=", 1)[0] for argument in argv}
+    given = "--reward_weights" if "--reward_weights" in flags else "reward_weights (set in the config file)"
+    raise SystemExit(f"topr-trl: {given} gives {len(reward_weights)} weight(s) for {len(reward_funcs)} reward "
+                     f"function(s) ({names}): give one weight per reward function, in the order of reward_funcs, "
+                     "or no weights (all 1)")

@@ -27,13 +27,21 @@ import sys
 import warnings
 from pathlib import Path
 
-from .arguments import COMMANDS, chosen_run, is_builtin_run, parse_command
+from .arguments import COMMANDS, check_reward_weights, chosen_run, is_builtin_run, parse_command
 from .distributed import say
 from .machine import describe_machine, machine_info
+from .curves import logged_curves, plot_curves
 from .runs import (
     SUMMARY_METRICS,
+    LogLastStep,
+    check_hub_push,
+    check_trackers,
     checkpoint_to_resume,
+    interrupted_run,
     last_logged,
+    output_dir_lock,
+    push_failure_reported,
+    quiet_unmeasured_metrics,
     refuse_used_output_dir,
     removed_if_left_empty,
     shown_path,
@@ -59,6 +67,9 @@ def train(argv: list[str]) -> dict:
     offline = script_args.offline_dataset is not None
     refuse_used_output_dir(training_args.output_dir, script_args.overwrite_output_dir,
                            bool(training_args.resume_from_checkpoint))
+    check_trackers(training_args.report_to)
+    if not script_args.dry_run:  # a dry run validates a recipe on a machine that may not reach the Hub
+        check_hub_push(training_args)
     check_data_source(script_args.offline_dataset, "--offline_dataset")
     # Loaded before any model is built, so that a wrong path fails at once.
     offline_data = offline_eval = None
@@ -75,7 +86,13 @@ def train(argv: list[str]) -> dict:
         reward_funcs = [stored_reward]
     async_args = _asynchronous_config(script_args, training_args, model_args, eval_dataset) \
         if script_args.asynchronous else None
+    check_reward_weights(reward_funcs, training_args.reward_weights, argv)  # before any model loads, dry or not
     if script_args.dry_run:
+        from .sources import check_local_data
+
+        if offline and Path(script_args.offline_dataset).expanduser().is_file():  # empty or unreadable: fail now
+            check_local_data(script_args.offline_dataset, script_args.dataset_train_split, what="offline dataset",
+                             one_split="train")
         print(f"[topr-trl] configuration valid: task={task} model={model or 'built-in tiny model'} "
               f"loss_type={training_args.loss_type} limits={training_args.topr_limits} "
               f"rewards={[f.__name__ for f in reward_funcs]} offline_dataset={script_args.offline_dataset} "
@@ -89,21 +106,30 @@ def train(argv: list[str]) -> dict:
 
     from .trainer import TOPRTrainer
 
-    with removed_if_left_empty(training_args.output_dir):
+    output_dir = training_args.output_dir
+    trainer = None
+    with removed_if_left_empty(output_dir, lambda: trainer is None or not trainer.state.log_history), \
+            output_dir_lock(output_dir):
+        # again under the lock: a run that finished into this folder since the check above is not overwritten
+        refuse_used_output_dir(output_dir, script_args.overwrite_output_dir, bool(training_args.resume_from_checkpoint))
         if async_args is not None:
             trainer = _asynchronous_trainer(script_args, async_args, model, reward_funcs, train_dataset)
         else:
             trainer = TOPRTrainer(model=model, reward_funcs=reward_funcs, args=training_args,
                                   train_dataset=train_dataset, eval_dataset=eval_dataset,
                                   peft_config=get_peft_config(model_args))
-        summary: dict = {"output_dir": training_args.output_dir, "model": model, "task": task,
-                         "machine": machine_info()}
+        trainer.add_callback(LogLastStep())
+        quiet_unmeasured_metrics()
+        summary: dict = {"output_dir": output_dir, "model": model, "task": task, "machine": machine_info()}
         say(f"measured on {describe_machine(summary['machine'])}")
         if held_out is not None:
             summary["held_out_problems"] = len(held_out)
             summary["before"] = held_out_accuracy(trainer, held_out, task)
             say(f"before training: {describe_accuracy(summary['before'], len(held_out))}")
-        trainer.train(resume_from_checkpoint=checkpoint_to_resume(training_args))
+        try:
+            trainer.train(resume_from_checkpoint=checkpoint_to_resume(training_args))
+        except KeyboardInterrupt:
+            raise interrupted_run("train", argv, output_dir) from None
         if held_out is not None:
             summary["after"] = held_out_accuracy(trainer, held_out, task)
             say(f"after training:  {describe_accuracy(summary['after'], len(held_out))}")
@@ -114,13 +140,20 @@ def train(argv: list[str]) -> dict:
         if summary["end_of_training"]:
             say("at the end of training: " + ", ".join(
                 f"{key} {value:.4g}" for key, value in summary["end_of_training"].items()))
-        trainer.save_model(training_args.output_dir)
-    if trainer.accelerator.is_main_process:
-        Path(training_args.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(training_args.output_dir) / "topr_summary.json").write_text(json.dumps(summary, indent=2))
-        say(f"model and summary saved to {shown_path(training_args.output_dir)}")
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.offline_dataset or script_args.dataset_name)
+        trainer.save_state()  # trainer_state.json: every logged value, from which the curves can be redrawn
+        curves = None
+        if trainer.accelerator.is_main_process:
+            Path(output_dir).mkdir(parents=True, exist_ok=True)
+            (Path(output_dir) / "topr_summary.json").write_text(json.dumps(summary, indent=2))
+            curves = plot_curves(logged_curves(trainer.state.log_history), Path(output_dir) / "curves.png",
+                                 f"topr-trl train: {shown_path(output_dir)} ({training_args.loss_type})")
+        with push_failure_reported(output_dir, training_args.push_to_hub):
+            trainer.save_model(output_dir)  # under --push_to_hub, TrainingArguments' save_model pushes the folder
+            say(f"model and summary saved to {shown_path(output_dir)}")
+            if curves:
+                say(f"curves drawn to {shown_path(curves)} (TensorBoard: --report_to)")
+            if training_args.push_to_hub:
+                trainer.push_to_hub(dataset_name=script_args.offline_dataset or script_args.dataset_name)
     return summary
 
 
@@ -174,6 +207,7 @@ def generate(argv: list[str]) -> dict:
 
     from .config import check_choice
     from .offline import generate_offline_dataset, proportion_of_positives
+    from .offline.generation import GeneratedWithOtherSettings
     from .sampling import BACKENDS
 
     options, model_args = parse_command("generate", argv)
@@ -196,13 +230,29 @@ def generate(argv: list[str]) -> dict:
     if options.max_prompts is not None:
         prompts = prompts.select(range(min(options.max_prompts, len(prompts))))
     torch.manual_seed(options.seed)
-    dataset = generate_offline_dataset(
-        model, AutoTokenizer.from_pretrained(model), prompts, reward_funcs, options.output_dir,
-        num_completions=options.num_generations, temperature=options.temperature, top_p=options.top_p,
-        top_k=options.top_k, max_new_tokens=options.max_completion_length, prompts_per_shard=options.prompts_per_shard,
-        backend=options.backend, seed=options.seed, push_to_hub=options.push_to_hub,
-        chat_template_kwargs=chat_template_kwargs,
-    )
+    if options.overwrite_output_dir and any(Path(options.output_dir).glob("shard-*")):
+        say(f"--overwrite_output_dir: deleting the earlier generation in {shown_path(options.output_dir)}")
+    try:
+        with removed_if_left_empty(options.output_dir), output_dir_lock(options.output_dir):
+            dataset = generate_offline_dataset(
+                model, AutoTokenizer.from_pretrained(model), prompts, reward_funcs, options.output_dir,
+                num_completions=options.num_generations, temperature=options.temperature, top_p=options.top_p,
+                top_k=options.top_k, max_new_tokens=options.max_completion_length,
+                prompts_per_shard=options.prompts_per_shard, backend=options.backend, seed=options.seed,
+                push_to_hub=options.push_to_hub, chat_template_kwargs=chat_template_kwargs,
+                overwrite=options.overwrite_output_dir,
+                # recorded in the manifest: a rerun on other prompts into this folder is refused, not resumed
+                dataset_name=options.dataset_name or f"built-in {task} task",
+                )
+    except KeyboardInterrupt:
+        print(f"\ntopr-trl: interrupted; the shards written are kept in {shown_path(options.output_dir)}: rerun the "
+              "same command to resume", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    except GeneratedWithOtherSettings as refusal:  # named as the flags the user types
+        raise GeneratedWithOtherSettings(
+            refusal.output_dir, refusal.changes, command_line=True,
+            ways_out="pass another --output_dir, or --overwrite_output_dir true to delete it and generate again",
+        ) from None
     summary = {"rows": len(dataset), "prompts": len(prompts), "proportion_of_positives":
                proportion_of_positives(dataset), "truncated_fraction": sum(dataset["truncated"]) / len(dataset),
                "output_dir": options.output_dir, "machine": machine_info()}
@@ -214,17 +264,21 @@ def generate(argv: list[str]) -> dict:
 
 def iterate(argv: list[str]) -> list[dict]:
     import torch
+    from accelerate import PartialState
 
     from .config import check_choice
+    from .offline.generation import GeneratedWithOtherSettings
     from .offline.iterations import IterationSettings, run_iterations
     from .offline import COMPOSITIONS
     from .sampling import BACKENDS
 
     options, training_args, model_args = parse_command("iterate", argv)
+    check_trackers(training_args.report_to)
     check_choice("composition", options.composition, COMPOSITIONS)
     check_choice("backend", options.backend, BACKENDS)
     model, task, prompts, held_out, _, reward_funcs = load_task(options, model_args.model_name_or_path,
                                                                 training_args.seed)
+    check_reward_weights(reward_funcs, training_args.reward_weights, argv)
     if options.dry_run:
         print(f"[topr-trl] configuration valid: {options.iterations} iteration(s), composition="
               f"{options.composition}, task={task}, model={model or 'built-in tiny model'}, "
@@ -238,16 +292,66 @@ def iterate(argv: list[str]) -> list[dict]:
         max_new_tokens=training_args.max_completion_length, composition=options.composition,
         target_proportion=options.target_proportion, prompts_per_shard=options.prompts_per_shard,
         backend=options.backend, train_args=training_args,
+        dataset_name=options.dataset_name or f"built-in {task} task",  # recorded with each iteration's data
     )
-    evaluate = task_evaluator(task, held_out) if held_out is not None else None
-    summaries = run_iterations(model, prompts, reward_funcs, training_args.output_dir, iteration_settings,
-                               evaluate=evaluate)
+    evaluate, unmeasured = (task_evaluator(task, held_out) if held_out is not None else None), None
+    if task == "custom":  # the user's data: measured on its held-out split, when it has one
+        from .offline.iterations import HELD_OUT_SAMPLES, load_test_prompts
+
+        held_out, unmeasured = load_test_prompts(options.dataset_name, options.dataset_test_split,
+                                                 options.dataset_train_split, options.dataset_config, prompts)
+        if held_out is not None:
+            held_out = held_out.select(range(min(options.task_eval_prompts, len(held_out))))
+            evaluate = task_evaluator(
+                task, held_out, reward_funcs, reward_weights=training_args.reward_weights,
+                num_samples=HELD_OUT_SAMPLES, temperature=training_args.temperature,
+                top_p=training_args.top_p, top_k=training_args.top_k or 0,
+                max_new_tokens=training_args.max_completion_length, seed=training_args.seed,
+                chat_template_kwargs=getattr(training_args, "chat_template_kwargs", None))
+            say(f"held-out measure: the first {len(held_out)} prompts (--task_eval_prompts) of the "
+                f"{options.dataset_test_split!r} split, scored by --reward_funcs")
+        else:
+            unmeasured = (f"no test split: {unmeasured}. Pass --dataset_test_split SPLIT naming a held-out split "
+                          "of --dataset_name to measure each iteration before and after")
+    elif held_out is None:
+        unmeasured = (f"--task {task} has no held-out measure in iterate: measure an iteration's model with "
+                      f"`topr-trl evaluate --task {task} --model_name_or_path "
+                      f"{shown_path(training_args.output_dir)}/iteration-000/model`")
+    quiet_unmeasured_metrics()
+    try:
+        with removed_if_left_empty(training_args.output_dir), output_dir_lock(training_args.output_dir):
+            summaries = run_iterations(model, prompts, reward_funcs, training_args.output_dir, iteration_settings,
+                                       evaluate=evaluate, callbacks=[LogLastStep()])
+    except KeyboardInterrupt:
+        print(f"\ntopr-trl: interrupted; finished iterations and the current one's checkpoints are kept in "
+              f"{shown_path(training_args.output_dir)}: rerun the same command to resume", file=sys.stderr,
+              flush=True)
+        raise SystemExit(130) from None
+    except GeneratedWithOtherSettings as refusal:  # named as the flags the user types
+        raise GeneratedWithOtherSettings(
+            refusal.output_dir, refusal.changes, command_line=True,
+            ways_out=f"pass another --output_dir, or delete {shown_path(refusal.output_dir.parent)} to redo that "
+                     "iteration with these settings") from None
     problems = len(held_out) if held_out is not None else 0
     say(f"measured on {describe_machine()}")
-    for summary in summaries:
-        say(f"iteration {summary['iteration']}: p={summary['proportion_of_positives']:.3f}; before: "
-                    f"{describe_accuracy(summary.get('evaluation_before'), problems)}; after: "
-                    f"{describe_accuracy(summary.get('evaluation'), problems)}")
+    if unmeasured:
+        say(unmeasured)
+    for index, summary in enumerate(summaries):
+        line = f"iteration {summary['iteration']}: p={summary['proportion_of_positives']:.3f}"
+        if evaluate is not None:  # mu_i = pi_{i-1}: an iteration starts where the previous one ended
+            before = summary.get("evaluation_before") or (summaries[index - 1].get("evaluation") if index else None)
+            line += (f"; before: {describe_accuracy(before, problems)}; after: "
+                     f"{describe_accuracy(summary.get('evaluation'), problems)}")
+        say(line)
+    if PartialState().is_main_process:
+        from .offline.iterations import iteration_curves
+
+        curves, boundaries = iteration_curves(training_args.output_dir)
+        drawn = plot_curves(curves, Path(training_args.output_dir) / "curves.png",
+                            f"topr-trl iterate: {shown_path(training_args.output_dir)} (dashed: a new iteration)",
+                            boundaries)
+        if drawn:
+            say(f"curves of every iteration drawn to {shown_path(drawn)}")
     return summaries
 
 
@@ -275,6 +379,11 @@ def main(argv: list[str] | None = None) -> None:
         from .distributed import end_process_group
 
         end_process_group()
+    except KeyboardInterrupt:  # Ctrl-C outside training (which says more: `interrupted_run`)
+        if debug:
+            raise
+        print("\ntopr-trl: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     except USER_ERRORS as error:
         if debug:
             raise

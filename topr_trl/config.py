@@ -232,7 +232,13 @@ class TOPRConfig(GRPOConfig):
     def __post_init__(self) -> None:
         self._resolve_deprecated_selectors()
         check_choice("loss_type", self.loss_type, loss_types())
-        super().__post_init__()
+        self._refuse_what_training_would()
+        generation_batch_set = self.generation_batch_size is not None or self.steps_per_generation is not None
+        try:
+            super().__post_init__()
+        except ValueError:
+            self._explain_generation_batch(generation_batch_set)
+            raise
         check_choice("topr_ratio_level", self.topr_ratio_level, RATIO_LEVELS)
         check_choice("topr_signal", self.topr_signal, SIGNALS)
         check_choice("topr_loss_aggregation", self.topr_loss_aggregation, AGGREGATIONS)
@@ -273,6 +279,32 @@ class TOPRConfig(GRPOConfig):
                 UserWarning,
                 stacklevel=3,  # the caller of TOPRConfig(...), past the dataclass __init__
             )
+
+    def _refuse_what_training_would(self) -> None:
+        """Values GRPOConfig takes that the run refuses later, far from the field (torch's optimizer: "Invalid
+        learning rate"; generate: `max_new_tokens`): refused here, naming the field."""
+        if isinstance(self.learning_rate, (int, float)) and self.learning_rate < 0:
+            raise ValueError(f"`learning_rate` must be >= 0, got {self.learning_rate!r}; the optimizer refuses a "
+                             "negative one.")
+        if isinstance(self.max_completion_length, int) and self.max_completion_length < 1:
+            raise ValueError(f"`max_completion_length` must be at least 1 (new tokens per completion), got "
+                             f"{self.max_completion_length!r}.")
+
+    def _explain_generation_batch(self, generation_batch_set: bool) -> None:
+        """GRPOConfig refuses a generation batch that `num_generations` does not divide, naming
+        `generation_batch_size`; when the user set neither it nor `steps_per_generation`, the batch is theirs by
+        other names: say it in those (GRPOConfig has set the batch before refusing it)."""
+        batch, groups = self.generation_batch_size, self.num_generations
+        if generation_batch_set or not isinstance(batch, int) or not isinstance(groups, int) or groups < 1 \
+                or batch % groups == 0:
+            return
+        processes = batch // (self.per_device_train_batch_size * self.steps_per_generation)
+        raise ValueError(
+            f"`num_generations` ({groups}) must divide the completions generated per optimizer step, "
+            f"`per_device_train_batch_size` ({self.per_device_train_batch_size}) x processes ({processes}) x "
+            f"`gradient_accumulation_steps` ({self.gradient_accumulation_steps}) = {batch}: change "
+            f"`num_generations` to a divisor of {batch}, or `per_device_train_batch_size` to a multiple of "
+            f"{groups}.") from None
 
     def _resolve_deprecated_selectors(self) -> None:
         """pg_variant, topr_preset and the TIS bounds, the selectors `loss_type` replaced: each maps onto it (the

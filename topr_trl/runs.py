@@ -1,12 +1,23 @@
 """What a command-line run does with its output folder and what it reports: an output folder holding a run is not
 trained into by accident, a failed run leaves no empty folder, a resumed run finds its last checkpoint, and the
-summary carries the last logged value of each headline metric."""
+summary carries the last logged value of each headline metric. Two runs never write into one folder at once: the
+one that comes second is refused (`output_dir_lock`)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import shutil
+import socket
+import sys
+import time
 from pathlib import Path
+
+from transformers import TrainerCallback
+
+LOCK_FILE = ".topr-trl.lock"
+"""The file in an output folder that a run holds an exclusive lock on while it writes there; not a file of the run."""
 
 # The last logged value of each, for the summary of a run (p~ only under topr_signal="reward").
 SUMMARY_METRICS = ("loss", "reward", "reward_std", "topr/effective_positive_proportion", "topr/positive_fraction",
@@ -46,20 +57,63 @@ def checkpoint_to_resume(training_args) -> str | None:
 
 
 @contextlib.contextmanager
-def removed_if_left_empty(output_dir: str):
-    """A run that fails leaves no empty output folder behind: a folder this run created and wrote no file into is
-    removed (one with any file, a checkpoint above all, is kept)."""
+def removed_if_left_empty(output_dir: str, logged_nothing=lambda: True):
+    """A run that fails leaves no empty output folder behind: a folder this run created and wrote no file of its own
+    into is removed (one with any such file, a checkpoint above all, is kept). The run's lock and, while
+    `logged_nothing()` (no step was logged), the tracker's files under `runs/` (TensorBoard writes the arguments there
+    when training starts) are not files of its own; once a step is logged they are its record and are kept."""
     from accelerate import PartialState
 
     folder = Path(output_dir)
     existed = folder.exists()
+
+    def bookkeeping(path: Path) -> bool:
+        return path.name == LOCK_FILE or (path.relative_to(folder).parts[0] == "runs" and logged_nothing())
+
     try:
         yield
     except BaseException:
         if not existed and folder.is_dir() and PartialState().is_main_process \
-                and not any(path.is_file() for path in folder.rglob("*")):
+                and not any(path.is_file() and not bookkeeping(path) for path in folder.rglob("*")):
             shutil.rmtree(folder, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def output_dir_lock(output_dir: str):
+    """Hold `output_dir` for this run: a second run into the same folder while this one is alive is refused in one
+    line naming this one, instead of both writing checkpoints into it. The lock is the kernel's (`flock` on
+    `LOCK_FILE`): the operating system releases it when the process ends however it ends (a crash, SIGKILL, a
+    reboot), so a dead run never leaves the folder locked; the file's text only says who holds it. Under
+    `accelerate launch` the main process holds it for the run (the others would otherwise refuse their own run)."""
+    import fcntl
+
+    from accelerate import PartialState
+
+    if not PartialState().is_main_process:
+        yield
+        return
+    folder = Path(output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = open(folder / LOCK_FILE, "a+")  # not "w": truncating would erase the holder's text before we know
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = " ".join(handle.read().split()) or "another process"
+        handle.close()
+        raise SystemExit(f"topr-trl: {output_dir} is in use by another run ({holder}); wait for it to finish, or "
+                         "choose another --output_dir") from None
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        handle.flush()
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
 
 
 def last_logged(log_history: list[dict], keys) -> dict:
@@ -81,3 +135,126 @@ def shown_path(path: str) -> str:
         return str(resolved.relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(resolved)
+
+
+# ---------------------------------------------------------------------------------------------- what a run reaches
+# `--report_to` names (transformers' integrations) -> the modules any one of which makes it work, and what to install.
+TRACKERS: dict[str, tuple[tuple[str, ...], str]] = {
+    "tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),
+    "trackio": (("trackio",), "trackio"),
+    "wandb": (("wandb",), "wandb"),
+    "mlflow": (("mlflow",), "mlflow"),
+    "comet_ml": (("comet_ml",), "comet-ml"),
+    "clearml": (("clearml",), "clearml"),
+    "neptune": (("neptune",), "neptune"),
+    "dvclive": (("dvclive",), "dvclive"),
+    "swanlab": (("swanlab",), "swanlab"),
+    "codecarbon": (("codecarbon",), "codecarbon"),
+    "azure_ml": (("azureml",), "azureml-core"),
+    "flyte": (("flytekit",), "flytekit"),
+}
+
+
+def check_trackers(report_to) -> None:
+    """Fail in one line on a `--report_to` tracker that is unknown or not installed (transformers would raise a
+    traceback when the trainer is built, after the model has loaded): checked at configuration, dry runs included."""
+    import importlib.util
+
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    for name in names:
+        if name in ("none", "all"):
+            continue
+        if name not in TRACKERS:
+            raise SystemExit(f"topr-trl: --report_to {name}: unknown tracker; choose among none, "
+                             f"{', '.join(TRACKERS)}")
+        modules, package = TRACKERS[name]
+        if not any(importlib.util.find_spec(module) for module in modules):
+            raise SystemExit(f"topr-trl: --report_to {name} needs the `{package}` package, which is not installed: "
+                             f"pip install {package} (or choose --report_to tensorboard, installed with topr-trl, or "
+                             "none)")
+
+
+def check_hub_push(training_args) -> None:
+    """`--push_to_hub` fails before training, in one line, when it cannot succeed: the Hub out of reach or no token
+    (otherwise TRL's trainer dies on a connection traceback when it creates the repository, or the push after hours of
+    training fails)."""
+    if not training_args.push_to_hub:
+        return
+    from huggingface_hub import get_token
+
+    from .sources import hub_unreachable_reason
+
+    reason = hub_unreachable_reason()
+    if reason is not None:
+        raise SystemExit(f"topr-trl: --push_to_hub needs the Hugging Face Hub, which cannot be reached ({reason}); "
+                         "train without it and push the saved folder later with `hf upload REPO_ID OUTPUT_DIR`")
+    if get_token() is None:
+        raise SystemExit("topr-trl: --push_to_hub needs a Hugging Face token: run `hf auth login` or set HF_TOKEN "
+                         "(or train without --push_to_hub and push the saved folder later)")
+
+
+@contextlib.contextmanager
+def push_failure_reported(output_dir: str, pushing: bool):
+    """Around what pushes a saved run (TrainingArguments' save_model pushes too, under --push_to_hub): a failure of
+    the push (the network gone since the start) says, in one line, that the model is on disk, where, and how to push
+    it later; nothing trained is lost."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - any failure of the push leaves the same advice
+        saved = any((Path(output_dir) / name).exists() for name in ("config.json", "adapter_config.json"))
+        if not pushing or not saved:
+            raise
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        raise SystemExit(f"topr-trl: the model is saved in {shown_path(output_dir)}, but pushing it to the Hub failed "
+                         f"({type(error).__name__}: {first_line}); push it later with `hf upload REPO_ID "
+                         f"{shown_path(output_dir)}`") from None
+
+
+class LogLastStep(TrainerCallback):
+    """Logs the last step whatever `logging_steps` is, so that a run shorter than the logging interval (or one that
+    ends between two logs) still reports its last loss, reward and TOPR's metrics."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.max_steps and state.global_step >= state.max_steps:
+            control.should_log = True
+        return control
+
+
+def interrupted_run(command: str, argv: list[str], output_dir: str) -> SystemExit:
+    """The one line for Ctrl-C during training: where the last checkpoint is and the command that resumes it (or
+    that none was saved), exit status 130 as a shell gives an interrupted program. It starts on a line of its own:
+    the progress bar it interrupts has none."""
+    import shlex
+
+    from .distributed import last_checkpoint
+
+    checkpoint = last_checkpoint(output_dir)
+    if checkpoint is None:
+        print(f"\ntopr-trl: interrupted; no checkpoint was saved yet in {shown_path(output_dir)} (see --save_steps), "
+              "so a rerun of the same command starts again", file=sys.stderr, flush=True)
+    else:
+        kept, skip_value = [], False
+        for argument in argv:  # the earlier --resume_from_checkpoint (and its value) gives way to `true`
+            if skip_value and not argument.startswith("-"):
+                skip_value = False
+                continue
+            skip_value = argument == "--resume_from_checkpoint"
+            if not skip_value and not argument.startswith("--resume_from_checkpoint="):
+                kept.append(argument)
+        print(f"\ntopr-trl: interrupted; the last checkpoint is {shown_path(checkpoint)}; resume with: "
+              f"{shlex.join(['topr-trl', command, *kept, '--resume_from_checkpoint', 'true'])}", file=sys.stderr,
+              flush=True)
+    return SystemExit(130)
+
+
+class _UnmeasuredMetricFilter(logging.Filter):
+    """TRL logs a metric that no sample measured at a step (TOPR's ratios of a batch without negatives, a reward no
+    completion could be given) as None; TensorBoard's callback then warns once per such key at every log, which says
+    nothing a user can act on and buries the run's own lines. Only those warnings are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "of type <class 'NoneType'>" not in record.getMessage()
+
+
+def quiet_unmeasured_metrics() -> None:
+    logging.getLogger("transformers.integrations.integration_utils").addFilter(_UnmeasuredMetricFilter())

@@ -113,7 +113,36 @@ def load_data_source(source, split: str, config: str | None = None, cache_dir: s
     file keeps `TEXT_COLUMNS` as text. A name that can only be a path (`looks_like_local_data`) is never sent to
     the Hub. `what` names the data in messages. Raises FileNotFoundError for a path that does not exist or a Hub
     id that could not be loaded (saying what to do without the Hub), ValueError for a file or folder that holds
-    nothing loadable, mixes formats or lacks `split` (naming the splits there are)."""
+    nothing loadable, mixes formats or lacks `split` (naming the splits there are), and for a local data file that
+    is empty, holds no rows, is not UTF-8 or not JSON (naming the file and the line: `check_data_file`)."""
+    text = str(source)
+    if not isinstance(source, Mapping) and not Path(text).expanduser().exists() and not looks_like_local_data(text):
+        return _load_from_hub(text, split, config, cache_dir, what)
+    if not isinstance(source, Mapping) and is_saved_dataset(Path(text).expanduser()):
+        return _require_rows(_load_saved(Path(text).expanduser(), split), text, what)
+    files, label = local_data_files(source, split, config, what=what, one_split=one_split)
+    return _load_files(files, split, cache_dir, label, what)
+
+
+def check_local_data(source, split: str, config: str | None = None, *, what: str = "dataset",
+                     one_split: str | None = None) -> None:
+    """What `load_data_source` would refuse about local data files, found without loading them (for a dry run):
+    a missing split, a file that is empty, holds no rows, is not UTF-8 or not JSON. A Hub id and a save_to_disk
+    folder are not looked into."""
+    text = str(source)
+    if not isinstance(source, Mapping):
+        path = Path(text).expanduser()
+        if (not path.exists() and not looks_like_local_data(text)) or is_saved_dataset(path):
+            return
+    files, _ = local_data_files(source, split, config, what=what, one_split=one_split)
+    for path in files:
+        check_data_file(path, what)
+
+
+def local_data_files(source, split: str, config: str | None = None, *, what: str = "dataset",
+                     one_split: str | None = None) -> tuple[list[Path], str]:
+    """The local data files `load_data_source` reads for the `split` of `source` (a `{split: files}` mapping, a data
+    file or a folder of them), and how to name them in messages; the errors are `load_data_source`'s."""
     if isinstance(source, Mapping):
         if split not in source:
             raise ValueError(f"unknown split {split!r}: the given files have splits {sorted(source)}")
@@ -122,15 +151,11 @@ def load_data_source(source, split: str, config: str | None = None, cache_dir: s
         for path in files:
             if not path.is_file():
                 raise FileNotFoundError(f"no such data file: {str(path)!r}")
-        return _load_files(files, split, cache_dir, str(chosen))
+        return files, str(chosen)
     text = str(source)
     path = Path(text).expanduser()
-    if not path.exists() and not looks_like_local_data(text):
-        return _load_from_hub(text, split, config, cache_dir, what)
     if not path.exists():
         raise FileNotFoundError(f"no such data file or folder: {text!r}")
-    if path.is_dir() and is_saved_dataset(path):
-        return _load_saved(path, split)
     if path.is_file():
         if path.suffix.lower() not in LOCAL_FORMATS:
             raise ValueError(f"{text!r} holds no {what}: unsupported local data file (use a "
@@ -152,7 +177,7 @@ def load_data_source(source, split: str, config: str | None = None, cache_dir: s
     if single and one_split is not None and split != one_split:
         raise ValueError(f"{what} {text!r} is {single}, which holds one split, {one_split!r}: it has no {split!r} "
                          f"split (name files after their split, e.g. {one_split}.jsonl and {split}.jsonl)")
-    return _load_files(files, split, cache_dir, text)
+    return files, text
 
 
 def _load_from_hub(name: str, split: str, config: str | None, cache_dir: str | None, what: str):
@@ -170,7 +195,7 @@ def _load_from_hub(name: str, split: str, config: str | None, cache_dir: str | N
         ) from error
 
 
-def _load_files(files: Sequence[Path], split: str, cache_dir: str | None, source: str):
+def _load_files(files: Sequence[Path], split: str, cache_dir: str | None, source: str, what: str = "dataset"):
     from datasets import load_dataset
 
     formats = {LOCAL_FORMATS.get(path.suffix.lower()) for path in files}
@@ -181,14 +206,123 @@ def _load_files(files: Sequence[Path], split: str, cache_dir: str | None, source
     if len(formats) > 1:
         raise ValueError(f"{source!r} mixes data file formats {sorted(formats)} in split {split!r}: keep one format "
                          "per split")
+    # `datasets` names neither the file nor the line of what it cannot read, and reads bytes that are not UTF-8
+    # into strings that fail only when a row is used, steps into training: checked here first.
+    for path in files:
+        check_data_file(path, what)
     builder = formats.pop()
     options = {"converters": {column: str for column in TEXT_COLUMNS}} if builder == "csv" else {}
-    dataset = load_dataset(builder, data_files={split: [str(path) for path in files]}, split=split,
-                           cache_dir=cache_dir, **options)
+    try:
+        dataset = load_dataset(builder, data_files={split: [str(path) for path in files]}, split=split,
+                               cache_dir=cache_dir, **options)
+    except Exception as error:  # what the checks above do not catch; the cause holds the reason, in many lines
+        cause = error
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        reason = (str(cause).splitlines() or [type(cause).__name__])[0][:300]
+        where = str(files[0]) if len(files) == 1 else f"the {builder} files of {source}"
+        raise ValueError(f"{where}: cannot be read as {what} ({type(cause).__name__}: {reason})") from error
     present = [column for column in TEXT_COLUMNS if column in dataset.column_names]
     if builder == "csv" and present:  # an empty cell reads as None
         dataset = dataset.map(lambda row: {column: row[column] or "" for column in present}, desc="reading text")
+    return _require_rows(dataset, source, what)
+
+
+def _require_rows(dataset, source: str, what: str):
+    if len(dataset) == 0:
+        raise ValueError(f"{source}: the {what} has no rows; it needs at least one")
     return dataset
+
+
+def check_data_file(path: Path, what: str = "dataset") -> None:
+    """Fail, naming the file (and the line, 1-based), on a local data file that cannot give rows: an empty file, a
+    text file that is not UTF-8, a JSON file that does not parse or whose rows are not JSON objects, a file with no
+    rows. Reads the whole file (a Parquet file: its footer only)."""
+    path = Path(path)
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path}: the file is empty (0 bytes); the {what} needs at least one row")
+    suffix = path.suffix.lower()
+    if LOCAL_FORMATS.get(suffix) == "parquet":
+        import pyarrow.parquet
+
+        try:
+            rows = pyarrow.parquet.ParquetFile(path).metadata.num_rows
+        except Exception as error:  # pyarrow's reasons are one line: passed on with the file's name
+            raise ValueError(f"{path}: not a readable Parquet file ({error})") from None
+    elif LOCAL_FORMATS.get(suffix) == "csv":
+        rows = _csv_rows(path)
+    else:
+        rows = _json_rows(path)
+    if rows == 0:
+        raise ValueError(f"{path}: the file holds no rows; the {what} needs at least one row")
+
+
+def _utf8(path: Path, data: bytes, first_line: int = 1) -> str:
+    """`data` (the file's text from line `first_line`) decoded, or a ValueError naming the line of the first byte
+    that is not UTF-8."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = first_line + data.count(b"\n", 0, error.start)
+        column = error.start - data.rfind(b"\n", 0, error.start)
+        raise ValueError(f"{path} line {line}: byte 0x{data[error.start]:02x} at column {column} is not UTF-8; "
+                         "save the file as UTF-8") from None
+
+
+def _text_lines(path: Path):
+    """(line number, text) of each line of `path`, 1-based, checked to be UTF-8 (a leading byte-order mark
+    dropped)."""
+    with path.open("rb") as file:
+        for number, raw in enumerate(file, 1):
+            text = _utf8(path, raw, number)
+            yield number, text.removeprefix("\ufeff") if number == 1 else text
+
+
+def _csv_rows(path: Path) -> int:
+    import csv
+
+    records = csv.reader(text for _, text in _text_lines(path))
+    next(records, None)  # the header
+    return sum(1 for record in records if any(cell.strip() for cell in record))
+
+
+def _json_rows(path: Path) -> int:
+    """Rows of a JSON file as `datasets` reads one: JSON lines (an object per line), else one JSON document (a list
+    of objects, or an object of columns)."""
+    import json
+
+    rows = 0
+    for number, text in _text_lines(path):
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as error:
+            if rows == 0:  # not JSON lines: one document over several lines
+                break
+            raise ValueError(f"{path} line {number}: not valid JSON ({error.msg} at column {error.colno}); write "
+                             "one JSON object per line") from None
+        if not isinstance(row, dict):
+            if rows == 0 and isinstance(row, list):  # a document that is a list on one line
+                break
+            raise ValueError(f"{path} line {number}: not a JSON object ({type(row).__name__}); write one object "
+                             'per line, e.g. {"prompt": "..."}') from None
+        rows += 1
+    else:
+        return rows
+    try:
+        document = json.loads(_utf8(path, path.read_bytes()).removeprefix("\ufeff"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} line {error.lineno}: not valid JSON ({error.msg} at column {error.colno}); "
+                         "write one JSON object per line, or one list of objects") from None
+    if isinstance(document, list):
+        if any(not isinstance(row, dict) for row in document):
+            raise ValueError(f"{path}: a list whose items are not all JSON objects; write one object per row, "
+                             'e.g. [{"prompt": "..."}]')
+        return len(document)
+    if isinstance(document, dict):  # columns: {"prompt": [...], ...}
+        return max((len(column) for column in document.values() if isinstance(column, list)), default=1)
+    raise ValueError(f"{path}: holds a JSON {type(document).__name__}, not rows; write one JSON object per line")
 
 
 def _load_saved(path: Path, split: str):

@@ -58,6 +58,17 @@ class PolicyMetricsLogging:
             "(topr_check_finite=True stops at the first such step); this is said once.")
 
 
+def trained_method(loss_type: str) -> tuple[str, dict, list[str]]:
+    """What the model card and the model's tags say trained the model: TOPR (and its paper) only for
+    loss_type='topr'; another loss of the registry by its name, with no paper claimed; TRL's loss types as GRPO, which
+    is what computed them."""
+    if loss_type == "topr":
+        return TOPRTrainer._name, TOPRTrainer._paper, TOPRTrainer._tag_names
+    if loss_type in POLICY_LOSSES:
+        return f"the `{loss_type}` policy loss of topr-trl's TOPRTrainer", {}, ["trl", "grpo", "topr-trl", loss_type]
+    return GRPOTrainer._name, GRPOTrainer._paper, GRPOTrainer._tag_names
+
+
 class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrainer):
     """
     Trainer for Tapered Off-Policy REINFORCE (TOPR, [arXiv:2503.14286](https://huggingface.co/papers/2503.14286)).
@@ -94,6 +105,14 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
         if args.loss_type in POLICY_LOSSES and not hasattr(args, "policy_loss_spec"):
             raise ValueError(f"loss_type={args.loss_type!r} is TOPR's: pass a TOPRConfig (a GRPOConfig has no TOPR "
                              "fields).")
+        if not hasattr(args, "policy_loss_spec"):  # a GRPOConfig, or another config without TOPR's fields
+            # A GRPOConfig carries TRL's loss_type (default "dapo"): the run is GRPOTrainer's, and a user who swapped
+            # only the trainer's name must not believe it trained TOPR.
+            logger.warning(
+                f"TOPRTrainer was given a {type(args).__name__}, so it trains TRL's loss_type={args.loss_type!r} "
+                "exactly as GRPOTrainer would, not TOPR (no topr/* metrics; the model card names that loss). To "
+                "train TOPR, pass a topr_trl.TOPRConfig (loss_type='topr' by default) with the same fields.")
+        self._name, self._paper, self._tag_names = trained_method(args.loss_type)
         self._offline = prepare_replayed_datasets(args, reward_funcs, kwargs)
         self._dataset_baseline = self._baseline_of_dataset(args, kwargs.get("train_dataset"))
         super().__init__(model, reward_funcs, args=args, **kwargs)
@@ -142,6 +161,9 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
             "fine-tuned version of [None](https://huggingface.co/None)",
             f"fine-tuned version of a local model (`{Path(str(local)).name or local}`)"))
         if self._loss_spec is None:
+            card.write_text(card.read_text() + f"\n## Loss\n\nTrained with TRL's `loss_type={self.args.loss_type!r}`, "
+                            "computed exactly as GRPOTrainer computes it (through topr-trl's TOPRTrainer), not with "
+                            "TOPR.\n")
             return
         limits = self._loss_spec.limits
         fields = ["loss_type", "topr_ratio_level", "topr_signal", "topr_baseline",

@@ -28,7 +28,7 @@ from accelerate import PartialState
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
 from ..loss import packed_topr_loss, unpack_segments
-from ..trainer import PolicyMetricsLogging, TOPRTrainer
+from ..trainer import PolicyMetricsLogging, TOPRTrainer, trained_method
 from .config import AsyncTOPRConfig
 from .cpu import CPUSupport
 
@@ -98,6 +98,8 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
             # TRL sizes this from max_staleness (inf here); keep its default depth instead
             args.max_inflight_tasks = DEFAULT_PIPELINE_DEPTH * args.per_device_train_batch_size * \
                 args.gradient_accumulation_steps * PartialState().num_processes
+        if args.loss_type != "topr":  # the card and the model's tags name the loss that trains, never TOPR for another
+            self._name, self._paper, self._tag_names = trained_method(args.loss_type)
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._loss_spec = args.policy_loss_spec
         if self.accelerator.is_main_process:

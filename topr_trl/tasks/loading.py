@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from ..machine import describe_machine
-from ..sources import check_data_source, check_model_source, load_data_source
+from ..sources import check_data_source, check_local_data, check_model_source, load_data_source
 from .user_rewards import reporting_reward, resolve_reward
 
 TASKS = ("arithmetic", "reasoning", "gsm8k", "math500", "custom")
@@ -75,6 +75,9 @@ def load_task(options, model_name_or_path: str | None, seed: int, offline: bool 
     # a user's function that raises stops the command in one line naming it (the Python API lets it raise as is)
     reward_funcs = [reporting_reward(resolve_reward(name)) for name in reward_names]
     if options.dry_run:
+        if task == "custom" and options.dataset_name:  # an empty or unreadable file fails here, not steps in
+            for split in (options.dataset_train_split, *([options.dataset_test_split] if eval_split else [])):
+                check_local_data(options.dataset_name, split, config=options.dataset_config)
         return model_name_or_path, task, None, None, None, reward_funcs
     if model_name_or_path is None:
         model_name_or_path = builtin_model(task, options, seed)
@@ -153,10 +156,16 @@ def builtin_model(task: str, options, seed: int) -> str:
     return str(folder)
 
 
-def task_evaluator(task: str, held_out):
-    """How a built-in task's held-out problems are scored, as `evaluate(model, tokenizer) -> dict`: greedy accuracy
-    for arithmetic; for reasoning, sampled pass@1 (temperature 1, 4 samples per problem, the headline: greedy
-    decoding hides the planted error) with greedy accuracy beside it."""
+def task_evaluator(task: str, held_out, reward_funcs=None, **sampling):
+    """How a task's held-out problems are scored, as `evaluate(model, tokenizer) -> dict`: greedy accuracy for
+    arithmetic; for reasoning, sampled pass@1 (temperature 1, 4 samples per problem, the headline: greedy decoding
+    hides the planted error) with greedy accuracy beside it; for a custom task (the user's prompts of a test split),
+    the mean reward of `reward_funcs` on sampled completions (`topr_trl.offline.iterations.reward_evaluator`, given
+    `sampling`: temperature, top_p, top_k, max_new_tokens, seed, chat_template_kwargs, num_samples)."""
+    if task == "custom":
+        from ..offline.iterations import reward_evaluator
+
+        return reward_evaluator(held_out, reward_funcs, **sampling)
     if task == "reasoning":
         from .reasoning import measure_base_model
 
@@ -177,6 +186,14 @@ def describe_accuracy(result: dict | None, num_problems: int) -> str:
     """'greedy accuracy 0.290 on 200 held-out problems': every accuracy printed says how it was measured."""
     if not result:
         return "not measured"
+    if "mean_reward" in result:
+        unscored = f", unscored {result['unscored_share']:.3f}" if result.get("unscored_share") else ""
+        error = result.get("mean_reward_se")
+        error = f" ± {error:.3f}" if error is not None and error == error else ""  # no SE from a single prompt
+        return (f"mean reward {result['mean_reward']:.3f}{error}, reward > 0 on "
+                f"{result['positive_share']:.3f}{unscored} (sampled at temperature {result['temperature']:g}, "
+                f"{result['num_samples']} samples per prompt, at most {result['max_new_tokens']} new tokens), on "
+                f"{num_problems} held-out prompts")
     if "pass@1" in result:
         return (f"sampled pass@1 {result['pass@1']:.3f} ± {result['pass@1_problem_se']:.3f} (temperature "
                 f"{result['temperature']:g}, {result['num_samples']} samples per problem), greedy accuracy "

@@ -43,10 +43,8 @@ def resolve_reward(name: str):
         raise ValueError(f"unknown reward function {name!r}: use one of {list(BUILTIN_REWARDS)}, 'module:function' "
                          "(or 'module.function') or 'path/to/file.py:function'")
     try:
-        if location.endswith(".py"):
-            path = Path(location).expanduser()
-            if not path.is_file():
-                raise FileNotFoundError(f"no such file {location!r}")
+        if location.endswith(".py") or _names_a_path(location):
+            path = _module_file(name, location)
             spec = importlib.util.spec_from_file_location(path.stem, path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
@@ -65,6 +63,31 @@ def resolve_reward(name: str):
         raise ValueError(f"{location} has no function {function_name!r}" +
                          (f"; did you mean {close[0]!r}?" if close else ""))
     return function
+
+
+def _names_a_path(location: str) -> bool:
+    """A location written as a path (`./my_rewards`, `~/rewards/mine`, `sub/mine`), which `import_module` cannot
+    take, rather than a module name (`my_rewards`, `package.module`)."""
+    return location.startswith((".", "~")) or "/" in location or "\\" in location
+
+
+def _module_file(name: str, location: str) -> Path:
+    """The Python file a path location names: `path/to/file.py`, or `path/to/file` for `path/to/file.py`."""
+    path = Path(location).expanduser()
+    with_suffix = Path(f"{path}.py")
+    if path.suffix != ".py" and with_suffix.is_file():
+        return with_suffix
+    if path.is_file() and path.suffix == ".py":
+        return path
+    if path.is_dir():
+        problem = f"{location} is a folder"
+    elif path.exists():
+        problem = f"{location} is not a Python file (.py)"
+    else:
+        problem = f"no such file {str(path) if path.suffix == '.py' else f'{location} or {location}.py'}"
+    raise ValueError(f"--reward_funcs {name}: {problem}; give the module file and the function, "
+                     "'path/to/file.py:function' (or 'module:function' for a module importable from the current "
+                     "directory)")
 
 
 class RewardFunctionError(ValueError):

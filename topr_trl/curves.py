@@ -1,0 +1,70 @@
+"""A picture of a run: the curves a trainer logged (its `state.log_history`), one panel per quantity, written next to
+the model so that every command-line run leaves a look at itself (`topr-trl train` and `iterate` print its path)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Panel title -> the logged keys drawn in it, in this order; a panel none of whose keys was logged is left out.
+PANELS: dict[str, tuple[str, ...]] = {
+    "reward (training batches)": ("reward",),
+    "loss": ("loss",),
+    "share of positives": ("topr/positive_fraction", "topr/effective_positive_proportion"),
+    "pi/mu (mean)": ("topr/ratio_positive/mean", "topr/ratio_negative/mean"),
+    "negatives' weight and truncation": ("topr/weight_negative/mean", "topr/negative_truncated_fraction"),
+    "evaluation": ("eval_reward", "eval_loss"),
+    "completion length (mean)": ("completions/mean_length",),
+    "entropy": ("entropy",),
+}
+
+
+def logged_curves(log_history: list[dict], step_offset: int = 0) -> dict[str, tuple[list[int], list[float]]]:
+    """Every key of `PANELS` that was logged, as (steps, values) in logging order; NaN (TRL's "not measured") and
+    non-numbers are left out. `step_offset` shifts the steps (runs drawn one after another, as iterations)."""
+    curves: dict[str, tuple[list[int], list[float]]] = {}
+    keys = {key for keys in PANELS.values() for key in keys}
+    for entry in log_history:
+        for key in keys & entry.keys():
+            value = entry[key]
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+                steps, values = curves.setdefault(key, ([], []))
+                steps.append(int(entry.get("step", 0)) + step_offset)
+                values.append(float(value))
+    return curves
+
+
+def plot_curves(curves: dict[str, tuple[list[int], list[float]]], path: str | Path, title: str,
+                boundaries: list[int] = ()) -> Path | None:
+    """Draw `curves` (from `logged_curves`) to the PNG `path`, one panel per `PANELS` entry that has data, dashed
+    vertical lines at `boundaries` (where iterations start); None, and no file, when nothing was logged."""
+    panels = [(name, [key for key in keys if key in curves]) for name, keys in PANELS.items()]
+    panels = [(name, keys) for name, keys in panels if keys]
+    if not panels:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # a file, never a window: runs are often on machines without a screen
+    import matplotlib.pyplot as plt
+
+    columns = min(3, len(panels))
+    rows = -(-len(panels) // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.0 * rows), squeeze=False)
+    for axis, (name, keys) in zip(axes.flat, panels):
+        for key in keys:
+            steps, values = curves[key]
+            axis.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=key)
+        for boundary in boundaries:
+            axis.axvline(boundary, color="grey", linestyle="--", linewidth=0.8)
+        axis.set_title(name, fontsize=10)
+        axis.set_xlabel("step")
+        if len(keys) > 1:
+            axis.legend(fontsize=7)
+    for axis in list(axes.flat)[len(panels):]:
+        axis.set_visible(False)
+    figure.suptitle(title, fontsize=11)
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
