@@ -219,7 +219,7 @@ def test_colocated_vllm_samples_from_the_policys_current_weights_and_mu_is_its_s
     assert stale > WRONG_BEYOND_FLOORS * floor and initial > WRONG_BEYOND_FLOORS * floor, (stale, initial, floor)
     tied = trainer.model.config.tie_word_embeddings
     assert sorted(llm.collective_rpc(repack_tied_weights)[0]) == (["lm_head", "model.embed_tokens"] if tied else [])
-    del trainer, llm
+    trainer = llm = None  # the engine's memory, before the next test builds one
     gc.collect()
 
 

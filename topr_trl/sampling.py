@@ -11,6 +11,8 @@ optional extra: it is imported only when an engine is built or released, never w
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Sequence
 
 import torch
@@ -138,3 +140,20 @@ def free_vllm_memory() -> None:
         except ImportError:  # a vLLM version without it: the generic release above is all there is
             return
         cleanup_dist_env_and_memory()
+
+
+@contextlib.contextmanager
+def seeded_eval_sampling(model, seed: int):
+    """Sample from `model` in eval mode with a random stream of its own, seeded with `seed`: a measurement during
+    training neither changes training's random state nor depends on it, and the model's train/eval mode is restored."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    devices = [model.device.index or 0] if model.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            yield
+    finally:
+        model.train(was_training)

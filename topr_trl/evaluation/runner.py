@@ -47,7 +47,7 @@ from .rewards import (
     math_answers_equal,
 )
 from ..prompts import tokenize_prompts
-from ..sampling import generate_completions, make_vllm_engine, vllm_available
+from ..sampling import generate_completions, make_vllm_engine, seeded_eval_sampling, vllm_available
 
 logger = logging.getLogger(__name__)
 
@@ -197,27 +197,20 @@ def _generate_transformers(model, tokenizer, prompt_ids: list[list[int]], n: int
         options.update(stop_strings=list(stop_strings), tokenizer=tokenizer)
     jobs = [index for index in range(len(prompt_ids)) for _ in range(n)]
     samples: list[list[dict]] = [[] for _ in prompt_ids]
-    was_training = model.training
-    model.eval()
-    devices = [model.device.index or 0] if model.device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            with tqdm(total=len(jobs), desc="evaluate", unit="sample", disable=not show_progress) as progress:
-                for start in range(0, len(jobs), batch_size):
-                    batch = jobs[start : start + batch_size]
-                    completions = generate_completions(model, tokenizer, [prompt_ids[i] for i in batch], **options)
-                    for index, completion in zip(batch, completions, strict=True):
-                        tokens, stopped = completion["completion_ids"], completion["stopped"]
-                        kept = tokens[:-1] if stopped else tokens
-                        samples[index].append({
-                            "text": tokenizer.decode(kept, skip_special_tokens=True),
-                            "num_tokens": len(tokens),
-                            "truncated": not stopped and len(kept) >= max_new_tokens,
-                        })
-                    progress.update(len(batch))
-    finally:
-        model.train(was_training)
+    with seeded_eval_sampling(model, seed):
+        with tqdm(total=len(jobs), desc="evaluate", unit="sample", disable=not show_progress) as progress:
+            for start in range(0, len(jobs), batch_size):
+                batch = jobs[start : start + batch_size]
+                completions = generate_completions(model, tokenizer, [prompt_ids[i] for i in batch], **options)
+                for index, completion in zip(batch, completions, strict=True):
+                    tokens, stopped = completion["completion_ids"], completion["stopped"]
+                    kept = tokens[:-1] if stopped else tokens
+                    samples[index].append({
+                        "text": tokenizer.decode(kept, skip_special_tokens=True),
+                        "num_tokens": len(tokens),
+                        "truncated": not stopped and len(kept) >= max_new_tokens,
+                    })
+                progress.update(len(batch))
     return samples
 
 

@@ -219,8 +219,8 @@ def reward_evaluator(
     import math
     import statistics
 
-    import torch
 
+    from ..sampling import seeded_eval_sampling
     from .generation import sample_rows, score_rows
     from .rollout import sample_with_logps
 
@@ -228,17 +228,10 @@ def reward_evaluator(
     weights = list(reward_weights) if reward_weights is not None else [1.0] * len(functions)
 
     def evaluate(model, tokenizer) -> dict:
-        was_training = model.training
-        model.eval()
-        devices = [model.device.index or 0] if model.device.type == "cuda" else []
-        try:
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(seed)
-                rows = sample_rows(sample_with_logps, model, tokenizer, test_prompts, num_samples, prompts_per_batch,
-                                   temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                                   chat_template_kwargs=chat_template_kwargs)
-        finally:
-            model.train(was_training)
+        with seeded_eval_sampling(model, seed):
+            rows = sample_rows(sample_with_logps, model, tokenizer, test_prompts, num_samples, prompts_per_batch,
+                               temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                               chat_template_kwargs=chat_template_kwargs)
         score_rows(rows, functions, weights)
         rewards = [row["reward"] for row in rows]
         scored = [reward for reward in rewards if not math.isnan(reward)]
