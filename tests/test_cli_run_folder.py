@@ -298,3 +298,24 @@ def test_every_library_the_package_imports_is_installed_with_it():
             missing[module] = sorted(names)
     assert not missing, f"imported by topr_trl but not in install_requires: {missing}"
     assert {"matplotlib", "tensorboard"} <= required
+
+
+# ----------------------------------------------------------------------------------------- what the README says
+def test_the_readme_states_grpo_defaults_as_grpo_has_them():
+    """The custom run's defaults as the README states them are GRPOConfig's own (TRL 1.16: 512-token completions),
+    and `generate` samples as long as `train` trains by default."""
+    from trl import GRPOConfig
+
+    from topr_trl.arguments import GenerateScriptArguments
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    stated = re.search(r"`GRPOConfig` defaults \(learning rate ([\d.e-]+), (\d+)-token completions, (\d+) epochs, "
+                       r"checkpoints every (\d+) steps", readme)
+    defaults = GRPOConfig.__dataclass_fields__
+    assert stated and float(stated.group(1)) == defaults["learning_rate"].default
+    assert int(stated.group(2)) == defaults["max_completion_length"].default
+    assert float(stated.group(3)) == defaults["num_train_epochs"].default
+    assert int(stated.group(4)) == defaults["save_steps"].default
+    assert GenerateScriptArguments.__dataclass_fields__["max_completion_length"].default == \
+        defaults["max_completion_length"].default
+    assert "`use_cpu=True, bf16=False`" in readme  # what a Python user on a CPU needs, said at the swap

@@ -28,8 +28,11 @@ SCORES = '''def length_parity(completions, **kwargs):
 def user(tmp_path_factory) -> Path:
     """A user's folder: their model, 8 training and 3 test prompts as data/small/{train,test}.jsonl, the same 8
     training prompts alone in data/small.jsonl, and a reward module scores.py."""
+    maker = SHARED / "tools" / "user_folder" / "make_user_folder.py"
+    if not maker.is_file():
+        pytest.skip(f"{maker} is absent (../shared is not beside the checkout)")
     folder = tmp_path_factory.mktemp("user")
-    subprocess.run([sys.executable, str(SHARED / "tools" / "user_folder" / "make_user_folder.py"), str(folder)],
+    subprocess.run([sys.executable, str(maker), str(folder)],
                    check=True, capture_output=True)
     rows = (folder / "data" / "prompts.jsonl").read_text().splitlines(keepends=True)
     (folder / "data" / "small").mkdir()
@@ -40,14 +43,33 @@ def user(tmp_path_factory) -> Path:
     return folder
 
 
-def iterate(user: Path, dataset: str, output_dir: Path, monkeypatch, capsys) -> list[str]:
-    """One iteration of `topr-trl iterate` run from the user's folder; its `[topr-trl]` lines."""
+def iterate(user: Path, dataset: str, output_dir: Path, monkeypatch, capsys, *extra: str) -> list[str]:
+    """One iteration of `topr-trl iterate` run from the user's folder (`extra` flags on top); its `[topr-trl]` lines."""
     monkeypatch.chdir(user)
     main(["iterate", "--model_name_or_path", "my-model", "--dataset_name", dataset, "--reward_funcs",
           "scores.py:length_parity", "--num_generations", "2", "--max_completion_length", "4",
           "--per_device_train_batch_size", "8", "--iterations", "1", "--task_eval_prompts", "2", "--seed", "3",
-          "--backend", "transformers", "--report_to", "none", "--output_dir", str(output_dir)])
+          "--backend", "transformers", "--report_to", "none", "--output_dir", str(output_dir), *extra])
     return [line for line in capsys.readouterr().out.splitlines() if line.startswith("[topr-trl]")]
+
+
+def test_iterations_draw_their_curves_one_after_another(user, tmp_path, monkeypatch, capsys):
+    """The picture of an iterate run: every iteration's logged steps, each shifted by the steps before it, a
+    boundary where each later iteration starts; the values are those each iteration's trainer logged."""
+    from topr_trl.offline.iterations import iteration_curves
+
+    lines = iterate(user, "data/small.jsonl", tmp_path / "run", monkeypatch, capsys, "--iterations", "2",
+                    "--logging_steps", "1")
+    assert "[topr-trl] curves of every iteration drawn to " + str(tmp_path / "run" / "curves.png") in lines
+    assert (tmp_path / "run" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    states = [json.loads((tmp_path / "run" / f"iteration-00{i}" / "train" / "trainer_state.json").read_text())
+              for i in (0, 1)]
+    curves, boundaries = iteration_curves(tmp_path / "run")
+    first_steps = states[0]["global_step"]
+    assert first_steps > 0 and boundaries == [first_steps]
+    expected = [(entry["step"] + offset, entry["loss"]) for state, offset in zip(states, (0, first_steps))
+                for entry in state["log_history"] if "loss" in entry]
+    assert list(zip(*curves["loss"])) == expected and len(expected) == first_steps + states[1]["global_step"]
 
 
 def test_iterations_on_data_with_a_test_split_are_measured_on_it(user, tmp_path, monkeypatch, capsys):
