@@ -397,6 +397,7 @@ class _RunChoice:
     fp16: bool = False
     use_cpu: bool = False
     use_vllm: bool = False
+    asynchronous: bool = False
 
 
 def chosen_run(argv: list[str]) -> _RunChoice:
@@ -440,7 +441,10 @@ def run_defaults(command: str, choice: _RunChoice) -> dict:
     else:
         defaults = {}
     if command != "generate":
-        defaults.update(CLI_TRAINING_CHECKS)
+        # the asynchronous trainer has no unscored-batch rule (its rewards arrive sample by sample): a run of it
+        # keeps TOPRConfig's default there, which it does not read, rather than a setting it would refuse
+        defaults.update({name: value for name, value in CLI_TRAINING_CHECKS.items()
+                         if not (choice.asynchronous and name == "topr_unscored_batch")})
         defaults.update(CLI_TRACKING)
     defaults["output_dir"] = default_output_dir(command, choice)
     return defaults

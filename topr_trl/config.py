@@ -41,6 +41,12 @@ _PG_VARIANT_LOSS_TYPES = {"vanilla": "naive_reinforce", "tis": "tis", "ppo": "pp
                           "kimi15": "kimi15", "topr": "topr"}
 
 
+def check_flag(field_name: str, value: object) -> None:
+    """Raise a ValueError naming the field unless `value` is True or False."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`{field_name}` must be True or False, got {value!r}.")
+
+
 def loss_types() -> tuple[str, ...]:
     """What `loss_type` takes now: the registered TOPR-family losses (live: a loss registered after import counts),
     then TRL's."""
@@ -255,8 +261,7 @@ class TOPRConfig(GRPOConfig):
         if not (isinstance(self.topr_offline_epochs, (int, float)) and self.topr_offline_epochs > 0):
             raise ValueError(f"`topr_offline_epochs` must be > 0, got {self.topr_offline_epochs!r}.")
         check_choice("topr_unscored_batch", self.topr_unscored_batch, UNSCORED_BATCH_ACTIONS)
-        if not isinstance(self.topr_check_finite, bool):
-            raise ValueError(f"`topr_check_finite` must be True or False, got {self.topr_check_finite!r}.")
+        check_flag("topr_check_finite", self.topr_check_finite)
         for name in ("topr_positive_weight", "topr_negative_weight", "cispo_epsilon_low", "cispo_epsilon_high",
                      "kimi15_tau"):
             value = getattr(self, name)
@@ -442,3 +447,10 @@ _TOPR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TOPRConfig)}
 def topr_setting(args, name: str):
     """`args.<name>`, or TOPRConfig's default when `args` is a GRPOConfig."""
     return getattr(args, name, _TOPR_DEFAULTS[name])
+
+
+def topr_field(name: str):
+    """A dataclass field with TOPRConfig's own default and help for `name`, for another config that takes the same
+    field (the asynchronous one): declared once, in TOPRConfig."""
+    source = TOPRConfig.__dataclass_fields__[name]
+    return field(default=source.default, metadata=dict(source.metadata))

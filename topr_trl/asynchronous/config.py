@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from ..config import SIGNALS, TOPRConfig, check_choice, policy_loss_spec_of, resolve_limits
+from ..config import SIGNALS, TOPRConfig, check_choice, check_flag, policy_loss_spec_of, resolve_limits, topr_field
 from ..loss import POLICY_LOSSES, RATIO_LEVELS, PolicyLossSpec, TruncationLimits
 
 # How the per-token loss of a micro-batch is reduced: the paper's per-trajectory mean of token means, or TRL's
@@ -49,6 +49,9 @@ class AsyncTOPRConfig(AsyncGRPOConfig):
             `"seq-mean-token-mean"` (the paper: each completion's loss divided by its length, averaged over the
             step's completions) or `"global-token-mean"` (TRL's asynchronous trainer: divided by the tokens of the
             micro-batch).
+        topr_check_finite (`bool`, *optional*, defaults to `False`):
+            As in [`TOPRConfig`]: stop on a non-finite TOPR loss (a `FloatingPointError` reporting the ratio ranges)
+            instead of training on it (the `topr-trl` command line's default).
     """
 
     max_staleness: float = field(
@@ -67,9 +70,11 @@ class AsyncTOPRConfig(AsyncGRPOConfig):
     topr_baseline: float = field(default=0.0, metadata={"help": "c, with topr_signal='reward'."})
     topr_loss_aggregation: str = field(
         default="seq-mean-token-mean", metadata={"help": f"Loss aggregation: {list(ASYNC_AGGREGATIONS)}."})
+    topr_check_finite: bool = topr_field("topr_check_finite")
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_flag("topr_check_finite", self.topr_check_finite)
         check_choice("loss_type", self.loss_type, tuple(POLICY_LOSSES))
         check_choice("topr_ratio_level", self.topr_ratio_level, RATIO_LEVELS)
         check_choice("topr_signal", self.topr_signal, SIGNALS)
@@ -115,8 +120,9 @@ _SYNCHRONOUS_ONLY = {"beta": 0.0, "num_iterations": 1, "use_vllm": False, "topr_
 
 def async_config_from(args: TOPRConfig, **overrides) -> AsyncTOPRConfig:
     """The `AsyncTOPRConfig` of a run configured as a `TOPRConfig` (the command line's `--asynchronous`): every field
-    the two share, then `overrides`. A field only the synchronous trainer reads, set to something that matters,
-    fails in one line naming it."""
+    the two share, then `overrides`. Every other field the run set (one that differs from what TOPRConfig makes of
+    the shared fields alone, so that derived values such as `generation_batch_size` do not count) fails in one line
+    naming it: the asynchronous trainer would not read it, and a setting must never be dropped without a word."""
     for name, unused in _SYNCHRONOUS_ONLY.items():
         value = getattr(args, name, unused)
         if value != unused:
@@ -126,11 +132,17 @@ def async_config_from(args: TOPRConfig, **overrides) -> AsyncTOPRConfig:
         raise ValueError(f"`topr_baseline`={args.topr_baseline!r}: the asynchronous trainer takes a number (its "
                          "samples arrive one at a time); use topr_signal='advantage' for a group baseline.")
     own = {f.name for f in dataclasses.fields(AsyncTOPRConfig) if f.init}
+    fields = [f for f in dataclasses.fields(type(args)) if f.init]
     # what the run set (a recipe, a config file, a flag): a field left at TOPRConfig's default takes the asynchronous
     # config's own (the two disagree on some, e.g. vllm_server_base_url)
-    shared = {f.name: getattr(args, f.name) for f in dataclasses.fields(type(args))
-              if f.init and f.name in own and getattr(args, f.name) != _default(f)}
+    shared = {f.name: getattr(args, f.name) for f in fields if f.name in own and getattr(args, f.name) != _default(f)}
     shared.pop("max_staleness", None)
+    reference = type(args)(**shared)  # what TOPRConfig derives from the shared fields alone
+    dropped = [f"`{f.name}`={getattr(args, f.name)!r}" for f in fields if f.name not in own
+               and f.name not in _SYNCHRONOUS_ONLY and getattr(args, f.name) != getattr(reference, f.name)]
+    if dropped:  # all of them at once: one set field can derive another (steps_per_generation, generation_batch_size)
+        raise ValueError(f"{', '.join(dropped)} {'is' if len(dropped) == 1 else 'are'} not read by the asynchronous "
+                         "trainer: drop it (or train without --asynchronous).")
     return AsyncTOPRConfig(**{**shared, **overrides})
 
 
