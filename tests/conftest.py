@@ -143,6 +143,17 @@ def saved_model_accuracy(model_dir, eval_prompts: int, adapter_dir=None) -> dict
     return accuracy(model, AutoTokenizer.from_pretrained(model_dir), held_out)
 
 
+def cli_refusal(argv: list[str]) -> str:
+    """The one line `topr-trl ARGV` stops with (checked to be one line starting `topr-trl: `)."""
+    from topr_trl.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    text = str(stop.value.code)
+    assert text.startswith("topr-trl: ") and "\n" not in text, text
+    return text
+
+
 def script_refusal(main, argv, capsys) -> str:
     """The last line argparse prints when an evidence script refuses `argv` (exit status 2): its one-line error."""
     with pytest.raises(SystemExit) as stop:

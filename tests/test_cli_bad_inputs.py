@@ -19,16 +19,11 @@ from topr_trl.config import TOPRConfig
 
 from .test_cli_user_path import QUICK, REWARD_MODULE, prompt_dataset, user_dir  # noqa: F401 - user_dir: a fixture
 
+from .conftest import cli_refusal
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def refusal(argv: list[str]) -> str:
-    """The one line `main(argv)` stops with."""
-    with pytest.raises(SystemExit) as stop:
-        main(argv)
-    text = str(stop.value.code)
-    assert text.startswith("topr-trl: ") and "\n" not in text, text
-    return text
 
 
 def custom_run(model: str, *flags: str, data: str = "prompts.jsonl") -> list[str]:
@@ -76,7 +71,7 @@ def test_yaml_scalar_for_reward_weights_is_one_weight(user_dir, tiny_model_path)
 def test_yaml_list_for_a_one_value_key_is_refused_naming_the_key_and_file(user_dir, tiny_model_path):
     (user_dir / "run.yaml").write_text("max_steps: [3]\n")
     prompt_dataset().to_json(user_dir / "prompts.jsonl")
-    message = refusal(custom_run(tiny_model_path, "--reward_funcs", "my_rewards:correctness", "--config",
+    message = cli_refusal(custom_run(tiny_model_path, "--reward_funcs", "my_rewards:correctness", "--config",
                                  "run.yaml", "--dry_run", "true"))
     assert "max_steps" in message and "run.yaml" in message and "`max_steps: 3`" in message
 
@@ -108,7 +103,7 @@ def test_data_file_not_utf8_fails_at_once_naming_the_file_and_line_as_a_user_run
 def test_unreadable_data_file_is_refused_naming_the_file_and_line(name, content, expected, dry_run, user_dir,
                                                                   tiny_model_path):
     (user_dir / name).write_bytes(content)
-    message = refusal(custom_run(tiny_model_path, "--reward_funcs", "my_rewards:correctness", *QUICK,
+    message = cli_refusal(custom_run(tiny_model_path, "--reward_funcs", "my_rewards:correctness", *QUICK,
                                  "--dry_run", str(dry_run).lower(), data=name))
     assert expected in message
 
@@ -123,14 +118,14 @@ def test_unreadable_data_file_is_refused_naming_the_file_and_line(name, content,
 ])
 def test_empty_data_file_is_refused_naming_the_file(name, write, expected, dry_run, user_dir, tiny_model_path):
     write(user_dir / name)
-    message = refusal(custom_run(tiny_model_path, "--reward_funcs", "my_rewards:correctness", *QUICK,
+    message = cli_refusal(custom_run(tiny_model_path, "--reward_funcs", "my_rewards:correctness", *QUICK,
                                  "--dry_run", str(dry_run).lower(), data=name))
     assert expected in message
 
 
 def test_empty_offline_dataset_file_is_refused_by_a_dry_run(user_dir):
     (user_dir / "stored.jsonl").write_bytes(b"")
-    assert "stored.jsonl: the file is empty" in refusal(["train", "--offline_dataset", "stored.jsonl",
+    assert "stored.jsonl: the file is empty" in cli_refusal(["train", "--offline_dataset", "stored.jsonl",
                                                           "--dry_run", "true"])
 
 
@@ -150,7 +145,7 @@ def test_reward_path_that_is_no_module_file_is_refused_naming_the_flag(location,
                                                                       tiny_model_path):
     (user_dir / "data").mkdir()
     prompt_dataset().to_json(user_dir / "data" / "prompts.jsonl")
-    message = refusal(custom_run(tiny_model_path, "--reward_funcs", f"{location}:correctness", "--dry_run", "true",
+    message = cli_refusal(custom_run(tiny_model_path, "--reward_funcs", f"{location}:correctness", "--dry_run", "true",
                                  data="data/prompts.jsonl"))
     assert message.startswith(f"topr-trl: --reward_funcs {location}:correctness: {problem}")
     assert "path/to/file.py:function" in message
@@ -170,7 +165,7 @@ def test_negative_learning_rate_is_refused_naming_the_flag_as_a_user_runs_it(tmp
 
 def test_num_generations_that_does_not_divide_the_batch_is_said_in_the_users_flags(user_dir, tiny_model_path):
     prompt_dataset().to_json(user_dir / "prompts.jsonl")
-    message = refusal(custom_run(tiny_model_path, "--reward_funcs", "my_rewards:correctness", "--num_generations",
+    message = cli_refusal(custom_run(tiny_model_path, "--reward_funcs", "my_rewards:correctness", "--num_generations",
                                  "3", "--dry_run", "true"))
     assert "generation_batch_size" not in message
     assert message.startswith("topr-trl: --num_generations (3) must divide")
@@ -195,7 +190,7 @@ def test_dry_run_refuses_what_the_run_would_refuse(flags, yaml, expected, dry_ru
         (user_dir / "run.yaml").write_text(yaml)
     reward = [] if "reward_funcs" in " ".join(flags) + (yaml or "") else ["--reward_funcs", "my_rewards:correctness"]
     config = ["--config", "run.yaml"] if yaml is not None else []
-    message = refusal(custom_run(tiny_model_path, *reward, *config, *flags, "--dry_run", dry_run))
+    message = cli_refusal(custom_run(tiny_model_path, *reward, *config, *flags, "--dry_run", dry_run))
     assert message.startswith(expected)
     assert not (user_dir / "outputs").exists()
 

@@ -17,7 +17,7 @@ from topr_trl.cli import main
 from topr_trl.offline import generate_offline_dataset, load_offline_dataset
 from topr_trl.offline.generation import GeneratedWithOtherSettings
 
-from .conftest import SHARED, parity_reward
+from .conftest import SHARED, cli_refusal, parity_reward
 
 MAKE_USER_FOLDER = SHARED / "tools" / "user_folder" / "make_user_folder.py"
 OTHER_REWARDS = '''def length_parity(completions, **kwargs):
@@ -54,13 +54,6 @@ def generate_argv(user: Path, output_dir: Path, *changes: str) -> list[str]:
             "--backend", "transformers", "--output_dir", str(output_dir), *changes]
 
 
-def refusal(argv: list[str]) -> str:
-    """The one line `topr-trl` exits with."""
-    with pytest.raises(SystemExit) as stop:
-        main(argv)
-    message = str(stop.value.code)
-    assert message.startswith("topr-trl:") and "\n" not in message, message
-    return message
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +111,7 @@ def test_a_rerun_with_anything_changed_is_refused_naming_it(changes, named, user
     shutil.copytree(generated, folder)
     before = shard_times(folder)
     resolved = str(user.resolve())
-    message = refusal(generate_argv(user, folder, *[change.replace("{user}", str(user)) for change in changes]))
+    message = cli_refusal(generate_argv(user, folder, *[change.replace("{user}", str(user)) for change in changes]))
     assert named.replace("{user}", resolved) in message
     assert "other settings" in message and message.count(" -> ") == 1  # the change, and nothing else
     assert "another --output_dir" in message and "--overwrite_output_dir true" in message
@@ -136,13 +129,13 @@ def test_changed_weights_or_prompts_under_the_same_names_are_refused(user, tmp_p
     with torch.no_grad():
         trained.model.layers[0].self_attn.q_proj.weight.add_(0.01)
     trained.save_pretrained(model)
-    message = refusal(argv)
+    message = cli_refusal(argv)
     assert f"--model_name_or_path {model}: its weights changed (files sha256:" in message
     shutil.copytree(user / "my-model", model, dirs_exist_ok=True)  # the original weights back: accepted again
     main(argv)
     rows = data.read_text().splitlines()
     data.write_text("\n".join([rows[1], rows[0], *rows[2:]]) + "\n")  # the same file, its prompts reordered
-    assert f"--dataset_name {data}: its prompt rows changed" in refusal(argv)
+    assert f"--dataset_name {data}: its prompt rows changed" in cli_refusal(argv)
 
 
 def test_an_identical_rerun_resumes_and_keeps_the_rows(user, generated, tmp_path, capsys):
@@ -203,7 +196,7 @@ def test_a_generation_whose_manifest_cannot_be_checked_is_refused(state, user, g
         manifest.unlink()
     else:
         manifest.write_text('{"format": 2, "sett')
-    message = refusal(generate_argv(user, folder))
+    message = cli_refusal(generate_argv(user, folder))
     assert "cannot be checked" in message and "--overwrite_output_dir true to delete it and generate again" in message
     main(generate_argv(user, folder, "--overwrite_output_dir", "true"))
     assert load_offline_dataset(folder)["completion_ids"] == load_offline_dataset(generated)["completion_ids"]
