@@ -319,3 +319,18 @@ def test_the_readme_states_grpo_defaults_as_grpo_has_them():
     assert GenerateScriptArguments.__dataclass_fields__["max_completion_length"].default == \
         defaults["max_completion_length"].default
     assert "`use_cpu=True, bf16=False`" in readme  # what a Python user on a CPU needs, said at the swap
+
+
+def test_a_folder_that_cannot_be_locked_runs_unlocked_and_says_so(tmp_path, monkeypatch, capsys):
+    """A file system without locks (ENOLCK on some network mounts) is not "in use by another run": the run goes on
+    and says that a second run would not be refused."""
+    import errno
+    import fcntl
+
+    def no_locks(handle, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with output_dir_lock(str(tmp_path / "run")):
+        pass
+    assert "cannot be locked (No locks available): a second run into it would not be refused" in capsys.readouterr().out

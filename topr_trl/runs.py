@@ -98,7 +98,13 @@ def output_dir_lock(output_dir: str):
     handle = open(folder / LOCK_FILE, "a+")  # not "w": truncating would erase the holder's text before we know
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as error:
+        if not isinstance(error, BlockingIOError):  # a file system without locks (some network mounts): run unlocked
+            handle.close()
+            print(f"[topr-trl] {output_dir} cannot be locked ({error.strerror}): a second run into it would not be "
+                  "refused", flush=True)
+            yield
+            return
         handle.seek(0)
         holder = " ".join(handle.read().split()) or "another process"
         handle.close()
