@@ -334,3 +334,19 @@ def test_a_folder_that_cannot_be_locked_runs_unlocked_and_says_so(tmp_path, monk
     with output_dir_lock(str(tmp_path / "run")):
         pass
     assert "cannot be locked (No locks available): a second run into it would not be refused" in capsys.readouterr().out
+
+
+def test_vllm_server_mode_on_a_cpu_fails_in_one_line_before_anything_loads(user_folder):
+    """TRL syncs a server's weights through NCCL only: on a CPU the run would stop in the trainer's constructor with
+    a NotImplementedError traceback; the command line says so first (a dry run still validates the recipe)."""
+    from topr_trl.distributed import gpu_available
+
+    if gpu_available():
+        pytest.skip("a GPU is present: server mode can sync through NCCL here")
+    completed = subprocess.run([sys.executable, "-m", "topr_trl", *user_run(
+        user_folder, "outputs/server", "--max_steps", "1", "--use_vllm", "true", "--vllm_mode", "server")],
+        cwd=user_folder, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(user_folder)})
+    assert completed.returncode == 1
+    assert "--vllm_mode server needs a GPU" in one_error_line(completed.stderr) and "--vllm_mode colocate" in \
+        completed.stderr
+    assert not (user_folder / "outputs" / "server").exists()

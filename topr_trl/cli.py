@@ -36,6 +36,7 @@ from .runs import (
     LogLastStep,
     check_hub_push,
     check_trackers,
+    check_vllm_server_mode,
     checkpoint_to_resume,
     interrupted_run,
     last_logged,
@@ -68,8 +69,9 @@ def train(argv: list[str]) -> dict:
     refuse_used_output_dir(training_args.output_dir, script_args.overwrite_output_dir,
                            bool(training_args.resume_from_checkpoint))
     check_trackers(training_args.report_to)
-    if not script_args.dry_run:  # a dry run validates a recipe on a machine that may not reach the Hub
+    if not script_args.dry_run:  # a dry run validates a recipe on a machine that may not reach the Hub or a GPU
         check_hub_push(training_args)
+        check_vllm_server_mode(training_args)
     check_data_source(script_args.offline_dataset, "--offline_dataset")
     # Loaded before any model is built, so that a wrong path fails at once.
     offline_data = offline_eval = None

@@ -180,6 +180,18 @@ def check_trackers(report_to) -> None:
                              "none)")
 
 
+def check_vllm_server_mode(training_args) -> None:
+    """`--use_vllm true --vllm_mode server` on a machine without a GPU fails before anything loads, in one line: TRL
+    moves the trainer's weights into the server only through NCCL, which needs CUDA, so its trainer stops in its
+    constructor with a NotImplementedError traceback (after the model has loaded)."""
+    from .distributed import gpu_available
+
+    if training_args.use_vllm and training_args.vllm_mode == "server" and not gpu_available():
+        raise SystemExit("topr-trl: --vllm_mode server needs a GPU: TRL moves the trainer's weights into the vLLM "
+                         "server through NCCL (CUDA), so the server's samples would never follow the policy here; on "
+                         "a CPU use --vllm_mode colocate")
+
+
 def check_hub_push(training_args) -> None:
     """`--push_to_hub` fails before training, in one line, when it cannot succeed: the Hub out of reach or no token
     (otherwise TRL's trainer dies on a connection traceback when it creates the repository, or the push after hours of
