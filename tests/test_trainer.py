@@ -275,7 +275,7 @@ def test_the_card_and_tags_name_the_loss_that_trained_never_topr_for_another(
     card = (tmp_path / "README.md").read_text()
     assert says in card
     assert "2503.14286" not in card and "Tapered Off-Policy" not in card and "- topr\n" not in card
-    assert "topr" not in (getattr(trainer.model, "model_tags", None) or [])
+    assert "trl" in trainer.model.model_tags and "topr" not in trainer.model.model_tags
     if config_class is GRPOConfig or loss_type == "dapo":
         assert "Trained with TRL's `loss_type='dapo'`" in card and "## TOPR configuration" not in card
 

@@ -38,6 +38,7 @@ from .runs import (
     check_trackers,
     check_vllm_server_mode,
     checkpoint_to_resume,
+    interrupted,
     interrupted_run,
     last_logged,
     output_dir_lock,
@@ -247,9 +248,8 @@ def generate(argv: list[str]) -> dict:
                 dataset_name=options.dataset_name or f"built-in {task} task",
                 )
     except KeyboardInterrupt:
-        print(f"\ntopr-trl: interrupted; the shards written are kept in {shown_path(options.output_dir)}: rerun the "
-              "same command to resume", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
+        raise interrupted(f"the shards written are kept in {shown_path(options.output_dir)}: rerun the same command "
+                          "to resume") from None
     except GeneratedWithOtherSettings as refusal:  # named as the flags the user types
         raise GeneratedWithOtherSettings(
             refusal.output_dir, refusal.changes, command_line=True,
@@ -325,10 +325,8 @@ def iterate(argv: list[str]) -> list[dict]:
             summaries = run_iterations(model, prompts, reward_funcs, training_args.output_dir, iteration_settings,
                                        evaluate=evaluate, callbacks=[LogLastStep()])
     except KeyboardInterrupt:
-        print(f"\ntopr-trl: interrupted; finished iterations and the current one's checkpoints are kept in "
-              f"{shown_path(training_args.output_dir)}: rerun the same command to resume", file=sys.stderr,
-              flush=True)
-        raise SystemExit(130) from None
+        raise interrupted(f"finished iterations and the current one's checkpoints are kept in "
+                          f"{shown_path(training_args.output_dir)}: rerun the same command to resume") from None
     except GeneratedWithOtherSettings as refusal:  # named as the flags the user types
         raise GeneratedWithOtherSettings(
             refusal.output_dir, refusal.changes, command_line=True,
@@ -384,8 +382,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C outside training (which says more: `interrupted_run`)
         if debug:
             raise
-        print("\ntopr-trl: interrupted", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
+        raise interrupted("rerun the same command to start again (a train run that saved checkpoints continues "
+                          "with --resume_from_checkpoint true)") from None
     except USER_ERRORS as error:
         if debug:
             raise

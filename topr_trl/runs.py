@@ -144,37 +144,28 @@ def shown_path(path: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- what a run reaches
-# `--report_to` names (transformers' integrations) -> the modules any one of which makes it work, and what to install.
-TRACKERS: dict[str, tuple[tuple[str, ...], str]] = {
-    "tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),
-    "trackio": (("trackio",), "trackio"),
-    "wandb": (("wandb",), "wandb"),
-    "mlflow": (("mlflow",), "mlflow"),
-    "comet_ml": (("comet_ml",), "comet-ml"),
-    "clearml": (("clearml",), "clearml"),
-    "neptune": (("neptune",), "neptune"),
-    "dvclive": (("dvclive",), "dvclive"),
-    "swanlab": (("swanlab",), "swanlab"),
-    "codecarbon": (("codecarbon",), "codecarbon"),
-    "azure_ml": (("azureml",), "azureml-core"),
-    "flyte": (("flytekit",), "flytekit"),
-}
+# What to `pip install` for a `--report_to` tracker whose package is not named as the tracker is.
+_TRACKER_PACKAGES = {"comet_ml": "comet-ml", "azure_ml": "azureml-core", "flyte": "flytekit"}
 
 
 def check_trackers(report_to) -> None:
     """Fail in one line on a `--report_to` tracker that is unknown or not installed (transformers would raise a
-    traceback when the trainer is built, after the model has loaded): checked at configuration, dry runs included."""
-    import importlib.util
+    traceback when the trainer is built, after the model has loaded): checked at configuration, dry runs included.
+    Which trackers exist and which are installed is transformers' own answer."""
+    from transformers.integrations.integration_utils import (
+        INTEGRATION_TO_CALLBACK,
+        get_available_reporting_integrations,
+    )
 
     names = [report_to] if isinstance(report_to, str) else list(report_to or [])
     for name in names:
         if name in ("none", "all"):
             continue
-        if name not in TRACKERS:
+        if name not in INTEGRATION_TO_CALLBACK:
             raise SystemExit(f"topr-trl: --report_to {name}: unknown tracker; choose among none, "
-                             f"{', '.join(TRACKERS)}")
-        modules, package = TRACKERS[name]
-        if not any(importlib.util.find_spec(module) for module in modules):
+                             f"{', '.join(INTEGRATION_TO_CALLBACK)}")
+        if name not in get_available_reporting_integrations():
+            package = _TRACKER_PACKAGES.get(name, name)
             raise SystemExit(f"topr-trl: --report_to {name} needs the `{package}` package, which is not installed: "
                              f"pip install {package} (or choose --report_to tensorboard, installed with topr-trl, or "
                              "none)")
@@ -238,31 +229,34 @@ class LogLastStep(TrainerCallback):
         return control
 
 
+def interrupted(what: str) -> SystemExit:
+    """Ctrl-C's one line, `topr-trl: interrupted; <what>` (what was kept and how to go on), and exit status 130 as a
+    shell gives an interrupted program. It starts on a line of its own: the progress bar it interrupts has none."""
+    print(f"\ntopr-trl: interrupted; {what}", file=sys.stderr, flush=True)
+    return SystemExit(130)
+
+
 def interrupted_run(command: str, argv: list[str], output_dir: str) -> SystemExit:
-    """The one line for Ctrl-C during training: where the last checkpoint is and the command that resumes it (or
-    that none was saved), exit status 130 as a shell gives an interrupted program. It starts on a line of its own:
-    the progress bar it interrupts has none."""
+    """`interrupted` for a training run: where the last checkpoint is and the command that resumes it, or that none
+    was saved."""
     import shlex
 
     from .distributed import last_checkpoint
 
     checkpoint = last_checkpoint(output_dir)
     if checkpoint is None:
-        print(f"\ntopr-trl: interrupted; no checkpoint was saved yet in {shown_path(output_dir)} (see --save_steps), "
-              "so a rerun of the same command starts again", file=sys.stderr, flush=True)
-    else:
-        kept, skip_value = [], False
-        for argument in argv:  # the earlier --resume_from_checkpoint (and its value) gives way to `true`
-            if skip_value and not argument.startswith("-"):
-                skip_value = False
-                continue
-            skip_value = argument == "--resume_from_checkpoint"
-            if not skip_value and not argument.startswith("--resume_from_checkpoint="):
-                kept.append(argument)
-        print(f"\ntopr-trl: interrupted; the last checkpoint is {shown_path(checkpoint)}; resume with: "
-              f"{shlex.join(['topr-trl', command, *kept, '--resume_from_checkpoint', 'true'])}", file=sys.stderr,
-              flush=True)
-    return SystemExit(130)
+        return interrupted(f"no checkpoint was saved yet in {shown_path(output_dir)} (see --save_steps), so a rerun "
+                           "of the same command starts again")
+    kept, skip_value = [], False
+    for argument in argv:  # the earlier --resume_from_checkpoint (and its value) gives way to `true`
+        if skip_value and not argument.startswith("-"):
+            skip_value = False
+            continue
+        skip_value = argument == "--resume_from_checkpoint"
+        if not skip_value and not argument.startswith("--resume_from_checkpoint="):
+            kept.append(argument)
+    return interrupted(f"the last checkpoint is {shown_path(checkpoint)}; resume with: "
+                       f"{shlex.join(['topr-trl', command, *kept, '--resume_from_checkpoint', 'true'])}")
 
 
 class _UnmeasuredMetricFilter(logging.Filter):
@@ -275,4 +269,7 @@ class _UnmeasuredMetricFilter(logging.Filter):
 
 
 def quiet_unmeasured_metrics() -> None:
-    logging.getLogger("transformers.integrations.integration_utils").addFilter(_UnmeasuredMetricFilter())
+    """Drop those warnings (once per process: a second call adds nothing)."""
+    integrations = logging.getLogger("transformers.integrations.integration_utils")
+    if not any(isinstance(existing, _UnmeasuredMetricFilter) for existing in integrations.filters):
+        integrations.addFilter(_UnmeasuredMetricFilter())
