@@ -336,17 +336,14 @@ def test_a_folder_that_cannot_be_locked_runs_unlocked_and_says_so(tmp_path, monk
     assert "cannot be locked (No locks available): a second run into it would not be refused" in capsys.readouterr().out
 
 
-def test_vllm_server_mode_on_a_cpu_fails_in_one_line_before_anything_loads(user_folder):
-    """TRL syncs a server's weights through NCCL only: on a CPU the run would stop in the trainer's constructor with
-    a NotImplementedError traceback; the command line says so first (a dry run still validates the recipe)."""
-    from topr_trl.distributed import gpu_available
-
-    if gpu_available():
-        pytest.skip("a GPU is present: server mode can sync through NCCL here")
+def test_vllm_server_mode_without_a_server_fails_in_one_line_naming_it_before_anything_loads(user_folder):
+    """Server mode with no server at the address: the run stops before the model loads, in one line naming the
+    address and the command that starts one, after waiting `--vllm_server_timeout` for it (TRL's own wait)."""
     completed = subprocess.run([sys.executable, "-m", "topr_trl", *user_run(
-        user_folder, "outputs/server", "--max_steps", "1", "--use_vllm", "true", "--vllm_mode", "server")],
+        user_folder, "outputs/server", "--max_steps", "1", "--use_vllm", "true", "--vllm_mode", "server",
+        "--vllm_server_base_url", "http://127.0.0.1:9", "--vllm_server_timeout", "3")],
         cwd=user_folder, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(user_folder)})
     assert completed.returncode == 1
-    assert "--vllm_mode server needs a GPU" in one_error_line(completed.stderr) and "--vllm_mode colocate" in \
-        completed.stderr
+    line = one_error_line(completed.stderr)
+    assert "the vLLM server at http://127.0.0.1:9 cannot be reached" in line and "topr-trl vllm-serve" in line
     assert not (user_folder / "outputs" / "server").exists()

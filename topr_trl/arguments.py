@@ -19,7 +19,7 @@ from trl import ScriptArguments, TrlParser
 
 from .tasks.loading import BUILTIN_TASK, BUILTIN_TASKS
 
-COMMANDS = ("train", "generate", "iterate", "evaluate")
+COMMANDS = ("train", "generate", "iterate", "evaluate", "vllm-serve")
 RECIPES = Path(__file__).parent / "recipes"
 # Checks the Python API leaves off (GRPOTrainer's behaviour) and the command line turns on: a command-line user wants a
 # broken reward function or a NaN to stop the run in one line rather than train on.
@@ -289,12 +289,15 @@ class CommandParser(TrlParser):
 def command_dataclasses(command: str) -> tuple:
     from trl import ModelConfig
 
+    from .vllm_server.command import VLLMServeArguments
+
     from .config import TOPRConfig
 
     return {"train": (TrainScriptArguments, TOPRConfig, ModelConfig),
             "generate": (GenerateScriptArguments, ModelConfig),
             "iterate": (IterateScriptArguments, TOPRConfig, ModelConfig),
-            "evaluate": (EvaluateArguments,)}[command]
+            "evaluate": (EvaluateArguments,),
+            "vllm-serve": (VLLMServeArguments,)}[command]
 
 
 def build_parser() -> tuple[CommandParser, dict[str, CommandParser]]:

@@ -8,6 +8,7 @@
     topr-trl train --offline_dataset DIR_OR_FILE     # Algorithm 1: train on stored completions, no generation
     topr-trl iterate --iterations 2                  # generate, compose, train; mu_i = pi_{i-1}
     topr-trl evaluate --model_name_or_path outputs/topr-tiny-arithmetic --k 8   # sampled pass@1, pass@k, maj@k
+    topr-trl vllm-serve --model MODEL                # a vLLM server for --use_vllm true --vllm_mode server (CPU or GPU)
 
 With no model and no dataset a command runs the built-in task on the built-in tiny model, with settings sized for
 a 2-core CPU. A model or dataset on the command line (or in `--config`) makes it a custom run, which starts from
@@ -397,6 +398,10 @@ def run_command(command: str, argv: list[str]):
         from .cli_evaluate import run
 
         return run(*parse_command("evaluate", argv))
+    if command == "vllm-serve":
+        from .vllm_server.command import run
+
+        return run(argv)
     return {"train": train, "generate": generate, "iterate": iterate}[command](argv)
 
 

@@ -172,15 +172,25 @@ def check_trackers(report_to) -> None:
 
 
 def check_vllm_server_mode(training_args) -> None:
-    """`--use_vllm true --vllm_mode server` on a machine without a GPU fails before anything loads, in one line: TRL
-    moves the trainer's weights into the server only through NCCL, which needs CUDA, so its trainer stops in its
-    constructor with a NotImplementedError traceback (after the model has loaded)."""
+    """`--use_vllm true --vllm_mode server` fails before anything loads, in one line, when the server cannot follow the
+    policy: unreachable, or without a weight path this machine can drive. TRL pushes weights into a server by NCCL
+    (CUDA only); `topr-trl vllm-serve` runs a gloo path too, the default without a GPU."""
+    if not (training_args.use_vllm and training_args.vllm_mode == "server"):
+        return
     from .distributed import gpu_available
+    from .vllm_server import BACKEND
+    from .vllm_server.client import server_url, server_weight_backend
 
-    if training_args.use_vllm and training_args.vllm_mode == "server" and not gpu_available():
-        raise SystemExit("topr-trl: --vllm_mode server needs a GPU: TRL moves the trainer's weights into the vLLM "
-                         "server through NCCL (CUDA), so the server's samples would never follow the policy here; on "
-                         "a CPU use --vllm_mode colocate")
+    url = server_url(training_args)
+    backend = server_weight_backend(url, training_args.vllm_server_timeout)
+    if backend == BACKEND or (backend == "nccl" and gpu_available()):
+        return
+    if backend == "nccl":
+        raise SystemExit(f"topr-trl: the vLLM server at {url} takes weights by NCCL, which needs a GPU here too: "
+                         "restart it with `topr-trl vllm-serve --model MODEL` (its gloo weight path, the default "
+                         "without a GPU)")
+    raise SystemExit(f"topr-trl: the vLLM server at {url} has no weight path the trainer can use ({backend or 'none'}): "
+                     "start it with `topr-trl vllm-serve --model MODEL`")
 
 
 def check_hub_push(training_args) -> None:

@@ -115,7 +115,15 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
         self._name, self._paper, self._tag_names = trained_method(args.loss_type)
         self._offline = prepare_replayed_datasets(args, reward_funcs, kwargs)
         self._dataset_baseline = self._baseline_of_dataset(args, kwargs.get("train_dataset"))
-        super().__init__(model, reward_funcs, args=args, **kwargs)
+        gloo_server = self._generates_on_gloo_server(args)
+        if gloo_server:  # GRPOTrainer would connect by NCCL in its constructor: built below, with gloo, instead
+            args.use_vllm = False
+        try:
+            super().__init__(model, reward_funcs, args=args, **kwargs)
+        finally:
+            args.use_vllm = args.use_vllm or gloo_server
+        if gloo_server:
+            self._connect_gloo_server(args)
         self._prepare_replay()
         self.reward_funcs = [checked_reward_function(function, name)
                              for function, name in zip(self.reward_funcs, self.reward_func_names, strict=True)]
@@ -136,6 +144,25 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
             # mu is vLLM's own sampling distribution, so pi/mu already corrects the train/inference mismatch;
             # TRL's separate correction on top would count it twice.
             self.vllm_importance_sampling_correction = False
+
+    @staticmethod
+    def _generates_on_gloo_server(args) -> bool:
+        """Server mode against a server running this package's gloo weight path (`topr-trl vllm-serve` without a GPU):
+        TRL's own server mode pushes weights by NCCL only."""
+        if not (getattr(args, "use_vllm", False) and args.vllm_mode == "server"):
+            return False
+        from .vllm_server.client import uses_gloo_server
+
+        return uses_gloo_server(args)
+
+    def _connect_gloo_server(self, args) -> None:
+        """What GRPOTrainer's constructor does for server mode, with the gloo client (`topr_trl.vllm_server.client`):
+        the same `VLLMGeneration` arguments, so generation, the weight walk and the prefix-cache reset stay TRL's."""
+        from .vllm_server.client import GlooServerGeneration, server_generation_arguments
+
+        self.use_vllm = True
+        self.vllm_generation = GlooServerGeneration(**server_generation_arguments(self, args))
+        self._last_loaded_step = -1
 
     def _baseline_of_dataset(self, args, train_dataset) -> float | None:
         """c solved once from an offline dataset's `reward` column (topr_baseline_scope='dataset', the paper's

@@ -30,8 +30,13 @@ def vllm_runs_on_cpu() -> bool:
 
 
 def repack_tied_weights(worker) -> list[str]:
-    """Run on an engine's worker (through `collective_rpc`) after a reload: re-run the post-load processing of every
-    embedding-like module whose weight another module shares (a tied `lm_head`), and return their names.
+    """Run on an engine's worker (through `collective_rpc`) after a reload: `repack_tied_modules` of its model."""
+    return repack_tied_modules(worker.model_runner.get_model())
+
+
+def repack_tied_modules(model) -> list[str]:
+    """After a reload of `model` (a vLLM model), re-run the post-load processing of every embedding-like module whose
+    weight another module shares (a tied `lm_head`), and return their names.
 
     vLLM's CPU build packs an embedding's weight into a copy for its GEMM kernel when the model loads
     (`UnquantizedEmbeddingMethod.process_weights_after_loading`, which keeps the weight itself). The layerwise
@@ -42,7 +47,6 @@ def repack_tied_weights(worker) -> list[str]:
     are loaded tensor by tensor and re-processed by the reload itself; they are left alone."""
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-    model = worker.model_runner.get_model()
     sharing: dict[int, list[tuple[str, object]]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         weight, method = getattr(module, "weight", None), getattr(module, "quant_method", None)
