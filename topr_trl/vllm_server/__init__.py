@@ -22,3 +22,11 @@ a trainer reads it back from the server's `/server_info` to choose its side of t
 SECRET_ENV = "TOPR_TRL_VLLM_SERVER_SECRET"
 """The environment variable holding the secret a server listening beyond 127.0.0.1 requires on its weight path (and
 every other route but /health); the trainer sends it from the same variable. Never printed or logged."""
+
+
+def log_line(message: str) -> None:
+    """One line on the server's standard error (its log), whatever logging set-up vLLM and uvicorn made: their
+    configuration disables loggers created before it, which this package's server-side modules are."""
+    import sys
+
+    print(f"topr-trl vllm-serve: {message}", file=sys.stderr, flush=True)

@@ -11,13 +11,12 @@ balancers. vLLM's own `--api-key` guards only its /v1 routes, not the dev-mode o
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import secrets
 
-from . import SECRET_ENV
 
-logger = logging.getLogger("topr_trl.vllm_server")
+from . import SECRET_ENV, log_line
+
 OPEN_ROUTES = ("/health",)
 
 
@@ -46,8 +45,8 @@ class WeightPathSecret:
                 or scope["path"] in OPEN_ROUTES or self.authorised(scope)):
             return await self.app(scope, receive, send)
         client = scope.get("client") or ("?", 0)
-        logger.warning("topr-trl: refused %s %s from %s:%s: no valid secret (%s)", scope.get("method", "websocket"),
-                       scope["path"], client[0], client[1], SECRET_ENV)
+        log_line(f"refused {scope.get('method', 'websocket')} {scope['path']} from {client[0]}:{client[1]}: no valid "
+                 f"secret ({SECRET_ENV})")
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})
         await send({"type": "http.response.start", "status": 401,

@@ -20,7 +20,6 @@ What the engine does beyond moving bytes, each learned on vLLM's CPU build:
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -32,10 +31,9 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from . import BACKEND
+from . import BACKEND, log_line
 from .transport import open_group, received
 
-logger = logging.getLogger("topr_trl.vllm_server")
 
 
 @dataclass
@@ -84,8 +82,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         rank = init_info.rank_offset + self.parallel_config.rank
         self.group = open_group(init_info.master_address, init_info.master_port, init_info.world_size, rank,
                                 init_info.timeout_s)
-        logger.info("topr-trl: weight path open (gloo, rank %d of %d, trainer at %s:%d)", rank,
-                    init_info.world_size, init_info.master_address, init_info.master_port)
+        log_line(f"weight path open (gloo, rank {rank} of {init_info.world_size}, trainer at "
+                 f"{init_info.master_address}:{init_info.master_port})")
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -141,7 +139,7 @@ def stop_server(reason: str) -> None:
     """A push that broke half-way left some layers of the model overwritten (or on the meta device, mid-reload):
     serving it would hand out samples of no model at all. Log one line and end this worker; vLLM then shuts the
     server down (its executor stops when a worker dies), and the trainer's pending request fails."""
-    logger.error("topr-trl: %s; the model is partly overwritten, so this server stops: restart it", reason)
+    log_line(f"{reason}; the model is partly overwritten, so this server stops: restart it")
     threading.Timer(0.5, os._exit, args=(1,)).start()  # let the log line and the RPC's error reply leave first
     raise RuntimeError(f"topr-trl: {reason}; the server stops")
 

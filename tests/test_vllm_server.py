@@ -1,0 +1,294 @@
+"""Server mode on a real vLLM engine (its CPU build, `bash scripts/test.sh --vllm`): `topr-trl vllm-serve` in its own
+process, the trainer's weights pushed into it over gloo after every optimizer step (`topr_trl.vllm_server`), and
+what goes wrong around it: a server that dies under a run, a push broken half-way, a server of another model, a
+caller without the secret, two trainer processes. Every server is started and stopped by its process id."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM
+
+from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
+
+from .test_cli_run_folder import one_error_line, user_run
+from .test_vllm import (  # noqa: F401 - reasoning_model is a fixture
+    SYNCED_WITHIN_FLOORS,
+    WRONG_BEYOND_FLOORS,
+    WeightSnapshots,
+    bf16_floor,
+    free_port,
+    mean_gap,
+    reasoning_model,
+    token_logps,
+    user_model,
+)
+
+pytestmark = pytest.mark.vllm
+
+SECRET_ENV = "TOPR_TRL_VLLM_SERVER_SECRET"
+
+
+@contextlib.contextmanager
+def served(model: str, log: Path, *flags: str, port: int | None = None, env: dict | None = None):
+    """`topr-trl vllm-serve --model MODEL` (in its own session, so that every process of the server stops with it);
+    yields (url, process) once /health answers."""
+    port = port or free_port()
+    with log.open("a") as output:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "topr_trl", "vllm-serve", "--model", model, "--port", str(port),
+             "--gpu_memory_utilization", "0.5", *flags], stdout=output, stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        stop(server)
+
+
+def stop(server: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """Stop the server's whole process group (the HTTP process, its engine core and worker)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, sig)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=60)
+
+
+def server_logps(url: str, sequences: list[list[int]], prompt_length: int, headers=None) -> list[torch.Tensor]:
+    """The served model's log-probs of each sequence's tokens after `prompt_length` (vLLM's prompt log-probs)."""
+    name = requests.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    rows = []
+    for sequence in sequences:
+        reply = requests.post(f"{url}/v1/completions", headers=headers, timeout=60, json={
+            "model": name, "prompt": sequence, "max_tokens": 1, "prompt_logprobs": 0}).json()
+        scored = reply["choices"][0]["prompt_logprobs"]
+        rows.append(torch.tensor([scored[i][str(sequence[i])]["logprob"] for i in range(prompt_length, len(sequence))]))
+    return rows
+
+
+def sampled_sequences(url: str, prompt: list[int], n: int = 4, length: int = 20) -> list[list[int]]:
+    name = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    reply = requests.post(f"{url}/v1/completions", timeout=60, json={
+        "model": name, "prompt": prompt, "n": n, "max_tokens": length, "seed": 0, "return_token_ids": True}).json()
+    return [prompt + choice["token_ids"] for choice in reply["choices"]]
+
+
+@pytest.mark.parametrize("which", ["built-in reasoning model (tied)", "user's Qwen2 (tied)", "user's Qwen2 (untied)"])
+def test_server_mode_trains_on_a_cpu_and_the_server_holds_the_weights_of_the_last_sync(which, reasoning_model,
+                                                                                       tmp_path, tmp_path_factory):
+    """TOPRTrainer with `use_vllm=True, vllm_mode="server"` against `topr-trl vllm-serve`, on a CPU. After 3 steps at
+    a learning rate that moves the policy, the server's log-probs of fixed completions equal those of the weights the
+    last generation was synced from within twice their bf16 floor (the server computes in bfloat16), and sit far from
+    the weights one step older (a stale push) and the initial ones (no push), for tied and untied output layers. mu
+    is the server's sampler and TRL's own correction is off, as in colocate mode: at the first step pi/mu is only the
+    train/inference mismatch."""
+    from topr_trl import TOPRConfig, TOPRTrainer
+    from topr_trl.vllm_server.client import GlooServerGeneration
+
+    if which.startswith("built-in"):
+        model_dir, dataset, reward, length = (reasoning_model, make_reasoning_dataset(48, 3), reasoning_reward,
+                                              max_completion_tokens(3))
+    else:
+        model_dir, dataset, reward, length = user_model(tmp_path_factory, tied="(tied)" in which)
+    with served(model_dir, tmp_path / "server.log") as (url, _):
+        snapshots = WeightSnapshots()
+        args = TOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="server",
+                          vllm_server_base_url=url, vllm_group_port=free_port(), per_device_train_batch_size=16,
+                          num_generations=8, max_completion_length=length, max_steps=3, learning_rate=3e-2,
+                          topr_signal="reward", topr_behaviour_source="sampler", topr_unscored_batch="train",
+                          logging_steps=1, report_to="none", save_strategy="no")
+        trainer = TOPRTrainer(model_dir, reward, args=args, train_dataset=dataset, callbacks=[snapshots])
+        assert isinstance(trainer.vllm_generation, GlooServerGeneration)
+        assert not trainer.vllm_importance_sampling_correction
+        tokenizer = trainer.processing_class
+        if which.startswith("built-in"):
+            prompt = tokenizer.apply_chat_template(make_reasoning_dataset(1, 3, "heldout")[0]["prompt"],
+                                                   add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)["input_ids"]
+        else:
+            prompt = tokenizer("What is 3 plus 4?")["input_ids"]
+        sequences = sampled_sequences(url, prompt)
+
+        def gap_to(state, served_logps) -> float:
+            model = AutoModelForCausalLM.from_pretrained(model_dir)
+            model.load_state_dict(state)
+            return mean_gap(token_logps(model.eval(), sequences, [len(prompt)] * len(sequences)), served_logps)
+
+        initial_state = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
+        assert gap_to(initial_state, server_logps(url, sequences, len(prompt))) < SYNCED_WITHIN_FLOORS * bf16_floor(
+            model_dir, initial_state, sequences, len(prompt))
+        trainer.train()
+        held = server_logps(url, sequences, len(prompt))
+
+    first = trainer.state.log_history[0]
+    ratios = [first[f"topr/ratio_{sign}/{stat}"] for sign in ("positive", "negative") for stat in ("min", "max")
+              if first.get(f"topr/ratio_{sign}/{stat}") is not None]
+    assert ratios and all(0.8 < ratio < 1.25 for ratio in ratios)
+    assert any(abs(ratio - 1) > 1e-4 for ratio in ratios)
+    assert len(snapshots.states) == 3
+    floor = bf16_floor(model_dir, snapshots.states[2], sequences, len(prompt))
+    synced, stale, initial = (gap_to(snapshots.states[i], held) for i in (2, 1, 0))
+    assert synced < SYNCED_WITHIN_FLOORS * floor, f"synced weights {synced:.3g} from the server, floor {floor:.3g}"
+    assert stale > WRONG_BEYOND_FLOORS * floor and initial > WRONG_BEYOND_FLOORS * floor, (stale, initial, floor)
+
+
+def test_the_secret_guards_every_route_but_health_and_a_server_of_another_model_is_refused(
+        reasoning_model, tmp_path, tmp_path_factory, monkeypatch):
+    """A server started with the secret refuses, with 401 and a log line naming the route and the caller (never the
+    secret), any request without it; /health stays open; a trainer without it is told in one line. A trainer holding
+    it reaches the server, which serves another model than the trainer's (the user's Qwen2, not the built-in
+    model): refused before the first push, in one line naming both."""
+    from topr_trl import TOPRConfig, TOPRTrainer
+    from topr_trl.vllm_server.client import ServerLost, server_weight_backend
+
+    secret = "s3cret-for-the-test"
+    user_dir = user_model(tmp_path_factory, tied=True)[0]
+    log = tmp_path / "server.log"
+    with served(user_dir, log, env={SECRET_ENV: secret}) as (url, _):
+        assert requests.get(f"{url}/health", timeout=10).status_code == 200
+        for route, headers in (("/collective_rpc", {}), ("/update_weights", {"Authorization": "Bearer wrong"}),
+                               ("/v1/completions", {})):
+            assert requests.post(f"{url}{route}", json={}, headers=headers, timeout=10).status_code == 401
+        monkeypatch.delenv(SECRET_ENV, raising=False)
+        with pytest.raises(ServerLost, match=f"{url} refused this trainer: it requires a secret; set {SECRET_ENV}"):
+            server_weight_backend(url, 10)
+
+        monkeypatch.setenv(SECRET_ENV, secret)
+        args = TOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="server",
+                          vllm_server_base_url=url, vllm_group_port=free_port(), per_device_train_batch_size=8,
+                          num_generations=8, max_steps=1, report_to="none", save_strategy="no")
+        with pytest.raises(ValueError, match=f"{url} serves {user_dir}, not the model being trained") as refusal:
+            TOPRTrainer(reasoning_model, reasoning_reward, args=args, train_dataset=make_reasoning_dataset(8, 3))
+        assert "(server) vs" in str(refusal.value) and "(trainer)" in str(refusal.value)
+    text = log.read_text()
+    assert "refused POST /collective_rpc from 127.0.0.1" in text and "refused POST /update_weights" in text
+    assert secret not in text
+
+
+def test_a_push_broken_half_way_stops_the_server_and_the_trainer_is_not_left_waiting(reasoning_model, tmp_path):
+    """A trainer that dies in the middle of a push (here: after 2 of the model's tensors) leaves the server's model
+    partly overwritten: the server says so in one log line and stops (within seconds: gloo sees the connection
+    close), instead of serving a model that is neither."""
+    log = tmp_path / "server.log"
+    pusher = (
+        "import os, sys, threading\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "from topr_trl.vllm_server.client import GlooVLLMClient\n"
+        "from topr_trl.vllm_server.transport import broadcast_bytes\n"
+        "url, model, port = sys.argv[1:]\n"
+        "client = GlooVLLMClient(base_url=url, group_port=int(port), connection_timeout=30)\n"
+        "client.init_communicator()\n"
+        "named = list(AutoModelForCausalLM.from_pretrained(model).named_parameters())\n"
+        "info = {'names': [n for n, _ in named], 'dtype_names': ['float32'] * len(named),\n"
+        "        'shapes': [list(p.shape) for _, p in named]}\n"
+        "client._post_once('/start_weight_update', {})\n"
+        "threading.Thread(target=client._post_once, args=('/update_weights', {'update_info': info}), daemon=True).start()\n"
+        "for _, p in named[:2]:\n"
+        "    broadcast_bytes(client.group, p.detach())\n"
+        "print('sent 2 of', len(named), flush=True)\n"
+        "os._exit(3)\n")
+    with served(reasoning_model, log) as (url, server):
+        pushed = subprocess.run([sys.executable, "-c", pusher, url, reasoning_model, str(free_port())],
+                                capture_output=True, text=True, timeout=300)
+        assert pushed.returncode == 3 and "sent 2 of" in pushed.stdout, pushed.stderr[-3000:]
+        server.wait(timeout=120)  # it stops by itself; `served` would otherwise stop it
+    assert "the weight transfer broke after 2 of" in log.read_text()
+    assert "the model is partly overwritten, so this server stops: restart it" in log.read_text()
+
+
+@pytest.fixture(scope="module")
+def user_folder_for_server(tmp_path_factory) -> Path:
+    from .conftest import SHARED
+
+    maker = SHARED / "tools" / "user_folder" / "make_user_folder.py"
+    if not maker.is_file():
+        pytest.skip(f"{maker} is absent (../shared is not beside the checkout)")
+    folder = tmp_path_factory.mktemp("user")
+    subprocess.run([sys.executable, str(maker), str(folder)], check=True, capture_output=True, timeout=600)
+    return folder
+
+
+def cli(folder: Path, argv: list[str], **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "topr_trl", *argv], cwd=folder, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(folder), "OMP_NUM_THREADS": "1", **env})
+
+
+def test_a_server_killed_under_a_run_stops_it_in_one_line_and_the_run_resumes_on_a_new_one(user_folder_for_server,
+                                                                                           tmp_path):
+    """The README's user path in server mode (`topr-trl train` on the user's model, data and reward, against
+    `topr-trl vllm-serve`): the server is killed (every process, SIGKILL) after the second checkpoint. The run
+    stops within a bounded time (TRL's client retries a refused connection for about a minute), in one line naming
+    the server's address and how to go on; a server started again on the same address takes the resumed run to its
+    last step."""
+    folder = user_folder_for_server
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = user_run(folder, "outputs/served", "--use_vllm", "true", "--vllm_mode", "server",
+                       "--vllm_server_base_url", url, "--vllm_group_port", str(free_port()), "--max_steps", "12",
+                       "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1")
+    checkpoint = folder / "outputs" / "served" / "checkpoint-2"
+    with served(str(folder / "my-model"), tmp_path / "server.log", port=port) as (_, server):
+        run = cli(folder, command)
+        deadline = time.monotonic() + 300
+        while not checkpoint.is_dir():
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+            time.sleep(0.5)
+        stop(server, signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = run.communicate(timeout=300)
+        waited = time.monotonic() - killed
+    assert run.returncode == 1
+    line = one_error_line(stderr)
+    assert f"the vLLM server at {url}" in line and "--resume_from_checkpoint true" in line, line
+    assert waited < 180, waited
+
+    with served(str(folder / "my-model"), tmp_path / "server.log", port=port):
+        resumed = cli(folder, [*command, "--resume_from_checkpoint", "true"])
+        _, stderr = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, stderr[-3000:]
+    state = json.loads((folder / "outputs" / "served" / "checkpoint-12" / "trainer_state.json").read_text())
+    assert state["global_step"] == 12
+
+
+def test_two_trainer_processes_train_against_one_server(user_folder_for_server, tmp_path):
+    """`accelerate launch --num_processes 2` (gloo on the CPU) with server mode: the main process generates for both
+    and pushes the weights; the run trains to its last step and saves a model that loads."""
+    folder = user_folder_for_server
+    with served(str(folder / "my-model"), tmp_path / "server.log") as (url, _):
+        launched = subprocess.run(
+            [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+             "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", "0", "-m", "topr_trl",
+             *user_run(folder, "outputs/two", "--use_vllm", "true", "--vllm_mode", "server",
+                       "--vllm_server_base_url", url, "--vllm_group_port", str(free_port()), "--max_steps", "3",
+                       # the reward itself as the signal (a random model's completions all score -1: no advantage)
+                       "--topr_signal", "reward", "--learning_rate", "1e-2", "--logging_steps", "1")],
+            cwd=folder, capture_output=True, text=True, timeout=600,
+            env={**os.environ, "PYTHONPATH": str(folder), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+        pushes = (tmp_path / "server.log").read_text().count('"POST /update_weights HTTP/1.1" 200')
+    assert launched.returncode == 0, launched.stderr[-4000:]
+    assert pushes == 3  # before each of the 3 steps' generation, once (by the main process), not once per process
+    trained = AutoModelForCausalLM.from_pretrained(folder / "outputs" / "two")
+    base = AutoModelForCausalLM.from_pretrained(folder / "my-model")
+    assert any(not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), base.state_dict().values()))
