@@ -2,6 +2,7 @@
 
     python scripts/vllm_generation.py --measure throughput [--models reasoning,27m] [--repeats 3]
     python scripts/vllm_generation.py --measure mismatch [--num_prompts 64] [--num_generations 8]
+    python scripts/vllm_generation.py --measure server_sync [--models reasoning,small,27m] [--repeats 10]
 
 `throughput`: completions per second of a warm vLLM engine (`topr_trl.sampling.make_vllm_engine`) and of batched
 transformers `generate` (`topr_trl.sampling.generate_completions`, left padding) on the same weights, prompts,
@@ -17,6 +18,12 @@ log-probs as vLLM reports them, and the policy's float32 log-probs of the same t
 |log pi - log mu|, the distribution of the sequence ratio pi/mu, and what the ratio does to Eq. 7's weights with
 TOPR's limits (positives: [1, 1], so no effect; negatives: [0, 1], so a ratio below 1 shrinks the weight). The
 engine's dtype is vLLM's default on a CPU (bfloat16, "auto") and float32 as the control that isolates the dtype.
+
+`server_sync`: the cost of one weight push into `topr-trl vllm-serve` (its gloo path, `topr_trl.vllm_server`) as
+`TOPRTrainer` makes it before each generation: the announced tensors broadcast, the server's layerwise reload (and a
+tied head's re-pack), then its prefix-cache reset. The server runs in its own process (vLLM's `auto` dtype, eager);
+each push carries the model's weights after a random step, so that every one changes the server's model. Reports
+the median and range of `--repeats` pushes after one warm-up, in ms and ms per MB of weights sent (float32).
 
 Writes JSON with `--output`; prints the thread count, which changes CPU timings.
 """
@@ -160,14 +167,71 @@ def mismatch(work: Path, num_prompts: int, num_generations: int, dtype: str) -> 
     }
 
 
+def server_sync(name: str, work: Path, repeats: int) -> dict:
+    import socket
+    import subprocess
+    import sys
+
+    import requests
+    from transformers import AutoModelForCausalLM
+
+    from topr_trl.vllm_server.client import GlooVLLMClient
+
+    path = model_path(name, work)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    ports = []
+    for _ in range(2):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    url = f"http://127.0.0.1:{ports[0]}"
+    started = time.perf_counter()
+    server = subprocess.Popen([sys.executable, "-m", "topr_trl", "vllm-serve", "--model", path, "--port",
+                               str(ports[0]), "--gpu_memory_utilization", "0.5"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        while True:
+            try:
+                if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if server.poll() is not None:
+                raise RuntimeError(f"the server on {name} did not start")
+            time.sleep(1)
+        start_seconds = time.perf_counter() - started
+        client = GlooVLLMClient(base_url=url, group_port=ports[1], connection_timeout=60)
+        client.init_communicator()
+        metadata = [(n, str(p.dtype).removeprefix("torch."), list(p.shape)) for n, p in model.named_parameters()]
+        megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
+        timings = []
+        for repeat in range(repeats + 1):
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.add_(1e-3 * torch.randn_like(parameter))
+            began = time.perf_counter()
+            client.update_named_params(metadata, ((n, p.data) for n, p in model.named_parameters()))
+            client.reset_prefix_cache()
+            if repeat:  # the first push is the warm-up
+                timings.append((time.perf_counter() - began) * 1e3)
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=60)
+    median = statistics.median(timings)
+    return {"model": name, "parameters": sum(p.numel() for p in model.parameters()), "megabytes": megabytes,
+            "tensors": len(metadata), "push_ms_median": median, "push_ms_min": min(timings),
+            "push_ms_max": max(timings), "ms_per_megabyte": median / megabytes, "server_start_seconds": start_seconds}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--measure", choices=("throughput", "mismatch"), required=True)
+    parser.add_argument("--measure", choices=("throughput", "mismatch", "server_sync"), required=True)
     parser.add_argument("--models", default="reasoning,27m", help="throughput: comma-separated, of reasoning, "
                                                                     f"{', '.join(MODELS)}")
     parser.add_argument("--num_completions", type=int, default=128, help="throughput: completions per round")
     parser.add_argument("--completion_length", type=int, default=64, help="throughput: tokens per completion")
-    parser.add_argument("--repeats", type=int, default=3, help="throughput: timed rounds per backend")
+    parser.add_argument("--repeats", type=int, default=3, help="throughput: timed rounds per backend; server_sync: "
+                                                               "timed pushes (after one warm-up)")
     parser.add_argument("--vllm_dtype", default="float32", help="throughput: the engine's dtype (float32: the "
                                                                    "transformers model's; auto: vLLM's default, "
                                                                    "bfloat16 on a float32 model)")
@@ -193,6 +257,14 @@ def main() -> None:
                       f"HF {result['transformers_dtype']}): vLLM {rates['vllm']:.1f} completions/s, HF "
                       f"{rates['transformers']:.1f}; vLLM/HF {result['ratio_vllm_over_transformers']:.2f}x",
                       flush=True)
+        elif options.measure == "server_sync":
+            for name in options.models.split(","):
+                result = server_sync(name, Path(work), options.repeats)
+                results.append(result)
+                print(f"{name} ({result['parameters'] / 1e6:.2f}M parameters, {result['megabytes']:.1f} MB, "
+                      f"{result['tensors']} tensors): push {result['push_ms_median']:.1f} ms median "
+                      f"({result['push_ms_min']:.1f}-{result['push_ms_max']:.1f}), "
+                      f"{result['ms_per_megabyte']:.2f} ms/MB", flush=True)
         else:
             for dtype in options.dtypes.split(","):
                 result = mismatch(Path(work), options.num_prompts, options.num_generations, dtype)

@@ -39,6 +39,15 @@ pytestmark = pytest.mark.vllm
 SECRET_ENV = "TOPR_TRL_VLLM_SERVER_SECRET"
 
 
+# set in this process by TRL's colocated engine (tests/test_vllm.py runs first): a child that inherited them would
+# join this process's rendezvous instead of starting its own
+DISTRIBUTED_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def child_environment(**extra: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k not in DISTRIBUTED_VARIABLES}, **extra}
+
+
 @contextlib.contextmanager
 def served(model: str, log: Path, *flags: str, port: int | None = None, env: dict | None = None):
     """`topr-trl vllm-serve --model MODEL` (in its own session, so that every process of the server stops with it);
@@ -48,7 +57,7 @@ def served(model: str, log: Path, *flags: str, port: int | None = None, env: dic
         server = subprocess.Popen(
             [sys.executable, "-m", "topr_trl", "vllm-serve", "--model", model, "--port", str(port),
              "--gpu_memory_utilization", "0.5", *flags], stdout=output, stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})}, start_new_session=True)
+            env=child_environment(**(env or {})), start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -210,7 +219,7 @@ def test_a_push_broken_half_way_stops_the_server_and_the_trainer_is_not_left_wai
         "os._exit(3)\n")
     with served(reasoning_model, log) as (url, server):
         pushed = subprocess.run([sys.executable, "-c", pusher, url, reasoning_model, str(free_port())],
-                                capture_output=True, text=True, timeout=300)
+                                capture_output=True, text=True, timeout=300, env=child_environment())
         assert pushed.returncode == 3 and "sent 2 of" in pushed.stdout, pushed.stderr[-3000:]
         server.wait(timeout=120)  # it stops by itself; `served` would otherwise stop it
     assert "the weight transfer broke after 2 of" in log.read_text()
@@ -232,7 +241,7 @@ def user_folder_for_server(tmp_path_factory) -> Path:
 def cli(folder: Path, argv: list[str], **env) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "topr_trl", *argv], cwd=folder, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(folder), "OMP_NUM_THREADS": "1", **env})
+                            env=child_environment(PYTHONPATH=str(folder), OMP_NUM_THREADS="1", **env))
 
 
 def test_a_server_killed_under_a_run_stops_it_in_one_line_and_the_run_resumes_on_a_new_one(user_folder_for_server,
@@ -285,7 +294,7 @@ def test_two_trainer_processes_train_against_one_server(user_folder_for_server, 
                        # the reward itself as the signal (a random model's completions all score -1: no advantage)
                        "--topr_signal", "reward", "--learning_rate", "1e-2", "--logging_steps", "1")],
             cwd=folder, capture_output=True, text=True, timeout=600,
-            env={**os.environ, "PYTHONPATH": str(folder), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+            env=child_environment(PYTHONPATH=str(folder), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu"))
         pushes = (tmp_path / "server.log").read_text().count('"POST /update_weights HTTP/1.1" 200')
     assert launched.returncode == 0, launched.stderr[-4000:]
     assert pushes == 3  # before each of the 3 steps' generation, once (by the main process), not once per process

@@ -134,6 +134,9 @@ def train(argv: list[str]) -> dict:
             trainer.train(resume_from_checkpoint=checkpoint_to_resume(training_args))
         except KeyboardInterrupt:
             raise interrupted_run("train", argv, output_dir) from None
+        except USER_ERRORS:  # a lost vLLM server: its one line starts on a line of its own, not after the progress bar
+            print(file=sys.stderr, flush=True)
+            raise
         if held_out is not None:
             summary["after"] = held_out_accuracy(trainer, held_out, task)
             say(f"after training:  {describe_accuracy(summary['after'], len(held_out))}")
