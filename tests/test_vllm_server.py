@@ -301,3 +301,50 @@ def test_two_trainer_processes_train_against_one_server(user_folder_for_server, 
     trained = AutoModelForCausalLM.from_pretrained(folder / "outputs" / "two")
     base = AutoModelForCausalLM.from_pretrained(folder / "my-model")
     assert any(not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), base.state_dict().values()))
+
+
+def test_async_topr_on_trls_rollout_worker_keeps_the_server_on_the_policy(reasoning_model, tmp_path):
+    """AsyncTOPRTrainer with TRL's own rollout worker (a process sending /v1/completions requests) against
+    `topr-trl vllm-serve`: the trainer finds the server's gloo path and syncs through it as TRL's protocol schedules
+    (pause with the KV cleared, push, prefix-cache reset, resume). After training, the server's log-probs of fixed
+    completions equal the final policy's within twice their bf16 floor, and sit far from the initial weights; no
+    sample is dropped and the staleness of every sample is counted."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen3_template
+
+    from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer
+    from topr_trl.vllm_server.client import GlooWeightTransfer
+
+    tokenizer = AutoTokenizer.from_pretrained(reasoning_model)
+    tokenizer.response_template = qwen3_template  # TRL's worker parses responses of the chat templates it knows
+    prompt = tokenizer.apply_chat_template(make_reasoning_dataset(1, 3, "heldout")[0]["prompt"],
+                                           add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    with served(reasoning_model, tmp_path / "server.log") as (url, _):
+        sequences = sampled_sequences(url, prompt)
+        args = AsyncTOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, vllm_server_base_url=url,
+                               per_device_train_batch_size=16, num_generations=8, learning_rate=3e-2,
+                               topr_signal="reward", topr_baseline=0.5,
+                               max_inflight_tasks=16,  # vLLM's CPU engine and TRL's seeded requests: see test_vllm.py
+                               max_completion_length=max_completion_tokens(3), max_steps=4, logging_steps=1,
+                               report_to="none", save_strategy="no")
+        trainer = AsyncTOPRTrainer(reasoning_model, reasoning_reward, args, train_dataset=make_reasoning_dataset(64, 3),
+                                   processing_class=tokenizer)
+        assert isinstance(trainer.weight_transfer, GlooWeightTransfer)
+        initial = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
+        trainer.train()
+        held = server_logps(url, sequences, len(prompt))
+    final = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
+    assert trainer.state.global_step == 4
+    assert not any(entry.get("sample/dropped_stale_total") for entry in trainer.state.log_history)
+    assert sum(trainer.staleness_counts.values()) >= 4 * 16
+    pushes = (tmp_path / "server.log").read_text().count('"POST /update_weights HTTP/1.1" 200')
+    assert pushes >= 4  # the cold sync, then one per step
+
+    def gap_to(state) -> float:
+        model = AutoModelForCausalLM.from_pretrained(reasoning_model)
+        model.load_state_dict(state)
+        return mean_gap(token_logps(model.eval(), sequences, [len(prompt)] * len(sequences)), held)
+
+    floor = bf16_floor(reasoning_model, final, sequences, len(prompt))
+    assert gap_to(final) < SYNCED_WITHIN_FLOORS * floor, (gap_to(final), floor)
+    assert gap_to(initial) > WRONG_BEYOND_FLOORS * floor, (gap_to(initial), floor)

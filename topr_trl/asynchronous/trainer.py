@@ -74,6 +74,21 @@ class ConsumedSamples:
         return self.source.qsize()
 
 
+def gloo_weight_transfer(args: AsyncTOPRConfig):
+    """The weight transfer for TRL's rollout worker against `args.vllm_server_base_url`: this package's gloo path
+    (`topr_trl.vllm_server.GlooWeightTransfer`) when the server runs it, as `topr-trl vllm-serve` does without a GPU;
+    otherwise None, and TRL builds its own (NCCL). Asked on the main process only, which alone talks to the server."""
+    if not PartialState().is_main_process:
+        return None
+    from ..vllm_server import BACKEND
+    from ..vllm_server.client import GlooWeightTransfer, server_weight_backend
+
+    url = args.vllm_server_base_url.rstrip("/")
+    if server_weight_backend(url, args.vllm_server_timeout) != BACKEND:
+        return None
+    return GlooWeightTransfer(url, sync_timeout_s=float(args.weight_sync_timeout))
+
+
 class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
     """
     Asynchronous TOPR: [`trl.experimental.async_grpo.AsyncGRPOTrainer`] with TOPR's loss and no stale sample thrown
@@ -100,6 +115,8 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
                 args.gradient_accumulation_steps * PartialState().num_processes
         if args.loss_type != "topr":  # the card and the model's tags name the loss that trains, never TOPR for another
             self._name, self._paper, self._tag_names = trained_method(args.loss_type)
+        if kwargs.get("weight_transfer") is None and kwargs.get("rollout_worker") is None:
+            kwargs["weight_transfer"] = gloo_weight_transfer(args)
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._loss_spec = args.policy_loss_spec
         if self.accelerator.is_main_process:

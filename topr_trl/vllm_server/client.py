@@ -251,3 +251,54 @@ def uses_gloo_server(args) -> bool:
     if not (getattr(args, "use_vllm", False) and args.vllm_mode == "server"):
         return False
     return server_weight_backend(server_url(args), args.vllm_server_timeout) == BACKEND
+
+
+class GlooWeightTransfer:
+    """TRL's `WeightTransferProtocol` (what `AsyncGRPOTrainer` and `AsyncTOPRTrainer` call around each weight sync)
+    over this package's gloo path, for a server running `BACKEND`: the asynchronous counterpart of TRL's NCCL
+    `WeightTransferClient`. Requests in flight are paused with their KV cleared (`/pause?mode=keep`), the weights
+    pushed, the prefix cache reset, and generation resumed: every token is sampled by exactly one weight version,
+    the one in place when it was sampled (the requests paused mid-way continue with the new weights, recomputed)."""
+
+    def __init__(self, url: str, group_port: int | None = None, sync_timeout_s: float = SYNC_TIMEOUT_S):
+        self.url = url.rstrip("/")
+        self.group_port = group_port
+        self.sync_timeout_s = sync_timeout_s
+        self.client: GlooVLLMClient | None = None
+
+    def init_weight_transfer(self) -> None:
+        port = self.group_port
+        if port is None:  # a free port on this machine for the rendezvous the trainer hosts
+            with socket.socket() as probe:
+                probe.bind(("", 0))
+                port = probe.getsockname()[1]
+        try:
+            self.client = GlooVLLMClient(base_url=self.url, group_port=port, connection_timeout=self.sync_timeout_s,
+                                         sync_timeout_s=self.sync_timeout_s)
+        except requests.RequestException as error:
+            raise ServerLost(f"the vLLM server at {self.url} failed: {type(error).__name__}") from error
+        self.client.init_communicator()
+
+    def pause(self) -> None:
+        self.client._post_once("/pause?mode=keep", {})
+
+    def send_weights(self, iterator) -> None:
+        """Announce, then broadcast, the tensors `iterator` yields (TRL's walk: names as vLLM loads them). The names
+        and shapes must be announced before the first byte moves, so the walk is listed first: references to the
+        parameters (no copy), or the gathered tensors under FSDP."""
+        named = list(iterator)
+        metadata = [(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)) for name, tensor in named]
+        try:
+            self.client.update_named_params(metadata, iter(named))
+            self.client.reset_prefix_cache()
+        except requests.RequestException as error:
+            raise ServerLost(f"the vLLM server at {self.url} stopped answering ({type(error).__name__}) during a "
+                             "weight sync") from None
+
+    def resume(self) -> None:
+        self.client._post_once("/resume", {})
+
+    def destroy(self) -> None:
+        if self.client is not None:
+            self.client.close_communicator()
+        self.client = None
