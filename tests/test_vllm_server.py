@@ -348,3 +348,26 @@ def test_async_topr_on_trls_rollout_worker_keeps_the_server_on_the_policy(reason
     floor = bf16_floor(reasoning_model, final, sequences, len(prompt))
     assert gap_to(final) < SYNCED_WITHIN_FLOORS * floor, (gap_to(final), floor)
     assert gap_to(initial) > WRONG_BEYOND_FLOORS * floor, (gap_to(initial), floor)
+
+
+def test_the_command_lines_asynchronous_run_generates_on_the_server(reasoning_model, tmp_path):
+    """`topr-trl train --asynchronous --vllm_server_base_url URL` reaches TRL's rollout worker on that server (not
+    the in-process stand-in), with the server's weights following the policy through its gloo path; a stand-in-only
+    flag beside it is refused in one line."""
+    log = tmp_path / "server.log"
+    base = ["train", "--task", "reasoning", "--base_model_dir", str(Path(reasoning_model).parent), "--asynchronous",
+            "--max_steps", "3", "--task_eval_prompts", "16", "--save_strategy", "no"]
+    with served(reasoning_model, log) as (url, _):
+        refused = subprocess.run([sys.executable, "-m", "topr_trl", *base, "--vllm_server_base_url", url,
+                                  "--async_lag", "2", "--output_dir", str(tmp_path / "refused")],
+                                 capture_output=True, text=True, timeout=600, env=child_environment())
+        completed = subprocess.run([sys.executable, "-m", "topr_trl", *base, "--vllm_server_base_url", url,
+                                    "--output_dir", str(tmp_path / "run")],
+                                   capture_output=True, text=True, timeout=600, env=child_environment())
+    assert refused.returncode == 1 and "--async_lag set(s) the in-process stand-in worker only" in refused.stderr
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert f"TRL's rollout worker on the vLLM server at {url}" in completed.stdout
+    summary = json.loads((tmp_path / "run" / "topr_summary.json").read_text())
+    assert summary["steps"] == 3 and summary["asynchronous"]["dropped"] == 0
+    assert log.read_text().count('"POST /update_weights HTTP/1.1" 200') >= 3
+    assert log.read_text().count('"POST /v1/completions HTTP/1.1" 200') >= 3 * 32 // 8

@@ -89,9 +89,10 @@ class TrainScriptArguments(TaskArguments):
     asynchronous: bool = field(
         default=False,
         metadata={"help": "Asynchronous TOPR (topr_trl.asynchronous.AsyncTOPRTrainer on TRL's AsyncGRPOTrainer): "
-                          "a rollout worker generates ahead of training and no stale sample is dropped. Here the "
-                          "worker is the stand-in that samples from the policy in this process (a second copy of "
-                          "the model); see the README for TRL's vLLM worker on a GPU."},
+                          "a rollout worker generates ahead of training and no stale sample is dropped. With "
+                          "--vllm_server_base_url the worker is TRL's, generating on that server (start it with "
+                          "`topr-trl vllm-serve`), whose weights follow the policy; without, the stand-in that "
+                          "samples from the policy in this process (a second copy of the model)."},
     )
     async_pipeline_steps: int = field(
         default=4, metadata={"help": "--asynchronous: optimizer steps of samples the worker may generate ahead."})

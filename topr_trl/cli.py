@@ -117,7 +117,8 @@ def train(argv: list[str]) -> dict:
         # again under the lock: a run that finished into this folder since the check above is not overwritten
         refuse_used_output_dir(output_dir, script_args.overwrite_output_dir, bool(training_args.resume_from_checkpoint))
         if async_args is not None:
-            trainer = _asynchronous_trainer(script_args, async_args, model, reward_funcs, train_dataset)
+            trainer = _asynchronous_trainer(script_args, async_args, model, reward_funcs, train_dataset,
+                                            training_args.vllm_server_base_url)
         else:
             trainer = TOPRTrainer(model=model, reward_funcs=reward_funcs, args=training_args,
                                   train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -182,9 +183,12 @@ def _asynchronous_config(script_args, training_args, model_args, eval_dataset):
         raise SystemExit(f"topr-trl: --asynchronous: {error}") from None
 
 
-def _asynchronous_trainer(script_args, async_args, model, reward_funcs, train_dataset):
+def _asynchronous_trainer(script_args, async_args, model, reward_funcs, train_dataset, server_url=None):
     from .asynchronous import AsyncTOPRTrainer
     from .asynchronous.runs import WorkerSettings, build_async_trainer
+
+    if server_url is not None:
+        return _served_asynchronous_trainer(script_args, async_args, model, reward_funcs, train_dataset)
 
     say(f"asynchronous: the worker generates up to {script_args.async_pipeline_steps} steps ahead"
         + (f", {script_args.async_lag} policy versions behind" if script_args.async_lag else "")
@@ -196,6 +200,37 @@ def _asynchronous_trainer(script_args, async_args, model, reward_funcs, train_da
         return build_async_trainer(AsyncTOPRTrainer, str(model), reward_funcs, async_args, train_dataset, worker)
     except ValueError as error:
         raise SystemExit(f"topr-trl: --asynchronous: {error}") from None
+
+
+def _served_asynchronous_trainer(script_args, async_args, model, reward_funcs, train_dataset):
+    """`--asynchronous --vllm_server_base_url URL`: TRL's own rollout worker generating on that server, which follows
+    the policy through its weight path (gloo from `topr-trl vllm-serve` without a GPU, TRL's NCCL otherwise)."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import add_response_schema, qwen3_template
+
+    from .asynchronous import AsyncTOPRTrainer
+    from .distributed import gpu_available
+
+    stand_in = {"--async_lag": script_args.async_lag, "--async_seconds_per_sample": script_args.async_seconds_per_sample}
+    if any(stand_in.values()):
+        raise SystemExit(f"topr-trl: --asynchronous with --vllm_server_base_url generates on the server: "
+                         f"{', '.join(flag for flag, value in stand_in.items() if value)} set(s) the in-process "
+                         "stand-in worker only; drop it, or drop --vllm_server_base_url")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if getattr(tokenizer, "response_template", None) is None:
+        try:  # TRL's worker parses each response with the template of a chat format it knows
+            tokenizer = add_response_schema(tokenizer)
+        except ValueError:
+            if "<|im_start|>assistant" not in (tokenizer.chat_template or ""):
+                raise
+            tokenizer.response_template = qwen3_template  # ChatML (the built-in tasks'): responses end as Qwen's
+    step = async_args.per_device_train_batch_size * async_args.gradient_accumulation_steps * async_args.world_size
+    if not gpu_available():  # vLLM's CPU engine can fail on many seeded requests at once ("CPU Generator does not
+        async_args.max_inflight_tasks = step  # use offset"): one step's samples in flight
+    say(f"asynchronous: TRL's rollout worker on the vLLM server at {async_args.vllm_server_base_url}, "
+        f"{async_args.max_inflight_tasks} requests in flight")
+    return AsyncTOPRTrainer(str(model), reward_funcs, async_args, train_dataset=train_dataset,
+                            processing_class=tokenizer)
 
 
 def _asynchronous_summary(trainer) -> dict:

@@ -125,34 +125,42 @@ def _describe_failure(name: str, error: Exception, kwargs: dict, row: int | None
 
 def reporting_reward(function):
     """`function` as the command line runs it: a failure becomes one `RewardFunctionError` line naming the function,
-    the exception and the first prompt it failed on. Keyword arguments pass through untouched."""
-    name = getattr(function, "__name__", type(function).__name__)
+    the exception and the first prompt it failed on. Keyword arguments pass through untouched. A callable object, not
+    a closure, so that it pickles when `function` does: TRL's asynchronous rollout worker runs the rewards in a
+    spawned process."""
     if getattr(function, "_topr_reports_failures", False):
         return function
     from trl.trainer.utils import is_async_callable  # the test GRPOTrainer itself uses
 
-    if is_async_callable(function):
+    return (AsyncReportingReward if is_async_callable(function) else ReportingReward)(function)
 
-        @functools.wraps(function)
-        async def reporting_async(*args, **kwargs):
-            try:
-                return await function(*args, **kwargs)
-            except Exception as error:  # noqa: BLE001 - re-raised with what the user needs to find it
-                raise RewardFunctionError(_describe_failure(name, error, kwargs, None)) from error
 
-        reporting_async._topr_reports_failures = True
-        return reporting_async
+class ReportingReward:
+    """`reporting_reward` of a synchronous reward function."""
 
-    @functools.wraps(function)
-    def reporting(*args, **kwargs):
+    _topr_reports_failures = True
+
+    def __init__(self, function):
+        self.function = function
+        self.name = getattr(function, "__name__", type(function).__name__)
+        functools.update_wrapper(self, function, updated=())
+
+    def __call__(self, *args, **kwargs):
         try:
-            return function(*args, **kwargs)
+            return self.function(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - re-raised with what the user needs to find it
-            row = _first_failing_row(function, kwargs) if not args else None
-            raise RewardFunctionError(_describe_failure(name, error, kwargs, row)) from error
+            row = _first_failing_row(self.function, kwargs) if not args else None
+            raise RewardFunctionError(_describe_failure(self.name, error, kwargs, row)) from error
 
-    reporting._topr_reports_failures = True
-    return reporting
+
+class AsyncReportingReward(ReportingReward):
+    """`reporting_reward` of an `async` reward function."""
+
+    async def __call__(self, *args, **kwargs):
+        try:
+            return await self.function(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - re-raised with what the user needs to find it
+            raise RewardFunctionError(_describe_failure(self.name, error, kwargs, None)) from error
 
 
 def _ignore(*args, **kwargs) -> None:
