@@ -84,9 +84,11 @@ def gloo_weight_transfer(args: AsyncTOPRConfig):
     from ..vllm_server.client import GlooWeightTransfer, server_weight_backend
 
     url = args.vllm_server_base_url.rstrip("/")
-    if server_weight_backend(url, args.vllm_server_timeout) != BACKEND:
+    try:  # one look, no wait: a server not up yet, or not there, is TRL's to wait for and report
+        backend = server_weight_backend(url, timeout_s=0)
+    except (ConnectionError, OSError):
         return None
-    return GlooWeightTransfer(url, sync_timeout_s=float(args.weight_sync_timeout))
+    return GlooWeightTransfer(url, sync_timeout_s=float(args.weight_sync_timeout)) if backend == BACKEND else None
 
 
 class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
