@@ -169,13 +169,11 @@ def mismatch(work: Path, num_prompts: int, num_generations: int, dtype: str) -> 
 
 def server_sync(name: str, work: Path, repeats: int) -> dict:
     import socket
-    import subprocess
-    import sys
 
-    import requests
     from transformers import AutoModelForCausalLM
 
     from topr_trl.vllm_server.client import GlooVLLMClient
+    from topr_trl.vllm_server.command import launch_server
 
     path = model_path(name, work)
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -184,21 +182,9 @@ def server_sync(name: str, work: Path, repeats: int) -> dict:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             ports.append(probe.getsockname()[1])
-    url = f"http://127.0.0.1:{ports[0]}"
     started = time.perf_counter()
-    server = subprocess.Popen([sys.executable, "-m", "topr_trl", "vllm-serve", "--model", path, "--port",
-                               str(ports[0]), "--gpu_memory_utilization", "0.5"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+    server, url = launch_server(path, ports[0], work / f"server-{name}.log", "--gpu_memory_utilization", "0.5")
     try:
-        while True:
-            try:
-                if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if server.poll() is not None:
-                raise RuntimeError(f"the server on {name} did not start")
-            time.sleep(1)
         start_seconds = time.perf_counter() - started
         client = GlooVLLMClient(base_url=url, group_port=ports[1], connection_timeout=60)
         client.init_communicator()

@@ -160,3 +160,14 @@ def script_refusal(main, argv, capsys) -> str:
         main(argv)
     assert stop.value.code == 2
     return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def reasoning_model(tmp_path_factory) -> str:
+    """The built-in reasoning model (shipped weights, head size 32: vLLM's CPU attention refuses 16), for the tests on
+    a real vLLM engine."""
+    from topr_trl.arguments import TaskArguments
+    from topr_trl.tasks.loading import builtin_model
+
+    options = TaskArguments(task_digits=3, base_model_dir=str(tmp_path_factory.mktemp("reasoning")))
+    return str(builtin_model("reasoning", options, seed=0))

@@ -24,8 +24,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-from topr_trl.arguments import TaskArguments
-from topr_trl.tasks.loading import builtin_model
 from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
 
 from .conftest import SHARED
@@ -36,13 +34,6 @@ MISMATCH = 0.03
 """Mean |log pi - log mu| per token between float32 transformers and bfloat16 vLLM for the same weights, for the
 tests that compare sampled distributions (generation, evaluation): measured 0.0006-0.0013 on the built-in reasoning
 model. The colocated sync is held to the bf16 floor of the weights it compares (`bf16_floor`), not to this."""
-
-
-@pytest.fixture(scope="module")
-def reasoning_model(tmp_path_factory) -> str:
-    """The built-in reasoning model (shipped weights, head size 32: vLLM's CPU attention refuses 16)."""
-    options = TaskArguments(task_digits=3, base_model_dir=str(tmp_path_factory.mktemp("reasoning")))
-    return str(builtin_model("reasoning", options, seed=0))
 
 
 def token_logps(model, sequences: list[list[int]], prompt_lengths: list[int], temperature: float = 1.0):

@@ -22,14 +22,13 @@ from transformers import AutoModelForCausalLM
 from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
 
 from .test_cli_run_folder import one_error_line, user_run
-from .test_vllm import (  # noqa: F401 - reasoning_model is a fixture
+from .test_vllm import (
     SYNCED_WITHIN_FLOORS,
     WRONG_BEYOND_FLOORS,
     WeightSnapshots,
     bf16_floor,
     free_port,
     mean_gap,
-    reasoning_model,
     token_logps,
     user_model,
 )
@@ -52,23 +51,12 @@ def child_environment(**extra: str) -> dict[str, str]:
 def served(model: str, log: Path, *flags: str, port: int | None = None, env: dict | None = None):
     """`topr-trl vllm-serve --model MODEL` (in its own session, so that every process of the server stops with it);
     yields (url, process) once /health answers."""
-    port = port or free_port()
-    with log.open("a") as output:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "topr_trl", "vllm-serve", "--model", model, "--port", str(port),
-             "--gpu_memory_utilization", "0.5", *flags], stdout=output, stderr=subprocess.STDOUT,
-            env=child_environment(**(env or {})), start_new_session=True)
+    from topr_trl.vllm_server.command import launch_server
+
+    server, url = launch_server(model, port or free_port(), log, "--gpu_memory_utilization", "0.5",
+                                *flags, env=child_environment(**(env or {})))
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(1)
-        yield f"http://127.0.0.1:{port}", server
+        yield url, server
     finally:
         stop(server)
 

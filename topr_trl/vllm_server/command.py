@@ -131,3 +131,32 @@ def run(argv: list[str]) -> None:
         print(f"topr-trl vllm-serve: listening on {arguments.host} ({socket.gethostname()}); the weight path requires "
               "the secret", file=sys.stderr, flush=True)
     os.execve(sys.executable, command, environment)
+
+
+def launch_server(model: str, port: int, log: Path, *flags: str, env: dict[str, str] | None = None,
+                  prefix: tuple[str, ...] = ()) -> tuple:
+    """Start `topr-trl vllm-serve --model MODEL --port PORT FLAGS` in a session of its own (stop every process of the
+    server with `os.killpg(process.pid, ...)`), its output appended to `log`, and wait until /health answers. Returns
+    (process, url). `prefix` goes before the command (e.g. `taskset -c 0`). For scripts and tests."""
+    import subprocess
+    import time
+
+    import requests
+
+    with Path(log).open("a") as output:
+        process = subprocess.Popen([*prefix, sys.executable, "-m", "topr_trl", "vllm-serve", "--model", model, "--port",
+                                    str(port), *flags], stdout=output, stderr=subprocess.STDOUT,
+                                   env=env if env is not None else dict(os.environ), start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                return process, url
+        except requests.RequestException:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            if process.poll() is None:
+                os.killpg(process.pid, 9)
+            raise RuntimeError(f"the vLLM server did not start: {Path(log).read_text()[-3000:]}")
+        time.sleep(1)

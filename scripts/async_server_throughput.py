@@ -1,0 +1,148 @@
+"""Asynchronous TOPR against synchronous TOPR on a real vLLM server: trained samples per second at equal steps.
+
+One `topr-trl vllm-serve` process generates for both (its gloo weight path keeps it on the policy); the trainer runs
+in this process. The two runs differ only in whether generation may overlap training:
+
+    synchronous   TOPRTrainer(use_vllm=True, vllm_mode="server"): generate a step's completions, push the weights,
+                  train on them, and so on (TRL's GRPOTrainer loop)
+    asynchronous  AsyncTOPRTrainer with TRL's own rollout worker on the same server: it generates while the trainer
+                  trains, the weights are pushed after each step (TRL's protocol, `GlooWeightTransfer`)
+
+No sleeps anywhere: generation is the server's real sampling, training the trainer's real steps. The server is
+pinned to the first core and the trainer to the second (one thread each), so that they overlap only where the
+asynchronous pipeline lets them. The model is random-initialised (speed does not depend on the weights) with
+--hidden_size and --num_layers on the project's character tokenizer; prompts from the reasoning task. Runs alternate
+(synchronous, asynchronous, ...) so machine noise hits both alike; the ratio of samples per second is reported per
+pair, with its median. L (generation per step) and T (training per step) are read from the synchronous run's own
+timing (TRL's profiling of `vLLM.generate` and the step time); the ideal ratio is (L + T) / max(L, T).
+
+    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python scripts/async_server_throughput.py --output docs/async_server_throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--batch_size", type=int, default=32)
+    parser.add_argument("--num_generations", type=int, default=8)
+    parser.add_argument("--completion_length", type=int, default=32)
+    parser.add_argument("--hidden_size", type=int, default=256)
+    parser.add_argument("--num_layers", type=int, default=4)
+    parser.add_argument("--output", default="docs/async_server_throughput.json")
+    return parser.parse_args(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_server(model_path: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """The server on the first core, one thread."""
+    from topr_trl.vllm_server.command import launch_server
+
+    environment = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}
+    return launch_server(model_path, free_port(), log, "--gpu_memory_utilization", "0.5", env=environment,
+                         prefix=("taskset", "-c", "0"))
+
+
+def run(kind: str, model_path: str, url: str, options, output_dir: str) -> dict:
+    from topr_trl import TOPRConfig, TOPRTrainer
+    from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer
+    from topr_trl.tasks.reasoning import make_reasoning_dataset, reasoning_reward
+
+    dataset = make_reasoning_dataset(options.batch_size * options.steps, 3, seed=0)
+    common = dict(output_dir=output_dir, use_cpu=True, bf16=False, per_device_train_batch_size=options.batch_size,
+                  num_generations=options.num_generations, max_completion_length=options.completion_length,
+                  max_steps=options.steps, learning_rate=1e-5, logging_steps=1, report_to="none", save_strategy="no",
+                  topr_signal="reward", seed=0)
+    if kind == "synchronous":
+        args = TOPRConfig(**common, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
+                          vllm_group_port=free_port(), generation_kwargs={"min_tokens": options.completion_length})
+        trainer = TOPRTrainer(model_path, reasoning_reward, args=args, train_dataset=dataset)
+    else:
+        from transformers import AutoTokenizer
+        from trl.chat_template_utils import qwen3_template
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer.response_template = qwen3_template
+        args = AsyncTOPRConfig(**common, vllm_server_base_url=url, topr_baseline=0.5,
+                               max_inflight_tasks=options.batch_size)
+        trainer = AsyncTOPRTrainer(model_path, reasoning_reward, args, train_dataset=dataset,
+                                   processing_class=tokenizer)
+    began = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - began
+    history = [entry for entry in trainer.state.log_history if "loss" in entry]
+    lengths = [entry.get("completions/mean_length") for entry in history if entry.get("completions/mean_length")]
+    result = {"kind": kind, "seconds": seconds, "steps": trainer.state.global_step,
+              "samples_per_second": trainer.state.global_step * options.batch_size / seconds,
+              "mean_completion_length": statistics.mean(lengths) if lengths else None,
+              "step_time_mean": statistics.mean(e["step_time"] for e in history if "step_time" in e)
+              if any("step_time" in e for e in history) else None}
+    if kind == "synchronous":
+        result["generate_seconds_per_step"] = statistics.mean(
+            e.get("timing/vLLM.generate", e.get("profiling/Time taken: GRPOTrainer.vLLM.generate", 0.0))
+            for e in history)
+    if kind == "asynchronous":
+        result["staleness"] = dict(sorted(trainer.staleness_counts.items()))
+    del trainer
+    return result
+
+
+def main(argv=None) -> dict:
+    options = parse(argv)
+    hf_logging.set_verbosity_error()
+    from topr_trl.tasks.tiny import build_model, build_tokenizer, save_pretrained
+
+    os.sched_setaffinity(0, {1})  # the trainer on the second core; the server on the first
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as work:
+        tokenizer = build_tokenizer()
+        model_path = str(save_pretrained(build_model(tokenizer, seed=0, hidden_size=options.hidden_size,
+                                                     num_layers=options.num_layers), tokenizer, Path(work) / "m"))
+        server, url = start_server(model_path, Path(work) / "server.log")
+        try:
+            runs = []
+            for pair in range(options.pairs):
+                for kind in ("synchronous", "asynchronous"):
+                    result = run(kind, model_path, url, options, str(Path(work) / f"{kind}-{pair}"))
+                    runs.append(result)
+                    print(json.dumps(result), flush=True)
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
+    ratios = [a["samples_per_second"] / s["samples_per_second"] for s, a in zip(runs[::2], runs[1::2], strict=True)]
+    summary = {"options": vars(options), "threads": torch.get_num_threads(), "runs": runs, "ratios": ratios,
+               "median_ratio": statistics.median(ratios)}
+    print(f"asynchronous / synchronous samples per second: {', '.join(f'{r:.2f}' for r in ratios)} "
+          f"(median {summary['median_ratio']:.2f})", flush=True)
+    if options.output:
+        Path(options.output).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
