@@ -525,8 +525,9 @@ def test_every_topr_config_field_reaches_the_asynchronous_trainer_or_stops_it(tm
         assert getattr(converted, field_.name, None) == value, (field_.name, value,
                                                                  getattr(converted, field_.name, "absent"))
         reached.append(field_.name)
-    assert {"topr_negative_weight", "cispo_epsilon_low", "kimi15_tau", "scale_rewards", "beta"} <= set(refused)
-    assert {"topr_check_finite", "learning_rate", "topr_signal", "num_generations"} <= set(reached)
+    assert {"scale_rewards", "beta"} <= set(refused)
+    assert {"topr_check_finite", "learning_rate", "topr_signal", "num_generations", "topr_positive_weight",
+            "topr_negative_weight", "cispo_epsilon_low", "cispo_epsilon_high", "kimi15_tau", "delta"} <= set(reached)
     print(f"reached {len(reached)}, refused {len(refused)}, not walked {unwalked}")
     assert set(unwalked) <= _NO_OTHER_VALUE_HERE, unwalked
 
@@ -539,7 +540,47 @@ def test_asynchronous_command_line_keeps_its_checks_and_refuses_what_would_be_dr
     script_args, training_args, model_args = arguments.parse_command("train", argv)
     converted = _asynchronous_config(script_args, training_args, model_args, None)
     assert converted.topr_check_finite is True  # the command line's check reaches the asynchronous trainer
-    with pytest.raises(SystemExit, match="`topr_negative_weight`=0.5 is not read by the asynchronous trainer"):
-        main(["train", *argv, "--topr_negative_weight", "0.5", "--dry_run", "true"])
+    script_args, training_args, model_args = arguments.parse_command("train", [*argv, "--topr_negative_weight", "0.5"])
+    assert _asynchronous_config(script_args, training_args, model_args, None).policy_loss_spec.negative_weight == 0.5
+    with pytest.raises(SystemExit, match="`scale_rewards`='none' is not read by the asynchronous trainer"):
+        main(["train", *argv, "--scale_rewards", "none", "--dry_run", "true"])
     with pytest.raises(SystemExit, match="`topr_unscored_batch`='error' is not read"):
         main(["train", *argv, "--topr_unscored_batch", "error", "--dry_run", "true"])
+
+
+@pytest.mark.parametrize("knobs", [dict(topr_negative_weight=0.5, topr_positive_weight=2.0),
+                                   dict(loss_type="cispo_two_sided", cispo_epsilon_low=0.3, cispo_epsilon_high=0.05),
+                                   dict(loss_type="kimi15", kimi15_tau=0.7), dict(loss_type="ppo", delta=1.25)])
+def test_the_loss_knobs_are_declared_once_and_reach_the_asynchronous_loss(knobs, tmp_path):
+    """Each loss knob set on the asynchronous config gives the spec the synchronous config gives (one declaration,
+    one `policy_loss_spec_of`), and the packed loss the asynchronous trainer computes moves with it: on the same
+    packed batch the loss with the knob differs from the loss with the default."""
+    import dataclasses
+
+    from topr_trl import TOPRConfig
+    from topr_trl.asynchronous import AsyncTOPRConfig
+    from topr_trl.loss import packed_topr_loss
+
+    common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
+    asynchronous = AsyncTOPRConfig(**common, **knobs).policy_loss_spec
+    assert asynchronous == TOPRConfig(**common, **knobs).policy_loss_spec
+    default = AsyncTOPRConfig(**common, loss_type=knobs.get("loss_type", "topr")).policy_loss_spec
+    assert asynchronous != default and dataclasses.replace(default, **{
+        f.name: getattr(asynchronous, f.name) for f in dataclasses.fields(asynchronous)}) == asynchronous
+    generator = torch.Generator().manual_seed(0)
+    logps = (-torch.rand(12, generator=generator)).requires_grad_()
+    behaviour = logps.detach() + torch.randn(12, generator=generator)  # ratios on both sides of every clip
+    segment = torch.tensor([0] * 3 + [1] * 4 + [2] * 2 + [3] * 3)
+    signal = torch.tensor([1.0, -1.0, 1.0, -1.0])[segment]
+    with_knob, _, _ = packed_topr_loss(logps, behaviour, signal, segment, asynchronous)
+    without, _, _ = packed_topr_loss(logps, behaviour, signal, segment, default)
+    assert not torch.allclose(with_knob, without)
+
+
+def test_a_knob_the_asynchronous_loss_does_not_read_is_refused(tmp_path):
+    from topr_trl.asynchronous import AsyncTOPRConfig
+
+    with pytest.raises(ValueError, match="`kimi15_tau` has no effect with loss_type='topr'.*'kimi15'"):
+        AsyncTOPRConfig(str(tmp_path), use_cpu=True, bf16=False, report_to="none", kimi15_tau=0.5)
+    with pytest.raises(ValueError, match="`topr_negative_weight` must be a finite number >= 0"):
+        AsyncTOPRConfig(str(tmp_path), use_cpu=True, bf16=False, report_to="none", topr_negative_weight=-1.0)

@@ -262,11 +262,7 @@ class TOPRConfig(GRPOConfig):
             raise ValueError(f"`topr_offline_epochs` must be > 0, got {self.topr_offline_epochs!r}.")
         check_choice("topr_unscored_batch", self.topr_unscored_batch, UNSCORED_BATCH_ACTIONS)
         check_flag("topr_check_finite", self.topr_check_finite)
-        for name in ("topr_positive_weight", "topr_negative_weight", "cispo_epsilon_low", "cispo_epsilon_high",
-                     "kimi15_tau"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
+        check_loss_knobs(self)
         self._refuse_fields_without_effect()
         limits = self.topr_limits  # validates the limits
         if limits is not None and limits.negative_lower > 0:
@@ -360,18 +356,14 @@ class TOPRConfig(GRPOConfig):
         """One field selects the loss: `loss_type`. A TOPR-family field with one of TRL's loss types, or a field only
         other registered losses read, fails here, naming the field to drop."""
         defaults = {f.name: f.default for f in dataclasses.fields(TOPRConfig)}
-        readers = {name: [loss for loss, entry in POLICY_LOSSES.items() if name in entry.reads]
-                   for entry in POLICY_LOSSES.values() for name in entry.reads}
-        for name in (*_FAMILY_FIELDS, *readers):
-            value = getattr(self, name)
-            if value == defaults[name] or (name == "topr_baseline" and value == _parse_number(defaults[name])):
-                continue
-            if not self.uses_topr_loss:
+        if not self.uses_topr_loss:
+            for name in (*_FAMILY_FIELDS, *knob_readers()):
+                value = getattr(self, name)
+                if value == defaults[name] or (name == "topr_baseline" and value == _parse_number(defaults[name])):
+                    continue
                 raise ValueError(f"`{name}` has no effect with loss_type={self.loss_type!r} (TRL's own loss, computed "
                                  f"by GRPOTrainer): drop it, or set a TOPR loss type ({', '.join(POLICY_LOSSES)}).")
-            if name in readers and self.loss_type not in readers[name]:
-                raise ValueError(f"`{name}` has no effect with loss_type={self.loss_type!r} (it is read by loss_type "
-                                 f"{' / '.join(repr(r) for r in readers[name])}): drop it.")
+        refuse_unread_knobs(self)
 
     @staticmethod
     def _parse_baseline(value: float | str) -> float | str:
@@ -399,15 +391,7 @@ class TOPRConfig(GRPOConfig):
     @property
     def policy_loss_spec(self) -> PolicyLossSpec:
         """The loss the trainer computes when `loss_type="topr"`."""
-        return policy_loss_spec_of(
-            self,
-            positive_weight=float(self.topr_positive_weight),
-            negative_weight=float(self.topr_negative_weight),
-            ppo_delta=float(self.delta) if self.delta is not None else None,
-            cispo_epsilon_low=float(self.cispo_epsilon_low),
-            cispo_epsilon_high=float(self.cispo_epsilon_high),
-            kimi15_tau=float(self.kimi15_tau),
-        )
+        return policy_loss_spec_of(self)
 
 
 def resolve_limits(args) -> TruncationLimits | None:
@@ -426,17 +410,50 @@ def resolve_limits(args) -> TruncationLimits | None:
         raise ValueError(f"Invalid truncation limits topr_*_lower/upper: {error}.") from None
 
 
-def policy_loss_spec_of(args, **knobs) -> PolicyLossSpec:
-    """The `PolicyLossSpec` of a config with `loss_type`, the limit fields, `topr_ratio_level` and PPO's `epsilon`,
-    `epsilon_high` (TOPRConfig, AsyncTOPRConfig); `knobs` set the spec's other fields."""
+def policy_loss_spec_of(args) -> PolicyLossSpec:
+    """The `PolicyLossSpec` of a config with `loss_type`, the limit fields, `topr_ratio_level`, PPO's `epsilon`,
+    `epsilon_high` and `delta`, and the loss knobs (`LOSS_KNOBS`): TOPRConfig and AsyncTOPRConfig alike."""
     return PolicyLossSpec(
         loss_type=args.loss_type,
         limits=resolve_limits(args),
         ratio_level=args.topr_ratio_level,
         ppo_epsilon_low=float(args.epsilon),
         ppo_epsilon_high=float(args.epsilon_high if args.epsilon_high is not None else args.epsilon),
-        **knobs,
+        ppo_delta=float(args.delta) if args.delta is not None else None,
+        positive_weight=float(args.topr_positive_weight),
+        negative_weight=float(args.topr_negative_weight),
+        cispo_epsilon_low=float(args.cispo_epsilon_low),
+        cispo_epsilon_high=float(args.cispo_epsilon_high),
+        kimi15_tau=float(args.kimi15_tau),
     )
+
+
+LOSS_KNOBS = ("topr_positive_weight", "topr_negative_weight", "cispo_epsilon_low", "cispo_epsilon_high", "kimi15_tau")
+"""The loss fields beyond the limits that `policy_loss_spec_of` reads: declared in TOPRConfig, taken by
+AsyncTOPRConfig with `topr_field`, checked for both by `check_loss_knobs` and `refuse_unread_knobs`."""
+
+
+def check_loss_knobs(args) -> None:
+    for name in LOSS_KNOBS:
+        value = getattr(args, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
+
+
+def knob_readers() -> dict[str, list[str]]:
+    """Each field a registered loss reads (`reads=`), and the losses that read it."""
+    return {name: [loss for loss, entry in POLICY_LOSSES.items() if name in entry.reads]
+            for entry in POLICY_LOSSES.values() for name in entry.reads}
+
+
+def refuse_unread_knobs(args) -> None:
+    """A field set away from its default that the chosen loss does not read (`kimi15_tau` with `loss_type="ppo"`)
+    fails in one line naming it and the losses that read it."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TOPRConfig)}
+    for name, readers in knob_readers().items():
+        if getattr(args, name) != defaults[name] and args.loss_type not in readers:
+            raise ValueError(f"`{name}` has no effect with loss_type={args.loss_type!r} (it is read by loss_type "
+                             f"{' / '.join(repr(r) for r in readers)}): drop it.")
 
 
 # TOPRTrainer also takes a plain GRPOConfig (only the trainer's name swapped): TOPR's run-level fields then keep their

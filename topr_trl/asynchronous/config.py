@@ -9,7 +9,17 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from ..config import SIGNALS, TOPRConfig, check_choice, check_flag, policy_loss_spec_of, resolve_limits, topr_field
+from ..config import (
+    SIGNALS,
+    TOPRConfig,
+    check_choice,
+    check_flag,
+    check_loss_knobs,
+    policy_loss_spec_of,
+    refuse_unread_knobs,
+    resolve_limits,
+    topr_field,
+)
 from ..loss import POLICY_LOSSES, RATIO_LEVELS, PolicyLossSpec, TruncationLimits
 
 # How the per-token loss of a micro-batch is reduced: the paper's per-trajectory mean of token means, or TRL's
@@ -71,6 +81,13 @@ class AsyncTOPRConfig(AsyncGRPOConfig):
     topr_loss_aggregation: str = field(
         default="seq-mean-token-mean", metadata={"help": f"Loss aggregation: {list(ASYNC_AGGREGATIONS)}."})
     topr_check_finite: bool = topr_field("topr_check_finite")
+    # the loss knobs and PPO's dual-clip delta, declared once in TOPRConfig (`LOSS_KNOBS`)
+    topr_positive_weight: float = topr_field("topr_positive_weight")
+    topr_negative_weight: float = topr_field("topr_negative_weight")
+    cispo_epsilon_low: float = topr_field("cispo_epsilon_low")
+    cispo_epsilon_high: float = topr_field("cispo_epsilon_high")
+    kimi15_tau: float = topr_field("kimi15_tau")
+    delta: float | None = topr_field("delta")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -79,6 +96,8 @@ class AsyncTOPRConfig(AsyncGRPOConfig):
         check_choice("topr_ratio_level", self.topr_ratio_level, RATIO_LEVELS)
         check_choice("topr_signal", self.topr_signal, SIGNALS)
         check_choice("topr_loss_aggregation", self.topr_loss_aggregation, ASYNC_AGGREGATIONS)
+        check_loss_knobs(self)
+        refuse_unread_knobs(self)
         self.topr_baseline = TOPRConfig._parse_baseline(self.topr_baseline)
         if isinstance(self.topr_baseline, str):
             raise ValueError(f"`topr_baseline` must be a number for the asynchronous trainer, got "
