@@ -13,7 +13,9 @@ pinned to the first core and the trainer to the second (one thread each), so tha
 asynchronous pipeline lets them. The model is random-initialised (speed does not depend on the weights) with
 --hidden_size and --num_layers on the project's character tokenizer; prompts from the reasoning task. Runs alternate
 (synchronous, asynchronous, ...) so machine noise hits both alike; the ratio of samples per second is reported per
-pair, with its median. L (generation per step) and T (training per step) are read from the synchronous run's own
+pair, with its median. Samples per second are counted in the steady state, from the end of the first step to the
+end of the last (the worker's start and the first push excluded), as the samples each step trained (TRL's
+asynchronous packing fills a step by tokens, so its steps hold about the batch, not exactly). L (generation per step) and T (training per step) are read from the synchronous run's own
 timing (TRL's profiling of `vLLM.generate` and the step time); the ideal ratio is (L + T) / max(L, T).
 
     OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python scripts/async_server_throughput.py --output docs/async_server_throughput.json
@@ -37,6 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 
@@ -68,6 +71,16 @@ def start_server(model_path: str, log: Path) -> tuple[subprocess.Popen, str]:
                          prefix=("taskset", "-c", "0"))
 
 
+class StepClock(TrainerCallback):
+    """The time at the end of every optimizer step."""
+
+    def __init__(self):
+        self.ends: list[float] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append(time.perf_counter())
+
+
 def run(kind: str, model_path: str, url: str, options, output_dir: str) -> dict:
     from topr_trl import TOPRConfig, TOPRTrainer
     from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer
@@ -92,21 +105,24 @@ def run(kind: str, model_path: str, url: str, options, output_dir: str) -> dict:
                                max_inflight_tasks=options.batch_size)
         trainer = AsyncTOPRTrainer(model_path, reasoning_reward, args, train_dataset=dataset,
                                    processing_class=tokenizer)
-    began = time.perf_counter()
+    clock = StepClock()
+    trainer.add_callback(clock)
     trainer.train()
-    seconds = time.perf_counter() - began
     history = [entry for entry in trainer.state.log_history if "loss" in entry]
+    # samples trained per step: the batch (synchronous); what TRL's packing put in the step (asynchronous)
+    samples = [entry.get("batch/samples_per_step", options.batch_size) for entry in history]
+    # steady state: from the end of the first step (the worker's start, the first push) to the end of the last
+    seconds = clock.ends[-1] - clock.ends[0]
     lengths = [entry.get("completions/mean_length") for entry in history if entry.get("completions/mean_length")]
     result = {"kind": kind, "seconds": seconds, "steps": trainer.state.global_step,
-              "samples_per_second": trainer.state.global_step * options.batch_size / seconds,
+              "samples_per_second": sum(samples[1:]) / seconds, "samples_per_step": samples,
               "mean_completion_length": statistics.mean(lengths) if lengths else None,
               "step_time_mean": statistics.mean(e["step_time"] for e in history if "step_time" in e)
               if any("step_time" in e for e in history) else None}
-    if kind == "synchronous":
-        result["generate_seconds_per_step"] = statistics.mean(
-            e.get("timing/vLLM.generate", e.get("profiling/Time taken: GRPOTrainer.vLLM.generate", 0.0))
-            for e in history)
-    if kind == "asynchronous":
+    result["seconds_per_step"] = seconds / (len(clock.ends) - 1)
+    if kind == "asynchronous":  # the trainer's own time per step (T): TRL's forward-backward and optimizer timings
+        result["train_seconds_per_step"] = statistics.mean(
+            e["perf/fwd_bwd_s"] + e.get("perf/optimizer_s", 0.0) for e in history[1:] if "perf/fwd_bwd_s" in e)
         result["staleness"] = dict(sorted(trainer.staleness_counts.items()))
     del trainer
     return result
@@ -135,8 +151,15 @@ def main(argv=None) -> dict:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=60)
     ratios = [a["samples_per_second"] / s["samples_per_second"] for s, a in zip(runs[::2], runs[1::2], strict=True)]
+    # T from the asynchronous runs' own timing, L as what the synchronous step takes beyond it (generation and push)
+    train = statistics.median(run["train_seconds_per_step"] for run in runs[1::2])
+    generate = statistics.median(run["seconds_per_step"] for run in runs[::2]) - train
     summary = {"options": vars(options), "threads": torch.get_num_threads(), "runs": runs, "ratios": ratios,
-               "median_ratio": statistics.median(ratios)}
+               "median_ratio": statistics.median(ratios), "T_train_seconds_per_step": train,
+               "L_generate_seconds_per_step": generate,
+               "ideal_ratio": (generate + train) / max(generate, train)}
+    print(f"L (generation and push per step) {generate:.2f} s, T (training per step) {train:.2f} s, L/T "
+          f"{generate / train:.2f}; ideal ratio {summary['ideal_ratio']:.2f}", flush=True)
     print(f"asynchronous / synchronous samples per second: {', '.join(f'{r:.2f}' for r in ratios)} "
           f"(median {summary['median_ratio']:.2f})", flush=True)
     if options.output:
