@@ -466,11 +466,10 @@ def _other_values(field_, value) -> list:
 _NOT_WALKED = {"deepspeed", "fsdp", "fsdp_config", "resume_from_checkpoint", "hub_token", "push_to_hub",
                "use_liger_kernel", "bf16", "fp16", "tf32", "use_vllm"}
 # Fields the walk finds no other accepted value for from their type alone (they need other fields set with them, or
-# are the deprecated selectors due for removal); a new field that lands here is seen by the assertion below.
+# their value is resolved at run time); a new field that lands here is seen by the assertion below.
 _NO_OTHER_VALUE_HERE = {"auto_find_batch_size", "load_best_model_at_end", "accelerator_config", "parallelism_config",
                         "dataloader_pin_memory", "dataloader_prefetch_factor", "ddp_backend",
-                        "log_completions_hub_repo", "topr_baseline_scope", "pg_variant", "topr_preset",
-                        "tis_lower_bound", "tis_upper_bound",
+                        "log_completions_hub_repo", "topr_baseline_scope",
                         "pad_to_multiple_of"}  # resolved from "auto" by what earlier code set up in the process
 
 

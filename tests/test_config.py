@@ -52,36 +52,11 @@ def test_explicit_limits_override_the_loss_types_and_accept_infinity():
     assert math.isinf(limits.negative_upper)
 
 
-@pytest.mark.parametrize("old, loss_type, limits", [
-    (dict(pg_variant="vanilla"), "naive_reinforce", (1.0, 1.0, 1.0, 1.0)),
-    (dict(pg_variant="cispo"), "cispo_two_sided", None),
-    (dict(pg_variant="ppo"), "ppo", None),
-    (dict(pg_variant="topr", topr_preset="sft"), "sft", (1.0, 1.0, 0.0, 0.0)),
-    (dict(topr_preset="off_policy_reinforce"), "off_policy_reinforce", (0.0, math.inf, 0.0, math.inf)),
-    (dict(pg_variant="tis", tis_lower_bound=0.2, tis_upper_bound=2.0), "tis", (0.2, 2.0, 0.2, 2.0)),
-    (dict(tis_upper_bound=3.0), "tis", (0.0, 3.0, 0.0, 3.0)),
-])
-def test_deprecated_selectors_map_onto_loss_type_with_a_warning(old, loss_type, limits):
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        args = config(**old)
-    deprecations = [w for w in caught if issubclass(w.category, FutureWarning) and "use loss_type" in str(w.message)]
-    assert len(deprecations) == 1 and f"loss_type={loss_type!r}" in str(deprecations[0].message)
-    assert deprecations[0].filename == __file__  # the user's line
-    assert args.loss_type == loss_type and args.pg_variant is None and args.topr_preset is None
-    got = args.topr_limits
-    assert (got if got is None else (got.positive_lower, got.positive_upper, got.negative_lower,
-                                     got.negative_upper)) == limits
-
-
-@pytest.mark.parametrize("kwargs", [dict(loss_type="sft", pg_variant="ppo"), dict(pg_variant="ppo", topr_preset="sft"),
-                                    dict(loss_type="grpo", topr_preset="sft"), dict(pg_variant="ppo", tis_upper_bound=2.0),
-                                    dict(tis_upper_bound=2.0, topr_positive_upper=3.0)])
-def test_deprecated_selectors_that_disagree_with_loss_type_fail(kwargs):
-    with pytest.raises(ValueError, match="deprecated"):
-        config(**kwargs)
+@pytest.mark.parametrize("name", ["pg_variant", "topr_preset", "tis_lower_bound", "tis_upper_bound"])
+def test_the_selectors_loss_type_replaced_are_gone(name):
+    """A package never released keeps no deprecated aliases: `loss_type` and the four limits are the only way."""
+    with pytest.raises(TypeError, match=name):
+        config(**{name: "ppo"})
 
 
 def test_a_registered_loss_is_selectable_and_a_trl_name_is_refused():
@@ -126,8 +101,6 @@ def test_positive_negative_lower_limit_warns_prop_3_2():
         ("topr_signal", "rewards", "reward"),
         ("topr_loss_aggregation", "token_mean", "token-mean"),
         ("topr_behaviour_source", "vllm", "sampler"),
-        ("pg_variant", "grpo", "ppo"),
-        ("topr_preset", "TIS", "tis"),
     ],
 )
 def test_unknown_names_raise_naming_field_and_allowed_values(field, value, allowed):

@@ -35,12 +35,6 @@ _FAMILY_FIELDS: tuple[str, ...] = (
     "topr_ratio_level", "topr_signal", "topr_baseline", "topr_target_effective_proportion", "topr_baseline_scope",
     "topr_positive_weight", "topr_negative_weight", "topr_loss_aggregation", "topr_behaviour_source",
 )
-# Deprecated selectors, kept as aliases: pg_variant (ROLL's names) and topr_preset map onto loss_type, the TIS
-# bounds onto the four limits.
-_PG_VARIANT_LOSS_TYPES = {"vanilla": "naive_reinforce", "tis": "tis", "ppo": "ppo", "cispo": "cispo_two_sided",
-                          "kimi15": "kimi15", "topr": "topr"}
-
-
 def check_flag(field_name: str, value: object) -> None:
     """Raise a ValueError naming the field unless `value` is True or False."""
     if not isinstance(value, bool):
@@ -163,15 +157,6 @@ class TOPRConfig(GRPOConfig):
             `loss_type="cispo_two_sided"`: the stop-gradient ratio is clipped above at 1 + `cispo_epsilon_high`.
         kimi15_tau (`float`, *optional*, defaults to `0.1`):
             `loss_type="kimi15"`: weight of the squared log-ratio penalty tau/2 (log pi/mu)^2.
-        pg_variant (`str` or `None`, *optional*, defaults to `None`):
-            Deprecated (ROLL's name): use `loss_type`. `"vanilla"` is `loss_type="naive_reinforce"`, `"cispo"` is
-            `"cispo_two_sided"`, the others keep their names.
-        topr_preset (`str` or `None`, *optional*, defaults to `None`):
-            Deprecated: use `loss_type` (a row of Table 1 is a loss type of its own).
-        tis_lower_bound (`float` or `None`, *optional*, defaults to `None`):
-            Deprecated: use `loss_type="tis"` with `topr_positive_lower` and `topr_negative_lower`.
-        tis_upper_bound (`float` or `None`, *optional*, defaults to `None`):
-            Deprecated: use `loss_type="tis"` with `topr_positive_upper` and `topr_negative_upper`.
     """
 
     loss_type: str = field(
@@ -228,15 +213,8 @@ class TOPRConfig(GRPOConfig):
     cispo_epsilon_low: float = field(default=0.1, metadata={"help": "cispo_two_sided: 1 - eps lower clip."})
     cispo_epsilon_high: float = field(default=0.1, metadata={"help": "cispo_two_sided: 1 + eps upper clip."})
     kimi15_tau: float = field(default=0.1, metadata={"help": "kimi15: squared log-ratio weight."})
-    pg_variant: str | None = field(default=None, metadata={"help": "Deprecated: use loss_type."})
-    topr_preset: str | None = field(default=None, metadata={"help": "Deprecated: use loss_type."})
-    tis_lower_bound: float | None = field(
-        default=None, metadata={"help": "Deprecated: loss_type='tis' with topr_positive/negative_lower."})
-    tis_upper_bound: float | None = field(
-        default=None, metadata={"help": "Deprecated: loss_type='tis' with topr_positive/negative_upper."})
 
     def __post_init__(self) -> None:
-        self._resolve_deprecated_selectors()
         check_choice("loss_type", self.loss_type, loss_types())
         self._refuse_what_training_would()
         generation_batch_set = self.generation_batch_size is not None or self.steps_per_generation is not None
@@ -306,46 +284,6 @@ class TOPRConfig(GRPOConfig):
             f"`gradient_accumulation_steps` ({self.gradient_accumulation_steps}) = {batch}: change "
             f"`num_generations` to a divisor of {batch}, or `per_device_train_batch_size` to a multiple of "
             f"{groups}.") from None
-
-    def _resolve_deprecated_selectors(self) -> None:
-        """pg_variant, topr_preset and the TIS bounds, the selectors `loss_type` replaced: each maps onto it (the
-        bounds onto the four limits) with a FutureWarning; combined with a loss_type of its own it fails."""
-        chosen = {name: getattr(self, name) for name in ("pg_variant", "topr_preset") if getattr(self, name) is not None}
-        bounds = {name: getattr(self, name) for name in ("tis_lower_bound", "tis_upper_bound")
-                  if getattr(self, name) is not None}
-        if not chosen and not bounds:
-            return
-        if self.pg_variant is not None:
-            check_choice("pg_variant", self.pg_variant, tuple(_PG_VARIANT_LOSS_TYPES))
-        if self.topr_preset is not None:
-            check_choice("topr_preset", self.topr_preset, tuple(n for n, e in POLICY_LOSSES.items() if e.limits))
-        wanted = set()
-        if self.pg_variant is not None and not (self.pg_variant == "topr" and self.topr_preset):
-            wanted.add(_PG_VARIANT_LOSS_TYPES[self.pg_variant])  # pg_variant='topr' defers to a topr_preset
-        if self.topr_preset is not None:
-            wanted.add(self.topr_preset)
-        if bounds:
-            wanted.add("tis")
-        if len(wanted) > 1 or (self.loss_type != "topr" and wanted != {self.loss_type}):
-            given = ", ".join(f"{name}={value!r}" for name, value in {**chosen, **bounds}.items())
-            raise ValueError(f"{given} and loss_type={self.loss_type!r} select different losses: set loss_type "
-                             "alone (pg_variant, topr_preset and tis_*_bound are deprecated).")
-        self.loss_type = wanted.pop()
-        for side in ("lower", "upper"):
-            value = bounds.get(f"tis_{side}_bound")
-            if value is not None:
-                for branch in ("positive", "negative"):
-                    if getattr(self, f"topr_{branch}_{side}") is not None:
-                        raise ValueError(f"tis_{side}_bound and topr_{branch}_{side} both set a limit: keep "
-                                         f"topr_{branch}_{side} (tis_{side}_bound is deprecated).")
-                    setattr(self, f"topr_{branch}_{side}", value)
-        replacement = f"loss_type={self.loss_type!r}" + "".join(
-            f", topr_positive_{side}={value!r}, topr_negative_{side}={value!r}"
-            for side, value in (("lower", bounds.get("tis_lower_bound")), ("upper", bounds.get("tis_upper_bound")))
-            if value is not None)
-        warnings.warn(f"{', '.join({**chosen, **bounds})} is deprecated and will be removed: use {replacement}.",
-                      FutureWarning, stacklevel=4)  # the caller of TOPRConfig(...)
-        self.pg_variant = self.topr_preset = self.tis_lower_bound = self.tis_upper_bound = None
 
     @property
     def uses_topr_loss(self) -> bool:

@@ -327,19 +327,11 @@ def _normalised_equal(prediction: str, reference: str) -> bool:
     return value_a is not None and value_a == value_b
 
 
-_warned_missing_math_verify = False
-
-
 def _math_verify_equal(prediction: str, reference: str) -> bool | None:
-    """`math-verify`'s verdict, or None when the library is missing or cannot parse one of the answers."""
-    try:
-        import math_verify
-    except ImportError:
-        global _warned_missing_math_verify
-        if not _warned_missing_math_verify:
-            logger.warning("math-verify is not installed: MATH answers are compared as normalised strings")
-            _warned_missing_math_verify = True
-        return None
+    """`math-verify`'s verdict (a required dependency, imported on first use), or None when it cannot parse one of
+    the answers."""
+    import math_verify
+
     # math-verify's timeouts use SIGALRM, which only the main thread may set.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     gold = math_verify.parse(f"${reference}$", parsing_timeout=timeout)
@@ -352,10 +344,10 @@ def _math_verify_equal(prediction: str, reference: str) -> bool | None:
 def math_answers_equal(prediction: str, reference: str, use_math_verify: bool = True) -> bool:
     """Whether two MATH answers (LaTeX, without `\\boxed`) are mathematically equivalent.
 
-    With `math-verify` installed (and `use_math_verify`), its `parse` + `verify` decide: `\\frac{1}{2}` equals
-    `0.5` and `\\dfrac12`, `2\\sqrt{2}` equals `\\sqrt{8}`, `x^2+2x` equals `x(x+2)`; answers whose normalised
-    strings (`normalize_math_answer`) match are accepted too. When the library is missing or cannot parse one
-    of the answers, only that normalised string comparison decides."""
+    With `use_math_verify` (the default), `math-verify`'s `parse` + `verify` decide: `\\frac{1}{2}` equals `0.5`
+    and `\\dfrac12`, `2\\sqrt{2}` equals `\\sqrt{8}`, `x^2+2x` equals `x(x+2)`; answers whose normalised strings
+    (`normalize_math_answer`) match are accepted too. When it cannot parse one of the answers, or without
+    `use_math_verify`, only that normalised string comparison decides."""
     if use_math_verify:
         verdict = _math_verify_equal(prediction, reference)
         if verdict is not None:
