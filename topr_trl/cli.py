@@ -437,9 +437,14 @@ def run_command(command: str, argv: list[str]):
 
         return run(*parse_command("evaluate", argv))
     if command == "vllm-serve":
-        from .vllm_server.command import run
+        from .arguments import build_parser
+        from .vllm_server.command import serve
 
-        return run(argv)
+        parser = build_parser()[1]["vllm-serve"]
+        if "-h" in argv or "--help" in argv or "--help-all" in argv:
+            parser.print_help()
+            raise SystemExit(0)
+        return serve(*parser.parse_args_into_dataclasses(argv, return_remaining_strings=True))
     return {"train": train, "generate": generate, "iterate": iterate}[command](argv)
 
 

@@ -118,12 +118,9 @@ def server_command(arguments: VLLMServeArguments, extra_args: list[str]) -> tupl
     return command, environment
 
 
-def run(argv: list[str]) -> None:
-    """Parse `topr-trl vllm-serve` flags and become the server (the same process id: stopping it stops vLLM)."""
-    from ..arguments import CommandParser
-
-    parser = CommandParser(VLLMServeArguments, prog="topr-trl vllm-serve")
-    arguments, extra_args = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+def serve(arguments: VLLMServeArguments, extra_args: list[str]) -> None:
+    """Become the server `arguments` describe (the same process id: stopping it stops vLLM); `extra_args` go to
+    vLLM as they are. The command line parses them (`topr-trl vllm-serve`)."""
     command, environment = server_command(arguments, extra_args)
     shown = shlex.join(["python", *command[1:]])
     print(f"topr-trl vllm-serve: {shown}", file=sys.stderr, flush=True)
