@@ -52,6 +52,8 @@ def parse(argv):
     parser.add_argument("--completion_length", type=int, default=32)
     parser.add_argument("--hidden_size", type=int, default=256)
     parser.add_argument("--num_layers", type=int, default=4)
+    parser.add_argument("--server_dtype", default="float32", help="the server's dtype (float32: the trainer's; "
+                                                                  "auto: vLLM's bfloat16, slow on CPUs without it)")
     parser.add_argument("--output", default="docs/async_server_throughput.json")
     return parser.parse_args(argv)
 
@@ -62,13 +64,13 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_server(model_path: str, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(model_path: str, log: Path, dtype: str) -> tuple[subprocess.Popen, str]:
     """The server on the first core, one thread."""
     from topr_trl.vllm_server.command import launch_server
 
     environment = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}
-    return launch_server(model_path, free_port(), log, "--gpu_memory_utilization", "0.5", env=environment,
-                         prefix=("taskset", "-c", "0"))
+    return launch_server(model_path, free_port(), log, "--gpu_memory_utilization", "0.5", "--dtype", dtype,
+                         env=environment, prefix=("taskset", "-c", "0"))
 
 
 class StepClock(TrainerCallback):
@@ -93,7 +95,7 @@ def run(kind: str, model_path: str, url: str, options, output_dir: str) -> dict:
                   topr_signal="reward", seed=0)
     if kind == "synchronous":
         args = TOPRConfig(**common, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
-                          vllm_group_port=free_port(), generation_kwargs={"min_tokens": options.completion_length})
+                          vllm_group_port=free_port())
         trainer = TOPRTrainer(model_path, reasoning_reward, args=args, train_dataset=dataset)
     else:
         from transformers import AutoTokenizer
@@ -139,7 +141,7 @@ def main(argv=None) -> dict:
         tokenizer = build_tokenizer()
         model_path = str(save_pretrained(build_model(tokenizer, seed=0, hidden_size=options.hidden_size,
                                                      num_layers=options.num_layers), tokenizer, Path(work) / "m"))
-        server, url = start_server(model_path, Path(work) / "server.log")
+        server, url = start_server(model_path, Path(work) / "server.log", options.server_dtype)
         try:
             runs = []
             for pair in range(options.pairs):
