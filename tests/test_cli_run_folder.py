@@ -194,7 +194,7 @@ def test_ctrl_c_says_where_the_last_checkpoint_is_and_the_command_that_resumes_i
         _, stderr = run.communicate(timeout=300)
     finally:
         run.kill()
-    assert run.returncode == 130
+    assert run.returncode == 130, stderr[-3000:]
     line = one_error_line(stderr)
     assert "KeyboardInterrupt" not in stderr
     checkpoint = re.search(r"the last checkpoint is (\S+);", line).group(1)
@@ -209,6 +209,27 @@ def test_ctrl_c_says_where_the_last_checkpoint_is_and_the_command_that_resumes_i
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads((user_folder / "outputs" / "interrupted" / "topr_summary.json").read_text())
     assert summary["steps"] == step + 1
+
+
+def test_ctrl_c_in_training_is_never_lost_in_a_finaliser_and_a_second_one_interrupts_at_once():
+    """The first SIGINT only sets a flag (Python would raise it wherever the main thread is, and a KeyboardInterrupt
+    raised in a finaliser is printed as "ignored" and lost: the run went on to its last step), read at the end of the
+    step; Python's handler is back for a second one; leaving the block restores the handler it found."""
+    from topr_trl.runs import InterruptAtStepEnd
+
+    before = signal.getsignal(signal.SIGINT)
+    interrupt = InterruptAtStepEnd()
+    with interrupt:
+        interrupt.on_step_end(None, None, "control")  # nothing asked: the step ends normally
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)  # the handler runs between bytecodes: no KeyboardInterrupt here
+        assert interrupt.requested and signal.getsignal(signal.SIGINT) is before
+        with pytest.raises(KeyboardInterrupt):
+            interrupt.on_step_end(None, None, "control")
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 # ----------------------------------------------------------------------------------------- the Hub, trackers

@@ -34,6 +34,7 @@ from .machine import describe_machine, machine_info
 from .curves import logged_curves, plot_curves
 from .runs import (
     SUMMARY_METRICS,
+    InterruptAtStepEnd,
     LogLastStep,
     check_hub_push,
     check_trackers,
@@ -131,8 +132,11 @@ def train(argv: list[str]) -> dict:
             summary["held_out_problems"] = len(held_out)
             summary["before"] = held_out_accuracy(trainer, held_out, task)
             say(f"before training: {describe_accuracy(summary['before'], len(held_out))}")
+        interrupt = InterruptAtStepEnd()
+        trainer.add_callback(interrupt)
         try:
-            trainer.train(resume_from_checkpoint=checkpoint_to_resume(training_args))
+            with interrupt:
+                trainer.train(resume_from_checkpoint=checkpoint_to_resume(training_args))
         except KeyboardInterrupt:
             raise interrupted_run("train", argv, output_dir) from None
         except USER_ERRORS:  # a lost vLLM server: its one line starts on a line of its own, not after the progress bar

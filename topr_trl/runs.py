@@ -239,6 +239,45 @@ class LogLastStep(TrainerCallback):
         return control
 
 
+class InterruptAtStepEnd(TrainerCallback):
+    """Ctrl-C during training stops the run at the end of the current optimizer step, as a KeyboardInterrupt raised
+    there. Python raises KeyboardInterrupt wherever the main thread happens to be, and where that is a finaliser (a
+    `__del__`, a weakref callback: TensorBoard's writer, a released tensor) the exception is printed as "ignored" and
+    lost, and the run goes on to its last step. Here the signal only sets a flag, read at the step's end; a second
+    Ctrl-C interrupts at once (Python's own handler is back after the first). Use as a context manager around
+    `trainer.train()`, with the callback added to the trainer."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _request(self, signum, frame):
+        import signal
+
+        self.requested = True
+        signal.signal(signal.SIGINT, self._previous)
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._request)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self._previous is not None and signal.getsignal(signal.SIGINT) == self._request:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.requested:
+            raise KeyboardInterrupt
+        return control
+
+
 def interrupted(what: str) -> SystemExit:
     """Ctrl-C's one line, `topr-trl: interrupted; <what>` (what was kept and how to go on), and exit status 130 as a
     shell gives an interrupted program. It starts on a line of its own: the progress bar it interrupts has none."""
