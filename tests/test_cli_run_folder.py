@@ -60,9 +60,12 @@ def user_run(folder: Path, output: str, *extra: str) -> list[str]:
 
 
 def topr_trl(argv: list[str], cwd: Path, **env) -> subprocess.Popen:
+    # with SIGINT at its default in the child, as a command typed in a terminal has it (a test run started as a
+    # background job of a script would pass on SIGINT ignored, and the Ctrl-C tests would test nothing)
     return subprocess.Popen([sys.executable, "-m", "topr_trl", *argv], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(cwd), "OMP_NUM_THREADS": "1", **env})
+                            env={**os.environ, "PYTHONPATH": str(cwd), "OMP_NUM_THREADS": "1", **env},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for(condition, process: subprocess.Popen, timeout: float = 300) -> None:
@@ -217,7 +220,21 @@ def test_ctrl_c_in_training_is_never_lost_in_a_finaliser_and_a_second_one_interr
     step; Python's handler is back for a second one; leaving the block restores the handler it found."""
     from topr_trl.runs import InterruptAtStepEnd
 
-    before = signal.getsignal(signal.SIGINT)
+    found = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as in a terminal
+    try:
+        _interrupt_twice(signal.default_int_handler)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job ignores SIGINT: so does the run
+        with InterruptAtStepEnd() as interrupt:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+            assert not interrupt.requested and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, found)
+
+
+def _interrupt_twice(before) -> None:
+    from topr_trl.runs import InterruptAtStepEnd
+
     interrupt = InterruptAtStepEnd()
     with interrupt:
         interrupt.on_step_end(None, None, "control")  # nothing asked: the step ends normally

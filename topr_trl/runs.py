@@ -261,7 +261,8 @@ class InterruptAtStepEnd(TrainerCallback):
         import signal
         import threading
 
-        if threading.current_thread() is threading.main_thread():
+        # a process started with SIGINT ignored (a background job of a script) keeps ignoring it
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
             self._previous = signal.signal(signal.SIGINT, self._request)
         return self
 
