@@ -175,3 +175,28 @@ def test_the_vllm_generation_arguments_are_those_grpo_trainer_passes():
     assert tuple(keyword.arg for keyword in calls[0].keywords) == GRPO_VLLM_GENERATION_ARGUMENTS
     accepted = set(inspect.signature(VLLMGeneration.__init__).parameters) - {"self"}
     assert set(GRPO_VLLM_GENERATION_ARGUMENTS) == accepted
+
+
+@pytest.mark.parametrize("noticed_by", ["http", "transport"])
+def test_a_server_lost_mid_run_is_one_line_with_its_address_and_how_to_go_on(noticed_by):
+    """Whichever side notices a killed server first (an HTTP request, or the gloo transport in the middle of a push,
+    as CI saw once), the line names the server and says to resume on a new one; other errors pass through."""
+    import requests
+
+    from topr_trl.vllm_server.client import GlooServerGeneration, ServerLost
+
+    generation = object.__new__(GlooServerGeneration)  # only the call wrapper: no trainer, no server
+    generation.vllm_client = type("Client", (), {"base_url": "http://127.0.0.1:9"})()
+
+    def lost():
+        if noticed_by == "http":
+            raise requests.ConnectionError("refused")
+        raise ServerLost("the weight path to the vLLM server at http://127.0.0.1:9 broke: Connection reset by peer")
+
+    with pytest.raises(ServerLost) as raised:
+        generation._server_call(lost)
+    line = str(raised.value)
+    assert "\n" not in line and "the vLLM server at http://127.0.0.1:9" in line
+    assert line.endswith("then continue the run with --resume_from_checkpoint true"), line
+    with pytest.raises(ValueError):  # not a lost server: left as it is
+        generation._server_call(lambda: (_ for _ in ()).throw(ValueError("a bug")))

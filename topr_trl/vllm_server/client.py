@@ -37,6 +37,9 @@ GRPO_VLLM_GENERATION_ARGUMENTS = (
     "temperature", "top_p", "top_k", "min_p", "max_completion_length", "logprobs", "generation_kwargs")
 
 
+RESUME_ON_A_NEW_SERVER = "restart it, then continue the run with --resume_from_checkpoint true"
+
+
 class ServerLost(ConnectionError):
     """The vLLM server stopped answering, or failed, under a run: one line naming its address."""
 
@@ -213,12 +216,16 @@ class GlooServerGeneration(VLLMGeneration):
         self.accelerator.wait_for_everyone()
 
     def _server_call(self, call, *args, **kwargs):
+        """`call`, with a lost server said in one line that tells how to go on: whichever side noticed first (an
+        HTTP request, or the gloo transport mid-push), the run resumes from its last checkpoint on a new server."""
+        url = getattr(getattr(self, "vllm_client", None), "base_url", "the server")
         try:
             return call(*args, **kwargs)
         except requests.RequestException as error:
-            url = getattr(getattr(self, "vllm_client", None), "base_url", "the server")
-            raise ServerLost(f"the vLLM server at {url} stopped answering ({type(error).__name__}): restart it, then "
-                             "continue the run with --resume_from_checkpoint true") from None
+            raise ServerLost(f"the vLLM server at {url} stopped answering ({type(error).__name__}): "
+                             f"{RESUME_ON_A_NEW_SERVER}") from None
+        except ServerLost as error:
+            raise ServerLost(f"{error}: {RESUME_ON_A_NEW_SERVER}") from None
 
     def sync_weights(self):
         return self._server_call(super().sync_weights)
