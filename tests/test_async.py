@@ -583,3 +583,22 @@ def test_a_knob_the_asynchronous_loss_does_not_read_is_refused(tmp_path):
         AsyncTOPRConfig(str(tmp_path), use_cpu=True, bf16=False, report_to="none", kimi15_tau=0.5)
     with pytest.raises(ValueError, match="`topr_negative_weight` must be a finite number >= 0"):
         AsyncTOPRConfig(str(tmp_path), use_cpu=True, bf16=False, report_to="none", topr_negative_weight=-1.0)
+
+
+@pytest.mark.parametrize("truncation", [{"top_k": 2}, {"top_p": 0.8}])
+def test_a_worker_sampling_with_truncation_gives_pi_over_mu_of_one_at_learning_rate_zero(truncation, tmp_path):
+    """The CPU worker samples with top-k or top-p (its `generation_kwargs`) and says so (`sampling`); the trainer
+    scores pi on that support, so at learning rate 0 and lag 0 every ratio is 1 within 1e-4. Over the whole
+    vocabulary (the trainer's scoring without it) the same samples give ratios below 1 (the kept mass)."""
+    worker = make_worker(generation_kwargs=truncation)
+    assert worker.sampling.truncates
+    trainer = build(AsyncTOPRTrainer, AsyncTOPRConfig(**async_kwargs(tmp_path, learning_rate=0.0, max_steps=2,
+                                                                      topr_signal="reward", topr_baseline=0.5)),
+                    worker)
+    trainer.train()
+    ratios = [value for key in ("topr/ratio_positive/min", "topr/ratio_positive/max", "topr/ratio_negative/min",
+                                "topr/ratio_negative/max") for value in logged_values(trainer, key)]
+    assert ratios and all(abs(ratio - 1) < 1e-4 for ratio in ratios), ratios
+    assert trainer._sampler_processing == worker.sampling
+    assert logged_values(trainer, "topr/ratio_ess_fraction") and all(
+        value == pytest.approx(1.0, abs=1e-6) for value in logged_values(trainer, "topr/ratio_ess_fraction"))

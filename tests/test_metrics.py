@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from topr_trl import TOPRConfig, TOPRTrainer
-from topr_trl.loss import PRESETS, policy_per_token_loss
+from topr_trl.loss import PRESETS, PolicyLossSpec, policy_per_token_loss
 from topr_trl.offline import generate_offline_dataset, stored_reward
 
 from .conftest import parity_reward, small_config_kwargs
@@ -132,3 +132,22 @@ def test_branch_losses_have_the_stated_signs(tiny_model_path, arithmetic_dataset
     positive, negative = (logged_values(trainer, f"topr/loss_{b}") for b in ("positive", "negative"))
     assert len(positive) == len(negative) == 3
     assert all(p > 0 for p in positive) and all(n < 0 for n in negative)
+
+
+def test_effective_sample_size_fraction_and_ratio_quantiles_by_hand():
+    """Kish's ESS fraction: 1 for equal ratios, 1/n when one ratio carries everything, (1+3)^2 / (2 (1+9)) = 0.8 for
+    (1, 3). Quantiles per branch by linear interpolation (torch.quantile), NaN for an empty branch."""
+    from topr_trl.policy_metrics import branch_ratios, effective_sample_size_fraction, ratio_quantiles
+
+    assert effective_sample_size_fraction(4.0, 4.0, 4) == 1.0
+    assert effective_sample_size_fraction(4.0, 16.0, 4) == 0.25
+    assert effective_sample_size_fraction(4.0, 10.0, 2) == pytest.approx(0.8)
+    assert math.isnan(effective_sample_size_fraction(0.0, 0.0, 0))
+    log_ratios = torch.log(torch.tensor([[0.5], [1.0], [2.0], [3.0], [4.0]]))
+    signal = torch.tensor([-1.0, -1.0, -1.0, -1.0, -1.0])
+    terms = policy_per_token_loss(torch.zeros(5, 2), -log_ratios.expand(5, 2) / 2, signal.view(-1, 1),
+                                  torch.ones(5, 2), PolicyLossSpec())
+    quantiles = ratio_quantiles(branch_ratios(terms, signal, torch.ones(5, 2)))
+    assert math.isnan(quantiles["topr/ratio_positive/p50"])
+    # negatives 0.5, 1, 2, 3, 4: p10 = 0.5 + 0.4 * 0.5, p50 = 2, p90 = 3 + 0.6 * 1
+    assert [quantiles[f"topr/ratio_negative/p{q}"] for q in (10, 50, 90)] == pytest.approx([0.7, 2.0, 3.6], rel=1e-5)

@@ -142,6 +142,38 @@ SYNCED_WITHIN_FLOORS = 2.0
 WRONG_BEYOND_FLOORS = 30.0
 
 
+def test_colocated_vllm_sampling_with_top_k_gives_pi_over_mu_of_one_up_to_the_bf16_mismatch(tmp_path,
+                                                                                          tmp_path_factory):
+    """The user's tied Qwen2, random-initialised (near uniform over its vocabulary), on the colocated engine with
+    top_k 3 at learning rate 0: pi is scored on mu's top-3 support, so every ratio is 1 up to the engine's bfloat16
+    mismatch, where the whole-vocabulary score gives ratios below 1e-3 (the kept mass of 3 tokens, multiplied over
+    the completion). The band is wider than the untruncated sync test's: on a near-uniform policy the 3rd and 4th
+    logits often lie within a bfloat16 rounding of each other, so the engine's top-3 and the float32 policy's differ
+    in a token (measured: ratios 0.99-1.55 over 16 tokens); a float32 server gives 1 within 1e-4
+    (tests/test_vllm_server.py)."""
+    from topr_trl import TOPRConfig, TOPRTrainer
+
+    model_dir, dataset, reward, length = user_model(tmp_path_factory, tied=True)
+    args = TOPRConfig(str(tmp_path), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="colocate",
+                      vllm_gpu_memory_utilization=0.3, per_device_train_batch_size=16, num_generations=8,
+                      max_completion_length=length, max_steps=2, learning_rate=0.0, top_k=3, topr_signal="reward",
+                      topr_behaviour_source="sampler", topr_unscored_batch="train", logging_steps=1,
+                      report_to="none", save_strategy="no")
+    trainer = TOPRTrainer(model_dir, reward, args=args, train_dataset=dataset)
+    trainer.train()
+    ratios = [entry[f"topr/ratio_{sign}/{stat}"] for entry in trainer.state.log_history
+              for sign in ("positive", "negative") for stat in ("min", "max")
+              if entry.get(f"topr/ratio_{sign}/{stat}") is not None]
+    assert ratios and all(0.5 < ratio < 2.0 for ratio in ratios), ratios
+    trainer._sampler_processing = None  # scored over the whole vocabulary, as TRL does
+    batch = trainer._generate_and_score_completions(list(dataset.select(range(8))))
+    full = trainer._policy_logps_and_entropies(trainer.model, batch)[0]
+    log_ratio = ((full - batch["sampling_per_token_logps"]) * batch["completion_mask"]).sum(1)
+    assert log_ratio.max().exp() < 1e-3, log_ratio
+    trainer = None
+    gc.collect()
+
+
 @pytest.mark.parametrize("which", ["built-in reasoning model (tied)", "user's Qwen2 (tied)", "user's Qwen2 (untied)"])
 def test_colocated_vllm_samples_from_the_policys_current_weights_and_mu_is_its_sampler(which, reasoning_model,
                                                                                        tmp_path, tmp_path_factory):

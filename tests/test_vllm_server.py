@@ -91,6 +91,40 @@ def sampled_sequences(url: str, prompt: list[int], n: int = 4, length: int = 20)
     return [prompt + choice["token_ids"] for choice in reply["choices"]]
 
 
+def test_a_float32_server_sampling_with_top_k_or_top_p_gives_pi_over_mu_of_one_at_learning_rate_zero(
+        tmp_path, tmp_path_factory):
+    """The user's tied Qwen2, random-initialised (near uniform over its vocabulary, as a base model on a hard task),
+    served in float32 so that no bf16 mismatch enters: mu is the server's processed log-probs, pi is scored on the
+    same support, and at learning rate 0 every ratio is 1 within 1e-4 for top_k 3 and for top_p 0.9. Scored over the
+    whole vocabulary instead (before pi was put on mu's support) the same ratios are the kept mass multiplied over
+    the completion: below 1e-3 at top_k 3, below 0.5 at top_p 0.9."""
+    from topr_trl import TOPRConfig, TOPRTrainer
+
+    model_dir, dataset, reward, length = user_model(tmp_path_factory, tied=True)
+    with served(model_dir, tmp_path / "server.log", "--dtype", "float32") as (url, _):
+        for sampling in ({"top_k": 3}, {"top_p": 0.9}):
+            args = TOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="server",
+                              vllm_server_base_url=url, vllm_group_port=free_port(), per_device_train_batch_size=16,
+                              num_generations=8, max_completion_length=length, max_steps=2, learning_rate=0.0,
+                              topr_signal="reward", topr_behaviour_source="sampler", topr_unscored_batch="train",
+                              logging_steps=1, report_to="none", save_strategy="no", **sampling)
+            trainer = TOPRTrainer(model_dir, reward, args=args, train_dataset=dataset)
+            assert trainer._sampler_processing.engine == "vllm"
+            trainer.train()
+            ratios = [entry[f"topr/ratio_{sign}/{stat}"] for entry in trainer.state.log_history
+                      for sign in ("positive", "negative") for stat in ("min", "max")
+                      if entry.get(f"topr/ratio_{sign}/{stat}") is not None]
+            assert ratios and all(abs(ratio - 1) < 1e-4 for ratio in ratios), (sampling, ratios)
+            trainer._sampler_processing = None  # scored over the whole vocabulary, as TRL does
+            batch = trainer._generate_and_score_completions(list(dataset.select(range(8))))
+            full = trainer._policy_logps_and_entropies(trainer.model, batch)[0]
+            log_ratio = ((full - batch["sampling_per_token_logps"]) * batch["completion_mask"]).sum(1)
+            # top_k 3 keeps ~3 tokens' mass of a near-uniform distribution; top_p 0.9 keeps ~0.9 per token, ~0.2
+            # over 16 tokens (measured: 0.16-0.25)
+            bound = 1e-3 if "top_k" in sampling else 0.5
+            assert log_ratio.max().exp() < bound, (sampling, log_ratio)
+
+
 @pytest.mark.parametrize("which", ["built-in reasoning model (tied)", "user's Qwen2 (tied)", "user's Qwen2 (untied)"])
 def test_server_mode_trains_on_a_cpu_and_the_server_holds_the_weights_of_the_last_sync(which, reasoning_model,
                                                                                        tmp_path, tmp_path_factory):

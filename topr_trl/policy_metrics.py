@@ -47,6 +47,8 @@ def metric_sums(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, en
         "n_positive": (signal > 0).sum(), "n_negative": (signal < 0).sum(), "n_zero": (signal == 0).sum(),
         "ratio_sum_positive": (ratio * in_positive).sum(), "ratio_sum_negative": (ratio * in_negative).sum(),
         "ratio_count_positive": in_positive.sum(), "ratio_count_negative": in_negative.sum(),
+        "ratio_sq_sum_positive": (ratio.square() * in_positive).sum(),
+        "ratio_sq_sum_negative": (ratio.square() * in_negative).sum(),
         "weight_sum_positive": (weights * in_positive).sum(), "weight_sum_negative": (weights * in_negative).sum(),
         "truncated_negative": (outside * in_negative).sum(),
         "mass_positive": (magnitude * (signal >= 0)).sum(), "mass_total": magnitude.sum(),
@@ -65,6 +67,40 @@ def ratio_minima(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor) -
         torch.where(in_positive.bool(), ratio, inf).amin(), torch.where(in_negative.bool(), ratio, inf).amin(),
         torch.where(in_positive.bool(), -ratio, inf).amin(), torch.where(in_negative.bool(), -ratio, inf).amin(),
     ])
+
+
+RATIO_QUANTILES = (0.1, 0.5, 0.9)
+"""The quantiles of pi/mu logged per branch (`topr/ratio_<branch>/p10`, `/p50`, `/p90`)."""
+
+
+def branch_ratios(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(2, N): every element's pi/mu (trajectories, or completion tokens), on the positive row where it is a positive
+    and on the negative row where it is a negative, NaN elsewhere: what the caller pads and gathers over processes
+    for `ratio_quantiles`."""
+    _, ratio, in_positive, in_negative = _ratio_and_branches(terms, signal, mask)
+    nan = torch.tensor(float("nan"), device=ratio.device)
+    return torch.stack([torch.where(in_positive.bool(), ratio, nan).flatten(),
+                        torch.where(in_negative.bool(), ratio, nan).flatten()])
+
+
+def ratio_quantiles(ratios: torch.Tensor) -> dict[str, float]:
+    """The `RATIO_QUANTILES` of each branch's pi/mu from the gathered (2, N) `branch_ratios` (NaN for an empty
+    branch)."""
+    metrics = {}
+    for row, branch in zip(ratios.float(), ("positive", "negative"), strict=True):
+        present = row[~torch.isnan(row)]
+        for q in RATIO_QUANTILES:
+            value = torch.quantile(present, q).item() if present.numel() else float("nan")
+            metrics[f"topr/ratio_{branch}/p{round(q * 100)}"] = value
+    return metrics
+
+
+def effective_sample_size_fraction(ratio_sum: float, ratio_sq_sum: float, count: float) -> float:
+    """Kish's effective sample size of importance weights over their number, (sum r)^2 / (n sum r^2): 1 when every
+    pi/mu is equal (on-policy data), 1/n when one ratio dominates; NaN for none."""
+    if count <= 0 or ratio_sq_sum <= 0:
+        return float("nan")
+    return ratio_sum ** 2 / (count * ratio_sq_sum)
 
 
 def policy_metrics(totals: dict[str, float], minima: list[float], branch_losses: list[float],
@@ -90,6 +126,12 @@ def policy_metrics(totals: dict[str, float], minima: list[float], branch_losses:
         "topr/ratio_negative/mean": share("ratio_sum_negative", "ratio_count_negative"),
         "topr/ratio_negative/min": minima[1],
         "topr/ratio_negative/max": -minima[3],
+        "topr/ratio_ess_fraction": effective_sample_size_fraction(
+            totals["ratio_sum_positive"] + totals["ratio_sum_negative"],
+            totals["ratio_sq_sum_positive"] + totals["ratio_sq_sum_negative"],
+            totals["ratio_count_positive"] + totals["ratio_count_negative"]),
+        "topr/ratio_negative/ess_fraction": effective_sample_size_fraction(
+            totals["ratio_sum_negative"], totals["ratio_sq_sum_negative"], totals["ratio_count_negative"]),
         "topr/weight_positive/mean": share("weight_sum_positive", "ratio_count_positive"),
         "topr/weight_negative/mean": share("weight_sum_negative", "ratio_count_negative"),
         "topr/negative_truncated_fraction": share("truncated_negative", "ratio_count_negative"),

@@ -15,8 +15,9 @@ from .config import TOPRConfig, topr_setting
 from .grpo_mirror import GRPOLossMirror
 from .loss import POLICY_LOSSES, baseline_for_target_share, branch_losses, policy_per_token_loss, reward_signal
 from .offline.replay import OfflineReplay, prepare_replayed_datasets
-from .offline.schema import checked_reward_function
-from .policy_metrics import metric_sums, policy_metrics, ratio_minima
+from .offline.schema import checked_reward_function, is_offline_dataset, stored_processing
+from .policy_metrics import branch_ratios, metric_sums, policy_metrics, ratio_minima, ratio_quantiles
+from .sampler_support import SamplerProcessing, captured_outputs, completion_support_correction, fused_head_parts
 
 logger = logging.get_logger(__name__)
 
@@ -38,6 +39,9 @@ class PolicyMetricsLogging:
         gathered = self.accelerator.gather(per_rank.unsqueeze(0))
         values = policy_metrics(totals, gathered[:, :4].amin(dim=0).tolist(), gathered[:, 4:].mean(dim=0).tolist(),
                                 reward_signal=self.args.topr_signal == "reward")
+        ratios = self.accelerator.pad_across_processes(branch_ratios(terms, signal, mask), dim=1,
+                                                       pad_index=float("nan"))
+        values.update(ratio_quantiles(self.accelerator.gather(ratios.unsqueeze(0)).transpose(0, 1).flatten(1)))
         for name, value in values.items():
             self._metrics[mode][name].append(value)
         ratio_ranges = (f"positives [{values['topr/ratio_positive/min']}, {values['topr/ratio_positive/max']}], "
@@ -140,10 +144,45 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
                 "topr_behaviour_source='sampler' needs a generator that returns sampling log-probs: set "
                 "use_vllm=True or pass a rollout_func that returns `logprobs`; or use 'auto' or 'policy'."
             )
+        self._sampler_processing = self._mu_processing(args)
         if self.use_vllm and source in ("auto", "sampler"):
             # mu is vLLM's own sampling distribution, so pi/mu already corrects the train/inference mismatch;
             # TRL's separate correction on top would count it twice.
             self.vllm_importance_sampling_correction = False
+
+    def _mu_processing(self, args) -> SamplerProcessing | None:
+        """How mu turned logits into its sampling distribution, when it differs from what TRL scores the policy with
+        (the whole vocabulary at the trainer's temperature): then pi is scored on mu's support
+        (`topr_trl.sampler_support`). Online it is this trainer's generation settings (vLLM's filter order with vLLM);
+        offline, the stored rows' `behaviour_sampling` (one processing for the dataset), else the trainer's settings,
+        said once."""
+        engine = "vllm" if self.use_vllm else "transformers"
+        processing = SamplerProcessing(temperature=self.temperature, top_k=self.top_k or None, top_p=self.top_p,
+                                       min_p=self.min_p, engine=engine)
+        replayed = [self.train_dataset] if self._offline else []
+        replayed += list(self.eval_dataset.values()) if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+        replayed = [dataset for dataset in replayed if is_offline_dataset(dataset)]
+        if replayed:
+            processing = stored_processing(replayed, processing)
+        return processing if processing.differs_from(self.temperature) else None
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args,
+                                           **kwargs):
+        """GRPOTrainer's log-probs (its fused head: the whole vocabulary at the trainer's temperature), plus, for
+        TOPR's losses when mu's sampling truncated or used another temperature, the constant that scores pi on mu's
+        support (`topr_trl.sampler_support`): pi/mu is then exact at learning rate 0, and the gradient stays GRPO's.
+        The backbone's hidden states of the same forward are reused: no second forward pass."""
+        processing = getattr(self, "_sampler_processing", None)
+        if processing is None:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                              *args, **kwargs)
+        backbone, owner = fused_head_parts(model)
+        with captured_outputs(backbone) as hidden:
+            logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        correction = completion_support_correction(owner, torch.cat(hidden), input_ids, attention_mask,
+                                                   logits_to_keep, processing, self.temperature)
+        return logps + correction.to(logps.dtype), entropies, aux_loss
 
     @staticmethod
     def _generates_on_gloo_server(args) -> bool:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ..prompts import tokenize_prompts
+from ..sampler_support import SamplerProcessing
 from ..sampling import generate_completions
 
 # The reward functions' extra keyword arguments, as GRPOTrainer passes them (the dataset's other columns).
@@ -152,6 +153,14 @@ class LaggedRolloutWorker:
         self.samples_queued = 0  # samples put in `rollout_buffer` (a group generated while stopping is not)
 
     # ------------------------------------------------------------------ RolloutWorkerProtocol
+
+    @property
+    def sampling(self) -> SamplerProcessing:
+        """How this worker turns logits into its sampling distribution (its temperature, and the top_k / top_p of
+        `generation_kwargs`): the trainer scores pi on that support."""
+        return SamplerProcessing(temperature=self.temperature, top_k=self.generation_kwargs.get("top_k") or None,
+                                 top_p=self.generation_kwargs.get("top_p"), min_p=self.generation_kwargs.get("min_p"))
+
     def weight_transfer(self) -> InProcessWeightTransfer:
         return InProcessWeightTransfer(self)
 

@@ -28,6 +28,7 @@ from accelerate import PartialState
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
 from ..loss import packed_topr_loss, unpack_segments
+from ..sampler_support import SamplerProcessing, captured_outputs, fused_head_parts, head_logits, support_correction
 from ..trainer import PolicyMetricsLogging, TOPRTrainer, trained_method
 from .config import AsyncTOPRConfig
 from .cpu import CPUSupport
@@ -121,6 +122,7 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
             kwargs["weight_transfer"] = gloo_weight_transfer(args)
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._loss_spec = args.policy_loss_spec
+        self._sampler_processing = self._mu_processing(args, kwargs.get("rollout_worker"))
         if self.accelerator.is_main_process:
             self.rollout_queue = ConsumedSamples(
                 self.rollout_queue, lambda: self.model_version, self._metrics["train"],
@@ -132,12 +134,39 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
         process; empty elsewhere)."""
         return self.rollout_queue.staleness_counts if isinstance(self.rollout_queue, ConsumedSamples) else Counter()
 
+    def _mu_processing(self, args, rollout_worker) -> SamplerProcessing | None:
+        """How the rollout worker turns logits into its sampling distribution, when it differs from TRL's scoring
+        (the whole vocabulary at the trainer's temperature): TRL's worker samples on vLLM with the config's
+        temperature, top_k, top_p and min_p; a worker that says how it samples (`sampling`, as the CPU stand-in
+        `LaggedRolloutWorker` does) as it says."""
+        if isinstance(getattr(rollout_worker, "sampling", None), SamplerProcessing):
+            processing = rollout_worker.sampling
+        else:
+            processing = SamplerProcessing(temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
+                                           min_p=args.min_p, engine="vllm")
+        return processing if processing.differs_from(self.temperature) else None
+
+    def _scored_packed_forward(self, model, inputs):
+        """`_packed_forward`, with pi scored on the support the worker sampled from (`topr_trl.sampler_support`)
+        when its sampling truncated: the backbone's hidden states of the same forward give the constant per token."""
+        if self._sampler_processing is None:
+            return self._packed_forward(model, inputs)
+        backbone, owner = fused_head_parts(model)
+        with captured_outputs(backbone) as hidden:
+            log_probs, entropy, selected, aux_loss = self._packed_forward(model, inputs)
+        token_index = inputs["token_index"][selected]
+        labels = inputs["shift_labels"][inputs["attention_mask"].bool()]
+        correction = support_correction(head_logits(owner, hidden[0].flatten(0, 1)[token_index]),
+                                        labels[token_index].to(hidden[0].device), self._sampler_processing,
+                                        self.temperature)
+        return log_probs + correction.to(log_probs.device, log_probs.dtype), entropy, selected, aux_loss
+
     # ------------------------------------------------------------------ the loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TOPR's loss on one packed micro-batch of this rank, scaled as TRL scales its own: DDP averages the
         gradients of the ranks and the micro-batches of a step are summed, so the rank's share is divided by the
         micro-batch's completions (or tokens) per rank and by the accumulation steps."""
-        log_probs, entropy, selected, aux_loss = self._packed_forward(model, inputs)
+        log_probs, entropy, selected, aux_loss = self._scored_packed_forward(model, inputs)
         behaviour_logps = inputs["old_log_probs"][selected]
         token_signal = inputs["advantages"][selected]
         segment_id = inputs["segment_id"][selected]

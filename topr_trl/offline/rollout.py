@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ..prompts import tokenize_prompts
+from ..sampler_support import SamplerProcessing
 from ..sampling import generate_completions
 
 
@@ -34,7 +35,9 @@ def sample_with_logps(
     """`num_completions` samples for each prompt (conversational or plain), as rows with `prompt_ids` (the prompt
     as GRPOTrainer tokenizes it, see `tokenize_prompts`), `completion`, `completion_ids` (ending with EOS when the
     completion stopped: it is what teaches the model to stop), `behaviour_logps` (log mu of each sampled token
-    under the exact sampling distribution) and `truncated`."""
+    under the exact sampling distribution), `behaviour_sampling` (that distribution's processing, which the trainer
+    scores pi with) and `truncated`."""
+    sampling = SamplerProcessing(temperature, top_k or None, top_p, None, "transformers").as_row()
     prompt_ids = tokenize_prompts(tokenizer, prompts, chat_template_kwargs, tools)
     repeated = [ids for ids in prompt_ids for _ in range(num_completions)]
     samples = generate_completions(model, tokenizer, repeated, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -44,6 +47,7 @@ def sample_with_logps(
         "completion": tokenizer.decode(sample["completion_ids"], skip_special_tokens=True),
         "completion_ids": sample["completion_ids"],
         "behaviour_logps": sample["logps"],
+        "behaviour_sampling": sampling,
         "truncated": not sample["stopped"],
     } for ids, sample in zip(repeated, samples, strict=True)]
 
@@ -70,6 +74,7 @@ def sample_with_logps_vllm(
 
     params = SamplingParams(n=num_completions, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
                             max_tokens=max_new_tokens, logprobs=0, skip_special_tokens=True)
+    sampling = SamplerProcessing(temperature, top_k or None, top_p, None, "vllm").as_row()
     prompt_ids = tokenize_prompts(tokenizer, prompts, chat_template_kwargs, tools)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     rows = []
@@ -83,6 +88,7 @@ def sample_with_logps_vllm(
                 "completion": tokenizer.decode(tokens, skip_special_tokens=True),
                 "completion_ids": tokens,
                 "behaviour_logps": logps,
+                "behaviour_sampling": sampling,
                 "truncated": sample.finish_reason == "length",
             })
     return rows

@@ -13,12 +13,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 from datasets import Dataset
+from transformers.utils import logging
 from trl.trainer.utils import is_async_callable
 
 from ..prompts import tokenize_prompts
+from ..sampler_support import SamplerProcessing
+
+logger = logging.get_logger(__name__)
 
 OFFLINE_COLUMNS = ("prompt_index", "sample_index", "prompt_ids", "completion", "completion_ids", "behaviour_logps",
-                   "truncated", "reward")
+                   "behaviour_sampling", "truncated", "reward")
 
 
 _HOW_TO_MAKE = ("generate completions with `topr-trl generate` or topr_trl.offline.generate_offline_dataset, or add "
@@ -258,3 +262,31 @@ def checked_reward_function(function, name: str):
         return checked_values(function(*args, **kwargs))
 
     return checked
+
+
+def stored_processing(datasets: Sequence[Dataset], trainer_processing: SamplerProcessing) -> SamplerProcessing:
+    """How mu sampled the stored rows (their `behaviour_sampling`: temperature, top_k, top_p, min_p, engine), one for
+    all the replayed datasets, since pi is scored on mu's support with it. Rows that do not say are taken to have
+    been sampled with the trainer's own settings (`trainer_processing`), said once; rows that disagree fail in one
+    line."""
+    found = set()
+    for dataset in datasets:
+        if "behaviour_sampling" not in dataset.column_names:
+            found.add(None)
+            continue
+        found.update(None if row is None else json.dumps(row, sort_keys=True) for row in dataset["behaviour_sampling"])
+    stated = sorted(value for value in found if value is not None)
+    if len(stated) > 1:
+        raise ValueError(f"the stored rows were sampled in {len(stated)} ways (`behaviour_sampling`: "
+                         f"{', '.join(stated[:3])}): pi is scored on the support mu sampled from, one way per run; "
+                         "train on each part apart")
+    if not stated:
+        logger.warning_once(
+            "The stored rows do not say how mu sampled them (no `behaviour_sampling` column): pi/mu assumes this "
+            f"trainer's settings (temperature {trainer_processing.temperature}, top_k {trainer_processing.top_k}, "
+            f"top_p {trainer_processing.top_p}, min_p {trainer_processing.min_p}). `topr-trl generate` stores them.")
+        return trainer_processing
+    if None in found:
+        raise ValueError("some stored rows say how mu sampled them (`behaviour_sampling`) and some do not: pi/mu "
+                         "needs it for every row")
+    return SamplerProcessing.from_row(json.loads(stated[0]))

@@ -1,0 +1,194 @@
+"""pi on the support mu sampled from (`topr_trl.sampler_support`): the support against transformers' own warpers,
+hand-computed processed log-probs, the head held to TRL's fused log-probs, and pi/mu = 1 at learning rate 0 when mu
+truncated (top-k, top-p) on the offline and online transformers paths (tests/test_vllm.py: the vLLM ones)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from topr_trl import TOPRConfig, TOPRTrainer
+from topr_trl.offline import generate_offline_dataset, stored_reward
+from topr_trl.sampler_support import (
+    SamplerProcessing,
+    completion_support_correction,
+    fused_head_parts,
+    head_logits,
+    processed_log_probs,
+    sampler_support,
+    support_correction,
+)
+
+from .conftest import logged_values, parity_reward, small_config_kwargs
+
+WARPERS = {"top_k": lambda s: TopKLogitsWarper(s.top_k), "top_p": lambda s: TopPLogitsWarper(s.top_p),
+           "min_p": lambda s: MinPLogitsWarper(s.min_p)}
+
+
+def transformers_support(logits: torch.Tensor, processing: SamplerProcessing) -> torch.Tensor:
+    """The tokens transformers' generation keeps: its warpers, in its order, on logits / T (an independent
+    implementation of `sampler_support` for the transformers engine)."""
+    scores = logits / processing.temperature
+    for name in ("top_k", "top_p", "min_p"):
+        if getattr(processing, name):
+            scores = WARPERS[name](processing)(None, scores)
+    return torch.isfinite(scores)
+
+
+@pytest.mark.parametrize("processing", [
+    SamplerProcessing(top_k=3), SamplerProcessing(top_p=0.9), SamplerProcessing(temperature=0.7, top_k=5, top_p=0.8),
+    SamplerProcessing(min_p=0.2), SamplerProcessing(top_k=10, top_p=0.5, min_p=0.1), SamplerProcessing(top_k=1)])
+def test_the_support_is_the_one_transformers_generation_samples_from(processing):
+    """Random logits over 50 tokens (rows of wide and of peaked distributions), plus a row of ties at the k-th value,
+    which both engines keep."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 50, generator=generator) * torch.linspace(0.3, 6, 64).unsqueeze(1)
+    logits[0, :8] = 4.0  # eight ties at the top
+    assert torch.equal(sampler_support(logits, processing), transformers_support(logits, processing))
+
+
+def test_vllm_applies_min_p_before_top_k():
+    """The same logits, two orders: min-p over the whole distribution (vLLM) keeps a token that min-p after top-k
+    (transformers, on the renormalised top-2) removes."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    transformers_order = SamplerProcessing(top_k=2, min_p=0.7)
+    vllm_order = SamplerProcessing(top_k=2, min_p=0.7, engine="vllm")
+    # transformers: top-2 {0.5, 0.3}, then 0.3 < 0.7 * 0.5 removes it; vLLM: min-p keeps only 0.5 first
+    assert sampler_support(logits, transformers_order).tolist() == [[True, False, False]]
+    assert sampler_support(logits, vllm_order).tolist() == [[True, False, False]]
+    loose = dict(top_k=2, min_p=0.5)  # 0.3 >= 0.5 * 0.5: kept by both; 0.2 < 0.25: removed by min-p first in vLLM
+    assert sampler_support(logits, SamplerProcessing(**loose)).tolist() == [[True, True, False]]
+    assert sampler_support(logits, SamplerProcessing(**loose, engine="vllm")).tolist() == [[True, True, False]]
+
+
+def test_processed_log_probs_by_hand():
+    """Logits (2, 1, 0, -1), top-k 2: the kept tokens are 0 and 1. A sampled token outside the support (3, which mu
+    gave weight only before the policy moved) is kept with it rather than given log 0."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 2)
+    got = processed_log_probs(logits, torch.tensor([0, 3]), SamplerProcessing(top_k=2))
+    expected = [2 - math.log(math.exp(2) + math.exp(1)), -1 - math.log(math.exp(2) + math.exp(1) + math.exp(-1))]
+    assert got.tolist() == pytest.approx(expected, rel=1e-6)
+    # top-p 0.7 at temperature 2: probabilities softmax(1, .5, 0, -.5) = .444 .269 .163 .099; ascending cumulative
+    # mass .099 .263 .531 1: the first two are <= 0.3, removed
+    got = processed_log_probs(logits[:1], torch.tensor([1]), SamplerProcessing(temperature=2.0, top_p=0.7))
+    assert got.item() == pytest.approx(0.5 - math.log(math.exp(1) + math.exp(0.5)), rel=1e-6)
+
+
+def test_the_correction_is_the_kept_mass_and_zero_without_truncation():
+    generator = torch.Generator().manual_seed(1)
+    logits, tokens = torch.randn(16, 30, generator=generator), torch.randint(0, 30, (16,), generator=generator)
+    assert torch.equal(support_correction(logits, tokens, SamplerProcessing(), 1.0), torch.zeros(16))
+    processing = SamplerProcessing(top_k=30)  # keeps everything
+    assert support_correction(logits, tokens, processing, 1.0).abs().max() < 1e-6
+    top5 = SamplerProcessing(top_k=5)
+    kept = torch.where(sampler_support(logits, top5), logits.softmax(-1), 0.0).sum(-1)
+    in_support = sampler_support(logits, top5).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    expected = -kept.log()
+    got = support_correction(logits, tokens, top5, 1.0)
+    assert torch.allclose(got[in_support], expected[in_support], rtol=1e-5)
+    # at another temperature T, the correction also carries log softmax(z / T) - log softmax(z)
+    warm = SamplerProcessing(temperature=0.5)
+    exact = (logits / 0.5).log_softmax(-1) - logits.log_softmax(-1)
+    assert torch.allclose(support_correction(logits, tokens, warm, 1.0), exact.gather(1, tokens.unsqueeze(1))
+                          .squeeze(1), atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2_tied", "gemma2_softcapped"])
+def test_the_head_is_the_one_trls_fused_log_probs_use(family):
+    """The mirror of TRL's fused head: log-softmax(head_logits / T) at the labels equals TRL's fused log-probs
+    (float32, relative to their size: the same matmul in another tiling), for a tied Qwen2 and a soft-capped Gemma2."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    torch.manual_seed(0)
+    if family == "qwen2_tied":
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    else:
+        model = Gemma2ForCausalLM(Gemma2Config(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               head_dim=8, final_logit_softcapping=3.0))
+        assert model.config.final_logit_softcapping == 3.0
+    add_fused_lm_head(model, temperature=0.7)
+    input_ids = torch.randint(0, 97, (3, 9))
+    labels = input_ids.clone()
+    backbone, owner = fused_head_parts(model)
+    from topr_trl.sampler_support import captured_outputs
+
+    with torch.no_grad(), captured_outputs(backbone) as hidden:
+        fused = model(input_ids=input_ids, labels=labels, fused_lm_head=True).log_probs
+    logits = head_logits(owner, hidden[0][:, :-1])
+    ours = (logits / 0.7).log_softmax(-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(ours, fused, rtol=1e-5, atol=1e-6), (ours - fused).abs().max()
+    # and the trainer's correction at the same temperature without truncation is 0 on every completion token
+    correction = completion_support_correction(owner, hidden[0], input_ids, torch.ones_like(input_ids), 4,
+                                               SamplerProcessing(temperature=0.7), 0.7)
+    assert correction.abs().max() < 1e-6
+
+
+@pytest.fixture(scope="module")
+def truncated_samples(tiny_model_path, arithmetic_dataset, tmp_path_factory):
+    """The policy's own samples at top-k 3 and top-p 0.9 (mu = the policy's processed distribution): the tiny model
+    is random-initialised, near uniform over its vocabulary, so the kept mass per token is small."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    datasets = {}
+    for name, sampling in {"top_k": dict(top_k=3), "top_p": dict(top_p=0.9)}.items():
+        torch.manual_seed(0)
+        datasets[name] = generate_offline_dataset(
+            model, tokenizer, arithmetic_dataset.select(range(4)), parity_reward, tmp_path_factory.mktemp(name),
+            num_completions=4, max_new_tokens=6, prompts_per_shard=4, prompts_per_batch=4, show_progress=False,
+            **sampling)
+    return datasets
+
+
+def ratios_at_learning_rate_zero(trainer) -> list[float]:
+    trainer.train()
+    return [value for key in ("topr/ratio_positive/min", "topr/ratio_positive/max", "topr/ratio_negative/min",
+                              "topr/ratio_negative/max") for value in logged_values(trainer, key)]
+
+
+@pytest.mark.parametrize("truncation", ["top_k", "top_p"])
+def test_replayed_truncated_samples_give_a_ratio_of_one_at_learning_rate_zero(truncation, truncated_samples,
+                                                                              tiny_model_path, tmp_path):
+    """The rows store how mu sampled (`behaviour_sampling`): pi is scored on that support, so pi/mu = 1 (1e-4) with
+    the trainer's own settings left at TRL's defaults (top_k 0, top_p 1). Without it the ratio is the kept mass
+    multiplied over the completion's tokens (checked: far below 1)."""
+    data = truncated_samples[truncation]
+    assert data[0]["behaviour_sampling"][truncation] == {"top_k": 3, "top_p": 0.9}[truncation]
+    args = TOPRConfig(**small_config_kwargs(tmp_path, max_steps=-1, per_device_train_batch_size=8,
+                                            learning_rate=0.0))
+    ratios = ratios_at_learning_rate_zero(TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args,
+                                                      train_dataset=data))
+    assert ratios and all(r == pytest.approx(1.0, abs=1e-4) for r in ratios), ratios
+    unsaid = data.remove_columns("behaviour_sampling")  # the trainer then assumes its own (untruncated) settings
+    ratios = ratios_at_learning_rate_zero(TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args,
+                                                      train_dataset=unsaid))
+    assert max(ratios) < 0.9, ratios
+
+
+def test_rows_sampled_two_ways_are_refused_in_one_line(truncated_samples, tiny_model_path, tmp_path):
+    from datasets import concatenate_datasets
+
+    other_prompts = truncated_samples["top_p"].map(lambda row: {"prompt_index": row["prompt_index"] + 100})
+    mixed = concatenate_datasets([truncated_samples["top_k"], other_prompts])
+    args = TOPRConfig(**small_config_kwargs(tmp_path, learning_rate=0.0))
+    with pytest.raises(ValueError, match=r"sampled in 2 ways \(`behaviour_sampling`"):
+        TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args, train_dataset=mixed)
+
+
+def test_online_generation_with_top_k_scores_pi_on_its_support(tiny_model_path, arithmetic_dataset, tmp_path):
+    """Online (transformers generation) with top_k 3 and two optimiser steps per generation, so mu is the policy's
+    log-probs at generation time: both are scored on the top-3 support; at learning rate 0 the ratio is 1, and the
+    behaviour log-probs are the processed ones (each at least log 1/3 + the kept mass's log, i.e. > log 1/V)."""
+    args = TOPRConfig(**small_config_kwargs(tmp_path, learning_rate=0.0, top_k=3, steps_per_generation=2,
+                                            max_steps=2))
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
+                          train_dataset=arithmetic_dataset)
+    assert trainer._sampler_processing == SamplerProcessing(top_k=3, top_p=1.0, engine="transformers")
+    ratios = ratios_at_learning_rate_zero(trainer)
+    assert ratios and all(r == pytest.approx(1.0, abs=1e-4) for r in ratios), ratios

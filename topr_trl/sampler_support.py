@@ -1,0 +1,231 @@
+"""pi on the support mu sampled from: the sampler's processing (temperature, top-k, top-p, min-p) applied to the
+policy's logits, so that pi/mu measures how far the policy moved and nothing else.
+
+mu's log-probs (vLLM's `processed_logprobs`, `topr_trl.sampling`'s, a stored dataset's) are those of the *processed*
+sampling distribution: the logits divided by the temperature, the tokens outside top-k / top-p / min-p removed, and
+the rest renormalised. TRL scores the policy with the whole vocabulary at the trainer's temperature. Per token the
+two differ by the log of the kept mass, and the sequence ratio multiplies it over every token: at top_k 3 on a
+high-entropy policy pi/mu was ~1e-20 at learning rate 0, every negative's TOPR weight ~0 (TRL issue #6789 is the same
+bias in TRL's own correction).
+
+The processed log-prob of token y is
+
+    log pi_S(y) = z_y - logsumexp_{v in S} z_v,      z = logits / T,
+
+where S is the support the processing keeps, computed from the policy's own logits and always holding the sampled
+token (a token mu sampled has mu > 0; after the policy moves, its own truncation may drop it, and pi_S(y) = 0 would
+give the weight 0 and no gradient). At learning rate 0 S is mu's support exactly, so pi/mu = 1 up to the engines'
+arithmetic. This module computes the per-token correction
+
+    delta = log pi_S(y) - log pi_T'(y)
+
+(T' the trainer's temperature, which TRL's fused head uses), a constant: TOPR's weight is a stop-gradient, so the
+ratio takes pi_S while the gradient stays TRL's grad log pi_T'.
+
+The order of the filters is the generator's: transformers applies top-k, top-p, then min-p; vLLM applies min-p first
+(`SamplerProcessing.engine`). The top-k and top-p rules are those both engines share: ties at the k-th logit are kept,
+and top-p removes the tokens whose ascending cumulative probability is at most 1 - p, keeping at least one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+
+SUPPORT_FILTERS: dict[str, tuple[str, ...]] = {
+    "transformers": ("top_k", "top_p", "min_p"),  # GenerationMixin._get_logits_processor's warper order
+    "vllm": ("min_p", "top_k", "top_p"),  # vllm.v1.sample.Sampler: min-p as a logits processor, then top-k/top-p
+}
+"""The order in which each generator applies its truncation filters after the temperature."""
+
+
+@dataclass(frozen=True)
+class SamplerProcessing:
+    """How mu turned logits into its sampling distribution (what a stored row's `behaviour_sampling` holds):
+    `temperature` divides the logits; `top_k` (0 or None: off) keeps the k largest; `top_p` (1.0 or None: off) the
+    smallest nucleus of mass >= p; `min_p` (0 or None: off) the tokens of probability >= min_p times the largest;
+    `engine` names the order of the filters (`SUPPORT_FILTERS`)."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    engine: str = "transformers"
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"sampling temperature must be > 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"sampling top_k must be >= 0 (0 or None: off), got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling top_p must be in (0, 1], got {self.top_p}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"sampling min_p must be in [0, 1], got {self.min_p}")
+        if self.engine not in SUPPORT_FILTERS:
+            raise ValueError(f"sampling engine must be one of {sorted(SUPPORT_FILTERS)}, got {self.engine!r}")
+
+    @property
+    def truncates(self) -> bool:
+        """Whether any filter removes tokens (else the support is the whole vocabulary)."""
+        return bool(self.top_k) or (self.top_p is not None and self.top_p < 1) or bool(self.min_p)
+
+    def differs_from(self, trainer_temperature: float) -> bool:
+        """Whether pi scored at `trainer_temperature` over the whole vocabulary differs from pi under this
+        processing."""
+        return self.truncates or not math.isclose(self.temperature, trainer_temperature, rel_tol=1e-6)
+
+    def as_row(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_row(cls, row: dict) -> SamplerProcessing:
+        return cls(**{name: row.get(name) for name in ("temperature", "top_k", "top_p", "min_p") if
+                      row.get(name) is not None}, engine=row.get("engine") or "transformers")
+
+
+def _keep_top_k(scaled: torch.Tensor, keep: torch.Tensor, k: int) -> torch.Tensor:
+    if k >= scaled.size(-1):
+        return keep
+    kth = scaled.masked_fill(~keep, -math.inf).topk(k, dim=-1).values[..., -1:]
+    return keep & (scaled >= kth)
+
+
+def _keep_top_p(scaled: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    if p >= 1:
+        return keep
+    ascending, order = scaled.masked_fill(~keep, -math.inf).sort(dim=-1)
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    removed = cumulative <= 1 - p
+    removed[..., -1] = False  # at least one token
+    return keep & ~removed.scatter(-1, order, removed)
+
+
+def _keep_min_p(scaled: torch.Tensor, keep: torch.Tensor, min_p: float) -> torch.Tensor:
+    if min_p <= 0:
+        return keep
+    probs = scaled.masked_fill(~keep, -math.inf).softmax(dim=-1)
+    return keep & (probs >= min_p * probs.amax(dim=-1, keepdim=True))
+
+
+_FILTERS: dict[str, Callable[[torch.Tensor, torch.Tensor, SamplerProcessing], torch.Tensor]] = {
+    "top_k": lambda scaled, keep, s: _keep_top_k(scaled, keep, s.top_k) if s.top_k else keep,
+    "top_p": lambda scaled, keep, s: _keep_top_p(scaled, keep, s.top_p) if s.top_p is not None else keep,
+    "min_p": lambda scaled, keep, s: _keep_min_p(scaled, keep, s.min_p) if s.min_p else keep,
+}
+
+
+def sampler_support(logits: torch.Tensor, processing: SamplerProcessing) -> torch.Tensor:
+    """The tokens the sampler keeps, (..., V) bool, from (..., V) logits: its filters in its engine's order, each on
+    the logits the previous ones left."""
+    scaled = logits.float() / processing.temperature
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    for name in SUPPORT_FILTERS[processing.engine]:
+        keep = _FILTERS[name](scaled, keep, processing)
+    return keep
+
+
+def processed_log_probs(logits: torch.Tensor, tokens: torch.Tensor, processing: SamplerProcessing) -> torch.Tensor:
+    """log pi_S(y) for each (..., V) row of `logits` and its token y (...): the log-softmax of logits / T over the
+    sampler's support, which always holds y. No gradient: the ratio's value only."""
+    with torch.no_grad():
+        scaled = logits.float() / processing.temperature
+        keep = sampler_support(logits, processing)
+        keep.scatter_(-1, tokens.unsqueeze(-1), True)
+        chosen = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        return chosen - scaled.masked_fill(~keep, -math.inf).logsumexp(dim=-1)
+
+
+def support_correction(logits: torch.Tensor, tokens: torch.Tensor, processing: SamplerProcessing,
+                       trainer_temperature: float) -> torch.Tensor:
+    """delta = log pi_S(y) - log pi_T'(y): what turns the trainer's full-vocabulary log-prob at temperature T' into
+    the processed one mu is compared with. <= 0 when T = T' (the kept mass's log); 0 without truncation at T = T'."""
+    with torch.no_grad():
+        full = logits.float() / trainer_temperature
+        full_log_prob = full.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - full.logsumexp(dim=-1)
+        return processed_log_probs(logits, tokens, processing) - full_log_prob
+
+
+@contextmanager
+def captured_outputs(module: torch.nn.Module) -> Iterator[list]:
+    """The outputs `module` returns while the block runs, in call order (detached last hidden states): how the
+    trainer sees the backbone's hidden states of TRL's fused-head forward without running the backbone twice."""
+    outputs: list[torch.Tensor] = []
+
+    def hook(_module, _inputs, output):
+        hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        outputs.append(hidden.detach())
+
+    handle = module.register_forward_hook(hook)
+    try:
+        yield outputs
+    finally:
+        handle.remove()
+
+
+def fused_head_parts(model) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the backbone whose last hidden state TRL's fused head projects, the causal LM that owns the head) of a policy
+    as the trainer holds it (wrapped by DDP or DeepSpeed, PEFT or not): where TRL's `add_fused_lm_head` looks them
+    up (`base_model`, `get_output_embeddings()`)."""
+    while hasattr(model, "module") and not hasattr(model, "get_output_embeddings"):  # DDP, DeepSpeedEngine
+        model = model.module
+    if hasattr(model, "get_base_model"):  # PEFT
+        model = model.get_base_model()
+    return model.base_model, model
+
+
+def head_logits(owner: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """MIRROR of the logits TRL 1.16's `add_fused_lm_head` (trl/trainer/utils.py) scores before dividing by the
+    temperature: the output embedding (and bias), the model's logit scale (`logit_scale`, `output_multiplier`,
+    `lm_head_multiplier`, `logits_scaling`) and final soft-capping, in float32. tests/test_sampler_support.py holds it
+    to TRL's fused log-probs."""
+    from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+    config = owner.config.get_text_config()
+    scale = getattr(config, "logit_scale", None)
+    if scale is None:
+        scale = getattr(config, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(config, "lm_head_multiplier", None)
+    if scale is None and getattr(config, "logits_scaling", None) is not None:
+        scale = config.logits_scaling if config.model_type == "hyperclovax" else 1 / config.logits_scaling
+    softcap = getattr(config, "final_logit_softcapping", None)
+    head = owner.get_output_embeddings()
+    weight, bias = head.weight, head.bias
+    if hasattr(weight, "full_tensor"):  # FSDP2's DTensor
+        weight = weight.full_tensor()
+        bias = bias.full_tensor() if bias is not None else None
+    with maybe_gather_lm_head_ctx(weight, bias):
+        logits = torch.nn.functional.linear(hidden.to(weight.device, weight.dtype), weight, bias).float()
+    if scale is not None:
+        logits = logits * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+CORRECTION_CHUNK_TOKENS = 1024
+"""Completion tokens whose (tokens, vocabulary) logits `completion_support_correction` holds at once."""
+
+
+def completion_support_correction(owner: torch.nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor,
+                                  attention_mask: torch.Tensor, logits_to_keep: int, processing: SamplerProcessing,
+                                  trainer_temperature: float) -> torch.Tensor:
+    """`support_correction` for the last `logits_to_keep` tokens of each sequence (B, logits_to_keep), 0 where
+    `attention_mask` is 0: from the backbone's last hidden states (B, L, H), which predict token t at position t-1."""
+    hidden = hidden[:, -logits_to_keep - 1:-1]
+    tokens = input_ids[:, -logits_to_keep:]
+    valid = attention_mask[:, -logits_to_keep:].bool()
+    corrections = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    positions = valid.nonzero(as_tuple=True)
+    hidden, tokens = hidden[positions], tokens[positions]
+    values = [support_correction(head_logits(owner, hidden[start:start + CORRECTION_CHUNK_TOKENS]),
+                                 tokens[start:start + CORRECTION_CHUNK_TOKENS].to(hidden.device), processing,
+                                 trainer_temperature)
+              for start in range(0, hidden.size(0), CORRECTION_CHUNK_TOKENS)]
+    if values:
+        corrections[positions] = torch.cat(values).to(corrections.device)
+    return corrections
