@@ -32,6 +32,9 @@ SETTINGS = {
     "grpo-grpo": ("grpo", {"loss_type": "grpo"}),
     "grpo-grpo-kl": ("grpo", {"loss_type": "grpo", "beta": 0.04}),
     "topr-online": ("topr", {}),
+    # sampling truncated: pi scored on mu's support (topr_trl.sampler_support), an extra head projection per token
+    "topr-online-top-k": ("topr", {"top_k": 50}),
+    "topr-online-top-p": ("topr", {"top_p": 0.95}),
     "topr-offline": ("topr", {"__behaviour__": True}),
     # Offline datasets (no generation): mu's log-probs stored, or recomputed by a frozen copy of mu (extra work)
     "topr-replay": ("topr", {"__replay__": "stored"}),
@@ -42,6 +45,9 @@ RATIOS = {
     "topr-online / grpo-grpo": ("topr-online", "grpo-grpo"),
     "topr-online / grpo-dapo": ("topr-online", "grpo-dapo"),
     "topr-online / grpo-grpo-kl": ("topr-online", "grpo-grpo-kl"),
+    # what scoring pi on mu's support costs when the sampler truncates (the extra work against the same trainer)
+    "topr-online-top-k / topr-online": ("topr-online-top-k", "topr-online"),
+    "topr-online-top-p / topr-online": ("topr-online-top-p", "topr-online"),
     # what recomputing mu's log-probs costs when an offline dataset has none stored
     "topr-replay-recompute / topr-replay": ("topr-replay-recompute", "topr-replay"),
 }
@@ -214,6 +220,9 @@ def loss_only(options, model_path: str) -> dict:
         "topr-online": TOPRTrainer(model=model_path, reward_funcs=reward, train_dataset=dataset,
                                    args=TOPRConfig(**common)),
     }
+    for name in ("topr-online-top-k", "topr-online-top-p"):  # the same batch, pi scored on mu's support
+        trainers[name] = TOPRTrainer(model=model_path, reward_funcs=reward, train_dataset=dataset,
+                                     args=TOPRConfig(**common, **SETTINGS[name][1]))
     first = next(iter(trainers.values()))
     inputs = first._prepare_inputs(next(iter(first.get_train_dataloader())))
     times: dict[str, list[float]] = {name: [] for name in trainers}
@@ -230,9 +239,11 @@ def loss_only(options, model_path: str) -> dict:
             trainer.model.zero_grad()
     medians = {name: statistics.median(values) for name, values in times.items()}
     quartiles = {name: statistics.quantiles(values, n=4) for name, values in times.items()}
-    return {"median_loss_backward_s": medians, "quartiles_s": quartiles,
-            "ratios": {f"topr-online / {name}": medians["topr-online"] / medians[name]
-                       for name in ("grpo-grpo", "grpo-dapo")}}
+    ratios = {f"topr-online / {name}": medians["topr-online"] / medians[name] for name in ("grpo-grpo", "grpo-dapo")}
+    ratios.update({f"{name} / {base}": medians[name] / medians[base] for name in ("topr-online-top-k",
+                                                                                   "topr-online-top-p")
+                   for base in ("topr-online", "grpo-dapo")})
+    return {"median_loss_backward_s": medians, "quartiles_s": quartiles, "ratios": ratios}
 
 
 def model_flops_per_token(config, sequence_length: int) -> dict[str, float]:

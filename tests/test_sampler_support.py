@@ -192,3 +192,19 @@ def test_online_generation_with_top_k_scores_pi_on_its_support(tiny_model_path, 
     assert trainer._sampler_processing == SamplerProcessing(top_k=3, top_p=1.0, engine="transformers")
     ratios = ratios_at_learning_rate_zero(trainer)
     assert ratios and all(r == pytest.approx(1.0, abs=1e-4) for r in ratios), ratios
+
+
+def test_the_correction_in_chunks_equals_the_correction_at_once(monkeypatch):
+    """Three tokens per chunk (the last one short) against every token at once: the same values, in order."""
+    import topr_trl.sampler_support as support
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    hidden, tokens = torch.randn(11, 32), torch.randint(0, 97, (11,))
+    processing = SamplerProcessing(top_k=4, top_p=0.8)
+    at_once = support.chunked_support_correction(model, hidden, tokens, processing, 1.0)
+    monkeypatch.setattr(support, "CORRECTION_CHUNK_ELEMENTS", 97 * 3)
+    assert torch.equal(support.chunked_support_correction(model, hidden, tokens, processing, 1.0), at_once)
+    assert (at_once > 0).all()  # top-4 of 97 near-uniform tokens keeps a small mass: each correction is -log of it

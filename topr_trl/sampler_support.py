@@ -142,7 +142,8 @@ def processed_log_probs(logits: torch.Tensor, tokens: torch.Tensor, processing: 
 def support_correction(logits: torch.Tensor, tokens: torch.Tensor, processing: SamplerProcessing,
                        trainer_temperature: float) -> torch.Tensor:
     """delta = log pi_S(y) - log pi_T'(y): what turns the trainer's full-vocabulary log-prob at temperature T' into
-    the processed one mu is compared with. <= 0 when T = T' (the kept mass's log); 0 without truncation at T = T'."""
+    the processed one mu is compared with: at T = T', minus the log of the mass the support keeps (>= 0), and 0 without
+    truncation."""
     with torch.no_grad():
         full = logits.float() / trainer_temperature
         full_log_prob = full.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - full.logsumexp(dim=-1)
@@ -207,8 +208,10 @@ def head_logits(owner: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-CORRECTION_CHUNK_TOKENS = 1024
-"""Completion tokens whose (tokens, vocabulary) logits `completion_support_correction` holds at once."""
+CORRECTION_CHUNK_ELEMENTS = 2**25
+"""How many logits `completion_support_correction` holds at once (tokens x vocabulary): 128 MB in float32, the
+processing adding a few masks of that size (top-p's sort: its values and int64 indices), against TRL's fused head's
+4,096 x 32,768 projection tile. 220 tokens at a 151,936-token vocabulary."""
 
 
 def completion_support_correction(owner: torch.nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor,
@@ -221,11 +224,21 @@ def completion_support_correction(owner: torch.nn.Module, hidden: torch.Tensor, 
     valid = attention_mask[:, -logits_to_keep:].bool()
     corrections = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
     positions = valid.nonzero(as_tuple=True)
-    hidden, tokens = hidden[positions], tokens[positions]
-    values = [support_correction(head_logits(owner, hidden[start:start + CORRECTION_CHUNK_TOKENS]),
-                                 tokens[start:start + CORRECTION_CHUNK_TOKENS].to(hidden.device), processing,
-                                 trainer_temperature)
-              for start in range(0, hidden.size(0), CORRECTION_CHUNK_TOKENS)]
+    corrections[positions] = chunked_support_correction(owner, hidden[positions], tokens[positions], processing,
+                                                        trainer_temperature).to(corrections.device)
+    return corrections
+
+
+def chunked_support_correction(owner: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor,
+                               processing: SamplerProcessing, trainer_temperature: float) -> torch.Tensor:
+    """`support_correction` for N tokens from their (N, H) hidden states, `CORRECTION_CHUNK_ELEMENTS` logits at a
+    time."""
+    step = max(1, CORRECTION_CHUNK_ELEMENTS // owner.config.get_text_config().vocab_size)
+    values = [support_correction(head_logits(owner, hidden[start:start + step]),
+                                 tokens[start:start + step].to(hidden.device), processing, trainer_temperature)
+              for start in range(0, hidden.size(0), step)]
+    return torch.cat(values) if values else hidden.new_zeros(0, dtype=torch.float32)
+
     if values:
         corrections[positions] = torch.cat(values).to(corrections.device)
     return corrections
