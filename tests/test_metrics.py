@@ -151,3 +151,18 @@ def test_effective_sample_size_fraction_and_ratio_quantiles_by_hand():
     assert math.isnan(quantiles["topr/ratio_positive/p50"])
     # negatives 0.5, 1, 2, 3, 4: p10 = 0.5 + 0.4 * 0.5, p50 = 2, p90 = 3 + 0.6 * 1
     assert [quantiles[f"topr/ratio_negative/p{q}"] for q in (10, 50, 90)] == pytest.approx([0.7, 2.0, 3.6], rel=1e-5)
+
+
+def test_drift_and_mismatch_split_the_log_ratio_by_hand():
+    """log pi/mu = (log pi - log pi_gen) + (log pi_gen - log mu), each summed over the completion's tokens (the
+    masked one left out), then |.| averaged over trajectories."""
+    from topr_trl.policy_metrics import drift_and_mismatch, drift_and_mismatch_sums
+
+    pi = torch.tensor([[-1.0, -2.0, -9.0], [-1.5, -1.0, -1.0]])
+    pi_gen = torch.tensor([[-1.1, -2.1, 0.0], [-1.5, -1.0, -1.0]])
+    mu = torch.tensor([[-1.1, -2.0, 5.0], [-1.0, -1.0, -1.5]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    metrics = drift_and_mismatch(drift_and_mismatch_sums(pi, pi_gen, mu, mask).tolist())
+    # drift: 0.2 and 0; mismatch: -0.1 and (-0.5 + 0 + 0.5) = 0
+    assert metrics["topr/log_ratio_drift/mean_abs"] == pytest.approx(0.1, rel=1e-5)
+    assert metrics["topr/log_ratio_mismatch/mean_abs"] == pytest.approx(0.05, rel=1e-5)

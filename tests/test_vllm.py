@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
 
-from .conftest import SHARED
+from .conftest import SHARED, logged_values
 
 pytestmark = pytest.mark.vllm
 
@@ -156,7 +156,8 @@ def test_colocated_vllm_sampling_with_top_k_gives_pi_over_mu_of_one_up_to_the_bf
     model_dir, dataset, reward, length = user_model(tmp_path_factory, tied=True)
     args = TOPRConfig(str(tmp_path), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="colocate",
                       vllm_gpu_memory_utilization=0.3, per_device_train_batch_size=16, num_generations=8,
-                      max_completion_length=length, max_steps=2, learning_rate=0.0, top_k=3, topr_signal="reward",
+                      max_completion_length=length, max_steps=2, learning_rate=0.0, top_k=3, steps_per_generation=2,
+                      topr_signal="reward",
                       topr_behaviour_source="sampler", topr_unscored_batch="train", logging_steps=1,
                       report_to="none", save_strategy="no")
     trainer = TOPRTrainer(model_dir, reward, args=args, train_dataset=dataset)
@@ -165,6 +166,11 @@ def test_colocated_vllm_sampling_with_top_k_gives_pi_over_mu_of_one_up_to_the_bf
               for sign in ("positive", "negative") for stat in ("min", "max")
               if entry.get(f"topr/ratio_{sign}/{stat}") is not None]
     assert ratios and all(0.5 < ratio < 2.0 for ratio in ratios), ratios
+    # two steps per generation: the policy's log-probs at generation time exist beside the engine's, and the log-ratio
+    # splits into drift (none at learning rate 0: the same weights, another batch layout) and the engine's mismatch
+    drift = logged_values(trainer, "topr/log_ratio_drift/mean_abs")
+    mismatch = logged_values(trainer, "topr/log_ratio_mismatch/mean_abs")
+    assert drift and max(drift) < 1e-4 and min(mismatch) > 10 * max(drift, default=0) + 1e-4, (drift, mismatch)
     trainer._sampler_processing = None  # scored over the whole vocabulary, as TRL does
     batch = trainer._generate_and_score_completions(list(dataset.select(range(8))))
     full = trainer._policy_logps_and_entropies(trainer.model, batch)[0]

@@ -140,3 +140,24 @@ def policy_metrics(totals: dict[str, float], minima: list[float], branch_losses:
         "entropy": share("entropy_sum", "token_count"),
     })
     return metrics
+
+
+def drift_and_mismatch_sums(per_token_logps: torch.Tensor, policy_at_generation: torch.Tensor,
+                            sampler_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """This process's (sum |drift|, sum |mismatch|, trajectories) for the two parts of each trajectory's
+    log pi/mu = [log pi - log pi_gen] + [log pi_gen - log mu]: how far the policy moved since generation (drift), and
+    how far the generator's own log-probs are from the policy's at generation time (engine mismatch: another dtype,
+    kernels, or weights the engine was not synced to). Summed over the completion's tokens; the caller adds over
+    processes and `drift_and_mismatch` divides."""
+    mask = mask.float()
+    drift = ((per_token_logps.detach().float() - policy_at_generation.float()) * mask).sum(1)
+    mismatch = ((policy_at_generation.float() - sampler_logps.float()) * mask).sum(1)
+    return torch.stack([drift.abs().sum(), mismatch.abs().sum(), torch.tensor(float(mask.size(0)),
+                                                                                device=mask.device)])
+
+
+def drift_and_mismatch(totals: list[float]) -> dict[str, float]:
+    """The logged means of `drift_and_mismatch_sums` totals: mean |sequence log-ratio| of each part."""
+    drift, mismatch, count = totals
+    count = max(count, 1.0)
+    return {"topr/log_ratio_drift/mean_abs": drift / count, "topr/log_ratio_mismatch/mean_abs": mismatch / count}

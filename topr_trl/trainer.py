@@ -16,7 +16,15 @@ from .grpo_mirror import GRPOLossMirror
 from .loss import POLICY_LOSSES, baseline_for_target_share, branch_losses, policy_per_token_loss, reward_signal
 from .offline.replay import OfflineReplay, prepare_replayed_datasets
 from .offline.schema import checked_reward_function, is_offline_dataset, stored_processing
-from .policy_metrics import branch_ratios, metric_sums, policy_metrics, ratio_minima, ratio_quantiles
+from .policy_metrics import (
+    branch_ratios,
+    drift_and_mismatch,
+    drift_and_mismatch_sums,
+    metric_sums,
+    policy_metrics,
+    ratio_minima,
+    ratio_quantiles,
+)
 from .sampler_support import SamplerProcessing, captured_outputs, completion_support_correction, fused_head_parts
 
 logger = logging.get_logger(__name__)
@@ -341,6 +349,12 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
             behaviour_logps = inputs.get("old_per_token_logps")
         if behaviour_logps is None:
             behaviour_logps = per_token_logps.detach()
+        policy_at_generation, sampler_logps = inputs.get("old_per_token_logps"), inputs.get("sampling_per_token_logps")
+        if policy_at_generation is not None and sampler_logps is not None:
+            totals = self.accelerator.reduce(drift_and_mismatch_sums(per_token_logps, policy_at_generation,
+                                                                     sampler_logps, mask), reduction="sum")
+            for name, value in drift_and_mismatch(totals.tolist()).items():
+                self._metrics[mode][name].append(value)
         terms = policy_per_token_loss(per_token_logps, behaviour_logps, signal, mask, self._loss_spec)
         loss, policy_per_token, aggregation = self._grpo_loss_around_policy_term(
             inputs, mode, mask, terms.per_token_loss, per_token_logps, entropies, aux_loss, signal, behaviour_logps)
