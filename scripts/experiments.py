@@ -302,9 +302,11 @@ def prepare_base(work_dir: Path, base_accuracy: float) -> Path:
     return base_dir
 
 
-def sample_fixed_dataset(testbed: Testbed, num_prompts: int, seed: int, work_dir: Path, behaviour: Path | None = None):
-    """`num_prompts` x 8 completions sampled once from mu (the testbed's base model, or `behaviour`), seeded and
-    reused when on disk. The folder is named after mu, so data sampled from another model is never picked up."""
+def sample_fixed_dataset(testbed: Testbed, num_prompts: int, seed: int, work_dir: Path, behaviour: Path | None = None,
+                         top_k: int = 0, top_p: float = 1.0):
+    """`num_prompts` x 8 completions sampled once from mu (the testbed's base model, or `behaviour`; at temperature 1,
+    truncated by `top_k` / `top_p` when given), seeded and reused when on disk. The folder is named after mu and the
+    truncation, so data sampled from another model or another way is never picked up."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -314,10 +316,11 @@ def sample_fixed_dataset(testbed: Testbed, num_prompts: int, seed: int, work_dir
     torch.manual_seed(seed)
     mu = AutoModelForCausalLM.from_pretrained(mu_dir)
     tokenizer = AutoTokenizer.from_pretrained(mu_dir)
+    truncation = (f"-topk{top_k}" if top_k else "") + (f"-topp{top_p:g}" if top_p < 1 else "")
     return generate_offline_dataset(mu, tokenizer, testbed.prompts(num_prompts, seed), testbed.reward,
-                                    Path(work_dir) / "data" / f"{mu_dir.name}-{num_prompts}x8-seed{seed}",
+                                    Path(work_dir) / "data" / f"{mu_dir.name}-{num_prompts}x8-seed{seed}{truncation}",
                                     num_completions=8, max_new_tokens=testbed.max_new_tokens, show_progress=False,
-                                    backend="transformers", seed=seed)
+                                    backend="transformers", seed=seed, top_k=top_k, top_p=top_p)
 
 
 def clipped_token_shares(model, data, epsilon: float = 0.2, batch_size: int = 64) -> dict[str, float]:
@@ -424,8 +427,11 @@ def train_offline(testbed: Testbed, data, output_dir: Path, *, seed: int, epochs
     # the largest sequence ratio pi/mu of the step's negatives and positives (before truncation), where logged
     ratio_maxima = [{"step": entry["step"], **{key: entry[key] for key in RATIO_MAXIMA if key in entry}}
                     for entry in trainer.state.log_history if any(key in entry for key in RATIO_MAXIMA)]
+    # the truncated weight applied to negatives, per step: what scoring pi off mu's support silences
+    negative_weights = [{"step": entry["step"], "weight_negative": entry["topr/weight_negative/mean"]}
+                        for entry in trainer.state.log_history if entry.get("topr/weight_negative/mean") is not None]
     return {"curve": curve, "grad_norms": grad_norms, "ratio_maxima": ratio_maxima,
-            "seconds": time.time() - started}
+            "negative_weights": negative_weights, "seconds": time.time() - started}
 
 
 # ---------------------------------------------------------------------------------------------------------

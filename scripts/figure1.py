@@ -45,7 +45,12 @@ METHODS = {
     "topr_far_off_policy": {"loss_type": "topr"},
     # TOPR with the baseline c solved once on the fixed dataset for Eq. 12's p~ = --target_effective_proportion
     "topr_target": {"loss_type": "topr", "topr_baseline_scope": "dataset"},
+    # TOPR with pi scored over the whole vocabulary although mu truncated (--sampling_top_k/--sampling_top_p): the
+    # rows' `behaviour_sampling` dropped, as before pi was put on mu's support; the control for that fix
+    "topr_whole_vocabulary": {"loss_type": "topr"},
 }
+UNSAID_SAMPLING = {"topr_whole_vocabulary"}
+"""Methods trained on the fixed dataset without its `behaviour_sampling` column."""
 
 
 def far_behaviour_model(options, work: Path, testbed) -> tuple:
@@ -76,11 +81,15 @@ def run(options) -> dict:
         results["far_behaviour_model"] = str(far)
         results["far_behaviour_start"] = testbed.evaluate(far_model, far_tokenizer)
     for seed in options.seeds:
-        data = {"base": sample_fixed_dataset(testbed, options.prompts, seed, work)}
+        truncation = dict(top_k=options.sampling_top_k, top_p=options.sampling_top_p)
+        data = {"base": sample_fixed_dataset(testbed, options.prompts, seed, work, **truncation)}
         for method in options.methods:
             source = "far" if method == "topr_far_off_policy" else "base"
             if source not in data:
-                data[source] = sample_fixed_dataset(testbed, options.prompts, seed, work, behaviour=far)
+                data[source] = sample_fixed_dataset(testbed, options.prompts, seed, work, behaviour=far, **truncation)
+            if method in UNSAID_SAMPLING:
+                source = "unsaid"
+                data.setdefault(source, data["base"].remove_columns("behaviour_sampling"))
             positives = sum(r > 0 for r in data[source]["reward"]) / len(data[source])
             run_result = train_offline(
                 testbed, data[source], work / "runs" / f"figure1-{method}-seed{seed}", seed=seed,
@@ -91,7 +100,9 @@ def run(options) -> dict:
             results["runs"][f"{method}/seed{seed}"] = {"method": method, "seed": seed,
                                                        "dataset_positive_fraction": positives, **run_result}
             curve = run_result["curve"]
-            print(f"[figure1] seed {seed} {method:<20} p {positives:.3f} " + "  ".join(
+            weights = [entry["weight_negative"] for entry in run_result["negative_weights"]]
+            print(f"[figure1] seed {seed} {method:<20} p {positives:.3f} negatives' weight "
+                  f"{statistics.mean(weights) if weights else float('nan'):.3g}  " + "  ".join(
                 f"{metric} {curve[0][metric]:.3f} -> {curve[-1][metric]:.3f}" for metric in testbed.metrics) +
                 f"  ({run_result['seconds']:.0f}s)", flush=True)
     summarise_all(results, testbed.metrics, options)
@@ -104,6 +115,19 @@ def summarise_all(results: dict, metrics, options) -> None:
     results["late"] = summarise_late(results["runs"], metrics, options.late_share)
     results["paired"] = compare(results["runs"], metrics, options.compare, options.late_share)
     results["clipped_share"] = clipped_share_by_step(results["runs"])
+    results["negative_weight"] = negative_weight_by_method(results["runs"])
+
+
+def negative_weight_by_method(runs: dict) -> dict:
+    """Per method: mean and 95 % t-interval over seeds of each run's mean truncated weight on negatives (where the
+    runs logged it): how hard negatives pushed."""
+    outcome = {}
+    for method in dict.fromkeys(run["method"] for run in runs.values()):
+        means = [statistics.mean(entry["weight_negative"] for entry in run["negative_weights"])
+                 for run in runs.values() if run["method"] == method and run.get("negative_weights")]
+        if means:
+            outcome[method] = mean_and_ci95(means)
+    return outcome
 
 
 def clipped_share_by_step(runs: dict) -> dict:
@@ -209,6 +233,10 @@ def main(argv=None) -> dict:
                         default=["topr-sft_positives", "topr-tis", "topr-ppo", "topr-naive_reinforce",
                                  "topr-topr_far_off_policy"],
                         help="pre-registered paired comparisons A-B of the late values (pairs whose methods ran)")
+    parser.add_argument("--sampling_top_k", type=int, default=0,
+                        help="mu samples the fixed datasets with this top-k (0: off)")
+    parser.add_argument("--sampling_top_p", type=float, default=1.0,
+                        help="mu samples the fixed datasets with this top-p (1: off)")
     parser.add_argument("--far_error_rate", type=float, default=0.5,
                         help="topr_far_off_policy: planted carry-drop rate of the other model the data comes from")
     parser.add_argument("--target_effective_proportion", type=float, default=0.5,

@@ -86,13 +86,11 @@ def branch_ratios(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor) 
 def ratio_quantiles(ratios: torch.Tensor) -> dict[str, float]:
     """The `RATIO_QUANTILES` of each branch's pi/mu from the gathered (2, N) `branch_ratios` (NaN for an empty
     branch)."""
-    metrics = {}
-    for row, branch in zip(ratios.float(), ("positive", "negative"), strict=True):
-        present = row[~torch.isnan(row)]
-        for q in RATIO_QUANTILES:
-            value = torch.quantile(present, q).item() if present.numel() else float("nan")
-            metrics[f"topr/ratio_{branch}/p{round(q * 100)}"] = value
-    return metrics
+    levels = torch.tensor(RATIO_QUANTILES, dtype=torch.float32, device=ratios.device)
+    values = torch.nanquantile(ratios.float(), levels, dim=1).T.tolist()  # (branch, quantile); NaN where empty
+    return {f"topr/ratio_{branch}/p{round(q * 100)}": value
+            for branch, row in zip(("positive", "negative"), values, strict=True)
+            for q, value in zip(RATIO_QUANTILES, row, strict=True)}
 
 
 def effective_sample_size_fraction(ratio_sum: float, ratio_sq_sum: float, count: float) -> float:

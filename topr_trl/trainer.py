@@ -47,9 +47,11 @@ class PolicyMetricsLogging:
         gathered = self.accelerator.gather(per_rank.unsqueeze(0))
         values = policy_metrics(totals, gathered[:, :4].amin(dim=0).tolist(), gathered[:, 4:].mean(dim=0).tolist(),
                                 reward_signal=self.args.topr_signal == "reward")
-        ratios = self.accelerator.pad_across_processes(branch_ratios(terms, signal, mask), dim=1,
-                                                       pad_index=float("nan"))
-        values.update(ratio_quantiles(self.accelerator.gather(ratios.unsqueeze(0)).transpose(0, 1).flatten(1)))
+        ratios = branch_ratios(terms, signal, mask)
+        if self.accelerator.num_processes > 1:  # every process's ratios, NaN-padded to one length
+            ratios = self.accelerator.pad_across_processes(ratios, dim=1, pad_index=float("nan"))
+            ratios = self.accelerator.gather(ratios.unsqueeze(0)).transpose(0, 1).flatten(1)
+        values.update(ratio_quantiles(ratios))
         for name, value in values.items():
             self._metrics[mode][name].append(value)
         ratio_ranges = (f"positives [{values['topr/ratio_positive/min']}, {values['topr/ratio_positive/max']}], "
