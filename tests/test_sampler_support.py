@@ -15,7 +15,7 @@ from topr_trl import TOPRConfig, TOPRTrainer
 from topr_trl.offline import generate_offline_dataset, stored_reward
 from topr_trl.sampler_support import (
     SamplerProcessing,
-    completion_support_correction,
+    completion_processed_log_probs,
     fused_head_parts,
     head_logits,
     processed_log_probs,
@@ -81,7 +81,8 @@ def test_processed_log_probs_by_hand():
 def test_the_correction_is_the_kept_mass_and_zero_without_truncation():
     generator = torch.Generator().manual_seed(1)
     logits, tokens = torch.randn(16, 30, generator=generator), torch.randint(0, 30, (16,), generator=generator)
-    assert torch.equal(support_correction(logits, tokens, SamplerProcessing(), 1.0), torch.zeros(16))
+    # the same logsumexp over the vocabulary in another order (sorted): a few roundings of values ~3
+    assert support_correction(logits, tokens, SamplerProcessing(), 1.0).abs().max() < 1e-6
     processing = SamplerProcessing(top_k=30)  # keeps everything
     assert support_correction(logits, tokens, processing, 1.0).abs().max() < 1e-6
     top5 = SamplerProcessing(top_k=5)
@@ -124,10 +125,10 @@ def test_the_head_is_the_one_trls_fused_log_probs_use(family):
     logits = head_logits(owner, hidden[0][:, :-1])
     ours = (logits / 0.7).log_softmax(-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(ours, fused, rtol=1e-5, atol=1e-6), (ours - fused).abs().max()
-    # and the trainer's correction at the same temperature without truncation is 0 on every completion token
-    correction = completion_support_correction(owner, hidden[0], input_ids, torch.ones_like(input_ids), 4,
-                                               SamplerProcessing(temperature=0.7), 0.7)
-    assert correction.abs().max() < 1e-6
+    # and without truncation at the same temperature the processed log-probs are TRL's on every completion token
+    processed = completion_processed_log_probs(owner, hidden[0], input_ids, torch.ones_like(input_ids), 4,
+                                               SamplerProcessing(temperature=0.7))
+    assert torch.allclose(processed, fused[:, -4:], rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -183,8 +184,8 @@ def test_rows_sampled_two_ways_are_refused_in_one_line(truncated_samples, tiny_m
 
 def test_online_generation_with_top_k_scores_pi_on_its_support(tiny_model_path, arithmetic_dataset, tmp_path):
     """Online (transformers generation) with top_k 3 and two optimiser steps per generation, so mu is the policy's
-    log-probs at generation time: both are scored on the top-3 support; at learning rate 0 the ratio is 1, and the
-    behaviour log-probs are the processed ones (each at least log 1/3 + the kept mass's log, i.e. > log 1/V)."""
+    log-probs at generation time: both are scored on the top-3 support (the processing is transformers'), and at
+    learning rate 0 the ratio is 1."""
     args = TOPRConfig(**small_config_kwargs(tmp_path, learning_rate=0.0, top_k=3, steps_per_generation=2,
                                             max_steps=2))
     trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
@@ -194,7 +195,7 @@ def test_online_generation_with_top_k_scores_pi_on_its_support(tiny_model_path, 
     assert ratios and all(r == pytest.approx(1.0, abs=1e-4) for r in ratios), ratios
 
 
-def test_the_correction_in_chunks_equals_the_correction_at_once(monkeypatch):
+def test_the_log_probs_in_chunks_equal_the_log_probs_at_once(monkeypatch):
     """Three tokens per chunk (the last one short) against every token at once: the same values, in order."""
     import topr_trl.sampler_support as support
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -204,7 +205,89 @@ def test_the_correction_in_chunks_equals_the_correction_at_once(monkeypatch):
                                          num_attention_heads=4, num_key_value_heads=2))
     hidden, tokens = torch.randn(11, 32), torch.randint(0, 97, (11,))
     processing = SamplerProcessing(top_k=4, top_p=0.8)
-    at_once = support.chunked_support_correction(model, hidden, tokens, processing, 1.0)
+    at_once = support.chunked_processed_log_probs(model, hidden, tokens, processing)
     monkeypatch.setattr(support, "CORRECTION_CHUNK_ELEMENTS", 97 * 3)
-    assert torch.equal(support.chunked_support_correction(model, hidden, tokens, processing, 1.0), at_once)
-    assert (at_once > 0).all()  # top-4 of 97 near-uniform tokens keeps a small mass: each correction is -log of it
+    assert torch.equal(support.chunked_processed_log_probs(model, hidden, tokens, processing), at_once)
+    full = head_logits(model, hidden).log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    assert (at_once <= 0).all() and (at_once > full + 0.1).all()  # over a few kept tokens, not 97
+
+
+def test_the_trainer_adds_a_constant_to_log_pi_and_keeps_grpos_gradient(tiny_model_path, arithmetic_dataset,
+                                                                        tmp_path):
+    """TOPRTrainer at top_k 3: its log-probs are TRL's plus the correction, recomputed here independently from the
+    model's plain logits (no fused head, no hook), and the gradient of their sum is TRL's (the correction carries
+    none)."""
+    args = TOPRConfig(**small_config_kwargs(tmp_path, top_k=3))
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
+                          train_dataset=arithmetic_dataset)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, trainer.model.config.vocab_size, (3, 10), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, -2:] = 0  # a padded completion: 0 there, as TRL gives
+    processing = trainer._sampler_processing
+    assert processing == SamplerProcessing(top_k=3, top_p=1.0, engine="transformers")
+
+    def logps_and_gradient(processing):
+        trainer.model.zero_grad()
+        trainer._sampler_processing = processing
+        logps = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, 4)[0]
+        logps.sum().backward()
+        return logps.detach(), [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+
+    corrected, corrected_grads = logps_and_gradient(processing)
+    plain, plain_grads = logps_and_gradient(None)
+    with torch.no_grad():
+        logits = trainer.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -5:-1].float()
+    tokens = input_ids[:, -4:]
+    expected = (processed_log_probs(logits, tokens, processing)
+                - (logits / args.temperature).log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+    expected = expected * attention_mask[:, -4:]
+    assert torch.allclose(corrected - plain, expected, atol=1e-5), (corrected - plain, expected)
+    assert (expected[attention_mask[:, -4:].bool()] > 0.1).all()  # the kept mass of 3 tokens is well below 1
+    assert all(torch.equal(a, b) for a, b in zip(corrected_grads, plain_grads, strict=True))
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet", "csv"])
+def test_behaviour_sampling_travels_through_the_files_a_user_keeps(suffix, truncated_samples, tmp_path):
+    """A generated dataset written to JSON lines, Parquet or CSV (where the record is JSON text) and loaded back by
+    `load_offline_source` still says how mu sampled: the trainer reads the same processing from it."""
+    import json
+
+    from topr_trl.offline import load_offline_source
+    from topr_trl.offline.schema import stored_processing
+
+    data = truncated_samples["top_k"].select_columns(["prompt", "completion_ids", "behaviour_logps",
+                                                      "behaviour_sampling", "reward"])
+    path = tmp_path / f"data.{suffix}"
+    if suffix == "csv":
+        data.map(lambda row: {key: json.dumps(row[key]) for key in ("completion_ids", "behaviour_logps",
+                                                                     "behaviour_sampling")}).to_csv(str(path))
+    else:
+        getattr(data, "to_json" if suffix == "jsonl" else "to_parquet")(str(path))
+    loaded = load_offline_source(str(path))
+    assert stored_processing([loaded], SamplerProcessing()) == SamplerProcessing(top_k=3, top_p=1.0)
+
+
+@pytest.mark.parametrize("processing", [
+    SamplerProcessing(top_k=3), SamplerProcessing(top_k=50), SamplerProcessing(top_p=0.9), SamplerProcessing(top_p=0.3),
+    SamplerProcessing(min_p=0.05), SamplerProcessing(temperature=0.7, top_k=40, top_p=0.8),
+    SamplerProcessing(top_k=20, min_p=0.2), SamplerProcessing(top_p=0.95, min_p=0.01, engine="vllm")])
+def test_the_support_decided_on_the_largest_logits_is_the_whole_vocabularys(processing):
+    """`processed_log_probs` decides the support on the largest logits and falls back to the whole vocabulary where
+    they do not decide it: against log-softmax over transformers' own support (plus the sampled token) on a
+    2,000-token vocabulary wider than the candidates, with flat rows (the nucleus runs past them), peaked rows, rows
+    of ties at the top, and sampled tokens inside and outside the support. float32 logsumexps of one support in two
+    orders: within 2e-5 of values up to ~10."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(48, 2000, generator=generator) * torch.linspace(0.05, 8, 48).unsqueeze(1)
+    logits[:4, :60] = 5.0  # 60 ties at the top
+    tokens = torch.cat([logits[:24].argsort(-1, descending=True)[:, 1],  # inside most supports
+                        torch.randint(0, 2000, (24,), generator=generator)])  # mostly outside
+    if processing.engine == "transformers":
+        keep = transformers_support(logits, processing)
+    else:
+        keep = sampler_support(logits, processing)
+    keep.scatter_(-1, tokens.unsqueeze(-1), True)
+    scaled = logits / processing.temperature
+    expected = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - scaled.masked_fill(~keep, -math.inf).logsumexp(-1)
+    assert torch.allclose(processed_log_probs(logits, tokens, processing), expected, atol=2e-5)

@@ -130,13 +130,69 @@ def sampler_support(logits: torch.Tensor, processing: SamplerProcessing) -> torc
 
 def processed_log_probs(logits: torch.Tensor, tokens: torch.Tensor, processing: SamplerProcessing) -> torch.Tensor:
     """log pi_S(y) for each (..., V) row of `logits` and its token y (...): the log-softmax of logits / T over the
-    sampler's support, which always holds y. No gradient: the ratio's value only."""
+    sampler's support, which always holds y. No gradient: the ratio's value only.
+
+    Every filter keeps a prefix of the tokens sorted by logit (top-k: the k largest and their ties; top-p: those
+    whose mass above them is < p; min-p: those within log(min_p) of the largest), so the support is decided on the
+    largest `SUPPORT_CANDIDATES` logits (`torch.topk`) rather than on a sorted vocabulary; a row whose support may
+    reach past them (a flat distribution under top-p or min-p, ties past the candidates) takes the whole-vocabulary
+    path (`sampler_support`). Both give the same support."""
+    if logits.dim() != 2:  # (..., V): the same on the flattened rows
+        flat = processed_log_probs(logits.reshape(-1, logits.size(-1)), tokens.reshape(-1), processing)
+        return flat.reshape(tokens.shape)
     with torch.no_grad():
         scaled = logits.float() / processing.temperature
-        keep = sampler_support(logits, processing)
-        keep.scatter_(-1, tokens.unsqueeze(-1), True)
         chosen = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        return chosen - scaled.masked_fill(~keep, -math.inf).logsumexp(dim=-1)
+        normaliser, undecided = _normaliser_on_candidates(scaled, chosen, processing)
+        if undecided.any():
+            rows = undecided.nonzero(as_tuple=True)[0]
+            keep = sampler_support(logits[rows], processing)
+            keep.scatter_(-1, tokens[rows].unsqueeze(-1), True)
+            normaliser[rows] = scaled[rows].masked_fill(~keep, -math.inf).logsumexp(dim=-1)
+        return chosen - normaliser
+
+
+SUPPORT_CANDIDATES = 1024
+"""How many of the largest logits `processed_log_probs` decides the support on (top-k: k plus a margin for ties)."""
+
+
+def _normaliser_on_candidates(scaled: torch.Tensor, chosen: torch.Tensor, processing: SamplerProcessing):
+    """(logsumexp of the scaled logits over the support plus the sampled token, the rows the largest candidates do
+    not decide) for (N, V) `scaled` logits and the sampled tokens' `chosen` values."""
+    vocabulary = scaled.size(-1)
+    width = min(vocabulary, processing.top_k + 16 if processing.top_k else SUPPORT_CANDIDATES)
+    values = scaled.topk(width, dim=-1).values  # descending
+    kept = torch.ones_like(values, dtype=torch.bool)  # a prefix of the candidates, row by row
+    whole = torch.full(values.shape[:1], width == vocabulary, dtype=torch.bool, device=values.device)
+    undecided = torch.zeros_like(whole)  # a row whose support may extend past the candidates
+    for name in SUPPORT_FILTERS[processing.engine]:
+        if name == "top_k" and processing.top_k and processing.top_k < vocabulary:
+            boundary = values[:, processing.top_k - 1:processing.top_k]
+            kept &= values >= boundary  # the k largest and their ties, as both engines keep them
+            undecided |= ~whole & (values[:, -1:] >= boundary).squeeze(-1)  # ties past the candidates
+            whole |= True
+        elif name == "top_p" and processing.top_p is not None and processing.top_p < 1:
+            total = torch.where(whole, _masked_logsumexp(values, kept), scaled.logsumexp(dim=-1))
+            probs = torch.where(kept, (values - total.unsqueeze(-1)).exp(), 0.0)
+            above = probs.cumsum(dim=-1) - probs  # the kept mass above each candidate
+            nucleus = kept & (above < processing.top_p)
+            # the nucleus ends inside the candidates unless every kept candidate is in it and more tokens follow
+            undecided |= ~whole & (nucleus == kept).all(dim=-1)
+            kept, whole = nucleus, whole | True
+        elif name == "min_p" and processing.min_p:
+            nucleus = kept & (values >= values[:, :1] + math.log(processing.min_p))
+            undecided |= ~whole & (nucleus == kept).all(dim=-1)
+            kept, whole = nucleus, whole | True
+    undecided |= ~whole  # no filter truncated: the support is the whole vocabulary
+    boundary = torch.where(kept, values, math.inf).amin(dim=-1)
+    normaliser = _masked_logsumexp(values, kept)
+    outside = chosen < boundary  # the sampled token, kept in the support though the filters drop it
+    normaliser = torch.where(outside, torch.logaddexp(normaliser, chosen), normaliser)
+    return normaliser, undecided
+
+
+def _masked_logsumexp(values: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    return values.masked_fill(~kept, -math.inf).logsumexp(dim=-1)
 
 
 def support_correction(logits: torch.Tensor, tokens: torch.Tensor, processing: SamplerProcessing,
@@ -209,36 +265,38 @@ def head_logits(owner: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 
 CORRECTION_CHUNK_ELEMENTS = 2**25
-"""How many logits `completion_support_correction` holds at once (tokens x vocabulary): 128 MB in float32, the
+"""How many logits `chunked_processed_log_probs` holds at once (tokens x vocabulary): 128 MB in float32, the
 processing adding a few masks of that size (top-p's sort: its values and int64 indices), against TRL's fused head's
 4,096 x 32,768 projection tile. 220 tokens at a 151,936-token vocabulary."""
 
 
-def completion_support_correction(owner: torch.nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor,
-                                  attention_mask: torch.Tensor, logits_to_keep: int, processing: SamplerProcessing,
-                                  trainer_temperature: float) -> torch.Tensor:
-    """`support_correction` for the last `logits_to_keep` tokens of each sequence (B, logits_to_keep), 0 where
+def completion_processed_log_probs(owner: torch.nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor,
+                                   attention_mask: torch.Tensor, logits_to_keep: int,
+                                   processing: SamplerProcessing) -> torch.Tensor:
+    """`processed_log_probs` of the last `logits_to_keep` tokens of each sequence (B, logits_to_keep), 0 where
     `attention_mask` is 0: from the backbone's last hidden states (B, L, H), which predict token t at position t-1."""
     hidden = hidden[:, -logits_to_keep - 1:-1]
     tokens = input_ids[:, -logits_to_keep:]
-    valid = attention_mask[:, -logits_to_keep:].bool()
-    corrections = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-    positions = valid.nonzero(as_tuple=True)
-    corrections[positions] = chunked_support_correction(owner, hidden[positions], tokens[positions], processing,
-                                                        trainer_temperature).to(corrections.device)
-    return corrections
+    positions = attention_mask[:, -logits_to_keep:].bool().nonzero(as_tuple=True)
+    values = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    values[positions] = chunked_processed_log_probs(owner, hidden[positions], tokens[positions],
+                                                    processing).to(values.device)
+    return values
 
 
-def chunked_support_correction(owner: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor,
-                               processing: SamplerProcessing, trainer_temperature: float) -> torch.Tensor:
-    """`support_correction` for N tokens from their (N, H) hidden states, `CORRECTION_CHUNK_ELEMENTS` logits at a
+def chunked_processed_log_probs(owner: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor,
+                                processing: SamplerProcessing) -> torch.Tensor:
+    """`processed_log_probs` for N tokens from their (N, H) hidden states, `CORRECTION_CHUNK_ELEMENTS` logits at a
     time."""
     step = max(1, CORRECTION_CHUNK_ELEMENTS // owner.config.get_text_config().vocab_size)
-    values = [support_correction(head_logits(owner, hidden[start:start + step]),
-                                 tokens[start:start + step].to(hidden.device), processing, trainer_temperature)
+    values = [processed_log_probs(head_logits(owner, hidden[start:start + step]),
+                                  tokens[start:start + step].to(hidden.device), processing)
               for start in range(0, hidden.size(0), step)]
     return torch.cat(values) if values else hidden.new_zeros(0, dtype=torch.float32)
 
-    if values:
-        corrections[positions] = torch.cat(values).to(corrections.device)
-    return corrections
+
+def on_mus_support(log_probs: torch.Tensor, processed: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """TRL's `log_probs` (carrying the gradient) with the value of `processed` where `valid`: the ratio reads pi on
+    mu's support, and the gradient stays grad log pi (TOPR's weight is a stop-gradient constant)."""
+    shift = (processed.to(log_probs.dtype) - log_probs.detach()) * valid
+    return log_probs + shift

@@ -25,7 +25,13 @@ from .policy_metrics import (
     ratio_minima,
     ratio_quantiles,
 )
-from .sampler_support import SamplerProcessing, captured_outputs, completion_support_correction, fused_head_parts
+from .sampler_support import (
+    SamplerProcessing,
+    captured_outputs,
+    completion_processed_log_probs,
+    fused_head_parts,
+    on_mus_support,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -190,9 +196,9 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
         with captured_outputs(backbone) as hidden:
             logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        correction = completion_support_correction(owner, torch.cat(hidden), input_ids, attention_mask,
-                                                   logits_to_keep, processing, self.temperature)
-        return logps + correction.to(logps.dtype), entropies, aux_loss
+        processed = completion_processed_log_probs(owner, torch.cat(hidden), input_ids, attention_mask,
+                                                   logits_to_keep, processing)
+        return on_mus_support(logps, processed, attention_mask[:, -logits_to_keep:]), entropies, aux_loss
 
     @staticmethod
     def _generates_on_gloo_server(args) -> bool:

@@ -28,7 +28,13 @@ from accelerate import PartialState
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
 from ..loss import packed_topr_loss, unpack_segments
-from ..sampler_support import SamplerProcessing, captured_outputs, chunked_support_correction, fused_head_parts
+from ..sampler_support import (
+    SamplerProcessing,
+    captured_outputs,
+    chunked_processed_log_probs,
+    fused_head_parts,
+    on_mus_support,
+)
 from ..trainer import PolicyMetricsLogging, TOPRTrainer, trained_method
 from .config import AsyncTOPRConfig
 from .cpu import CPUSupport
@@ -156,9 +162,9 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
             log_probs, entropy, selected, aux_loss = self._packed_forward(model, inputs)
         token_index = inputs["token_index"][selected]
         labels = inputs["shift_labels"][inputs["attention_mask"].bool()]
-        correction = chunked_support_correction(owner, hidden[0].flatten(0, 1)[token_index], labels[token_index],
-                                                self._sampler_processing, self.temperature)
-        return log_probs + correction.to(log_probs.device, log_probs.dtype), entropy, selected, aux_loss
+        processed = chunked_processed_log_probs(owner, hidden[0].flatten(0, 1)[token_index], labels[token_index],
+                                                self._sampler_processing)
+        return on_mus_support(log_probs, processed.to(log_probs.device), 1), entropy, selected, aux_loss
 
     # ------------------------------------------------------------------ the loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

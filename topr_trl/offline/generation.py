@@ -476,7 +476,7 @@ def load_offline_dataset(directory: str | Path) -> Dataset:
     return concatenate_datasets(parts)
 
 
-_LIST_COLUMNS = ("prompt_ids", "completion_ids", "behaviour_logps")
+_JSON_COLUMNS = ("prompt_ids", "completion_ids", "behaviour_logps", "behaviour_sampling")
 
 
 
@@ -502,7 +502,7 @@ def load_offline_source(source: str | Path, split: str = "train") -> Dataset:
         raise FileNotFoundError(f"offline dataset {text!r} not found: give the folder `topr-trl generate` wrote, a "
                                 "save_to_disk folder, a .json/.jsonl/.csv/.parquet file or folder, or a Hub id")
     dataset = load_data_source(text, split, what="offline dataset", one_split="train")
-    for column in _LIST_COLUMNS:  # written as JSON text where the format holds no lists (CSV)
+    for column in _JSON_COLUMNS:  # written as JSON text where the format holds no lists or records (CSV)
         if column in dataset.column_names and getattr(dataset.features[column], "dtype", None) in ("string",
                                                                                                   "large_string"):
             dataset = dataset.map(lambda row, c=column: {c: json.loads(row[c])}, desc=f"parsing {column}")
