@@ -246,6 +246,51 @@ def loss_only(options, model_path: str) -> dict:
     return {"median_loss_backward_s": medians, "quartiles_s": quartiles, "ratios": ratios}
 
 
+def support_only(options) -> dict:
+    """What scoring pi on mu's support costs per completion token, apart from the extra head projection:
+    `processed_log_probs` (the support decided on the largest logits) against the whole-vocabulary path
+    (`sampler_support`, a sort for top-p) on (tokens, vocabulary) logits at the Qwen2.5 vocabulary, flat (a
+    random-weight model: top-p's nucleus is most of the vocabulary) and peaked (Zipf-like, as a trained model's next
+    token: the nucleus within the largest few hundred)."""
+    import math
+
+    import torch
+
+    from topr_trl.sampler_support import SamplerProcessing, processed_log_probs, sampler_support
+
+    vocabulary, tokens = 151_936, options.batch_size * options.completion_length
+    generator = torch.Generator().manual_seed(0)
+    ranks = torch.arange(1, vocabulary + 1, dtype=torch.float32)
+    shapes = {"flat": torch.randn(tokens, vocabulary, generator=generator) * 0.05,
+              "peaked": (-1.2 * ranks.log()).expand(tokens, -1)[:, torch.randperm(vocabulary, generator=generator)]
+              + torch.randn(tokens, vocabulary, generator=generator) * 0.3}
+    sampled = torch.randint(0, vocabulary, (tokens,), generator=generator)
+
+    def whole_vocabulary(logits, processing):
+        keep = sampler_support(logits, processing)
+        keep.scatter_(-1, sampled.unsqueeze(-1), True)
+        scaled = logits / processing.temperature
+        return scaled.gather(-1, sampled.unsqueeze(-1)).squeeze(-1) - scaled.masked_fill(~keep, -math.inf).logsumexp(-1)
+
+    result = {}
+    for shape, logits in shapes.items():
+        for name, processing in {"top_k 50": SamplerProcessing(top_k=50),
+                                 "top_p 0.95": SamplerProcessing(top_p=0.95)}.items():
+            timings = {}
+            for path, function in {"candidates": lambda: processed_log_probs(logits, sampled, processing),
+                                   "whole vocabulary": lambda: whole_vocabulary(logits, processing)}.items():
+                function()
+                times = []
+                for _ in range(options.repeats):
+                    start = time.perf_counter()
+                    function()
+                    times.append(time.perf_counter() - start)
+                timings[path] = statistics.median(times)
+            result[f"{shape} {name}"] = {"ms_per_1k_tokens": {path: 1000 * value / tokens * 1000
+                                                              for path, value in timings.items()}}
+    return {"tokens": tokens, "vocabulary": vocabulary, "timings": result}
+
+
 def model_flops_per_token(config, sequence_length: int) -> dict[str, float]:
     """Model FLOPs per token (the PaLM appendix B convention): a forward pass costs 2 N + 4 L d s per token, with
     N the non-embedding parameters plus the LM head, L layers, d the hidden size and s the sequence length (the
@@ -419,11 +464,20 @@ def main() -> None:
                         help="time only loss+backward on one shared batch, all trainers in one process")
     parser.add_argument("--interleaved", action="store_true",
                         help="whole steps of every setting alternated in one process (wall and CPU time; no memory)")
+    parser.add_argument("--support_only", action="store_true",
+                        help="time pi's log-probs on mu's support alone (both paths, flat and peaked logits)")
     parser.add_argument("--output", help="write the results as JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
         print("RESULT " + json.dumps(worker(json.loads(options.worker))), flush=True)
+        return
+    if options.support_only:
+        result = support_only(options)
+        for name, row in result["timings"].items():
+            print(f"{name:<20} " + "  ".join(f"{path} {value:.1f} ms/1k tokens"
+                                             for path, value in row["ms_per_1k_tokens"].items()))
+        write_output(options, {"support_only": result})
         return
     if options.smoke:
         options.repeats, options.steps, options.warmup, options.batch_size, options.num_generations = 1, 2, 1, 4, 4

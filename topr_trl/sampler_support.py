@@ -143,24 +143,31 @@ def processed_log_probs(logits: torch.Tensor, tokens: torch.Tensor, processing: 
     with torch.no_grad():
         scaled = logits.float() / processing.temperature
         chosen = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        normaliser, undecided = _normaliser_on_candidates(scaled, chosen, processing)
-        if undecided.any():
-            rows = undecided.nonzero(as_tuple=True)[0]
-            keep = sampler_support(logits[rows], processing)
-            keep.scatter_(-1, tokens[rows].unsqueeze(-1), True)
-            normaliser[rows] = scaled[rows].masked_fill(~keep, -math.inf).logsumexp(dim=-1)
+        normaliser = torch.empty_like(chosen)
+        rows = torch.arange(chosen.size(0), device=chosen.device)
+        for candidates in SUPPORT_CANDIDATES:  # fewer and fewer rows, on more and more candidates
+            values, undecided = _normaliser_on_candidates(scaled[rows], chosen[rows], processing, candidates)
+            normaliser[rows] = values
+            rows = rows[undecided]
+            if rows.numel() == 0:
+                return chosen - normaliser
+        keep = sampler_support(logits[rows], processing)
+        keep.scatter_(-1, tokens[rows].unsqueeze(-1), True)
+        normaliser[rows] = scaled[rows].masked_fill(~keep, -math.inf).logsumexp(dim=-1)
         return chosen - normaliser
 
 
-SUPPORT_CANDIDATES = 1024
-"""How many of the largest logits `processed_log_probs` decides the support on (top-k: k plus a margin for ties)."""
+SUPPORT_CANDIDATES = (1024, 16384)
+"""How many of the largest logits `processed_log_probs` tries to decide the support on, in turn (top-k: k plus a
+margin for ties), before the whole vocabulary."""
 
 
-def _normaliser_on_candidates(scaled: torch.Tensor, chosen: torch.Tensor, processing: SamplerProcessing):
-    """(logsumexp of the scaled logits over the support plus the sampled token, the rows the largest candidates do
-    not decide) for (N, V) `scaled` logits and the sampled tokens' `chosen` values."""
+def _normaliser_on_candidates(scaled: torch.Tensor, chosen: torch.Tensor, processing: SamplerProcessing,
+                              candidates: int):
+    """(logsumexp of the scaled logits over the support plus the sampled token, the rows the largest `candidates`
+    logits do not decide) for (N, V) `scaled` logits and the sampled tokens' `chosen` values."""
     vocabulary = scaled.size(-1)
-    width = min(vocabulary, processing.top_k + 16 if processing.top_k else SUPPORT_CANDIDATES)
+    width = min(vocabulary, processing.top_k + 16 if processing.top_k else candidates)
     values = scaled.topk(width, dim=-1).values  # descending
     kept = torch.ones_like(values, dtype=torch.bool)  # a prefix of the candidates, row by row
     whole = torch.full(values.shape[:1], width == vocabulary, dtype=torch.bool, device=values.device)
