@@ -372,6 +372,35 @@ def test_async_topr_on_trls_rollout_worker_keeps_the_server_on_the_policy(reason
     assert gap_to(initial) > WRONG_BEYOND_FLOORS * floor, (gap_to(initial), floor)
 
 
+def test_async_topr_on_trls_worker_sampling_with_top_k_gives_pi_over_mu_of_one_at_learning_rate_zero(
+        reasoning_model, tmp_path):
+    """AsyncTOPRTrainer with TRL's own rollout worker sampling at top_k 2 from a float32 server, at learning rate 0:
+    the worker's settings reach vLLM's sampler, the trainer scores pi on that support in vLLM's filter order, and every
+    ratio is 1 within 1e-4 (scored over the whole vocabulary instead, the same run's ratios were 0.24-0.996)."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen3_template
+
+    from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer
+    from topr_trl.sampler_support import SamplerProcessing
+
+    tokenizer = AutoTokenizer.from_pretrained(reasoning_model)
+    tokenizer.response_template = qwen3_template
+    with served(reasoning_model, tmp_path / "server.log", "--dtype", "float32") as (url, _):
+        args = AsyncTOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, vllm_server_base_url=url,
+                               per_device_train_batch_size=16, num_generations=8, learning_rate=0.0, top_k=2,
+                               topr_signal="reward", topr_baseline=0.5, max_inflight_tasks=16,
+                               max_completion_length=max_completion_tokens(3), max_steps=2, logging_steps=1,
+                               report_to="none", save_strategy="no")
+        trainer = AsyncTOPRTrainer(reasoning_model, reasoning_reward, args, train_dataset=make_reasoning_dataset(64, 3),
+                                   processing_class=tokenizer)
+        assert trainer._sampler_processing == SamplerProcessing(top_k=2, top_p=1.0, engine="vllm")
+        trainer.train()
+    ratios = [entry[f"topr/ratio_{sign}/{stat}"] for entry in trainer.state.log_history
+              for sign in ("positive", "negative") for stat in ("min", "max")
+              if entry.get(f"topr/ratio_{sign}/{stat}") is not None]
+    assert ratios and all(abs(ratio - 1) < 1e-4 for ratio in ratios), ratios
+
+
 def test_the_command_lines_asynchronous_run_generates_on_the_server(reasoning_model, tmp_path):
     """`topr-trl train --asynchronous --vllm_server_base_url URL` reaches TRL's rollout worker on that server (not
     the in-process stand-in), with the server's weights following the policy through its gloo path; a stand-in-only
