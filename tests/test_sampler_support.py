@@ -9,7 +9,11 @@ import math
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from topr_trl import TOPRConfig, TOPRTrainer
 from topr_trl.offline import generate_offline_dataset, stored_reward
@@ -20,7 +24,6 @@ from topr_trl.sampler_support import (
     head_logits,
     processed_log_probs,
     sampler_support,
-    support_correction,
 )
 
 from .conftest import logged_values, parity_reward, small_config_kwargs
@@ -51,18 +54,20 @@ def test_the_support_is_the_one_transformers_generation_samples_from(processing)
     assert torch.equal(sampler_support(logits, processing), transformers_support(logits, processing))
 
 
-def test_vllm_applies_min_p_before_top_k():
-    """The same logits, two orders: min-p over the whole distribution (vLLM) keeps a token that min-p after top-k
-    (transformers, on the renormalised top-2) removes."""
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
-    transformers_order = SamplerProcessing(top_k=2, min_p=0.7)
-    vllm_order = SamplerProcessing(top_k=2, min_p=0.7, engine="vllm")
-    # transformers: top-2 {0.5, 0.3}, then 0.3 < 0.7 * 0.5 removes it; vLLM: min-p keeps only 0.5 first
-    assert sampler_support(logits, transformers_order).tolist() == [[True, False, False]]
-    assert sampler_support(logits, vllm_order).tolist() == [[True, False, False]]
-    loose = dict(top_k=2, min_p=0.5)  # 0.3 >= 0.5 * 0.5: kept by both; 0.2 < 0.25: removed by min-p first in vLLM
-    assert sampler_support(logits, SamplerProcessing(**loose)).tolist() == [[True, True, False]]
-    assert sampler_support(logits, SamplerProcessing(**loose, engine="vllm")).tolist() == [[True, True, False]]
+def test_vllm_applies_min_p_before_top_p():
+    """One distribution, two orders. Probabilities (0.4, 0.3, 0.2, 0.1), top_p 0.75, min_p 0.4:
+    transformers keeps top-p's nucleus (ascending mass 0.1 <= 0.25 removes only the last token), then min-p relative to
+    the renormalised largest (0.2 / 0.9 >= 0.4 * 0.4 / 0.9) keeps three; vLLM first removes 0.1 < 0.4 * 0.4 by min-p,
+    then top-p on the renormalised (4, 3, 2) / 9 removes 2/9 <= 0.25: two. transformers' own warpers agree."""
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    transformers_order = SamplerProcessing(top_p=0.75, min_p=0.4)
+    assert sampler_support(logits, transformers_order).tolist() == [[True, True, True, False]]
+    assert transformers_support(logits, transformers_order).tolist() == [[True, True, True, False]]
+    vllm_order = SamplerProcessing(top_p=0.75, min_p=0.4, engine="vllm")
+    assert sampler_support(logits, vllm_order).tolist() == [[True, True, False, False]]
+    tokens = torch.tensor([0])
+    assert processed_log_probs(logits, tokens, transformers_order).item() == pytest.approx(math.log(0.4 / 0.9))
+    assert processed_log_probs(logits, tokens, vllm_order).item() == pytest.approx(math.log(0.4 / 0.7))
 
 
 def test_processed_log_probs_by_hand():
@@ -76,6 +81,13 @@ def test_processed_log_probs_by_hand():
     # mass .099 .263 .531 1: the first two are <= 0.3, removed
     got = processed_log_probs(logits[:1], torch.tensor([1]), SamplerProcessing(temperature=2.0, top_p=0.7))
     assert got.item() == pytest.approx(0.5 - math.log(math.exp(1) + math.exp(0.5)), rel=1e-6)
+
+
+def support_correction(logits, tokens, processing, trainer_temperature):
+    """log pi_S(y) - log pi_T'(y): what scoring on the support adds to the trainer's whole-vocabulary log-prob."""
+    full = logits / trainer_temperature
+    full_log_prob = full.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - full.logsumexp(dim=-1)
+    return processed_log_probs(logits, tokens, processing) - full_log_prob
 
 
 def test_the_correction_is_the_kept_mass_and_zero_without_truncation():
@@ -102,7 +114,12 @@ def test_the_correction_is_the_kept_mass_and_zero_without_truncation():
 def test_the_head_is_the_one_trls_fused_log_probs_use(family):
     """The mirror of TRL's fused head: log-softmax(head_logits / T) at the labels equals TRL's fused log-probs
     (float32, relative to their size: the same matmul in another tiling), for a tied Qwen2 and a soft-capped Gemma2."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
     from trl.trainer.utils import add_fused_lm_head
 
     torch.manual_seed(0)
@@ -197,8 +214,9 @@ def test_online_generation_with_top_k_scores_pi_on_its_support(tiny_model_path, 
 
 def test_the_log_probs_in_chunks_equal_the_log_probs_at_once(monkeypatch):
     """Three tokens per chunk (the last one short) against every token at once: the same values, in order."""
-    import topr_trl.sampler_support as support
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import topr_trl.sampler_support as support
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

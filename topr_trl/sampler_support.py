@@ -15,12 +15,9 @@ The processed log-prob of token y is
 where S is the support the processing keeps, computed from the policy's own logits and always holding the sampled
 token (a token mu sampled has mu > 0; after the policy moves, its own truncation may drop it, and pi_S(y) = 0 would
 give the weight 0 and no gradient). At learning rate 0 S is mu's support exactly, so pi/mu = 1 up to the engines'
-arithmetic. This module computes the per-token correction
-
-    delta = log pi_S(y) - log pi_T'(y)
-
-(T' the trainer's temperature, which TRL's fused head uses), a constant: TOPR's weight is a stop-gradient, so the
-ratio takes pi_S while the gradient stays TRL's grad log pi_T'.
+arithmetic. The trainer takes the value log pi_S(y) in place of TRL's log pi_T'(y) (T' the trainer's temperature,
+which TRL's fused head uses) and keeps TRL's gradient (`on_mus_support`): TOPR's weight is a stop-gradient, so the
+ratio reads pi_S while the gradient stays grad log pi_T'.
 
 The order of the filters is the generator's: transformers applies top-k, top-p, then min-p; vLLM applies min-p first
 (`SamplerProcessing.engine`). The top-k and top-p rules are those both engines share: ties at the k-th logit are kept,
@@ -33,6 +30,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -162,6 +160,52 @@ SUPPORT_CANDIDATES = (1024, 16384)
 margin for ties), before the whole vocabulary."""
 
 
+class _Prefix(NamedTuple):
+    """Where the filters applied so far leave each row's support among its sorted candidates: `kept` (N, C) a prefix,
+    `whole` (N,) whether that prefix is the whole support (a filter has truncated within the candidates), and
+    `undecided` (N,) rows whose support may reach past the candidates."""
+
+    kept: torch.Tensor
+    whole: torch.Tensor
+    undecided: torch.Tensor
+
+
+def _prefix_top_k(prefix: _Prefix, values: torch.Tensor, scaled: torch.Tensor, s: SamplerProcessing) -> _Prefix:
+    if not s.top_k or s.top_k >= scaled.size(-1):
+        return prefix
+    boundary = values[:, s.top_k - 1:s.top_k]
+    ties_past = ~prefix.whole & (values[:, -1] >= boundary[:, 0])  # ties at the k-th logit beyond the candidates
+    return _Prefix(prefix.kept & (values >= boundary),  # the k largest and their ties, as both engines keep them
+                   torch.ones_like(prefix.whole), prefix.undecided | ties_past)
+
+
+def _prefix_top_p(prefix: _Prefix, values: torch.Tensor, scaled: torch.Tensor, s: SamplerProcessing) -> _Prefix:
+    if s.top_p is None or s.top_p >= 1:
+        return prefix
+    total = torch.where(prefix.whole, _masked_logsumexp(values, prefix.kept), scaled.logsumexp(dim=-1))
+    probs = torch.where(prefix.kept, (values - total.unsqueeze(-1)).exp(), 0.0)
+    nucleus = prefix.kept & (probs.cumsum(dim=-1) - probs < s.top_p)  # the kept mass above each token is < p
+    return _Prefix(nucleus, torch.ones_like(prefix.whole), prefix.undecided | _runs_past(prefix, nucleus))
+
+
+def _prefix_min_p(prefix: _Prefix, values: torch.Tensor, scaled: torch.Tensor, s: SamplerProcessing) -> _Prefix:
+    if not s.min_p:
+        return prefix
+    nucleus = prefix.kept & (values >= values[:, :1] + math.log(s.min_p))  # p >= min_p * the largest p
+    return _Prefix(nucleus, torch.ones_like(prefix.whole), prefix.undecided | _runs_past(prefix, nucleus))
+
+
+def _runs_past(prefix: _Prefix, nucleus: torch.Tensor) -> torch.Tensor:
+    """Rows whose new prefix may continue past the candidates: every kept candidate stays, and the support before
+    this filter was wider than the candidates."""
+    return ~prefix.whole & (nucleus == prefix.kept).all(dim=-1)
+
+
+_CANDIDATE_FILTERS: dict[str, Callable[[_Prefix, torch.Tensor, torch.Tensor, SamplerProcessing], _Prefix]] = {
+    "top_k": _prefix_top_k, "top_p": _prefix_top_p, "min_p": _prefix_min_p}
+"""`_FILTERS` on the sorted candidates: each filter keeps a prefix."""
+
+
 def _normaliser_on_candidates(scaled: torch.Tensor, chosen: torch.Tensor, processing: SamplerProcessing,
                               candidates: int):
     """(logsumexp of the scaled logits over the support plus the sampled token, the rows the largest `candidates`
@@ -169,48 +213,21 @@ def _normaliser_on_candidates(scaled: torch.Tensor, chosen: torch.Tensor, proces
     vocabulary = scaled.size(-1)
     width = min(vocabulary, processing.top_k + 16 if processing.top_k else candidates)
     values = scaled.topk(width, dim=-1).values  # descending
-    kept = torch.ones_like(values, dtype=torch.bool)  # a prefix of the candidates, row by row
-    whole = torch.full(values.shape[:1], width == vocabulary, dtype=torch.bool, device=values.device)
-    undecided = torch.zeros_like(whole)  # a row whose support may extend past the candidates
+    rows = values.shape[:1]
+    prefix = _Prefix(torch.ones_like(values, dtype=torch.bool),
+                     torch.full(rows, width == vocabulary, dtype=torch.bool, device=values.device),
+                     torch.zeros(rows, dtype=torch.bool, device=values.device))
     for name in SUPPORT_FILTERS[processing.engine]:
-        if name == "top_k" and processing.top_k and processing.top_k < vocabulary:
-            boundary = values[:, processing.top_k - 1:processing.top_k]
-            kept &= values >= boundary  # the k largest and their ties, as both engines keep them
-            undecided |= ~whole & (values[:, -1:] >= boundary).squeeze(-1)  # ties past the candidates
-            whole |= True
-        elif name == "top_p" and processing.top_p is not None and processing.top_p < 1:
-            total = torch.where(whole, _masked_logsumexp(values, kept), scaled.logsumexp(dim=-1))
-            probs = torch.where(kept, (values - total.unsqueeze(-1)).exp(), 0.0)
-            above = probs.cumsum(dim=-1) - probs  # the kept mass above each candidate
-            nucleus = kept & (above < processing.top_p)
-            # the nucleus ends inside the candidates unless every kept candidate is in it and more tokens follow
-            undecided |= ~whole & (nucleus == kept).all(dim=-1)
-            kept, whole = nucleus, whole | True
-        elif name == "min_p" and processing.min_p:
-            nucleus = kept & (values >= values[:, :1] + math.log(processing.min_p))
-            undecided |= ~whole & (nucleus == kept).all(dim=-1)
-            kept, whole = nucleus, whole | True
-    undecided |= ~whole  # no filter truncated: the support is the whole vocabulary
-    boundary = torch.where(kept, values, math.inf).amin(dim=-1)
-    normaliser = _masked_logsumexp(values, kept)
+        prefix = _CANDIDATE_FILTERS[name](prefix, values, scaled, processing)
+    undecided = prefix.undecided | ~prefix.whole  # no filter truncated: the support is the whole vocabulary
+    boundary = torch.where(prefix.kept, values, math.inf).amin(dim=-1)
+    normaliser = _masked_logsumexp(values, prefix.kept)
     outside = chosen < boundary  # the sampled token, kept in the support though the filters drop it
-    normaliser = torch.where(outside, torch.logaddexp(normaliser, chosen), normaliser)
-    return normaliser, undecided
+    return torch.where(outside, torch.logaddexp(normaliser, chosen), normaliser), undecided
 
 
 def _masked_logsumexp(values: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     return values.masked_fill(~kept, -math.inf).logsumexp(dim=-1)
-
-
-def support_correction(logits: torch.Tensor, tokens: torch.Tensor, processing: SamplerProcessing,
-                       trainer_temperature: float) -> torch.Tensor:
-    """delta = log pi_S(y) - log pi_T'(y): what turns the trainer's full-vocabulary log-prob at temperature T' into
-    the processed one mu is compared with: at T = T', minus the log of the mass the support keeps (>= 0), and 0 without
-    truncation."""
-    with torch.no_grad():
-        full = logits.float() / trainer_temperature
-        full_log_prob = full.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - full.logsumexp(dim=-1)
-        return processed_log_probs(logits, tokens, processing) - full_log_prob
 
 
 @contextmanager

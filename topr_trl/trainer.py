@@ -135,6 +135,7 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
         self._name, self._paper, self._tag_names = trained_method(args.loss_type)
         self._offline = prepare_replayed_datasets(args, reward_funcs, kwargs)
         self._dataset_baseline = self._baseline_of_dataset(args, kwargs.get("train_dataset"))
+        self._sampler_processing = None  # how mu's sampling truncated, for TOPR's losses: set below
         gloo_server = self._generates_on_gloo_server(args)
         if gloo_server:  # GRPOTrainer would connect by NCCL in its constructor: built below, with gloo, instead
             args.use_vllm = False
@@ -188,7 +189,7 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
         TOPR's losses when mu's sampling truncated or used another temperature, the constant that scores pi on mu's
         support (`topr_trl.sampler_support`): pi/mu is then exact at learning rate 0, and the gradient stays GRPO's.
         The backbone's hidden states of the same forward are reused: no second forward pass."""
-        processing = getattr(self, "_sampler_processing", None)
+        processing = self._sampler_processing
         if processing is None:
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                               *args, **kwargs)
