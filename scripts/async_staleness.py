@@ -49,15 +49,25 @@ import sys
 import time
 from pathlib import Path
 
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from experiments import (  # noqa: E402
-    experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95, merge_results, paired_by_lag,
-    parse_testbed_options, prepare_testbed, resummarise_if_asked, save,
+    experiment_parser,
+    held_out_pass_at_1,
+    late_mean,
+    mean_and_ci95,
+    merge_results,
+    paired_by_lag,
+    parse_testbed_options,
+    prepare_testbed,
+    resummarise_if_asked,
+    save,
 )
+
 
 METHODS = {
     "async_topr": "AsyncTOPRTrainer (TOPR, keeps every sample)",

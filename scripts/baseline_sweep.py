@@ -20,9 +20,18 @@ import statistics
 from pathlib import Path
 
 from experiments import (
-    baseline_for, experiment_parser, late_mean, mean_and_ci95, paired_difference, prepare, results_header,
-    sample_fixed_dataset, save, train_offline,
+    baseline_for,
+    experiment_parser,
+    late_mean,
+    mean_and_ci95,
+    paired_difference,
+    prepare,
+    results_header,
+    sample_fixed_dataset,
+    save,
+    train_offline,
 )
+
 
 METHODS = {"topr": {"loss_type": "topr"}, "tis": {"loss_type": "tis"}}
 
@@ -93,7 +102,7 @@ def plot(results: dict, path: Path) -> None:
     summary = results["summary"]
     figure, axes = plt.subplots(1, len(options["proportions"]),
                                 figsize=(max(8.0, 5.5 * len(options["proportions"])), 4.5), squeeze=False)
-    for axis, proportion in zip(axes[0], options["proportions"]):
+    for axis, proportion in zip(axes[0], options["proportions"], strict=False):
         for method in options["methods"]:
             rows = [summary[f"p{proportion:g}/pt{t:g}/{method}"] for t in options["targets"]]
             axis.errorbar(options["targets"], [r["mean"] for r in rows],

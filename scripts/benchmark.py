@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 
+
 SETTINGS = {
     # name: (trainer, config overrides)
     "grpo-dapo": ("grpo", {}),
@@ -95,9 +96,9 @@ def build_trainer(setting: str, options: dict, model_path: str):
         return [float(hash(c[0]["content"]) % 3) for c in completions]
 
     if replay:  # an offline dataset of full-length completions (random digit tokens), as generation would give
-        from topr_trl.offline import stored_reward
-
         import math
+
+        from topr_trl.offline import stored_reward
 
         generator = torch.Generator().manual_seed(0)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -277,8 +278,11 @@ def support_only(options) -> dict:
         for name, processing in {"top_k 50": SamplerProcessing(top_k=50),
                                  "top_p 0.95": SamplerProcessing(top_p=0.95)}.items():
             timings = {}
-            for path, function in {"candidates": lambda: processed_log_probs(logits, sampled, processing),
-                                   "whole vocabulary": lambda: whole_vocabulary(logits, processing)}.items():
+            for path, function in {
+                "candidates": lambda logits=logits, processing=processing: processed_log_probs(logits, sampled,
+                                                                                              processing),
+                "whole vocabulary": lambda logits=logits, processing=processing: whole_vocabulary(logits, processing),
+            }.items():
                 function()
                 times = []
                 for _ in range(options.repeats):
@@ -392,7 +396,8 @@ def qwen_config(shape: str, tokenizer):
 
 
 def build_model(shape: str, path: str) -> None:
-    from topr_trl.tasks.tiny import build_model as build, build_tokenizer, save_pretrained
+    from topr_trl.tasks.tiny import build_model as build
+    from topr_trl.tasks.tiny import build_tokenizer, save_pretrained
 
     tokenizer = build_tokenizer()
     if shape in QWEN_SHAPES:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
@@ -186,7 +187,10 @@ def reasoning_testbed(work: Path, options):
     import torch
 
     from topr_trl.tasks.reasoning import (
-        WarmStartSettings, build_reasoning_warm_model, make_reasoning_dataset, max_completion_tokens,
+        WarmStartSettings,
+        build_reasoning_warm_model,
+        make_reasoning_dataset,
+        max_completion_tokens,
         reasoning_reward,
     )
 
@@ -212,8 +216,8 @@ def held_out_pass_at_1(model, tokenizer, held_out, options, greedy: bool = False
     its standard error across problems (std of per-problem pass@1 / sqrt(problems)), the invalid rate, pass@1 on
     the problems with at least 2 carries (where the planted error strikes most) and, with `greedy`, greedy accuracy.
     The evaluation seed is fixed, so an unchanged model gets the same samples."""
-    from topr_trl.tasks.reasoning import count_carries, max_completion_tokens, parse_problem, reasoning_classify
     from topr_trl.evaluation.runner import evaluate_model
+    from topr_trl.tasks.reasoning import count_carries, max_completion_tokens, parse_problem, reasoning_classify
 
     common = dict(max_new_tokens=max_completion_tokens(options.digits), batch_size=64, seed=1234,
                   show_progress=False)
@@ -361,7 +365,7 @@ def clipped_token_shares(model, data, epsilon: float = 0.2, batch_size: int = 64
     def share(clipped: int, tokens: int) -> float:
         return clipped / tokens if tokens else float("nan")
 
-    return {"clipped_share": share(*map(sum, zip(*counts.values()))),
+    return {"clipped_share": share(*map(sum, zip(*counts.values(), strict=False))),
             "clipped_share_positive": share(*counts["positive"]), "clipped_share_negative": share(*counts["negative"])}
 
 

@@ -30,9 +30,19 @@ import statistics
 from pathlib import Path
 
 from experiments import (
-    clipped_token_shares, experiment_parser, late_mean, mean_and_ci95, merge_results, paired_difference, prepare,
-    results_header, sample_fixed_dataset, save, train_offline,
+    clipped_token_shares,
+    experiment_parser,
+    late_mean,
+    mean_and_ci95,
+    merge_results,
+    paired_difference,
+    prepare,
+    results_header,
+    sample_fixed_dataset,
+    save,
+    train_offline,
 )
+
 
 METHODS = {
     # name: TOPRConfig overrides; every method uses the paper's signal R - c with +1/-1 rewards and c = 0
@@ -141,7 +151,7 @@ def clipped_share_by_step(runs: dict) -> dict:
         outcome[method] = [{"step": points[0]["step"], **{key: statistics.mean(point[key] for point in points)
                                                           for key in ("clipped_share", "clipped_share_positive",
                                                                       "clipped_share_negative")}}
-                           for points in zip(*curves)]
+                           for points in zip(*curves, strict=False)]
     return outcome
 
 
@@ -206,14 +216,14 @@ def plot(results: dict, path: Path) -> None:
     for method in dict.fromkeys(run["method"] for run in results["runs"].values()):
         curves = [run["curve"] for run in results["runs"].values() if run["method"] == method]
         steps = [point["step"] for point in curves[0]]
-        for axis, metric in zip(axes, metrics):
+        for axis, metric in zip(axes, metrics, strict=False):
             means = [statistics.mean(curve[i][metric] for curve in curves) for i in range(len(steps))]
             axis.plot(steps, means, label=method)
             if len(curves) > 1:
                 low = [min(curve[i][metric] for curve in curves) for i in range(len(steps))]
                 high = [max(curve[i][metric] for curve in curves) for i in range(len(steps))]
                 axis.fill_between(steps, low, high, alpha=0.15)
-    for axis, metric in zip(axes, metrics):
+    for axis, metric in zip(axes, metrics, strict=False):
         axis.set_title(TITLES.get(metric, metric))
         axis.set_xlabel("optimizer step")
     axes[0].set_ylabel(results["measure"], fontsize=8)

@@ -23,9 +23,18 @@ import statistics
 from pathlib import Path
 
 from experiments import (
-    baseline_for, experiment_parser, late_mean, mean_and_ci95, paired_difference, prepare, results_header,
-    sample_fixed_dataset, save, train_offline,
+    baseline_for,
+    experiment_parser,
+    late_mean,
+    mean_and_ci95,
+    paired_difference,
+    prepare,
+    results_header,
+    sample_fixed_dataset,
+    save,
+    train_offline,
 )
+
 
 METHODS = {"untruncated_is": {"loss_type": "off_policy_reinforce"}, "topr": {"loss_type": "topr"}}
 
@@ -97,7 +106,7 @@ def plot(results: dict, path: Path) -> None:
 
     figure, (norm_axis, accuracy_axis) = plt.subplots(1, 2, figsize=(11, 4))
     colours = {"untruncated_is": "tab:red", "topr": "tab:blue"}
-    for key, run in results["runs"].items():
+    for _key, run in results["runs"].items():
         colour = colours.get(run["method"])
         label = run["method"] if run["seed"] == results["options"]["seeds"][0] else None
         norm_axis.plot([e["step"] for e in run["grad_norms"]], [e["grad_norm"] for e in run["grad_norms"]],

@@ -25,9 +25,16 @@ import shutil
 from pathlib import Path
 
 from experiments import (
-    experiment_parser, late_mean, mean_and_ci95, paired_difference, prepare, results_header, resummarise_if_asked,
+    experiment_parser,
+    late_mean,
+    mean_and_ci95,
+    paired_difference,
+    prepare,
+    results_header,
+    resummarise_if_asked,
     save,
 )
+
 
 STRATEGIES = ("uniform", "positives_only", "anna_karenina")
 

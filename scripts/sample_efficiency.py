@@ -43,14 +43,26 @@ import shutil
 import time
 from pathlib import Path
 
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from experiments import (  # noqa: E402
-    Tracker, experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95, paired_difference, parse_testbed_options,
-    prepare_testbed, resummarise_if_asked, run_trainer, save, train_config,
+    Tracker,
+    experiment_parser,
+    held_out_pass_at_1,
+    late_mean,
+    mean_and_ci95,
+    paired_difference,
+    parse_testbed_options,
+    prepare_testbed,
+    resummarise_if_asked,
+    run_trainer,
+    save,
+    train_config,
 )
+
 
 ONLINE = ("grpo", "topr_online")
 SMOKE = dict(seeds=[0], steps=8, batch_size=16, prompts=8, iterations=2, iteration_prompts=8, eval_prompts=64,
@@ -198,8 +210,8 @@ def generate_once(options, seed, base_path, held_out, work: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
     from topr_trl.offline import generate_offline_dataset
+    from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
 
     folder = work / f"offline-data-seed{seed}"
     shutil.rmtree(folder, ignore_errors=True)  # timed from scratch, never resumed
@@ -237,8 +249,8 @@ def run_offline(loss, epochs, options, seed, base_path, held_out, base_point, wo
 def run_iterated(options, seed, base_path, held_out, base_point, work: Path) -> dict:
     import torch
 
-    from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
     from topr_trl.offline.iterations import IterationSettings, run_iterations
+    from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
 
     folder = work / f"topr_iterated-seed{seed}"
     shutil.rmtree(folder, ignore_errors=True)  # timed from scratch, never resumed
@@ -297,7 +309,7 @@ def run(options) -> dict:
                 target = outcome["curve"][-1]["pass@1"]
             outcome["expected_completions"] = expected_completions(method, **counts)
             results["runs"][f"{method}/seed{seed}"] = {"method": method, "seed": seed, **outcome}
-        for key, run_ in results["runs"].items():
+        for _key, run_ in results["runs"].items():
             if run_["seed"] == seed:
                 run_["target"] = target if target is not None else float("nan")
     results["summary"] = summarise(results["runs"], options.methods)
@@ -318,12 +330,12 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    methods = [m for m in results["summary"]]
+    methods = list(results["summary"])
     colours = {method: plt.cm.tab10(i) for i, method in enumerate(methods)}
     first_seed = results["options"]["seeds"][0]
     for run_ in results["runs"].values():
         curve, label = run_["curve"], run_["method"] if run_["seed"] == first_seed else None
-        for axis, x in zip(axes, ("completions", "seconds")):
+        for axis, x in zip(axes, ("completions", "seconds"), strict=False):
             axis.errorbar([p[x] for p in curve], [p["pass@1"] for p in curve],
                           yerr=[p["pass@1_problem_se"] for p in curve], color=colours[run_["method"]], marker="o",
                           markersize=3, capsize=2, alpha=0.8, label=label)

@@ -55,14 +55,26 @@ import os
 import time
 from pathlib import Path
 
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from experiments import (  # noqa: E402
-    Tracker, experiment_parser, held_out_pass_at_1, late_mean, mean_and_ci95, paired_by_lag, parse_testbed_options,
-    prepare_testbed, resummarise_if_asked, run_trainer, save, train_config,
+    Tracker,
+    experiment_parser,
+    held_out_pass_at_1,
+    late_mean,
+    mean_and_ci95,
+    paired_by_lag,
+    parse_testbed_options,
+    prepare_testbed,
+    resummarise_if_asked,
+    run_trainer,
+    save,
+    train_config,
 )
+
 
 METHODS = ("topr", "grpo_clip")
 LAG_VIA = ("num_iterations", "steps_per_generation")
@@ -243,7 +255,7 @@ def plot(results: dict, path: Path) -> None:
             axes[0].axhline(row["largest_tolerated_lag"]["threshold"], color=colours[method], linestyle=":",
                             linewidth=1)
     first_seed = results["options"]["seeds"][0]
-    styles = {lag: style for lag, style in zip(sorted(results["options"]["lags"]), ("-", "--", "-.", ":", "-"))}
+    styles = dict(zip(sorted(results["options"]["lags"]), ("-", "--", "-.", ":", "-"), strict=False))
     for run_ in results["runs"].values():
         if run_["seed"] != first_seed:
             continue

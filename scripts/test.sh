@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: sets up the environment if needed, then runs pytest. Extra arguments go to pytest, e.g.
-#   bash scripts/test.sh                # the default run (slow tests left out; vLLM tests skip without vLLM)
+#   bash scripts/test.sh                # the linter (ruff), then the default run (slow tests left out; vLLM tests
+#                                       # skip without vLLM)
 #   bash scripts/test.sh -m slow        # the multi-process and DeepSpeed tests (minutes)
 #   bash scripts/test.sh --vllm         # the tests on a real vLLM engine (CPU build), in .venv-vllm
 set -euo pipefail
@@ -15,7 +16,11 @@ if [ "${1:-}" = "--vllm" ]; then
 else
   bash scripts/bootstrap.sh
   venv="${TOPR_VENV:-.venv}"
-  if [ "$#" -eq 0 ]; then set -- -m "not slow"; fi
+  if [ "$#" -eq 0 ]; then
+    # the linter first, on everything it covers (pyproject.toml): a second of work, and CI's first failure to read
+    "$venv/bin/python" -m ruff check --quiet . || { echo "[test] ruff check failed: fix the lines above" >&2; exit 1; }
+    set -- -m "not slow"
+  fi
 fi
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
 exec "$venv/bin/python" -m pytest -q "$@"

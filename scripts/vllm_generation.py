@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+
 MODELS = {"small": dict(hidden_size=256, num_layers=4), "27m": dict(hidden_size=512, num_layers=8)}
 
 
@@ -79,7 +80,7 @@ def throughput(name: str, work: Path, num_completions: int, length: int, repeats
     params = SamplingParams(n=1, temperature=1.0, max_tokens=length, min_tokens=length, logprobs=0)
 
     def run_vllm() -> int:
-        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)  # noqa: F821
         return sum(len(sample.token_ids) for output in outputs for sample in output.outputs)
 
     def run_hf() -> int:
@@ -113,7 +114,7 @@ def throughput(name: str, work: Path, num_completions: int, length: int, repeats
 
 def quantiles(values: torch.Tensor) -> dict[str, float]:
     points = torch.tensor([0.0, 0.01, 0.1, 0.5, 0.9, 0.99, 1.0], dtype=values.dtype)
-    return {f"q{int(p * 100)}": v for p, v in zip(points.tolist(), torch.quantile(values, points).tolist())}
+    return {f"q{int(p * 100)}": v for p, v in zip(points.tolist(), torch.quantile(values, points).tolist(), strict=False)}
 
 
 def mismatch(work: Path, num_prompts: int, num_generations: int, dtype: str) -> dict:

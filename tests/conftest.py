@@ -1,5 +1,7 @@
 import importlib.util
 import os
+import sys
+
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -12,6 +14,7 @@ import pytest  # noqa: E402
 
 from topr_trl.tasks.arithmetic import make_arithmetic_dataset  # noqa: E402
 from topr_trl.tasks.tiny import build_model, build_tokenizer, save_pretrained  # noqa: E402
+
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
@@ -171,3 +174,26 @@ def reasoning_model(tmp_path_factory) -> str:
 
     options = TaskArguments(task_digits=3, base_model_dir=str(tmp_path_factory.mktemp("reasoning")))
     return str(builtin_model("reasoning", options, seed=0))
+
+
+# A user's reward module: scores a completion by its first character, and records the prompts it was asked to score
+# so that a test can tell which data a run trained on.
+REWARD_MODULE = '''
+import json, os
+
+def correctness(prompts, completions, answer, **kwargs):
+    with open(os.environ["SEEN_PROMPTS"], "a") as seen:
+        seen.write(json.dumps(list(prompts)) + "\\n")
+    return [1.0 if c[:1] == str(a)[:1] else -1.0 for c, a in zip(completions, answer)]
+'''
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch, tiny_model_path):
+    """A working directory with a reward module and prompts, as a user would have them."""
+    (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SEEN_PROMPTS", str(tmp_path / "seen.jsonl"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_rewards", None)
+    return tmp_path

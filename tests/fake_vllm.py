@@ -50,7 +50,7 @@ class RequestOutput:
 
 
 class LLM:
-    instances: list["LLM"] = []
+    instances: list[LLM] = []
 
     def __init__(self, model: str, seed: int = 0, logprobs_mode: str = "raw_logprobs", **kwargs):
         from transformers import AutoModelForCausalLM, AutoTokenizer

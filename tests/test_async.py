@@ -8,10 +8,9 @@ import dataclasses
 import math
 import os
 import time
-
-import numpy as np
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -24,10 +23,12 @@ from topr_trl.loss import PolicyLossSpec, topr_loss
 from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
 from topr_trl.tasks.tiny import prebuilt_model
 
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout  # noqa: E402
 from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
+
 
 MODEL = str(prebuilt_model("reasoning-d3-q0.25-atall-steps3000-h64x2-seed0-108798e4f5"))
 COMPLETION = max_completion_tokens(3)
@@ -482,7 +483,6 @@ def test_every_topr_config_field_reaches_the_asynchronous_trainer_or_stops_it(tm
 
     from topr_trl import TOPRConfig
     from topr_trl.asynchronous.config import async_config_from
-
     from topr_trl.loss import POLICY_LOSSES
 
     base = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark.py"
 
 

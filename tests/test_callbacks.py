@@ -10,6 +10,7 @@ from topr_trl.tasks.arithmetic import arithmetic_classify, make_arithmetic_datas
 
 from .conftest import parity_reward, small_config_kwargs
 
+
 KEYS = ("pass@1", "pass@4", "maj@4", "invalid_rate")
 
 

@@ -17,9 +17,9 @@ from topr_trl import arguments
 from topr_trl.cli import main
 from topr_trl.config import TOPRConfig
 
-from .test_cli_user_path import QUICK, REWARD_MODULE, prompt_dataset, user_dir  # noqa: F401 - user_dir: a fixture
+from .conftest import REWARD_MODULE, cli_refusal
+from .test_cli_user_path import QUICK, prompt_dataset
 
-from .conftest import cli_refusal
 
 ROOT = Path(__file__).resolve().parents[1]
 

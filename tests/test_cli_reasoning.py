@@ -3,9 +3,9 @@ defaults, and the task's prompts, reward and held-out measurement with a user's 
 end, held-out sampled pass@1 recomputed from the saved model."""
 
 import json
-from pathlib import Path
 
 import pytest
+
 from topr_trl import arguments
 from topr_trl.cli import main
 from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, measure_base_model

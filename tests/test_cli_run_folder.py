@@ -26,6 +26,7 @@ from topr_trl.runs import LOCK_FILE, output_dir_lock
 
 from .conftest import SHARED
 
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [f"{a}+{b}=" for a in range(4) for b in range(4)]
 REWARD_MODULE = '''

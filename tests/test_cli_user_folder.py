@@ -10,15 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from topr_trl.arguments import TaskArguments
-from datasets import Dataset
-
 from topr_trl import cli
+from topr_trl.arguments import TaskArguments
 from topr_trl.cli import main
 
-from .test_cli_user_path import (  # noqa: F401 - user_dir is a fixture
-    PROMPTS, QUICK, REWARD_MODULE, generate_builtin, prompt_dataset, user_dir,
-)
+from .test_cli_user_path import PROMPTS, QUICK, generate_builtin, prompt_dataset
+
 
 ROOT = Path(__file__).resolve().parents[1]
 # Raises on one prompt only, so that the one-line report must name the right one.

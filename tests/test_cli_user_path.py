@@ -12,32 +12,14 @@ from datasets import Dataset
 from topr_trl import arguments, cli
 from topr_trl.cli import main
 
+from .conftest import REWARD_MODULE
+
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [f"{a}+{b}=" for a in range(4) for b in range(2)]
-# A user's reward module: scores a completion by its first character, and records the prompts it was asked to score
-# so that a test can tell which data a run trained on.
-REWARD_MODULE = '''
-import json, os
-
-def correctness(prompts, completions, answer, **kwargs):
-    with open(os.environ["SEEN_PROMPTS"], "a") as seen:
-        seen.write(json.dumps(list(prompts)) + "\\n")
-    return [1.0 if c[:1] == str(a)[:1] else -1.0 for c, a in zip(completions, answer)]
-'''
 # Small enough for a few seconds per run on a 2-core CPU; everything else is the run's own default.
 QUICK = ["--max_steps", "1", "--per_device_train_batch_size", "4", "--num_generations", "4",
          "--max_completion_length", "8", "--report_to", "none"]
-
-
-@pytest.fixture
-def user_dir(tmp_path, monkeypatch, tiny_model_path):
-    """A working directory with a reward module and prompts, as a user would have them."""
-    (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("SEEN_PROMPTS", str(tmp_path / "seen.jsonl"))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("my_rewards", None)
-    return tmp_path
 
 
 def prompt_dataset() -> Dataset:
@@ -77,9 +59,8 @@ def test_custom_run_trains_on_the_users_data_with_trl_defaults(form, user_dir, t
 
 
 def test_custom_runs_start_from_grpo_defaults_and_builtin_runs_from_the_small_model_settings(tiny_model_path):
-    from trl import GRPOConfig, ModelConfig
+    from trl import GRPOConfig
 
-    from topr_trl import TOPRConfig
 
     def parsed(argv):
         return arguments.parse_command("train", argv)[1]

@@ -19,6 +19,7 @@ from topr_trl.evaluation.benchmarks import (
 )
 from topr_trl.evaluation.rewards import CORRECT, classify_gsm8k, classify_math, extract_boxed
 
+
 GSM8K_ROWS = [
     {"question": "Ann has 3 boxes of 24 pens. How many pens?", "answer": "3 * 24 = <<3*24=72>>72\n#### 72"},
     {"question": "A car costs $1,000 more than $200. Price?", "answer": "200 + 1000 = 1200\n#### 1,200"},

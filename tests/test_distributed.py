@@ -11,6 +11,7 @@ import pytest
 
 from .conftest import saved_model_accuracy
 
+
 SCRIPT = Path(__file__).with_name("distributed_train.py")
 LAUNCHES = {
     "ddp": ["--multi_gpu"],
@@ -130,10 +131,10 @@ def test_cli_train_under_accelerate_launch_saves_a_checkpoint_that_loads_back(la
     final = AutoModelForCausalLM.from_pretrained(output)
     checkpoint = AutoModelForCausalLM.from_pretrained(output / "checkpoint-2")
     base = AutoModelForCausalLM.from_pretrained(base_folder)
-    for (name, trained), saved, initial in zip(final.state_dict().items(), checkpoint.state_dict().values(),
+    for (name, trained), saved, _initial in zip(final.state_dict().items(), checkpoint.state_dict().values(),
                                                base.state_dict().values(), strict=True):
         assert torch.equal(trained, saved), name
-    assert any(not torch.equal(a, b) for a, b in zip(final.state_dict().values(), base.state_dict().values()))
+    assert any(not torch.equal(a, b) for a, b in zip(final.state_dict().values(), base.state_dict().values(), strict=False))
     print(f"{launch}: held-out before {summary['before']}, after {summary['after']}")
     assert summary["before"] == saved_model_accuracy(base_folder, 8)
     assert summary["after"] == saved_model_accuracy(output, 8)  # evaluated on all the weights, gathered under ZeRO-3

@@ -13,6 +13,7 @@ from topr_trl.evaluation.rewards import ANSWER_CLASSES, CORRECT, INCORRECT, INVA
 from topr_trl.evaluation.runner import evaluate_model, gsm8k_classify, math_classify, save_results
 from topr_trl.tasks.arithmetic import arithmetic_classify
 
+
 FAST = dict(k=4, max_new_tokens=6, show_progress=False)
 
 
@@ -55,7 +56,7 @@ def test_result_structure(arithmetic_result, arithmetic_dataset):
     assert record["reference"] == arithmetic_dataset[0]["answer"]
     assert len(record["completions"]) == len(record["answers"]) == len(record["num_tokens"]) == 4
     assert all(1 <= tokens <= 6 for tokens in record["num_tokens"])
-    for text, answer_class, answer in zip(record["completions"], record["classes"], record["answers"]):
+    for text, answer_class, answer in zip(record["completions"], record["classes"], record["answers"], strict=False):
         assert arithmetic_classify(text, record["reference"]) == answer_class
         assert (answer is None) == (answer_class == INVALID)
 

@@ -9,6 +9,7 @@ import yaml
 
 from topr_trl.cli import main
 
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 

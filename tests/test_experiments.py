@@ -9,6 +9,7 @@ import pytest
 
 from .conftest import script_refusal
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 
@@ -96,7 +97,7 @@ def test_clipped_token_shares_count_the_tokens_ppo_clips_by_the_signals_sign(tin
     prompts, completions, rewards = [[5, 6, 7], [5, 8], [9, 6, 7, 8]], [[10, 11], [12, 13, 14], [11]], [1.0, -1.0, -1.0]
     with torch.no_grad():
         own = []
-        for prompt, completion in zip(prompts, completions):
+        for prompt, completion in zip(prompts, completions, strict=False):
             logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].log_softmax(-1)
             own.append([logits[len(prompt) - 1 + i, token].item() for i, token in enumerate(completion)])
 

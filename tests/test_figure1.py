@@ -11,6 +11,7 @@ import pytest
 
 from topr_trl.tasks.reasoning import make_reasoning_dataset
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 
@@ -27,9 +28,8 @@ def test_naive_reinforce_collapses_and_topr_improves(evidence_work_dir, tmp_path
     topr = results["runs"]["topr/seed0"]["curve"]
     assert 0.5 < results["runs"]["topr/seed0"]["dataset_positive_fraction"] < 0.85  # the paper's regime
     # every run starts from the base model's score: recomputed here from the saved base model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     import experiments
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     options = SimpleNamespace(digits=3, eval_samples=2)
     base = experiments.held_out_pass_at_1(AutoModelForCausalLM.from_pretrained(results["base_model"]),
@@ -46,7 +46,7 @@ def test_late_values_and_preregistered_comparisons():
     import figure1
 
     def run(method, seed, values):
-        curve = [{"step": step, "accuracy": value} for step, value in zip((0, 32, 64, 96, 128), values)]
+        curve = [{"step": step, "accuracy": value} for step, value in zip((0, 32, 64, 96, 128), values, strict=False)]
         return {"method": method, "seed": seed, "curve": curve}
 
     runs = {f"{m}/seed{s}": run(m, s, v) for m, s, v in [

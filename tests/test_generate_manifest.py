@@ -19,6 +19,7 @@ from topr_trl.offline.generation import GeneratedWithOtherSettings
 
 from .conftest import SHARED, cli_refusal, parity_reward
 
+
 MAKE_USER_FOLDER = SHARED / "tools" / "user_folder" / "make_user_folder.py"
 OTHER_REWARDS = '''def length_parity(completions, **kwargs):
     """+1 for a completion of even length, -1 otherwise."""
@@ -152,7 +153,7 @@ def test_an_identical_rerun_resumes_and_keeps_the_rows(user, generated, tmp_path
     assert shard_times(folder)["shard-00000"] == kept["shard-00000"]
     resumed = load_offline_dataset(folder)
     assert same_rows(resumed.select(range(4)), rows.select(range(4)))  # the first shard kept
-    assert sorted(zip(resumed["prompt_index"], resumed["sample_index"])) == [(p, s) for p in range(4) for s in (0, 1)]
+    assert sorted(zip(resumed["prompt_index"], resumed["sample_index"], strict=False)) == [(p, s) for p in range(4) for s in (0, 1)]
 
 
 def test_overwrite_output_dir_regenerates_with_the_new_model(user, generated, tmp_path):

@@ -28,6 +28,7 @@ from topr_trl.tasks.tiny import build_model, build_tokenizer, save_pretrained
 
 from .conftest import parity_reward, small_config_kwargs
 
+
 # behaviour -> (what TOPR's default does instead of GRPOTrainer's, why, the test that shows it)
 DELIBERATE_DIFFERENCES = {
     "policy loss": (
@@ -372,8 +373,8 @@ def test_only_the_policy_loss_differs(tiny_model_path, arithmetic_dataset, tmp_p
                           dict(reward_funcs=parity_reward, train_dataset=arithmetic_dataset))
     grpo_keys = set(grpo["trainer"].state.log_history[0])
     topr_keys = set(topr["trainer"].state.log_history[0])
-    assert {key for key in grpo_keys - topr_keys} == {key for key in grpo_keys if key.startswith("clip_ratio/")}
-    assert {key for key in topr_keys - grpo_keys} and all(key.startswith("topr/") for key in topr_keys - grpo_keys)
+    assert set(grpo_keys - topr_keys) == {key for key in grpo_keys if key.startswith("clip_ratio/")}
+    assert set(topr_keys - grpo_keys) and all(key.startswith("topr/") for key in topr_keys - grpo_keys)
 
 
 def test_default_output_dir_and_card_name_topr(tiny_model_path, arithmetic_dataset, tmp_path, monkeypatch):
@@ -411,7 +412,7 @@ def test_every_listed_difference_points_at_tests_that_exist():
     import re
 
     here = Path(__file__).parent
-    for behaviour, (what, why, where) in DELIBERATE_DIFFERENCES.items():
+    for behaviour, (_what, _why, where) in DELIBERATE_DIFFERENCES.items():
         files = re.findall(r"tests/(test_\w+\.py)", where)
         names = re.findall(r"\b(test_\w+)\b(?!\.py)", where)
         assert files or names, behaviour

@@ -25,6 +25,7 @@ from topr_trl.tasks.tiny import build_tokenizer, save_pretrained
 
 from .conftest import parity_reward, small_config_kwargs
 
+
 RTOL = 1e-6  # fp32, the same operations in (nearly) the same order
 # (b) compares *changes* of fp32 losses and gradients: the O(1) per-token policy terms cancel in the difference,
 # and their rounding (a few ulps, amplified through backprop) is what is left, so gradients get 10x the room.
@@ -410,7 +411,7 @@ def test_adaptive_entropy_over_optimizer_steps(bench):
     entropies = [window_entropy(w) for w in windows]
     target = sorted(entropies)[1]
     state = {}
-    for key, trainer in trainers.items():
+    for trainer in trainers.values():
         trainer.model.load_state_dict(bench.weights["dense"])
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 2
@@ -449,8 +450,8 @@ def test_adaptive_entropy_over_optimizer_steps(bench):
         accelerator.sync_gradients = True
     # the controller went both ways, and gated the bonus off (first window: no measurement yet) and on
     assert 0.0 in bonuses and any(abs(b) > 1e-4 for b in bonuses), bonuses
-    assert any(b > a for a, b in zip([0.01, *coefficients], coefficients))
-    assert any(b < a for a, b in zip([0.01, *coefficients], coefficients))
+    assert any(b > a for a, b in zip([0.01, *coefficients], coefficients, strict=False))
+    assert any(b < a for a, b in zip([0.01, *coefficients], coefficients, strict=False))
     assert 0.0 in coefficients and 0.03 in coefficients, coefficients  # clamped at entropy_coef_min and _max
     reference = trainers["grpo", "adaptive"]._metrics["train"]
     assert len(reference["entropy_coef"]) == len(windows)  # one per optimizer step

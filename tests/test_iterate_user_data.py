@@ -18,6 +18,7 @@ from topr_trl.tasks.loading import describe_accuracy
 
 from .conftest import SHARED
 
+
 SCORES = '''def length_parity(completions, **kwargs):
     """+1 for a completion of even length, -1 otherwise: every completion is scored."""
     return [1.0 if len(c if isinstance(c, str) else c[-1]["content"]) % 2 == 0 else -1.0 for c in completions]
@@ -67,9 +68,9 @@ def test_iterations_draw_their_curves_one_after_another(user, tmp_path, monkeypa
     curves, boundaries = iteration_curves(tmp_path / "run")
     first_steps = states[0]["global_step"]
     assert first_steps > 0 and boundaries == [first_steps]
-    expected = [(entry["step"] + offset, entry["loss"]) for state, offset in zip(states, (0, first_steps))
+    expected = [(entry["step"] + offset, entry["loss"]) for state, offset in zip(states, (0, first_steps), strict=False)
                 for entry in state["log_history"] if "loss" in entry]
-    assert list(zip(*curves["loss"])) == expected and len(expected) == first_steps + states[1]["global_step"]
+    assert list(zip(*curves["loss"], strict=False)) == expected and len(expected) == first_steps + states[1]["global_step"]
 
 
 def test_iterations_on_data_with_a_test_split_are_measured_on_it(user, tmp_path, monkeypatch, capsys):

@@ -26,7 +26,6 @@ from topr_trl.loss import (
 )
 
 
-
 @pytest.fixture(autouse=True)
 def float64_by_default():
     """Hand computations are in float64; restore the default so other test modules are unaffected."""

@@ -13,6 +13,7 @@ from topr_trl.offline import generate_offline_dataset, stored_reward
 
 from .conftest import parity_reward, small_config_kwargs
 
+
 # naive REINFORCE (a- = 1) is compared on purpose; its construction warns that the objective is unbounded
 pytestmark = pytest.mark.filterwarnings("ignore:topr_negative_lower:UserWarning")
 

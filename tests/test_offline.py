@@ -73,7 +73,7 @@ def test_interrupted_generation_resumes_without_loss_or_duplicates(behaviour, ar
     first_shard = load_offline_dataset(tmp_path)
     assert len(first_shard) == 8
     dataset = generate(behaviour, prompts, tmp_path)
-    keys = list(zip(dataset["prompt_index"], dataset["sample_index"]))
+    keys = list(zip(dataset["prompt_index"], dataset["sample_index"], strict=False))
     assert len(keys) == 24 and len(set(keys)) == 24
     assert dataset.select(range(8))["completion_ids"] == first_shard["completion_ids"]  # not regenerated
 
@@ -124,7 +124,7 @@ def test_offline_training_uses_stored_completions_and_mu(behaviour, tiny_model_p
     trainer.model.generate = None  # offline: the policy must never generate
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
-    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters(), strict=False))
     history = [entry for entry in trainer.state.log_history if "topr/ratio_positive/mean" in entry]
     ratios = [entry["topr/ratio_positive/mean"] for entry in history if entry["topr/ratio_positive/mean"] is not None]
     assert ratios and all(abs(r - 1) > 1e-3 for r in ratios)  # mu is the behaviour model, not the policy

@@ -26,6 +26,7 @@ from topr_trl.tasks.tiny import CHAT_TEMPLATE, build_model, build_tokenizer, sav
 
 from .conftest import logged_values, parity_reward, small_config_kwargs
 
+
 PLAIN_PROMPTS = Dataset.from_dict({"prompt": ["1+2=", "3+4=", "5+6=", "7+8="], "answer": ["3", "7", "11", "15"]})
 
 
@@ -214,7 +215,7 @@ def test_bos_plain_prompts_replay_with_ratio_one(bos_model_path, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(bos_model_path)
     assert tokenizer("1+2=")["input_ids"][0] == tokenizer.bos_token_id  # the setting the bug needs
     assert all(ids[0] == tokenizer.bos_token_id for ids in data["prompt_ids"])
-    assert list(data["prompt_ids"]) == tokenize_prompts(tokenizer, [p for p in data["prompt"]])
+    assert list(data["prompt_ids"]) == tokenize_prompts(tokenizer, list(data["prompt"]))
     for name, dataset in [("stored prompt_ids", data),
                           ("tokenized at construction", data.remove_columns("prompt_ids"))]:
         trainer = offline_trainer(bos_model_path, dataset, tmp_path / name, learning_rate=0.0,
@@ -385,7 +386,7 @@ def test_unscored_steps_can_be_skipped_with_one_warning(tiny_model_path, arithme
     with caplog.at_level(logging.WARNING, logger="topr_trl.trainer"):
         trainer.train()
     assert trainer.state.global_step == 3
-    assert all(torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
+    assert all(torch.equal(b, p) for b, p in zip(before, trainer.model.parameters(), strict=False))
     assert len([record for record in caplog.records if "Skipping steps" in record.getMessage()]) == 1
     with pytest.raises(ValueError, match="topr_unscored_batch.*Did you mean 'skip'"):
         TOPRConfig(**small_config_kwargs(tmp_path, topr_unscored_batch="skipp"))

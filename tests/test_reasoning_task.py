@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from topr_trl.arguments import TaskArguments
-
-from topr_trl.tasks import reasoning
+from topr_trl.evaluation.rewards import CORRECT, INCORRECT, INVALID
 from topr_trl.evaluation.runner import evaluate_model
+from topr_trl.tasks import reasoning
 from topr_trl.tasks.reasoning import (
     PLANTED,
     SETTINGS_FILE,
@@ -37,7 +37,6 @@ from topr_trl.tasks.reasoning import (
     warm_model_path,
     write_solution,
 )
-from topr_trl.evaluation.rewards import CORRECT, INCORRECT, INVALID
 
 
 def _as_message(text):
@@ -99,10 +98,10 @@ def test_planted_error_rate_at_one_position(error_rate):
                for p in data["prompt"]]
     dropped = [bool(d) for d in data["dropped"]]
     assert all(d == [1] for d in data["dropped"] if d)
-    assert not any(d and not c for d, c in zip(dropped, carried))
+    assert not any(d and not c for d, c in zip(dropped, carried, strict=False))
     rate = sum(dropped) / sum(carried)
     assert abs(rate - error_rate) < 0.05, rate
-    for text, answer, positions, prompt in zip(data["solution"], data["answer"], data["dropped"], data["prompt"]):
+    for text, answer, positions, prompt in zip(data["solution"], data["answer"], data["dropped"], data["prompt"], strict=False):
         assert (parse_solution(text).answer == answer) == (not positions)
         assert diagnose(text, *parse_problem(prompt))["kind"] == (PLANTED if positions else "correct")
 
@@ -142,7 +141,7 @@ def test_splits_are_disjoint_whatever_the_seeds():
         a, b = rng.randint(100, 999), rng.randint(100, 999)
         assert split_of(a, b) == split_of(b, a) in SPLITS
     # answers are the sums, operands have exactly `digits` digits
-    for prompt, answer in zip(held_out["prompt"], held_out["answer"]):
+    for prompt, answer in zip(held_out["prompt"], held_out["answer"], strict=False):
         a, b = parse_problem(prompt)
         assert 100 <= a <= 999 and 100 <= b <= 999 and answer == str(a + b)
 
@@ -255,7 +254,6 @@ def test_count_carries_counts_every_carry_including_the_one_out_of_the_top_step(
 def test_default_built_in_models_are_the_shipped_weights_on_every_machine(tmp_path):
     """The default settings install the shipped weights byte for byte (whatever the threads or CPU kernels here),
     under a folder named by the settings alone; the shipped reasoning model is in the paper's regime."""
-    from topr_trl import cli
     from topr_trl.tasks.loading import builtin_model
     from topr_trl.tasks.tiny import PREBUILT_DIR, machine_key
 

@@ -27,6 +27,7 @@ from topr_trl.evaluation.rewards import (
     parse_gsm8k_number,
 )
 
+
 GSM8K_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
 SOLUTION_KEYS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
 

@@ -8,11 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import sample_efficiency  # noqa: E402
 
 from .conftest import script_refusal  # noqa: E402
+
 
 COUNTS = dict(steps=5, batch_size=32, num_generations=8, prompts=10, iterations=3, iteration_prompts=7)
 

@@ -28,6 +28,7 @@ from topr_trl.sampler_support import (
 
 from .conftest import float32_tolerance, logged_values, parity_reward, small_config_kwargs
 
+
 WARPERS = {"top_k": lambda s: TopKLogitsWarper(s.top_k), "top_p": lambda s: TopPLogitsWarper(s.top_p),
            "min_p": lambda s: MinPLogitsWarper(s.min_p)}
 

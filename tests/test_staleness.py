@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import staleness  # noqa: E402

@@ -20,7 +20,7 @@ def train_once(trainer_class, config_class, model_path, dataset, output_dir, **o
     trainer = trainer_class(model=model_path, reward_funcs=parity_reward, args=args, train_dataset=dataset)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
-    changed = any(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
+    changed = any(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters(), strict=False))
     return trainer, changed
 
 

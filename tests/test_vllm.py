@@ -28,6 +28,7 @@ from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_toke
 
 from .conftest import SHARED, logged_values
 
+
 pytestmark = pytest.mark.vllm
 
 MISMATCH = 0.03

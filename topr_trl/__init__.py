@@ -15,6 +15,7 @@ from .loss import (
 )
 from .trainer import TOPRTrainer
 
+
 __version__ = "0.1.0"
 __all__ = [
     "POLICY_LOSSES",

@@ -1,3 +1,4 @@
 from .cli import main
 
+
 main()

@@ -19,6 +19,7 @@ from trl import ScriptArguments, TrlParser
 
 from .tasks.loading import BUILTIN_TASK, BUILTIN_TASKS
 
+
 COMMANDS = ("train", "generate", "iterate", "evaluate", "vllm-serve")
 RECIPES = Path(__file__).parent / "recipes"
 # Checks the Python API leaves off (GRPOTrainer's behaviour) and the command line turns on: a command-line user wants a
@@ -290,9 +291,8 @@ class CommandParser(TrlParser):
 def command_dataclasses(command: str) -> tuple:
     from trl import ModelConfig
 
-    from .vllm_server.command import VLLMServeArguments
-
     from .config import TOPRConfig
+    from .vllm_server.command import VLLMServeArguments
 
     return {"train": (TrainScriptArguments, TOPRConfig, ModelConfig),
             "generate": (GenerateScriptArguments, ModelConfig),
@@ -492,7 +492,8 @@ def default_output_dir(command: str, choice: _RunChoice) -> str:
 # ---------------------------------------------------------------------------------------------- help
 # GRPOConfig / TrainingArguments fields a TOPR user sets most; `--help-all` lists the rest.
 _COMMON_TRAINING_FLAGS = (
-    "loss_type", "output_dir", "learning_rate", "lr_scheduler_type", "max_steps", "num_train_epochs", "per_device_train_batch_size",
+    "loss_type", "output_dir", "learning_rate", "lr_scheduler_type", "max_steps", "num_train_epochs",
+    "per_device_train_batch_size",
     "gradient_accumulation_steps", "num_generations", "max_completion_length", "temperature", "top_p", "top_k",
     "beta", "use_vllm", "vllm_mode", "bf16", "use_cpu", "gradient_checkpointing", "logging_steps", "save_strategy",
     "save_steps", "eval_strategy", "eval_steps", "report_to", "seed", "push_to_hub", "hub_model_id",

@@ -29,9 +29,9 @@ import warnings
 from pathlib import Path
 
 from .arguments import COMMANDS, check_reward_weights, chosen_run, is_builtin_run, parse_command
+from .curves import logged_curves, plot_curves
 from .distributed import say
 from .machine import describe_machine, machine_info
-from .curves import logged_curves, plot_curves
 from .runs import (
     SUMMARY_METRICS,
     InterruptAtStepEnd,
@@ -215,7 +215,8 @@ def _served_asynchronous_trainer(script_args, async_args, model, reward_funcs, t
     from .asynchronous import AsyncTOPRTrainer
     from .distributed import gpu_available
 
-    stand_in = {"--async_lag": script_args.async_lag, "--async_seconds_per_sample": script_args.async_seconds_per_sample}
+    stand_in = {"--async_lag": script_args.async_lag,
+                "--async_seconds_per_sample": script_args.async_seconds_per_sample}
     if any(stand_in.values()):
         raise SystemExit(f"topr-trl: --asynchronous with --vllm_server_base_url generates on the server: "
                          f"{', '.join(flag for flag, value in stand_in.items() if value)} set(s) the in-process "
@@ -312,9 +313,9 @@ def iterate(argv: list[str]) -> list[dict]:
     from accelerate import PartialState
 
     from .config import check_choice
+    from .offline import COMPOSITIONS
     from .offline.generation import GeneratedWithOtherSettings
     from .offline.iterations import IterationSettings, run_iterations
-    from .offline import COMPOSITIONS
     from .sampling import BACKENDS
 
     options, training_args, model_args = parse_command("iterate", argv)

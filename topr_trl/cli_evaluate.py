@@ -3,7 +3,8 @@ rate and bootstrap standard errors (`topr_trl.evaluation.runner.evaluate_model`)
 results.png. The tasks: the built-in ones' held-out problems (`topr_trl.tasks`), GSM8K / MATH / MATH-500 with their
 answer checkers (`topr_trl.evaluation`), or the user's prompts scored by the user's reward functions.
 
-    topr-trl evaluate --model_name_or_path outputs/topr-tiny-arithmetic --task arithmetic --k 8 --output_dir outputs/eval
+    topr-trl evaluate --model_name_or_path outputs/topr-tiny-arithmetic --task arithmetic --k 8 \\
+        --output_dir outputs/eval
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .evaluation.runner import evaluate_model, gsm8k_classify, json_safe, math_c
 from .sampling import BACKENDS
 from .tasks.arithmetic import arithmetic_classify
 from .tasks.reasoning import reasoning_classify
+
 
 TASKS = ("arithmetic", "gsm8k", "math500", "math", "reasoning", "custom")
 _TASK_MAX_NEW_TOKENS = {"arithmetic": 8, "gsm8k": 512, "math500": 1024, "math": 1024, "custom": 256}

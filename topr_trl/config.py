@@ -20,6 +20,7 @@ from .loss import (
     TruncationLimits,
 )
 
+
 SIGNALS: tuple[str, ...] = ("advantage", "reward")
 BASELINE_MODES: tuple[str, ...] = ("group_mean", "batch_mean")
 BEHAVIOUR_SOURCES: tuple[str, ...] = ("auto", "sampler", "policy")
@@ -181,7 +182,8 @@ class TOPRConfig(GRPOConfig):
         metadata={"help": "Baseline c for topr_signal='reward': a number, 'group_mean' or 'batch_mean'."},
     )
     topr_target_effective_proportion: float | None = field(
-        default=None, metadata={"help": "Solve the baseline so that p~ (Eq. 12) hits this target (topr_signal='reward')."}
+        default=None,
+        metadata={"help": "Solve the baseline so that p~ (Eq. 12) hits this target (topr_signal='reward')."}
     )
     topr_baseline_scope: str = field(
         default="batch", metadata={"help": "Where the target baseline is solved: 'batch' or 'dataset' (offline)."}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+
 # Panel title -> the logged keys drawn in it, in this order; a panel none of whose keys was logged is left out.
 PANELS: dict[str, tuple[str, ...]] = {
     "reward (training batches)": ("reward",),
@@ -49,7 +50,7 @@ def plot_curves(curves: dict[str, tuple[list[int], list[float]]], path: str | Pa
     columns = min(3, len(panels))
     rows = -(-len(panels) // columns)
     figure, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.0 * rows), squeeze=False)
-    for axis, (name, keys) in zip(axes.flat, panels):
+    for axis, (name, keys) in zip(axes.flat, panels, strict=False):
         for key in keys:
             steps, values = curves[key]
             axis.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=key)

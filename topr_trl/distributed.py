@@ -86,4 +86,4 @@ def say(message: str) -> None:
     from accelerate import PartialState
 
     if PartialState().is_main_process:
-        print(f"[topr-trl] {message}", flush=True)
+        print(f"[topr-trl] {message}", flush=True)  # noqa: T201 - the command's own output

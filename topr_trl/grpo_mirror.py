@@ -17,6 +17,7 @@ import torch
 
 from .loss import MAX_LOG_RATIO, aggregate, log_importance_ratio
 
+
 # The multimodal inputs GRPOTrainer forwards to the model in its loss.
 MULTIMODAL_KEYS = (
     "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
@@ -117,7 +118,8 @@ class GRPOLossMirror:
             coef = self.entropy_coef
         if self.use_adaptive_entropy and mode == "train":
             stats = torch.stack([(entropies * effective_mask).sum(), effective_mask.sum()]).detach()
-            self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+            previous = self._entropy_window_stats
+            self._entropy_window_stats = stats if previous is None else previous + stats
             if self.accelerator.sync_gradients:
                 window = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
                 world_entropy = (window[0] / window[1].clamp(min=1.0)).item()

@@ -23,6 +23,7 @@ from typing import Literal
 
 import torch
 
+
 RatioLevel = Literal["sequence", "length_normalized", "token"]
 Aggregation = Literal["seq-mean-token-mean", "token-mean", "global-token-mean", "seq-mean-token-sum-norm"]
 
@@ -321,7 +322,8 @@ def policy_per_token_loss(
     branch_weight = torch.where(
         is_positive, torch.full_like(signal, spec.positive_weight), torch.full_like(signal, spec.negative_weight)
     )
-    return PolicyTerms(per_token_loss * branch_weight, (weights * branch_weight).detach(), log_ratio.detach(), is_positive)
+    return PolicyTerms(per_token_loss * branch_weight, (weights * branch_weight).detach(), log_ratio.detach(),
+                       is_positive)
 
 
 def topr_loss(

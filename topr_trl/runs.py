@@ -16,6 +16,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+
 LOCK_FILE = ".topr-trl.lock"
 """The file in an output folder that a run holds an exclusive lock on while it writes there; not a file of the run."""
 
@@ -101,8 +102,8 @@ def output_dir_lock(output_dir: str):
     except OSError as error:
         if not isinstance(error, BlockingIOError):  # a file system without locks (some network mounts): run unlocked
             handle.close()
-            print(f"[topr-trl] {output_dir} cannot be locked ({error.strerror}): a second run into it would not be "
-                  "refused", flush=True)
+            print(f"[topr-trl] {output_dir} cannot be locked ({error.strerror}): a second run into it "  # noqa: T201
+                  "would not be refused", flush=True)
             yield
             return
         handle.seek(0)
@@ -189,8 +190,8 @@ def check_vllm_server_mode(training_args) -> None:
         raise SystemExit(f"topr-trl: the vLLM server at {url} takes weights by NCCL, which needs a GPU here too: "
                          "restart it with `topr-trl vllm-serve --model MODEL` (its gloo weight path, the default "
                          "without a GPU)")
-    raise SystemExit(f"topr-trl: the vLLM server at {url} has no weight path the trainer can use ({backend or 'none'}): "
-                     "start it with `topr-trl vllm-serve --model MODEL`")
+    raise SystemExit(f"topr-trl: the vLLM server at {url} has no weight path the trainer can use "
+                     f"({backend or 'none'}): start it with `topr-trl vllm-serve --model MODEL`")
 
 
 def check_hub_push(training_args) -> None:
@@ -282,7 +283,7 @@ class InterruptAtStepEnd(TrainerCallback):
 def interrupted(what: str) -> SystemExit:
     """Ctrl-C's one line, `topr-trl: interrupted; <what>` (what was kept and how to go on), and exit status 130 as a
     shell gives an interrupted program. It starts on a line of its own: the progress bar it interrupts has none."""
-    print(f"\ntopr-trl: interrupted; {what}", file=sys.stderr, flush=True)
+    print(f"\ntopr-trl: interrupted; {what}", file=sys.stderr, flush=True)  # noqa: T201 - the command's own output
     return SystemExit(130)
 
 

@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import torch
 
+
 SUPPORT_FILTERS: dict[str, tuple[str, ...]] = {
     "transformers": ("top_k", "top_p", "min_p"),  # GenerationMixin._get_logits_processor's warper order
     "vllm": ("min_p", "top_k", "top_p"),  # vllm.v1.sample.Sampler: min-p as a logits processor, then top-k/top-p

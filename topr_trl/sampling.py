@@ -12,7 +12,6 @@ optional extra: it is imported only when an engine is built or released, never w
 from __future__ import annotations
 
 import contextlib
-
 from collections.abc import Sequence
 
 import torch

@@ -9,6 +9,7 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 """The local data files `load_data_source` reads, by suffix, with the `datasets` builder that reads them."""
 
@@ -211,7 +212,7 @@ def _load_files(files: Sequence[Path], split: str, cache_dir: str | None, source
     for path in files:
         check_data_file(path, what)
     builder = formats.pop()
-    options = {"converters": {column: str for column in TEXT_COLUMNS}} if builder == "csv" else {}
+    options = {"converters": dict.fromkeys(TEXT_COLUMNS, str)} if builder == "csv" else {}
     try:
         dataset = load_dataset(builder, data_files={split: [str(path) for path in files]}, split=split,
                                cache_dir=cache_dir, **options)

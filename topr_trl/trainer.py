@@ -33,6 +33,7 @@ from .sampler_support import (
     on_mus_support,
 )
 
+
 logger = logging.get_logger(__name__)
 
 
@@ -45,7 +46,8 @@ class PolicyMetricsLogging:
         every key; returns what `_on_nonfinite_loss` needs (the number of processes whose loss is not finite, and the
         ratio ranges), which every rank agrees on."""
         sums = metric_sums(terms, signal, mask, entropies, loss, self._loss_spec.negative_weight)
-        totals = dict(zip(sums, self.accelerator.reduce(torch.stack(list(sums.values())), reduction="sum").tolist()))
+        reduced = self.accelerator.reduce(torch.stack(list(sums.values())), reduction="sum").tolist()
+        totals = dict(zip(sums, reduced, strict=True))
         branch_kwargs = {("aggregation" if key == "mode" else key): value for key, value in aggregation.items()}
         per_rank = torch.cat([ratio_minima(terms, signal, mask),
                               torch.stack(branch_losses(policy_per_token, terms.is_positive, mask, **branch_kwargs))
@@ -112,7 +114,9 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
         "citation": textwrap.dedent("""\
             @article{leroux2025tapered,
                 title        = {{Tapered Off-Policy REINFORCE: Stable and efficient reinforcement learning for LLMs}},
-                author       = {Nicolas Le Roux and Marc G. Bellemare and Jonathan Lebensold and Arnaud Bergeron and Joshua Greaves and Alex Fr{\\'e}chette and Carolyne Pelletier and Eric Thibodeau-Laufer and S{\\'a}ndor Toth and Sam Work},
+                author       = {Nicolas Le Roux and Marc G. Bellemare and Jonathan Lebensold and Arnaud Bergeron and
+                                Joshua Greaves and Alex Fr{\\'e}chette and Carolyne Pelletier and Eric Thibodeau-Laufer
+                                and S{\\'a}ndor Toth and Sam Work},
                 year         = 2025,
                 eprint       = {arXiv:2503.14286},
             }"""),
@@ -328,7 +332,7 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
             output["sampling_per_token_logps"] = self._behaviour_logps(output)
         if "topr_signal" in inputs[0]:
             output["topr_signal"] = torch.tensor([row.pop("topr_signal") for row in inputs], device=device)
-        if any([row.pop("topr_unscored", False) for row in inputs]):
+        if any(row.pop("topr_unscored", False) for row in inputs):
             output["topr_unscored"] = torch.ones(len(inputs), dtype=torch.bool, device=device)
         return output
 

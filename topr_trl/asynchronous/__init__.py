@@ -4,12 +4,14 @@ sample is thrown away. Imported on its own (`from topr_trl.asynchronous import A
 
 import os
 
+
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from .config import AsyncTOPRConfig  # noqa: E402
 from .cpu import CPUSupport, tree_attention_sdpa  # noqa: E402
 from .lagged_worker import InProcessWeightTransfer, LaggedRolloutWorker  # noqa: E402
 from .trainer import AsyncTOPRTrainer, ConsumedSamples  # noqa: E402
+
 
 __all__ = ["AsyncTOPRConfig", "AsyncTOPRTrainer", "CPUSupport", "ConsumedSamples", "InProcessWeightTransfer",
            "LaggedRolloutWorker", "tree_attention_sdpa"]

@@ -22,6 +22,7 @@ from ..config import (
 )
 from ..loss import POLICY_LOSSES, RATIO_LEVELS, PolicyLossSpec, TruncationLimits
 
+
 # How the per-token loss of a micro-batch is reduced: the paper's per-trajectory mean of token means, or TRL's
 # asynchronous trainer's sum over the micro-batch's tokens divided by their number.
 ASYNC_AGGREGATIONS: tuple[str, ...] = ("seq-mean-token-mean", "global-token-mean")

@@ -39,6 +39,7 @@ from ..prompts import tokenize_prompts
 from ..sampler_support import SamplerProcessing
 from ..sampling import generate_completions
 
+
 # The reward functions' extra keyword arguments, as GRPOTrainer passes them (the dataset's other columns).
 RewardFunction = Callable[..., list[float]]
 
@@ -286,7 +287,8 @@ class LaggedRolloutWorker:
         rewards = summed_rewards(per_function)
         advantages = group_advantages(rewards)
         samples = []
-        for completion, message, reward, advantage in zip(completions, completion_messages, rewards, advantages):
+        for completion, message, reward, advantage in zip(completions, completion_messages, rewards, advantages,
+                                                          strict=True):
             ids = completion["completion_ids"]
             samples.append(RolloutSample(
                 prompt=prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}],

@@ -39,13 +39,15 @@ from ..trainer import PolicyMetricsLogging, TOPRTrainer, trained_method
 from .config import AsyncTOPRConfig
 from .cpu import CPUSupport
 
+
 # TRL's pipeline depth when its own default max_staleness (4) sizes max_inflight_tasks: optimizer steps of samples
 # the worker may have in flight. With no cap, the same depth keeps the same throughput and memory as TRL's default.
 DEFAULT_PIPELINE_DEPTH = 4
 # Histogram bins of staleness (policy versions), logged as sample/staleness_<bin>_total. A negative staleness (a
 # sample stamped with a version the trainer has not reached, e.g. a worker that outlived a restart) gets its own bin.
 STALENESS_BINS: tuple[tuple[float, float, str], ...] = (
-    (-math.inf, -1, "negative"), (0, 0, "0"), (1, 1, "1"), (2, 3, "2to3"), (4, 7, "4to7"), (8, 15, "8to15"), (16, 31, "16to31"),
+    (-math.inf, -1, "negative"), (0, 0, "0"), (1, 1, "1"), (2, 3, "2to3"), (4, 7, "4to7"), (8, 15, "8to15"),
+    (16, 31, "16to31"),
     (32, 63, "32to63"), (64, math.inf, "64plus"),
 )
 
@@ -230,7 +232,8 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
         return outputs.log_probs.flatten()[token_index], outputs.entropy.flatten()[token_index], selected, aux_loss
 
     def _account_step(self, inputs) -> None:
-        """The per-step accounting at the end of `AsyncGRPOTrainer.compute_loss` (flushed by its `_log_step_metrics`)."""
+        """The per-step accounting at the end of `AsyncGRPOTrainer.compute_loss` (flushed by its
+        `_log_step_metrics`)."""
         n_forward_tokens = float(inputs["global_n_forward_tokens"][0])
         mean_seq_len = float(inputs["mean_seq_len"][0])
         self._step_forward_tokens += n_forward_tokens

@@ -3,8 +3,8 @@
 * ``prompt``: a conversational prompt (``[{"role": "user", "content": ...}]``, optionally after a system
   message and few-shot turns) or, with ``chat=False``, a plain string;
 * ``answer``: the final reference answer as a string (``"18"`` for GSM8K, the content of the last
-  ``\\boxed{}`` of the reference solution for MATH), what `topr_trl.evaluation.rewards` and `topr_trl.evaluation.runner` compare
-  completions with.
+  ``\\boxed{}`` of the reference solution for MATH), what `topr_trl.evaluation.rewards` and
+  `topr_trl.evaluation.runner` compare completions with.
 
 The other columns of the source are kept (GSM8K's full reference solution moves to ``solution``, since
 ``answer`` now holds the bare number), so per-level or per-subject breakdowns stay possible.
@@ -29,6 +29,7 @@ from datasets import Dataset, concatenate_datasets
 
 from ..sources import load_data_source
 from .rewards import extract_boxed, extract_gsm8k_answer
+
 
 logger = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ from transformers import Trainer, TrainerCallback
 
 from .runner import EvaluationResult, evaluate_model, save_results
 
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["EvaluationCallback"]

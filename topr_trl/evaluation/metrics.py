@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+
 __all__ = [
     "BootstrapResult",
     "bootstrap_maj_at_k",
@@ -58,7 +59,7 @@ def mean_pass_at_k(num_samples, num_correct, k: int) -> float:
     num_samples = np.broadcast_to(np.asarray(num_samples), num_correct.shape)
     if num_correct.size == 0:
         raise ValueError("no questions")
-    return float(np.mean([pass_at_k(n, c, k) for n, c in zip(num_samples.tolist(), num_correct.tolist())]))
+    return float(np.mean([pass_at_k(n, c, k) for n, c in zip(num_samples.tolist(), num_correct.tolist(), strict=True)]))
 
 
 def _clusters(answers: Sequence[Any], equivalent: Callable[[Any, Any], bool] | None) -> list[list[int]]:
@@ -91,7 +92,8 @@ def majority_vote(answers: Sequence[Any], equivalent: Callable[[Any, Any], bool]
     answer is None.
 
     Answers are grouped by equality, or by `equivalent(a, b)` when given (which should then be an
-    equivalence relation, e.g. `topr_trl.evaluation.rewards.gsm8k_numbers_equal` so that "18" and "18.00" vote together);
+    equivalence relation, e.g. `topr_trl.evaluation.rewards.gsm8k_numbers_equal` so that "18" and "18.00" vote
+    together);
     the group's first answer represents it. Ties are broken deterministically in favour of the group whose
     first answer comes earliest in `answers`."""
     clusters = _clusters(answers, equivalent)

@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable
 from fractions import Fraction
 
+
 logger = logging.getLogger(__name__)
 
 CORRECT = "correct"

@@ -5,7 +5,8 @@ answers per question.
 
 `evaluate_model` is the measurement; `topr-trl evaluate` (`topr_trl.cli_evaluate`) runs it from the command line:
 
-    topr-trl evaluate --model_name_or_path outputs/topr-tiny-arithmetic --task arithmetic --k 8 --output_dir outputs/eval
+    topr-trl evaluate --model_name_or_path outputs/topr-tiny-arithmetic --task arithmetic --k 8 \\
+        --output_dir outputs/eval
 
 Generation uses transformers' `generate`, or vLLM when the model is given by path, vLLM is installed and a GPU
 is present (`backend="auto"`); vLLM is only imported then (`topr_trl.sampling.make_vllm_engine`), never when this
@@ -25,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..prompts import tokenize_prompts
+from ..sampling import generate_completions, make_vllm_engine, seeded_eval_sampling, vllm_available
 from .metrics import (
     bootstrap_maj_at_k,
     bootstrap_pass_at_k,
@@ -46,8 +49,7 @@ from .rewards import (
     gsm8k_numbers_equal,
     math_answers_equal,
 )
-from ..prompts import tokenize_prompts
-from ..sampling import generate_completions, make_vllm_engine, seeded_eval_sampling, vllm_available
+
 
 logger = logging.getLogger(__name__)
 
@@ -399,9 +401,11 @@ def evaluate_model(
         question_texts = [sample["text"] for sample in question_samples]
         question_classes = [_as_class(classify(text, reference)) for text in question_texts]
         if extract is not None:
-            answers = [extract(text) if c != INVALID else None for text, c in zip(question_texts, question_classes)]
+            answers = [extract(text) if c != INVALID else None
+                       for text, c in zip(question_texts, question_classes, strict=True)]
         else:
-            answers = [text.strip() if c != INVALID else None for text, c in zip(question_texts, question_classes)]
+            answers = [text.strip() if c != INVALID else None
+                       for text, c in zip(question_texts, question_classes, strict=True)]
         ids, correct_groups = _vote_ids(answers, question_classes, equivalent)
         classes.append(question_classes)
         votes.append(ids)

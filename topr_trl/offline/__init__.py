@@ -13,6 +13,7 @@ importing one (the trainer imports `schema` and `sampler`) does not import gener
 
 from importlib import import_module
 
+
 _EXPORTS = {
     "generation": ("generate_offline_dataset", "load_offline_dataset", "load_offline_source"),
     "rollout": ("make_behaviour_rollout", "sample_with_logps", "sample_with_logps_vllm"),

@@ -8,6 +8,7 @@ import random
 
 from datasets import Dataset
 
+
 COMPOSITIONS = ("uniform", "positives_only", "anna_karenina", "target_proportion")
 
 

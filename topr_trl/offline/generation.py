@@ -26,6 +26,7 @@ from ..sources import load_data_source, looks_like_local_data
 from .rollout import sample_with_logps, sample_with_logps_vllm
 from .schema import check_reward_values
 
+
 _MANIFEST = "manifest.json"
 # 2: the manifest records the model (path or Hub id, revision, weights digest), the prompts (name, count, digest of
 # the rows), the reward functions and every sampling setting. Version 1 (no "format" key) recorded only some

@@ -55,7 +55,7 @@ def run_iterations(
     prompts: Dataset,
     reward_funcs: Callable | Sequence[Callable],
     output_dir: str | Path,
-    settings: IterationSettings = IterationSettings(),
+    settings: IterationSettings | None = None,
     evaluate: Callable[[object, object], dict] | None = None,
     callbacks: list | None = None,
 ) -> list[dict]:
@@ -66,16 +66,17 @@ def run_iterations(
     from transformers import AutoTokenizer
 
     from ..config import TOPRConfig
-    from ..machine import machine_info
     from ..distributed import empty_caches, evaluate_policy, last_checkpoint, release_for_next_trainer
+    from ..machine import machine_info
+    from ..trainer import TOPRTrainer
     from .composition import compose
     from .generation import GeneratedWithOtherSettings, generate_offline_dataset
     from .schema import stored_reward
-    from ..trainer import TOPRTrainer
 
     output_dir = Path(output_dir)
     summaries: list[dict] = []
     behaviour_path = base_model
+    settings = settings if settings is not None else IterationSettings()
     for iteration in range(settings.num_iterations):
         folder = output_dir / f"iteration-{iteration:03d}"
         summary_file = folder / "summary.json"
@@ -218,7 +219,6 @@ def reward_evaluator(
     was measured. Sampling runs in a forked RNG seeded with `seed`, so training's random state is left untouched."""
     import math
     import statistics
-
 
     from ..sampling import seeded_eval_sampling
     from .generation import sample_rows, score_rows

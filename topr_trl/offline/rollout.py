@@ -2,9 +2,9 @@
 
 `sample_with_logps` (transformers) and `sample_with_logps_vllm` (a vLLM engine) sample completions together with
 log mu of every sampled token and return the same rows; offline dataset generation uses either, and
-`make_behaviour_rollout(model, tokenizer)` wraps the first as a TRL `rollout_func`: TOPRTrainer then trains on completions that the policy did not generate, with mu's log-probs as
-the denominator of pi/mu. This is the code path vLLM takes (the generator reports its own log-probs) and runs
-anywhere, CPU included.
+`make_behaviour_rollout(model, tokenizer)` wraps the first as a TRL `rollout_func`: TOPRTrainer then trains on
+completions that the policy did not generate, with mu's log-probs as the denominator of pi/mu. This is the code
+path vLLM takes (the generator reports its own log-probs) and runs anywhere, CPU included.
 
 Prompts are tokenized by `tokenize_prompts`, which runs GRPOTrainer's own `_tokenize_prompts`: mu conditions on
 exactly the token ids pi is trained on (BOS, chat template, `chat_template_kwargs` and tools included), so that

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from torch.utils.data import Sampler
 
+
 class GroupShuffleSampler(Sampler):
     """Yields the rows of an offline dataset with whole prompt groups shuffled together, in generation batches
     of `batch_rows` rows, each batch repeated `repeat_count` times (GRPO reuses a generation batch for

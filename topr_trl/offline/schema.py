@@ -19,6 +19,7 @@ from trl.trainer.utils import is_async_callable
 from ..prompts import tokenize_prompts
 from ..sampler_support import SamplerProcessing
 
+
 logger = logging.get_logger(__name__)
 
 OFFLINE_COLUMNS = ("prompt_index", "sample_index", "prompt_ids", "completion", "completion_ids", "behaviour_logps",

@@ -18,6 +18,7 @@ from ..evaluation.rewards import CORRECT, INCORRECT, INVALID, completion_text
 from ..prompts import tokenize_prompts
 from ..sampling import generate_completions
 
+
 _INTEGER = re.compile(r"-?\d+")
 
 
@@ -102,11 +103,11 @@ def warm_start(
     examples = [_encode_example(tokenizer, p, a) for p, a in zip(dataset["prompt"], dataset["answer"], strict=True)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
-    reported = 0
+    reported, loss = 0, None
     for step in range(steps):
         if target_accuracy is not None and step % check_every == 0 and step > 0:
             if accuracy(model, tokenizer, eval_dataset)["accuracy"] >= target_accuracy:
-                if progress is not None and reported < step:
+                if progress is not None and reported < step and loss is not None:
                     progress(step, steps, loss.item())  # where the target stopped it
                 break
             model.train()

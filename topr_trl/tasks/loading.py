@@ -16,6 +16,7 @@ from ..machine import describe_machine
 from ..sources import check_data_source, check_local_data, check_model_source, load_data_source
 from .user_rewards import reporting_reward, resolve_reward
 
+
 TASKS = ("arithmetic", "reasoning", "gsm8k", "math500", "custom")
 BUILTIN_TASK = "arithmetic"  # what a command runs with no model, no dataset and no task
 BUILTIN_TASKS = ("arithmetic", "reasoning")  # the tasks the built-in tiny model is built for

@@ -1,8 +1,8 @@
 """A reasoning testbed: multi-digit addition written out digit by digit, with a planted systematic error.
 
-The built-in arithmetic task (`topr_trl.tasks.arithmetic`) answers in 3-4 tokens, so sequence ratios stay near one and a wrong
-answer is a wrong last digit. Here the completion is a written solution of tens of tokens, one step per digit from
-the right with the carry written in, then the final answer the reward checks:
+The built-in arithmetic task (`topr_trl.tasks.arithmetic`) answers in 3-4 tokens, so sequence ratios stay near one
+and a wrong answer is a wrong last digit. Here the completion is a written solution of tens of tokens, one step per
+digit from the right with the carry written in, then the final answer the reward checks:
 
     prompt      "4587+2896="
     completion  "7+6+0=13|8+9+1=18|5+8+1=14|4+2+1=07|=7483"
@@ -41,6 +41,7 @@ from datasets import Dataset
 
 from ..evaluation.rewards import CORRECT, INCORRECT, INVALID, completion_text
 from .tiny import HEAD_DIM
+
 
 FORMAT_VERSION = 1
 """Bumped whenever the written-solution format or the warm-start recipe changes: part of every cache key, so a
@@ -354,8 +355,9 @@ class WarmStartSettings:
     `digits`: operand digits (>= 2; 3 gives 81,000 held-out problems). `error_rate`: probability that the SFT
     solution drops a carry that arrives at one of `error_positions` (carry positions 1..digits, `digits` being the
     answer's leading 1; None: all). `num_examples`: distinct warm-start problems. `steps`, `batch_size`,
-    `learning_rate`: the SFT run (`topr_trl.tasks.arithmetic.warm_start`, AdamW, constant rate). `hidden_size`, `num_layers`:
-    the tiny model (`topr_trl.tasks.tiny.build_model`). `seed`: model init, problems, planted errors and batches.
+    `learning_rate`: the SFT run (`topr_trl.tasks.arithmetic.warm_start`, AdamW, constant rate). `hidden_size`,
+    `num_layers`: the tiny model (`topr_trl.tasks.tiny.build_model`). `seed`: model init, problems, planted errors
+    and batches.
     `device`: where the warm start trains ("cpu", "cuda"); part of the key since kernels differ in rounding.
     `spurious_carry_rate`: the second planted error, a carry of 1 written where none arrives (0: off; only a nonzero
     rate enters the key, so every model built before it existed keeps its key).

@@ -1,7 +1,8 @@
 """A tiny causal LM and character tokenizer built locally, for the built-in task, tests and benchmarks.
 
 Nothing here touches the Hugging Face Hub: the tokenizer is trained with `tokenizers` on the task's own
-alphabet and the model is a randomly initialised Llama-architecture model from a config (optionally warm-started by SFT).
+alphabet and the model is a randomly initialised Llama-architecture model from a config (optionally warm-started by
+SFT).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast
+
 
 BOS, EOS, PAD = "<|im_start|>", "<|im_end|>", "<pad>"
 CHAT_TEMPLATE = (

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+
 BUILTIN_REWARDS = ("arithmetic", "reasoning")
 HOOK_KEYWORDS = ("trainer_state", "log_extra", "log_metric", "environments")
 

@@ -3,13 +3,14 @@ so it works on a CPU, across machines, and on GPU boxes where NCCL between train
 
 Every piece sits on a supported extension point; nothing installed is patched:
 
-| where | what | module |
-|---|---|---|
-| the server's worker process | a weight-transfer engine registered with vLLM (`WeightTransferEngineFactory`) under `BACKEND`, imported there by `--worker-extension-cls` | `engine.py` |
-| the server's HTTP process | an ASGI middleware (`--middleware`) that refuses the weight path without the secret | `auth.py` |
-| both | the gloo group, bounded by a timeout, and how tensors cross it | `transport.py` |
-| the trainer | TRL's `VLLMClient` and `VLLMGeneration` with the gloo transport in place of NCCL | `client.py` |
-| the command line | `topr-trl vllm-serve`: TRL's `vllm-serve` flags, the server started with all of the above | `command.py` |
+- `engine.py`, in the server's worker process: a weight-transfer engine registered with vLLM
+  (`WeightTransferEngineFactory`) under `BACKEND`, imported there by `--worker-extension-cls`;
+- `auth.py`, in the server's HTTP process: an ASGI middleware (`--middleware`) that refuses the weight path without
+  the secret;
+- `transport.py`, on both sides: the gloo group, bounded by a timeout, and how tensors cross it;
+- `client.py`, in the trainer: TRL's `VLLMClient` and `VLLMGeneration` with the gloo transport in place of NCCL;
+- `command.py`, the command line: `topr-trl vllm-serve`, TRL's `vllm-serve` flags, the server started with all of
+  the above.
 
 The protocol is vLLM's own weight-transfer API (the dev-mode routes `/init_weight_transfer_engine`,
 `/start_weight_update`, `/update_weights`, `/finish_weight_update`), which TRL's client already drives for NCCL.
@@ -29,4 +30,4 @@ def log_line(message: str) -> None:
     configuration disables loggers created before it, which this package's server-side modules are."""
     import sys
 
-    print(f"topr-trl vllm-serve: {message}", file=sys.stderr, flush=True)
+    print(f"topr-trl vllm-serve: {message}", file=sys.stderr, flush=True)  # noqa: T201 - the server's log

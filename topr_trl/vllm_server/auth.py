@@ -14,8 +14,8 @@ import hashlib
 import os
 import secrets
 
-
 from . import SECRET_ENV, log_line
+
 
 OPEN_ROUTES = ("/health",)
 
@@ -51,4 +51,5 @@ class WeightPathSecret:
             return await send({"type": "websocket.close", "code": 1008})
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": b'{"error": "Unauthorized: this server requires its secret"}'})
+        body = b'{"error": "Unauthorized: this server requires its secret"}'
+        await send({"type": "http.response.body", "body": body})

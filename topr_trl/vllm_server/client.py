@@ -23,6 +23,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 from . import BACKEND, SECRET_ENV
 from .transport import broadcast_bytes, open_group
 
+
 SYNC_TIMEOUT_S = 300.0
 """How long one step of the weight path (the rendezvous, one tensor) may wait for the server before the run stops:
 long enough for a server busy generating a batch on a CPU, short of a hang."""

@@ -28,6 +28,7 @@ from trl.scripts.vllm_serve import ScriptArguments, build_command
 
 from . import BACKEND, SECRET_ENV
 
+
 WEIGHT_SYNCS = ("auto", "gloo", "nccl")
 
 

@@ -35,7 +35,6 @@ from . import BACKEND, log_line
 from .transport import open_group, received
 
 
-
 @dataclass
 class GlooInitInfo(WeightTransferInitInfo):
     """What the trainer sends to `/init_weight_transfer_engine`: the rendezvous it hosts as rank 0, the group size
