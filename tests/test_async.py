@@ -9,6 +9,7 @@ import math
 import os
 import time
 import warnings
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -313,6 +314,45 @@ def test_async_topr_keeps_every_stale_sample_and_a_cap_drops_them_as_trl_does(tm
 
     capped, _ = run_ahead(tmp_path / "cap", max_staleness=0)
     assert sum(logged_values(capped, "sample/dropped_stale_total")) > 0
+
+
+def test_the_ratio_is_logged_by_the_staleness_each_sample_trains_at(tmp_path, monkeypatch):
+    """Each sample's policy version travels with it into the packed batch (`TrajectoryVersions`) and its staleness is
+    taken when it trains: every trained sample reaches the loss with a staleness, and at a learning rate that moves
+    the policy the fresh ones (staleness 0: mu is the current weights) have pi/mu = 1 within float32 roundings while
+    those a version old do not. Staleness taken when a sample is read (TRL's `sample/staleness_*`) mislabels some:
+    the dataloader reads a micro-batch ahead, across a sync."""
+    import topr_trl.asynchronous.trainer as async_trainer
+    from topr_trl.asynchronous.trainer import STALENESS_BIN_NAMES, staleness_bin_index
+
+    reached: list[int] = []
+    recorded_sums = async_trainer.staleness_bin_sums
+
+    def recording(terms, signal, mask, bins, *args, **kwargs):
+        reached.extend(bins.tolist())
+        return recorded_sums(terms, signal, mask, bins, *args, **kwargs)
+
+    monkeypatch.setattr(async_trainer, "staleness_bin_sums", recording)
+    trainer, _ = run_ahead(tmp_path)
+    assert len(reached) == 4 * 8 and min(reached) >= 0, reached  # every trained sample, each with its staleness
+    assert Counter(reached)[staleness_bin_index(1)] > 0 and Counter(reached)[staleness_bin_index(0)] > 0
+    fresh, stale = (f"topr/staleness_{STALENESS_BIN_NAMES[staleness_bin_index(lag)]}" for lag in (0, 1))
+    for branch in ("positive", "negative"):
+        fresh_means = logged_values(trainer, f"{fresh}/ratio_{branch}/mean")
+        assert fresh_means and all(abs(mean - 1) < 1e-4 for mean in fresh_means), fresh_means
+    stale_means = [value for branch in ("positive", "negative")
+                   for value in logged_values(trainer, f"{stale}/ratio_{branch}/mean") if not math.isnan(value)]
+    assert stale_means and all(abs(mean - 1) > 1e-3 for mean in stale_means), stale_means
+    assert all(0 < value <= 1 for value in logged_values(trainer, f"{stale}/ratio_ess_fraction"))
+    assert not any(key == async_trainer.MODEL_VERSION_KEY for entry in trainer.state.log_history
+                   for key in entry)  # taken out before TRL's collator logs the samples' metrics
+
+
+def test_staleness_bins_of_a_tensor_are_the_bins_of_each_value():
+    from topr_trl.asynchronous.trainer import staleness_bin_index, staleness_bin_indices
+
+    values = list(range(-3, 130))
+    assert staleness_bin_indices(torch.tensor(values)).tolist() == [staleness_bin_index(v) for v in values]
 
 
 def test_reward_signal_trains_on_r_minus_c(tmp_path):

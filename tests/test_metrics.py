@@ -167,3 +167,29 @@ def test_drift_and_mismatch_split_the_log_ratio_by_hand():
     # drift: 0.2 and 0; mismatch: -0.1 and (-0.5 + 0 + 0.5) = 0
     assert metrics["topr/log_ratio_drift/mean_abs"] == pytest.approx(0.1, rel=1e-5)
     assert metrics["topr/log_ratio_mismatch/mean_abs"] == pytest.approx(0.05, rel=1e-5)
+
+
+def test_ratios_by_staleness_bin_by_hand():
+    """Six trajectories in three bins (one unknown, -1, left out): per bin and branch the mean pi/mu, Kish's ESS over
+    both branches and the share of negatives whose weight min(1, pi/mu) is truncated (ratio above 1)."""
+    from topr_trl.policy_metrics import staleness_bin_metrics, staleness_bin_sums
+
+    ratios = torch.tensor([0.5, 2.0, 1.0, 4.0, 0.25, 3.0])
+    signal = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, -1.0])
+    bins = torch.tensor([0, 0, 2, 2, 2, -1])
+    log_ratios = torch.log(ratios).view(-1, 1)
+    terms = policy_per_token_loss(torch.zeros(6, 2), -log_ratios.expand(6, 2) / 2, signal.view(-1, 1),
+                                  torch.ones(6, 2), PolicyLossSpec())
+    sums = staleness_bin_sums(terms, signal, torch.ones(6, 2), bins, 4, negative_weight=1.0)
+    metrics = staleness_bin_metrics(sums, ("a", "b", "c", "d"))
+    assert {key.split("/")[1] for key in metrics} == {"staleness_a", "staleness_c"}  # empty bins are not logged
+    # bin a: positive 0.5, negative 2 (truncated to 1); ESS (0.5 + 2)^2 / (2 (0.25 + 4)) = 6.25 / 8.5
+    assert metrics["topr/staleness_a/ratio_positive/mean"] == pytest.approx(0.5, rel=1e-6)
+    assert metrics["topr/staleness_a/ratio_negative/mean"] == pytest.approx(2.0, rel=1e-6)
+    assert metrics["topr/staleness_a/ratio_ess_fraction"] == pytest.approx(6.25 / 8.5, rel=1e-6)
+    assert metrics["topr/staleness_a/negative_truncated_fraction"] == 1.0
+    # bin c: positive 0.25, negatives 1 (not truncated) and 4 (truncated); ESS 5.25^2 / (3 (0.0625 + 1 + 16))
+    assert metrics["topr/staleness_c/ratio_positive/mean"] == pytest.approx(0.25, rel=1e-6)
+    assert metrics["topr/staleness_c/ratio_negative/mean"] == pytest.approx(2.5, rel=1e-6)
+    assert metrics["topr/staleness_c/ratio_ess_fraction"] == pytest.approx(5.25**2 / (3 * 17.0625), rel=1e-6)
+    assert metrics["topr/staleness_c/negative_truncated_fraction"] == 0.5

@@ -22,6 +22,14 @@ def _ratio_and_branches(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Te
     return signal, ratio, element_mask * (signal > 0), element_mask * (signal < 0)
 
 
+def _truncated(terms: PolicyTerms, ratio: torch.Tensor, negative_weight: float) -> torch.Tensor:
+    """Where the weight applied differs from the untruncated lambda- * pi/mu by more than a relative 1e-4 (or four
+    roundings of the weights' dtype, if coarser); see `metric_sums`."""
+    tolerance = max(1e-4, 4 * torch.finfo(terms.weights.dtype).eps)
+    untruncated = ratio * negative_weight
+    return (terms.weights.float() - untruncated).abs() > tolerance * untruncated
+
+
 def metric_sums(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, entropies: torch.Tensor,
                 loss: torch.Tensor, negative_weight: float) -> dict[str, torch.Tensor]:
     """This process's sums, by name: the caller adds them over processes (one collective over the values, in the
@@ -35,9 +43,7 @@ def metric_sums(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, en
     signal, ratio, in_positive, in_negative = _ratio_and_branches(terms, signal, mask)
     mask = mask.float()
     weights = terms.weights.float()
-    tolerance = max(1e-4, 4 * torch.finfo(terms.weights.dtype).eps)
-    untruncated = ratio * negative_weight
-    outside = (weights - untruncated).abs() > tolerance * untruncated
+    outside = _truncated(terms, ratio, negative_weight)
     if terms.log_ratio.size(1) == 1:
         mean_weight = weights
     else:
@@ -159,3 +165,48 @@ def drift_and_mismatch(totals: list[float]) -> dict[str, float]:
     drift, mismatch, count = totals
     count = max(count, 1.0)
     return {"topr/log_ratio_drift/mean_abs": drift / count, "topr/log_ratio_mismatch/mean_abs": mismatch / count}
+
+
+STALENESS_BIN_SUMS = ("count_positive", "ratio_sum_positive", "count_negative", "ratio_sum_negative", "ratio_sq_sum",
+                      "truncated_negative")
+"""The columns of `staleness_bin_sums`, one row per staleness bin."""
+
+
+def staleness_bin_sums(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, trajectory_bins: torch.Tensor,
+                       num_bins: int, negative_weight: float) -> torch.Tensor:
+    """This process's (num_bins, len(STALENESS_BIN_SUMS)) sums of each trajectory's pi/mu by the staleness bin of
+    the sample it came from (`trajectory_bins`, (S,), -1 where unknown: left out): how far the policy moved from mu
+    at each lag, per branch. The caller adds them over processes and `staleness_bin_metrics` divides. Elements are
+    trajectories for sequence-level ratios, completion tokens for token-level ones (each in its trajectory's bin)."""
+    _, ratio, in_positive, in_negative = _ratio_and_branches(terms, signal, mask)
+    bins = trajectory_bins.to(ratio.device).long().reshape(-1, 1).expand_as(ratio)
+    known = bins >= 0
+    in_either = in_positive + in_negative
+    columns = torch.stack([in_positive, ratio * in_positive, in_negative, ratio * in_negative,
+                           ratio.square() * in_either,
+                           _truncated(terms, ratio, negative_weight).float() * in_negative], dim=-1)
+    sums = torch.zeros(num_bins, len(STALENESS_BIN_SUMS), device=ratio.device)
+    return sums.index_add_(0, bins[known], columns[known])
+
+
+def staleness_bin_metrics(totals: torch.Tensor, bin_names: list[str] | tuple[str, ...]) -> dict[str, float]:
+    """The logged metrics of the bins that hold a trajectory, from `staleness_bin_sums` added over processes:
+    `topr/staleness_<bin>/ratio_positive/mean`, `.../ratio_negative/mean` (NaN for an empty branch),
+    `.../ratio_ess_fraction` (Kish, both branches) and `.../negative_truncated_fraction`."""
+    metrics = {}
+    for name, row in zip(bin_names, totals.tolist(), strict=True):
+        sums = dict(zip(STALENESS_BIN_SUMS, row, strict=True))
+        count = sums["count_positive"] + sums["count_negative"]
+        if count <= 0:
+            continue
+
+        def share(numerator: str, denominator: str, sums=sums) -> float:
+            return sums[numerator] / sums[denominator] if sums[denominator] > 0 else float("nan")
+
+        prefix = f"topr/staleness_{name}"
+        metrics[f"{prefix}/ratio_positive/mean"] = share("ratio_sum_positive", "count_positive")
+        metrics[f"{prefix}/ratio_negative/mean"] = share("ratio_sum_negative", "count_negative")
+        metrics[f"{prefix}/ratio_ess_fraction"] = effective_sample_size_fraction(
+            sums["ratio_sum_positive"] + sums["ratio_sum_negative"], sums["ratio_sq_sum"], count)
+        metrics[f"{prefix}/negative_truncated_fraction"] = share("truncated_negative", "count_negative")
+    return metrics

@@ -25,9 +25,11 @@ from collections import Counter
 
 import torch
 from accelerate import PartialState
+from accelerate.utils import broadcast
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
 from ..loss import packed_topr_loss, unpack_segments
+from ..policy_metrics import staleness_bin_metrics, staleness_bin_sums
 from ..sampler_support import (
     SamplerProcessing,
     captured_outputs,
@@ -52,14 +54,34 @@ STALENESS_BINS: tuple[tuple[float, float, str], ...] = (
 )
 
 
+STALENESS_BIN_NAMES = tuple(name for _, _, name in STALENESS_BINS)
+# Where `ConsumedSamples` stamps the policy version that generated each sample in the sample's own `metrics` (TRL's
+# queue dataset passes the metrics on, not the version); `TrajectoryVersions` takes it out again before TRL's
+# collator averages the metrics into the logs.
+MODEL_VERSION_KEY = "topr_trl/model_version"
+
+
+def staleness_bin_index(staleness: int) -> int:
+    return next(index for index, (low, high, _) in enumerate(STALENESS_BINS) if low <= staleness <= high)
+
+
+def staleness_bin_indices(staleness: torch.Tensor) -> torch.Tensor:
+    """`staleness_bin_index` of every entry of an integer tensor."""
+    lower_edges = torch.tensor([low for low, _, _ in STALENESS_BINS[1:]], dtype=staleness.dtype,
+                               device=staleness.device)
+    return torch.bucketize(staleness, lower_edges, right=True)
+
+
 def staleness_bin(staleness: int) -> str:
-    return next(name for low, high, name in STALENESS_BINS if low <= staleness <= high)
+    return STALENESS_BIN_NAMES[staleness_bin_index(staleness)]
 
 
 class ConsumedSamples:
     """The rollout queue as the trainer's `RolloutQueueDataset` reads it (`get`, `qsize`): each sample's staleness
-    (trainer version minus the version that generated it) is counted in `staleness_counts` and logged as a histogram
-    bin, and with `reward_baseline` set its `advantage` becomes the paper's signal R - c (0 for an unscored sample)."""
+    (trainer version minus the version that generated it) is counted in `staleness_counts`, logged as a histogram
+    bin, the sample's version is stamped on it (`MODEL_VERSION_KEY`, for the loss's ratio metrics by staleness), and
+    with
+    `reward_baseline` set its `advantage` becomes the paper's signal R - c (0 for an unscored sample)."""
 
     def __init__(self, source, model_version_fn, metrics, reward_baseline: float | None = None):
         self.source = source
@@ -73,14 +95,35 @@ class ConsumedSamples:
         staleness = self.model_version_fn() - sample.model_version
         self.staleness_counts[staleness] += 1
         self.metrics[f"sample/staleness_{staleness_bin(staleness)}_total"].append(1.0)
+        changes = {"metrics": {**sample.metrics, MODEL_VERSION_KEY: sample.model_version}}
         if self.reward_baseline is not None:
             reward = sample.metrics.get("reward", math.nan)
-            signal = 0.0 if math.isnan(reward) else reward - self.reward_baseline
-            sample = dataclasses.replace(sample, advantage=signal)
-        return sample
+            changes["advantage"] = 0.0 if math.isnan(reward) else reward - self.reward_baseline
+        return dataclasses.replace(sample, **changes)
 
     def qsize(self) -> int:
         return self.source.qsize()
+
+
+class TrajectoryVersions:
+    """The collate function of TRL's rollout dataloader with each packed row's policy versions added to the batch:
+    `trajectory_model_version` ((rows, samples), -1 padding) holds, for sample i of row r, the version that generated
+    it (stamped by `ConsumedSamples`, taken out of its metrics). TRL's `TreeRow.pack` numbers a row's segments by its
+    samples' order, so the loss reads segment i's version at index i of its rank's row: the version travels with the
+    data it describes, and the staleness is taken when the sample trains (the dataloader reads a micro-batch ahead,
+    so the staleness TRL logs when a sample is read can be one version short of the one it trains at)."""
+
+    def __init__(self, collate):
+        self.collate = collate
+
+    def __call__(self, examples):
+        (rows,) = examples  # one micro-batch: a row per process (TRL's planner)
+        versions = [[int(sample["metrics"].pop(MODEL_VERSION_KEY, -1)) for sample in row.samples] for row in rows]
+        batch = self.collate(examples)
+        width = max((len(row) for row in versions), default=0)
+        batch["trajectory_model_version"] = torch.tensor([row + [-1] * (width - len(row)) for row in versions],
+                                                         dtype=torch.long).reshape(len(versions), width)
+        return batch
 
 
 def gloo_weight_transfer(args: AsyncTOPRConfig):
@@ -142,6 +185,15 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
         process; empty elsewhere)."""
         return self.rollout_queue.staleness_counts if isinstance(self.rollout_queue, ConsumedSamples) else Counter()
 
+    def get_train_dataloader(self):
+        """TRL's rollout dataloader, its collate function wrapped by `TrajectoryVersions` on the main process, the one
+        that iterates and collates (TRL dispatches the batches)."""
+        loader = super().get_train_dataloader()
+        if self.accelerator.is_main_process:
+            built = getattr(loader, "base_dataloader", loader)  # accelerate's adapter holds the DataLoader TRL built
+            built.collate_fn = TrajectoryVersions(built.collate_fn)
+        return loader
+
     def _mu_processing(self, args, rollout_worker) -> SamplerProcessing | None:
         """How the rollout worker turns logits into its sampling distribution, when it differs from TRL's scoring
         (the whole vocabulary at the trainer's temperature): TRL's worker samples on vLLM with the config's
@@ -200,10 +252,28 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
             signal, _ = unpack_segments(token_signal.to(log_probs.dtype), segment_id)
             nonfinite, ratio_ranges = self._log_policy_metrics(
                 "train", terms, signal[:, :1], mask, entropies, terms.per_token_loss, aggregation, loss)
+            self._log_staleness_metrics(terms, signal[:, :1], mask, inputs.get("trajectory_model_version"))
         if nonfinite:
             self._on_nonfinite_loss(nonfinite, ratio_ranges)
         self._account_step(inputs)
         return loss
+
+    def _log_staleness_metrics(self, terms, signal, mask, versions) -> None:
+        """pi/mu by the staleness of the samples at this step (`topr_trl.policy_metrics.staleness_bin_metrics`): the
+        main process's policy version (the one that counts syncs) broadcast, and one reduction; every rank joins both,
+        since the batch holds `trajectory_model_version` on every rank or on none."""
+        if versions is None:
+            return
+        versions = versions.reshape(-1)[:mask.size(0)]  # this rank's row: one version per segment, in segment order
+        versions = torch.cat([versions, versions.new_full((mask.size(0) - versions.numel(),), -1)])
+        current = torch.tensor([self.model_version], dtype=versions.dtype, device=versions.device)
+        if self.accelerator.num_processes > 1:
+            current = broadcast(current, from_process=0)
+        bins = torch.where(versions >= 0, staleness_bin_indices(current - versions), -1)
+        sums = staleness_bin_sums(terms, signal, mask, bins, len(STALENESS_BINS), self._loss_spec.negative_weight)
+        totals = self.accelerator.reduce(sums, reduction="sum")
+        for name, value in staleness_bin_metrics(totals.cpu(), STALENESS_BIN_NAMES).items():
+            self._metrics["train"][name].append(value)
 
     # ------------------------------------------------------------------ MIRROR of TRL 1.16.0
     # `AsyncGRPOTrainer.compute_loss` is one method: the packed forward, its PPO loss and metrics, and the step's
