@@ -625,9 +625,9 @@ def test_a_knob_the_asynchronous_loss_does_not_read_is_refused(tmp_path):
         AsyncTOPRConfig(str(tmp_path), use_cpu=True, bf16=False, report_to="none", topr_negative_weight=-1.0)
 
 
-@pytest.mark.parametrize("truncation", [{"top_k": 2}, {"top_p": 0.8}])
+@pytest.mark.parametrize("truncation", [{"top_k": 2}, {"top_p": 0.8}, {"min_p": 0.2}])
 def test_a_worker_sampling_with_truncation_gives_pi_over_mu_of_one_at_learning_rate_zero(truncation, tmp_path):
-    """The CPU worker samples with top-k or top-p (its `generation_kwargs`) and says so (`sampling`); the trainer
+    """The CPU worker samples with top-k, top-p or min-p (its `generation_kwargs`) and says so (`sampling`); the trainer
     scores pi on that support, so at learning rate 0 and lag 0 every ratio is 1 within 1e-4. Over the whole
     vocabulary (the trainer's scoring without it) the same samples give ratios below 1 (the kept mass)."""
     worker = make_worker(generation_kwargs=truncation)

@@ -100,3 +100,19 @@ def test_last_checkpoint_of_a_folder_another_process_has_not_created_yet_is_none
     for step in (3, 12):
         (tmp_path / "train" / f"checkpoint-{step}").mkdir(parents=True)
     assert last_checkpoint(tmp_path / "train") == str(tmp_path / "train" / "checkpoint-12")
+
+
+@pytest.mark.parametrize("truncation", [{"top_k": 3}, {"top_p": 0.9}])
+def test_an_iteration_sampled_with_truncation_trains_on_a_ratio_of_one_at_learning_rate_zero(
+        truncation, tiny_model_path, arithmetic_dataset, tmp_path):
+    """An iteration generates with the user's top-k or top-p and trains on what it generated: the rows carry how mu
+    sampled, so pi is scored on mu's support and at learning rate 0 every ratio is 1 within 1e-4 (on the tiny
+    random-initialised model, near uniform, the whole-vocabulary score gives the kept mass: far below 1)."""
+    overrides = dict(settings().train_overrides, learning_rate=0.0)
+    run_iterations(tiny_model_path, arithmetic_dataset.select(range(4)), parity_reward, tmp_path,
+                   settings(train_overrides=overrides, **truncation))
+    history = json.loads((tmp_path / "iteration-000" / "train" / "trainer_state.json").read_text())["log_history"]
+    ratios = [entry[key] for entry in history for key in ("topr/ratio_positive/min", "topr/ratio_positive/max",
+                                                          "topr/ratio_negative/min", "topr/ratio_negative/max")
+              if entry.get(key) is not None]
+    assert ratios and all(ratio == pytest.approx(1.0, abs=1e-4) for ratio in ratios), ratios
