@@ -7,6 +7,9 @@ The behaviour policy mu lags the trained policy pi by up to K - 1 optimizer upda
                 old_per_token_logps of the generation batch
     grpo_clip   online trl.GRPOTrainer with loss_type="grpo": PPO clipping of the ratio pi/mu at 1 -/+ epsilon
                 (0.2, TRL's default), per-sequence length normalisation
+    tis         the controls Figure 1 has (`scripts/figure1.py`): TOPRTrainer with loss_type="tis" (truncated
+    sft_positives  importance sampling, the ratio capped at 1 on both branches) and loss_type="sft" (positives only,
+                weight 1; negatives dropped), on the same signal, data and lag as topr
 
 The lag is set with GRPOConfig.num_iterations = K (TRL's "mu" in the GRPO paper): each generation batch is reused for
 K optimizer steps, and TRL keeps the log-probs of the policy that generated it as old_per_token_logps, so on the j-th
@@ -76,7 +79,14 @@ from experiments import (  # noqa: E402
 )
 
 
-METHODS = ("topr", "grpo_clip")
+# Each method's trainer and what it sets on top of the shared configuration (one place to add a method).
+METHOD_TRAINERS = {
+    "topr": ("topr_trl", {}),
+    "grpo_clip": ("trl", {"loss_type": "grpo"}),
+    "tis": ("topr_trl", {"loss_type": "tis"}),
+    "sft_positives": ("topr_trl", {"loss_type": "sft"}),
+}
+METHODS = ("topr", "grpo_clip")  # the default run; the controls are asked for with --methods
 LAG_VIA = ("num_iterations", "steps_per_generation")
 LOGGED_PREFIXES = ("topr/", "clip_ratio/")
 SMOKE = dict(seeds=[0], steps=8, batch_size=16, lags=[1, 4], eval_prompts=64, eval_samples=2, checkpoints=2)
@@ -196,10 +206,9 @@ def run_lagged(method, lag, options, seed, base_path, held_out, base_point, work
               options.lag_via: lag}
     if options.reuse_spacing > 1:  # reuse each batch every S steps instead of back to back (num_iterations only)
         common["steps_per_generation"] = options.reuse_spacing
-    if method == "grpo_clip":
-        config_class, trainer_class, common["loss_type"] = GRPOConfig, GRPOTrainer, "grpo"
-    else:
-        config_class, trainer_class = TOPRConfig, TOPRTrainer
+    package, overrides = METHOD_TRAINERS[method]
+    config_class, trainer_class = {"trl": (GRPOConfig, GRPOTrainer), "topr_trl": (TOPRConfig, TOPRTrainer)}[package]
+    common.update(overrides)
     config = config_class(max_steps=options.steps, **common)
     built: list = []
 
@@ -280,7 +289,7 @@ def plot(results: dict, path: Path) -> None:
 
 def update_summary(results: dict) -> None:
     """`results`' summary and paired comparisons, from its runs (for --resummarise)."""
-    methods = [m for m in METHODS if any(run["method"] == m for run in results["runs"].values())]
+    methods = [m for m in METHOD_TRAINERS if any(run["method"] == m for run in results["runs"].values())]
     lags = sorted({run["lag"] for run in results["runs"].values()})
     results["summary"] = summarise(results["runs"], methods, lags)
     results["paired"] = paired_comparisons(results["runs"], methods, lags)
@@ -291,7 +300,7 @@ def update_summary(results: dict) -> None:
 def main(argv=None) -> dict:
     parser = experiment_parser(__doc__, output="docs/staleness", epochs=None, eval_prompts=500)
     # the warm model cache is shared with sample_efficiency.py; 3e-4 is its learning rate
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=tuple(METHOD_TRAINERS))
     parser.add_argument("--lags", type=int, nargs="+", default=[1, 4, 16, 64],
                         help="K: mu lags pi by up to K - 1 updates (K = 1 must be among them for the summary rule)")
     parser.add_argument("--lag_via", default="num_iterations", choices=LAG_VIA,

@@ -361,10 +361,11 @@ def test_reward_signal_trains_on_r_minus_c(tmp_path):
     source = trainer.rollout_queue
 
     @dataclasses.dataclass
-    class Row:
+    class Row:  # the fields of TRL's RolloutSample the queue's reader uses
         model_version: int
         metrics: dict
         advantage: float
+        group_id: int = 0
 
     source.source.put(Row(0, {"reward": 1.0}, 0.7))
     source.source.put(Row(0, {"reward": math.nan}, 0.7))
@@ -642,3 +643,66 @@ def test_a_worker_sampling_with_truncation_gives_pi_over_mu_of_one_at_learning_r
     assert trainer._sampler_processing == worker.sampling
     assert logged_values(trainer, "topr/ratio_ess_fraction") and all(
         value == pytest.approx(1.0, abs=1e-6) for value in logged_values(trainer, "topr/ratio_ess_fraction"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A stopped run resumes where its checkpoint's steps stopped training
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_stopped_asynchronous_run_resumes_at_the_first_untrained_prompt_and_trains_each_once(tmp_path,
+                                                                                             monkeypatch):
+    """Stopped after step 3 with a checkpoint at step 2, the run resumes at the first prompt group its first two
+    steps did not train, and the two runs together train prompts 0-7 once each (4 samples apiece). TRL's own rule
+    (the first group missing from `_trained_groups`, filled when a micro-batch is collated, one ahead of training)
+    would have skipped the groups read ahead at the checkpoint. The resumed run says in one line what the stop left
+    behind: the samples generated and not trained, which it generates again."""
+    import json
+
+    from transformers import TrainerCallback
+
+    import topr_trl.asynchronous.trainer as async_trainer
+
+    config = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    first = build(AsyncTOPRTrainer, AsyncTOPRConfig(**async_kwargs(tmp_path, **config)),
+                  make_worker(samples_ahead=24))
+    at_checkpoint = {}
+
+    class AtCheckpoint(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            at_checkpoint[state.global_step] = (Counter(first.rollout_ledger.trained), set(first._trained_groups))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                raise KeyboardInterrupt  # a stop between checkpoints
+
+    first.add_callback(AtCheckpoint())
+    with pytest.raises(KeyboardInterrupt):
+        first.train()
+    trained, collated = at_checkpoint[2]
+    assert trained == Counter(dict.fromkeys(range(4), 4))  # two steps of 8 samples: groups 0-3, whole
+    assert max(collated) + 1 > 4  # TRL's count: the micro-batch read ahead, never trained before the stop
+    state = json.loads((tmp_path / "checkpoint-2" / "rollout_state.json").read_text())
+    assert state["prompt_index"] == 4 and state["samples_trained_again"] == 0 and state["samples_left_behind"] > 0
+
+    said = []
+    monkeypatch.setattr(async_trainer.logger, "warning", lambda message, *a, **k: said.append(str(message)))
+    worker = make_worker(samples_ahead=24)
+    second = build(AsyncTOPRTrainer, AsyncTOPRConfig(**async_kwargs(tmp_path, **config)), worker)
+    second.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert second.state.global_step == 4 and worker.start_prompt == 4
+    resumed = Counter({worker.start_prompt + group: count for group, count in second.rollout_ledger.trained.items()})
+    assert resumed == Counter(dict.fromkeys(range(4, 8), 4))  # prompts 4-7, each group whole, once
+    assert [line for line in said if line.startswith("resuming from")] == [async_trainer.describe_resume(
+        tmp_path / "checkpoint-2", state)]
+    assert f"{state['samples_left_behind']} samples generated before the stop and not trained" in said[-1]
+
+
+def test_the_worker_resumed_at_a_prompt_samples_the_rows_the_whole_run_would_have():
+    """Prompt order by position: a worker resumed at prompt 13 of 16 rows takes the rows the run from 0 takes at
+    positions 13, 14, 15 (the first pass) and 16, 17 (the second pass's shuffle), with group ids from 0."""
+    whole, resumed = make_worker(lockstep=False), make_worker(lockstep=False)
+    order = [whole._next_row()[1] for _ in range(18)]
+    resumed.resume_at(13, model_version=0)
+    assert [resumed._next_row() for _ in range(5)] == list(enumerate(order[13:18]))
+    assert sorted(order[:16]) == list(range(16))  # a pass takes every row once

@@ -137,7 +137,9 @@ class LaggedRolloutWorker:
         self.prompt_ids = tokenize_prompts(tokenizer, [row["prompt"] for row in self.rows], chat_template_kwargs)
         self.rollout_buffer: queue.Queue = queue.Queue(maxsize=max_queued_samples)
         self.metrics_queue: queue.Queue = queue.Queue()
-        self._rng = random.Random(seed)
+        self._order_rng = random.Random(seed)
+        self._epoch_orders: list[list[int]] = []  # the prompt order of each pass over the rows, drawn from `seed`
+        self._start_prompt = 0  # where this run's group 0 sits in that order (a resumed run's saved position)
         self._generator = torch.Generator().manual_seed(seed)
         self._versions: dict[int, dict[str, torch.Tensor]] = {}
         self._pending: dict[str, torch.Tensor] | None = None
@@ -149,7 +151,6 @@ class LaggedRolloutWorker:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._last_beat = time.time()
-        self._order: list[int] = []
         self._next_group = 0
         self.samples_queued = 0  # samples put in `rollout_buffer` (a group generated while stopping is not)
 
@@ -161,6 +162,20 @@ class LaggedRolloutWorker:
         `generation_kwargs`): the trainer scores pi on that support."""
         return SamplerProcessing(temperature=self.temperature, top_k=self.generation_kwargs.get("top_k") or None,
                                  top_p=self.generation_kwargs.get("top_p"), min_p=self.generation_kwargs.get("min_p"))
+
+    @property
+    def start_prompt(self) -> int:
+        """The position in the run's prompt order of this run's group 0."""
+        return self._start_prompt
+
+    def resume_at(self, prompt_index: int, model_version: int) -> None:
+        """Start at prompt `prompt_index` of the run's prompt order (group 0 of this run is that prompt), as a run
+        resumed from a checkpoint whose rollout state says so; lockstep counts its samples from `model_version` on.
+        Before `start`."""
+        if self._thread is not None:
+            raise RuntimeError("resume_at must be called before the worker starts.")
+        self._start_prompt = int(prompt_index)
+        self._produced = int(model_version) * (self.samples_per_version or 0)
 
     def weight_transfer(self) -> InProcessWeightTransfer:
         return InProcessWeightTransfer(self)
@@ -223,13 +238,21 @@ class LaggedRolloutWorker:
                 self._changed.wait(timeout=0.5)
         return None
 
+    def _epoch_order(self, epoch: int) -> list[int]:
+        """The rows in the order of pass `epoch` over them: one generator from `seed` shuffles each pass in turn, so
+        a resumed run finds the same order at the same position."""
+        while len(self._epoch_orders) <= epoch:
+            order = list(range(len(self.rows)))
+            self._order_rng.shuffle(order)
+            self._epoch_orders.append(order)
+        return self._epoch_orders[epoch]
+
     def _next_row(self) -> tuple[int, int]:
-        if self._next_group % len(self.rows) == 0:
-            self._order = list(range(len(self.rows)))
-            self._rng.shuffle(self._order)
+        """This run's next group id (from 0) and its row: prompt `start + group id` of the run's prompt order."""
         group_id = self._next_group
         self._next_group += 1
-        return group_id, self._order[group_id % len(self.rows)]
+        position = self._start_prompt + group_id
+        return group_id, self._epoch_order(position // len(self.rows))[position % len(self.rows)]
 
     def _run(self) -> None:
         try:

@@ -22,10 +22,13 @@ import dataclasses
 import math
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
 from ..loss import packed_topr_loss, unpack_segments
@@ -40,7 +43,10 @@ from ..sampler_support import (
 from ..trainer import PolicyMetricsLogging, TOPRTrainer, trained_method
 from .config import AsyncTOPRConfig
 from .cpu import CPUSupport
+from .resume import RolloutLedger, describe_resume, read_rollout_state, write_rollout_state
 
+
+logger = logging.get_logger(__name__)
 
 # TRL's pipeline depth when its own default max_staleness (4) sizes max_inflight_tasks: optimizer steps of samples
 # the worker may have in flight. With no cap, the same depth keeps the same throughput and memory as TRL's default.
@@ -79,21 +85,25 @@ def staleness_bin(staleness: int) -> str:
 class ConsumedSamples:
     """The rollout queue as the trainer's `RolloutQueueDataset` reads it (`get`, `qsize`): each sample's staleness
     (trainer version minus the version that generated it) is counted in `staleness_counts`, logged as a histogram
-    bin, the sample's version is stamped on it (`MODEL_VERSION_KEY`, for the loss's ratio metrics by staleness), and
-    with
+    bin, the sample's version is stamped on it (`MODEL_VERSION_KEY`, for the loss's ratio metrics by staleness), it
+    is entered in the `ledger` (dropped or not, by TRL's rule: staleness above `max_staleness`), and with
     `reward_baseline` set its `advantage` becomes the paper's signal R - c (0 for an unscored sample)."""
 
-    def __init__(self, source, model_version_fn, metrics, reward_baseline: float | None = None):
+    def __init__(self, source, model_version_fn, metrics, reward_baseline: float | None = None,
+                 ledger: RolloutLedger | None = None, max_staleness: float = math.inf):
         self.source = source
         self.model_version_fn = model_version_fn
         self.metrics = metrics
         self.reward_baseline = reward_baseline
+        self.ledger = ledger if ledger is not None else RolloutLedger()
+        self.max_staleness = max_staleness
         self.staleness_counts: Counter[int] = Counter()
 
     def get(self, block: bool = True, timeout: float | None = None):
         sample = self.source.get(block, timeout)
         staleness = self.model_version_fn() - sample.model_version
         self.staleness_counts[staleness] += 1
+        self.ledger.record_read(sample.group_id, dropped=staleness > self.max_staleness)
         self.metrics[f"sample/staleness_{staleness_bin(staleness)}_total"].append(1.0)
         changes = {"metrics": {**sample.metrics, MODEL_VERSION_KEY: sample.model_version}}
         if self.reward_baseline is not None:
@@ -113,11 +123,14 @@ class TrajectoryVersions:
     data it describes, and the staleness is taken when the sample trains (the dataloader reads a micro-batch ahead,
     so the staleness TRL logs when a sample is read can be one version short of the one it trains at)."""
 
-    def __init__(self, collate):
+    def __init__(self, collate, ledger: RolloutLedger | None = None):
         self.collate = collate
+        self.ledger = ledger
 
     def __call__(self, examples):
         (rows,) = examples  # one micro-batch: a row per process (TRL's planner)
+        if self.ledger is not None:
+            self.ledger.record_collated([sample["group_id"] for row in rows for sample in row.samples])
         versions = [[int(sample["metrics"].pop(MODEL_VERSION_KEY, -1)) for sample in row.samples] for row in rows]
         batch = self.collate(examples)
         width = max((len(row) for row in versions), default=0)
@@ -174,10 +187,12 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._loss_spec = args.policy_loss_spec
         self._sampler_processing = self._mu_processing(args, kwargs.get("rollout_worker"))
+        self.rollout_ledger = RolloutLedger()
         if self.accelerator.is_main_process:
             self.rollout_queue = ConsumedSamples(
                 self.rollout_queue, lambda: self.model_version, self._metrics["train"],
-                reward_baseline=args.topr_baseline if args.topr_signal == "reward" else None)
+                reward_baseline=args.topr_baseline if args.topr_signal == "reward" else None,
+                ledger=self.rollout_ledger, max_staleness=args.max_staleness)
 
     @property
     def staleness_counts(self) -> Counter[int]:
@@ -191,8 +206,45 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
         loader = super().get_train_dataloader()
         if self.accelerator.is_main_process:
             built = getattr(loader, "base_dataloader", loader)  # accelerate's adapter holds the DataLoader TRL built
-            built.collate_fn = TrajectoryVersions(built.collate_fn)
+            built.collate_fn = TrajectoryVersions(built.collate_fn, self.rollout_ledger)
         return loader
+
+    # ------------------------------------------------------------------ checkpoints and resume
+    def _rollout_start(self) -> int | None:
+        """The prompt this run's group 0 is (TRL's worker: its `dataset_start_index`; a worker with `resume_at`: its
+        start), or None for a worker that cannot be repositioned."""
+        if hasattr(self.rollout_worker, "resume_at"):
+            return self.rollout_worker.start_prompt
+        loop_kwargs = getattr(self.rollout_worker, "_loop_kwargs", None)
+        return loop_kwargs.get("dataset_start_index", 0) if isinstance(loop_kwargs, dict) else None
+
+    def _save_checkpoint(self, model, trial):
+        """TRL's checkpoint, with `rollout_state.json` written from what the optimizer steps trained
+        (`topr_trl.asynchronous.resume`): TRL's position counts the micro-batch read ahead as trained."""
+        super()._save_checkpoint(model, trial)
+        start = self._rollout_start() if self.accelerator.is_main_process else None
+        if start is None:
+            return
+        checkpoint = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        samples_per_group = getattr(self.rollout_worker, "num_generations", None) or self.args.num_generations
+        position = self.rollout_ledger.resume_position(samples_per_group)
+        write_rollout_state(checkpoint, start + position.group, self.model_version, position,
+                            queued=self.rollout_queue.qsize())
+
+    def _inner_training_loop(self, *args, **kwargs):
+        """TRL's loop; a fresh ledger for each `train()`, and on resume from a checkpoint with a rollout state, a
+        worker with `resume_at` repositioned (TRL repositions its own) and one line saying what the stop cost."""
+        self.rollout_ledger.reset()
+        checkpoint = kwargs.get("resume_from_checkpoint")
+        state = read_rollout_state(checkpoint) if checkpoint is not None else None
+        if state is not None and self.accelerator.is_main_process:
+            if hasattr(self.rollout_worker, "resume_at"):
+                self.rollout_worker.resume_at(state["prompt_index"], state.get("model_version", 0))
+                self.model_version = state.get("model_version", 0)
+                self.rollout_worker.update_model_version(self.model_version)
+                self._groups_before_resume = state["prompt_index"]
+            logger.warning(describe_resume(checkpoint, state))
+        return super()._inner_training_loop(*args, **kwargs)
 
     def _mu_processing(self, args, rollout_worker) -> SamplerProcessing | None:
         """How the rollout worker turns logits into its sampling distribution, when it differs from TRL's scoring
@@ -225,6 +277,8 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
         """TOPR's loss on one packed micro-batch of this rank, scaled as TRL scales its own: DDP averages the
         gradients of the ranks and the micro-batches of a step are summed, so the rank's share is divided by the
         micro-batch's completions (or tokens) per rank and by the accumulation steps."""
+        if self.accelerator.is_main_process:
+            self.rollout_ledger.record_trained_micro_batch()
         log_probs, entropy, selected, aux_loss = self._scored_packed_forward(model, inputs)
         behaviour_logps = inputs["old_log_probs"][selected]
         token_signal = inputs["advantages"][selected]
