@@ -706,3 +706,22 @@ def test_the_worker_resumed_at_a_prompt_samples_the_rows_the_whole_run_would_hav
     resumed.resume_at(13, model_version=0)
     assert [resumed._next_row() for _ in range(5)] == list(enumerate(order[13:18]))
     assert sorted(order[:16]) == list(range(16))  # a pass takes every row once
+
+
+def test_the_resume_position_passes_dropped_groups_and_stops_at_a_split_one():
+    """The ledger by hand: group 1 dropped by the staleness cap does not pin the position (TRL issue #7274); group 4
+    trained in half stops it there, its 2 trained samples trained again; a micro-batch collated and not trained
+    (read ahead) counts as left behind, as do the samples read and not collated."""
+    from topr_trl.asynchronous.resume import ResumePosition, RolloutLedger
+
+    ledger = RolloutLedger()
+    for group in range(6):
+        for _ in range(4):
+            ledger.record_read(group, dropped=group == 1)
+    for batch in ([0, 0, 0, 0, 2, 2, 2, 2], [3, 3, 3, 3, 4, 4], [4, 4, 5, 5]):
+        ledger.record_collated(batch)
+    ledger.record_trained_micro_batch()
+    ledger.record_trained_micro_batch()
+    assert ledger.resume_position(4) == ResumePosition(group=4, left_behind=24 - 14 - 4, trained_again=2)
+    ledger.record_trained_micro_batch()
+    assert ledger.resume_position(4) == ResumePosition(group=5, left_behind=2, trained_again=2)
