@@ -94,7 +94,6 @@ def baseline_for(p: float, target: float) -> float:
     return -1.0 if target >= 1.0 else baseline_for_effective_proportion(p, target)
 
 
-TASKS = ("reasoning", "arithmetic")
 # the reasoning testbed's splits a script may measure on (topr_trl.tasks.reasoning.SPLITS): choices are made on
 # "validation", results are reported on "heldout"
 EVAL_SPLITS = ("heldout", "validation")
@@ -164,9 +163,7 @@ def prepare(options) -> tuple[Path, Testbed]:
     """(work dir, testbed) of a script's run. The reasoning testbed's warm model is built once under
     WORK_DIR/cache (shared with scripts/sample_efficiency.py when both use the same work dir)."""
     work = Path(options.work_dir)
-    if options.task == "arithmetic":
-        return work, arithmetic_testbed(work, options)
-    return work, reasoning_testbed(work, options)[0]
+    return work, TESTBEDS[options.task](work, options)
 
 
 def arithmetic_testbed(work: Path, options) -> Testbed:
@@ -537,3 +534,8 @@ def run_trainer(trainer_class, config, base_path, reward, dataset, tracker: Trac
     trainer_ref.append(trainer)
     trainer.train()
     return trainer.state.global_step
+
+
+# Each --task's testbed, the package's built-in tasks: (work dir, options) -> Testbed.
+TESTBEDS = {"reasoning": lambda work, options: reasoning_testbed(work, options)[0], "arithmetic": arithmetic_testbed}
+TASKS = tuple(TESTBEDS)

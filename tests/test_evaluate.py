@@ -230,3 +230,41 @@ def test_command_line_evaluates_the_reasoning_task_on_its_held_out_split(tiny_mo
     assert results["settings"]["max_new_tokens"] == max_completion_tokens(3)
     problems = [parse_problem(record["prompt"]) for record in results["records"]]
     assert len(problems) == 3 and all(split_of(a, b) == "heldout" and a >= 100 for a, b in problems)
+
+
+def test_a_registered_task_reaches_evaluate_and_the_training_commands(tiny_model_path, tmp_path, monkeypatch):
+    """One `register_task` is the whole of a new task: `evaluate --task` loads its problems and scores them with its
+    checker and budget, the training commands' `--task` choice accepts it and loads its prompts and rewards, and a
+    name not registered is refused by both in one line listing the registered ones."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    from topr_trl.tasks import registry
+    from topr_trl.tasks.loading import load_task, resolve_task
+
+    problems = Dataset.from_dict({"prompt": ["1+1=", "2+2=", "3+3="], "answer": ["2", "4", "6"]})
+    checked = []
+
+    def classify(text, reference):
+        checked.append(reference)
+        return CORRECT
+
+    classify.extract = lambda text: text
+    monkeypatch.setitem(registry.TASKS, "doubles", registry.Task(
+        "doubles", trains=True, evaluation_data=lambda options: problems, max_new_tokens=lambda digits: 3,
+        training_data=lambda options, eval_split: registry.TrainingData(train=problems),
+        reward_funcs=("arithmetic",), classifier=lambda: classify))
+    summary = main(["--model", tiny_model_path, "--task", "doubles", "--k", "1", "--no_plot", "--no_progress",
+                    "--output_dir", str(tmp_path / "eval")])
+    document = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert summary["num_prompts"] == 3 and sorted(checked) == ["2", "4", "6"]
+    assert document["settings"]["max_new_tokens"] == 3 and document["settings"]["task"] == "doubles"
+    options = SimpleNamespace(task="doubles", dataset_name=None, reward_funcs=None, dry_run=False)
+    assert resolve_task(options, tiny_model_path) == "doubles"
+    _, task, train, held_out, _, rewards = load_task(options, tiny_model_path, seed=0)
+    assert (task, train, held_out, len(rewards)) == ("doubles", problems, None, 1)
+    for refuse in (lambda: main(["--model", tiny_model_path, "--task", "triples"]),
+                   lambda: resolve_task(SimpleNamespace(**{**vars(options), "task": "triples"}), tiny_model_path)):
+        with pytest.raises((SystemExit, ValueError), match=r"'triples' is not supported; choose one of .*doubles"):
+            refuse()

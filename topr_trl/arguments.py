@@ -17,7 +17,7 @@ from pathlib import Path
 
 from trl import ScriptArguments, TrlParser
 
-from .tasks.loading import BUILTIN_TASK, BUILTIN_TASKS
+from .tasks.registry import BUILTIN_TASK, TASKS, builtin_task_names
 
 
 COMMANDS = ("train", "generate", "iterate", "evaluate", "vllm-serve")
@@ -415,7 +415,7 @@ def chosen_run(argv: list[str]) -> _RunChoice:
 
 def is_builtin_run(choice: _RunChoice) -> bool:
     """No model, no prompt dataset and no other task: the built-in tiny model on the built-in task."""
-    return not choice.model_name_or_path and not choice.dataset_name and choice.task in (None, *BUILTIN_TASKS)
+    return not choice.model_name_or_path and not choice.dataset_name and choice.task in (None, *builtin_task_names())
 
 
 def recipe(name: str) -> dict:
@@ -429,14 +429,14 @@ def run_defaults(command: str, choice: _RunChoice) -> dict:
     """The parser defaults of a run, below the YAML and the flags: the built-in recipe for a built-in run, TRL's own
     (fitted to the hardware) otherwise; the command line's checks; an output folder of its own."""
     from .distributed import gpu_available
-    from .tasks.reasoning import max_completion_tokens
 
     if is_builtin_run(choice):
         defaults = recipe(f"builtin-{command}")
-        if choice.task == "reasoning":
-            reasoning = recipe("builtin-reasoning")
-            reasoning["max_completion_length"] = max_completion_tokens(choice.task_digits or reasoning["task_digits"])
-            defaults.update(reasoning)
+        task = TASKS[choice.task or BUILTIN_TASK]
+        if task.recipe:  # the task's own settings on top of the command's
+            settings = recipe(task.recipe)
+            settings["max_completion_length"] = task.max_new_tokens(choice.task_digits or settings["task_digits"])
+            defaults.update(settings)
             if command == "iterate":
                 defaults["max_steps"] = -1  # one pass over each iteration's data
     elif command != "generate" and not gpu_available():

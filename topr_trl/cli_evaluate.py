@@ -15,68 +15,26 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .evaluation.runner import evaluate_model, gsm8k_classify, json_safe, math_classify, save_results
+from .evaluation.runner import evaluate_model, json_safe, save_results
 from .sampling import BACKENDS
-from .tasks.arithmetic import arithmetic_classify
-from .tasks.reasoning import reasoning_classify
+from .tasks.registry import BUILTIN_TASK, CUSTOM_TASK, ROW_COLUMN, TASKS
 
 
-TASKS = ("arithmetic", "gsm8k", "math500", "math", "reasoning", "custom")
-_TASK_MAX_NEW_TOKENS = {"arithmetic": 8, "gsm8k": 512, "math500": 1024, "math": 1024, "custom": 256}
-ROW_COLUMN = "__row__"  # a custom dataset's "reference": the row the reward functions read their columns from
-CLASSIFIERS = {"arithmetic": arithmetic_classify, "gsm8k": gsm8k_classify, "math": math_classify,
-               "math500": math_classify, "reasoning": reasoning_classify}
+CLASSIFIERS = {name: task.classifier() for name, task in TASKS.items() if task.classifier is not None}
 """Each task's answer checker (a custom task's is built from its reward functions)."""
-
-
-def _default_max_new_tokens(options) -> int:
-    if options.task == "reasoning":  # a written solution of its digits, plus room to go wrong
-        from .tasks.reasoning import max_completion_tokens
-
-        return max_completion_tokens(options.task_digits or 3)
-    return _TASK_MAX_NEW_TOKENS[options.task]
-
-
-def _task_dataset(options):
-    from .evaluation import benchmarks as loaders
-
-    split = options.dataset_test_split or "test"
-    source = {"source": options.dataset_name} if options.dataset_name else {}
-    common = dict(chat=not options.plain_prompts, few_shot=options.few_shot, system_prompt=options.system_prompt)
-    if options.task == "arithmetic":
-        from .tasks.arithmetic import make_arithmetic_dataset
-
-        return make_arithmetic_dataset(options.task_eval_prompts, options.task_digits or 2, seed=2)
-    if options.task == "reasoning":  # held-out problems: disjoint from its train and warm-start splits
-        from .tasks.reasoning import make_reasoning_dataset
-
-        return make_reasoning_dataset(options.task_eval_prompts, options.task_digits or 3, split="heldout")
-    if options.task == "custom":  # the user's prompts, scored by the user's reward functions
-        from .sources import load_data_source
-
-        dataset = load_data_source(options.dataset_name, split, config=options.dataset_config)
-        if "prompt" not in dataset.column_names:
-            raise ValueError(f"dataset {options.dataset_name!r} has no `prompt` column (it has "
-                             f"{dataset.column_names}); rename the column that holds the prompts to `prompt`")
-        return dataset.add_column(ROW_COLUMN, list(range(len(dataset))))
-    if options.task == "gsm8k":
-        return loaders.load_gsm8k(split=split, **source, **common)
-    if options.task == "math500":
-        return loaders.load_math500(split=split, **source, **common)
-    return loaders.load_math(split=split, config=options.dataset_config, **source, **common)
 
 
 def _resolve_task(options) -> str:
     """The task: as given, or `custom` for a dataset with reward functions; one line refuses what cannot be meant."""
-    task = options.task or ("custom" if options.dataset_name or options.reward_funcs else "arithmetic")
-    if task == "custom" and not (options.dataset_name and options.reward_funcs):
+    task = options.task or (CUSTOM_TASK if options.dataset_name or options.reward_funcs else BUILTIN_TASK)
+    if task == CUSTOM_TASK and not (options.dataset_name and options.reward_funcs):
         raise SystemExit("topr-trl: evaluating your own prompts needs --dataset_name (a file or Hub id with a `prompt` "
                          "column) and --reward_funcs (module:function, scoring each completion: > 0 counts as "
                          "correct); or give --task gsm8k|math|math500 to use that benchmark's answer checker")
-    if task in ("arithmetic", "reasoning") and options.dataset_name:
+    if TASKS[task].builtin and options.dataset_name:
         raise SystemExit(f"topr-trl: --task {task} makes its own held-out problems: drop --dataset_name, or evaluate "
                          "your prompts with --reward_funcs (and no --task)")
-    if task != "custom" and options.reward_funcs:
+    if task != CUSTOM_TASK and options.reward_funcs:
         raise SystemExit(f"topr-trl: --task {task} scores with its own answer checker: drop --reward_funcs, or "
                          "evaluate your prompts with --dataset_name and no --task")
     return task
@@ -96,7 +54,7 @@ def run(options) -> dict[str, Any]:
 
     try:
         if options.task is not None:
-            check_choice("task", options.task, TASKS)
+            check_choice("task", options.task, tuple(TASKS))
         check_choice("backend", options.backend, BACKENDS)
     except ValueError as error:  # one line, also when called as topr_trl.cli_evaluate.main
         raise SystemExit(f"topr-trl: {error}") from None
@@ -107,14 +65,15 @@ def run(options) -> dict[str, Any]:
 
     check_model_source(options.model_name_or_path)
     check_data_source(options.dataset_name, "--dataset_name")
-    dataset = _task_dataset(options)
+    task = TASKS[options.task]
+    dataset = task.evaluation_data(options)
     if options.limit is not None:
         dataset = dataset.select(range(min(options.limit, len(dataset))))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(options.tokenizer or options.model_name_or_path)
-    classify, answer_column = CLASSIFIERS.get(options.task), "answer"
-    if options.task == "custom":
+    classify, answer_column = task.classifier() if task.classifier is not None else None, "answer"
+    if options.task == CUSTOM_TASK:
         from .tasks.user_rewards import reporting_reward, resolve_reward, reward_classifier
 
         functions = [reporting_reward(resolve_reward(name)) for name in options.reward_funcs]
@@ -122,21 +81,21 @@ def run(options) -> dict[str, Any]:
     result = evaluate_model(
         options.model_name_or_path, tokenizer, dataset, classify, k=options.k, answer_column=answer_column,
         num_samples=options.num_samples, temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
-        max_new_tokens=options.max_completion_length or _default_max_new_tokens(options), batch_size=options.batch_size,
-        seed=options.seed, show_progress=not options.no_progress, num_bootstrap=options.num_bootstrap,
-        backend=options.backend, stop_strings=options.stop,
+        max_new_tokens=options.max_completion_length or task.max_new_tokens(options.task_digits),
+        batch_size=options.batch_size, seed=options.seed, show_progress=not options.no_progress,
+        num_bootstrap=options.num_bootstrap, backend=options.backend, stop_strings=options.stop,
     )
     from .machine import describe_machine, machine_info
 
     result.settings.update(task=options.task, machine=machine_info())
-    if options.task == "custom":
+    if options.task == CUSTOM_TASK:
         result.settings.update(dataset=options.dataset_name, reward_funcs=options.reward_funcs)
     output_dir = Path(options.output_dir or f"outputs/eval-{options.task}")
     paths = save_results(result, output_dir, plot=not options.no_plot)
     summary = json_safe(result.summary())
     print(json.dumps(summary, indent=2), flush=True)
     how = "greedy" if options.temperature == 0 else f"sampled at temperature {options.temperature:g}"
-    correct = "reward > 0" if options.task == "custom" else "correct answer"
+    correct = "reward > 0" if options.task == CUSTOM_TASK else "correct answer"
     print(f"[topr-trl] pass@1 {result.pass_at_1:.3f} ({how}, {result.num_samples} samples per problem, "
           f"{correct}) on {result.num_prompts} problems; maj@{result.k} {result.maj_at_k:.3f}; on "
           f"{describe_machine(result.settings['machine'])}", flush=True)

@@ -14,37 +14,30 @@ import time
 
 from ..machine import describe_machine
 from ..sources import check_data_source, check_local_data, check_model_source, load_data_source
+from .registry import BUILTIN_TASK, CUSTOM_TASK, TASKS, builtin_task_names, training_task_names
 from .user_rewards import reporting_reward, resolve_reward
-
-
-TASKS = ("arithmetic", "reasoning", "gsm8k", "math500", "custom")
-BUILTIN_TASK = "arithmetic"  # what a command runs with no model, no dataset and no task
-BUILTIN_TASKS = ("arithmetic", "reasoning")  # the tasks the built-in tiny model is built for
-_TASK_REWARDS = {"arithmetic": ["arithmetic"], "reasoning": ["reasoning"],
-                 "gsm8k": ["topr_trl.evaluation.rewards:gsm8k_reward"],
-                 "math500": ["topr_trl.evaluation.rewards:math_reward"]}
 
 
 def resolve_task(options, model_name_or_path: str | None, offline: bool = False) -> str:
     """The task of the run, or a one-line exit saying what is missing."""
     from ..config import check_choice
 
-    task = options.task or ("custom" if options.dataset_name or (offline and model_name_or_path) else BUILTIN_TASK)
-    check_choice("task", task, TASKS)
-    if model_name_or_path is None and task not in BUILTIN_TASKS:
+    task = options.task or (CUSTOM_TASK if options.dataset_name or (offline and model_name_or_path) else BUILTIN_TASK)
+    check_choice("task", task, training_task_names())
+    if model_name_or_path is None and not TASKS[task].builtin:
         what = f"--dataset_name {options.dataset_name}" if options.dataset_name else f"--task {task}"
+        known = " and ".join(builtin_task_names())
         raise SystemExit(f"topr-trl: {what} selects a custom run, which needs --model_name_or_path (a Hub id or a "
-                         "local model folder); the built-in tiny model knows only the arithmetic and reasoning "
-                         "tasks")
-    if task == "custom" and not options.dataset_name and not offline:
+                         f"local model folder); the built-in tiny model knows only the {known} tasks")
+    if task == CUSTOM_TASK and not options.dataset_name and not offline:
         raise SystemExit("topr-trl: a custom run needs --dataset_name (a Hub id or a local file with a `prompt` "
                          "column) or --offline_dataset")
     if model_name_or_path is not None and options.task is None and not options.dataset_name and not offline:
         raise SystemExit(f"topr-trl: --model_name_or_path {model_name_or_path} needs something to train on: "
-                         "--dataset_name FILE_OR_HUB_ID with --reward_funcs, --task gsm8k|math500|arithmetic|"
-                         "reasoning, or "
+                         "--dataset_name FILE_OR_HUB_ID with --reward_funcs, --task "
+                         f"{'|'.join(name for name in training_task_names() if name != CUSTOM_TASK)}, or "
                          "--offline_dataset")
-    if task == "custom" and not options.reward_funcs and not offline:
+    if task == CUSTOM_TASK and not options.reward_funcs and not offline:
         raise SystemExit("topr-trl: a custom dataset needs --reward_funcs (e.g. my_rewards:correctness, a function "
                          "taking completions and the dataset's columns and returning one float per completion)")
     return task
@@ -67,48 +60,21 @@ def load_task(options, model_name_or_path: str | None, seed: int, offline: bool 
     """(model, task, training prompts, held-out set of the built-in task or None, evaluation dataset for the trainer
     or None, reward functions) of the run. Without a model, builds the built-in tiny one (on the main process first
     under `accelerate launch`); with `dry_run`, validates and loads nothing."""
-    from .arithmetic import make_arithmetic_dataset
-
     task = resolve_task(options, model_name_or_path, offline)
     check_model_source(model_name_or_path, dry_run=options.dry_run)  # before anything heavy, dry runs included
     check_data_source(options.dataset_name, "--dataset_name")
-    reward_names = options.reward_funcs or _TASK_REWARDS.get(task, [])
+    reward_names = options.reward_funcs or list(TASKS[task].reward_funcs)
     # a user's function that raises stops the command in one line naming it (the Python API lets it raise as is)
     reward_funcs = [reporting_reward(resolve_reward(name)) for name in reward_names]
     if options.dry_run:
-        if task == "custom" and options.dataset_name:  # an empty or unreadable file fails here, not steps in
+        if task == CUSTOM_TASK and options.dataset_name:  # an empty or unreadable file fails here, not steps in
             for split in (options.dataset_train_split, *([options.dataset_test_split] if eval_split else [])):
                 check_local_data(options.dataset_name, split, config=options.dataset_config)
         return model_name_or_path, task, None, None, None, reward_funcs
     if model_name_or_path is None:
         model_name_or_path = builtin_model(task, options, seed)
-    held_out = eval_dataset = train_dataset = None
-    if task == "arithmetic":
-        train_dataset = make_arithmetic_dataset(options.task_train_prompts, options.task_digits, seed=1)
-        held_out = make_arithmetic_dataset(options.task_eval_prompts, options.task_digits, seed=2)
-    elif task == "reasoning":
-        from .reasoning import make_reasoning_dataset
-
-        # train and held-out problems come from splits that are disjoint by construction
-        train_dataset = make_reasoning_dataset(options.task_train_prompts, options.task_digits, "train", seed=1)
-        held_out = make_reasoning_dataset(options.task_eval_prompts, options.task_digits, "heldout", seed=0)
-    elif task == "gsm8k":
-        from ..evaluation.benchmarks import load_gsm8k
-
-        source = options.dataset_name or "openai/gsm8k"
-        train_dataset = load_gsm8k(options.dataset_train_split, source=source, few_shot=options.few_shot)
-        if eval_split:
-            eval_dataset = load_gsm8k(options.dataset_test_split, source=source, few_shot=options.few_shot)
-    elif task == "math500":
-        from ..evaluation.benchmarks import load_math500
-
-        train_dataset = load_math500(source=options.dataset_name or "HuggingFaceH4/MATH-500",
-                                     few_shot=options.few_shot)
-    elif options.dataset_name:
-        train_dataset = load_prompts(options, options.dataset_train_split)
-        if eval_split:
-            eval_dataset = load_prompts(options, options.dataset_test_split)
-    return model_name_or_path, task, train_dataset, held_out, eval_dataset, reward_funcs
+    data = TASKS[task].training_data(options, eval_split)
+    return model_name_or_path, task, data.train, data.held_out, data.evaluation, reward_funcs
 
 
 def builtin_model(task: str, options, seed: int) -> str:
@@ -118,20 +84,9 @@ def builtin_model(task: str, options, seed: int) -> str:
     from accelerate import PartialState
 
     from ..distributed import outside_zero3_construction, say
-    from .arithmetic import build_warm_model, warm_model_folder, warm_model_key
-    from .reasoning import WarmStartSettings, build_reasoning_warm_model, warm_model_path
-    from .tiny import prebuilt_model
 
-    if task == "reasoning":
-        settings = WarmStartSettings(digits=options.task_digits, error_rate=options.task_error_rate, seed=seed)
-        folder = warm_model_path(options.base_model_dir, settings)
-        shipped = prebuilt_model(settings.key()) is not None
-        what = (f"SFT on written solutions that drop each carry with probability {options.task_error_rate:g}, "
-                f"{settings.steps} steps (1-3 min on an idle 2-core CPU)")
-    else:
-        folder = warm_model_folder(options.base_model_dir, options.task_digits, options.warm_start_accuracy, seed)
-        shipped = prebuilt_model(warm_model_key(options.task_digits, options.warm_start_accuracy, seed)) is not None
-        what = f"SFT warm start until {options.warm_start_accuracy:.0%} greedy accuracy (at most 3,000 steps)"
+    tiny = TASKS[task].tiny_model(options, seed)
+    folder, shipped, what = tiny.folder, tiny.shipped, tiny.what
     state = PartialState()
     with state.main_process_first():
         if state.is_main_process:
@@ -147,11 +102,7 @@ def builtin_model(task: str, options, seed: int) -> str:
                 say(f"  warm start step {step}/{steps}, loss {loss:.3f}, {time.time() - started:.0f} s")
 
             with outside_zero3_construction():
-                if task == "reasoning":
-                    build_reasoning_warm_model(options.base_model_dir, settings, progress=progress)
-                else:
-                    build_warm_model(folder, digits=options.task_digits,
-                                     target_accuracy=options.warm_start_accuracy, seed=seed, progress=progress)
+                tiny.build(progress)
             if fresh and not shipped:
                 say(f"built-in tiny model ready in {time.time() - started:.0f} s")
     return str(folder)
@@ -163,17 +114,11 @@ def task_evaluator(task: str, held_out, reward_funcs=None, **sampling):
     hides the planted error) with greedy accuracy beside it; for a custom task (the user's prompts of a test split),
     the mean reward of `reward_funcs` on sampled completions (`topr_trl.offline.iterations.reward_evaluator`, given
     `sampling`: temperature, top_p, top_k, max_new_tokens, seed, chat_template_kwargs, num_samples)."""
-    if task == "custom":
+    if task == CUSTOM_TASK:
         from ..offline.iterations import reward_evaluator
 
         return reward_evaluator(held_out, reward_funcs, **sampling)
-    if task == "reasoning":
-        from .reasoning import measure_base_model
-
-        return lambda model, tokenizer: measure_base_model(model, tokenizer, held_out)
-    from .arithmetic import accuracy
-
-    return lambda model, tokenizer: accuracy(model, tokenizer, held_out)
+    return TASKS[task].held_out_evaluator(held_out)
 
 
 def held_out_accuracy(trainer, held_out, task: str) -> dict:
