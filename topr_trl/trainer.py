@@ -332,7 +332,8 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
             output["sampling_per_token_logps"] = self._behaviour_logps(output)
         if "topr_signal" in inputs[0]:
             output["topr_signal"] = torch.tensor([row.pop("topr_signal") for row in inputs], device=device)
-        if any(row.pop("topr_unscored", False) for row in inputs):
+        unscored = [row.pop("topr_unscored", False) for row in inputs]  # from every row: none goes on to TRL
+        if any(unscored):
             output["topr_unscored"] = torch.ones(len(inputs), dtype=torch.bool, device=device)
         return output
 
