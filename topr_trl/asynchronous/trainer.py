@@ -40,7 +40,7 @@ from ..sampler_support import (
     fused_head_parts,
     on_mus_support,
 )
-from ..trainer import PolicyMetricsLogging, TOPRTrainer, trained_method
+from ..trainer_shared import TOPR_PAPER, PolicyMetricsLogging, trained_method
 from .config import AsyncTOPRConfig
 from .cpu import CPUSupport
 from .resume import RolloutLedger, describe_resume, read_rollout_state, write_rollout_state
@@ -168,7 +168,7 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
 
     _tag_names = ["trl", "async-grpo", "topr"]
     _name = "AsyncTOPR"
-    _paper = TOPRTrainer._paper
+    _paper = TOPR_PAPER
 
     def __init__(self, model: str, reward_funcs=None, args: AsyncTOPRConfig | None = None, *pargs, **kwargs):
         if args is None:

@@ -1,0 +1,89 @@
+"""What both trainers share, below them: `TOPRTrainer` (`topr_trl.trainer`) and the asynchronous trainer
+(`topr_trl.asynchronous`) log TOPR's metrics and check the loss the same way (`PolicyMetricsLogging`), and their
+model cards name the method that trained the model the same way (`trained_method`, TOPR's own identity in
+`TOPR_NAME`, `TOPR_PAPER`, `TOPR_TAG_NAMES`)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import torch
+from transformers.utils import logging
+from trl import GRPOTrainer
+
+from .config import topr_setting
+from .loss import POLICY_LOSSES, branch_losses
+from .policy_metrics import branch_ratios, metric_sums, policy_metrics, ratio_minima, ratio_quantiles
+
+
+logger = logging.get_logger(__name__)
+
+TOPR_NAME = "TOPR"
+TOPR_TAG_NAMES = ["trl", "grpo", "topr"]
+TOPR_PAPER = {
+    "title": "Tapered Off-Policy REINFORCE: Stable and efficient reinforcement learning for LLMs",
+    "id": "2503.14286",
+    "citation": textwrap.dedent("""\
+        @article{leroux2025tapered,
+            title        = {{Tapered Off-Policy REINFORCE: Stable and efficient reinforcement learning for LLMs}},
+            author       = {Nicolas Le Roux and Marc G. Bellemare and Jonathan Lebensold and Arnaud Bergeron and
+                            Joshua Greaves and Alex Fr{\\'e}chette and Carolyne Pelletier and Eric Thibodeau-Laufer
+                            and S{\\'a}ndor Toth and Sam Work},
+            year         = 2025,
+            eprint       = {arXiv:2503.14286},
+        }"""),
+}
+
+
+class PolicyMetricsLogging:
+    """TOPR's metrics and the non-finite-loss check, shared by `TOPRTrainer` and the asynchronous trainer
+    (`topr_trl.asynchronous`): both have `accelerator`, `args.topr_signal`, `_loss_spec`, `_metrics` and `state`."""
+
+    def _log_policy_metrics(self, mode, terms, signal, mask, entropies, policy_per_token, aggregation, loss):
+        """TOPR's metrics (`topr_trl.policy_metrics`), reduced over processes with two collectives, so every rank logs
+        every key; returns what `_on_nonfinite_loss` needs (the number of processes whose loss is not finite, and the
+        ratio ranges), which every rank agrees on."""
+        sums = metric_sums(terms, signal, mask, entropies, loss, self._loss_spec.negative_weight)
+        reduced = self.accelerator.reduce(torch.stack(list(sums.values())), reduction="sum").tolist()
+        totals = dict(zip(sums, reduced, strict=True))
+        branch_kwargs = {("aggregation" if key == "mode" else key): value for key, value in aggregation.items()}
+        per_rank = torch.cat([ratio_minima(terms, signal, mask),
+                              torch.stack(branch_losses(policy_per_token, terms.is_positive, mask, **branch_kwargs))
+                              .float()])
+        gathered = self.accelerator.gather(per_rank.unsqueeze(0))
+        values = policy_metrics(totals, gathered[:, :4].amin(dim=0).tolist(), gathered[:, 4:].mean(dim=0).tolist(),
+                                reward_signal=self.args.topr_signal == "reward")
+        ratios = branch_ratios(terms, signal, mask)
+        if self.accelerator.num_processes > 1:  # every process's ratios, NaN-padded to one length
+            ratios = self.accelerator.pad_across_processes(ratios, dim=1, pad_index=float("nan"))
+            ratios = self.accelerator.gather(ratios.unsqueeze(0)).transpose(0, 1).flatten(1)
+        values.update(ratio_quantiles(ratios))
+        for name, value in values.items():
+            self._metrics[mode][name].append(value)
+        ratio_ranges = (f"positives [{values['topr/ratio_positive/min']}, {values['topr/ratio_positive/max']}], "
+                        f"negatives [{values['topr/ratio_negative/min']}, {values['topr/ratio_negative/max']}]")
+        return int(totals["nonfinite_loss"]), ratio_ranges
+
+    def _on_nonfinite_loss(self, processes: int, ratio_ranges: str) -> None:
+        """GRPOTrainer trains on a non-finite loss (logged as NaN); TOPRTrainer does too unless topr_check_finite,
+        warning once (the ratio ranges of every step are logged as topr/ratio_*)."""
+        if topr_setting(self.args, "topr_check_finite"):
+            raise FloatingPointError(
+                f"TOPR loss is not finite on {processes} process(es) at step {self.state.global_step}. Ratio ranges: "
+                f"{ratio_ranges}. Check the reward functions and, in bf16/fp16, the model's logits; rerun with "
+                "bf16=False to rule out overflow.")
+        logger.warning_once(
+            "TOPR loss is not finite on some steps (logged as NaN; the ratio ranges are logged as topr/ratio_*). "
+            "Check the reward functions and, in bf16/fp16, the model's logits. Training goes on, as in GRPOTrainer "
+            "(topr_check_finite=True stops at the first such step); this is said once.")
+
+
+def trained_method(loss_type: str) -> tuple[str, dict, list[str]]:
+    """What the model card and the model's tags say trained the model: TOPR (and its paper) only for
+    loss_type='topr'; another loss of the registry by its name, with no paper claimed; TRL's loss types as GRPO, which
+    is what computed them."""
+    if loss_type == "topr":
+        return TOPR_NAME, TOPR_PAPER, TOPR_TAG_NAMES
+    if loss_type in POLICY_LOSSES:
+        return f"the `{loss_type}` policy loss of topr-trl's TOPRTrainer", {}, ["trl", "grpo", "topr-trl", loss_type]
+    return GRPOTrainer._name, GRPOTrainer._paper, GRPOTrainer._tag_names
