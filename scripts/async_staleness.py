@@ -14,6 +14,8 @@ after it is read: TRL's dataloader reads one micro-batch ahead). Methods:
     async_topr_token_mean  the control: AsyncTOPRTrainer with TRL's aggregation (the sum over the micro-batch's
                       tokens divided by their number) instead of the paper's mean over completions of the mean over
                       each completion's tokens: what is TOPR's loss and what is the aggregation
+    async_tis         Figure 1's controls (issue 36 item 2): AsyncTOPRTrainer with loss_type="tis" (the ratio capped
+    async_sft_positives  at 1 on both branches) and loss_type="sft" (positives only), keeping every sample
 
 (TRL's trainer runs on a CPU through `topr_trl.asynchronous.cpu.cpu_capable`; nothing else of it is changed.) With
 K > 4 the dropping trainer gets no sample it accepts once K versions exist: the lockstep worker then waits for a
@@ -74,6 +76,18 @@ METHODS = {
     "async_grpo_drop": "AsyncGRPOTrainer as shipped (PPO-clip, drops samples > 4 versions old)",
     "async_grpo_keep": "AsyncGRPOTrainer, max_staleness=10**9 (PPO-clip, keeps every sample)",
     "async_topr_token_mean": "AsyncTOPRTrainer, loss over the micro-batch's tokens (TRL's aggregation)",
+    "async_tis": "AsyncTOPRTrainer, loss_type='tis' (truncated IS, keeps every sample)",
+    "async_sft_positives": "AsyncTOPRTrainer, loss_type='sft' (positives only, keeps every sample)",
+}
+# What each method trains with: its package's asynchronous trainer and config, and the fields it sets on top of the
+# shared ones ("topr_trl": AsyncTOPRTrainer; "trl": TRL's AsyncGRPOTrainer made CPU-capable).
+METHOD_SETTINGS = {
+    "async_topr": ("topr_trl", {}),
+    "async_grpo_drop": ("trl", {"max_staleness": 4}),
+    "async_grpo_keep": ("trl", {"max_staleness": 10**9}),
+    "async_topr_token_mean": ("topr_trl", {"topr_loss_aggregation": "global-token-mean"}),
+    "async_tis": ("topr_trl", {"loss_type": "tis"}),
+    "async_sft_positives": ("topr_trl", {"loss_type": "sft"}),
 }
 SMOKE = dict(seeds=[0], steps=6, batch_size=16, lags=[0, 8], eval_prompts=32, eval_samples=2, checkpoints=2,
              heartbeat=5.0, methods=["async_topr", "async_grpo_drop"])
@@ -117,14 +131,10 @@ def run_one(method, lag, options, seed, base_path, held_out, work: Path) -> dict
                   temperature=1.0, learning_rate=options.learning_rate, max_grad_norm=1.0, max_steps=options.steps,
                   token_budget=0, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
                   seed=seed, disable_tqdm=True, heartbeat_stale_after_s=options.heartbeat)
-    if method == "async_topr":
-        trainer_class, config = AsyncTOPRTrainer, AsyncTOPRConfig(**common)
-    elif method == "async_topr_token_mean":
-        trainer_class = AsyncTOPRTrainer
-        config = AsyncTOPRConfig(topr_loss_aggregation="global-token-mean", **common)
-    else:
-        staleness = 4 if method == "async_grpo_drop" else 10**9
-        trainer_class, config = cpu_capable(AsyncGRPOTrainer), AsyncGRPOConfig(max_staleness=staleness, **common)
+    package, overrides = METHOD_SETTINGS[method]
+    trainer_class, config_class = {"topr_trl": (AsyncTOPRTrainer, AsyncTOPRConfig),
+                                   "trl": (cpu_capable(AsyncGRPOTrainer), AsyncGRPOConfig)}[package]
+    config = config_class(**common, **overrides)
     torch.manual_seed(seed)
     evaluator = AutoModelForCausalLM.from_pretrained(base_path)  # the policy's weights, with generation's attention
     curve, clock = [], {"training": 0.0, "since": time.time()}
