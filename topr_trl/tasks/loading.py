@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from ..machine import describe_machine
-from ..sources import check_data_source, check_local_data, check_model_source, load_data_source
+from ..sources import check_data_source, check_local_data, check_model_source
 from .registry import BUILTIN_TASK, CUSTOM_TASK, TASKS, builtin_task_names, training_task_names
 from .user_rewards import reporting_reward, resolve_reward
 
@@ -41,18 +41,6 @@ def resolve_task(options, model_name_or_path: str | None, offline: bool = False)
         raise SystemExit("topr-trl: a custom dataset needs --reward_funcs (e.g. my_rewards:correctness, a function "
                          "taking completions and the dataset's columns and returning one float per completion)")
     return task
-
-
-def load_prompts(options, split: str):
-    """The custom prompt dataset: Hub id, local data files, or a save_to_disk folder; it must have `prompt`."""
-    try:
-        dataset = load_data_source(options.dataset_name, split, config=options.dataset_config)
-    except FileNotFoundError as error:  # not on the Hub, or the Hub out of reach: the message says what to do
-        raise SystemExit(f"topr-trl: {error}") from error
-    if "prompt" not in dataset.column_names:
-        raise SystemExit(f"topr-trl: dataset {options.dataset_name!r} has no `prompt` column (it has "
-                         f"{dataset.column_names}); rename the column that holds the prompts to `prompt`")
-    return dataset
 
 
 def load_task(options, model_name_or_path: str | None, seed: int, offline: bool = False,

@@ -225,9 +225,21 @@ def _math_classifier():
     return math_classify
 
 
-def _custom_training(options, eval_split: bool) -> TrainingData:
-    from .loading import load_prompts
+def load_prompts(options, split: str):
+    """The custom prompt dataset: Hub id, local data files, or a save_to_disk folder; it must have `prompt`."""
+    from ..sources import load_data_source
 
+    try:
+        dataset = load_data_source(options.dataset_name, split, config=options.dataset_config)
+    except FileNotFoundError as error:  # not on the Hub, or the Hub out of reach: the message says what to do
+        raise SystemExit(f"topr-trl: {error}") from error
+    if "prompt" not in dataset.column_names:
+        raise SystemExit(f"topr-trl: dataset {options.dataset_name!r} has no `prompt` column (it has "
+                         f"{dataset.column_names}); rename the column that holds the prompts to `prompt`")
+    return dataset
+
+
+def _custom_training(options, eval_split: bool) -> TrainingData:
     if not options.dataset_name:  # an offline run: the prompts come with the offline dataset
         return TrainingData()
     return TrainingData(train=load_prompts(options, options.dataset_train_split),
