@@ -42,7 +42,7 @@ STRATEGIES = ("uniform", "positives_only", "anna_karenina")
 def run(options) -> dict:
     import torch
 
-    from topr_trl.offline.iterations import IterationSettings, run_iterations
+    from topr_trl.iterations import IterationSettings, run_iterations
 
     work, testbed = prepare(options)
     results = results_header(options, testbed)

@@ -249,7 +249,7 @@ def run_offline(loss, epochs, options, seed, base_path, held_out, base_point, wo
 def run_iterated(options, seed, base_path, held_out, base_point, work: Path) -> dict:
     import torch
 
-    from topr_trl.offline.iterations import IterationSettings, run_iterations
+    from topr_trl.iterations import IterationSettings, run_iterations
     from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
 
     folder = work / f"topr_iterated-seed{seed}"

@@ -246,7 +246,7 @@ def test_python_api_names_its_arguments_and_sees_weights_changed_in_memory(tiny,
 
 
 def test_iterate_refuses_an_iteration_generated_with_other_settings(tiny_model_path, arithmetic_dataset, tmp_path):
-    from topr_trl.offline.iterations import IterationSettings, run_iterations
+    from topr_trl.iterations import IterationSettings, run_iterations
 
     prompts = arithmetic_dataset.select(range(2))
     generate_offline_dataset(tiny_model_path, AutoTokenizer.from_pretrained(tiny_model_path), prompts, parity_reward,

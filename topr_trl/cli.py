@@ -313,9 +313,9 @@ def iterate(argv: list[str]) -> list[dict]:
     from accelerate import PartialState
 
     from .config import check_choice
+    from .iterations import IterationSettings, run_iterations
     from .offline import COMPOSITIONS
     from .offline.generation import GeneratedWithOtherSettings
-    from .offline.iterations import IterationSettings, run_iterations
     from .sampling import BACKENDS
 
     options, training_args, model_args = parse_command("iterate", argv)
@@ -342,7 +342,7 @@ def iterate(argv: list[str]) -> list[dict]:
     )
     evaluate, unmeasured = (task_evaluator(task, held_out) if held_out is not None else None), None
     if task == "custom":  # the user's data: measured on its held-out split, when it has one
-        from .offline.iterations import HELD_OUT_SAMPLES, load_test_prompts
+        from .offline.held_out import HELD_OUT_SAMPLES, load_test_prompts
 
         held_out, unmeasured = load_test_prompts(options.dataset_name, options.dataset_test_split,
                                                  options.dataset_train_split, options.dataset_config, prompts)
@@ -388,7 +388,7 @@ def iterate(argv: list[str]) -> list[dict]:
                      f"{describe_accuracy(summary.get('evaluation'), problems)}")
         say(line)
     if PartialState().is_main_process:
-        from .offline.iterations import iteration_curves
+        from .iterations import iteration_curves
 
         curves, boundaries = iteration_curves(training_args.output_dir)
         drawn = plot_curves(curves, Path(training_args.output_dir) / "curves.png",

@@ -5,7 +5,9 @@
     composition   compose (uniform, positives_only, anna_karenina, target_proportion), proportion_of_positives
     schema        what TOPRTrainer checks and tokenizes at construction; stored_reward
     sampler       GroupShuffleSampler, the replay order
-    iterations    run_iterations (mu_i = pi_{i-1})
+    held_out      the user's held-out prompts and the mean reward measured on them
+
+Iterations (mu_i = pi_{i-1}) drive these with the trainer, so they sit above it: `topr_trl.iterations`.
 
 The names below are importable from `topr_trl.offline` itself; each is loaded from its module on first use, so that
 importing one (the trainer imports `schema` and `sampler`) does not import generation or vLLM code.
@@ -23,7 +25,7 @@ _EXPORTS = {
                "completion_token_ids", "checked_eval_datasets", "checked_reward_function", "is_offline_dataset",
                "needs_whole_groups", "tokenize_offline_dataset", "validate_offline_dataset", "with_prompt_index"),
     "sampler": ("GroupShuffleSampler",),
-    "iterations": ("IterationSettings", "run_iterations"),
+    "held_out": ("load_test_prompts", "reward_evaluator"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

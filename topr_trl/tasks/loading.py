@@ -100,10 +100,10 @@ def task_evaluator(task: str, held_out, reward_funcs=None, **sampling):
     """How a task's held-out problems are scored, as `evaluate(model, tokenizer) -> dict`: greedy accuracy for
     arithmetic; for reasoning, sampled pass@1 (temperature 1, 4 samples per problem, the headline: greedy decoding
     hides the planted error) with greedy accuracy beside it; for a custom task (the user's prompts of a test split),
-    the mean reward of `reward_funcs` on sampled completions (`topr_trl.offline.iterations.reward_evaluator`, given
+    the mean reward of `reward_funcs` on sampled completions (`topr_trl.offline.held_out.reward_evaluator`, given
     `sampling`: temperature, top_p, top_k, max_new_tokens, seed, chat_template_kwargs, num_samples)."""
     if task == CUSTOM_TASK:
-        from ..offline.iterations import reward_evaluator
+        from ..offline.held_out import reward_evaluator
 
         return reward_evaluator(held_out, reward_funcs, **sampling)
     return TASKS[task].held_out_evaluator(held_out)

@@ -1,0 +1,68 @@
+"""The package's floors, as the README's layout says them: what a TRL user imports never imports the command layer
+(the commands, their argument parsing, the built-in tasks, the iterations that drive generation and the trainer in
+turn), the offline and evaluation modules stay below the trainers, and the asynchronous trainer takes what it shares
+with `TOPRTrainer` from `trainer_shared`. Imports inside functions count: a lazy import is still an import."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+
+PACKAGE = Path(__file__).resolve().parents[1] / "topr_trl"
+COMMAND_LAYER = ("topr_trl.cli", "topr_trl.cli_evaluate", "topr_trl.arguments", "topr_trl.iterations",
+                 "topr_trl.tasks", "topr_trl.__main__")
+# (the modules a rule constrains, the modules they must not import, why)
+RULES = [
+    (lambda module: not module.startswith(COMMAND_LAYER) and module != "topr_trl", COMMAND_LAYER,
+     "the library imports nothing from the command layer"),
+    (lambda module: module.startswith(("topr_trl.offline", "topr_trl.evaluation")),
+     ("topr_trl.trainer", "topr_trl.asynchronous"), "offline/ and evaluation/ stay below the trainers"),
+    (lambda module: module.startswith("topr_trl.asynchronous"), ("topr_trl.trainer",),
+     "the asynchronous trainer shares code with TOPRTrainer through trainer_shared, not by importing it"),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.with_suffix("").relative_to(PACKAGE.parent).parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Every topr_trl module `source` (the code of `module`) imports, relative imports resolved, each imported name
+    also as `package.name` (a name may be a submodule)."""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    targets = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            targets |= {target, *(f"{target}.{alias.name}" for alias in node.names)}
+        elif isinstance(node, ast.Import):
+            targets |= {alias.name for alias in node.names}
+    return {target for target in targets if target.startswith("topr_trl")}
+
+
+def within(target: str, prefixes: tuple[str, ...]) -> bool:
+    return any(target == prefix or target.startswith(prefix + ".") for prefix in prefixes)
+
+
+def test_the_import_reader_sees_a_lazy_relative_import_upward():
+    source = "def f():\n    from ..trainer import TOPRTrainer\n"
+    assert "topr_trl.trainer" in imported(source, "topr_trl.offline.replay")
+    assert "topr_trl.trainer.TOPRTrainer" in imported(source, "topr_trl.offline.replay")
+    assert imported("from .schema import x\n", "topr_trl.offline", is_package=True) >= {"topr_trl.offline.schema"}
+
+
+@pytest.mark.parametrize("applies, forbidden, why", RULES, ids=[rule[2] for rule in RULES])
+def test_no_module_imports_above_its_floor(applies, forbidden, why):
+    violations = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = module_name(path)
+        if applies(module):
+            upward = sorted(t for t in imported(path.read_text(), module, path.name == "__init__.py")
+                            if within(t, forbidden))
+            violations += [f"{module} -> {target}" for target in upward]
+    assert not violations, f"{why}: {violations}"
