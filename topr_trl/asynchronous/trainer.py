@@ -55,11 +55,8 @@ DEFAULT_PIPELINE_DEPTH = 4
 # sample stamped with a version the trainer has not reached, e.g. a worker that outlived a restart) gets its own bin.
 STALENESS_BINS: tuple[tuple[float, float, str], ...] = (
     (-math.inf, -1, "negative"), (0, 0, "0"), (1, 1, "1"), (2, 3, "2to3"), (4, 7, "4to7"), (8, 15, "8to15"),
-    (16, 31, "16to31"),
-    (32, 63, "32to63"), (64, math.inf, "64plus"),
+    (16, 31, "16to31"), (32, 63, "32to63"), (64, math.inf, "64plus"),
 )
-
-
 STALENESS_BIN_NAMES = tuple(name for _, _, name in STALENESS_BINS)
 # Where `ConsumedSamples` stamps the policy version that generated each sample in the sample's own `metrics` (TRL's
 # queue dataset passes the metrics on, not the version); `TrajectoryVersions` takes it out again before TRL's
