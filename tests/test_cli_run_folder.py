@@ -187,11 +187,17 @@ def test_a_failed_run_leaves_no_folder_for_its_lock_alone(user_folder, monkeypat
 
 
 # ----------------------------------------------------------------------------------------- Ctrl-C
-def test_ctrl_c_says_where_the_last_checkpoint_is_and_the_command_that_resumes_it(user_folder):
-    argv = user_run(user_folder, "outputs/interrupted", "--max_steps", "500", "--save_strategy", "steps",
-                    "--save_steps", "1")
+@pytest.mark.parametrize("mode", [[], ["--asynchronous"]], ids=["synchronous", "asynchronous"])
+def test_ctrl_c_says_where_the_last_checkpoint_is_and_the_command_that_resumes_it(mode, user_folder):
+    """Also for an asynchronous run: its printed command resumes it, the rollout at the first prompt the checkpoint's
+    steps did not train (`topr_trl.asynchronous.resume`), saying so in one line."""
+    output = "outputs/interrupted" + "-asynchronous" * bool(mode)  # the folder fixture serves the whole module
+    argv = user_run(user_folder, output, "--max_steps", "500", "--save_strategy", "steps", "--save_steps", "1", *mode)
+    if mode:  # the asynchronous trainer has no unscored-batch rule (its rewards arrive sample by sample)
+        at = argv.index("--topr_unscored_batch")
+        del argv[at:at + 2]
     run = topr_trl(argv, user_folder)
-    state = user_folder / "outputs" / "interrupted" / "checkpoint-2" / "trainer_state.json"
+    state = user_folder / output / "checkpoint-2" / "trainer_state.json"
     try:
         wait_for(state.is_file, run)
         run.send_signal(signal.SIGINT)
@@ -202,7 +208,7 @@ def test_ctrl_c_says_where_the_last_checkpoint_is_and_the_command_that_resumes_i
     line = one_error_line(stderr)
     assert "KeyboardInterrupt" not in stderr
     checkpoint = re.search(r"the last checkpoint is (\S+);", line).group(1)
-    assert re.fullmatch(r"outputs/interrupted/checkpoint-\d+", checkpoint)
+    assert re.fullmatch(rf"{output}/checkpoint-\d+", checkpoint)
     command = shlex.split(line.split("resume with: ")[1])
     assert command == ["topr-trl", *argv, "--resume_from_checkpoint", "true"]
     # The printed command resumes the run (one more step than the checkpoint's, to be quick).
@@ -211,8 +217,11 @@ def test_ctrl_c_says_where_the_last_checkpoint_is_and_the_command_that_resumes_i
                              cwd=user_folder, capture_output=True, text=True, timeout=600,
                              env={**os.environ, "PYTHONPATH": str(user_folder)})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    summary = json.loads((user_folder / "outputs" / "interrupted" / "topr_summary.json").read_text())
+    summary = json.loads((user_folder / output / "topr_summary.json").read_text())
     assert summary["steps"] == step + 1
+    if mode:
+        state = json.loads((user_folder / checkpoint / "rollout_state.json").read_text())
+        assert f"resuming from {checkpoint}: the rollout restarts at prompt {state['prompt_index']};" in resumed.stderr
 
 
 def test_ctrl_c_in_training_is_never_lost_in_a_finaliser_and_a_second_one_interrupts_at_once():

@@ -172,8 +172,7 @@ def train(argv: list[str]) -> dict:
 def _asynchronous_config(script_args, training_args, model_args, eval_dataset):
     """`--asynchronous`: the run's TOPRConfig as an AsyncTOPRConfig, or a one-line exit saying what it cannot do."""
     refused = {"--offline_dataset": script_args.offline_dataset is not None, "--use_peft": model_args.use_peft,
-               "an eval_strategy (TRL's asynchronous trainer has no evaluation loop)": eval_dataset is not None,
-               "--resume_from_checkpoint": bool(training_args.resume_from_checkpoint)}
+               "an eval_strategy (TRL's asynchronous trainer has no evaluation loop)": eval_dataset is not None}
     for what, given in refused.items():
         if given:
             raise SystemExit(f"topr-trl: --asynchronous does not take {what}; drop it, or train without "
