@@ -343,16 +343,22 @@ def test_the_ratio_is_logged_by_the_staleness_each_sample_trains_at(tmp_path, mo
     stale_means = [value for branch in ("positive", "negative")
                    for value in logged_values(trainer, f"{stale}/ratio_{branch}/mean") if not math.isnan(value)]
     assert stale_means and all(abs(mean - 1) > 1e-3 for mean in stale_means), stale_means
-    assert all(0 < value <= 1 for value in logged_values(trainer, f"{stale}/ratio_ess_fraction"))
+    # Kish's ESS fraction is 1 exactly when every ratio is equal: so at the fresh lag, and below 1 a version old
+    assert all(value == pytest.approx(1.0, abs=1e-6) for value in logged_values(trainer, f"{fresh}/ratio_ess_fraction"))
+    stale_ess = logged_values(trainer, f"{stale}/ratio_ess_fraction")
+    assert stale_ess and all(value < 1 - 1e-6 for value in stale_ess), stale_ess
     assert not any(key == async_trainer.MODEL_VERSION_KEY for entry in trainer.state.log_history
                    for key in entry)  # taken out before TRL's collator logs the samples' metrics
 
 
 def test_staleness_bins_of_a_tensor_are_the_bins_of_each_value():
-    from topr_trl.asynchronous.trainer import staleness_bin_index, staleness_bin_indices
+    """Against the table itself: each value's bin is the one whose [low, high] holds it."""
+    from topr_trl.asynchronous.trainer import STALENESS_BINS, staleness_bin_index, staleness_bin_indices
 
     values = list(range(-3, 130))
-    assert staleness_bin_indices(torch.tensor(values)).tolist() == [staleness_bin_index(v) for v in values]
+    expected = [next(i for i, (low, high, _) in enumerate(STALENESS_BINS) if low <= v <= high) for v in values]
+    assert staleness_bin_indices(torch.tensor(values)).tolist() == expected
+    assert [staleness_bin_index(v) for v in values] == expected
 
 
 def test_reward_signal_trains_on_r_minus_c(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from topr_trl.cli_evaluate import CLASSIFIERS, main
+from topr_trl.cli_evaluate import main
 from topr_trl.evaluation.metrics import mean_pass_at_k
 from topr_trl.evaluation.rewards import ANSWER_CLASSES, CORRECT, INCORRECT, INVALID, gsm8k_numbers_equal
 from topr_trl.evaluation.runner import evaluate_model, gsm8k_classify, math_classify, save_results
@@ -166,7 +166,11 @@ def test_ready_made_classifiers():
     assert math_classify("so $x = \\boxed{\\dfrac{1}{2}}$", "\\frac12") == CORRECT
     assert math_classify("so x = 1/2", "\\frac12") == INVALID
     assert math_classify.extract("$\\boxed{3}$ then $\\boxed{4}$") == "4"
-    assert set(CLASSIFIERS) == {"arithmetic", "gsm8k", "math", "math500", "reasoning"}
+    from topr_trl.tasks.registry import TASKS
+
+    classifiers = {name: task.classifier() for name, task in TASKS.items() if task.classifier is not None}
+    assert set(classifiers) == {"arithmetic", "gsm8k", "math", "math500", "reasoning"}
+    assert classifiers["gsm8k"] is gsm8k_classify and classifiers["math500"] is math_classify
 
 
 def test_command_line_on_the_tiny_model(tiny_model_path, tmp_path, capsys):

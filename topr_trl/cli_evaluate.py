@@ -20,10 +20,6 @@ from .sampling import BACKENDS
 from .tasks.registry import BUILTIN_TASK, CUSTOM_TASK, ROW_COLUMN, TASKS
 
 
-CLASSIFIERS = {name: task.classifier() for name, task in TASKS.items() if task.classifier is not None}
-"""Each task's answer checker (a custom task's is built from its reward functions)."""
-
-
 def _resolve_task(options) -> str:
     """The task: as given, or `custom` for a dataset with reward functions; one line refuses what cannot be meant."""
     task = options.task or (CUSTOM_TASK if options.dataset_name or options.reward_funcs else BUILTIN_TASK)

@@ -107,6 +107,11 @@ def effective_sample_size_fraction(ratio_sum: float, ratio_sq_sum: float, count:
     return ratio_sum ** 2 / (count * ratio_sq_sum)
 
 
+def _share(sums: dict[str, float], numerator: str, denominator: str) -> float:
+    """sums[numerator] / sums[denominator], NaN for an empty denominator."""
+    return sums[numerator] / sums[denominator] if sums[denominator] > 0 else float("nan")
+
+
 def policy_metrics(totals: dict[str, float], minima: list[float], branch_losses: list[float],
                    reward_signal: bool) -> dict[str, float]:
     """The logged metrics from the totals of `metric_sums` over processes, the minima of `ratio_minima` over processes
@@ -114,7 +119,7 @@ def policy_metrics(totals: dict[str, float], minima: list[float], branch_losses:
     minima = [value if abs(value) != float("inf") else float("nan") for value in minima]
 
     def share(numerator: str, denominator: str) -> float:
-        return totals[numerator] / totals[denominator] if totals[denominator] > 0 else float("nan")
+        return _share(totals, numerator, denominator)
 
     n_all = max(totals["n_positive"] + totals["n_negative"] + totals["n_zero"], 1.0)
     metrics = {"topr/positive_fraction": totals["n_positive"] / n_all,
@@ -199,14 +204,10 @@ def staleness_bin_metrics(totals: torch.Tensor, bin_names: list[str] | tuple[str
         count = sums["count_positive"] + sums["count_negative"]
         if count <= 0:
             continue
-
-        def share(numerator: str, denominator: str, sums=sums) -> float:
-            return sums[numerator] / sums[denominator] if sums[denominator] > 0 else float("nan")
-
         prefix = f"topr/staleness_{name}"
-        metrics[f"{prefix}/ratio_positive/mean"] = share("ratio_sum_positive", "count_positive")
-        metrics[f"{prefix}/ratio_negative/mean"] = share("ratio_sum_negative", "count_negative")
+        metrics[f"{prefix}/ratio_positive/mean"] = _share(sums, "ratio_sum_positive", "count_positive")
+        metrics[f"{prefix}/ratio_negative/mean"] = _share(sums, "ratio_sum_negative", "count_negative")
         metrics[f"{prefix}/ratio_ess_fraction"] = effective_sample_size_fraction(
             sums["ratio_sum_positive"] + sums["ratio_sum_negative"], sums["ratio_sq_sum"], count)
-        metrics[f"{prefix}/negative_truncated_fraction"] = share("truncated_negative", "count_negative")
+        metrics[f"{prefix}/negative_truncated_fraction"] = _share(sums, "truncated_negative", "count_negative")
     return metrics

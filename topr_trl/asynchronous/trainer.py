@@ -64,15 +64,16 @@ STALENESS_BIN_NAMES = tuple(name for _, _, name in STALENESS_BINS)
 MODEL_VERSION_KEY = "topr_trl/model_version"
 
 
-def staleness_bin_index(staleness: int) -> int:
-    return next(index for index, (low, high, _) in enumerate(STALENESS_BINS) if low <= staleness <= high)
-
-
 def staleness_bin_indices(staleness: torch.Tensor) -> torch.Tensor:
-    """`staleness_bin_index` of every entry of an integer tensor."""
+    """The index in STALENESS_BINS of every entry of an integer tensor of staleness (the bins are contiguous, so a
+    value's bin is the number of lower edges, past the first, at or below it)."""
     lower_edges = torch.tensor([low for low, _, _ in STALENESS_BINS[1:]], dtype=staleness.dtype,
                                device=staleness.device)
     return torch.bucketize(staleness, lower_edges, right=True)
+
+
+def staleness_bin_index(staleness: int) -> int:
+    return int(staleness_bin_indices(torch.tensor(staleness)))
 
 
 def staleness_bin(staleness: int) -> str:
@@ -120,14 +121,13 @@ class TrajectoryVersions:
     data it describes, and the staleness is taken when the sample trains (the dataloader reads a micro-batch ahead,
     so the staleness TRL logs when a sample is read can be one version short of the one it trains at)."""
 
-    def __init__(self, collate, ledger: RolloutLedger | None = None):
+    def __init__(self, collate, ledger: RolloutLedger):
         self.collate = collate
         self.ledger = ledger
 
     def __call__(self, examples):
         (rows,) = examples  # one micro-batch: a row per process (TRL's planner)
-        if self.ledger is not None:
-            self.ledger.record_collated([sample["group_id"] for row in rows for sample in row.samples])
+        self.ledger.record_collated([sample["group_id"] for row in rows for sample in row.samples])
         versions = [[int(sample["metrics"].pop(MODEL_VERSION_KEY, -1)) for sample in row.samples] for row in rows]
         batch = self.collate(examples)
         width = max((len(row) for row in versions), default=0)
@@ -316,7 +316,6 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
         if versions is None:
             return
         versions = versions.reshape(-1)[:mask.size(0)]  # this rank's row: one version per segment, in segment order
-        versions = torch.cat([versions, versions.new_full((mask.size(0) - versions.numel(),), -1)])
         current = torch.tensor([self.model_version], dtype=versions.dtype, device=versions.device)
         if self.accelerator.num_processes > 1:
             current = broadcast(current, from_process=0)
