@@ -148,7 +148,7 @@ def saved_model_accuracy(model_dir, eval_prompts: int, adapter_dir=None) -> dict
 
 def cli_refusal(argv: list[str]) -> str:
     """The one line `topr-trl ARGV` stops with (checked to be one line starting `topr-trl: `)."""
-    from topr_trl.cli import main
+    from topr_trl.commands.cli import main
 
     with pytest.raises(SystemExit) as stop:
         main(argv)
@@ -169,7 +169,7 @@ def script_refusal(main, argv, capsys) -> str:
 def reasoning_model(tmp_path_factory) -> str:
     """The built-in reasoning model (shipped weights, head size 32: vLLM's CPU attention refuses 16), for the tests on
     a real vLLM engine."""
-    from topr_trl.arguments import TaskArguments
+    from topr_trl.commands.arguments import TaskArguments
     from topr_trl.tasks.loading import builtin_model
 
     options = TaskArguments(task_digits=3, base_model_dir=str(tmp_path_factory.mktemp("reasoning")))

@@ -417,7 +417,7 @@ def test_train_command_runs_asynchronous_topr_and_saves_a_model_that_loads_anywh
     import json
 
     from tests.conftest import saved_model_accuracy
-    from topr_trl.cli import main
+    from topr_trl.commands.cli import main
 
     output = tmp_path / "run"
     main(["train", "--asynchronous", "--async_lag", "1", "--max_steps", "3", "--task_train_prompts", "16",
@@ -438,7 +438,7 @@ def test_train_command_runs_asynchronous_topr_and_saves_a_model_that_loads_anywh
     (["--async_max_staleness", "2.5"], "max_staleness"),
 ])
 def test_train_command_refuses_what_the_asynchronous_trainer_cannot_do(tmp_path, flags, message):
-    from topr_trl.cli import main
+    from topr_trl.commands.cli import main
 
     with pytest.raises(SystemExit, match=message):
         main(["train", "--asynchronous", "--dry_run", "true", "--output_dir", str(tmp_path / "run"), *flags])
@@ -451,13 +451,8 @@ def test_train_command_refuses_what_the_asynchronous_trainer_cannot_do(tmp_path,
 
 def _script(name):
     import importlib
-    import sys
-    from pathlib import Path
 
-    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
-    if scripts not in sys.path:
-        sys.path.insert(0, scripts)
-    return importlib.import_module(name)
+    return importlib.import_module(f"experiments.{name}")
 
 
 @pytest.mark.slow
@@ -579,8 +574,8 @@ def test_every_topr_config_field_reaches_the_asynchronous_trainer_or_stops_it(tm
 
 
 def test_asynchronous_command_line_keeps_its_checks_and_refuses_what_would_be_dropped(tmp_path):
-    from topr_trl import arguments
-    from topr_trl.cli import _asynchronous_config, main
+    from topr_trl.commands import arguments
+    from topr_trl.commands.cli import _asynchronous_config, main
 
     argv = ["--asynchronous", "--output_dir", str(tmp_path / "run")]
     script_args, training_args, model_args = arguments.parse_command("train", argv)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "benchmark.py"
 
 
 @pytest.mark.slow
@@ -37,10 +37,9 @@ def test_benchmark_interleaved_smoke_with_offline_replay(tmp_path):
 
 def test_model_flops_follow_the_palm_convention():
     """Hand count for a 1-layer model: d=8, 2 heads of 4, 1 KV head, MLP 16, vocabulary 10, sequence 5."""
-    sys.path.insert(0, str(SCRIPT.parent))
     from types import SimpleNamespace
 
-    import benchmark
+    from experiments import benchmark
 
     config = SimpleNamespace(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                              intermediate_size=16, vocab_size=10)
@@ -62,11 +61,10 @@ def test_model_flops_follow_the_palm_convention():
 def test_qwen_shaped_models_have_the_published_parameter_counts(shape, published_parameters):
     """The GPU benchmark's models are Qwen2.5 as published, LM head and 151,936-token vocabulary included (built on
     the meta device: shapes only)."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    import benchmark
     import torch
     from transformers import Qwen2ForCausalLM
 
+    from experiments import benchmark
     from topr_trl.tasks.tiny import build_tokenizer
 
     with torch.device("meta"):

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from topr_trl.cli import generate as main_generate
-from topr_trl.cli import iterate as main_iterate
-from topr_trl.cli import main
+from topr_trl.commands.cli import generate as main_generate
+from topr_trl.commands.cli import iterate as main_iterate
+from topr_trl.commands.cli import main
 from topr_trl.offline import load_offline_dataset
 from topr_trl.tasks.arithmetic import arithmetic_reward
 from topr_trl.tasks.user_rewards import resolve_reward
@@ -160,7 +160,7 @@ def test_every_builtin_recipe_key_is_a_field_of_its_command():
     """The built-in defaults live in YAML recipes: a misspelt key would silently not apply, so each must be a field."""
     import dataclasses
 
-    from topr_trl import arguments
+    from topr_trl.commands import arguments
 
     for command in ("train", "iterate", "generate"):
         fields = {f.name for kind in arguments.command_dataclasses(command) for f in dataclasses.fields(kind)}

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 
-from topr_trl import arguments
-from topr_trl.cli import main
+from topr_trl.commands import arguments
+from topr_trl.commands.cli import main
 from topr_trl.config import TOPRConfig
 
 from .conftest import REWARD_MODULE, cli_refusal

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from topr_trl import arguments
-from topr_trl.cli import main
+from topr_trl.commands import arguments
+from topr_trl.commands.cli import main
 from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, measure_base_model
 
 

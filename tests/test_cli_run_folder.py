@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 
-from topr_trl.cli import main
+from topr_trl.commands.cli import main
+from topr_trl.commands.output_folders import LOCK_FILE, output_dir_lock
 from topr_trl.curves import logged_curves, plot_curves
-from topr_trl.runs import LOCK_FILE, output_dir_lock
 
 from .conftest import SHARED
 
@@ -160,7 +160,7 @@ def test_the_lock_is_held_by_one_holder_at_a_time(tmp_path):
     with output_dir_lock(str(tmp_path / "run")):
         holder = (tmp_path / "run" / LOCK_FILE).read_text()
         assert f"pid {os.getpid()} " in holder
-        other = subprocess.run([sys.executable, "-c", "import sys; from topr_trl.runs import output_dir_lock\n"
+        other = subprocess.run([sys.executable, "-c", "import sys; from topr_trl.commands.output_folders import output_dir_lock\n"
                                 f"with output_dir_lock({str(tmp_path / 'run')!r}): pass"],
                                capture_output=True, text=True, timeout=300)
         assert other.returncode == 1 and f"in use by another run (pid {os.getpid()} " in other.stderr
@@ -228,7 +228,7 @@ def test_ctrl_c_in_training_is_never_lost_in_a_finaliser_and_a_second_one_interr
     """The first SIGINT only sets a flag (Python would raise it wherever the main thread is, and a KeyboardInterrupt
     raised in a finaliser is printed as "ignored" and lost: the run went on to its last step), read at the end of the
     step; Python's handler is back for a second one; leaving the block restores the handler it found."""
-    from topr_trl.runs import InterruptAtStepEnd
+    from topr_trl.commands.output_folders import InterruptAtStepEnd
 
     found = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as in a terminal
     try:
@@ -243,7 +243,7 @@ def test_ctrl_c_in_training_is_never_lost_in_a_finaliser_and_a_second_one_interr
 
 
 def _interrupt_twice(before) -> None:
-    from topr_trl.runs import InterruptAtStepEnd
+    from topr_trl.commands.output_folders import InterruptAtStepEnd
 
     interrupt = InterruptAtStepEnd()
     with interrupt:
@@ -273,14 +273,14 @@ def test_push_to_hub_without_the_hub_fails_before_training_in_one_line(user_fold
 
 
 def test_a_push_that_fails_after_training_says_where_the_model_is(user_folder, monkeypatch):
-    from topr_trl import runs
+    from topr_trl.commands import output_folders
     from topr_trl.trainer import TOPRTrainer
 
     def no_network(self, *args, **kwargs):
         raise ConnectionError("Failed to resolve 'huggingface.co'\nand 80 more lines")
 
-    monkeypatch.setattr(runs, "check_hub_push", lambda args: None)  # the Hub was there at the start
-    monkeypatch.setattr("topr_trl.cli.check_hub_push", lambda args: None)
+    monkeypatch.setattr(output_folders, "check_hub_push", lambda args: None)  # the Hub was there at the start
+    monkeypatch.setattr("topr_trl.commands.cli.check_hub_push", lambda args: None)
     monkeypatch.setattr(TOPRTrainer, "init_hf_repo", lambda self, *a, **k: setattr(self, "push_in_progress", None))
     monkeypatch.setattr(TOPRTrainer, "_push_from_checkpoint", lambda self, *a, **k: None)
     monkeypatch.setattr(TOPRTrainer, "push_to_hub", no_network)
@@ -354,7 +354,7 @@ def test_the_readme_states_grpo_defaults_as_grpo_has_them():
     and `generate` samples as long as `train` trains by default."""
     from trl import GRPOConfig
 
-    from topr_trl.arguments import GenerateScriptArguments
+    from topr_trl.commands.arguments import GenerateScriptArguments
 
     readme = " ".join((ROOT / "README.md").read_text().split())
     stated = re.search(r"`GRPOConfig` defaults \(learning rate ([\d.e-]+), (\d+)-token completions, (\d+) epochs, "

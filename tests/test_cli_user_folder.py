@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from topr_trl import cli
-from topr_trl.arguments import TaskArguments
-from topr_trl.cli import main
+from topr_trl.commands import cli
+from topr_trl.commands.arguments import TaskArguments
+from topr_trl.commands.cli import main
 
 from .test_cli_user_path import PROMPTS, QUICK, generate_builtin, prompt_dataset
 

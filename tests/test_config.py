@@ -85,6 +85,37 @@ def test_a_registered_loss_is_selectable_and_a_trl_name_is_refused():
         config(loss_type="test_plain_reinforce")
 
 
+def test_a_registered_loss_reads_its_own_knob_checked_at_construction():
+    """A loss registered with `reads=("my_tau",)` gets the field of a config subclass in its spec; the knob is checked
+    when the loss is chosen, refused with another loss, and a config class without the field fails naming it."""
+    from dataclasses import dataclass
+
+    import torch
+
+    from topr_trl.loss import register_policy_loss
+
+    @dataclass
+    class TauConfig(TOPRConfig):
+        my_tau: float = 0.25
+
+    @register_policy_loss("test_tau_loss", reads=("my_tau",))
+    def tau_loss(per_token_logps, log_ratio, signal, is_positive, spec):
+        return -spec.knob("my_tau") * signal * per_token_logps, torch.ones_like(log_ratio)
+
+    common = dict(output_dir="/tmp/unused", report_to="none", use_cpu=True, bf16=False)
+    try:
+        assert TauConfig(**common, loss_type="test_tau_loss", my_tau=0.5).policy_loss_spec.knobs == {"my_tau": 0.5}
+        assert TauConfig(**common).policy_loss_spec.knobs == {}  # topr reads no knob
+        with pytest.raises(ValueError, match="`my_tau` must be a finite number >= 0"):
+            TauConfig(**common, loss_type="test_tau_loss", my_tau=-1.0)
+        with pytest.raises(ValueError, match="`my_tau` has no effect with loss_type='topr'.*'test_tau_loss'"):
+            TauConfig(**common, my_tau=0.5)
+        with pytest.raises(ValueError, match="reads `my_tau`, which TOPRConfig does not declare"):
+            TOPRConfig(**common, loss_type="test_tau_loss")
+    finally:
+        POLICY_LOSSES.pop("test_tau_loss")
+
+
 def test_positive_negative_lower_limit_warns_prop_3_2():
     with pytest.warns(UserWarning, match="unbounded") as caught:
         config(loss_type="naive_reinforce")
@@ -161,7 +192,7 @@ def test_a_field_the_selected_loss_does_not_read_is_refused(kwargs, field):
 
 
 def test_fields_the_selected_loss_reads_are_accepted():
-    assert config(loss_type="cispo_two_sided", cispo_epsilon_high=0.3).policy_loss_spec.cispo_epsilon_high == 0.3
+    assert config(loss_type="cispo_two_sided", cispo_epsilon_high=0.3).policy_loss_spec.knob("cispo_epsilon_high") == 0.3
     assert config(loss_type="ppo", delta=1.5).policy_loss_spec.ppo_delta == 1.5
     # fields about the data, not the loss, apply to TRL's loss types too
     assert config(loss_type="dapo", topr_offline_epochs=2.0, topr_unscored_batch="skip").loss_type == "dapo"

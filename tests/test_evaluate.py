@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from topr_trl.cli_evaluate import main
+from topr_trl.commands.evaluate import main
 from topr_trl.evaluation.metrics import mean_pass_at_k
 from topr_trl.evaluation.rewards import ANSWER_CLASSES, CORRECT, INCORRECT, INVALID, gsm8k_numbers_equal
 from topr_trl.evaluation.runner import evaluate_model, gsm8k_classify, math_classify, save_results

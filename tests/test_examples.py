@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from topr_trl.cli import main
+from topr_trl.commands.cli import main
 
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -2,7 +2,6 @@
 reports what its docstring promises. Only orderings seen in every full run are asserted."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,12 +9,9 @@ import pytest
 from .conftest import script_refusal
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-
 @pytest.mark.slow
 def test_baseline_sweep_sets_the_effective_proportion(evidence_work_dir, tmp_path):
-    import baseline_sweep
+    from experiments import baseline_sweep
 
     results = baseline_sweep.main(["--seeds", "0", "--targets", "0.01", "1.0", "--methods", "topr", "--epochs", "2",
                                    "--prompts", "32", "--eval_prompts", "200", "--eval_samples", "2",
@@ -31,7 +27,7 @@ def test_baseline_sweep_sets_the_effective_proportion(evidence_work_dir, tmp_pat
 
 @pytest.mark.slow
 def test_figure7_untruncated_importance_weights_spike_the_gradient(evidence_work_dir, tmp_path):
-    import figure7
+    from experiments import figure7
 
     # the low-p stress test on the built-in task with its documented settings (docs/results.md), where untruncated
     # IS's largest gradient is above TOPR's in every seed
@@ -48,7 +44,7 @@ def test_figure7_untruncated_importance_weights_spike_the_gradient(evidence_work
 
 @pytest.mark.slow
 def test_iterations_report_each_strategy(evidence_work_dir, tmp_path):
-    import iterations
+    from experiments import iterations
 
     results = iterations.main(["--seeds", "0", "--iterations", "1", "--prompts", "16", "--eval_prompts", "100",
                                "--eval_samples", "2", "--batch_size", "8", "--steps_per_iteration", "20",
@@ -66,21 +62,20 @@ def test_iterations_report_each_strategy(evidence_work_dir, tmp_path):
 
 def test_fixed_datasets_are_kept_apart_by_behaviour_model(tiny_model_path, behaviour_model_path, tmp_path):
     """Data sampled from one model is never reused as another's (the folder is named after mu)."""
-    import experiments
-
+    from experiments import common
     from topr_trl.tasks.arithmetic import arithmetic_reward, make_arithmetic_dataset
 
-    testbed = experiments.Testbed(
+    testbed = common.Testbed(
         task="arithmetic", base_dir=Path(tiny_model_path), held_out=None, reward=arithmetic_reward, max_new_tokens=3,
         measure="", metrics=("accuracy",), prompts=lambda count, seed: make_arithmetic_dataset(count, 1, seed=seed),
         evaluate=lambda model, tokenizer: {},
     )
-    from_base = experiments.sample_fixed_dataset(testbed, 2, 0, tmp_path)
-    from_other = experiments.sample_fixed_dataset(testbed, 2, 0, tmp_path, behaviour=Path(behaviour_model_path))
+    from_base = common.sample_fixed_dataset(testbed, 2, 0, tmp_path)
+    from_other = common.sample_fixed_dataset(testbed, 2, 0, tmp_path, behaviour=Path(behaviour_model_path))
     folders = sorted(path.name for path in (tmp_path / "data").iterdir())
     assert folders == sorted({f"{Path(tiny_model_path).name}-2x8-seed0", f"{Path(behaviour_model_path).name}-2x8-seed0"})
     assert from_base["behaviour_logps"] != from_other["behaviour_logps"]
-    again = experiments.sample_fixed_dataset(testbed, 2, 0, tmp_path)
+    again = common.sample_fixed_dataset(testbed, 2, 0, tmp_path)
     assert again["completion_ids"] == from_base["completion_ids"]
 
 
@@ -88,10 +83,11 @@ def test_clipped_token_shares_count_the_tokens_ppo_clips_by_the_signals_sign(tin
     """The share of a fixed dataset's tokens where PPO's clip stops the gradient, against hand-set behaviour
     log-probs: mu equal to pi clips nothing; mu e times above pi (ratio 0.37) clips every negative token and no
     positive one; mu e times below (ratio 2.7) the reverse."""
-    import experiments
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
+
+    from experiments import common
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     prompts, completions, rewards = [[5, 6, 7], [5, 8], [9, 6, 7, 8]], [[10, 11], [12, 13, 14], [11]], [1.0, -1.0, -1.0]
@@ -106,57 +102,57 @@ def test_clipped_token_shares_count_the_tokens_ppo_clips_by_the_signals_sign(tin
                                   "behaviour_logps": [[value + shift for value in row] for row in own]})
 
     # two rows per batch: the padded rows must read as the unpadded ones
-    on_policy = experiments.clipped_token_shares(model, data(0.0), batch_size=2)
+    on_policy = common.clipped_token_shares(model, data(0.0), batch_size=2)
     assert on_policy == {"clipped_share": 0.0, "clipped_share_positive": 0.0, "clipped_share_negative": 0.0}
-    mu_above = experiments.clipped_token_shares(model, data(1.0), batch_size=2)
+    mu_above = common.clipped_token_shares(model, data(1.0), batch_size=2)
     assert mu_above == {"clipped_share": pytest.approx(4 / 6), "clipped_share_positive": 0.0,
                         "clipped_share_negative": 1.0}
-    mu_below = experiments.clipped_token_shares(model, data(-1.0))
+    mu_below = common.clipped_token_shares(model, data(-1.0))
     assert mu_below == {"clipped_share": pytest.approx(2 / 6), "clipped_share_positive": 1.0,
                         "clipped_share_negative": 0.0}
 
 
 def test_a_script_refuses_a_task_it_does_not_run(capsys):
-    import sample_efficiency
+    from experiments import sample_efficiency
 
     assert "runs on the reasoning testbed only" in script_refusal(sample_efficiency.main, ["--task", "arithmetic"],
                                                                    capsys)
 
 
 def test_late_mean_averages_the_last_quarter_of_the_steps():
-    import experiments
+    from experiments import common
 
     curve = [{"step": step, "pass@1": value} for step, value in
              [(0, 0.5), (20, 0.6), (40, 0.7), (60, 0.9), (70, 0.6), (80, 0.8)]]
     # the last quarter of 80 steps is step > 60: 0.6 and 0.8; the spike at 60 and the dip at 70 do not decide it alone
-    assert experiments.late_mean(curve) == pytest.approx(0.7)
-    assert experiments.late_mean(curve, share=0.5) == pytest.approx((0.9 + 0.6 + 0.8) / 3)  # step > 40
+    assert common.late_mean(curve) == pytest.approx(0.7)
+    assert common.late_mean(curve, share=0.5) == pytest.approx((0.9 + 0.6 + 0.8) / 3)  # step > 40
     # checkpoints too sparse for the share: the last one
-    assert experiments.late_mean([{"step": 0, "pass@1": 0.5}, {"step": 64, "pass@1": 0.75}]) == 0.75
-    assert experiments.late_mean(curve, key="step") == pytest.approx(75)
+    assert common.late_mean([{"step": 0, "pass@1": 0.5}, {"step": 64, "pass@1": 0.75}]) == 0.75
+    assert common.late_mean(curve, key="step") == pytest.approx(75)
 
 
 def test_paired_difference_is_taken_per_seed():
-    import experiments
+    from experiments import common
 
     first, second = {0: 0.9, 1: 0.8, 2: 0.7, 3: 0.5}, {0: 0.8, 1: 0.75, 2: 0.6}
-    paired = experiments.paired_difference(first, second)
+    paired = common.paired_difference(first, second)
     assert paired["seeds"] == [0, 1, 2]  # seed 3 has no partner
     assert paired["values"] == pytest.approx([0.1, 0.05, 0.1])
     assert paired["mean"] == pytest.approx(0.25 / 3)
     # t(2 df) = 4.30, sd of (0.1, 0.05, 0.1) = 0.02887
     assert paired["ci95"] == pytest.approx(4.30 * 0.028868 / 3 ** 0.5, rel=1e-3)
     # the unpaired interval of the same seeds is wider: the seeds' shared level cancels in the pairing
-    unpaired = experiments.mean_and_ci95([0.9, 0.8, 0.7])["ci95"] + experiments.mean_and_ci95([0.8, 0.75, 0.6])["ci95"]
+    unpaired = common.mean_and_ci95([0.9, 0.8, 0.7])["ci95"] + common.mean_and_ci95([0.8, 0.75, 0.6])["ci95"]
     assert paired["ci95"] < unpaired
     with pytest.raises(ValueError, match="no seed in common"):
-        experiments.paired_difference({0: 1.0}, {1: 1.0})
+        common.paired_difference({0: 1.0}, {1: 1.0})
 
 
 def test_the_validation_split_is_measured_apart_from_the_held_out_one():
-    import experiments
+    from experiments import common
 
-    parser = experiments.experiment_parser("", output="x", epochs=None)
+    parser = common.experiment_parser("", output="x", epochs=None)
     assert parser.parse_args([]).eval_split == "heldout"
     assert parser.parse_args(["--eval_split", "validation"]).eval_split == "validation"
     with pytest.raises(SystemExit):
@@ -165,19 +161,18 @@ def test_the_validation_split_is_measured_apart_from_the_held_out_one():
 
 def test_the_default_testbed_is_the_shipped_model():
     """The evidence scripts start from the weights every machine gets, not a warm start trained on local kernels."""
-    import experiments
-
+    from experiments import common
     from topr_trl.tasks.reasoning import WarmStartSettings
     from topr_trl.tasks.tiny import prebuilt_model
 
-    options = experiments.experiment_parser("", output="x", epochs=None).parse_args([])
+    options = common.experiment_parser("", output="x", epochs=None).parse_args([])
     settings = WarmStartSettings(digits=options.digits, error_rate=options.error_rate, steps=options.warm_steps)
     assert settings == WarmStartSettings()
     assert prebuilt_model(settings.key()) is not None
 
 
 def test_iterations_compare_compositions_per_seed_at_the_last_iteration():
-    import iterations
+    from experiments import iterations
 
     runs = {f"{s}/seed{seed}": {"strategy": s, "seed": seed, "accuracy": curve} for s, seed, curve in [
         ("uniform", 0, [0.6, 0.8, 0.9, 0.94]), ("uniform", 1, [0.6, 0.8, 0.9, 0.92]),
@@ -192,7 +187,7 @@ def test_iterations_compare_compositions_per_seed_at_the_last_iteration():
 
 
 def test_figure7_counts_collapses_and_pairs_topr_with_untruncated_is():
-    import figure7
+    from experiments import figure7
 
     def run(method, seed, late):
         return {"method": method, "seed": seed,
@@ -210,7 +205,7 @@ def test_figure7_counts_collapses_and_pairs_topr_with_untruncated_is():
 
 
 def test_baseline_sweep_pairs_topr_with_tis_on_the_late_accuracy():
-    import baseline_sweep
+    from experiments import baseline_sweep
 
     def run(method, seed, late):
         return {"proportion": 0.67, "target": 0.1, "method": method, "seed": seed,

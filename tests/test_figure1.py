@@ -3,8 +3,6 @@ warm model (about two thirds correct, the paper's regime) trained off-policy. As
 seen in every run so far: naive REINFORCE ends below where it started and below TOPR, and TOPR ends above its
 start."""
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -12,12 +10,9 @@ import pytest
 from topr_trl.tasks.reasoning import make_reasoning_dataset
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-
 @pytest.mark.slow
 def test_naive_reinforce_collapses_and_topr_improves(evidence_work_dir, tmp_path):
-    import figure1
+    from experiments import figure1
 
     # 96 steps: in the full runs naive REINFORCE is below its start from step 64 on in every seed, not yet at 32
     results = figure1.main(["--seeds", "0", "--methods", "naive_reinforce", "topr", "--prompts", "64", "--epochs", "6",
@@ -28,11 +23,12 @@ def test_naive_reinforce_collapses_and_topr_improves(evidence_work_dir, tmp_path
     topr = results["runs"]["topr/seed0"]["curve"]
     assert 0.5 < results["runs"]["topr/seed0"]["dataset_positive_fraction"] < 0.85  # the paper's regime
     # every run starts from the base model's score: recomputed here from the saved base model
-    import experiments
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from experiments import common
+
     options = SimpleNamespace(digits=3, eval_samples=2)
-    base = experiments.held_out_pass_at_1(AutoModelForCausalLM.from_pretrained(results["base_model"]),
+    base = common.held_out_pass_at_1(AutoModelForCausalLM.from_pretrained(results["base_model"]),
                                           AutoTokenizer.from_pretrained(results["base_model"]),
                                           make_reasoning_dataset(200, 3, "heldout", seed=0), options)
     assert naive[0]["accuracy"] == topr[0]["accuracy"] == pytest.approx(base["pass@1"], abs=0.01)
@@ -43,7 +39,7 @@ def test_naive_reinforce_collapses_and_topr_improves(evidence_work_dir, tmp_path
 
 
 def test_late_values_and_preregistered_comparisons():
-    import figure1
+    from experiments import figure1
 
     def run(method, seed, values):
         curve = [{"step": step, "accuracy": value} for step, value in zip((0, 32, 64, 96, 128), values, strict=False)]
@@ -68,7 +64,7 @@ def test_late_values_and_preregistered_comparisons():
 def test_merging_runs_of_disjoint_seeds_recomputes_the_comparisons(tmp_path):
     import json
 
-    import figure1
+    from experiments import figure1
 
     def part(seed, topr, sft):
         runs = {f"{m}/seed{seed}": {"method": m, "seed": seed,
@@ -91,7 +87,7 @@ def test_merging_runs_of_disjoint_seeds_recomputes_the_comparisons(tmp_path):
 
 
 def test_topr_target_sets_its_p_tilde_and_clipped_shares_are_averaged_per_checkpoint():
-    import figure1
+    from experiments import figure1
 
     options = SimpleNamespace(target_effective_proportion=0.35)
     overrides = figure1.method_overrides("topr_target", options)

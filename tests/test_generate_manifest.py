@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from topr_trl.cli import main
+from topr_trl.commands.cli import main
 from topr_trl.offline import generate_offline_dataset, load_offline_dataset
 from topr_trl.offline.generation import GeneratedWithOtherSettings
 
@@ -246,7 +246,7 @@ def test_python_api_names_its_arguments_and_sees_weights_changed_in_memory(tiny,
 
 
 def test_iterate_refuses_an_iteration_generated_with_other_settings(tiny_model_path, arithmetic_dataset, tmp_path):
-    from topr_trl.iterations import IterationSettings, run_iterations
+    from topr_trl.commands.iterations import IterationSettings, run_iterations
 
     prompts = arithmetic_dataset.select(range(2))
     generate_offline_dataset(tiny_model_path, AutoTokenizer.from_pretrained(tiny_model_path), prompts, parity_reward,

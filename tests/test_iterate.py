@@ -5,7 +5,7 @@ import json
 import pytest
 from transformers import TrainerCallback
 
-from topr_trl.iterations import IterationSettings, run_iterations
+from topr_trl.commands.iterations import IterationSettings, run_iterations
 
 from .conftest import parity_reward
 

@@ -12,7 +12,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from topr_trl.cli import main
+from topr_trl.commands.cli import main
 from topr_trl.offline.held_out import load_test_prompts, reward_evaluator
 from topr_trl.tasks.loading import describe_accuracy
 
@@ -57,7 +57,7 @@ def iterate(user: Path, dataset: str, output_dir: Path, monkeypatch, capsys, *ex
 def test_iterations_draw_their_curves_one_after_another(user, tmp_path, monkeypatch, capsys):
     """The picture of an iterate run: every iteration's logged steps, each shifted by the steps before it, a
     boundary where each later iteration starts; the values are those each iteration's trainer logged."""
-    from topr_trl.iterations import iteration_curves
+    from topr_trl.commands.iterations import iteration_curves
 
     lines = iterate(user, "data/small.jsonl", tmp_path / "run", monkeypatch, capsys, "--iterations", "2",
                     "--logging_steps", "1")

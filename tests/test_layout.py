@@ -12,8 +12,7 @@ import pytest
 
 
 PACKAGE = Path(__file__).resolve().parents[1] / "topr_trl"
-COMMAND_LAYER = ("topr_trl.cli", "topr_trl.cli_evaluate", "topr_trl.arguments", "topr_trl.iterations",
-                 "topr_trl.tasks", "topr_trl.__main__")
+COMMAND_LAYER = ("topr_trl.commands", "topr_trl.tasks", "topr_trl.__main__")
 # (the modules a rule constrains, the modules they must not import, why)
 RULES = [
     (lambda module: not module.startswith(COMMAND_LAYER) and module != "topr_trl", COMMAND_LAYER,

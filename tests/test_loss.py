@@ -26,6 +26,10 @@ from topr_trl.loss import (
 )
 
 
+# the built-in losses' knobs at TOPRConfig's defaults, as a config's `policy_loss_spec` passes them
+KNOBS = {"cispo_epsilon_low": 0.1, "cispo_epsilon_high": 0.1, "kimi15_tau": 0.1}
+
+
 @pytest.fixture(autouse=True)
 def float64_by_default():
     """Hand computations are in float64; restore the default so other test modules are unaffected."""
@@ -177,7 +181,7 @@ def test_no_inf_or_nan_on_extreme_inputs(preset, level, variant):
     behaviour = torch.tensor([[1e4] * T, [-1e4] * T, [1e4] * T, [-1e4] * T, [float("nan")] * T, [-math.inf] * T])
     mask = torch.ones(B, T)
     mask[2] = 0  # a fully masked row
-    spec = PolicyLossSpec(loss_type=variant, limits=PRESETS[preset], ratio_level=level)
+    spec = PolicyLossSpec(loss_type=variant, limits=PRESETS[preset], ratio_level=level, knobs=KNOBS)
     for signal in (torch.tensor([1.0, -1, 1, -1, 1, -1]), torch.ones(B), -torch.ones(B), torch.zeros(B)):
         for aggregation in AGGREGATIONS:
             loss, terms = topr_loss(logps, behaviour, signal, mask, spec, aggregation, max_completion_length=T,
@@ -225,9 +229,9 @@ def test_ppo_cispo_kimi15_hand_values():
     torch.testing.assert_close(ppo.per_token_loss.detach(), torch.tensor([[-1.2], [2.0]]))
     (grad,) = torch.autograd.grad(ppo.per_token_loss.sum(), logps)
     torch.testing.assert_close(grad, torch.tensor([[0.0], [2.0]]))  # d(-r*A)/dlogp = -r*A = 2 on the negative
-    cispo = policy_per_token_loss(logps, behaviour, signal, mask, PolicyLossSpec(loss_type="cispo_two_sided", **token))
+    cispo = policy_per_token_loss(logps, behaviour, signal, mask, PolicyLossSpec(loss_type="cispo_two_sided", knobs=KNOBS, **token))
     torch.testing.assert_close(cispo.weights, torch.tensor([[1.1], [1.1]]))
-    kimi = policy_per_token_loss(logps, behaviour, signal, mask, PolicyLossSpec(loss_type="kimi15", kimi15_tau=0.1, **token))
+    kimi = policy_per_token_loss(logps, behaviour, signal, mask, PolicyLossSpec(loss_type="kimi15", knobs=KNOBS, **token))
     log2 = math.log(2)
     expected = torch.tensor([[-math.log(0.5) + 0.05 * log2**2], [math.log(0.5) + 0.05 * log2**2]])
     torch.testing.assert_close(kimi.per_token_loss.detach(), expected)
@@ -321,7 +325,7 @@ def test_registry_holds_one_entry_per_loss_type_and_dispatches_once():
         "kimi15": ([[-log_half + 0.05 * log_half**2], [log_half + 0.05 * log_half**2]], [[1.0], [1.0]]),
     }
     for name, entry in POLICY_LOSSES.items():
-        spec = PolicyLossSpec(loss_type=name, limits=entry.limits, ratio_level="token")
+        spec = PolicyLossSpec(loss_type=name, limits=entry.limits, ratio_level="token", knobs=KNOBS)
         loss, weight = entry.function(logps, log_ratio, signal, positive, spec)
         torch.testing.assert_close(loss, torch.tensor(hand[name][0]), msg=name)
         torch.testing.assert_close(weight, torch.tensor(hand[name][1]), msg=name)

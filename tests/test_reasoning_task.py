@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from topr_trl.arguments import TaskArguments
+from topr_trl.commands.arguments import TaskArguments
 from topr_trl.evaluation.rewards import CORRECT, INCORRECT, INVALID
 from topr_trl.evaluation.runner import evaluate_model
 from topr_trl.tasks import reasoning

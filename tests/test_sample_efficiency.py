@@ -1,17 +1,12 @@
-"""scripts/sample_efficiency.py: the completion counts and the completions-to-reach computation (fast), and the
+"""experiments/sample_efficiency.py: the completion counts and the completions-to-reach computation (fast), and the
 --smoke run end to end (slow set)."""
 
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import sample_efficiency  # noqa: E402
+from experiments import sample_efficiency
 
 from .conftest import script_refusal  # noqa: E402
 

@@ -1,17 +1,12 @@
-"""scripts/staleness.py: the completions formula for a lag, the largest-tolerated-lag rule, the run averages of the
+"""experiments/staleness.py: the completions formula for a lag, the largest-tolerated-lag rule, the run averages of the
 logged statistics (fast), and the --smoke run end to end (slow set)."""
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import staleness  # noqa: E402
+from experiments import staleness
 
 from .conftest import script_refusal  # noqa: E402
 

@@ -311,3 +311,31 @@ def test_training_leaves_no_state_beyond_what_grpo_trainer_keeps(signal, tiny_mo
     output = trainer._generate_and_score_completions(rows)
     assert not any(key.startswith("topr_") for row in rows for key in row)
     assert ("topr_signal" in output) == (signal == "reward")
+
+
+def test_a_registered_loss_reads_its_own_knob_from_a_config_subclass(tiny_model_path, arithmetic_dataset, tmp_path):
+    """A new loss with a knob of its own touches two places: its registration (`reads=`) and a field of a config
+    subclass. The knob reaches the loss the trainer computes: on the same batch, scale 2 gives exactly twice the loss
+    of scale 1 (doubling is exact in binary floating point, term by term and through the sums) and scale 0 gives 0."""
+    from dataclasses import dataclass
+
+    from topr_trl.loss import POLICY_LOSSES, register_policy_loss
+
+    @dataclass
+    class ScaledConfig(TOPRConfig):
+        reinforce_scale: float = 1.0
+
+    @register_policy_loss("test_scaled_reinforce", reads=("reinforce_scale",))
+    def scaled_reinforce(per_token_logps, log_ratio, signal, is_positive, spec):
+        return -spec.knob("reinforce_scale") * signal * per_token_logps, torch.ones_like(log_ratio)
+
+    try:
+        trainers = [TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
+                                args=ScaledConfig(**small_config_kwargs(tmp_path / str(scale), reinforce_scale=scale,
+                                                                        loss_type="test_scaled_reinforce")))
+                    for scale in (1.0, 2.0, 0.0)]
+        inputs = make_inputs(trainers[0])
+        one, two, zero = [trainer.compute_loss(trainer.model, inputs).detach() for trainer in trainers]
+        assert one.abs() > 1e-3 and torch.equal(two, 2 * one) and zero == 0
+    finally:
+        POLICY_LOSSES.pop("test_scaled_reinforce")

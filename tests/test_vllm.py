@@ -55,7 +55,7 @@ def mean_gap(first: list[torch.Tensor], second: list[torch.Tensor]) -> float:
 def test_generate_with_vllm_writes_the_transformers_schema_with_the_samplers_logps(reasoning_model, tmp_path):
     """`topr-trl generate --backend vllm` on a CPU: the same columns as the transformers backend, EOS kept on
     stopped completions, and mu's log-probs those of the tempered distribution (T = 1.5) that sampled them."""
-    from topr_trl import cli
+    from topr_trl.commands import cli
     from topr_trl.offline import load_offline_dataset
 
     common = ["generate", "--task", "reasoning", "--model_name_or_path", reasoning_model, "--max_prompts", "6",
@@ -81,7 +81,7 @@ def test_generate_with_vllm_writes_the_transformers_schema_with_the_samplers_log
 def test_evaluate_with_vllm_gives_the_transformers_pass_at_1(reasoning_model, tmp_path):
     """`topr-trl evaluate --backend vllm` and `--backend transformers` on the same model and held-out problems:
     sampled pass@1 within 3 standard errors of their difference (the engines draw different samples)."""
-    from topr_trl.cli_evaluate import main
+    from topr_trl.commands.evaluate import main
 
     results = {}
     for backend in ("vllm", "transformers"):

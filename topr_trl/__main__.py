@@ -1,4 +1,4 @@
-from .cli import main
+from .commands.cli import main
 
 
 main()

@@ -18,6 +18,7 @@ from .loss import (
     TRL_LOSS_TYPES,
     PolicyLossSpec,
     TruncationLimits,
+    finite_non_negative,
 )
 
 
@@ -295,9 +296,9 @@ class TOPRConfig(GRPOConfig):
     def _refuse_fields_without_effect(self) -> None:
         """One field selects the loss: `loss_type`. A TOPR-family field with one of TRL's loss types, or a field only
         other registered losses read, fails here, naming the field to drop."""
-        defaults = {f.name: f.default for f in dataclasses.fields(TOPRConfig)}
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
         if not self.uses_topr_loss:
-            for name in (*_FAMILY_FIELDS, *knob_readers()):
+            for name in (*_FAMILY_FIELDS, *(name for name in knob_readers() if name in defaults)):
                 value = getattr(self, name)
                 if value == defaults[name] or (name == "topr_baseline" and value == _parse_number(defaults[name])):
                     continue
@@ -352,7 +353,9 @@ def resolve_limits(args) -> TruncationLimits | None:
 
 def policy_loss_spec_of(args) -> PolicyLossSpec:
     """The `PolicyLossSpec` of a config with `loss_type`, the limit fields, `topr_ratio_level`, PPO's `epsilon`,
-    `epsilon_high` and `delta`, and the loss knobs (`LOSS_KNOBS`): TOPRConfig and AsyncTOPRConfig alike."""
+    `epsilon_high` and `delta`, the branch weights, and the fields the chosen loss reads (its registration's
+    `reads=`, passed as `knobs`): TOPRConfig and AsyncTOPRConfig alike."""
+    entry = POLICY_LOSSES.get(args.loss_type)
     return PolicyLossSpec(
         loss_type=args.loss_type,
         limits=resolve_limits(args),
@@ -362,22 +365,25 @@ def policy_loss_spec_of(args) -> PolicyLossSpec:
         ppo_delta=float(args.delta) if args.delta is not None else None,
         positive_weight=float(args.topr_positive_weight),
         negative_weight=float(args.topr_negative_weight),
-        cispo_epsilon_low=float(args.cispo_epsilon_low),
-        cispo_epsilon_high=float(args.cispo_epsilon_high),
-        kimi15_tau=float(args.kimi15_tau),
+        knobs={name: getattr(args, name) for name in (entry.knobs if entry else ())},
     )
 
 
-LOSS_KNOBS = ("topr_positive_weight", "topr_negative_weight", "cispo_epsilon_low", "cispo_epsilon_high", "kimi15_tau")
-"""The loss fields beyond the limits that `policy_loss_spec_of` reads: declared in TOPRConfig, taken by
-AsyncTOPRConfig with `topr_field`, checked for both by `check_loss_knobs` and `refuse_unread_knobs`."""
+BRANCH_WEIGHTS = ("topr_positive_weight", "topr_negative_weight")
+"""The branch weights lambda+/lambda- every loss of the registry takes (ROLL's), checked by `check_loss_knobs`."""
 
 
 def check_loss_knobs(args) -> None:
-    for name in LOSS_KNOBS:
-        value = getattr(args, name)
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-            raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
+    """The branch weights, and every knob of the chosen loss (a field it registered with `reads=`), each by the
+    loss's own check; a knob the config class does not declare fails here, naming it."""
+    for name in BRANCH_WEIGHTS:
+        finite_non_negative(name, getattr(args, name))
+    entry = POLICY_LOSSES.get(args.loss_type)
+    for name in entry.knobs if entry else ():
+        if not hasattr(args, name):
+            raise ValueError(f"loss_type={args.loss_type!r} reads `{name}`, which {type(args).__name__} does not "
+                             "declare: add it as a field of a subclass of the config.")
+        entry.check(name, getattr(args, name))
 
 
 def knob_readers() -> dict[str, list[str]]:
@@ -389,9 +395,9 @@ def knob_readers() -> dict[str, list[str]]:
 def refuse_unread_knobs(args) -> None:
     """A field set away from its default that the chosen loss does not read (`kimi15_tau` with `loss_type="ppo"`)
     fails in one line naming it and the losses that read it."""
-    defaults = {f.name: f.default for f in dataclasses.fields(TOPRConfig)}
+    defaults = {f.name: f.default for f in dataclasses.fields(args)}
     for name, readers in knob_readers().items():
-        if getattr(args, name) != defaults[name] and args.loss_type not in readers:
+        if name in defaults and getattr(args, name) != defaults[name] and args.loss_type not in readers:
             raise ValueError(f"`{name}` has no effect with loss_type={args.loss_type!r} (it is read by loss_type "
                              f"{' / '.join(repr(r) for r in readers)}): drop it.")
 

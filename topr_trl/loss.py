@@ -17,8 +17,8 @@ fully masked rows, empty batches) produces inf or NaN.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -188,8 +188,10 @@ def kimi15_per_token_loss(
 @dataclass(frozen=True)
 class PolicyLossSpec:
     """Everything that defines a policy loss of the family, resolved from `TOPRConfig`: `loss_type` names an entry of
-    `POLICY_LOSSES`, `limits` are Eq. 7's (a+, b+, a-, b-) for the tapered entries (None for the others), the other
-    fields are the knobs the entries read."""
+    `POLICY_LOSSES`, `limits` are Eq. 7's (a+, b+, a-, b-) for the tapered entries (None for the others), the branch
+    weights and PPO's clip apply across the family, and `knobs` holds the config fields the chosen loss registered
+    with `reads=` (by field name), which the loss reads with `spec.knob(name)`: a loss with a knob of its own needs
+    no field here."""
 
     loss_type: str = "topr"
     limits: TruncationLimits | None = PRESETS["topr"]
@@ -199,9 +201,15 @@ class PolicyLossSpec:
     ppo_epsilon_low: float = 0.2
     ppo_epsilon_high: float = 0.2
     ppo_delta: float | None = None
-    cispo_epsilon_low: float = 0.1
-    cispo_epsilon_high: float = 0.1
-    kimi15_tau: float = 0.1
+    knobs: Mapping[str, float] = field(default_factory=dict)
+
+    def knob(self, name: str) -> float:
+        """The value of config field `name`, which this spec's loss registered with `reads=`."""
+        if name not in self.knobs:
+            raise ValueError(f"the policy loss {self.loss_type!r} reads `{name}`: give it in "
+                             f"PolicyLossSpec(knobs={{{name!r}: ...}}) (a config's `policy_loss_spec` fills in every "
+                             "field the loss registered with reads=).")
+        return self.knobs[name]
 
 
 @dataclass
@@ -235,22 +243,42 @@ LIMIT_FIELDS: tuple[str, ...] = ("topr_positive_lower", "topr_positive_upper", "
 PolicyLossFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+KnobCheck = Callable[[str, object], None]
+
+
+def finite_non_negative(name: str, value: object) -> None:
+    """The check of a knob that is a scale or a width: a finite number >= 0 (raises a ValueError naming it)."""
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
+
+
 @dataclass(frozen=True)
 class RegisteredPolicyLoss:
-    """An entry of `POLICY_LOSSES`: the function, Eq. 7's limits (None when it is not a tapered loss) and the
-    TOPRConfig fields only it reads (setting one of them with another loss type fails at construction)."""
+    """An entry of `POLICY_LOSSES`: the function, Eq. 7's limits (None when it is not a tapered loss), the config
+    fields only it reads (its knobs: passed to it in `PolicyLossSpec.knobs`; setting one with another loss type
+    fails at construction) and the check each knob's value must pass when the loss is chosen."""
 
     function: PolicyLossFunction
     limits: TruncationLimits | None = None
     reads: tuple[str, ...] = ()
+    check: KnobCheck = finite_non_negative
+
+    @property
+    def knobs(self) -> tuple[str, ...]:
+        """The fields it reads beyond Eq. 7's limits (which reach it resolved, as `spec.limits`)."""
+        return tuple(name for name in self.reads if name not in LIMIT_FIELDS)
 
 
 POLICY_LOSSES: dict[str, RegisteredPolicyLoss] = {}
 
 
-def register_policy_loss(name: str, *, limits: TruncationLimits | None = None, reads: tuple[str, ...] = ()):
+def register_policy_loss(name: str, *, limits: TruncationLimits | None = None, reads: tuple[str, ...] = (),
+                         check: KnobCheck = finite_non_negative):
     """Decorator adding a per-token policy loss to `POLICY_LOSSES` under `name`, which `TOPRConfig(loss_type=name)`
-    then selects. A name of TRL's (`TRL_LOSS_TYPES`) or one already registered is refused."""
+    then selects. `reads` names the config fields of its own knobs: a config built with this loss type checks each
+    with `check(name, value)` and hands them to the function as `spec.knob(name)`; a config class without such a
+    field (declare it in a `TOPRConfig` subclass) fails at construction. A name of TRL's (`TRL_LOSS_TYPES`) or one
+    already registered is refused."""
 
     def register(function: PolicyLossFunction) -> PolicyLossFunction:
         if name in TRL_LOSS_TYPES:
@@ -258,7 +286,7 @@ def register_policy_loss(name: str, *, limits: TruncationLimits | None = None, r
                              "name.")
         if name in POLICY_LOSSES:
             raise ValueError(f"a policy loss named {name!r} is already registered.")
-        POLICY_LOSSES[name] = RegisteredPolicyLoss(function, limits, tuple(reads))
+        POLICY_LOSSES[name] = RegisteredPolicyLoss(function, limits, tuple(reads), check)
         return function
 
     return register
@@ -286,14 +314,15 @@ def ppo_loss(per_token_logps, log_ratio, signal, is_positive, spec: PolicyLossSp
 def cispo_loss(per_token_logps, log_ratio, signal, is_positive, spec: PolicyLossSpec):
     """ROLL's CISPO: REINFORCE weighted by the stop-gradient ratio clipped to [1 - eps_low, 1 + eps_high]. (TRL's
     `loss_type="cispo"` clips from above only, at `epsilon_high`, and aggregates like `dapo`.)"""
-    weights = cispo_weights(log_ratio, spec.cispo_epsilon_low, spec.cispo_epsilon_high)
+    weights = cispo_weights(log_ratio, spec.knob("cispo_epsilon_low"), spec.knob("cispo_epsilon_high"))
     return -(weights * signal) * per_token_logps, weights
 
 
 @register_policy_loss("kimi15", reads=("kimi15_tau",))
 def kimi15_loss(per_token_logps, log_ratio, signal, is_positive, spec: PolicyLossSpec):
     """Kimi k1.5's REINFORCE with a squared log-ratio penalty (weight 1: the penalty, not a ratio, keeps it near mu)."""
-    return kimi15_per_token_loss(per_token_logps, log_ratio, signal, spec.kimi15_tau), torch.ones_like(log_ratio)
+    tau = spec.knob("kimi15_tau")
+    return kimi15_per_token_loss(per_token_logps, log_ratio, signal, tau), torch.ones_like(log_ratio)
 
 
 def policy_per_token_loss(

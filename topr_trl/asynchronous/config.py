@@ -82,7 +82,7 @@ class AsyncTOPRConfig(AsyncGRPOConfig):
     topr_loss_aggregation: str = field(
         default="seq-mean-token-mean", metadata={"help": f"Loss aggregation: {list(ASYNC_AGGREGATIONS)}."})
     topr_check_finite: bool = topr_field("topr_check_finite")
-    # the loss knobs and PPO's dual-clip delta, declared once in TOPRConfig (`LOSS_KNOBS`)
+    # the branch weights, the built-in losses' knobs and PPO's dual-clip delta, declared once in TOPRConfig
     topr_positive_weight: float = topr_field("topr_positive_weight")
     topr_negative_weight: float = topr_field("topr_negative_weight")
     cispo_epsilon_low: float = topr_field("cispo_epsilon_low")

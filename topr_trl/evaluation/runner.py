@@ -3,7 +3,7 @@ completions per question, class each one correct / incorrect / invalid, and repo
 unbiased pass@k, maj@k, the invalid rate, the paper's bootstrap standard errors, and the histogram of correct
 answers per question.
 
-`evaluate_model` is the measurement; `topr-trl evaluate` (`topr_trl.cli_evaluate`) runs it from the command line:
+`evaluate_model` is the measurement; `topr-trl evaluate` (`topr_trl.commands.evaluate`) runs it from the command line:
 
     topr-trl evaluate --model_name_or_path outputs/topr-tiny-arithmetic --task arithmetic --k 8 \\
         --output_dir outputs/eval

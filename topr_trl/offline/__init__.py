@@ -7,7 +7,7 @@
     sampler       GroupShuffleSampler, the replay order
     held_out      the user's held-out prompts and the mean reward measured on them
 
-Iterations (mu_i = pi_{i-1}) drive these with the trainer, so they sit above it: `topr_trl.iterations`.
+Iterations (mu_i = pi_{i-1}) drive these with the trainer, so they sit above it: `topr_trl.commands.iterations`.
 
 The names below are importable from `topr_trl.offline` itself; each is loaded from its module on first use, so that
 importing one (the trainer imports `schema` and `sampler`) does not import generation or vLLM code.

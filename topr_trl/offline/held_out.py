@@ -1,7 +1,7 @@
 """The user's own held-out prompts and how a policy is measured on them: `load_test_prompts` (the prompts of a held-out
 split, or why there are none) and `reward_evaluator` (the mean reward of the user's reward functions on completions
 sampled from the policy, labelled exactly as generation labels the data). `topr-trl iterate` measures each iteration
-with them (`topr_trl.iterations`), and a training command its custom task (`topr_trl.tasks.loading`).
+with them (`topr_trl.commands.iterations`), and a training command its custom task (`topr_trl.tasks.loading`).
 """
 
 from __future__ import annotations

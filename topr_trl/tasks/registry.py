@@ -26,8 +26,8 @@ class TrainingData:
 
 @dataclass(frozen=True)
 class Task:
-    """One task. `options` in the functions are a command's task arguments (`topr_trl.arguments.TaskArguments`, and
-    `EvaluateArguments` for `evaluation_data`)."""
+    """One task. `options` in the functions are a command's task arguments
+    (`topr_trl.commands.arguments.TaskArguments`, and `EvaluateArguments` for `evaluation_data`)."""
 
     name: str
     # train|generate|iterate take it; False: evaluation only (MATH's full test set)
@@ -51,7 +51,7 @@ class Task:
     held_out_evaluator: Callable[..., Callable] | None = None
     # the built-in tiny model of a built-in task: (options, seed) -> TinyModel
     tiny_model: Callable[..., TinyModel] | None = None
-    # the recipe (topr_trl/recipes/<name>.yaml) a built-in run of it adds to the command's own
+    # the recipe (topr_trl/commands/recipes/<name>.yaml) a built-in run of it adds to the command's own
     recipe: str | None = None
 
 

@@ -110,7 +110,7 @@ def save_pretrained(model, tokenizer, path: str | Path) -> Path:
 # between CPU kernels: the same seed trained with 1 or 2 threads, or with AVX2 or AVX-512 kernels, gives weights
 # several percent apart, and a base model whose quality differs from machine to machine. Bitwise-equal training
 # across kernels cannot be had from torch, so the models of the default settings are shipped as weights, built
-# once (`scripts/build_prebuilt_models.py`), and identical on every machine; other settings are built locally and
+# once (`experiments/build_prebuilt_models.py`), and identical on every machine; other settings are built locally and
 # cached under a key that names the torch version, the CPU kernels and the thread count that made them.
 PREBUILT_DIR = Path(__file__).parent / "prebuilt"
 BUILD_FILE = "build.json"

@@ -18,7 +18,7 @@ end of the last (the worker's start and the first push excluded), as the samples
 asynchronous packing fills a step by tokens, so its steps hold about the batch, not exactly). L (generation per step) and T (training per step) are read from the synchronous run's own
 timing (TRL's profiling of `vLLM.generate` and the step time); the ideal ratio is (L + T) / max(L, T).
 
-    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python scripts/async_server_throughput.py --output docs/async_server_throughput.json
+    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python -m experiments.async_server_throughput --output docs/async_server_throughput.json
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ and is evaluated at a few checkpoints with `evaluate_model` (temperature 1, --ev
 by the reward function as it scores them and checked against each method's formula (`expected_completions`);
 wall time is training + generation, evaluation time excluded. One CPU thread (OMP_NUM_THREADS=1).
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/sample_efficiency.py            # full run, docs/sample_efficiency.*
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/sample_efficiency.py --smoke --output outputs/sample_efficiency/smoke
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.sample_efficiency            # full run, docs/sample_efficiency.*
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.sample_efficiency --smoke --output outputs/sample_efficiency/smoke
 
 Run times measured on one CPU thread (2-core shared machine): building the warm model, once, ~2-3 min (cached under
 --work_dir/cache afterwards); --smoke ~20 s; the full run (defaults: 3 seeds; online 60 steps x 32 completions =
@@ -48,7 +48,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from experiments import (  # noqa: E402
+from experiments.common import (  # noqa: E402
     Tracker,
     experiment_parser,
     held_out_pass_at_1,
@@ -249,7 +249,7 @@ def run_offline(loss, epochs, options, seed, base_path, held_out, base_point, wo
 def run_iterated(options, seed, base_path, held_out, base_point, work: Path) -> dict:
     import torch
 
-    from topr_trl.iterations import IterationSettings, run_iterations
+    from topr_trl.commands.iterations import IterationSettings, run_iterations
     from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
 
     folder = work / f"topr_iterated-seed{seed}"

@@ -5,8 +5,8 @@ Per seed, one dataset is sampled from mu and subsampled to each of --proportions
 1 % to 100 % (p~ = 100 % is c = -1: negatives get weight 0, i.e. SFT on positives), and TOPR and TIS are trained
 off-policy on it; final held-out accuracy per (p, p~, method).
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/baseline_sweep.py    # 3 seeds, writes docs/baseline_sweep.{json,png}
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/baseline_sweep.py --task arithmetic --proportions 0.1 0.5 \
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.baseline_sweep    # 3 seeds, writes docs/baseline_sweep.{json,png}
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.baseline_sweep --task arithmetic --proportions 0.1 0.5 \
         --output docs/stress/baseline_sweep                        # the low-p stress test
 
 The paper's claims to test: accuracy depends strongly on p~ whatever the dataset's p (so the baseline can make
@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from experiments import (
+from experiments.common import (
     baseline_for,
     experiment_parser,
     late_mean,

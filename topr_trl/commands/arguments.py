@@ -1,7 +1,8 @@
 """The command line's arguments, on TRL's parser: one `TrlParser` with a subcommand per command, each made of
 dataclasses (TRL's `ScriptArguments`, `TOPRConfig` and `ModelConfig` for the training commands), `--config FILE.yaml`
 then flags as TRL reads them, and below both the defaults of the run: the built-in recipes
-(`topr_trl/recipes/builtin-*.yaml`) on the built-in tiny model, TRL's own defaults (fitted to the hardware) otherwise.
+(`topr_trl/commands/recipes/builtin-*.yaml`) on the built-in tiny model, TRL's own defaults (fitted to the hardware)
+otherwise.
 A wrong flag, YAML key or value fails in one line starting with `topr-trl:`.
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from trl import ScriptArguments, TrlParser
 
-from .tasks.registry import BUILTIN_TASK, TASKS, builtin_task_names
+from ..tasks.registry import BUILTIN_TASK, TASKS, builtin_task_names
 
 
 COMMANDS = ("train", "generate", "iterate", "evaluate", "vllm-serve")
@@ -291,8 +292,8 @@ class CommandParser(TrlParser):
 def command_dataclasses(command: str) -> tuple:
     from trl import ModelConfig
 
-    from .config import TOPRConfig
-    from .vllm_server.command import VLLMServeArguments
+    from ..config import TOPRConfig
+    from ..vllm_server.command import VLLMServeArguments
 
     return {"train": (TrainScriptArguments, TOPRConfig, ModelConfig),
             "generate": (GenerateScriptArguments, ModelConfig),
@@ -419,7 +420,7 @@ def is_builtin_run(choice: _RunChoice) -> bool:
 
 
 def recipe(name: str) -> dict:
-    """A built-in recipe, `topr_trl/recipes/<name>.yaml`, as a mapping of field: value."""
+    """A built-in recipe, `topr_trl/commands/recipes/<name>.yaml`, as a mapping of field: value."""
     import yaml
 
     return yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
@@ -428,7 +429,7 @@ def recipe(name: str) -> dict:
 def run_defaults(command: str, choice: _RunChoice) -> dict:
     """The parser defaults of a run, below the YAML and the flags: the built-in recipe for a built-in run, TRL's own
     (fitted to the hardware) otherwise; the command line's checks; an output folder of its own."""
-    from .distributed import gpu_available
+    from ..distributed import gpu_available
 
     if is_builtin_run(choice):
         defaults = recipe(f"builtin-{command}")
@@ -457,8 +458,8 @@ def run_defaults(command: str, choice: _RunChoice) -> dict:
 def cpu_validation_flags(command: str, choice: _RunChoice) -> list[str]:
     """For a dry run on a machine without a GPU: flags (above the config file) that turn off what needs one, so that
     every other key and value of a GPU recipe still validates here. Says which ones it turned off."""
-    from .distributed import gpu_available
-    from .sampling import vllm_cpu_build_installed
+    from ..distributed import gpu_available
+    from ..sampling import vllm_cpu_build_installed
 
     needs_gpu = [f"{name}=True" for name in ("bf16", "fp16") if getattr(choice, name)]
     if choice.use_vllm and not vllm_cpu_build_installed():
@@ -506,7 +507,7 @@ def short_help(command: str) -> str:
     """This command's own fields and TOPR's first, then the common GRPO and model fields, from the dataclasses."""
     from trl import GRPOConfig, ModelConfig
 
-    from .config import TOPRConfig
+    from ..config import TOPRConfig
 
     grpo_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     groups: list[tuple[str, list[dataclasses.Field]]] = []

@@ -65,13 +65,13 @@ def run_iterations(
     from accelerate import PartialState
     from transformers import AutoTokenizer
 
-    from .config import TOPRConfig
-    from .distributed import empty_caches, evaluate_policy, last_checkpoint, release_for_next_trainer
-    from .machine import machine_info
-    from .offline.composition import compose
-    from .offline.generation import GeneratedWithOtherSettings, generate_offline_dataset
-    from .offline.schema import stored_reward
-    from .trainer import TOPRTrainer
+    from ..config import TOPRConfig
+    from ..distributed import empty_caches, evaluate_policy, last_checkpoint, release_for_next_trainer
+    from ..machine import machine_info
+    from ..offline.composition import compose
+    from ..offline.generation import GeneratedWithOtherSettings, generate_offline_dataset
+    from ..offline.schema import stored_reward
+    from ..trainer import TOPRTrainer
 
     output_dir = Path(output_dir)
     summaries: list[dict] = []
@@ -157,7 +157,7 @@ def run_iterations(
 def iteration_curves(output_dir: str | Path) -> tuple[dict, list[int]]:
     """The logged curves of every iteration in `output_dir`, one after another (each iteration's steps shifted by
     the steps before it), and the steps where iterations 1, 2, ... start: what `topr_trl.curves.plot_curves` draws."""
-    from .curves import logged_curves
+    from ..curves import logged_curves
 
     curves: dict[str, tuple[list[int], list[float]]] = {}
     boundaries, offset = [], 0

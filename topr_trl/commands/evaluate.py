@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .evaluation.runner import evaluate_model, json_safe, save_results
-from .sampling import BACKENDS
-from .tasks.registry import BUILTIN_TASK, CUSTOM_TASK, ROW_COLUMN, TASKS
+from ..evaluation.runner import evaluate_model, json_safe, save_results
+from ..sampling import BACKENDS
+from ..tasks.registry import BUILTIN_TASK, CUSTOM_TASK, ROW_COLUMN, TASKS
 
 
 def _resolve_task(options) -> str:
@@ -45,19 +45,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def run(options) -> dict[str, Any]:
-    """Evaluate as `options` (`topr_trl.arguments.EvaluateArguments`) say; returns the summary."""
-    from .config import check_choice
+    """Evaluate as `options` (`topr_trl.commands.arguments.EvaluateArguments`) say; returns the summary."""
+    from ..config import check_choice
 
     try:
         if options.task is not None:
             check_choice("task", options.task, tuple(TASKS))
         check_choice("backend", options.backend, BACKENDS)
-    except ValueError as error:  # one line, also when called as topr_trl.cli_evaluate.main
+    except ValueError as error:  # one line, also when called as topr_trl.commands.evaluate.main
         raise SystemExit(f"topr-trl: {error}") from None
     if options.limit is not None and options.limit < 1:
         raise SystemExit("topr-trl: --limit must be positive")
     options.task = _resolve_task(options)
-    from .sources import check_data_source, check_model_source
+    from ..sources import check_data_source, check_model_source
 
     check_model_source(options.model_name_or_path)
     check_data_source(options.dataset_name, "--dataset_name")
@@ -70,7 +70,7 @@ def run(options) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(options.tokenizer or options.model_name_or_path)
     classify, answer_column = task.classifier() if task.classifier is not None else None, "answer"
     if options.task == CUSTOM_TASK:
-        from .tasks.user_rewards import reporting_reward, resolve_reward, reward_classifier
+        from ..tasks.user_rewards import reporting_reward, resolve_reward, reward_classifier
 
         functions = [reporting_reward(resolve_reward(name)) for name in options.reward_funcs]
         classify, answer_column = reward_classifier(functions, dataset), ROW_COLUMN
@@ -81,7 +81,7 @@ def run(options) -> dict[str, Any]:
         batch_size=options.batch_size, seed=options.seed, show_progress=not options.no_progress,
         num_bootstrap=options.num_bootstrap, backend=options.backend, stop_strings=options.stop,
     )
-    from .machine import describe_machine, machine_info
+    from ..machine import describe_machine, machine_info
 
     result.settings.update(task=options.task, machine=machine_info())
     if options.task == CUSTOM_TASK:

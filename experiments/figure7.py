@@ -9,8 +9,8 @@ positives (before truncation), and held-out accuracy over steps. Reported per me
 checkpoints in the last quarter of the steps), how many seeds collapsed (late accuracy below the start by more
 than --collapse_margin, fixed before the run), and TOPR's paired difference to untruncated IS.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/figure7.py     # 3 seeds, writes docs/figure7.{json,png}
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/figure7.py --task arithmetic --proportion 0.1 --eval_every 20 \
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.figure7     # 3 seeds, writes docs/figure7.{json,png}
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.figure7 --task arithmetic --proportion 0.1 --eval_every 20 \
         --output docs/stress/figure7                            # the low-p stress test
 
 The paper's claim to test: with mostly negative data, untruncated IS weights on negatives grow as pi moves away
@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from experiments import (
+from experiments.common import (
     baseline_for,
     experiment_parser,
     late_mean,

@@ -1,8 +1,8 @@
 """vLLM against transformers `generate` on the same model: throughput, and the train/inference mismatch pi/mu.
 
-    python scripts/vllm_generation.py --measure throughput [--models reasoning,27m] [--repeats 3]
-    python scripts/vllm_generation.py --measure mismatch [--num_prompts 64] [--num_generations 8]
-    python scripts/vllm_generation.py --measure server_sync [--models reasoning,small,27m] [--repeats 10]
+    python -m experiments.vllm_generation --measure throughput [--models reasoning,27m] [--repeats 3]
+    python -m experiments.vllm_generation --measure mismatch [--num_prompts 64] [--num_generations 8]
+    python -m experiments.vllm_generation --measure server_sync [--models reasoning,small,27m] [--repeats 10]
 
 `throughput`: completions per second of a warm vLLM engine (`topr_trl.sampling.make_vllm_engine`) and of batched
 transformers `generate` (`topr_trl.sampling.generate_completions`, left padding) on the same weights, prompts,
@@ -47,7 +47,7 @@ MODELS = {"small": dict(hidden_size=256, num_layers=4), "27m": dict(hidden_size=
 def model_path(name: str, work: Path) -> str:
     """The built-in reasoning model ("reasoning"), or a random-weight tiny model of the shape `MODELS[name]`."""
     if name == "reasoning":
-        from topr_trl.arguments import TaskArguments
+        from topr_trl.commands.arguments import TaskArguments
         from topr_trl.tasks.loading import builtin_model
 
         return str(builtin_model("reasoning", TaskArguments(task_digits=3, base_model_dir=str(work / "base")), seed=0))

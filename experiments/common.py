@@ -161,7 +161,7 @@ class Testbed:
 
 def prepare(options) -> tuple[Path, Testbed]:
     """(work dir, testbed) of a script's run. The reasoning testbed's warm model is built once under
-    WORK_DIR/cache (shared with scripts/sample_efficiency.py when both use the same work dir)."""
+    WORK_DIR/cache (shared with experiments/sample_efficiency.py when both use the same work dir)."""
     work = Path(options.work_dir)
     return work, TESTBEDS[options.task](work, options)
 

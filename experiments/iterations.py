@@ -6,9 +6,9 @@ Each iteration samples 8 completions for each training prompt from the current m
 TOPR pass on it with the paper's signal R - c (c = 0, or the c giving Eq. 12's p~ = --effective_proportion over
 the iteration's data; `--signal advantage`: GRPO's group advantage), and evaluates the testbed's held-out measure.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/iterations.py       # 3 seeds x 3 strategies x 3 iterations, docs/iterations.*
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/iterations.py --steps_per_iteration 32   # every composition 32 steps
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/iterations.py --task arithmetic --prompts 256 --eval_prompts 200 \
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.iterations       # 3 seeds x 3 strategies x 3 iterations, docs/iterations.*
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.iterations --steps_per_iteration 32   # every composition 32 steps
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.iterations --task arithmetic --prompts 256 --eval_prompts 200 \
         --output docs/stress/iterations                             # the low-p stress test
 
 One pass over a curated iteration is fewer optimizer steps than over the uniform one (Anna Karenina keeps ~40 % of
@@ -24,7 +24,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from experiments import (
+from experiments.common import (
     experiment_parser,
     late_mean,
     mean_and_ci95,
@@ -42,7 +42,7 @@ STRATEGIES = ("uniform", "positives_only", "anna_karenina")
 def run(options) -> dict:
     import torch
 
-    from topr_trl.iterations import IterationSettings, run_iterations
+    from topr_trl.commands.iterations import IterationSettings, run_iterations
 
     work, testbed = prepare(options)
     results = results_header(options, testbed)

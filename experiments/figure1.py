@@ -6,8 +6,8 @@ at least 2 carries, where the planted error strikes, is reported beside the over
 with the baseline c solved once on each fixed dataset for Eq. 12's p~ = --target_effective_proportion (the paper
 sets c; the other methods use c = 0).
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/figure1.py          # 3 seeds, writes docs/figure1.{json,png}
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/figure1.py --task arithmetic --output docs/stress/figure1
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.figure1          # 3 seeds, writes docs/figure1.{json,png}
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.figure1 --task arithmetic --output docs/stress/figure1
 
 The paper's claims to test: naive REINFORCE collapses, PPO stalls (its clipped ratio stops learning from data
 far from pi), TOPR keeps improving; far off-policy data still helps TOPR.
@@ -29,7 +29,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from experiments import (
+from experiments.common import (
     clipped_token_shares,
     experiment_parser,
     late_mean,

@@ -1,7 +1,7 @@
 """Build the built-in tiny models of the default settings into `topr_trl/tasks/prebuilt/`, the weights every
 machine installs instead of training them (`topr_trl.tasks.tiny`, "Built-in models shipped as weights").
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/build_prebuilt_models.py [--force]
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.build_prebuilt_models [--force]
 
 Run it only when the tiny model or a default warm-start setting changes; the folder's build.json records the torch
 version, CPU kernels and threads that made each model. One thread, so that a rebuild on a machine like this one
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from topr_trl.arguments import TaskArguments
+from topr_trl.commands.arguments import TaskArguments
 from topr_trl.tasks.arithmetic import build_warm_model, warm_model_key
 from topr_trl.tasks.reasoning import WarmStartSettings, build_reasoning_warm_model
 from topr_trl.tasks.tiny import PREBUILT_DIR

@@ -1,6 +1,6 @@
 """One asynchronous run on this machine: a trainer of TRL's asynchronous family (TOPR's, or TRL's own on a CPU) fed by
 the stand-in rollout worker, sampling from a second copy of the model. Used by `topr-trl train --asynchronous` and the
-scripts that measure asynchrony (scripts/async_throughput.py, scripts/async_staleness.py)."""
+scripts that measure asynchrony (experiments/async_throughput.py, experiments/async_staleness.py)."""
 
 from __future__ import annotations
 

@@ -4,10 +4,10 @@ Each (trainer, setting) is run in its own subprocess so that peak memory is meas
 are interleaved round by round so that machine noise hits all of them alike. Completions are forced to the full
 `max_completion_length` (min_new_tokens), so every setting does the same generation work.
 
-    python scripts/benchmark.py --smoke                 # seconds; what CI runs (no assertion on times)
-    python scripts/benchmark.py --repeats 5 --steps 20  # the CPU figures in the note
-    python scripts/benchmark.py --interleaved --repeats 5 --steps 20   # whole steps alternated in one process
-    python scripts/benchmark.py --model qwen2.5-0.5b --device cuda --bf16 --prompt_length 512 --completion_length 512
+    python -m experiments.benchmark --smoke                 # seconds; what CI runs (no assertion on times)
+    python -m experiments.benchmark --repeats 5 --steps 20  # the CPU figures in the note
+    python -m experiments.benchmark --interleaved --repeats 5 --steps 20   # whole steps alternated in one process
+    python -m experiments.benchmark --model qwen2.5-0.5b --device cuda --bf16 --prompt_length 512 --completion_length 512
 
 Prints a table (median and spread of seconds per step, tokens per second, peak memory) and the ratios
 TOPR/GRPO, and writes them as JSON with `--output`.

@@ -29,7 +29,7 @@ def refuse_used_output_dir(output_dir: str, overwrite: bool, resume: bool) -> No
     """A folder that holds a finished run (its summary or its saved model) or an interrupted one (checkpoints) is not
     trained into again by accident: a finished one only with --overwrite_output_dir (or --resume_from_checkpoint to
     continue it), an interrupted one only with --resume_from_checkpoint (or --overwrite_output_dir to start again)."""
-    from .distributed import last_checkpoint
+    from ..distributed import last_checkpoint
 
     folder = Path(output_dir)
     if overwrite or resume or not folder.is_dir():
@@ -49,7 +49,7 @@ def refuse_used_output_dir(output_dir: str, overwrite: bool, resume: bool) -> No
 
 def checkpoint_to_resume(training_args) -> str | None:
     """`--resume_from_checkpoint PATH`, or `true` for the last checkpoint in output_dir (None when there is none)."""
-    from .distributed import last_checkpoint
+    from ..distributed import last_checkpoint
 
     checkpoint = training_args.resume_from_checkpoint
     if str(checkpoint).lower() == "true":
@@ -178,9 +178,9 @@ def check_vllm_server_mode(training_args) -> None:
     (CUDA only); `topr-trl vllm-serve` runs a gloo path too, the default without a GPU."""
     if not (training_args.use_vllm and training_args.vllm_mode == "server"):
         return
-    from .distributed import gpu_available
-    from .vllm_server import BACKEND
-    from .vllm_server.client import server_url, server_weight_backend
+    from ..distributed import gpu_available
+    from ..vllm_server import BACKEND
+    from ..vllm_server.client import server_url, server_weight_backend
 
     url = server_url(training_args)
     backend = server_weight_backend(url, training_args.vllm_server_timeout)
@@ -202,7 +202,7 @@ def check_hub_push(training_args) -> None:
         return
     from huggingface_hub import get_token
 
-    from .sources import hub_unreachable_reason
+    from ..sources import hub_unreachable_reason
 
     reason = hub_unreachable_reason()
     if reason is not None:
@@ -292,7 +292,7 @@ def interrupted_run(command: str, argv: list[str], output_dir: str) -> SystemExi
     was saved."""
     import shlex
 
-    from .distributed import last_checkpoint
+    from ..distributed import last_checkpoint
 
     checkpoint = last_checkpoint(output_dir)
     if checkpoint is None:

@@ -1,7 +1,7 @@
 """Accuracy against staleness for asynchronous training on the reasoning testbed: TOPR keeping every sample against
 TRL's AsyncGRPOTrainer as shipped (dropping stale samples) and GRPO-clip keeping them.
 
-Every run trains the reasoning testbed's warm model (`topr_trl.tasks.reasoning`, as scripts/staleness.py) with a
+Every run trains the reasoning testbed's warm model (`topr_trl.tasks.reasoning`, as experiments/staleness.py) with a
 trainer of TRL's asynchronous family fed by the stand-in worker (`topr_trl.asynchronous.LaggedRolloutWorker`) in
 lockstep with lag K: the samples of each step come from the policy K versions before the newest one, so TRL's
 staleness counter reads K for every sample once K versions exist (and the sample is trained one optimizer step
@@ -33,12 +33,12 @@ against each other one at every K, and every method's K against its own K = 0. O
 
     # issue 22's rerun (docs/async_staleness_v2): shipped model, learning rate 1e-4 (chosen on validation for the
     # synchronous runs), 8 checkpoints; the keeping trainers first, then the dropping one and the control
-    S=scripts/async_staleness.py O=outputs/async_v2 common="--seeds 0 1 2 3 4 --learning_rate 1e-4 --checkpoints 8"
-    OMP_NUM_THREADS=1 .venv/bin/python $S $common --methods async_topr async_grpo_keep --output $O/main
-    OMP_NUM_THREADS=1 .venv/bin/python $S $common --methods async_grpo_drop --lags 16 64 --output $O/drop
-    OMP_NUM_THREADS=1 .venv/bin/python $S $common --methods async_topr_token_mean --lags 0 64 --output $O/control
-    .venv/bin/python $S --merge $O/main.json $O/drop.json $O/control.json --output docs/async_staleness_v2
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/async_staleness.py --smoke --output /tmp/async_staleness_smoke
+    S=experiments.async_staleness O=outputs/async_v2 common="--seeds 0 1 2 3 4 --learning_rate 1e-4 --checkpoints 8"
+    OMP_NUM_THREADS=1 .venv/bin/python -m $S $common --methods async_topr async_grpo_keep --output $O/main
+    OMP_NUM_THREADS=1 .venv/bin/python -m $S $common --methods async_grpo_drop --lags 16 64 --output $O/drop
+    OMP_NUM_THREADS=1 .venv/bin/python -m $S $common --methods async_topr_token_mean --lags 0 64 --output $O/control
+    .venv/bin/python -m $S --merge $O/main.json $O/drop.json $O/control.json --output docs/async_staleness_v2
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.async_staleness --smoke --output /tmp/async_staleness_smoke
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from experiments import (  # noqa: E402
+from experiments.common import (  # noqa: E402
     experiment_parser,
     held_out_pass_at_1,
     late_mean,
@@ -121,7 +121,7 @@ def run_one(method, lag, options, seed, base_path, held_out, work: Path) -> dict
 
     from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer
     from topr_trl.asynchronous.cpu import cpu_capable
-    from topr_trl.asynchronous.runs import WorkerSettings, build_async_trainer
+    from topr_trl.asynchronous.stand_in import WorkerSettings, build_async_trainer
     from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
 
     prompts = make_reasoning_dataset(options.steps * options.batch_size // options.num_generations, options.digits,

@@ -7,7 +7,7 @@ The behaviour policy mu lags the trained policy pi by up to K - 1 optimizer upda
                 old_per_token_logps of the generation batch
     grpo_clip   online trl.GRPOTrainer with loss_type="grpo": PPO clipping of the ratio pi/mu at 1 -/+ epsilon
                 (0.2, TRL's default), per-sequence length normalisation
-    tis         the controls Figure 1 has (`scripts/figure1.py`): TOPRTrainer with loss_type="tis" (truncated
+    tis         the controls Figure 1 has (`experiments/figure1.py`): TOPRTrainer with loss_type="tis" (truncated
     sft_positives  importance sampling, the ratio capped at 1 on both branches) and loss_type="sft" (positives only,
                 weight 1; negatives dropped), on the same signal, data and lag as topr
 
@@ -21,14 +21,14 @@ generation grow with K; num_iterations changes only the lag and the data budget,
 steps equal, generate less" asks for, and it keeps each step's batch (and group statistics) the same size as K = 1.
 `--lag_via steps_per_generation` runs the other reading (fresh data, same completions) for comparison.
 
-Every run starts from the warm model that scripts/sample_efficiency.py also starts from (cached under
+Every run starts from the warm model that experiments/sample_efficiency.py also starts from (cached under
 --work_dir/cache, shared with it by default) and is evaluated as there, with `experiments.held_out_pass_at_1`
 (temperature 1, --eval_samples per problem on --eval_prompts held-out problems, standard error across problems) at
 --checkpoints evenly spaced steps. Completions
 are counted by the reward function as it scores them and checked against `expected_completions`. One CPU thread.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/staleness.py                   # full run, docs/staleness.*
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/staleness.py --smoke --output outputs/staleness/smoke
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.staleness                   # full run, docs/staleness.*
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.staleness --smoke --output outputs/staleness/smoke
 
 Run times measured on one CPU thread (2-core shared machine, warm model already cached): --smoke 13 s (2 methods x
 lags 1, 4; 8 steps of 16 completions; 64 held-out problems x 2 samples); `--seeds 0 1` (otherwise the defaults:
@@ -63,7 +63,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from experiments import (  # noqa: E402
+from experiments.common import (  # noqa: E402
     Tracker,
     experiment_parser,
     held_out_pass_at_1,

@@ -16,8 +16,8 @@ The model is random-initialised (speed does not depend on the weights) with --hi
 character tokenizer, and completions forced to --completion_length tokens (min_new_tokens) so every step does the
 same work. One torch thread per side (OMP_NUM_THREADS=1): the trainer on one core, the worker thread on the other.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/async_throughput.py               # docs/async_throughput.json
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/async_throughput.py --smoke --output /tmp/async_throughput.json
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.async_throughput               # docs/async_throughput.json
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.async_throughput --smoke --output /tmp/async_throughput.json
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from transformers import PrinterCallback  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer  # noqa: E402
-from topr_trl.asynchronous.runs import WorkerSettings, build_async_trainer  # noqa: E402
+from topr_trl.asynchronous.stand_in import WorkerSettings, build_async_trainer  # noqa: E402
 from topr_trl.tasks.reasoning import make_reasoning_dataset, reasoning_reward  # noqa: E402
 from topr_trl.tasks.tiny import build_model, build_tokenizer, save_pretrained  # noqa: E402
 

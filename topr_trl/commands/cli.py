@@ -28,11 +28,13 @@ import sys
 import warnings
 from pathlib import Path
 
+from ..curves import logged_curves, plot_curves
+from ..distributed import say
+from ..machine import describe_machine, machine_info
+from ..sources import check_data_source
+from ..tasks.loading import describe_accuracy, held_out_accuracy, load_task, task_evaluator
 from .arguments import COMMANDS, check_reward_weights, chosen_run, is_builtin_run, parse_command
-from .curves import logged_curves, plot_curves
-from .distributed import say
-from .machine import describe_machine, machine_info
-from .runs import (
+from .output_folders import (
     SUMMARY_METRICS,
     InterruptAtStepEnd,
     LogLastStep,
@@ -50,8 +52,6 @@ from .runs import (
     removed_if_left_empty,
     shown_path,
 )
-from .sources import check_data_source
-from .tasks.loading import describe_accuracy, held_out_accuracy, load_task, task_evaluator
 
 
 def _note_hardware(argv: list[str], training_args) -> None:
@@ -65,7 +65,7 @@ def _note_hardware(argv: list[str], training_args) -> None:
 def train(argv: list[str]) -> dict:
     from trl import get_peft_config
 
-    from .offline import load_offline_source
+    from ..offline import load_offline_source
 
     script_args, training_args, model_args = parse_command("train", argv)
     offline = script_args.offline_dataset is not None
@@ -86,14 +86,14 @@ def train(argv: list[str]) -> dict:
         script_args, model_args.model_name_or_path, training_args.seed, offline=offline,
         eval_split=training_args.eval_strategy != "no")
     if offline and script_args.reward_funcs is None:  # the paper labels the data once, at generation
-        from .offline import stored_reward
+        from ..offline import stored_reward
 
         reward_funcs = [stored_reward]
     async_args = _asynchronous_config(script_args, training_args, model_args, eval_dataset) \
         if script_args.asynchronous else None
     check_reward_weights(reward_funcs, training_args.reward_weights, argv)  # before any model loads, dry or not
     if script_args.dry_run:
-        from .sources import check_local_data
+        from ..sources import check_local_data
 
         if offline and Path(script_args.offline_dataset).expanduser().is_file():  # empty or unreadable: fail now
             check_local_data(script_args.offline_dataset, script_args.dataset_train_split, what="offline dataset",
@@ -109,7 +109,7 @@ def train(argv: list[str]) -> dict:
         train_dataset, eval_dataset = offline_data, offline_eval
     _note_hardware(argv, training_args)
 
-    from .trainer import TOPRTrainer
+    from ..trainer import TOPRTrainer
 
     output_dir = training_args.output_dir
     trainer = None
@@ -177,7 +177,7 @@ def _asynchronous_config(script_args, training_args, model_args, eval_dataset):
         if given:
             raise SystemExit(f"topr-trl: --asynchronous does not take {what}; drop it, or train without "
                              "--asynchronous.")
-    from .asynchronous.config import async_config_from
+    from ..asynchronous.config import async_config_from
 
     try:
         return async_config_from(training_args, max_staleness=script_args.async_max_staleness, token_budget=0,
@@ -187,8 +187,8 @@ def _asynchronous_config(script_args, training_args, model_args, eval_dataset):
 
 
 def _asynchronous_trainer(script_args, async_args, model, reward_funcs, train_dataset, server_url=None):
-    from .asynchronous import AsyncTOPRTrainer
-    from .asynchronous.runs import WorkerSettings, build_async_trainer
+    from ..asynchronous import AsyncTOPRTrainer
+    from ..asynchronous.stand_in import WorkerSettings, build_async_trainer
 
     if server_url is not None:
         return _served_asynchronous_trainer(script_args, async_args, model, reward_funcs, train_dataset)
@@ -211,8 +211,8 @@ def _served_asynchronous_trainer(script_args, async_args, model, reward_funcs, t
     from transformers import AutoTokenizer
     from trl.chat_template_utils import add_response_schema, qwen3_template
 
-    from .asynchronous import AsyncTOPRTrainer
-    from .distributed import gpu_available
+    from ..asynchronous import AsyncTOPRTrainer
+    from ..distributed import gpu_available
 
     stand_in = {"--async_lag": script_args.async_lag,
                 "--async_seconds_per_sample": script_args.async_seconds_per_sample}
@@ -251,10 +251,10 @@ def _asynchronous_summary(trainer) -> dict:
 def generate(argv: list[str]) -> dict:
     from accelerate import PartialState
 
-    from .config import check_choice
-    from .offline import generate_offline_dataset, proportion_of_positives
-    from .offline.generation import GeneratedWithOtherSettings
-    from .sampling import BACKENDS
+    from ..config import check_choice
+    from ..offline import generate_offline_dataset, proportion_of_positives
+    from ..offline.generation import GeneratedWithOtherSettings
+    from ..sampling import BACKENDS
 
     options, model_args = parse_command("generate", argv)
     check_choice("backend", options.backend, BACKENDS)
@@ -311,11 +311,11 @@ def iterate(argv: list[str]) -> list[dict]:
     import torch
     from accelerate import PartialState
 
-    from .config import check_choice
+    from ..config import check_choice
+    from ..offline import COMPOSITIONS
+    from ..offline.generation import GeneratedWithOtherSettings
+    from ..sampling import BACKENDS
     from .iterations import IterationSettings, run_iterations
-    from .offline import COMPOSITIONS
-    from .offline.generation import GeneratedWithOtherSettings
-    from .sampling import BACKENDS
 
     options, training_args, model_args = parse_command("iterate", argv)
     check_trackers(training_args.report_to)
@@ -341,7 +341,7 @@ def iterate(argv: list[str]) -> list[dict]:
     )
     evaluate, unmeasured = (task_evaluator(task, held_out) if held_out is not None else None), None
     if task == "custom":  # the user's data: measured on its held-out split, when it has one
-        from .offline.held_out import HELD_OUT_SAMPLES, load_test_prompts
+        from ..offline.held_out import HELD_OUT_SAMPLES, load_test_prompts
 
         held_out, unmeasured = load_test_prompts(options.dataset_name, options.dataset_test_split,
                                                  options.dataset_train_split, options.dataset_config, prompts)
@@ -413,13 +413,13 @@ def main(argv: list[str] | None = None) -> None:
         build_parser()[0].print_help()
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated")  # TRL's own default trips it
-    from .distributed import gpu_available
+    from ..distributed import gpu_available
 
     if not gpu_available():  # DeepSpeed would guess the CPU, warning "Setting accelerator to CPU" on every command
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         run_command(argv[0], argv[1:])  # returns nothing: a console script exits 1 on a returned value
-        from .distributed import end_process_group
+        from ..distributed import end_process_group
 
         end_process_group()
     except KeyboardInterrupt:  # Ctrl-C outside training (which says more: `interrupted_run`)
@@ -437,12 +437,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_command(command: str, argv: list[str]):
     if command == "evaluate":
-        from .cli_evaluate import run
+        from .evaluate import run
 
         return run(*parse_command("evaluate", argv))
     if command == "vllm-serve":
+        from ..vllm_server.command import serve
         from .arguments import build_parser
-        from .vllm_server.command import serve
 
         parser = build_parser()[1]["vllm-serve"]
         if "-h" in argv or "--help" in argv or "--help-all" in argv:
