@@ -386,29 +386,29 @@ def train_offline(testbed: Testbed, data, output_dir: Path, *, seed: int, epochs
     warnings.filterwarnings("ignore", message=".*unbounded.*")
     started = time.time()
     curve: list[dict] = []
-    trainer_ref: list = []
 
     class Evaluate(TrainerCallback):
-        def _evaluate(self, step: int) -> None:
-            trainer = trainer_ref[0]
+        """The held-out curve, on the model and tokenizer the trainer hands every callback."""
+
+        def _evaluate(self, step: int, model, processing_class) -> None:
             if step == 0 and testbed.start is not None:  # the evaluation is seeded: the base model scores the same
                 point = testbed.start
             else:
-                point = testbed.evaluate(trainer.model, trainer.processing_class)
+                point = testbed.evaluate(model, processing_class)
             if step == 0:
                 testbed.start = point
-            curve.append({"step": step, **point, **(probe(trainer.model) if probe else {})})
+            curve.append({"step": step, **point, **(probe(model) if probe else {})})
 
-        def on_train_begin(self, args, state, control, **kwargs):
-            self._evaluate(0)
+        def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+            self._evaluate(0, model, processing_class)
 
-        def on_step_end(self, args, state, control, **kwargs):
+        def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
             if eval_every and state.global_step % eval_every == 0:
-                self._evaluate(state.global_step)
+                self._evaluate(state.global_step, model, processing_class)
 
-        def on_train_end(self, args, state, control, **kwargs):
+        def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
             if curve[-1]["step"] != state.global_step:
-                self._evaluate(state.global_step)
+                self._evaluate(state.global_step, model, processing_class)
 
     config = dict(
         output_dir=str(output_dir), per_device_train_batch_size=batch_size, num_generations=8,
@@ -421,7 +421,6 @@ def train_offline(testbed: Testbed, data, output_dir: Path, *, seed: int, epochs
     trainer = TOPRTrainer(model=str(testbed.base_dir), reward_funcs=stored_reward, args=TOPRConfig(**config),
                           train_dataset=data, callbacks=[Evaluate()])
     trainer.remove_callback(PrinterCallback)  # one line per step would drown the script's own summary lines
-    trainer_ref.append(trainer)
     trainer.train()
     grad_norms = [{"step": entry["step"], "grad_norm": entry["grad_norm"]}
                   for entry in trainer.state.log_history if "grad_norm" in entry]
@@ -494,8 +493,9 @@ class Tracker:
         return point
 
 
-def checkpoint_callback(tracker: Tracker, trainer_ref: list, checkpoints: int):
-    """Evaluates after `checkpoints` evenly spaced optimizer steps, the last one included."""
+def checkpoint_callback(tracker: Tracker, checkpoints: int):
+    """Evaluates after `checkpoints` evenly spaced optimizer steps, the last one included, on the model and tokenizer
+    the trainer hands every callback."""
     from transformers import TrainerCallback
 
     class Checkpoints(TrainerCallback):
@@ -503,10 +503,9 @@ def checkpoint_callback(tracker: Tracker, trainer_ref: list, checkpoints: int):
             total = state.max_steps
             self.at = {max(1, round(total * i / checkpoints)) for i in range(1, checkpoints + 1)}
 
-        def on_step_end(self, args, state, control, **kwargs):
+        def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
             if state.global_step in self.at:
-                trainer = trainer_ref[0]
-                tracker.checkpoint(trainer.model, trainer.processing_class, step=state.global_step)
+                tracker.checkpoint(model, processing_class, step=state.global_step)
 
     return Checkpoints()
 
@@ -527,11 +526,9 @@ def train_config(options, seed: int, output_dir: Path) -> dict:
 def run_trainer(trainer_class, config, base_path, reward, dataset, tracker: Tracker, checkpoints: int, **extra):
     from transformers import PrinterCallback
 
-    trainer_ref: list = []
     trainer = trainer_class(model=str(base_path), reward_funcs=reward, args=config, train_dataset=dataset,
-                            callbacks=[checkpoint_callback(tracker, trainer_ref, checkpoints)], **extra)
+                            callbacks=[checkpoint_callback(tracker, checkpoints)], **extra)
     trainer.remove_callback(PrinterCallback)
-    trainer_ref.append(trainer)
     trainer.train()
     return trainer.state.global_step
 

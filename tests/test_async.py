@@ -220,6 +220,38 @@ def test_group_advantages_and_summed_rewards_follow_trls_rules():
     assert math.isnan(summed_rewards([[1.0, None, None], [0.5, 2.0, None]])[2])
 
 
+def test_the_worker_rules_are_trls_scoring_run_on_the_same_rewards():
+    """The copies in lagged_worker (docs/copies.md) held to the scoring of TRL's rollout worker itself
+    (`_AsyncRolloutLoop._score_group`), run on a view of a worker (the attributes it reads) and one group: two reward
+    functions with None in each, a completion neither scores, a group with a single scored completion (std 0)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from accelerate import PartialState
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutGroup, TrainingSequence, _AsyncRolloutLoop
+
+    def trls_scoring(per_function):
+        count = len(per_function[0])
+        functions = [lambda column=column, **kwargs: column for column in per_function]
+        worker = SimpleNamespace(reward_funcs=functions, reward_func_names=[f"f{i}" for i in range(len(functions))],
+                                 _env_reward_types=[], _provides_rollout_reward=False)
+        group = RolloutGroup(prompts=["p"] * count, reward_kwargs={}, completions=["c"] * count,
+                             completions_ids=[[1]] * count, tool_call_counts=[0] * count,
+                             tool_failure_counts=[0] * count, model_version=0, group_id=0, env_rewards=[None] * count,
+                             rollout_rewards=[None] * count,
+                             completions_sequences=[[TrainingSequence([1, 2], [0, 1], [0.0, -0.5], None)]] * count)
+        samples = asyncio.run(_AsyncRolloutLoop._score_group(worker, group))
+        return [sample.metrics["reward"] for sample in samples], [sample.advantage for sample in samples]
+
+    PartialState()  # TRL's logger asks for it
+    for per_function in ([[1.0, None, 0.0, None, 2.5], [0.5, None, None, -1.0, 0.25]],
+                         [[None, 3.0, None], [None, None, None]]):
+        rewards, advantages = trls_scoring(per_function)
+        ours = summed_rewards(per_function)
+        assert np.array_equal(np.array(ours), np.array(rewards), equal_nan=True)
+        assert np.array_equal(group_advantages(ours), np.array(advantages))
+
+
 def take(worker, count, timeout=60.0):
     return [worker.rollout_buffer.get(timeout=timeout) for _ in range(count)]
 

@@ -37,7 +37,7 @@ def truncated_fraction_logged(trainer) -> float:
     terms = policy_per_token_loss(per_token_logps, behaviour_logps, signal, mask, trainer._loss_spec)
     loss = (terms.per_token_loss * mask).sum(1).div(3).mean()
     trainer._log_policy_metrics("train", terms, signal, mask, torch.ones_like(mask), terms.per_token_loss,
-                                {"mode": "seq-mean-token-mean"}, loss)
+                                {"aggregation": "seq-mean-token-mean"}, loss)
     return trainer._metrics["train"]["topr/negative_truncated_fraction"][-1]
 
 

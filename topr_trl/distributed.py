@@ -1,5 +1,7 @@
-"""What running under `accelerate launch` with DeepSpeed asks of code that builds models on one process, or builds
-several trainers in one process (iterations)."""
+"""What running as several processes (`accelerate launch`, DeepSpeed ZeRO) asks of the code around the trainers:
+models built outside ZeRO-3's construction hooks, several trainers in one process (iterations), a policy evaluated
+with its gathered weights (`evaluate_policy`), the process group ended cleanly, and a command that speaks once, from
+the main process (`say`)."""
 
 from __future__ import annotations
 

@@ -74,10 +74,10 @@ class GRPOLossMirror:
                 per_token_kl = per_token_kl * log_weights.clamp(max=MAX_LOG_RATIO).exp()
             per_token_loss = per_token_loss + self.beta * per_token_kl
 
-        aggregation = self._aggregation_kwargs(inputs, mode)
-        loss = aggregate(per_token_loss, mask, **aggregation)
+        aggregate_kwargs = self._aggregation_kwargs(inputs, mode)
+        loss = aggregate(per_token_loss, mask, **aggregate_kwargs)
         policy_loss = loss.detach()  # logged before the accumulation scaling, as GRPO logs it
-        if aggregation["mode"] != "global-token-mean" and mode == "train":
+        if aggregate_kwargs["aggregation"] != "global-token-mean" and mode == "train":
             # HF Trainer does not divide by the accumulation steps for GRPO-style trainers (loss_is_scaled_for_ga).
             loss = loss / self.current_gradient_accumulation_steps
 
@@ -90,19 +90,19 @@ class GRPOLossMirror:
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
         if self.beta != 0.0:
             self._metrics[mode]["kl"].append(self._global_masked_mean(per_token_kl, mask))
-        return loss, policy_per_token, aggregation
+        return loss, policy_per_token, aggregate_kwargs
 
     def _aggregation_kwargs(self, inputs, mode: str) -> dict[str, Any]:
         """MIRROR of GRPO's normalisers: the token count of `dapo` (the whole generation batch on all processes, per
         accumulation window) and the `max_completion_length` of `dr_grpo`."""
-        kwargs: dict[str, Any] = {"mode": self.args.topr_loss_aggregation}
-        if kwargs["mode"] == "global-token-mean":
+        kwargs: dict[str, Any] = {"aggregation": self.args.topr_loss_aggregation}
+        if kwargs["aggregation"] == "global-token-mean":
             # `num_items_in_batch` counts the tokens of the whole generation batch on all processes.
             num_tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 num_tokens = num_tokens * self.current_gradient_accumulation_steps / self.args.steps_per_generation
             kwargs["num_tokens"] = num_tokens
-        elif kwargs["mode"] == "seq-mean-token-sum-norm":
+        elif kwargs["aggregation"] == "seq-mean-token-sum-norm":
             kwargs["max_completion_length"] = self.max_completion_length
         return kwargs
 

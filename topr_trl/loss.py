@@ -118,7 +118,7 @@ def tapered_weights(log_ratio: torch.Tensor, is_positive: torch.Tensor, limits: 
 def aggregate(
     per_token_loss: torch.Tensor,
     mask: torch.Tensor,
-    mode: Aggregation = "seq-mean-token-mean",
+    aggregation: Aggregation = "seq-mean-token-mean",
     *,
     max_completion_length: int | None = None,
     num_tokens: torch.Tensor | float | None = None,
@@ -126,7 +126,7 @@ def aggregate(
     """Reduce a (B, T) per-token loss to a scalar.
 
     MIRROR of TRL 1.16.0 `GRPOTrainer._compute_loss`'s normalisation by `loss_type` (trl/trainer/grpo_trainer.py):
-    each mode below is one of its branches, named after it; tests/test_grpo_parity.py holds them to TRL's.
+    each aggregation below is one of its branches, named after it; tests/test_grpo_parity.py holds them to TRL's.
 
     - "seq-mean-token-mean": each trajectory's loss divided by its length, then averaged over trajectories
       (the paper; TRL's `grpo` normalisation). A fully masked row contributes 0.
@@ -137,19 +137,19 @@ def aggregate(
     """
     mask = mask.to(per_token_loss.dtype)
     masked = per_token_loss * mask
-    if mode == "seq-mean-token-mean":
+    if aggregation == "seq-mean-token-mean":
         return (masked.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)).mean()
-    if mode == "token-mean":
+    if aggregation == "token-mean":
         return masked.sum() / mask.sum().clamp(min=1.0)
-    if mode == "global-token-mean":
+    if aggregation == "global-token-mean":
         if num_tokens is None:
             raise ValueError("aggregation 'global-token-mean' needs `num_tokens`")
         return masked.sum() / torch.as_tensor(num_tokens, dtype=masked.dtype).clamp(min=1.0)
-    if mode == "seq-mean-token-sum-norm":
+    if aggregation == "seq-mean-token-sum-norm":
         if max_completion_length is None:
             raise ValueError("aggregation 'seq-mean-token-sum-norm' needs `max_completion_length`")
         return masked.sum() / (per_token_loss.size(0) * max_completion_length)
-    raise ValueError(f"Unknown aggregation {mode!r}; expected one of {AGGREGATIONS}")
+    raise ValueError(f"Unknown aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
 
 
 def ppo_clip_per_token_loss(

@@ -27,7 +27,9 @@ def tokenize_prompts(
 
         if not is_chat_template_prefix_preserving(tokenizer):  # GRPOTrainer swaps in the same template
             chat_template = get_training_chat_template(tokenizer)
-    # The attributes `_tokenize_prompts` reads, as GRPOTrainer sets them for a text-only model without environments.
+    # MIRROR of the attributes TRL 1.16's `GRPOTrainer._tokenize_prompts` reads, as GRPOTrainer sets them for a
+    # text-only model without environments: TRL's method runs on this view (docs/copies.md; held by
+    # tests/test_offline_sources.py against a real trainer's tokenization).
     trainer_view = SimpleNamespace(processing_class=tokenizer, tools=tools, chat_template=chat_template,
                                    chat_template_kwargs=dict(chat_template_kwargs or {}), _is_vlm=False,
                                    environment_factories=None)

@@ -299,10 +299,10 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
             for name, value in drift_and_mismatch(totals.tolist()).items():
                 self._metrics[mode][name].append(value)
         terms = policy_per_token_loss(per_token_logps, behaviour_logps, signal, mask, self._loss_spec)
-        loss, policy_per_token, aggregation = self._grpo_loss_around_policy_term(
+        loss, policy_per_token, aggregate_kwargs = self._grpo_loss_around_policy_term(
             inputs, mode, mask, terms.per_token_loss, per_token_logps, entropies, aux_loss, signal, behaviour_logps)
         nonfinite, ratio_ranges = self._log_policy_metrics(mode, terms, signal, mask, entropies, policy_per_token,
-                                                           aggregation, loss)
+                                                           aggregate_kwargs, loss)
         if nonfinite:
             self._on_nonfinite_loss(nonfinite, ratio_ranges)
         return loss

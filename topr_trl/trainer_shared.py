@@ -39,19 +39,19 @@ class PolicyMetricsLogging:
     """TOPR's metrics and the non-finite-loss check, shared by `TOPRTrainer` and the asynchronous trainer
     (`topr_trl.asynchronous`): both have `accelerator`, `args.topr_signal`, `_loss_spec`, `_metrics` and `state`."""
 
-    def _log_policy_metrics(self, mode, terms, signal, mask, entropies, policy_per_token, aggregation, loss):
+    def _log_policy_metrics(self, mode, terms, signal, mask, entropies, policy_per_token, aggregate_kwargs, loss):
         """TOPR's metrics (`topr_trl.policy_metrics`), reduced over processes with two collectives, so every rank logs
         every key; returns what `_on_nonfinite_loss` needs (the number of processes whose loss is not finite, and the
         ratio ranges), which every rank agrees on."""
         sums = metric_sums(terms, signal, mask, entropies, loss, self._loss_spec.negative_weight)
         reduced = self.accelerator.reduce(torch.stack(list(sums.values())), reduction="sum").tolist()
         totals = dict(zip(sums, reduced, strict=True))
-        branch_kwargs = {("aggregation" if key == "mode" else key): value for key, value in aggregation.items()}
-        per_rank = torch.cat([ratio_minima(terms, signal, mask),
-                              torch.stack(branch_losses(policy_per_token, terms.is_positive, mask, **branch_kwargs))
-                              .float()])
-        gathered = self.accelerator.gather(per_rank.unsqueeze(0))
-        values = policy_metrics(totals, gathered[:, :4].amin(dim=0).tolist(), gathered[:, 4:].mean(dim=0).tolist(),
+        minima = ratio_minima(terms, signal, mask)
+        losses = torch.stack(branch_losses(policy_per_token, terms.is_positive, mask, **aggregate_kwargs)).float()
+        # one collective for both: each process's row is its minima then its branch losses
+        gathered = self.accelerator.gather(torch.cat([minima, losses]).unsqueeze(0))
+        all_minima, all_losses = gathered.split([minima.numel(), losses.numel()], dim=1)
+        values = policy_metrics(totals, all_minima.amin(dim=0).tolist(), all_losses.mean(dim=0).tolist(),
                                 reward_signal=self.args.topr_signal == "reward")
         ratios = branch_ratios(terms, signal, mask)
         if self.accelerator.num_processes > 1:  # every process's ratios, NaN-padded to one length

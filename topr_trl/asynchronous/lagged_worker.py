@@ -45,8 +45,10 @@ RewardFunction = Callable[..., list[float]]
 
 
 def group_advantages(rewards: Sequence[float]) -> np.ndarray:
-    """TRL 1.16's asynchronous group advantage (`AsyncRolloutWorker`): (r - mean) / (std + 1e-8) over the group's
-    scored completions, population std; an unscored completion (NaN reward) gets advantage 0."""
+    """MIRROR of TRL 1.16's asynchronous group advantage (`_AsyncRolloutLoop._score_group`, the rollout worker's
+    loop): (r - mean) / (std + 1e-8) over the group's scored completions, population std; an unscored completion
+    (NaN reward) gets advantage 0. tests/test_async.py runs TRL's method on the same rewards and holds this to it
+    (docs/copies.md)."""
     rewards = np.asarray(rewards, dtype=float)
     advantages = np.zeros_like(rewards)
     scored = ~np.isnan(rewards)
@@ -56,8 +58,8 @@ def group_advantages(rewards: Sequence[float]) -> np.ndarray:
 
 
 def summed_rewards(per_function: list[list[float | None]]) -> list[float]:
-    """The sum over reward functions per completion, None as NaN; NaN where every function returned None (TRL's
-    rule: such a completion is unscored, not 0)."""
+    """MIRROR of TRL 1.16's reward sum (`_AsyncRolloutLoop._score_group`): the sum over reward functions per
+    completion, None as NaN; NaN where every function returned None (such a completion is unscored, not 0)."""
     table = np.array([[math.nan if value is None else value for value in row] for row in per_function], dtype=float)
     total = np.nansum(table, axis=0)
     total[np.all(np.isnan(table), axis=0)] = math.nan

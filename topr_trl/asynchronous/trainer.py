@@ -281,17 +281,16 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
         token_signal = inputs["advantages"][selected]
         segment_id = inputs["segment_id"][selected]
         world_size = self.accelerator.num_processes
-        aggregation = {"mode": self.args.topr_loss_aggregation}
-        if aggregation["mode"] == "global-token-mean":
-            aggregation["num_tokens"] = (inputs["global_n_tokens"][0] / world_size).clamp(min=1.0)
+        aggregate_kwargs = {"aggregation": self.args.topr_loss_aggregation}
+        if aggregate_kwargs["aggregation"] == "global-token-mean":
+            aggregate_kwargs["num_tokens"] = (inputs["global_n_tokens"][0] / world_size).clamp(min=1.0)
         if segment_id.numel() == 0:  # a row with nothing to train: a zero that still joins the gradient all-reduce
             loss = log_probs.sum() * 0.0
             self._account_step(inputs)
             return loss
-        kwargs = {key: value for key, value in aggregation.items() if key != "mode"}
         loss, terms, mask = packed_topr_loss(log_probs, behaviour_logps, token_signal, segment_id, self._loss_spec,
-                                             aggregation["mode"], **kwargs)
-        if aggregation["mode"] == "seq-mean-token-mean":
+                                             **aggregate_kwargs)
+        if aggregate_kwargs["aggregation"] == "seq-mean-token-mean":
             # the mean over this rank's completions, as a share of the micro-batch's mean over all completions
             completions = inputs["global_n_forward_tokens"][0] / inputs["mean_seq_len"][0]
             loss = loss * mask.size(0) / (completions / world_size).clamp(min=1.0)
@@ -302,7 +301,7 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
             entropies, _ = unpack_segments(entropy.detach(), segment_id)
             signal, _ = unpack_segments(token_signal.to(log_probs.dtype), segment_id)
             nonfinite, ratio_ranges = self._log_policy_metrics(
-                "train", terms, signal[:, :1], mask, entropies, terms.per_token_loss, aggregation, loss)
+                "train", terms, signal[:, :1], mask, entropies, terms.per_token_loss, aggregate_kwargs, loss)
             self._log_staleness_metrics(terms, signal[:, :1], mask, inputs.get("trajectory_model_version"))
         if nonfinite:
             self._on_nonfinite_loss(nonfinite, ratio_ranges)

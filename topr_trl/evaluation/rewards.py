@@ -288,12 +288,12 @@ _MATH_DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?")
 
 
 def normalize_math_answer(answer: str) -> str:
-    """A normalised form of a LaTeX answer, used only when `math-verify` is unavailable or cannot parse an
-    answer: strips `$`, spaces, `\\left`/`\\right`, thin spaces (`\\!`, `\\,`, `\\;`), degree signs, `\\%`,
-    `\\text{...}`-style wrappers (keeping their content) and a trailing period; turns `\\dfrac`/`\\tfrac`
-    into `\\frac` and `\\frac12` into `\\frac{1}{2}`. Two answers are then equal when their normalised
-    strings are equal, or when both are plain numbers (`1,000`, `-0.75`, `3/4`, `\\frac{3}{4}`) with the same
-    value. Nothing symbolic: `2\\sqrt{2}` and `\\sqrt{8}` differ here."""
+    """A normalised form of a LaTeX answer, used only when `math-verify` cannot parse an answer (or with
+    `use_math_verify=False`): strips `$`, spaces, `\\left`/`\\right`, thin spaces (`\\!`, `\\,`, `\\;`), degree signs,
+    `\\%`, `\\text{...}`-style wrappers (keeping their content) and a trailing period; turns `\\dfrac`/`\\tfrac` into
+    `\\frac` and `\\frac12` into `\\frac{1}{2}`. Two answers are then equal when their normalised strings are equal, or
+    when both are plain numbers (`1,000`, `-0.75`, `3/4`, `\\frac{3}{4}`) with the same value. Nothing symbolic:
+    `2\\sqrt{2}` and `\\sqrt{8}` differ here."""
     text = answer.strip()
     text = text.replace("$", "")
     text = _MATH_DEGREES.sub("", text)
