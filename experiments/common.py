@@ -125,7 +125,7 @@ def experiment_parser(doc: str, *, output: str, epochs: float | None, prompts: i
     testbed.add_argument("--spurious_carry_rate", type=float, default=0.0,
                          help="the second planted error: rate of a carry written where none arrives (0: off)")
     # the shipped model's recipe (3,000 steps): at the default digits and error rate every machine starts from the
-    # same shipped weights; a locally built warm start differs with the CPU's kernels (README, "The model")
+    # same shipped weights; a locally built warm start differs with the CPU's kernels (README, "The two commands")
     testbed.add_argument("--warm_steps", type=int, default=WarmStartSettings().steps,
                          help="SFT steps of the warm start")
     testbed.add_argument("--eval_samples", type=int, default=4, help="samples per held-out problem (temperature 1)")

@@ -81,7 +81,7 @@ class TrainScriptArguments(TaskArguments):
         default=None,
         metadata={"help": "Train on stored completions without generating (the paper's Algorithm 1): a folder "
                           "written by `topr-trl generate`, a save_to_disk folder, a .json/.jsonl/.csv/.parquet "
-                          "file, or a Hub id. Columns: see the README's offline dataset schema. Rewards are the "
+                          "file, or a Hub id. Columns: docs/offline.md, 'Offline dataset schema'. Rewards are the "
                           "stored `reward` column unless --reward_funcs is given."},
     )
     overwrite_output_dir: bool = field(

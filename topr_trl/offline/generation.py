@@ -1,5 +1,5 @@
 """Offline TOPR (the paper's Algorithm 1), step one: sample n completions per prompt from mu once, label them, and
-store them in the schema of README.md's "Offline dataset schema" table.
+store them in the schema of docs/offline.md's "Offline dataset schema" table.
 
 `generate_offline_dataset` writes every column of that table, in shards under a directory, and resumes an
 interrupted run without losing or duplicating rows; `load_offline_dataset` reads the shards back and

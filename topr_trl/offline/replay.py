@@ -1,7 +1,7 @@
 """Replay of stored completions in `TOPRTrainer` (the paper's Algorithm 1): a `train_dataset` or `eval_dataset` of
-stored completions (README.md, Offline dataset schema) is checked before GRPOTrainer sees it, tokenized once, ordered
-in whole prompt groups, and handed to GRPOTrainer through its `rollout_func` path, stored token ids as they are, with
-mu's stored log-probs (or those of a frozen mu) as the sampler's."""
+stored completions (docs/offline.md, "Offline dataset schema") is checked before GRPOTrainer sees it, tokenized
+once, ordered in whole prompt groups, and handed to GRPOTrainer through its `rollout_func` path, stored token ids as
+they are, with mu's stored log-probs (or those of a frozen mu) as the sampler's."""
 
 from __future__ import annotations
 

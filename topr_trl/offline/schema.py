@@ -1,4 +1,4 @@
-"""What TOPRTrainer asks of an offline dataset (README.md, "Offline dataset schema"): the column checks made at
+"""What TOPRTrainer asks of an offline dataset (docs/offline.md, "Offline dataset schema"): the column checks made at
 construction, the prompt groups, the one-time tokenization of what is not stored, and `stored_reward`. The trainer
 imports this module and `sampler`, never the generation code.
 """
@@ -87,7 +87,7 @@ def check_offline_columns(dataset, role: str, uses_stored_reward: bool, has_beha
         return
     if "prompt" not in columns:
         raise ValueError(f"offline {role} has no `prompt` column: each row needs the prompt its completion answers "
-                         "(README.md, Offline dataset schema).")
+                         "(docs/offline.md, 'Offline dataset schema').")
     if uses_stored_reward and "reward" not in columns:
         raise ValueError(f"offline {role} has no `reward` column, which topr_trl.offline.stored_reward returns: either "
                          "add the stored rewards as a `reward` column, or pass real reward functions that score the "
