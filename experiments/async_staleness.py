@@ -58,6 +58,9 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from experiments.common import (  # noqa: E402
+    base_points,
+    base_summary,
+    evaluation_seed,
     experiment_parser,
     held_out_pass_at_1,
     late_mean,
@@ -144,7 +147,8 @@ def run_one(method, lag, options, seed, base_path, held_out, work: Path) -> dict
         clock["training"] += time.time() - clock["since"]
         evaluator.load_state_dict(trainer.accelerator.unwrap_model(trainer.model).state_dict(), strict=False)
         point = {"step": step, "seconds": clock["training"],
-                 **held_out_pass_at_1(evaluator, trainer.processing_class, held_out, options)}
+                 **held_out_pass_at_1(evaluator, trainer.processing_class, held_out, options,
+                                      eval_seed=evaluation_seed(options.eval_draw, seed))}
         curve.append(point)
         print(f"[async_staleness] {method} K={lag} seed {seed} step {step:>3} {clock['training']:6.1f}s "
               f"pass@1 {point['pass@1']:.3f}", flush=True)
@@ -267,8 +271,8 @@ def main(argv=None) -> dict:
         return results
     started = time.time()
     model, tokenizer, base_path, held_out, results = prepare_testbed(options)
-    results["base"] = held_out_pass_at_1(model, tokenizer, held_out, options)
-    print(f"[async_staleness] base pass@1 {results['base']['pass@1']:.3f}", flush=True)
+    results["base"] = base_summary(base_points(model, tokenizer, held_out, options))
+    print(f"[async_staleness] base pass@1 {results['base']['pass@1']:.3f} (mean over the seeds' draws)", flush=True)
     work = Path(options.work_dir) / "async-staleness-runs"
     for seed in options.seeds:
         for method in options.methods:

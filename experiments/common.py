@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -98,6 +98,21 @@ def baseline_for(p: float, target: float) -> float:
 # "validation", results are reported on "heldout"
 EVAL_SPLITS = ("heldout", "validation")
 
+# The held-out sampling draw. "per_seed" (the default): the runs of training seed s sample the held-out completions
+# with seed EVAL_SEED + 1 + s, every method of that seed alike, so a paired difference compares two models on one
+# draw and the interval over seeds carries the draw's variance along with training's; the base model is measured on
+# each seed's draw. "fixed": every run and the base model on the one draw EVAL_SEED, as the results committed before
+# the option were measured (they say so).
+EVAL_SEED = 1234
+EVAL_DRAWS = ("per_seed", "fixed")
+
+
+def evaluation_seed(eval_draw: str, seed: int) -> int:
+    """The seed of the held-out samples of the runs of training seed `seed` under `eval_draw` (EVAL_DRAWS)."""
+    if eval_draw not in EVAL_DRAWS:
+        raise ValueError(f"eval_draw {eval_draw!r}: expected one of {EVAL_DRAWS}")
+    return EVAL_SEED if eval_draw == "fixed" else EVAL_SEED + 1 + seed
+
 
 def experiment_parser(doc: str, *, output: str, epochs: float | None, prompts: int = 128,
                       eval_prompts: int = 1000, methods: dict | None = None) -> argparse.ArgumentParser:
@@ -129,6 +144,11 @@ def experiment_parser(doc: str, *, output: str, epochs: float | None, prompts: i
     testbed.add_argument("--warm_steps", type=int, default=WarmStartSettings().steps,
                          help="SFT steps of the warm start")
     testbed.add_argument("--eval_samples", type=int, default=4, help="samples per held-out problem (temperature 1)")
+    testbed.add_argument("--eval_draw", default="per_seed", choices=EVAL_DRAWS,
+                         help="per_seed (default): each training seed's runs, and the base model for them, are "
+                              "evaluated on a sampling draw of that seed's own, shared by every method, so that the "
+                              "intervals over seeds carry the evaluation draw; fixed: one draw for every run (the "
+                              "results committed before this option)")
     testbed.add_argument("--eval_split", default="heldout", choices=EVAL_SPLITS,
                          help="where accuracy is measured: 'validation' to choose settings (learning rate, error "
                               "rate, p~), 'heldout' (default) to report them; the two are disjoint")
@@ -155,8 +175,20 @@ class Testbed:
     measure: str
     metrics: tuple[str, ...]
     prompts: Callable[[int, int], object]
-    evaluate: Callable[[object, object], dict]
-    start: dict | None = None  # the base model's evaluation, measured once: every run starts from it
+    evaluate: Callable[[object, object, int], dict]  # (model, tokenizer, evaluation seed)
+    eval_draw: str = "fixed"  # EVAL_DRAWS: which evaluation seed the runs of a training seed get
+    starts: dict[int, dict] = field(default_factory=dict)  # the base model's evaluation per evaluation seed
+
+    def evaluation_seed(self, seed: int) -> int:
+        return evaluation_seed(self.eval_draw, seed)
+
+    def start(self, model, tokenizer, seed: int) -> dict:
+        """The base model's evaluation on the draw of training seed `seed`, measured once per draw: every run of that
+        seed starts from it."""
+        eval_seed = self.evaluation_seed(seed)
+        if eval_seed not in self.starts:
+            self.starts[eval_seed] = self.evaluate(model, tokenizer, eval_seed)
+        return self.starts[eval_seed]
 
 
 def prepare(options) -> tuple[Path, Testbed]:
@@ -175,7 +207,7 @@ def arithmetic_testbed(work: Path, options) -> Testbed:
         reward=arithmetic_reward, max_new_tokens=6, measure=f"greedy accuracy, {len(held_out)} held-out problems",
         metrics=("accuracy", "invalid_rate", "malformed_rate"),
         prompts=lambda count, seed: make_arithmetic_dataset(count, 2, seed=100 + seed),
-        evaluate=lambda model, tokenizer: accuracy(model, tokenizer, held_out),
+        evaluate=lambda model, tokenizer, eval_seed: accuracy(model, tokenizer, held_out),  # greedy: no draw
     )
 
 
@@ -203,20 +235,22 @@ def reasoning_testbed(work: Path, options):
         measure=f"sampled pass@1 (T=1, {options.eval_samples} samples x {len(held_out)} {split} problems)",
         metrics=("accuracy", "greedy_accuracy", "invalid_rate", "pass@1_carries>=2"),
         prompts=lambda count, seed: make_reasoning_dataset(count, options.digits, "train", seed=seed),
-        evaluate=lambda model, tokenizer: held_out_pass_at_1(model, tokenizer, held_out, options, greedy=True),
+        evaluate=lambda model, tokenizer, eval_seed: held_out_pass_at_1(model, tokenizer, held_out, options,
+                                                                        greedy=True, eval_seed=eval_seed),
+        eval_draw=options.eval_draw,
     )
     return testbed, model, tokenizer, settings
 
 
-def held_out_pass_at_1(model, tokenizer, held_out, options, greedy: bool = False) -> dict:
+def held_out_pass_at_1(model, tokenizer, held_out, options, greedy: bool = False, eval_seed: int = EVAL_SEED) -> dict:
     """Sampled pass@1 at temperature 1 on the reasoning testbed's `held_out` problems ("pass@1" and "accuracy"),
     its standard error across problems (std of per-problem pass@1 / sqrt(problems)), the invalid rate, pass@1 on
     the problems with at least 2 carries (where the planted error strikes most) and, with `greedy`, greedy accuracy.
-    The evaluation seed is fixed, so an unchanged model gets the same samples."""
+    Sampled with `eval_seed` (`evaluation_seed`): an unchanged model gets the same samples on the same draw."""
     from topr_trl.evaluation.runner import evaluate_model
     from topr_trl.tasks.reasoning import count_carries, max_completion_tokens, parse_problem, reasoning_classify
 
-    common = dict(max_new_tokens=max_completion_tokens(options.digits), batch_size=64, seed=1234,
+    common = dict(max_new_tokens=max_completion_tokens(options.digits), batch_size=64, seed=eval_seed,
                   show_progress=False)
     result = evaluate_model(model, tokenizer, held_out, reasoning_classify, k=1, num_samples=options.eval_samples,
                             temperature=1.0, **common)
@@ -276,9 +310,29 @@ def merge_results(paths: list[str]) -> dict:
         if shared:
             raise SystemExit(f"--merge: {sorted(shared)[:3]} are in more than one file; merge files of disjoint runs")
         results["runs"].update(part["runs"])
+        if "by_seed" in results.get("base", {}):  # each lane measured the base model on its own seeds' draws
+            results["base"] = base_summary({**results["base"]["by_seed"], **part["base"]["by_seed"]})
     results["options"]["seeds"] = sorted({run["seed"] for run in results["runs"].values()})
     results["merged_from"] = list(paths)
     return results
+
+
+def base_points(model, tokenizer, held_out, options) -> dict[int, dict]:
+    """The base model's held-out point on each training seed's evaluation draw ({seed: point}; one evaluation per
+    distinct draw, so under --eval_draw fixed every seed shares one)."""
+    by_draw: dict[int, dict] = {}
+    for seed in options.seeds:
+        eval_seed = evaluation_seed(options.eval_draw, seed)
+        if eval_seed not in by_draw:
+            by_draw[eval_seed] = held_out_pass_at_1(model, tokenizer, held_out, options, eval_seed=eval_seed)
+    return {seed: by_draw[evaluation_seed(options.eval_draw, seed)] for seed in options.seeds}
+
+
+def base_summary(by_seed: dict) -> dict:
+    """`results["base"]`: the mean pass@1 of the base model over the seeds' draws (a plot's base line) and each
+    seed's point (JSON keys are strings once written)."""
+    return {"pass@1": statistics.mean(point["pass@1"] for point in by_seed.values()),
+            "by_seed": {str(seed): point for seed, point in by_seed.items()}}
 
 
 def resummarise_if_asked(parser, argv: list[str] | None, update: Callable[[dict], None], plot) -> dict | None:
@@ -391,12 +445,10 @@ def train_offline(testbed: Testbed, data, output_dir: Path, *, seed: int, epochs
         """The held-out curve, on the model and tokenizer the trainer hands every callback."""
 
         def _evaluate(self, step: int, model, processing_class) -> None:
-            if step == 0 and testbed.start is not None:  # the evaluation is seeded: the base model scores the same
-                point = testbed.start
+            if step == 0:  # the base model, measured once per evaluation draw
+                point = testbed.start(model, processing_class, seed)
             else:
-                point = testbed.evaluate(model, processing_class)
-            if step == 0:
-                testbed.start = point
+                point = testbed.evaluate(model, processing_class, testbed.evaluation_seed(seed))
             curve.append({"step": step, **point, **(probe(model) if probe else {})})
 
         def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
@@ -466,9 +518,10 @@ class Tracker:
     """One run's curve: counts the completions the reward scores, keeps a clock from which evaluation time is
     taken out, and evaluates held-out pass@1 at each `checkpoint` (printed under `label`, the script's name)."""
 
-    def __init__(self, held_out, options, reward, label: str):
+    def __init__(self, held_out, options, reward, label: str, seed: int):
         self.held_out, self.options, self.completions, self.curve = held_out, options, 0, []
         self.label = label
+        self.eval_seed = evaluation_seed(options.eval_draw, seed)  # the draw of this training seed
         self.started, self.evaluating = time.time(), 0.0
 
         def counted(completions, **kwargs):
@@ -485,7 +538,7 @@ class Tracker:
         seconds = self.seconds()
         started = time.time()
         point = {**where, "completions": self.completions, "seconds": seconds,
-                 **held_out_pass_at_1(model, tokenizer, self.held_out, self.options)}
+                 **held_out_pass_at_1(model, tokenizer, self.held_out, self.options, eval_seed=self.eval_seed)}
         self.evaluating += time.time() - started
         self.curve.append(point)
         print(f"[{self.label}]   {where} completions {self.completions:>6} {seconds:7.1f}s "

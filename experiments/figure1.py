@@ -89,7 +89,7 @@ def run(options) -> dict:
     if "topr_far_off_policy" in options.methods:
         far_model, far_tokenizer, far = far_behaviour_model(options, work, testbed)
         results["far_behaviour_model"] = str(far)
-        results["far_behaviour_start"] = testbed.evaluate(far_model, far_tokenizer)
+        results["far_behaviour_start"] = testbed.evaluate(far_model, far_tokenizer, testbed.evaluation_seed(options.seeds[0]))
     for seed in options.seeds:
         truncation = dict(top_k=options.sampling_top_k, top_p=options.sampling_top_p)
         data = {"base": sample_fixed_dataset(testbed, options.prompts, seed, work, **truncation)}

@@ -50,8 +50,9 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from experiments.common import (  # noqa: E402
     Tracker,
+    base_points,
+    base_summary,
     experiment_parser,
-    held_out_pass_at_1,
     late_mean,
     mean_and_ci95,
     paired_difference,
@@ -195,7 +196,7 @@ def run_online(method, options, seed, base_path, held_out, base_point, work: Pat
     prompts_needed = options.steps * options.batch_size // options.num_generations
     prompts = make_reasoning_dataset(prompts_needed, options.digits, "train", seed=seed)
     torch.manual_seed(seed)
-    tracker = Tracker(held_out, options, reasoning_reward, "sample_efficiency")
+    tracker = Tracker(held_out, options, reasoning_reward, "sample_efficiency", seed)
     tracker.curve.append(base_point)
     config_class, trainer_class = (GRPOConfig, GRPOTrainer) if method == "grpo" else (TOPRConfig, TOPRTrainer)
     config = config_class(max_steps=options.steps,
@@ -215,7 +216,7 @@ def generate_once(options, seed, base_path, held_out, work: Path):
 
     folder = work / f"offline-data-seed{seed}"
     shutil.rmtree(folder, ignore_errors=True)  # timed from scratch, never resumed
-    tracker = Tracker(held_out, options, reasoning_reward, "sample_efficiency")
+    tracker = Tracker(held_out, options, reasoning_reward, "sample_efficiency", seed)
     torch.manual_seed(seed)
     data = generate_offline_dataset(
         AutoModelForCausalLM.from_pretrained(base_path), AutoTokenizer.from_pretrained(base_path),
@@ -232,7 +233,7 @@ def run_offline(loss, epochs, options, seed, base_path, held_out, base_point, wo
     from topr_trl.offline import stored_reward
 
     data, completions, generation_seconds = generated
-    tracker = Tracker(held_out, options, stored_reward, "sample_efficiency")
+    tracker = Tracker(held_out, options, stored_reward, "sample_efficiency", seed)
     tracker.completions = completions
     tracker.started -= generation_seconds  # the dataset's generation is part of this method's time
     # every completion is generated before the first step: the curve is at the base model's pass@1 until then
@@ -254,7 +255,7 @@ def run_iterated(options, seed, base_path, held_out, base_point, work: Path) -> 
 
     folder = work / f"topr_iterated-seed{seed}"
     shutil.rmtree(folder, ignore_errors=True)  # timed from scratch, never resumed
-    tracker = Tracker(held_out, options, reasoning_reward, "sample_efficiency")
+    tracker = Tracker(held_out, options, reasoning_reward, "sample_efficiency", seed)
     tracker.curve.append(base_point)
     calls = []
 
@@ -285,13 +286,13 @@ def run(options) -> dict:
     work = Path(options.work_dir)
     counts = dict(steps=options.steps, batch_size=options.batch_size, num_generations=options.num_generations,
                   prompts=options.prompts, iterations=options.iterations, iteration_prompts=options.iteration_prompts)
-    # the evaluation seed is fixed, so the base model's point is the same for every training seed
-    base_point = {"step": 0, "completions": 0, "seconds": 0.0,
-                  **held_out_pass_at_1(model, tokenizer, held_out, options)}
-    results["base"] = base_point
-    print(f"[sample_efficiency] base pass@1 {base_point['pass@1']:.3f} ± {base_point['pass@1_problem_se']:.3f}",
-          flush=True)
+    bases = base_points(model, tokenizer, held_out, options)
+    results["base"] = base_summary(bases)
+    for seed, point in bases.items():
+        print(f"[sample_efficiency] base pass@1 on seed {seed}'s draw {point['pass@1']:.3f} ± {point['pass@1_problem_se']:.3f}",
+              flush=True)
     for seed in options.seeds:
+        base_point = {"step": 0, "completions": 0, "seconds": 0.0, **bases[seed]}
         generated = None
         target = options.target
         for method in options.methods:

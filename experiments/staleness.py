@@ -65,8 +65,9 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from experiments.common import (  # noqa: E402
     Tracker,
+    base_points,
+    base_summary,
     experiment_parser,
-    held_out_pass_at_1,
     late_mean,
     mean_and_ci95,
     paired_by_lag,
@@ -200,7 +201,7 @@ def run_lagged(method, lag, options, seed, base_path, held_out, base_point, work
     prompts = make_reasoning_dataset(options.steps * options.batch_size // options.num_generations, options.digits,
                                      "train", seed=seed)
     torch.manual_seed(seed)
-    tracker = Tracker(held_out, options, reasoning_reward, "staleness")
+    tracker = Tracker(held_out, options, reasoning_reward, "staleness", seed)
     tracker.curve.append(base_point)
     common = {**train_config(options, seed, work / f"{method}-k{lag}-seed{seed}"), "logging_steps": 1,
               options.lag_via: lag}
@@ -226,11 +227,13 @@ def run(options) -> dict:
     started = time.time()
     model, tokenizer, base_path, held_out, results = prepare_testbed(options)
     work = Path(options.work_dir)
-    base_point = {"step": 0, "completions": 0, "seconds": 0.0,
-                  **held_out_pass_at_1(model, tokenizer, held_out, options)}
-    results["base"] = base_point
-    print(f"[staleness] base pass@1 {base_point['pass@1']:.3f} ± {base_point['pass@1_problem_se']:.3f}", flush=True)
+    bases = base_points(model, tokenizer, held_out, options)
+    results["base"] = base_summary(bases)
+    for seed, point in bases.items():
+        print(f"[staleness] base pass@1 on seed {seed}'s draw {point['pass@1']:.3f} ± {point['pass@1_problem_se']:.3f}",
+              flush=True)
     for seed in options.seeds:
+        base_point = {"step": 0, "completions": 0, "seconds": 0.0, **bases[seed]}
         for method in options.methods:
             for lag in options.lags:
                 print(f"[staleness] seed {seed} {method} K={lag}", flush=True)

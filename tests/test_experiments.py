@@ -68,7 +68,7 @@ def test_fixed_datasets_are_kept_apart_by_behaviour_model(tiny_model_path, behav
     testbed = common.Testbed(
         task="arithmetic", base_dir=Path(tiny_model_path), held_out=None, reward=arithmetic_reward, max_new_tokens=3,
         measure="", metrics=("accuracy",), prompts=lambda count, seed: make_arithmetic_dataset(count, 1, seed=seed),
-        evaluate=lambda model, tokenizer: {},
+        evaluate=lambda model, tokenizer, eval_seed: {},
     )
     from_base = common.sample_fixed_dataset(testbed, 2, 0, tmp_path)
     from_other = common.sample_fixed_dataset(testbed, 2, 0, tmp_path, behaviour=Path(behaviour_model_path))
@@ -77,6 +77,35 @@ def test_fixed_datasets_are_kept_apart_by_behaviour_model(tiny_model_path, behav
     assert from_base["behaviour_logps"] != from_other["behaviour_logps"]
     again = common.sample_fixed_dataset(testbed, 2, 0, tmp_path)
     assert again["completion_ids"] == from_base["completion_ids"]
+
+
+def test_each_training_seed_has_its_own_evaluation_draw_shared_by_every_method(monkeypatch):
+    """--eval_draw per_seed: seed s's runs and its base point are sampled with one seed of s's own, distinct from
+    every other training seed's; the base model is evaluated once per draw. fixed: one draw (1234) for all."""
+    from types import SimpleNamespace
+
+    from experiments import common
+
+    assert common.evaluation_seed("fixed", 0) == common.evaluation_seed("fixed", 7) == common.EVAL_SEED == 1234
+    assert len({common.evaluation_seed("per_seed", seed) for seed in range(10)} | {common.EVAL_SEED}) == 11
+    with pytest.raises(ValueError, match="eval_draw"):
+        common.evaluation_seed("per_method", 0)
+    calls = []
+    testbed = common.Testbed(task="t", base_dir=Path("."), held_out=None, reward=None, max_new_tokens=1, measure="",
+                             metrics=(), prompts=None, evaluate=lambda m, t, eval_seed: calls.append(eval_seed) or
+                             {"pass@1": eval_seed / 10_000}, eval_draw="per_seed")
+    first, again, other = (testbed.start(None, None, seed) for seed in (0, 0, 1))
+    assert first is again and first != other and calls == [common.evaluation_seed("per_seed", s) for s in (0, 1)]
+    options = SimpleNamespace(seeds=[0, 1, 2], eval_draw="fixed")
+    monkeypatch.setattr(common, "held_out_pass_at_1",
+                        lambda *args, eval_seed, **kwargs: calls.append(eval_seed) or {"pass@1": eval_seed / 10_000})
+    calls.clear()
+    assert set(common.base_points(None, None, None, options)) == {0, 1, 2} and calls == [1234]
+    calls.clear()
+    points = common.base_points(None, None, None, SimpleNamespace(seeds=[0, 1], eval_draw="per_seed"))
+    assert calls == [1235, 1236]
+    assert common.base_summary(points) == {"pass@1": pytest.approx((0.1235 + 0.1236) / 2),
+                                           "by_seed": {"0": {"pass@1": 0.1235}, "1": {"pass@1": 0.1236}}}
 
 
 def test_clipped_token_shares_count_the_tokens_ppo_clips_by_the_signals_sign(tiny_model_path):

@@ -22,7 +22,7 @@ def test_naive_reinforce_collapses_and_topr_improves(evidence_work_dir, tmp_path
     naive = results["runs"]["naive_reinforce/seed0"]["curve"]
     topr = results["runs"]["topr/seed0"]["curve"]
     assert 0.5 < results["runs"]["topr/seed0"]["dataset_positive_fraction"] < 0.85  # the paper's regime
-    # every run starts from the base model's score: recomputed here from the saved base model
+    # every run starts from the base model's score on its seed's evaluation draw: recomputed here from the saved model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from experiments import common
@@ -30,7 +30,8 @@ def test_naive_reinforce_collapses_and_topr_improves(evidence_work_dir, tmp_path
     options = SimpleNamespace(digits=3, eval_samples=2)
     base = common.held_out_pass_at_1(AutoModelForCausalLM.from_pretrained(results["base_model"]),
                                           AutoTokenizer.from_pretrained(results["base_model"]),
-                                          make_reasoning_dataset(200, 3, "heldout", seed=0), options)
+                                          make_reasoning_dataset(200, 3, "heldout", seed=0), options,
+                                          eval_seed=common.evaluation_seed(results["options"]["eval_draw"], 0))
     assert naive[0]["accuracy"] == topr[0]["accuracy"] == pytest.approx(base["pass@1"], abs=0.01)
     assert topr[-1]["accuracy"] > topr[0]["accuracy"] + 0.05
     assert naive[-1]["accuracy"] < naive[0]["accuracy"]
