@@ -18,7 +18,7 @@ end of the last (the worker's start and the first push excluded), as the samples
 asynchronous packing fills a step by tokens, so its steps hold about the batch, not exactly). L (generation per step) and T (training per step) are read from the synchronous run's own
 timing (TRL's profiling of `vLLM.generate` and the step time); the ideal ratio is (L + T) / max(L, T).
 
-    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python -m experiments.async_server_throughput --output docs/async_server_throughput.json
+    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python -m experiments.async_server_throughput --output docs/evidence/benchmarks/async_server_throughput.json
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def parse(argv):
     parser.add_argument("--num_layers", type=int, default=4)
     parser.add_argument("--server_dtype", default="float32", help="the server's dtype (float32: the trainer's; "
                                                                   "auto: vLLM's bfloat16, slow on CPUs without it)")
-    parser.add_argument("--output", default="docs/async_server_throughput.json")
+    parser.add_argument("--output", default="docs/evidence/benchmarks/async_server_throughput.json")
     return parser.parse_args(argv)
 
 

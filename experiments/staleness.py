@@ -27,7 +27,7 @@ Every run starts from the warm model that experiments/sample_efficiency.py also 
 --checkpoints evenly spaced steps. Completions
 are counted by the reward function as it scores them and checked against `expected_completions`. One CPU thread.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.staleness                   # full run, docs/staleness.*
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.staleness                   # full run, docs/evidence/staleness/staleness.*
     OMP_NUM_THREADS=1 .venv/bin/python -m experiments.staleness --smoke --output outputs/staleness/smoke
 
 Run times measured on one CPU thread (2-core shared machine, warm model already cached): --smoke 13 s (2 methods x
@@ -301,7 +301,7 @@ def update_summary(results: dict) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = experiment_parser(__doc__, output="docs/staleness", epochs=None, eval_prompts=500)
+    parser = experiment_parser(__doc__, output="docs/evidence/staleness/staleness", epochs=None, eval_prompts=500)
     # the warm model cache is shared with sample_efficiency.py; 3e-4 is its learning rate
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=tuple(METHOD_TRAINERS))
     parser.add_argument("--lags", type=int, nargs="+", default=[1, 4, 16, 64],
