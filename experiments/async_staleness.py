@@ -14,7 +14,7 @@ after it is read: TRL's dataloader reads one micro-batch ahead). Methods:
     async_topr_token_mean  the control: AsyncTOPRTrainer with TRL's aggregation (the sum over the micro-batch's
                       tokens divided by their number) instead of the paper's mean over completions of the mean over
                       each completion's tokens: what is TOPR's loss and what is the aggregation
-    async_tis         Figure 1's controls (issue 36 item 2): AsyncTOPRTrainer with loss_type="tis" (the ratio capped
+    async_tis         Figure 1's controls: AsyncTOPRTrainer with loss_type="tis" (the ratio capped
     async_sft_positives  at 1 on both branches) and loss_type="sft" (positives only), keeping every sample
 
 (TRL's trainer runs on a CPU through `topr_trl.asynchronous.cpu.cpu_capable`; nothing else of it is changed.) With
@@ -31,7 +31,7 @@ with its training seconds (evaluation excluded). Paired by seed (`experiments.pa
 against each other one at every K, and every method's K against its own K = 0. One torch thread.
 `--resummarise JSON` recomputes the summary of finished runs.
 
-    # issue 22's rerun (docs/evidence/asynchronous/async_staleness): shipped model, learning rate 1e-4 (chosen on
+    # the rerun under the method of docs/results.md (docs/evidence/asynchronous/async_staleness): shipped model, learning rate 1e-4 (chosen on
     # validation for the synchronous runs), 8 checkpoints; the keeping trainers first, then the dropping one and
     # the control
     S=experiments.async_staleness O=outputs/async_v2 common="--seeds 0 1 2 3 4 --learning_rate 1e-4 --checkpoints 8"
