@@ -18,9 +18,14 @@ LAUNCHES = {
     "zero2": ["--use_deepspeed", "--zero_stage", "2"],
     "zero3": ["--use_deepspeed", "--zero_stage", "3", "--zero3_init_flag", "false"],
 }
-# Unbuffered, each print reaches the pipe shared by both ranks in one write, so a line is never split by the other rank
+# Unbuffered, each print reaches the pipe shared by both ranks in one write, so a line is never split by the other rank.
+# PYTHONPATH: a script run by path has its own folder first on sys.path, not the working directory, so without it the
+# ranks would import topr_trl from wherever it is installed (the editable install of another checkout) instead of
+# this one
+REPOSITORY = Path(__file__).resolve().parents[1]
 LAUNCH_ENVIRONMENT = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                      "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONUNBUFFERED": "1"}
+                      "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONUNBUFFERED": "1",
+                      "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
 
 
 def run_training(results_dir: Path, data_dir: Path, model_path: str, launch: str | None) -> tuple[dict, dict]:

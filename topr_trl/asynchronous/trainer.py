@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 from accelerate import PartialState
-from accelerate.utils import broadcast
+from accelerate.utils import broadcast, broadcast_object_list
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl.experimental.async_grpo import AsyncGRPOTrainer
@@ -136,12 +136,40 @@ class TrajectoryVersions:
         return batch
 
 
+class TransferOnTheMainProcess:
+    """What a process other than the main one passes as TRL's `weight_transfer` while the main process holds a gloo
+    transfer: TRL keeps the main process's alone (it sets None on the others), but every process decides from the one
+    it is passed whether to probe the server for adapter-only sync (`AsyncGRPOTrainer.__init__`, a PEFT model with no
+    transfer: `broadcast_object_list` from the main process), and a process that probes alone waits there for the
+    main process's next collective."""
+
+
 def gloo_weight_transfer(args: AsyncTOPRConfig):
     """The weight transfer for TRL's rollout worker against `args.vllm_server_base_url`: this package's gloo path
     (`topr_trl.vllm_server.GlooWeightTransfer`) when the server runs it, as `topr-trl vllm-serve` does without a GPU;
-    otherwise None, and TRL builds its own (NCCL). Asked on the main process only, which alone talks to the server."""
-    if not PartialState().is_main_process:
-        return None
+    otherwise None, and TRL builds its own (NCCL). Asked on the main process only, which alone talks to the server;
+    with several processes its answer (or its error) is broadcast, and the others pass `TransferOnTheMainProcess`
+    where it found one, so that every process takes the same branch of TRL's constructor."""
+    state = PartialState()
+    transfer = None
+    if state.is_main_process:
+        try:
+            transfer = _gloo_weight_transfer_of_server(args)
+        except Exception as error:  # raised on every process below: on the main one alone, the others would wait
+            transfer = error
+    if state.num_processes > 1:
+        (found,) = broadcast_object_list([transfer if isinstance(transfer, Exception) else transfer is not None],
+                                         from_process=0)
+        if isinstance(found, Exception):
+            raise found
+        if not state.is_main_process:
+            transfer = TransferOnTheMainProcess() if found else None
+    if isinstance(transfer, Exception):
+        raise transfer
+    return transfer
+
+
+def _gloo_weight_transfer_of_server(args: AsyncTOPRConfig):
     from ..vllm_server import BACKEND
     from ..vllm_server.client import GlooWeightTransfer, server_weight_backend
 
