@@ -207,6 +207,30 @@ def test_mirrored_forward_and_accounting_equal_trls_compute_loss_under_ppo_clipp
     assert accounting == trl_accounting
 
 
+def test_a_row_with_nothing_to_train_joins_the_metrics_and_trains_nothing(tmp_path):
+    """A packed row with no trained token (another rank may have some) gives a zero loss whose gradient is zero, and
+    still runs the metric code, whose reductions every rank joins: returning before it would hang a multi-process
+    run. Its ratio minima are +inf (no trajectory) and its branch losses NaN, left out of the mean over ranks."""
+    from topr_trl.policy_metrics import ratio_minima
+
+    batch = collate(packed_samples(seed=1))
+    batch["token_index"] = torch.full_like(batch["token_index"], -1)
+    trainer = build(AsyncTOPRTrainer, AsyncTOPRConfig(**async_kwargs(tmp_path)))
+    trainer.current_gradient_accumulation_steps = 1
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in trainer.model.parameters())
+    logged = trainer._metrics["train"]
+    assert logged["topr/positive_fraction"] and math.isnan(logged["topr/loss_positive"][-1])
+    empty = PolicyLossSpec()
+    from topr_trl.loss import packed_topr_loss
+
+    _, terms, mask = packed_topr_loss(torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.long),
+                                      empty)
+    assert ratio_minima(terms, torch.zeros(0, 1), mask).tolist() == [math.inf] * 4
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The stand-in worker
 # ---------------------------------------------------------------------------------------------------------

@@ -66,13 +66,15 @@ def metric_sums(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, en
 
 def ratio_minima(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(min positive ratio, min negative ratio, -max positive ratio, -max negative ratio) on this process, inf for an
-    empty branch: the caller takes the minimum over processes."""
+    empty branch (also when this process has no trajectory at all): the caller takes the minimum over processes."""
     _, ratio, in_positive, in_negative = _ratio_and_branches(terms, signal, mask)
-    inf = torch.tensor(float("inf"), device=ratio.device)
-    return torch.stack([
-        torch.where(in_positive.bool(), ratio, inf).amin(), torch.where(in_negative.bool(), ratio, inf).amin(),
-        torch.where(in_positive.bool(), -ratio, inf).amin(), torch.where(in_negative.bool(), -ratio, inf).amin(),
-    ])
+    inf = torch.tensor([float("inf")], device=ratio.device)
+
+    def least(values: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.where(members.bool(), values, inf).flatten(), inf]).amin()
+
+    return torch.stack([least(ratio, in_positive), least(ratio, in_negative), least(-ratio, in_positive),
+                        least(-ratio, in_negative)])
 
 
 RATIO_QUANTILES = (0.1, 0.5, 0.9)
@@ -91,9 +93,10 @@ def branch_ratios(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor) 
 
 def ratio_quantiles(ratios: torch.Tensor) -> dict[str, float]:
     """The `RATIO_QUANTILES` of each branch's pi/mu from the gathered (2, N) `branch_ratios` (NaN for an empty
-    branch)."""
+    branch, also when no process had a trajectory: N = 0)."""
     levels = torch.tensor(RATIO_QUANTILES, dtype=torch.float32, device=ratios.device)
-    values = torch.nanquantile(ratios.float(), levels, dim=1).T.tolist()  # (branch, quantile); NaN where empty
+    ratios = torch.cat([ratios.float(), ratios.new_full((2, 1), float("nan"), dtype=torch.float32)], dim=1)
+    values = torch.nanquantile(ratios, levels, dim=1).T.tolist()  # (branch, quantile); NaN where empty
     return {f"topr/ratio_{branch}/p{round(q * 100)}": value
             for branch, row in zip(("positive", "negative"), values, strict=True)
             for q, value in zip(RATIO_QUANTILES, row, strict=True)}

@@ -51,7 +51,8 @@ class PolicyMetricsLogging:
         # one collective for both: each process's row is its minima then its branch losses
         gathered = self.accelerator.gather(torch.cat([minima, losses]).unsqueeze(0))
         all_minima, all_losses = gathered.split([minima.numel(), losses.numel()], dim=1)
-        values = policy_metrics(totals, all_minima.amin(dim=0).tolist(), all_losses.mean(dim=0).tolist(),
+        # a process that trained no trajectory (an empty packed row) has NaN branch losses and joins the mean as none
+        values = policy_metrics(totals, all_minima.amin(dim=0).tolist(), all_losses.nanmean(dim=0).tolist(),
                                 reward_signal=self.args.topr_signal == "reward")
         ratios = branch_ratios(terms, signal, mask)
         if self.accelerator.num_processes > 1:  # every process's ratios, NaN-padded to one length

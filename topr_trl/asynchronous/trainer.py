@@ -312,13 +312,13 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
         aggregate_kwargs = {"aggregation": self.args.topr_loss_aggregation}
         if aggregate_kwargs["aggregation"] == "global-token-mean":
             aggregate_kwargs["num_tokens"] = (inputs["global_n_tokens"][0] / world_size).clamp(min=1.0)
-        if segment_id.numel() == 0:  # a row with nothing to train: a zero that still joins the gradient all-reduce
-            loss = log_probs.sum() * 0.0
-            self._account_step(inputs)
-            return loss
         loss, terms, mask = packed_topr_loss(log_probs, behaviour_logps, token_signal, segment_id, self._loss_spec,
                                              **aggregate_kwargs)
-        if aggregate_kwargs["aggregation"] == "seq-mean-token-mean":
+        if segment_id.numel() == 0:
+            # a row with nothing to train: a zero that still joins the gradient all-reduce, and the metrics'
+            # collectives below, which every other rank makes (returning here would leave them waiting)
+            loss = log_probs.sum() * 0.0
+        elif aggregate_kwargs["aggregation"] == "seq-mean-token-mean":
             # the mean over this rank's completions, as a share of the micro-batch's mean over all completions
             completions = inputs["global_n_forward_tokens"][0] / inputs["mean_seq_len"][0]
             loss = loss * mask.size(0) / (completions / world_size).clamp(min=1.0)
