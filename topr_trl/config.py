@@ -178,6 +178,9 @@ class TOPRConfig(GRPOConfig):
         default="advantage",
         metadata={"help": "'advantage' (GRPO's group advantage) or 'reward' (R - topr_baseline, the paper)."},
     )
+    # Declared `str` because TRL's parser (HfArgumentParser) takes no `float | str` field, and c is a number or a mode;
+    # `__post_init__` turns it into a float or a mode, so after construction it is what the asynchronous config's
+    # `float` field is (which takes numbers only: its samples arrive one at a time, not in groups).
     topr_baseline: str = field(
         default="0.0",
         metadata={"help": "Baseline c for topr_signal='reward': a number, 'group_mean' or 'batch_mean'."},
