@@ -42,10 +42,10 @@ def plot_curves(curves: dict[str, tuple[list[int], list[float]]], path: str | Pa
     panels = [(name, keys) for name, keys in panels if keys]
     if not panels:
         return None
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - matplotlib: 0.5 s to import, only to draw
 
     matplotlib.use("Agg")  # a file, never a window: runs are often on machines without a screen
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - matplotlib: 0.5 s to import, only to draw
 
     columns = min(3, len(panels))
     rows = -(-len(panels) // columns)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
+import torch
+
 
 def cpu_model() -> str:
     """The CPU's model name (from /proc/cpuinfo on Linux), else what the platform reports."""
@@ -20,8 +22,6 @@ def cpu_model() -> str:
 
 def machine_info() -> dict:
     """torch version, CPU model, the vector instructions torch's CPU kernels use, threads, and the GPU if any."""
-    import torch
-
     info = {
         "torch": torch.__version__,
         "cpu": cpu_model(),

@@ -6,6 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
+from trl import GRPOTrainer
+from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
+
 
 def tokenize_prompts(
     tokenizer,
@@ -19,12 +22,8 @@ def tokenize_prompts(
     `tools` (plain-text prompts get the tokenizer's special tokens, e.g. BOS; conversational ones the chat template
     with the generation prompt). `chat_template`: the trainer's override (`trainer.chat_template`); by default the
     one GRPOTrainer would pick for these tools. Text-only: images in prompts are not supported here."""
-    from trl import GRPOTrainer
-
     tools = list(tools or [])
     if chat_template is None and tools:
-        from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
-
         if not is_chat_template_prefix_preserving(tokenizer):  # GRPOTrainer swaps in the same template
             chat_template = get_training_chat_template(tokenizer)
     # MIRROR of the attributes TRL 1.16's `GRPOTrainer._tokenize_prompts` reads, as GRPOTrainer sets them for a

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import torch
+from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 
 SUPPORT_FILTERS: dict[str, tuple[str, ...]] = {
@@ -264,8 +265,6 @@ def head_logits(owner: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     temperature: the output embedding (and bias), the model's logit scale (`logit_scale`, `output_multiplier`,
     `lm_head_multiplier`, `logits_scaling`) and final soft-capping, in float32. tests/test_sampler_support.py holds it
     to TRL's fused log-probs."""
-    from trl.trainer.utils import maybe_gather_lm_head_ctx
-
     config = owner.config.get_text_config()
     scale = getattr(config, "logit_scale", None)
     if scale is None:

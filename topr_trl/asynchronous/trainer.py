@@ -41,6 +41,8 @@ from ..sampler_support import (
     on_mus_support,
 )
 from ..trainer_shared import TOPR_PAPER, PolicyMetricsLogging, trained_method
+from ..vllm_server import BACKEND
+from ..vllm_server.client import GlooWeightTransfer, server_weight_backend
 from .config import AsyncTOPRConfig
 from .cpu import CPUSupport
 from .resume import RolloutLedger, describe_resume, read_rollout_state, write_rollout_state
@@ -170,9 +172,6 @@ def gloo_weight_transfer(args: AsyncTOPRConfig):
 
 
 def _gloo_weight_transfer_of_server(args: AsyncTOPRConfig):
-    from ..vllm_server import BACKEND
-    from ..vllm_server.client import GlooWeightTransfer, server_weight_backend
-
     url = args.vllm_server_base_url.rstrip("/")
     try:  # one look, no wait: a server not up yet, or not there, is TRL's to wait for and report
         backend = server_weight_backend(url, timeout_s=0)

@@ -13,12 +13,18 @@ import difflib
 import re
 import sys
 import textwrap
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trl import ScriptArguments, TrlParser
+import yaml
+from trl import GRPOConfig, ModelConfig, ScriptArguments, TrlParser
 
+from .. import sampling
+from ..config import TOPRConfig
+from ..distributed import gpu_available
 from ..tasks.registry import BUILTIN_TASK, TASKS, builtin_task_names
+from ..vllm_server.command import VLLMServeArguments
 
 
 COMMANDS = ("train", "generate", "iterate", "evaluate", "vllm-serve")
@@ -276,8 +282,6 @@ class CommandParser(TrlParser):
 
     def _takes_list(self, key: str) -> bool:
         """Whether the field `key` of this parser's dataclasses accepts a list (TrainingArguments' `report_to`)."""
-        import typing
-
         for kind in self.dataclass_types:
             try:
                 hint = typing.get_type_hints(kind).get(key)
@@ -290,11 +294,6 @@ class CommandParser(TrlParser):
 
 
 def command_dataclasses(command: str) -> tuple:
-    from trl import ModelConfig
-
-    from ..config import TOPRConfig
-    from ..vllm_server.command import VLLMServeArguments
-
     return {"train": (TrainScriptArguments, TOPRConfig, ModelConfig),
             "generate": (GenerateScriptArguments, ModelConfig),
             "iterate": (IterateScriptArguments, TOPRConfig, ModelConfig),
@@ -421,16 +420,12 @@ def is_builtin_run(choice: _RunChoice) -> bool:
 
 def recipe(name: str) -> dict:
     """A built-in recipe, `topr_trl/commands/recipes/<name>.yaml`, as a mapping of field: value."""
-    import yaml
-
     return yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
 
 
 def run_defaults(command: str, choice: _RunChoice) -> dict:
     """The parser defaults of a run, below the YAML and the flags: the built-in recipe for a built-in run, TRL's own
     (fitted to the hardware) otherwise; the command line's checks; an output folder of its own."""
-    from ..distributed import gpu_available
-
     if is_builtin_run(choice):
         defaults = recipe(f"builtin-{command}")
         task = TASKS[choice.task or BUILTIN_TASK]
@@ -458,11 +453,8 @@ def run_defaults(command: str, choice: _RunChoice) -> dict:
 def cpu_validation_flags(command: str, choice: _RunChoice) -> list[str]:
     """For a dry run on a machine without a GPU: flags (above the config file) that turn off what needs one, so that
     every other key and value of a GPU recipe still validates here. Says which ones it turned off."""
-    from ..distributed import gpu_available
-    from ..sampling import vllm_cpu_build_installed
-
     needs_gpu = [f"{name}=True" for name in ("bf16", "fp16") if getattr(choice, name)]
-    if choice.use_vllm and not vllm_cpu_build_installed():
+    if choice.use_vllm and not sampling.vllm_cpu_build_installed():
         needs_gpu.append("use_vllm=True")
     if command == "generate" or not choice.dry_run or gpu_available() or not needs_gpu:
         return []
@@ -505,10 +497,6 @@ _COMMON_MODEL_FLAGS = ("model_name_or_path", "dtype", "use_peft", "lora_r", "lor
 
 def short_help(command: str) -> str:
     """This command's own fields and TOPR's first, then the common GRPO and model fields, from the dataclasses."""
-    from trl import GRPOConfig, ModelConfig
-
-    from ..config import TOPRConfig
-
     grpo_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     groups: list[tuple[str, list[dataclasses.Field]]] = []
     for kind in command_dataclasses(command):

@@ -28,12 +28,33 @@ import sys
 import warnings
 from pathlib import Path
 
+import torch
+from accelerate import PartialState
+from transformers import AutoTokenizer
+from trl import get_peft_config
+from trl.chat_template_utils import add_response_schema, qwen3_template
+
+from ..config import check_choice
 from ..curves import logged_curves, plot_curves
-from ..distributed import say
+from ..distributed import end_process_group, gpu_available, say
 from ..machine import describe_machine, machine_info
-from ..sources import check_data_source
+from ..offline import (
+    COMPOSITIONS,
+    generate_offline_dataset,
+    load_offline_source,
+    proportion_of_positives,
+    stored_reward,
+)
+from ..offline.generation import GeneratedWithOtherSettings
+from ..offline.held_out import HELD_OUT_SAMPLES, load_test_prompts
+from ..sampling import BACKENDS
+from ..sources import check_data_source, check_local_data
 from ..tasks.loading import describe_accuracy, held_out_accuracy, load_task, task_evaluator
-from .arguments import COMMANDS, check_reward_weights, chosen_run, is_builtin_run, parse_command
+from ..trainer import TOPRTrainer
+from ..vllm_server.command import serve
+from .arguments import COMMANDS, build_parser, check_reward_weights, chosen_run, is_builtin_run, parse_command
+from .evaluate import run as run_evaluate
+from .iterations import IterationSettings, iteration_curves, run_iterations
 from .output_folders import (
     SUMMARY_METRICS,
     InterruptAtStepEnd,
@@ -63,10 +84,6 @@ def _note_hardware(argv: list[str], training_args) -> None:
 
 # ---------------------------------------------------------------------------------------------- commands
 def train(argv: list[str]) -> dict:
-    from trl import get_peft_config
-
-    from ..offline import load_offline_source
-
     script_args, training_args, model_args = parse_command("train", argv)
     offline = script_args.offline_dataset is not None
     refuse_used_output_dir(training_args.output_dir, script_args.overwrite_output_dir,
@@ -86,15 +103,11 @@ def train(argv: list[str]) -> dict:
         script_args, model_args.model_name_or_path, training_args.seed, offline=offline,
         eval_split=training_args.eval_strategy != "no")
     if offline and script_args.reward_funcs is None:  # the paper labels the data once, at generation
-        from ..offline import stored_reward
-
         reward_funcs = [stored_reward]
     async_args = _asynchronous_config(script_args, training_args, model_args, eval_dataset) \
         if script_args.asynchronous else None
     check_reward_weights(reward_funcs, training_args.reward_weights, argv)  # before any model loads, dry or not
     if script_args.dry_run:
-        from ..sources import check_local_data
-
         if offline and Path(script_args.offline_dataset).expanduser().is_file():  # empty or unreadable: fail now
             check_local_data(script_args.offline_dataset, script_args.dataset_train_split, what="offline dataset",
                              one_split="train")
@@ -108,8 +121,6 @@ def train(argv: list[str]) -> dict:
     if offline:
         train_dataset, eval_dataset = offline_data, offline_eval
     _note_hardware(argv, training_args)
-
-    from ..trainer import TOPRTrainer
 
     output_dir = training_args.output_dir
     trainer = None
@@ -177,7 +188,7 @@ def _asynchronous_config(script_args, training_args, model_args, eval_dataset):
         if given:
             raise SystemExit(f"topr-trl: --asynchronous does not take {what}; drop it, or train without "
                              "--asynchronous.")
-    from ..asynchronous.config import async_config_from
+    from ..asynchronous.config import async_config_from  # noqa: PLC0415 - loads trl.experimental
 
     try:
         return async_config_from(training_args, max_staleness=script_args.async_max_staleness, token_budget=0,
@@ -187,8 +198,8 @@ def _asynchronous_config(script_args, training_args, model_args, eval_dataset):
 
 
 def _asynchronous_trainer(script_args, async_args, model, reward_funcs, train_dataset, server_url=None):
-    from ..asynchronous import AsyncTOPRTrainer
-    from ..asynchronous.stand_in import WorkerSettings, build_async_trainer
+    from ..asynchronous import AsyncTOPRTrainer  # noqa: PLC0415 - loads trl.experimental
+    from ..asynchronous.stand_in import WorkerSettings, build_async_trainer  # noqa: PLC0415 - loads trl.experimental
 
     if server_url is not None:
         return _served_asynchronous_trainer(script_args, async_args, model, reward_funcs, train_dataset)
@@ -208,11 +219,7 @@ def _asynchronous_trainer(script_args, async_args, model, reward_funcs, train_da
 def _served_asynchronous_trainer(script_args, async_args, model, reward_funcs, train_dataset):
     """`--asynchronous --vllm_server_base_url URL`: TRL's own rollout worker generating on that server, which follows
     the policy through its weight path (gloo from `topr-trl vllm-serve` without a GPU, TRL's NCCL otherwise)."""
-    from transformers import AutoTokenizer
-    from trl.chat_template_utils import add_response_schema, qwen3_template
-
-    from ..asynchronous import AsyncTOPRTrainer
-    from ..distributed import gpu_available
+    from ..asynchronous import AsyncTOPRTrainer  # noqa: PLC0415 - loads trl.experimental
 
     stand_in = {"--async_lag": script_args.async_lag,
                 "--async_seconds_per_sample": script_args.async_seconds_per_sample}
@@ -249,13 +256,6 @@ def _asynchronous_summary(trainer) -> dict:
 
 
 def generate(argv: list[str]) -> dict:
-    from accelerate import PartialState
-
-    from ..config import check_choice
-    from ..offline import generate_offline_dataset, proportion_of_positives
-    from ..offline.generation import GeneratedWithOtherSettings
-    from ..sampling import BACKENDS
-
     options, model_args = parse_command("generate", argv)
     check_choice("backend", options.backend, BACKENDS)
     try:
@@ -270,8 +270,6 @@ def generate(argv: list[str]) -> dict:
         return {"dry_run": True}
     if not PartialState().is_main_process:  # sharded generation is resumable, not parallel: one process writes
         return {}
-    import torch
-    from transformers import AutoTokenizer
 
     if options.max_prompts is not None:
         prompts = prompts.select(range(min(options.max_prompts, len(prompts))))
@@ -308,15 +306,6 @@ def generate(argv: list[str]) -> dict:
 
 
 def iterate(argv: list[str]) -> list[dict]:
-    import torch
-    from accelerate import PartialState
-
-    from ..config import check_choice
-    from ..offline import COMPOSITIONS
-    from ..offline.generation import GeneratedWithOtherSettings
-    from ..sampling import BACKENDS
-    from .iterations import IterationSettings, run_iterations
-
     options, training_args, model_args = parse_command("iterate", argv)
     check_trackers(training_args.report_to)
     check_choice("composition", options.composition, COMPOSITIONS)
@@ -341,8 +330,6 @@ def iterate(argv: list[str]) -> list[dict]:
     )
     evaluate, unmeasured = (task_evaluator(task, held_out) if held_out is not None else None), None
     if task == "custom":  # the user's data: measured on its held-out split, when it has one
-        from ..offline.held_out import HELD_OUT_SAMPLES, load_test_prompts
-
         held_out, unmeasured = load_test_prompts(options.dataset_name, options.dataset_test_split,
                                                  options.dataset_train_split, options.dataset_config, prompts)
         if held_out is not None:
@@ -387,8 +374,6 @@ def iterate(argv: list[str]) -> list[dict]:
                      f"{describe_accuracy(summary.get('evaluation'), problems)}")
         say(line)
     if PartialState().is_main_process:
-        from .iterations import iteration_curves
-
         curves, boundaries = iteration_curves(training_args.output_dir)
         drawn = plot_curves(curves, Path(training_args.output_dir) / "curves.png",
                             f"topr-trl iterate: {shown_path(training_args.output_dir)} (dashed: a new iteration)",
@@ -407,20 +392,15 @@ def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in argv
     argv = [argument for argument in argv if argument != "--debug"]
     if not argv or argv[0] not in COMMANDS:
-        from .arguments import build_parser
-
         print(__doc__)
         build_parser()[0].print_help()
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated")  # TRL's own default trips it
-    from ..distributed import gpu_available
 
     if not gpu_available():  # DeepSpeed would guess the CPU, warning "Setting accelerator to CPU" on every command
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         run_command(argv[0], argv[1:])  # returns nothing: a console script exits 1 on a returned value
-        from ..distributed import end_process_group
-
         end_process_group()
     except KeyboardInterrupt:  # Ctrl-C outside training (which says more: `interrupted_run`)
         if debug:
@@ -437,13 +417,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_command(command: str, argv: list[str]):
     if command == "evaluate":
-        from .evaluate import run
-
-        return run(*parse_command("evaluate", argv))
+        return run_evaluate(*parse_command("evaluate", argv))
     if command == "vllm-serve":
-        from ..vllm_server.command import serve
-        from .arguments import build_parser
-
         parser = build_parser()[1]["vllm-serve"]
         if "-h" in argv or "--help" in argv or "--help-all" in argv:
             parser.print_help()

@@ -15,9 +15,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
+
+from ..config import check_choice
 from ..evaluation.runner import evaluate_model, json_safe, save_results
+from ..machine import describe_machine, machine_info
 from ..sampling import BACKENDS
+from ..sources import check_data_source, check_model_source
 from ..tasks.registry import BUILTIN_TASK, CUSTOM_TASK, ROW_COLUMN, TASKS
+from ..tasks.user_rewards import reporting_reward, resolve_reward, reward_classifier
+from .arguments import parse_command
 
 
 def _resolve_task(options) -> str:
@@ -39,15 +46,11 @@ def _resolve_task(options) -> str:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """`topr-trl evaluate --model_name_or_path PATH [--task arithmetic|gsm8k|math500|math] [--k 8] ...`: evaluate,
     print the summary as JSON, write `results.json` and `results.png` to `--output_dir`; returns the summary."""
-    from .arguments import parse_command
-
     return run(*parse_command("evaluate", list(sys.argv[1:] if argv is None else argv)))
 
 
 def run(options) -> dict[str, Any]:
     """Evaluate as `options` (`topr_trl.commands.arguments.EvaluateArguments`) say; returns the summary."""
-    from ..config import check_choice
-
     try:
         if options.task is not None:
             check_choice("task", options.task, tuple(TASKS))
@@ -57,7 +60,6 @@ def run(options) -> dict[str, Any]:
     if options.limit is not None and options.limit < 1:
         raise SystemExit("topr-trl: --limit must be positive")
     options.task = _resolve_task(options)
-    from ..sources import check_data_source, check_model_source
 
     check_model_source(options.model_name_or_path)
     check_data_source(options.dataset_name, "--dataset_name")
@@ -65,13 +67,10 @@ def run(options) -> dict[str, Any]:
     dataset = task.evaluation_data(options)
     if options.limit is not None:
         dataset = dataset.select(range(min(options.limit, len(dataset))))
-    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(options.tokenizer or options.model_name_or_path)
     classify, answer_column = task.classifier() if task.classifier is not None else None, "answer"
     if options.task == CUSTOM_TASK:
-        from ..tasks.user_rewards import reporting_reward, resolve_reward, reward_classifier
-
         functions = [reporting_reward(resolve_reward(name)) for name in options.reward_funcs]
         classify, answer_column = reward_classifier(functions, dataset), ROW_COLUMN
     result = evaluate_model(
@@ -81,7 +80,6 @@ def run(options) -> dict[str, Any]:
         batch_size=options.batch_size, seed=options.seed, show_progress=not options.no_progress,
         num_bootstrap=options.num_bootstrap, backend=options.backend, stop_strings=options.stop,
     )
-    from ..machine import describe_machine, machine_info
 
     result.settings.update(task=options.task, machine=machine_info())
     if options.task == CUSTOM_TASK:

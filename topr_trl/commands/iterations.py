@@ -25,7 +25,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from accelerate import PartialState
 from datasets import Dataset
+from transformers import AutoTokenizer
+
+from ..config import TOPRConfig
+from ..curves import logged_curves
+from ..distributed import empty_caches, evaluate_policy, last_checkpoint, release_for_next_trainer
+from ..machine import machine_info
+from ..offline import generation
+from ..offline.composition import compose
+from ..offline.generation import GeneratedWithOtherSettings
+from ..offline.schema import stored_reward
+from ..trainer import TOPRTrainer
 
 
 @dataclass
@@ -62,17 +74,6 @@ def run_iterations(
     """Run (or resume) `settings.num_iterations` iterations; returns each iteration's summary. `evaluate(model,
     tokenizer)` runs on every process with the policy's full weights (gathered under ZeRO-3), before the first
     iteration and after each one."""
-    from accelerate import PartialState
-    from transformers import AutoTokenizer
-
-    from ..config import TOPRConfig
-    from ..distributed import empty_caches, evaluate_policy, last_checkpoint, release_for_next_trainer
-    from ..machine import machine_info
-    from ..offline.composition import compose
-    from ..offline.generation import GeneratedWithOtherSettings, generate_offline_dataset
-    from ..offline.schema import stored_reward
-    from ..trainer import TOPRTrainer
-
     output_dir = Path(output_dir)
     summaries: list[dict] = []
     behaviour_path = base_model
@@ -89,7 +90,7 @@ def run_iterations(
         # the main process generates; the others then find every shard written and only load them
         with PartialState().main_process_first():
             try:
-                data = generate_offline_dataset(
+                data = generation.generate_offline_dataset(
                     behaviour_path, tokenizer, prompts, reward_funcs, folder / "data",
                     num_completions=settings.num_completions, temperature=settings.temperature,
                     top_p=settings.top_p, top_k=settings.top_k, max_new_tokens=settings.max_new_tokens,
@@ -157,8 +158,6 @@ def run_iterations(
 def iteration_curves(output_dir: str | Path) -> tuple[dict, list[int]]:
     """The logged curves of every iteration in `output_dir`, one after another (each iteration's steps shifted by
     the steps before it), and the steps where iterations 1, 2, ... start: what `topr_trl.curves.plot_curves` draws."""
-    from ..curves import logged_curves
-
     curves: dict[str, tuple[list[int], list[float]]] = {}
     boundaries, offset = [], 0
     for state_file in sorted(Path(output_dir).glob("iteration-*/train/trainer_state.json")):

@@ -6,15 +6,27 @@ one that comes second is refused (`output_dir_lock`)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
+import shlex
 import shutil
+import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
+from accelerate import PartialState
+from huggingface_hub import get_token
 from transformers import TrainerCallback
+from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
+
+from ..distributed import gpu_available, last_checkpoint
+from ..sources import hub_unreachable_reason
+from ..vllm_server import BACKEND
+from ..vllm_server.client import server_url, server_weight_backend
 
 
 LOCK_FILE = ".topr-trl.lock"
@@ -29,8 +41,6 @@ def refuse_used_output_dir(output_dir: str, overwrite: bool, resume: bool) -> No
     """A folder that holds a finished run (its summary or its saved model) or an interrupted one (checkpoints) is not
     trained into again by accident: a finished one only with --overwrite_output_dir (or --resume_from_checkpoint to
     continue it), an interrupted one only with --resume_from_checkpoint (or --overwrite_output_dir to start again)."""
-    from ..distributed import last_checkpoint
-
     folder = Path(output_dir)
     if overwrite or resume or not folder.is_dir():
         return
@@ -49,8 +59,6 @@ def refuse_used_output_dir(output_dir: str, overwrite: bool, resume: bool) -> No
 
 def checkpoint_to_resume(training_args) -> str | None:
     """`--resume_from_checkpoint PATH`, or `true` for the last checkpoint in output_dir (None when there is none)."""
-    from ..distributed import last_checkpoint
-
     checkpoint = training_args.resume_from_checkpoint
     if str(checkpoint).lower() == "true":
         return last_checkpoint(training_args.output_dir)
@@ -63,8 +71,6 @@ def removed_if_left_empty(output_dir: str, logged_nothing=lambda: True):
     into is removed (one with any such file, a checkpoint above all, is kept). The run's lock and, while
     `logged_nothing()` (no step was logged), the tracker's files under `runs/` (TensorBoard writes the arguments there
     when training starts) are not files of its own; once a step is logged they are its record and are kept."""
-    from accelerate import PartialState
-
     folder = Path(output_dir)
     existed = folder.exists()
 
@@ -87,10 +93,6 @@ def output_dir_lock(output_dir: str):
     `LOCK_FILE`): the operating system releases it when the process ends however it ends (a crash, SIGKILL, a
     reboot), so a dead run never leaves the folder locked; the file's text only says who holds it. Under
     `accelerate launch` the main process holds it for the run (the others would otherwise refuse their own run)."""
-    import fcntl
-
-    from accelerate import PartialState
-
     if not PartialState().is_main_process:
         yield
         return
@@ -153,11 +155,6 @@ def check_trackers(report_to) -> None:
     """Fail in one line on a `--report_to` tracker that is unknown or not installed (transformers would raise a
     traceback when the trainer is built, after the model has loaded): checked at configuration, dry runs included.
     Which trackers exist and which are installed is transformers' own answer."""
-    from transformers.integrations.integration_utils import (
-        INTEGRATION_TO_CALLBACK,
-        get_available_reporting_integrations,
-    )
-
     names = [report_to] if isinstance(report_to, str) else list(report_to or [])
     for name in names:
         if name in ("none", "all"):
@@ -178,9 +175,6 @@ def check_vllm_server_mode(training_args) -> None:
     (CUDA only); `topr-trl vllm-serve` runs a gloo path too, the default without a GPU."""
     if not (training_args.use_vllm and training_args.vllm_mode == "server"):
         return
-    from ..distributed import gpu_available
-    from ..vllm_server import BACKEND
-    from ..vllm_server.client import server_url, server_weight_backend
 
     url = server_url(training_args)
     backend = server_weight_backend(url, training_args.vllm_server_timeout)
@@ -200,9 +194,6 @@ def check_hub_push(training_args) -> None:
     training fails)."""
     if not training_args.push_to_hub:
         return
-    from huggingface_hub import get_token
-
-    from ..sources import hub_unreachable_reason
 
     reason = hub_unreachable_reason()
     if reason is not None:
@@ -253,23 +244,16 @@ class InterruptAtStepEnd(TrainerCallback):
         self._previous = None
 
     def _request(self, signum, frame):
-        import signal
-
         self.requested = True
         signal.signal(signal.SIGINT, self._previous)
 
     def __enter__(self):
-        import signal
-        import threading
-
         # a process started with SIGINT ignored (a background job of a script) keeps ignoring it
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
             self._previous = signal.signal(signal.SIGINT, self._request)
         return self
 
     def __exit__(self, *exc):
-        import signal
-
         if self._previous is not None and signal.getsignal(signal.SIGINT) == self._request:
             signal.signal(signal.SIGINT, self._previous)
         return False
@@ -290,10 +274,6 @@ def interrupted(what: str) -> SystemExit:
 def interrupted_run(command: str, argv: list[str], output_dir: str) -> SystemExit:
     """`interrupted` for a training run: where the last checkpoint is and the command that resumes it, or that none
     was saved."""
-    import shlex
-
-    from ..distributed import last_checkpoint
-
     checkpoint = last_checkpoint(output_dir)
     if checkpoint is None:
         return interrupted(f"no checkpoint was saved yet in {shown_path(output_dir)} (see --save_steps), so a rerun "

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from transformers import Trainer, TrainerCallback
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from .runner import EvaluationResult, evaluate_model, save_results
 
@@ -99,8 +100,6 @@ class EvaluationCallback(TrainerCallback):
     # -- events ---------------------------------------------------------------------------------------------
 
     def on_train_begin(self, args, state, control, **kwargs):
-        from transformers.integrations import is_deepspeed_zero3_enabled
-
         if is_deepspeed_zero3_enabled():
             raise ValueError("EvaluationCallback does not support DeepSpeed ZeRO-3 (it generates on the main "
                              "process only, and ZeRO-3 parameters are gathered by all processes together)")

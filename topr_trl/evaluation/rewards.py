@@ -331,7 +331,7 @@ def _normalised_equal(prediction: str, reference: str) -> bool:
 def _math_verify_equal(prediction: str, reference: str) -> bool | None:
     """`math-verify`'s verdict (a required dependency, imported on first use), or None when it cannot parse one of
     the answers."""
-    import math_verify
+    import math_verify  # noqa: PLC0415 - lazy by design: on the first MATH answer
 
     # math-verify's timeouts use SIGALRM, which only the main thread may set.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..prompts import tokenize_prompts
 from ..sampling import generate_completions, make_vllm_engine, seeded_eval_sampling, vllm_available
@@ -185,8 +187,6 @@ def _generate_transformers(model, tokenizer, prompt_ids: list[list[int]], n: int
                            stop_strings, generate_kwargs: dict) -> list[list[dict]]:
     """n samples for each prompt, as {"text", "num_tokens", "truncated"} dicts (`topr_trl.sampling`), in a forked RNG
     (the caller's random state, e.g. a trainer's, is left untouched) seeded with `seed`."""
-    from tqdm.auto import tqdm
-
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     eos_ids = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else []
@@ -219,7 +219,7 @@ def _generate_transformers(model, tokenizer, prompt_ids: list[list[int]], n: int
 def _generate_vllm(model_path: str, tokenizer, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
                    top_k: int, max_new_tokens: int, seed: int, stop_strings) -> list[list[dict]]:
     """n samples for each text with vLLM (imported here, only when chosen)."""
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # noqa: PLC0415 - optional: vLLM
 
     # The engine is built here, seeded with `seed`, so its samples are reproducible without a per-request seed,
     # which vLLM 0.31's CPU runner cannot honour ("CPU Generator does not use offset" once a request's sampled token
@@ -379,7 +379,6 @@ def evaluate_model(
     if tokenizer is None:
         if not isinstance(model, (str, Path)):
             raise ValueError("a tokenizer is needed with a loaded model")
-        from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(model))
     prompt_ids = _prompt_ids(tokenizer, prompts)
@@ -388,8 +387,6 @@ def evaluate_model(
                                  stop_strings)
     else:
         if isinstance(model, (str, Path)):
-            from transformers import AutoModelForCausalLM
-
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype="auto")
             if torch.cuda.is_available():
                 model = model.to("cuda")
@@ -455,10 +452,10 @@ def save_results(results: EvaluationResult | dict, output_dir: str | Path, plot:
     document = {"summary": results.summary(), **results.to_dict()}
     paths["json"].write_text(json.dumps(json_safe(document), indent=2, ensure_ascii=False))
     if plot:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 - matplotlib: 0.5 s to import, only to draw
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - matplotlib: 0.5 s to import, only to draw
 
         figure, axis = plt.subplots(figsize=(7, 4.2))
         counts = np.arange(len(results.histogram))

@@ -19,8 +19,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+import huggingface_hub
+import torch
 from datasets import Dataset, concatenate_datasets, load_from_disk
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM
 
+from ..config import check_choice
+from ..distributed import outside_zero3_construction
 from ..sampling import BACKENDS, free_vllm_memory, make_vllm_engine, vllm_available
 from ..sources import load_data_source, looks_like_local_data
 from .rollout import sample_with_logps, sample_with_logps_vllm
@@ -119,8 +125,6 @@ def _parameters_digest(model) -> str:
     """sha256 over a loaded model's state (names, dtypes, shapes, bytes): what it samples with, also when it was
     changed in memory after loading (its files would not tell). One tensor at a time goes to the CPU: seconds per
     GB, as for files."""
-    import torch
-
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         tensor = tensor.detach()
@@ -132,11 +136,9 @@ def _parameters_digest(model) -> str:
 def _hub_commit(repo_id: str) -> str:
     """The commit a Hub model id resolves to now (from the local cache when offline): it fixes every file. Read from
     where its config (a model's, or an adapter's) is cached: .../snapshots/<commit>/config.json."""
-    from huggingface_hub import hf_hub_download
-
     for config in ("config.json", "adapter_config.json"):
         try:
-            return Path(hf_hub_download(repo_id, config)).parent.name
+            return Path(huggingface_hub.hf_hub_download(repo_id, config)).parent.name
         except Exception as error:  # not cached offline, unreachable, or no such file: nor can generation load it
             failure = error
     reason = (str(failure).splitlines() or [""])[0][:200]
@@ -149,8 +151,6 @@ def model_identity(model, known: dict) -> dict:
     `revision` (the Hub commit; None for a local folder) and `weights` (a digest: of the folder's files, of a loaded
     model's parameters, or None for a Hub id, whose commit fixes them). `model` as `generate_offline_dataset` takes
     it: a path or Hub id, a loaded model, or a vLLM engine. `known` memoizes file digests (see `_file_sha256`)."""
-    import torch
-
     if isinstance(model, torch.nn.Module):
         return {"name_or_path": _shown_source(str(getattr(model, "name_or_path", "") or type(model).__name__)),
                 "revision": None, "weights": f"parameters sha256:{_parameters_digest(model)}"}
@@ -323,8 +323,6 @@ def generate_offline_dataset(
     each change) rather than resumed on another model's rows; `overwrite=True` deletes the earlier generation and
     generates again.
     """
-    from ..config import check_choice
-
     check_choice("backend", backend, BACKENDS)
     if backend == "auto":
         backend = "vllm" if vllm_available() else "transformers"
@@ -345,7 +343,6 @@ def generate_offline_dataset(
         max_new_tokens=max_new_tokens, backend=backend, seed=seed, chat_template_kwargs=chat_template_kwargs,
         prompts_per_shard=prompts_per_shard)
     _checked_manifest(output_dir, settings, known_digests, overwrite)
-    from tqdm.auto import tqdm
 
     num_shards = math.ceil(len(prompts) / prompts_per_shard)
     progress = tqdm(total=len(prompts), desc="generating", unit="prompt", disable=not show_progress)
@@ -412,11 +409,6 @@ def _load_sampler(model, backend: str, seed: int) -> tuple[object, Callable]:
             model = make_vllm_engine(model if isinstance(model, str) else model.name_or_path, seed=seed)
         return model, sample_with_logps_vllm
     if isinstance(model, str):
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from ..distributed import outside_zero3_construction
-
         with outside_zero3_construction():  # under `accelerate launch` the main process samples alone
             model = AutoModelForCausalLM.from_pretrained(model)
         model.to("cuda" if torch.cuda.is_available() else "cpu")

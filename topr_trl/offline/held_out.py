@@ -6,9 +6,16 @@ with them (`topr_trl.commands.iterations`), and a training command its custom ta
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Callable, Sequence
 
 from datasets import Dataset
+
+from ..sampling import seeded_eval_sampling
+from ..sources import load_data_source
+from .generation import prompts_digest, sample_rows, score_rows
+from .rollout import sample_with_logps
 
 
 HELD_OUT_SAMPLES = 4  # completions sampled per held-out prompt: enough to see a mean reward move, cheap on a CPU
@@ -20,8 +27,6 @@ def load_test_prompts(dataset_name: str, split: str, train_split: str, config: s
     or a folder whose files are not named after splits, holds the training split only; a "test" split that holds
     the training prompts themselves (a save_to_disk folder of one dataset) is none either: measuring on the
     training prompts would not be a held-out measure."""
-    from ..sources import load_data_source
-
     try:
         test = load_data_source(dataset_name, split, config=config, what="dataset", one_split=train_split)
     except (ValueError, FileNotFoundError) as error:
@@ -30,7 +35,6 @@ def load_test_prompts(dataset_name: str, split: str, train_split: str, config: s
         return None, f"the {split!r} split of {dataset_name} has no `prompt` column (it has {test.column_names})"
     if len(test) == 0:
         return None, f"the {split!r} split of {dataset_name} is empty"
-    from .generation import prompts_digest
 
     if len(test) == len(train_prompts) and prompts_digest(test) == prompts_digest(train_prompts):
         return None, f"the {split!r} split of {dataset_name} holds the training prompts themselves"
@@ -56,13 +60,6 @@ def reward_evaluator(
     weighted sum). Reports `mean_reward` (over the completions some function scored) with its standard error over
     prompts, `positive_share` (completions with reward > 0, the p of generated data), `unscored_share`, and how it
     was measured. Sampling runs in a forked RNG seeded with `seed`, so training's random state is left untouched."""
-    import math
-    import statistics
-
-    from ..sampling import seeded_eval_sampling
-    from .generation import sample_rows, score_rows
-    from .rollout import sample_with_logps
-
     functions = list(reward_funcs)
     weights = list(reward_weights) if reward_weights is not None else [1.0] * len(functions)
 

@@ -10,6 +10,9 @@ import copy
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM
+from trl.models import prepare_deepspeed, prepare_fsdp
+from trl.trainer.grpo_trainer import add_fused_lm_head
 
 from ..config import TOPRConfig, topr_setting
 from .sampler import GroupShuffleSampler
@@ -129,10 +132,6 @@ class OfflineReplay:
     def _load_frozen_behaviour_model(self, name_or_path: str):
         """mu as a frozen model, prepared the way GRPOTrainer prepares its reference model (ZeRO-3-safe: no deep copy
         of a sharded policy, DeepSpeed shards this model itself)."""
-        from transformers import AutoModelForCausalLM
-        from trl.models import prepare_deepspeed, prepare_fsdp
-        from trl.trainer.grpo_trainer import add_fused_lm_head
-
         model_init_kwargs = dict(self.args.model_init_kwargs or {})
         model_init_kwargs.setdefault("dtype", self.model.dtype)
         behaviour = AutoModelForCausalLM.from_pretrained(name_or_path, **model_init_kwargs)

@@ -11,11 +11,13 @@ import math
 import numbers
 from collections.abc import Callable, Sequence
 
+import pyarrow.compute as pc
 import torch
 from datasets import Dataset
 from transformers.utils import logging
 from trl.trainer.utils import is_async_callable
 
+from ..loss import POLICY_LOSSES
 from ..prompts import tokenize_prompts
 from ..sampler_support import SamplerProcessing
 
@@ -159,8 +161,6 @@ def tokenize_offline_dataset(
         dataset = dataset.map(_completion_ids_batch, batched=True, desc=f"tokenizing the completions of {role}",
                               fn_kwargs=dict(tokenizer=tokenizer))
     if "behaviour_logps" in dataset.column_names:
-        import pyarrow.compute as pc
-
         table = dataset.with_format("arrow")
         tokens = pc.list_value_length(table["completion_ids"]).to_pylist()
         logps = pc.list_value_length(table["behaviour_logps"]).to_pylist()
@@ -206,8 +206,6 @@ def validate_offline_dataset(
 def needs_whole_groups(args) -> bool:
     """Whether the configured signal reads prompt groups (GRPO's advantage, or the group-mean baseline), so that an
     offline dataset must hold `num_generations` rows per prompt."""
-    from ..loss import POLICY_LOSSES  # TRL's loss types read GRPO's group advantage
-
     return (args.loss_type not in POLICY_LOSSES or args.topr_signal == "advantage"
             or args.topr_baseline == "group_mean")
 

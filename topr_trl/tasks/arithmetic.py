@@ -13,10 +13,21 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..evaluation.rewards import CORRECT, INCORRECT, INVALID, completion_text
 from ..prompts import tokenize_prompts
 from ..sampling import generate_completions
+from .tiny import (
+    build_model,
+    build_tokenizer,
+    install_prebuilt,
+    machine_key,
+    prebuilt_model,
+    record_build,
+    save_pretrained,
+    staged_folder,
+)
 
 
 _INTEGER = re.compile(r"-?\d+")
@@ -165,8 +176,6 @@ def warm_model_key(digits: int = 2, target_accuracy: float = 0.15, seed: int = 0
 def warm_model_folder(cache_dir: str | Path, digits: int = 2, target_accuracy: float = 0.15, seed: int = 0) -> Path:
     """Where the built-in arithmetic model of these settings is cached under `cache_dir`: the shipped one (default
     settings) by its settings alone, a locally trained one with the torch version, CPU kernels and threads."""
-    from .tiny import machine_key, prebuilt_model
-
     key = warm_model_key(digits, target_accuracy, seed)
     return Path(cache_dir) / (key if prebuilt_model(key) is not None else f"{key}-{machine_key()}")
 
@@ -188,10 +197,6 @@ def build_warm_model(
     """Build (or load, if `path` holds one) the tiny model of the built-in task, warm-started by SFT until its
     greedy accuracy on problems outside the RL train and eval sets first reaches `target_accuracy`; the shipped
     weights are installed instead where these are the settings they were built with."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .tiny import build_model, build_tokenizer, install_prebuilt, record_build, save_pretrained, staged_folder
-
     path = Path(path)
     if not (path / "config.json").exists() and not model_kwargs and max_steps == WARM_START_MAX_STEPS:
         install_prebuilt(warm_model_key(digits, target_accuracy, seed), path)

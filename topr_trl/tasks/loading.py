@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import time
 
+from accelerate import PartialState
+
+from ..config import check_choice
+from ..distributed import evaluate_policy, outside_zero3_construction, say
 from ..machine import describe_machine
+from ..offline.held_out import reward_evaluator
 from ..sources import check_data_source, check_local_data, check_model_source
 from .registry import BUILTIN_TASK, CUSTOM_TASK, TASKS, builtin_task_names, training_task_names
 from .user_rewards import reporting_reward, resolve_reward
@@ -20,8 +25,6 @@ from .user_rewards import reporting_reward, resolve_reward
 
 def resolve_task(options, model_name_or_path: str | None, offline: bool = False) -> str:
     """The task of the run, or a one-line exit saying what is missing."""
-    from ..config import check_choice
-
     task = options.task or (CUSTOM_TASK if options.dataset_name or (offline and model_name_or_path) else BUILTIN_TASK)
     check_choice("task", task, training_task_names())
     if model_name_or_path is None and not TASKS[task].builtin:
@@ -69,10 +72,6 @@ def builtin_model(task: str, options, seed: int) -> str:
     """The built-in tiny model of `task`: the shipped weights for the default settings (the same on every machine),
     else warm-started here once (on the main process first under `accelerate launch`, with progress); cached under
     --base_model_dir. Returns its folder."""
-    from accelerate import PartialState
-
-    from ..distributed import outside_zero3_construction, say
-
     tiny = TASKS[task].tiny_model(options, seed)
     folder, shipped, what = tiny.folder, tiny.shipped, tiny.what
     state = PartialState()
@@ -103,16 +102,12 @@ def task_evaluator(task: str, held_out, reward_funcs=None, **sampling):
     the mean reward of `reward_funcs` on sampled completions (`topr_trl.offline.held_out.reward_evaluator`, given
     `sampling`: temperature, top_p, top_k, max_new_tokens, seed, chat_template_kwargs, num_samples)."""
     if task == CUSTOM_TASK:
-        from ..offline.held_out import reward_evaluator
-
         return reward_evaluator(held_out, reward_funcs, **sampling)
     return TASKS[task].held_out_evaluator(held_out)
 
 
 def held_out_accuracy(trainer, held_out, task: str) -> dict:
     """The trainer's policy scored by `task_evaluator` (gathered under ZeRO-3). Every process must call it."""
-    from ..distributed import evaluate_policy
-
     return evaluate_policy(trainer, task_evaluator(task, held_out))
 
 

@@ -38,9 +38,22 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..evaluation.rewards import CORRECT, INCORRECT, INVALID, completion_text
-from .tiny import HEAD_DIM
+from ..evaluation.runner import evaluate_model
+from . import arithmetic
+from .tiny import (
+    HEAD_DIM,
+    build_model,
+    build_tokenizer,
+    install_prebuilt,
+    machine_key,
+    prebuilt_model,
+    record_build,
+    save_pretrained,
+    staged_folder,
+)
 
 
 FORMAT_VERSION = 1
@@ -436,8 +449,6 @@ def warm_model_path(cache_dir: str | Path, settings: WarmStartSettings) -> Path:
     default settings, `topr_trl.tasks.tiny.PREBUILT_DIR`) is the same everywhere and named by its settings
     alone; a locally trained one's name adds the torch version, CPU kernels and threads that trained it, since they
     change its weights."""
-    from .tiny import machine_key, prebuilt_model
-
     key = settings.key()
     return Path(cache_dir) / (key if prebuilt_model(key) is not None else f"{key}-{machine_key()}")
 
@@ -449,11 +460,6 @@ def build_reasoning_warm_model(cache_dir: str | Path, settings: WarmStartSetting
     `warm_model_path(cache_dir, settings)`, and loaded from there afterwards. Returns (model, tokenizer, path); the
     model is loaded from `path`, so GRPOTrainer can reload it by name. A cached model whose recorded settings
     differ from the requested ones is refused, never reused. `progress(step, steps, loss)` hears from a build."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .arithmetic import warm_start
-    from .tiny import build_model, build_tokenizer, install_prebuilt, record_build, save_pretrained, staged_folder
-
     if settings is None:
         settings = WarmStartSettings(**overrides)
     elif overrides:
@@ -469,8 +475,8 @@ def build_reasoning_warm_model(cache_dir: str | Path, settings: WarmStartSetting
                                            spurious_carry_rate=settings.spurious_carry_rate)
         # arithmetic.warm_start trains on its `answer` column: here the SFT target is the whole written solution
         targets = examples.select_columns(["prompt", "solution"]).rename_column("solution", "answer")
-        warm_start(model, tokenizer, targets, settings.steps, batch_size=settings.batch_size,
-                   lr=settings.learning_rate, seed=settings.seed, progress=progress)
+        arithmetic.warm_start(model, tokenizer, targets, settings.steps, batch_size=settings.batch_size,
+                              lr=settings.learning_rate, seed=settings.seed, progress=progress)
         with staged_folder(path) as staging:
             save_pretrained(model, tokenizer, staging)
             (staging / SETTINGS_FILE).write_text(json.dumps(settings.to_dict(), indent=2))
@@ -496,8 +502,6 @@ def measure_base_model(model, tokenizer, held_out: Dataset, num_samples: int = 4
     `pass@1_se` is the paper's bootstrap SE (samples redrawn within each problem: the sampling noise for this
     problem set); `pass@1_problem_se` is the SE over problems (std of per-problem pass@1 / sqrt(problems)), the
     one to use when comparing with another problem set or asking how well the problems represent the task."""
-    from ..evaluation.runner import evaluate_model
-
     digits = len(str(parse_problem(held_out[0]["prompt"])[0]))
     common = dict(max_new_tokens=max_completion_tokens(digits), batch_size=batch_size, seed=seed,
                   show_progress=False)

@@ -3,8 +3,8 @@ where its prompts and held-out problems come from, what scores them, and whether
 for it. `topr-trl train|generate|iterate` take the tasks that `trains`; `topr-trl evaluate` takes every one.
 
 A new task is one `register_task(Task(...))`: the commands' `--task` choices, their checks, the data they load, the
-rewards they train on, the answer checker `evaluate` uses and the completion budget all come from it. The heavy
-imports (datasets, the benchmark loaders) happen inside the functions, when the task is used.
+rewards they train on, the answer checker `evaluate` uses and the completion budget all come from it. Data is
+built or loaded inside the functions, when the task is used.
 """
 
 from __future__ import annotations
@@ -12,6 +12,28 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..evaluation.benchmarks import load_gsm8k, load_math, load_math500
+from ..evaluation.runner import gsm8k_classify, math_classify
+from ..sources import load_data_source
+from .arithmetic import (
+    accuracy,
+    arithmetic_classify,
+    build_warm_model,
+    make_arithmetic_dataset,
+    warm_model_folder,
+    warm_model_key,
+)
+from .reasoning import (
+    WarmStartSettings,
+    build_reasoning_warm_model,
+    make_reasoning_dataset,
+    max_completion_tokens,
+    measure_base_model,
+    reasoning_classify,
+    warm_model_path,
+)
+from .tiny import prebuilt_model
 
 
 @dataclass(frozen=True)
@@ -89,16 +111,11 @@ def builtin_task_names() -> tuple[str, ...]:
 # ------------------------------------------------------------------ the built-in tasks
 
 def _arithmetic_training(options, eval_split: bool) -> TrainingData:
-    from .arithmetic import make_arithmetic_dataset
-
     return TrainingData(train=make_arithmetic_dataset(options.task_train_prompts, options.task_digits, seed=1),
                         held_out=make_arithmetic_dataset(options.task_eval_prompts, options.task_digits, seed=2))
 
 
 def _arithmetic_tiny_model(options, seed: int) -> TinyModel:
-    from .arithmetic import build_warm_model, warm_model_folder, warm_model_key
-    from .tiny import prebuilt_model
-
     folder = warm_model_folder(options.base_model_dir, options.task_digits, options.warm_start_accuracy, seed)
     return TinyModel(
         folder, prebuilt_model(warm_model_key(options.task_digits, options.warm_start_accuracy, seed)) is not None,
@@ -108,26 +125,18 @@ def _arithmetic_tiny_model(options, seed: int) -> TinyModel:
 
 
 def _arithmetic_evaluation(options):
-    from .arithmetic import make_arithmetic_dataset
-
     return make_arithmetic_dataset(options.task_eval_prompts, options.task_digits or 2, seed=2)
 
 
 def _arithmetic_held_out(held_out):
-    from .arithmetic import accuracy
-
     return lambda model, tokenizer: accuracy(model, tokenizer, held_out)
 
 
 def _arithmetic_classifier():
-    from .arithmetic import arithmetic_classify
-
     return arithmetic_classify
 
 
 def _reasoning_training(options, eval_split: bool) -> TrainingData:
-    from .reasoning import make_reasoning_dataset
-
     # train and held-out problems come from splits that are disjoint by construction
     return TrainingData(
         train=make_reasoning_dataset(options.task_train_prompts, options.task_digits, "train", seed=1),
@@ -135,9 +144,6 @@ def _reasoning_training(options, eval_split: bool) -> TrainingData:
 
 
 def _reasoning_tiny_model(options, seed: int) -> TinyModel:
-    from .reasoning import WarmStartSettings, build_reasoning_warm_model, warm_model_path
-    from .tiny import prebuilt_model
-
     settings = WarmStartSettings(digits=options.task_digits, error_rate=options.task_error_rate, seed=seed)
     return TinyModel(
         warm_model_path(options.base_model_dir, settings), prebuilt_model(settings.key()) is not None,
@@ -147,27 +153,19 @@ def _reasoning_tiny_model(options, seed: int) -> TinyModel:
 
 
 def _reasoning_evaluation(options):
-    from .reasoning import make_reasoning_dataset
-
     # held-out problems: disjoint from its train and warm-start splits
     return make_reasoning_dataset(options.task_eval_prompts, options.task_digits or 3, split="heldout")
 
 
 def _reasoning_max_new_tokens(task_digits: int | None) -> int:
-    from .reasoning import max_completion_tokens
-
     return max_completion_tokens(task_digits or 3)  # a written solution of its digits, plus room to go wrong
 
 
 def _reasoning_held_out(held_out):
-    from .reasoning import measure_base_model
-
     return lambda model, tokenizer: measure_base_model(model, tokenizer, held_out)
 
 
 def _reasoning_classifier():
-    from .reasoning import reasoning_classify
-
     return reasoning_classify
 
 
@@ -179,8 +177,6 @@ def _benchmark_common(options) -> dict:
 
 
 def _gsm8k_training(options, eval_split: bool) -> TrainingData:
-    from ..evaluation.benchmarks import load_gsm8k
-
     source = options.dataset_name or "openai/gsm8k"
     return TrainingData(
         train=load_gsm8k(options.dataset_train_split, source=source, few_shot=options.few_shot),
@@ -189,46 +185,32 @@ def _gsm8k_training(options, eval_split: bool) -> TrainingData:
 
 
 def _gsm8k_evaluation(options):
-    from ..evaluation.benchmarks import load_gsm8k
-
     return load_gsm8k(**_benchmark_common(options))
 
 
 def _math500_training(options, eval_split: bool) -> TrainingData:
-    from ..evaluation.benchmarks import load_math500
-
     return TrainingData(train=load_math500(source=options.dataset_name or "HuggingFaceH4/MATH-500",
                                            few_shot=options.few_shot))
 
 
 def _math500_evaluation(options):
-    from ..evaluation.benchmarks import load_math500
-
     return load_math500(**_benchmark_common(options))
 
 
 def _math_evaluation(options):
-    from ..evaluation.benchmarks import load_math
-
     return load_math(config=options.dataset_config, **_benchmark_common(options))
 
 
 def _gsm8k_classifier():
-    from ..evaluation.runner import gsm8k_classify
-
     return gsm8k_classify
 
 
 def _math_classifier():
-    from ..evaluation.runner import math_classify
-
     return math_classify
 
 
 def load_prompts(options, split: str):
     """The custom prompt dataset: Hub id, local data files, or a save_to_disk folder; it must have `prompt`."""
-    from ..sources import load_data_source
-
     try:
         dataset = load_data_source(options.dataset_name, split, config=options.dataset_config)
     except FileNotFoundError as error:  # not on the Hub, or the Hub out of reach: the message says what to do
@@ -251,8 +233,6 @@ ROW_COLUMN = "__row__"
 
 
 def _custom_evaluation(options):
-    from ..sources import load_data_source
-
     dataset = load_data_source(options.dataset_name, options.dataset_test_split or "test",
                                config=options.dataset_config)
     if "prompt" not in dataset.column_names:

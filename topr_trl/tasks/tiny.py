@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import string
 import tempfile
@@ -18,6 +19,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast
+
+from ..machine import machine_info
 
 
 BOS, EOS, PAD = "<|im_start|>", "<|im_end|>", "<pad>"
@@ -118,8 +121,6 @@ BUILD_FILE = "build.json"
 
 def machine_key() -> str:
     """What changes a locally trained model besides its settings: torch version, CPU kernels, threads."""
-    import re
-
     capability = torch.backends.cpu.get_cpu_capability()
     key = f"torch{torch.__version__}-{capability}-t{torch.get_num_threads()}"
     return re.sub(r"[^A-Za-z0-9._-]+", "-", key).lower()
@@ -165,7 +166,5 @@ def install_prebuilt(key: str, destination: str | Path) -> bool:
 
 def record_build(path: str | Path, settings: dict, **extra) -> None:
     """Write what made the model in `path`: its settings and the machine (README.md, "What to expect")."""
-    from ..machine import machine_info
-
     record = {"settings": settings, "machine": machine_info(), **extra}
     (Path(path) / BUILD_FILE).write_text(json.dumps(record, indent=2))

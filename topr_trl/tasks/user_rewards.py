@@ -7,6 +7,7 @@ GRPOTrainer); only `topr-trl` commands do, where a one-line stop is what a comma
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import functools
 import importlib
@@ -17,6 +18,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from trl.trainer.utils import is_async_callable
+
+from ..evaluation.rewards import CORRECT, INCORRECT, INVALID
+from .arithmetic import arithmetic_reward
+from .reasoning import reasoning_reward
+
 
 BUILTIN_REWARDS = ("arithmetic", "reasoning")
 HOOK_KEYWORDS = ("trainer_state", "log_extra", "log_metric", "environments")
@@ -24,10 +31,7 @@ HOOK_KEYWORDS = ("trainer_state", "log_extra", "log_metric", "environments")
 
 def builtin_reward(name: str):
     if name == "arithmetic":
-        from .arithmetic import arithmetic_reward
-
         return arithmetic_reward
-    from .reasoning import reasoning_reward
 
     return reasoning_reward
 
@@ -131,7 +135,6 @@ def reporting_reward(function):
     spawned process."""
     if getattr(function, "_topr_reports_failures", False):
         return function
-    from trl.trainer.utils import is_async_callable  # the test GRPOTrainer itself uses
 
     return (AsyncReportingReward if is_async_callable(function) else ReportingReward)(function)
 
@@ -173,10 +176,6 @@ def reward_classifier(reward_funcs: Sequence[Callable], dataset, reward_weights:
     user's reward functions as GRPOTrainer calls them (prompts, completions in the prompt's format, the dataset's
     columns), their weighted sum (None/NaN left out, as in GRPO) is the reward, and the completion is `correct` when
     it is > 0, `invalid` when no function could score it, else `incorrect`."""
-    import asyncio
-
-    from ..evaluation.rewards import CORRECT, INCORRECT, INVALID
-
     weights = list(reward_weights) if reward_weights is not None else [1.0] * len(reward_funcs)
     columns = [c for c in dataset.column_names if c not in ("prompt", "completion", "completion_ids")]
 

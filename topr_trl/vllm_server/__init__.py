@@ -16,6 +16,9 @@ The protocol is vLLM's own weight-transfer API (the dev-mode routes `/init_weigh
 `/start_weight_update`, `/update_weights`, `/finish_weight_update`), which TRL's client already drives for NCCL.
 """
 
+import sys
+
+
 BACKEND = "topr_gloo"
 """The name the gloo engine is registered under in the server (`--weight-transfer-config '{"backend": "topr_gloo"}'`);
 a trainer reads it back from the server's `/server_info` to choose its side of the transport."""
@@ -28,6 +31,4 @@ every other route but /health); the trainer sends it from the same variable. Nev
 def log_line(message: str) -> None:
     """One line on the server's standard error (its log), whatever logging set-up vLLM and uvicorn made: their
     configuration disables loggers created before it, which this package's server-side modules are."""
-    import sys
-
     print(f"topr-trl vllm-serve: {message}", file=sys.stderr, flush=True)  # noqa: T201 - the server's log

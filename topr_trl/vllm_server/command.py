@@ -20,10 +20,14 @@ import json
 import os
 import shlex
 import socket
+import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import requests
+import torch
 from trl.scripts.vllm_serve import ScriptArguments, build_command
 
 from . import BACKEND, SECRET_ENV
@@ -54,8 +58,6 @@ class VLLMServeArguments(ScriptArguments):
 
 
 def cuda_available() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
@@ -136,11 +138,6 @@ def launch_server(model: str, port: int, log: Path, *flags: str, env: dict[str, 
     """Start `topr-trl vllm-serve --model MODEL --port PORT FLAGS` in a session of its own (stop every process of the
     server with `os.killpg(process.pid, ...)`), its output appended to `log`, and wait until /health answers. Returns
     (process, url). `prefix` goes before the command (e.g. `taskset -c 0`). For scripts and tests."""
-    import subprocess
-    import time
-
-    import requests
-
     with Path(log).open("a") as output:
         process = subprocess.Popen([*prefix, sys.executable, "-m", "topr_trl", "vllm-serve", "--model", model, "--port",
                                     str(port), *flags], stdout=output, stderr=subprocess.STDOUT,

@@ -31,6 +31,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from ..vllm_colocate import repack_tied_modules
 from . import BACKEND, log_line
 from .transport import open_group, received
 
@@ -85,14 +86,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                  f"{init_info.master_address}:{init_info.master_port})")
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload  # noqa: PLC0415 - as vLLM's engines do
 
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        from ..vllm_colocate import repack_tied_modules
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload  # noqa: PLC0415 - as vLLM's engines do
 
         finalize_layerwise_reload(self.model, self.model_config)
         repack_tied_modules(self.model)
