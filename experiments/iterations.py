@@ -65,8 +65,10 @@ def run(options) -> dict:
             )
             folder = work / "iterations" / f"{testbed.task}-{strategy}-{options.signal}-seed{seed}"
             shutil.rmtree(folder, ignore_errors=True)  # never resumed from a run with other settings
+            eval_seed = testbed.evaluation_seed(seed)  # this training seed's held-out draw
             summaries = run_iterations(str(testbed.base_dir), prompts, testbed.reward, folder, settings,
-                                       evaluate=testbed.evaluate)
+                                       evaluate=lambda model, tokenizer, eval_seed=eval_seed:
+                                       testbed.evaluate(model, tokenizer, eval_seed))
             curve = [summaries[0]["evaluation_before"]["accuracy"]] + [s["evaluation"]["accuracy"] for s in summaries]
             results["runs"][f"{strategy}/seed{seed}"] = {
                 "strategy": strategy, "seed": seed, "accuracy": curve,

@@ -144,11 +144,15 @@ def test_smoke_run_counts_completions_and_beats_the_base_model(evidence_work_dir
         assert run["target"] == results["runs"]["grpo/seed0"]["curve"][-1]["pass@1"]  # the default target
         assert [p["seconds"] for p in curve] == sorted(p["seconds"] for p in curve)
     # every run's final model is the trained one, not the base model: the evaluation is seeded, so an unchanged model
-    # would score exactly the base model's pass@1. Whether the runs improve is the full run's question: at this size
+    # would score exactly the base model's point on the same draw. Whether the runs improve is the full run's question: at this size
     # (8 steps of 2 prompts) the head-32 reasoning model ends below its base (0.43-0.52 against 0.57, 64 problems x
     # 2 samples), where the earlier head-16 model's k = 4 run ended above it (0.71 against 0.60)
-    finals = [run["curve"][-1]["pass@1"] for run in results["runs"].values()]
-    assert all(final != results["base"]["pass@1"] for final in finals)
+    # pass@1 alone is coarse here (k/128: a trained model can land on the base's value, as topr_offline_k1 did on
+    # seed 0's draw, 88/128), so the whole point is compared: its per-problem spread and carries score as well
+    measures = ("pass@1", "pass@1_problem_se", "pass@1_carries>=2", "invalid_rate")
+    base = results["base"]["by_seed"]["0"]
+    for run in results["runs"].values():
+        assert [run["curve"][-1][m] for m in measures] != [base[m] for m in measures], run["method"]
     assert output.with_suffix(".png").exists()
 
 
