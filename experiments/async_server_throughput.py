@@ -53,6 +53,10 @@ def parse(argv):
     parser.add_argument("--completion_length", type=int, default=32)
     parser.add_argument("--hidden_size", type=int, default=256)
     parser.add_argument("--num_layers", type=int, default=4)
+    parser.add_argument("--token_budget", type=int, default=0,
+                        help="the asynchronous trainer's packing: 0 (default) packs a fixed batch_size samples per "
+                             "step, as the synchronous step trains; N > 0 fills rows of N tokens (TRL's "
+                             "token-budgeted micro-batches, whose steps hold fewer samples)")
     parser.add_argument("--server_dtype", default="float32", help="the server's dtype (float32: the trainer's; "
                                                                   "auto: vLLM's bfloat16, slow on CPUs without it)")
     parser.add_argument("--output", default="docs/evidence/benchmarks/async_server_throughput.json")
@@ -105,7 +109,7 @@ def run(kind: str, model_path: str, url: str, options, output_dir: str) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         tokenizer.response_template = qwen3_template
         args = AsyncTOPRConfig(**common, vllm_server_base_url=url, topr_baseline=0.5,
-                               max_inflight_tasks=options.batch_size)
+                               max_inflight_tasks=options.batch_size, token_budget=options.token_budget)
         trainer = AsyncTOPRTrainer(model_path, reasoning_reward, args, train_dataset=dataset,
                                    processing_class=tokenizer)
     clock = StepClock()

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import float32_tolerance, logged_values
 from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer, LaggedRolloutWorker
-from topr_trl.asynchronous.cpu import cpu_capable, tree_attention_mask
+from topr_trl.asynchronous.cpu import cpu_capable, segment_batched_attention, tree_attention_mask, tree_attention_sdpa
 from topr_trl.asynchronous.lagged_worker import group_advantages, summed_rewards
 from topr_trl.loss import PolicyLossSpec, topr_loss
 from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
@@ -135,6 +135,36 @@ def test_tree_attention_mask_matches_the_causal_rule_on_each_path():
     assert torch.equal(mask, expected)
     windowed = tree_attention_mask(torch.tensor([0, 3, 5]), torch.tensor([0, 3, 8]), num_keys=8, sliding_window=2)
     assert windowed[4].tolist() == [False] * 6 + [True, True]
+
+
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_segment_batched_tree_attention_equals_the_dense_mask_in_value_and_gradient(sliding_window):
+    """Three prompts, each shared by completions of other lengths (queries the last of their path's keys), one
+    segment of a single token: the padded per-segment batch gives the dense-mask SDPA's output and gradients, and
+    the attention function picks it for such a row (its padded cost is below N x K)."""
+    generator = torch.Generator().manual_seed(0)
+    lengths_q = torch.tensor([5, 3, 7, 4, 1, 6, 2])
+    lengths_k = torch.tensor([5, 8, 12, 4, 5, 6, 8])  # prompt segments see themselves; completions their prompt too
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.long), lengths_q.cumsum(0)]).int()
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.long), lengths_k.cumsum(0)]).int()
+    heads, size = 2, 8
+    inputs = [torch.randn(heads, int(n), size, generator=generator, requires_grad=True)
+              for n in (lengths_q.sum(), lengths_k.sum(), lengths_k.sum())]
+    mask = tree_attention_mask(cu_q, cu_k, int(lengths_k.sum()), sliding_window)
+    dense = torch.nn.functional.scaled_dot_product_attention(*inputs, attn_mask=mask)
+    upstream = torch.randn(dense.shape, generator=generator)
+    expected = [dense] + list(torch.autograd.grad((dense * upstream).sum(), inputs))
+    batched = segment_batched_attention(*inputs, cu_q, cu_k, sliding_window=sliding_window)
+    got = [batched] + list(torch.autograd.grad((batched * upstream).sum(), inputs))
+    # the same softmax over the same visible keys, summed in another order: a few roundings of the largest entry
+    for name, value, reference in zip(("output", "d query", "d key", "d value"), got, expected, strict=True):
+        assert torch.allclose(value, reference, **float32_tolerance(reference, 8)), (name, value - reference)
+    segments, longest_q, longest_k = len(lengths_q), int(lengths_q.max()), int(lengths_k.max())
+    assert segments * longest_q * longest_k < lengths_q.sum() * lengths_k.sum()
+    through_trl_signature, _ = tree_attention_sdpa(
+        None, inputs[0][None], inputs[1][None], inputs[2][None], None, tree_kv_index=torch.arange(int(cu_k[-1])),
+        tree_cu_seqlens_q=cu_q, tree_cu_seqlens_k=cu_k, sliding_window=sliding_window)
+    assert torch.equal(through_trl_signature[0].transpose(0, 1), batched)
 
 
 def test_trl_async_trainer_constructs_and_its_packed_forward_matches_plain_log_probs(tmp_path):

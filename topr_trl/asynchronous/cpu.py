@@ -27,6 +27,14 @@ TRL_ASYNC_TRAINER_MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
 TREE_ATTENTION_SDPA = "tree_sdpa"
 
 
+def _segment_layout(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Each packed token's segment and position within it, and the longest segment, from cumulative lengths."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    segment = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    position = torch.arange(segment.numel()) - cu_seqlens[:-1].long()[segment]
+    return segment, position, int(lengths.max()) if lengths.numel() else 0
+
+
 def tree_attention_mask(
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_keys: int, sliding_window: int | None = None
 ) -> torch.Tensor:
@@ -35,12 +43,12 @@ def tree_attention_mask(
     are the last of its keys), and, with a `sliding_window` w, fewer than w positions before it."""
     lengths_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     lengths_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
-    segment_of_query = torch.repeat_interleave(torch.arange(lengths_q.numel()), lengths_q)
-    segment_of_key = torch.repeat_interleave(torch.arange(lengths_k.numel()), lengths_k)
-    # each query's and key's position on its segment's root-to-segment path
-    query_position = (torch.arange(segment_of_query.numel()) - cu_seqlens_q[:-1].long()[segment_of_query]
-                      + (lengths_k - lengths_q)[segment_of_query])
-    key_position = torch.arange(num_keys) - cu_seqlens_k[:-1].long()[segment_of_key]
+    segment_of_query, position_of_query, _ = _segment_layout(cu_seqlens_q)
+    segment_of_key, key_position, _ = _segment_layout(cu_seqlens_k)
+    if key_position.numel() != num_keys:
+        raise ValueError(f"the segments hold {key_position.numel()} keys, not num_keys={num_keys}")
+    # each query's position on its segment's root-to-segment path: a segment's queries are the last of its keys
+    query_position = position_of_query + (lengths_k - lengths_q)[segment_of_query]
     same_segment = segment_of_query[:, None] == segment_of_key[None, :]
     visible = key_position[None, :] <= query_position[:, None]
     if sliding_window:
@@ -48,15 +56,50 @@ def tree_attention_mask(
     return same_segment & visible
 
 
+def segment_batched_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, scaling=None, sliding_window=None):
+    """The packed tree attention of `tree_attention_mask` computed segment by segment: each segment's queries and
+    its path's keys are laid out as one row of a padded batch (segments x heads x longest segment x head size) and
+    attended in one SDPA call with a per-segment causal mask (queries the last of their keys). Same result as the
+    dense (N, K) mask over the whole packed row, at the cost of the segments' own lengths: sum over segments of
+    longest-query x longest-key, where the dense mask costs N x K, which grows with the square of the number of
+    samples in a row. `query` (H, N, D), `key` and `value` (H, K, D), gathered along the paths; returns (H, N, D)."""
+    heads, _, size = query.shape
+    segment_q, position_q, longest_q = _segment_layout(cu_seqlens_q)
+    segment_k, position_k, longest_k = _segment_layout(cu_seqlens_k)
+    segments = cu_seqlens_q.numel() - 1
+    slot_q = (segment_q * longest_q + position_q).to(query.device)
+    slot_k = (segment_k * longest_k + position_k).to(query.device)
+
+    def padded(tensor, slots, longest):  # (H, T, D) -> (segments, H, longest, D), zeros where a segment is shorter
+        rows = tensor.new_zeros(segments * longest, heads, size).index_copy(0, slots, tensor.transpose(0, 1))
+        return rows.view(segments, longest, heads, size).transpose(1, 2)
+
+    lengths_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()[:, None, None]
+    lengths_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()[:, None, None]
+    row, column = torch.arange(longest_q)[None, :, None], torch.arange(longest_k)[None, None, :]
+    query_position = row + lengths_k - lengths_q  # a segment's queries are the last of its path's keys
+    visible = (column < lengths_k) & (column <= query_position)
+    if sliding_window:
+        visible &= column > query_position - sliding_window
+    # padding queries see their segment's keys, so that no row is all masked (a NaN in SDPA's backward); discarded
+    visible = torch.where(row < lengths_q, visible, column < lengths_k)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        padded(query, slot_q, longest_q), padded(key, slot_k, longest_k), padded(value, slot_k, longest_k),
+        attn_mask=visible[:, None].to(query.device), scale=scaling)
+    return output.transpose(1, 2).reshape(segments * longest_q, heads, size).index_select(0, slot_q).transpose(0, 1)
+
+
 def tree_attention_sdpa(
     module, query, key, value, attention_mask, *, tree_kv_index=None, tree_cu_seqlens_q=None, tree_cu_seqlens_k=None,
     tree_max_seqlen_q=None, tree_max_seqlen_k=None, scaling=None, sliding_window=None, softcap=None, **kwargs,
 ):
     """TRL's `packing.tree_attention` (same arguments, same output) computed by `torch.nn.functional.
-    scaled_dot_product_attention` with an explicit mask instead of FlashAttention-3's varlen kernel: every segment's
-    queries attend to the keys and values gathered along its root-to-segment path (`tree_kv_index`). Called without
-    the tree arguments (generation, evaluation, a plain forward) it is transformers' own SDPA attention, so the
-    trained model generates as before."""
+    scaled_dot_product_attention` instead of FlashAttention-3's varlen kernel: every segment's queries attend to the
+    keys and values gathered along its root-to-segment path (`tree_kv_index`). Segments are batched with padding
+    (`segment_batched_attention`) where that costs less than one dense mask over the packed row (almost always: a
+    row packs many short samples), else the dense mask (`tree_attention_mask`). Called without the tree arguments
+    (generation, evaluation, a plain forward) it is transformers' own SDPA attention, so the trained model
+    generates as before."""
     if tree_kv_index is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
@@ -71,9 +114,16 @@ def tree_attention_sdpa(
     if key.size(0) != query.size(0):  # grouped-query attention
         key = key.repeat_interleave(query.size(0) // key.size(0), dim=0)
         value = value.repeat_interleave(query.size(0) // value.size(0), dim=0)
-    mask = tree_attention_mask(tree_cu_seqlens_q.cpu(), tree_cu_seqlens_k.cpu(), key.size(1), sliding_window)
-    output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask.to(device),
-                                                              scale=scaling)
+    cu_seqlens_q, cu_seqlens_k = tree_cu_seqlens_q.cpu(), tree_cu_seqlens_k.cpu()
+    segments = cu_seqlens_q.numel() - 1
+    longest_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    longest_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
+    if segments * longest_q * longest_k < query.size(1) * key.size(1):
+        output = segment_batched_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, scaling, sliding_window)
+    else:
+        mask = tree_attention_mask(cu_seqlens_q, cu_seqlens_k, key.size(1), sliding_window)
+        output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask.to(device),
+                                                                  scale=scaling)
     return output.transpose(0, 1).unsqueeze(0), None  # (1, N, H, D), as TRL's
 
 
