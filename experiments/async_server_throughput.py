@@ -14,9 +14,10 @@ asynchronous pipeline lets them. The model is random-initialised (speed does not
 --hidden_size and --num_layers on the project's character tokenizer; prompts from the reasoning task. Runs alternate
 (synchronous, asynchronous, ...) so machine noise hits both alike; the ratio of samples per second is reported per
 pair, with its median. Samples per second are counted in the steady state, from the end of the first step to the
-end of the last (the worker's start and the first push excluded), as the samples each step trained (TRL's
-asynchronous packing fills a step by tokens, so its steps hold about the batch, not exactly). L (generation per step) and T (training per step) are read from the synchronous run's own
-timing (TRL's profiling of `vLLM.generate` and the step time); the ideal ratio is (L + T) / max(L, T).
+end of the last (the worker's start and the first push excluded), as the samples each step trained (by default
+the asynchronous trainer packs the synchronous step's batch, `token_budget=0`; `--token_budget N` fills rows of N
+tokens as TRL's default does, so that its steps hold fewer samples). L (generation and weight push per step) and T
+(the rest of a step) are timed in the synchronous run itself; the ideal ratio is (L + T) / max(L, T).
 
     OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python -m experiments.async_server_throughput --output docs/evidence/benchmarks/async_server_throughput.json
 """
@@ -24,6 +25,7 @@ timing (TRL's profiling of `vLLM.generate` and the step time); the ideal ratio i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -59,6 +61,8 @@ def parse(argv):
                              "token-budgeted micro-batches, whose steps hold fewer samples)")
     parser.add_argument("--server_dtype", default="float32", help="the server's dtype (float32: the trainer's; "
                                                                   "auto: vLLM's bfloat16, slow on CPUs without it)")
+    parser.add_argument("--work_dir", default=None, help="keeps the model, the server's log and the runs there "
+                                                          "(default: a temporary directory, removed at the end)")
     parser.add_argument("--output", default="docs/evidence/benchmarks/async_server_throughput.json")
     return parser.parse_args(argv)
 
@@ -88,6 +92,26 @@ class StepClock(TrainerCallback):
         self.ends.append(time.perf_counter())
 
 
+class Stopwatch:
+    """Times each call of the named methods of one object (the synchronous trainer's vLLM client: generation and
+    the weight push), by wrapping them on that instance."""
+
+    def __init__(self, owner, names):
+        self.seconds: dict[str, list[float]] = {name: [] for name in names}
+        for name in names:
+            setattr(owner, name, self._timed(name, getattr(owner, name)))
+
+    def _timed(self, name, method):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[name].append(time.perf_counter() - started)
+
+        return timed
+
+
 def run(kind: str, model_path: str, url: str, options, output_dir: str) -> dict:
     from topr_trl import TOPRConfig, TOPRTrainer
     from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer
@@ -102,6 +126,7 @@ def run(kind: str, model_path: str, url: str, options, output_dir: str) -> dict:
         args = TOPRConfig(**common, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
                           vllm_group_port=free_port())
         trainer = TOPRTrainer(model_path, reasoning_reward, args=args, train_dataset=dataset)
+        timed = Stopwatch(trainer.vllm_generation, ("generate", "sync_weights"))
     else:
         from transformers import AutoTokenizer
         from trl.chat_template_utils import qwen3_template
@@ -127,6 +152,9 @@ def run(kind: str, model_path: str, url: str, options, output_dir: str) -> dict:
               "step_time_mean": statistics.mean(e["step_time"] for e in history if "step_time" in e)
               if any("step_time" in e for e in history) else None}
     result["seconds_per_step"] = seconds / (len(clock.ends) - 1)
+    if kind == "synchronous":  # L: generation and weight push per step, both on the server; T: the rest of a step
+        result["generate_seconds_per_step"] = statistics.mean(timed.seconds["generate"][1:])
+        result["push_seconds_per_step"] = statistics.mean(timed.seconds["sync_weights"][1:] or [0.0])
     if kind == "asynchronous":  # the trainer's own time per step (T): TRL's forward-backward and optimizer timings
         result["train_seconds_per_step"] = statistics.mean(
             e["perf/fwd_bwd_s"] + e.get("perf/optimizer_s", 0.0) for e in history[1:] if "perf/fwd_bwd_s" in e)
@@ -142,7 +170,7 @@ def main(argv=None) -> dict:
 
     os.sched_setaffinity(0, {1})  # the trainer on the second core; the server on the first
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as work:
+    with contextlib.nullcontext(options.work_dir) if options.work_dir else tempfile.TemporaryDirectory() as work:
         tokenizer = build_tokenizer()
         model_path = str(save_pretrained(build_model(tokenizer, seed=0, hidden_size=options.hidden_size,
                                                      num_layers=options.num_layers), tokenizer, Path(work) / "m"))
@@ -158,15 +186,21 @@ def main(argv=None) -> dict:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=60)
     ratios = [a["samples_per_second"] / s["samples_per_second"] for s, a in zip(runs[::2], runs[1::2], strict=True)]
-    # T from the asynchronous runs' own timing, L as what the synchronous step takes beyond it (generation and push)
-    train = statistics.median(run["train_seconds_per_step"] for run in runs[1::2])
-    generate = statistics.median(run["seconds_per_step"] for run in runs[::2]) - train
+    # L and T of the synchronous loop, timed in it: L its generation and weight push (the server's work), T the rest
+    # of its step (scoring, the loss, backward, the optimizer); the asynchronous trainer's own T is reported beside
+    synchronous = runs[::2]
+    generate = statistics.median(run["generate_seconds_per_step"] + run["push_seconds_per_step"]
+                                 for run in synchronous)
+    train = statistics.median(run["seconds_per_step"] for run in synchronous) - generate
     summary = {"options": vars(options), "threads": torch.get_num_threads(), "runs": runs, "ratios": ratios,
                "median_ratio": statistics.median(ratios), "T_train_seconds_per_step": train,
+               "T_async_train_seconds_per_step": statistics.median(run["train_seconds_per_step"]
+                                                                   for run in runs[1::2]),
                "L_generate_seconds_per_step": generate,
                "ideal_ratio": (generate + train) / max(generate, train)}
-    print(f"L (generation and push per step) {generate:.2f} s, T (training per step) {train:.2f} s, L/T "
-          f"{generate / train:.2f}; ideal ratio {summary['ideal_ratio']:.2f}", flush=True)
+    print(f"L (generation and push per step) {generate:.2f} s, T (the rest of the synchronous step) {train:.2f} s, "
+          f"L/T {generate / train:.2f}; ideal ratio {summary['ideal_ratio']:.2f}; the asynchronous trainer's own "
+          f"training per step {summary['T_async_train_seconds_per_step']:.2f} s", flush=True)
     print(f"asynchronous / synchronous samples per second: {', '.join(f'{r:.2f}' for r in ratios)} "
           f"(median {summary['median_ratio']:.2f})", flush=True)
     if options.output:

@@ -139,7 +139,7 @@ def log_ratios(model, rows: list[dict]) -> list[torch.Tensor]:
 
 
 def engine_rows(model_path: Path, prompt_ids: list[list[int]], samples: int, max_tokens: int, ignore_eos: bool,
-                seed: int = 0) -> list[dict]:
+                seed: int = 0) -> tuple[list[dict], str]:
     """Completions of vLLM's engine at its default dtype (bfloat16 on a CPU for a float32 checkpoint), temperature
     1, whole vocabulary, with the sampled tokens' log-probs."""
     from vllm import SamplingParams

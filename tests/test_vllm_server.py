@@ -185,6 +185,29 @@ def test_server_mode_trains_on_a_cpu_and_the_server_holds_the_weights_of_the_las
     assert stale > WRONG_BEYOND_FLOORS * floor and initial > WRONG_BEYOND_FLOORS * floor, (stale, initial, floor)
 
 
+def test_seeded_requests_whose_prompts_overflow_one_step_are_served_on_a_cpu(reasoning_model, tmp_path):
+    """TRL's asynchronous worker seeds every request. Eight seeded requests of 400-token prompts at once exceed one
+    step's token budget (2,048), so vLLM would split a prefill; its CPU build then rewinds a CPU generator, which
+    cannot, and the engine dies (measured without NO_CHUNKED_PREFILL: HTTP 500 on all eight, then no server). The
+    server runs without chunked prefill on a CPU and answers every request."""
+    import concurrent.futures
+
+    from topr_trl.vllm_server.command import NO_CHUNKED_PREFILL
+
+    log = tmp_path / "server.log"
+    with served(reasoning_model, log, "--dtype", "float32") as (url, _):
+        def seeded(index: int) -> int:
+            prompt = [5 + (index + position) % 40 for position in range(400)]
+            return requests.post(f"{url}/v1/completions", timeout=120, json={
+                "model": reasoning_model, "prompt": prompt, "max_tokens": 4, "seed": 1000 + index,
+                "temperature": 1.0}).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            statuses = list(pool.map(seeded, range(8)))
+    assert NO_CHUNKED_PREFILL in log.read_text()  # the command line the server printed
+    assert statuses == [200] * 8, (statuses, log.read_text()[-3000:])
+
+
 def test_the_secret_guards_every_route_but_health_and_a_server_of_another_model_is_refused(
         reasoning_model, tmp_path, tmp_path_factory, monkeypatch):
     """A server started with the secret refuses, with 401 and a log line naming the route and the caller (never the
@@ -373,11 +396,13 @@ def test_async_topr_on_trls_rollout_worker_keeps_the_server_on_the_policy(reason
     assert gap_to(initial) > WRONG_BEYOND_FLOORS * floor, (gap_to(initial), floor)
 
 
-def test_async_topr_on_trls_worker_sampling_with_top_k_gives_pi_over_mu_of_one_at_learning_rate_zero(
-        reasoning_model, tmp_path):
-    """AsyncTOPRTrainer with TRL's own rollout worker sampling at top_k 2 from a float32 server, at learning rate 0:
-    the worker's settings reach vLLM's sampler, the trainer scores pi on that support in vLLM's filter order, and every
-    ratio is 1 within 1e-4 (scored over the whole vocabulary instead, the same run's ratios were 0.24-0.996)."""
+@pytest.mark.parametrize("truncation", [{"top_k": 2}, {"top_p": 0.8}], ids=["top_k", "top_p"])
+def test_async_topr_on_trls_worker_sampling_with_top_k_or_top_p_gives_pi_over_mu_of_one_at_learning_rate_zero(
+        truncation, reasoning_model, tmp_path):
+    """AsyncTOPRTrainer with TRL's own rollout worker sampling at top_k 2 or top_p 0.8 from a float32 server, at
+    learning rate 0: the worker's settings reach vLLM's sampler, the trainer scores pi on that support in vLLM's filter
+    order, and every ratio is 1 within 1e-4 (scored over the whole vocabulary instead, the top-k run's ratios were
+    0.24-0.996)."""
     from transformers import AutoTokenizer
     from trl.chat_template_utils import qwen3_template
 
@@ -388,13 +413,14 @@ def test_async_topr_on_trls_worker_sampling_with_top_k_gives_pi_over_mu_of_one_a
     tokenizer.response_template = qwen3_template
     with served(reasoning_model, tmp_path / "server.log", "--dtype", "float32") as (url, _):
         args = AsyncTOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, vllm_server_base_url=url,
-                               per_device_train_batch_size=16, num_generations=8, learning_rate=0.0, top_k=2,
+                               per_device_train_batch_size=16, num_generations=8, learning_rate=0.0, **truncation,
                                topr_signal="reward", topr_baseline=0.5, max_inflight_tasks=16,
                                max_completion_length=max_completion_tokens(3), max_steps=2, logging_steps=1,
                                report_to="none", save_strategy="no")
         trainer = AsyncTOPRTrainer(reasoning_model, reasoning_reward, args, train_dataset=make_reasoning_dataset(64, 3),
                                    processing_class=tokenizer)
-        assert trainer._sampler_processing == SamplerProcessing(top_k=2, top_p=1.0, engine="vllm")
+        assert trainer._sampler_processing == SamplerProcessing(**{"top_k": None, "top_p": 1.0, **truncation},
+                                                                engine="vllm")
         trainer.train()
     ratios = [entry[f"topr/ratio_{sign}/{stat}"] for entry in trainer.state.log_history
               for sign in ("positive", "negative") for stat in ("min", "max")

@@ -123,11 +123,15 @@ def test_vllm_serve_runs_vllms_server_module_with_the_gloo_path_on_127_0_0_1_by_
     assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"  # TRL's own translation, kept
     assert argv[argv.index("--max-num-seqs") + 1] == "4"  # unknown flags go to vLLM
     assert environment["VLLM_SERVER_DEV_MODE"] == "1" and SECRET_ENV not in environment
+    assert command.NO_CHUNKED_PREFILL in argv  # the CPU build cannot resume a seeded split prefill
+    argv, _ = command.server_command(serve_arguments(), ["--enable-chunked-prefill"])
+    assert command.NO_CHUNKED_PREFILL not in argv and "--enable-chunked-prefill" in argv  # the user's choice wins
 
     monkeypatch.setattr(command, "cuda_available", lambda: True)
     argv, _ = command.server_command(serve_arguments(), [])
     assert argv[argv.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'  # TRL's path on a GPU
     assert "--worker-extension-cls" not in argv and "--enforce-eager" not in argv
+    assert command.NO_CHUNKED_PREFILL not in argv
     argv, _ = command.server_command(serve_arguments(weight_sync="gloo"), [])
     assert argv[argv.index("--weight-transfer-config") + 1] == f'{{"backend": "{BACKEND}"}}'
 

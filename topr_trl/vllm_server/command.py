@@ -9,7 +9,8 @@ reused as they are; this command changes what they cannot do here:
   gloo engine in the server (`engine.py`); `nccl` (the default with a GPU) keeps TRL's;
 - it binds 127.0.0.1 unless `--host` says otherwise, and then requires the secret (`SECRET_ENV`, or
   `--secret_file`), which `auth.py` checks on every route but /health;
-- without a GPU, eager execution by default (compiling the model costs minutes on a few cores and gains little).
+- without a GPU, eager execution by default (compiling the model costs minutes on a few cores and gains little),
+  and no chunked prefill (`NO_CHUNKED_PREFILL`: the CPU build's seeded sampling cannot resume a split prefill).
 Any flag it does not know is passed to vLLM as it is (`--max-num-seqs 64`, ...).
 """
 
@@ -34,6 +35,14 @@ from . import BACKEND, SECRET_ENV
 
 
 WEIGHT_SYNCS = ("auto", "gloo", "nccl")
+
+NO_CHUNKED_PREFILL = "--no-enable-chunked-prefill"
+"""Added without a GPU (unless a flag of the user's names chunked prefill). vLLM's CPU build cannot serve a seeded
+request whose prefill is split across steps: the model runner rewinds the request's generator
+(`Generator.set_offset`), which a CPU generator does not have, and the engine dies (HTTP 500, then no server).
+TRL's asynchronous rollout worker seeds every request, and a split happens as soon as one step's prompts, or the
+requests recomputed after a weight sync, exceed the step's token budget (2,048): longer completions or more
+requests in flight. Unsplit prefills never rewind."""
 
 
 @dataclass
@@ -114,6 +123,8 @@ def server_command(arguments: VLLMServeArguments, extra_args: list[str]) -> tupl
     if weight_sync == "gloo":
         command += ["--worker-extension-cls", "topr_trl.vllm_server.engine.WeightSyncWorkerExtension"]
     command += ["--middleware", "topr_trl.vllm_server.auth.WeightPathSecret"]
+    if not cuda_available() and not any("chunked-prefill" in flag for flag in extra_args):
+        command += [NO_CHUNKED_PREFILL]
     # the weight-transfer, pause and prefix-cache routes a trainer uses are vLLM's dev-mode routes
     environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     if secret:
