@@ -245,3 +245,27 @@ def test_baseline_sweep_pairs_topr_with_tis_on_the_late_accuracy():
     late, paired = baseline_sweep.summarise_late(runs)
     assert late["p0.67/pt0.1/topr"]["values"] == [0.9, 0.8]  # the dip at step 40 is not in the last quarter
     assert paired["p0.67/pt0.1"]["values"] == pytest.approx([0.9, 0.3])
+
+
+def test_long_completions_read_the_sequence_log_ratio_at_each_prefix_and_the_negatives_weights():
+    """Hand values: a completion of 64 tokens whose token log-ratios are all -0.01 has S_l = -0.01 l at every
+    prefix; one of 16 tokens at +0.02 reaches only the prefixes up to 16. A negative's weight is min(1, exp S) under
+    the product and min(1, exp(S / l)) length-normalised; positives count in the spread, not in the weights."""
+    import math
+
+    import torch
+
+    from experiments.long_completions import prefix_statistics, whole_completion_statistics
+
+    falling = [torch.full((64,), -0.01)] * 8
+    rising = [torch.full((16,), 0.02)] * 8
+    rows = {row["length"]: row for row in prefix_statistics(falling + rising, [True] * 8 + [False] * 8)}
+    assert sorted(rows) == [8, 16, 32, 64]  # 128 and longer: no completion reaches them
+    assert rows[64]["completions"] == 8 and rows[16]["completions"] == 16 and rows[16]["negatives"] == 8
+    assert rows[64]["negative_weight_mean"] == pytest.approx(math.exp(-0.64), rel=1e-6)
+    assert rows[64]["negative_weight_length_normalized_mean"] == pytest.approx(math.exp(-0.01), rel=1e-6)
+    assert rows[64]["negative_weight_below_half"] == 0.0 and rows[64]["median_abs_log_ratio"] == pytest.approx(0.64)
+    assert rows[16]["log_ratio_q05"] == pytest.approx(-0.16) and rows[16]["log_ratio_q95"] == pytest.approx(0.32)
+    whole = whole_completion_statistics(falling + rising, [True] * 8 + [False] * 8)
+    assert whole["mean_length"] == 40 and whole["negatives"] == 8
+    assert whole["negative_weight_mean"] == pytest.approx(math.exp(-0.64), rel=1e-6)
