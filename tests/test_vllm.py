@@ -371,7 +371,9 @@ def test_async_topr_trains_on_trls_own_vllm_worker_against_the_cpu_engine(reason
         args = AsyncTOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, vllm_server_base_url=url,
                                per_device_train_batch_size=16, num_generations=8, learning_rate=1e-3,
                                # at 4 steps' worth of requests in flight vLLM's CPU engine can crash on TRL's seeded
-                               # requests ("CPU Generator does not use offset"): keep one step's
+                               # requests ("CPU Generator does not use offset") when it splits a prefill: keep one
+                               # step's (this plain vLLM server keeps chunked prefill; `topr-trl vllm-serve` turns it
+                               # off on a CPU, NO_CHUNKED_PREFILL)
                                max_inflight_tasks=16,
                                max_completion_length=max_completion_tokens(3), max_steps=4, logging_steps=1,
                                report_to="none", save_strategy="no")

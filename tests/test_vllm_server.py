@@ -370,7 +370,7 @@ def test_async_topr_on_trls_rollout_worker_keeps_the_server_on_the_policy(reason
         args = AsyncTOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, vllm_server_base_url=url,
                                per_device_train_batch_size=16, num_generations=8, learning_rate=3e-2,
                                topr_signal="reward", topr_baseline=0.5,
-                               max_inflight_tasks=16,  # vLLM's CPU engine and TRL's seeded requests: see test_vllm.py
+                               max_inflight_tasks=16,  # one step's requests in flight: a shorter test
                                max_completion_length=max_completion_tokens(3), max_steps=4, logging_steps=1,
                                report_to="none", save_strategy="no")
         trainer = AsyncTOPRTrainer(reasoning_model, reasoning_reward, args, train_dataset=make_reasoning_dataset(64, 3),
@@ -449,3 +449,43 @@ def test_the_command_lines_asynchronous_run_generates_on_the_server(reasoning_mo
     assert summary["steps"] == 3 and summary["asynchronous"]["dropped"] == 0
     assert log.read_text().count('"POST /update_weights HTTP/1.1" 200') >= 3
     assert log.read_text().count('"POST /v1/completions HTTP/1.1" 200') >= 3 * 32 // 8
+
+
+def test_two_training_processes_of_async_topr_follow_one_real_server(reasoning_model, tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2 -m topr_trl train --asynchronous --vllm_server_base_url URL`
+    on CPU (gloo): the main process runs TRL's rollout worker against a real `topr-trl vllm-serve` and pushes every
+    step's weights through the server's gloo path, the other process trains its row. TRL's default requests in
+    flight (several steps' worth, each seeded) are served (`NO_CHUNKED_PREFILL`). After the run the server's
+    log-probs equal the saved policy's within twice their bf16 floor and sit far from the base model's; every sample
+    read is trained, none dropped."""
+    from tests.test_async_distributed import launch
+
+    log = tmp_path / "server.log"
+    output = tmp_path / "run"
+    prompt_messages = make_reasoning_dataset(1, 3, "heldout")[0]["prompt"]
+    with served(reasoning_model, log) as (url, _):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(reasoning_model)
+        prompt = tokenizer.apply_chat_template(prompt_messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]
+        sequences = sampled_sequences(url, prompt)
+        completed = launch(["-m", "topr_trl", "train", "--task", "reasoning", "--base_model_dir",
+                            str(Path(reasoning_model).parent), "--asynchronous", "--vllm_server_base_url", url,
+                            "--max_steps", "3", "--learning_rate", "3e-2", "--per_device_train_batch_size", "8",
+                            "--num_generations", "8", "--task_eval_prompts", "16", "--save_strategy", "no",
+                            "--output_dir", str(output)], timeout=900)
+        held = server_logps(url, sequences, len(prompt))
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    summary = json.loads((output / "topr_summary.json").read_text())
+    assert summary["steps"] == 3 and summary["asynchronous"]["dropped"] == 0
+    assert log.read_text().count('"POST /update_weights HTTP/1.1" 200') >= 3  # the cold sync, then each step's
+
+    def gap_to(model) -> float:
+        return mean_gap(token_logps(model.eval(), sequences, [len(prompt)] * len(sequences)), held)
+
+    final = AutoModelForCausalLM.from_pretrained(output)
+    floor = bf16_floor(reasoning_model, final.state_dict(), sequences, len(prompt))
+    assert gap_to(final) < SYNCED_WITHIN_FLOORS * floor, (gap_to(final), floor)
+    assert gap_to(AutoModelForCausalLM.from_pretrained(reasoning_model)) > WRONG_BEYOND_FLOORS * floor
+
