@@ -242,6 +242,10 @@ def reasoning_measurements(options, digits: int, warm_steps: int, work: Path) ->
                          max_completion_tokens(digits))
         flags = negatives(rows)
         base_accuracy = 1 - sum(flags) / len(flags)
+        if base_accuracy == 0:  # GRPO's group advantage is 0 in every group: TOPRTrainer would not move the policy
+            print(f"drift, {digits} digits: not measured (no base sample is correct, so no signal moves the policy)",
+                  flush=True)
+            return results
         policy = AutoModelForCausalLM.from_pretrained(path).eval()
         for steps, state in sorted(drifted_policies(path, digits, options.drift_steps, options.learning_rate,
                                                     work).items()):

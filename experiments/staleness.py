@@ -10,6 +10,8 @@ The behaviour policy mu lags the trained policy pi by up to K - 1 optimizer upda
     tis         the controls Figure 1 has (`experiments/figure1.py`): TOPRTrainer with loss_type="tis" (truncated
     sft_positives  importance sampling, the ratio capped at 1 on both branches) and loss_type="sft" (positives only,
                 weight 1; negatives dropped), on the same signal, data and lag as topr
+    topr_length_normalized  TOPR with topr_ratio_level="length_normalized" (the geometric mean of the token
+                ratios, not their product): the guard for long completions
 
 The lag is set with GRPOConfig.num_iterations = K (TRL's "mu" in the GRPO paper): each generation batch is reused for
 K optimizer steps, and TRL keeps the log-probs of the policy that generated it as old_per_token_logps, so on the j-th
@@ -86,6 +88,8 @@ METHOD_TRAINERS = {
     "grpo_clip": ("trl", {"loss_type": "grpo"}),
     "tis": ("topr_trl", {"loss_type": "tis"}),
     "sft_positives": ("topr_trl", {"loss_type": "sft"}),
+    # the guard for long completions: the geometric mean of the token ratios instead of their product
+    "topr_length_normalized": ("topr_trl", {"topr_ratio_level": "length_normalized"}),
 }
 METHODS = ("topr", "grpo_clip")  # the default run; the controls are asked for with --methods
 LAG_VIA = ("num_iterations", "steps_per_generation")
