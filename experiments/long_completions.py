@@ -243,9 +243,9 @@ def reasoning_measurements(options, digits: int, warm_steps: int, work: Path) ->
         flags = negatives(rows)
         base_accuracy = 1 - sum(flags) / len(flags)
         if base_accuracy == 0:  # GRPO's group advantage is 0 in every group: TOPRTrainer would not move the policy
-            print(f"drift, {digits} digits: not measured (no base sample is correct, so no signal moves the policy)",
-                  flush=True)
-            return results
+            reason = "no base sample is correct, so GRPO's group advantage is 0 and nothing moves the policy"
+            print(f"drift, {digits} digits: not measured ({reason})", flush=True)
+            return [*results, {"name": f"drift, {digits} digits", "source": "drift", "skipped": reason, **about}]
         policy = AutoModelForCausalLM.from_pretrained(path).eval()
         for steps, state in sorted(drifted_policies(path, digits, options.drift_steps, options.learning_rate,
                                                     work).items()):
@@ -279,7 +279,7 @@ def plot(results: list[dict], output: str) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415 - only when plotting
 
     figure, (spread, weight) = plt.subplots(1, 2, figsize=(11, 4))
-    for result in results:
+    for result in (result for result in results if "skipped" not in result):
         lengths = [row["length"] for row in result["prefixes"]]
         spread.plot(lengths, [row["median_abs_log_ratio"] for row in result["prefixes"]], marker="o",
                     label=result["name"])
