@@ -339,3 +339,16 @@ def test_a_registered_loss_reads_its_own_knob_from_a_config_subclass(tiny_model_
         assert one.abs() > 1e-3 and torch.equal(two, 2 * one) and zero == 0
     finally:
         POLICY_LOSSES.pop("test_scaled_reinforce")
+
+
+@pytest.mark.parametrize("penalty, warned", [(1.0, False), (1.2, True)])
+def test_a_repetition_penalty_is_said_to_bias_pi_over_mu(penalty, warned, tiny_model_path, arithmetic_dataset,
+                                                         tmp_path, caplog):
+    """mu sampled with a repetition penalty depends on the tokens already seen, which pi's scoring does not replay:
+    the run says once that pi/mu carries the penalty (GRPOTrainer accepts the setting, so TOPRTrainer trains on)."""
+    with caplog.at_level(logging.WARNING, logger="topr_trl"):
+        TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
+                    args=TOPRConfig(**small_config_kwargs(tmp_path, repetition_penalty=penalty)))
+    said = [record.getMessage() for record in caplog.records if "repetition_penalty" in record.getMessage()]
+    assert len(said) == int(warned)
+    assert not said or "repetition_penalty=1.2" in said[0] and "pi/mu" in said[0]

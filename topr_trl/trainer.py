@@ -24,6 +24,7 @@ from .sampler_support import (
     captured_outputs,
     completion_processed_log_probs,
     fused_head_parts,
+    history_dependent_sampling,
     on_mus_support,
 )
 from .trainer_shared import TOPR_NAME, TOPR_PAPER, TOPR_TAG_NAMES, PolicyMetricsLogging, trained_method
@@ -95,6 +96,9 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
                 "use_vllm=True or pass a rollout_func that returns `logprobs`; or use 'auto' or 'policy'."
             )
         self._sampler_processing = self._mu_processing(args)
+        history = history_dependent_sampling(self.repetition_penalty)
+        if history and args.loss_type in POLICY_LOSSES and not self._offline:  # offline, mu is the stored rows' sampler
+            logger.warning(history)
         if self.use_vllm and source in ("auto", "sampler"):
             # mu is vLLM's own sampling distribution, so pi/mu already corrects the train/inference mismatch;
             # TRL's separate correction on top would count it twice.

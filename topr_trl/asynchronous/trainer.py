@@ -38,6 +38,7 @@ from ..sampler_support import (
     captured_outputs,
     chunked_processed_log_probs,
     fused_head_parts,
+    history_dependent_sampling,
     on_mus_support,
 )
 from ..trainer_shared import TOPR_PAPER, PolicyMetricsLogging, trained_method
@@ -211,6 +212,9 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._loss_spec = args.policy_loss_spec
         self._sampler_processing = self._mu_processing(args, kwargs.get("rollout_worker"))
+        history = history_dependent_sampling(args.repetition_penalty)
+        if history:  # the loss is always one of TOPR's here: TRL's worker samples with the penalty
+            logger.warning(history)
         self.rollout_ledger = RolloutLedger()
         if self.accelerator.is_main_process:
             self.rollout_queue = ConsumedSamples(
