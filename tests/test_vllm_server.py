@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -489,3 +490,65 @@ def test_two_training_processes_of_async_topr_follow_one_real_server(reasoning_m
     assert gap_to(final) < SYNCED_WITHIN_FLOORS * floor, (gap_to(final), floor)
     assert gap_to(AutoModelForCausalLM.from_pretrained(reasoning_model)) > WRONG_BEYOND_FLOORS * floor
 
+
+
+def test_an_async_run_on_trls_worker_stopped_mid_way_resumes_on_the_server_and_trains_each_group_once(
+        reasoning_model, tmp_path, monkeypatch):
+    """AsyncTOPRTrainer with TRL's own rollout worker on a real server, checkpointed at step 2 and stopped at step 3
+    (a KeyboardInterrupt between checkpoints). The checkpoint's resume position is the first prompt group its two
+    steps did not train wholly, from the steps themselves (TRL's own count takes the micro-batch read ahead as trained,
+    TRL #7274); the resumed run's worker starts there, on the same server, and the two runs together train every
+    group before the position wholly and every group from it on wholly, once, apart from a group split across the
+    checkpoint, trained again and said. The resumed run says in one line what the stop left behind."""
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl.chat_template_utils import qwen3_template
+
+    import topr_trl.asynchronous.trainer as async_trainer
+    from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(reasoning_model)
+    tokenizer.response_template = qwen3_template
+    group = 8
+    dataset = make_reasoning_dataset(64, 3)
+
+    def trainer_on(url: str) -> AsyncTOPRTrainer:
+        args = AsyncTOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, vllm_server_base_url=url,
+                               per_device_train_batch_size=16, num_generations=group, learning_rate=1e-3,
+                               token_budget=0, max_completion_length=max_completion_tokens(3), max_steps=4,
+                               save_strategy="steps", save_steps=2, logging_steps=1, report_to="none")
+        return AsyncTOPRTrainer(reasoning_model, reasoning_reward, args, train_dataset=dataset,
+                                processing_class=tokenizer)
+
+    with served(reasoning_model, tmp_path / "server.log") as (url, _):
+        first = trainer_on(url)
+        at_checkpoint = {}
+
+        class StopAfterTheCheckpoint(TrainerCallback):
+            def on_save(self, args, state, control, **kwargs):
+                at_checkpoint[state.global_step] = Counter(first.rollout_ledger.trained)
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == 3:
+                    raise KeyboardInterrupt
+
+        first.add_callback(StopAfterTheCheckpoint())
+        with pytest.raises(KeyboardInterrupt):
+            first.train()
+        trained_first = at_checkpoint[2]
+        assert sum(trained_first.values()) == 2 * 16  # two steps' samples, by group
+        state = json.loads((tmp_path / "out" / "checkpoint-2" / "rollout_state.json").read_text())
+        position = state["prompt_index"]
+        assert all(trained_first[g] == group for g in range(position)) and trained_first[position] < group
+        assert state["samples_trained_again"] == sum(n for g, n in trained_first.items() if g >= position)
+        assert state["samples_left_behind"] > 0  # the worker ran ahead of the stop
+
+        said = []
+        monkeypatch.setattr(async_trainer.logger, "warning", lambda message, *a, **k: said.append(str(message)))
+        second = trainer_on(url)
+        second.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert second.state.global_step == 4 and second._rollout_start() == position
+    trained_second = Counter({position + g: n for g, n in second.rollout_ledger.trained.items()})
+    assert sum(trained_second.values()) == 2 * 16 and min(trained_second) >= position
+    assert all(n == group for n in trained_second.values())  # whole groups; samples ahead were read whole
+    assert [line for line in said if line.startswith("resuming from")] == [async_trainer.describe_resume(
+        tmp_path / "out" / "checkpoint-2", state)]
