@@ -66,11 +66,23 @@ def parse(argv=None):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low, high = math.floor(position), math.ceil(position)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+def spread(sums: list[float]) -> dict:
+    """Median |S|, the 5 % and 95 % quantiles (linear interpolation between order statistics) of sequence
+    log-ratios S."""
+    cuts = statistics.quantiles(sums, n=20, method="inclusive")
+    return {"median_abs_log_ratio": statistics.median(abs(s) for s in sums), "log_ratio_q05": cuts[0],
+            "log_ratio_q95": cuts[-1]}
+
+
+def negative_weights(negatives: list[tuple[float, int]]) -> dict:
+    """The weights TOPR gives negatives of sequence log-ratio S over l tokens (pairs (S, l)): mean min(1, exp S),
+    the share below 0.5, and mean min(1, exp(S / l)) at the length-normalised level; none without negatives."""
+    if not negatives:
+        return {}
+    return {"negative_weight_mean": statistics.mean(min(1.0, math.exp(s)) for s, _ in negatives),
+            "negative_weight_below_half": sum(math.exp(s) < 0.5 for s, _ in negatives) / len(negatives),
+            "negative_weight_length_normalized_mean": statistics.mean(min(1.0, math.exp(s / n))
+                                                                      for s, n in negatives)}
 
 
 def prefix_statistics(token_log_ratios: list[torch.Tensor], negative: list[bool]) -> list[dict]:
@@ -85,17 +97,10 @@ def prefix_statistics(token_log_ratios: list[torch.Tensor], negative: list[bool]
         if len(reaching) < 8:
             continue
         sums = [total for total, _ in reaching]
-        negatives = [total for total, is_negative in reaching if is_negative]
-        row = {"length": length, "completions": len(sums), "negatives": len(negatives),
-               "median_abs_log_ratio": statistics.median(abs(s) for s in sums),
-               "log_ratio_q05": quantile(sums, 0.05), "log_ratio_q95": quantile(sums, 0.95),
-               "log_ratio_std": statistics.pstdev(sums), "mean_token_log_ratio": statistics.mean(sums) / length}
-        if negatives:
-            row["negative_weight_mean"] = statistics.mean(min(1.0, math.exp(s)) for s in negatives)
-            row["negative_weight_below_half"] = sum(math.exp(s) < 0.5 for s in negatives) / len(negatives)
-            row["negative_weight_length_normalized_mean"] = statistics.mean(
-                min(1.0, math.exp(s / length)) for s in negatives)
-        rows.append(row)
+        negatives = [(total, length) for total, is_negative in reaching if is_negative]
+        rows.append({"length": length, "completions": len(sums), "negatives": len(negatives), **spread(sums),
+                     "log_ratio_std": statistics.pstdev(sums), "mean_token_log_ratio": statistics.mean(sums) / length,
+                     **negative_weights(negatives)})
     return rows
 
 
@@ -104,16 +109,8 @@ def whole_completion_statistics(token_log_ratios: list[torch.Tensor], negative: 
     sums = [ratios.sum().item() for ratios in token_log_ratios]
     lengths = [ratios.numel() for ratios in token_log_ratios]
     negatives = [(s, n) for s, n, is_negative in zip(sums, lengths, negative, strict=True) if is_negative]
-    result = {"completions": len(sums), "mean_length": statistics.mean(lengths),
-              "median_abs_log_ratio": statistics.median(abs(s) for s in sums),
-              "log_ratio_q05": quantile(sums, 0.05), "log_ratio_q95": quantile(sums, 0.95),
-              "negatives": len(negatives)}
-    if negatives:
-        result["negative_weight_mean"] = statistics.mean(min(1.0, math.exp(s)) for s, _ in negatives)
-        result["negative_weight_below_half"] = sum(math.exp(s) < 0.5 for s, _ in negatives) / len(negatives)
-        result["negative_weight_length_normalized_mean"] = statistics.mean(
-            min(1.0, math.exp(s / n)) for s, n in negatives)
-    return result
+    return {"completions": len(sums), "mean_length": statistics.mean(lengths), **spread(sums),
+            "negatives": len(negatives), **negative_weights(negatives)}
 
 
 def policy_token_logps(model, rows: list[dict]) -> list[torch.Tensor]:

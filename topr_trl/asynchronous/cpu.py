@@ -27,12 +27,15 @@ TRL_ASYNC_TRAINER_MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
 TREE_ATTENTION_SDPA = "tree_sdpa"
 
 
-def _segment_layout(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Each packed token's segment and position within it, and the longest segment, from cumulative lengths."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+def _segment_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    return (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+
+
+def _segment_layout(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each packed token's segment and position within it, from cumulative lengths."""
+    lengths = _segment_lengths(cu_seqlens)
     segment = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    position = torch.arange(segment.numel()) - cu_seqlens[:-1].long()[segment]
-    return segment, position, int(lengths.max()) if lengths.numel() else 0
+    return segment, torch.arange(segment.numel()) - cu_seqlens[:-1].long()[segment]
 
 
 def tree_attention_mask(
@@ -41,10 +44,9 @@ def tree_attention_mask(
     """The (N, K) boolean mask of TRL's packed tree attention: packed query n of segment s sees gathered key k of the
     same segment's path when k is not after n on that path (FlashAttention's causal rule for a segment whose queries
     are the last of its keys), and, with a `sliding_window` w, fewer than w positions before it."""
-    lengths_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    lengths_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
-    segment_of_query, position_of_query, _ = _segment_layout(cu_seqlens_q)
-    segment_of_key, key_position, _ = _segment_layout(cu_seqlens_k)
+    lengths_q, lengths_k = _segment_lengths(cu_seqlens_q), _segment_lengths(cu_seqlens_k)
+    segment_of_query, position_of_query = _segment_layout(cu_seqlens_q)
+    segment_of_key, key_position = _segment_layout(cu_seqlens_k)
     if key_position.numel() != num_keys:
         raise ValueError(f"the segments hold {key_position.numel()} keys, not num_keys={num_keys}")
     # each query's position on its segment's root-to-segment path: a segment's queries are the last of its keys
@@ -64,9 +66,10 @@ def segment_batched_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, sca
     longest-query x longest-key, where the dense mask costs N x K, which grows with the square of the number of
     samples in a row. `query` (H, N, D), `key` and `value` (H, K, D), gathered along the paths; returns (H, N, D)."""
     heads, _, size = query.shape
-    segment_q, position_q, longest_q = _segment_layout(cu_seqlens_q)
-    segment_k, position_k, longest_k = _segment_layout(cu_seqlens_k)
-    segments = cu_seqlens_q.numel() - 1
+    lengths_q, lengths_k = _segment_lengths(cu_seqlens_q), _segment_lengths(cu_seqlens_k)
+    segments, longest_q, longest_k = lengths_q.numel(), int(lengths_q.max()), int(lengths_k.max())
+    segment_q, position_q = _segment_layout(cu_seqlens_q)
+    segment_k, position_k = _segment_layout(cu_seqlens_k)
     slot_q = (segment_q * longest_q + position_q).to(query.device)
     slot_k = (segment_k * longest_k + position_k).to(query.device)
 
@@ -74,8 +77,7 @@ def segment_batched_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, sca
         rows = tensor.new_zeros(segments * longest, heads, size).index_copy(0, slots, tensor.transpose(0, 1))
         return rows.view(segments, longest, heads, size).transpose(1, 2)
 
-    lengths_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()[:, None, None]
-    lengths_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()[:, None, None]
+    lengths_q, lengths_k = lengths_q[:, None, None], lengths_k[:, None, None]
     row, column = torch.arange(longest_q)[None, :, None], torch.arange(longest_k)[None, None, :]
     query_position = row + lengths_k - lengths_q  # a segment's queries are the last of its path's keys
     visible = (column < lengths_k) & (column <= query_position)
@@ -115,10 +117,8 @@ def tree_attention_sdpa(
         key = key.repeat_interleave(query.size(0) // key.size(0), dim=0)
         value = value.repeat_interleave(query.size(0) // value.size(0), dim=0)
     cu_seqlens_q, cu_seqlens_k = tree_cu_seqlens_q.cpu(), tree_cu_seqlens_k.cpu()
-    segments = cu_seqlens_q.numel() - 1
-    longest_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    longest_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
-    if segments * longest_q * longest_k < query.size(1) * key.size(1):
+    lengths_q, lengths_k = _segment_lengths(cu_seqlens_q), _segment_lengths(cu_seqlens_k)
+    if lengths_q.numel() * int(lengths_q.max()) * int(lengths_k.max()) < query.size(1) * key.size(1):
         output = segment_batched_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, scaling, sliding_window)
     else:
         mask = tree_attention_mask(cu_seqlens_q, cu_seqlens_k, key.size(1), sliding_window)
