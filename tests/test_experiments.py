@@ -269,3 +269,32 @@ def test_long_completions_read_the_sequence_log_ratio_at_each_prefix_and_the_neg
     whole = whole_completion_statistics(falling + rising, [True] * 8 + [False] * 8)
     assert whole["mean_length"] == 40 and whole["negatives"] == 8
     assert whole["negative_weight_mean"] == pytest.approx(math.exp(-0.64), rel=1e-6)
+
+
+def _simulated_update_lags(sync_every: int, steps: int, staleness_of_step) -> list[int]:
+    """The lag of each step's batch, by playing the pipeline forward: TRL's dataloader reads the batch of step s
+    while step s - 1 trains (the first two before step 1), from a sample `staleness_of_step(s)` pushes older than the
+    newest; the weights are pushed after every `sync_every`-th update."""
+    update_of_version, version, read = {0: 0}, 0, {}
+    for step in range(1, steps + 1):
+        for ahead in ([1, 2] if step == 1 else [step + 1]):
+            if ahead <= steps:
+                read[ahead] = update_of_version[version - staleness_of_step(ahead)]
+        lag = (step - 1) - read[step]  # updates applied before step s's gradient, minus those of the weights used
+        yield lag
+        if step % sync_every == 0:
+            version += 1
+            update_of_version[version] = step
+
+
+@pytest.mark.parametrize("sync_every", [1, 3, 8])
+def test_server_accuracy_counts_the_lag_in_optimizer_updates_not_in_weight_pushes(sync_every):
+    from experiments.async_server_accuracy import update_lag
+
+    def staleness(step):  # now and then a sample one push older than the newest, once a push exists to lag
+        return 1 if step % 5 == 0 and (step - 2) // sync_every >= 1 else 0
+
+    simulated = list(_simulated_update_lags(sync_every, 40, staleness))
+    assert [update_lag(step, staleness(step), sync_every) for step in range(1, 41)] == simulated
+    # the weights are pushed every W updates: a batch trains 0 to W updates behind, one push more is W further
+    assert max(simulated) == (sync_every + (sync_every if sync_every > 1 else 1))
