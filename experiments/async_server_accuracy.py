@@ -55,11 +55,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from experiments.async_server_throughput import free_port, start_server  # noqa: E402
 from experiments.common import (  # noqa: E402
+    Tracker,
     base_points,
     base_summary,
-    evaluation_seed,
+    checkpoint_callback,
     experiment_parser,
-    held_out_pass_at_1,
+    first_checkpoint_reaching,
     late_mean,
     mean_and_ci95,
     merge_results,
@@ -166,43 +167,27 @@ def pipeline_label(method: str, sync_every: int, in_flight: int | None) -> str:
 
 def run_one(method: str, sync_every: int, options, seed: int, base_path, held_out, url: str, work: Path) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
+    from transformers import AutoModelForCausalLM, PrinterCallback
 
     torch.manual_seed(seed)
-    evaluator = AutoModelForCausalLM.from_pretrained(base_path)
-    curve, clock = [], {"training": 0.0, "since": time.time()}
-    checkpoints = {max(1, round(options.steps * i / options.checkpoints)) for i in range(1, options.checkpoints + 1)}
     label = f"{method} {pipeline_label(method, sync_every, options.in_flight)}"
-
-    def evaluate(policy, tokenizer, step):
-        clock["training"] += time.time() - clock["since"]
-        evaluator.load_state_dict(policy.state_dict(), strict=False)
-        point = {"step": step, "seconds": clock["training"],
-                 **held_out_pass_at_1(evaluator, tokenizer, held_out, options,
-                                      eval_seed=evaluation_seed(options.eval_draw, seed))}
-        curve.append(point)
-        print(f"[async_server_accuracy] {label} seed {seed} step {step:>3} {clock['training']:6.1f}s "
-              f"pass@1 {point['pass@1']:.3f}", flush=True)
-        clock["since"] = time.time()
-
-    class Checkpoints(TrainerCallback):
-        def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
-            if state.global_step in checkpoints:
-                evaluate(model, processing_class, state.global_step)
-
     trainer = build_trainer(method, sync_every, options, seed, base_path, url,
-                            work / f"{method}-{pipeline_label(method, sync_every, options.in_flight)}-seed{seed}")
+                            work / f"{label.replace(' ', '-')}-seed{seed}")
     trainer.remove_callback(PrinterCallback)
-    trainer.add_callback(Checkpoints())
-    clock["since"] = time.time()
+    # the clock starts once the trainer is built; the evaluator has the policy's architecture with generation's
+    # attention (the asynchronous trainer's packed attention serves training only)
+    tracker = Tracker(held_out, options, None, f"async_server_accuracy {label} seed {seed}", seed,
+                      evaluator=AutoModelForCausalLM.from_pretrained(base_path))
+    trainer.add_callback(checkpoint_callback(tracker, options.checkpoints))
     trainer.train()
+    curve = tracker.curve
     history = trainer.state.log_history
     read = [(entry["step"], entry["sample/staleness_mean"]) for entry in history
             if entry.get("sample/staleness_mean") is not None]
     staleness = [value for _, value in read]
     outcome = {
         "steps": trainer.state.global_step, "curve": curve, "final_pass@1": curve[-1]["pass@1"],
-        "training_seconds": clock["training"],
+        "training_seconds": curve[-1]["seconds"],
         "dropped": sum(entry.get("sample/dropped_stale_total") or 0 for entry in history),
         "staleness_mean": statistics.mean(staleness) if staleness else 0.0,
         "lag_mean": statistics.mean(update_lag(step, value, sync_every) for step, value in read) if read else 0.0,
@@ -235,14 +220,7 @@ def summarise(runs: dict, methods) -> dict:
                  "training_seconds_mean": statistics.mean(run["training_seconds"] for run in chosen),
                  "seeds": sorted(by_seed)}
         if target is not None:
-            by_step: dict[int, list[dict]] = {}
-            for run in chosen:
-                for point in run["curve"]:
-                    by_step.setdefault(point["step"], []).append(point)
-            reached = [(step, points) for step, points in sorted(by_step.items())
-                       if len(points) == len(chosen) and statistics.mean(p["pass@1"] for p in points) >= target]
-            entry["reaches_sync_final"] = None if not reached else {
-                "step": reached[0][0], "training_seconds": statistics.mean(p["seconds"] for p in reached[0][1])}
+            entry["reaches_sync_final"] = first_checkpoint_reaching(chosen, target)
         summary[f"{method}/{pipeline}"] = entry
     summary = dict(sorted(summary.items(), key=lambda item: (methods.index(item[0].split("/")[0]),
                                                              item[1]["lag_mean"])))

@@ -59,11 +59,12 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from experiments.common import (  # noqa: E402
+    Tracker,
     base_points,
     base_summary,
-    evaluation_seed,
+    checkpoint_callback,
     experiment_parser,
-    held_out_pass_at_1,
+    first_checkpoint_reaching,
     late_mean,
     mean_and_ci95,
     merge_results,
@@ -121,7 +122,7 @@ def parse(parser, argv):
 
 def run_one(method, lag, options, seed, base_path, held_out, work: Path) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
+    from transformers import AutoModelForCausalLM, PrinterCallback
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
     from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer
@@ -141,28 +142,13 @@ def run_one(method, lag, options, seed, base_path, held_out, work: Path) -> dict
                                    "trl": (cpu_capable(AsyncGRPOTrainer), AsyncGRPOConfig)}[package]
     config = config_class(**common, **overrides)
     torch.manual_seed(seed)
-    evaluator = AutoModelForCausalLM.from_pretrained(base_path)  # the policy's weights, with generation's attention
-    curve, clock = [], {"training": 0.0, "since": time.time()}
-    checkpoints = {max(1, round(options.steps * i / options.checkpoints)) for i in range(1, options.checkpoints + 1)}
-
-    def evaluate(trainer, step):
-        clock["training"] += time.time() - clock["since"]
-        evaluator.load_state_dict(trainer.accelerator.unwrap_model(trainer.model).state_dict(), strict=False)
-        point = {"step": step, "seconds": clock["training"],
-                 **held_out_pass_at_1(evaluator, trainer.processing_class, held_out, options,
-                                      eval_seed=evaluation_seed(options.eval_draw, seed))}
-        curve.append(point)
-        print(f"[async_staleness] {method} K={lag} seed {seed} step {step:>3} {clock['training']:6.1f}s "
-              f"pass@1 {point['pass@1']:.3f}", flush=True)
-        clock["since"] = time.time()
-
-    class Checkpoints(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step in checkpoints:
-                evaluate(trainer, state.global_step)
-
+    # the evaluator has the policy's architecture with generation's attention (the trainer's packed attention
+    # serves training only)
+    tracker = Tracker(held_out, options, None, f"async_staleness {method} K={lag} seed {seed}", seed,
+                      evaluator=AutoModelForCausalLM.from_pretrained(base_path))
     trainer = build_async_trainer(trainer_class, str(base_path), reasoning_reward, config, prompts,
-                                  WorkerSettings(lag=lag, lockstep=True), callbacks=[Checkpoints()])
+                                  WorkerSettings(lag=lag, lockstep=True),
+                                  callbacks=[checkpoint_callback(tracker, options.checkpoints)])
     trainer.remove_callback(PrinterCallback)
     stalled = None
     try:
@@ -170,8 +156,10 @@ def run_one(method, lag, options, seed, base_path, held_out, work: Path) -> dict
     except RuntimeError as error:  # TRL's heartbeat check: no acceptable sample arrived
         stalled = str(error)
         trainer.rollout_worker.stop()
-        if not curve or curve[-1]["step"] != trainer.state.global_step:
-            evaluate(trainer, trainer.state.global_step)
+        if not tracker.curve or tracker.curve[-1]["step"] != trainer.state.global_step:
+            tracker.checkpoint(trainer.accelerator.unwrap_model(trainer.model), trainer.processing_class,
+                               step=trainer.state.global_step)
+    curve = tracker.curve
     history = trainer.state.log_history
     return {
         "steps": trainer.state.global_step, "stalled": stalled, "curve": curve,
@@ -202,14 +190,7 @@ def summarise(runs: dict, methods, lags) -> dict:
                      "staleness_mean": statistics.mean(run["staleness_mean"] for run in chosen),
                      "seeds": sorted(run["seed"] for run in chosen)}
             if target is not None:
-                by_step = {}
-                for run in chosen:
-                    for point in run["curve"]:
-                        by_step.setdefault(point["step"], []).append(point)
-                reached = [(step, points) for step, points in sorted(by_step.items())
-                           if len(points) == len(chosen) and statistics.mean(p["pass@1"] for p in points) >= target]
-                entry["reaches_sync_final"] = None if not reached else {
-                    "step": reached[0][0], "training_seconds": statistics.mean(p["seconds"] for p in reached[0][1])}
+                entry["reaches_sync_final"] = first_checkpoint_reaching(chosen, target)
             summary[f"{method}/k{lag}"] = entry
     return {"sync_reference_final_pass@1": target, "by_method_and_lag": summary,
             # the first method against each other one at every K, each K against K = 0 within a method

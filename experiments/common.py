@@ -66,6 +66,19 @@ def paired_difference(first: dict[int, float], second: dict[int, float]) -> dict
     return {**mean_and_ci95([first[seed] - second[seed] for seed in seeds]), "seeds": seeds}
 
 
+def first_checkpoint_reaching(runs: list[dict], target: float) -> dict | None:
+    """The first step at which every run of `runs` has a checkpoint and their mean pass@1 is at least `target`, with
+    the runs' mean training seconds there; None when no step does."""
+    by_step: dict[int, list[dict]] = {}
+    for run in runs:
+        for point in run["curve"]:
+            by_step.setdefault(point["step"], []).append(point)
+    for step, points in sorted(by_step.items()):
+        if len(points) == len(runs) and statistics.mean(point["pass@1"] for point in points) >= target:
+            return {"step": step, "training_seconds": statistics.mean(point["seconds"] for point in points)}
+    return None
+
+
 def paired_by_lag(runs: dict, methods, lags, reference: int) -> dict:
     """The paired late pass@1 comparisons of a lag experiment (runs with "method", "lag", "seed" and a "curve"): each
     lag against the `reference` lag within a method ("topr/k4-k1") and the first method that ran against each other
@@ -515,14 +528,20 @@ def prepare_testbed(options) -> tuple:
 
 
 class Tracker:
-    """One run's curve: counts the completions the reward scores, keeps a clock from which evaluation time is
-    taken out, and evaluates held-out pass@1 at each `checkpoint` (printed under `label`, the script's name)."""
+    """One run's curve: counts the completions the reward scores (when given a `reward` to wrap: use `tracker.reward`
+    in the trainer), keeps a clock from which evaluation time is taken out, and evaluates held-out pass@1 at each
+    `checkpoint` (printed under `label`). With an `evaluator` (a model of the policy's architecture), the policy's
+    weights are loaded into it and it is evaluated instead: for trainers whose model's attention serves training only
+    (the asynchronous trainers' packed attention on a CPU)."""
 
-    def __init__(self, held_out, options, reward, label: str, seed: int):
-        self.held_out, self.options, self.completions, self.curve = held_out, options, 0, []
+    def __init__(self, held_out, options, reward, label: str, seed: int, evaluator=None):
+        self.held_out, self.options, self.curve, self.evaluator = held_out, options, [], evaluator
+        self.completions = 0 if reward is not None else None
         self.label = label
         self.eval_seed = evaluation_seed(options.eval_draw, seed)  # the draw of this training seed
         self.started, self.evaluating = time.time(), 0.0
+        if reward is None:
+            return
 
         def counted(completions, **kwargs):
             self.completions += len(completions)
@@ -537,11 +556,16 @@ class Tracker:
     def checkpoint(self, model, tokenizer, **where) -> dict:
         seconds = self.seconds()
         started = time.time()
-        point = {**where, "completions": self.completions, "seconds": seconds,
+        if self.evaluator is not None:
+            self.evaluator.load_state_dict(model.state_dict(), strict=False)
+            model = self.evaluator
+        counted = {} if self.completions is None else {"completions": self.completions}
+        point = {**where, **counted, "seconds": seconds,
                  **held_out_pass_at_1(model, tokenizer, self.held_out, self.options, eval_seed=self.eval_seed)}
         self.evaluating += time.time() - started
         self.curve.append(point)
-        print(f"[{self.label}]   {where} completions {self.completions:>6} {seconds:7.1f}s "
+        completions = "" if self.completions is None else f" completions {self.completions:>6}"
+        print(f"[{self.label}]   {where}{completions} {seconds:7.1f}s "
               f"pass@1 {point['pass@1']:.3f} ± {point['pass@1_problem_se']:.3f}", flush=True)
         return point
 
