@@ -60,6 +60,7 @@ from experiments.common import (  # noqa: E402
     base_summary,
     checkpoint_callback,
     experiment_parser,
+    finished_runs_if_asked,
     first_checkpoint_reaching,
     late_mean,
     mean_and_ci95,
@@ -67,7 +68,6 @@ from experiments.common import (  # noqa: E402
     paired_difference,
     parse_testbed_options,
     prepare_testbed,
-    resummarise_if_asked,
     save,
 )
 
@@ -99,14 +99,11 @@ def build_parser():
     parser.add_argument("--checkpoints", type=int, default=8, help="evaluations per run, evenly spaced")
     parser.add_argument("--heartbeat", type=float, default=120.0,
                         help="seconds without a sample after which TRL's trainer stops a run")
-    parser.add_argument("--merge", nargs="+", help="merge these result files (disjoint runs) and summarise")
     parser.add_argument("--smoke", action="store_true")
     return parser
 
 
 def parse(parser, argv):
-    if "--merge" in argv:
-        return parser.parse_args(argv)
     return parse_testbed_options(parser, argv, SMOKE)
 
 
@@ -293,14 +290,10 @@ def merge(options) -> dict:
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    rewritten = resummarise_if_asked(parser, argv, update_summary, plot)
-    if rewritten is not None:
-        return rewritten
+    finished = finished_runs_if_asked(parser, argv, update_summary, plot, merge)
+    if finished is not None:
+        return finished
     options = parse(parser, argv)
-    if options.merge:
-        results = merge(options)
-        save(results, options, plot)
-        return results
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

@@ -360,6 +360,24 @@ def resummarise_if_asked(parser, argv: list[str] | None, update: Callable[[dict]
     return resummarise(parser.parse_args(argv).resummarise, update, plot)
 
 
+def finished_runs_if_asked(parser, argv: list[str], update: Callable[[dict], None], plot,
+                           merge: Callable[[argparse.Namespace], dict]) -> dict | None:
+    """Adds --resummarise and --merge to a script's `parser` (--merge: `merge(options)` builds one results dict from
+    the files of disjoint runs); when `argv` asks for either, does it, saves the results with their plot and returns
+    them, training nothing; else None (the script then trains as usual)."""
+    rewritten = resummarise_if_asked(parser, argv, update, plot)
+    if rewritten is not None:
+        return rewritten
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="merge these result files (of disjoint runs: other seeds, methods, lags) and summarise")
+    if "--merge" not in argv:
+        return None
+    options = parser.parse_args(argv)
+    results = merge(options)
+    save(results, options, plot)
+    return results
+
+
 def prepare_base(work_dir: Path, base_accuracy: float) -> Path:
     """The built-in task's warm-started tiny model, built once under `work_dir` (cached between scripts sharing a
     work dir)."""
