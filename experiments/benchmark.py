@@ -227,24 +227,42 @@ def loss_only(options, model_path: str) -> dict:
     first = next(iter(trainers.values()))
     inputs = first._prepare_inputs(next(iter(first.get_train_dataloader())))
     times: dict[str, list[float]] = {name: [] for name in trainers}
+    # On a GPU, the memory one call adds above what is resident before it (every trainer's weights; gradients are
+    # freed between calls): activations, logits, gradients and, with truncation, the support's extra logits.
+    added_memory: dict[str, list[float]] = {name: [] for name in trainers}
     for repeat in range(options.repeats * options.steps + 3):
         for name, trainer in trainers.items():
             if cuda:
                 torch.cuda.synchronize()
+                resident = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             trainer.compute_loss(trainer.model, inputs).backward()
             if cuda:
                 torch.cuda.synchronize()
             if repeat >= 3:  # warm-up calls
                 times[name].append(time.perf_counter() - start)
-            trainer.model.zero_grad()
+                if cuda:
+                    added_memory[name].append((torch.cuda.max_memory_allocated() - resident) / 2**20)
+            trainer.model.zero_grad(set_to_none=True)
     medians = {name: statistics.median(values) for name, values in times.items()}
     quartiles = {name: statistics.quantiles(values, n=4) for name, values in times.items()}
     ratios = {f"topr-online / {name}": medians["topr-online"] / medians[name] for name in ("grpo-grpo", "grpo-dapo")}
     ratios.update({f"{name} / {base}": medians[name] / medians[base] for name in ("topr-online-top-k",
                                                                                    "topr-online-top-p")
                    for base in ("topr-online", "grpo-dapo")})
-    return {"median_loss_backward_s": medians, "quartiles_s": quartiles, "ratios": ratios}
+    result = {"median_loss_backward_s": medians, "quartiles_s": quartiles, "ratios": ratios}
+    if cuda:
+        peaks = {name: max(values) for name, values in added_memory.items()}
+        result["peak_added_memory_mib"] = peaks
+        result["peak_added_memory_ratios"] = {
+            f"{name} / {base}": peaks[name] / peaks[base] for name in ("topr-online", "topr-online-top-k",
+                                                                        "topr-online-top-p")
+            for base in ("grpo-grpo", "grpo-dapo", "topr-online") if name != base}
+        # what one trainer holds besides a call's memory: its weights (loss-only builds no optimizer state)
+        result["weights_mib_per_trainer"] = sum(
+            p.numel() * p.element_size() for p in first.model.parameters()) / 2**20
+    return result
 
 
 def support_only(options) -> dict:
@@ -265,7 +283,9 @@ def support_only(options) -> dict:
     shapes = {"flat": torch.randn(tokens, vocabulary, generator=generator) * 0.05,
               "peaked": (-1.2 * ranks.log()).expand(tokens, -1)[:, torch.randperm(vocabulary, generator=generator)]
               + torch.randn(tokens, vocabulary, generator=generator) * 0.3}
-    sampled = torch.randint(0, vocabulary, (tokens,), generator=generator)
+    sampled = torch.randint(0, vocabulary, (tokens,), generator=generator).to(options.device)
+    shapes = {shape: logits.to(options.device) for shape, logits in shapes.items()}
+    synchronize = torch.cuda.synchronize if options.device == "cuda" else (lambda: None)
 
     def whole_vocabulary(logits, processing):
         keep = sampler_support(logits, processing)
@@ -286,13 +306,15 @@ def support_only(options) -> dict:
                 function()
                 times = []
                 for _ in range(options.repeats):
+                    synchronize()
                     start = time.perf_counter()
                     function()
+                    synchronize()
                     times.append(time.perf_counter() - start)
                 timings[path] = statistics.median(times)
             result[f"{shape} {name}"] = {"ms_per_1k_tokens": {path: 1000 * value / tokens * 1000
                                                               for path, value in timings.items()}}
-    return {"tokens": tokens, "vocabulary": vocabulary, "timings": result}
+    return {"tokens": tokens, "vocabulary": vocabulary, "device": options.device, "timings": result}
 
 
 def model_flops_per_token(config, sequence_length: int) -> dict[str, float]:
@@ -496,6 +518,10 @@ def main() -> None:
                   f"{[round(q * 1000, 2) for q in result['quartiles_s'][name]]}")
         for name, ratio in result["ratios"].items():
             print(f"{name:<28} {ratio:.3f}")
+        for name, peak in result.get("peak_added_memory_mib", {}).items():
+            print(f"{name:<20} memory added by one call (peak) {peak:.1f} MiB")
+        for name, ratio in result.get("peak_added_memory_ratios", {}).items():
+            print(f"{name:<36} added memory {ratio:.3f}")
         write_output(options, {"loss_only": result})
         return
     if options.interleaved:
