@@ -226,6 +226,8 @@ def loss_only(options, model_path: str) -> dict:
                                      args=TOPRConfig(**common, **SETTINGS[name][1]))
     first = next(iter(trainers.values()))
     inputs = first._prepare_inputs(next(iter(first.get_train_dataloader())))
+    for trainer in trainers.values():  # as training does: with --bf16 the forward runs under the accelerator's autocast
+        trainer.model = trainer.accelerator.prepare_model(trainer.model)
     times: dict[str, list[float]] = {name: [] for name in trainers}
     # On a GPU, the memory one call adds above what is resident before it (every trainer's weights; gradients are
     # freed between calls): activations, logits, gradients and, with truncation, the support's extra logits.

@@ -138,8 +138,9 @@ def test_the_head_is_the_one_trls_fused_log_probs_use(family):
     backbone, owner = fused_head_parts(model)
     from topr_trl.sampler_support import captured_outputs
 
-    with torch.no_grad(), captured_outputs(backbone) as hidden:
+    with torch.no_grad(), captured_outputs(backbone) as captured:
         fused = model(input_ids=input_ids, labels=labels, fused_lm_head=True).log_probs
+    hidden = captured.hidden
     logits = head_logits(owner, hidden[0][:, :-1])
     ours = (logits / 0.7).log_softmax(-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(ours, fused, rtol=1e-5, atol=1e-6), (ours - fused).abs().max()
@@ -147,6 +148,38 @@ def test_the_head_is_the_one_trls_fused_log_probs_use(family):
     processed = completion_processed_log_probs(owner, hidden[0], input_ids, torch.ones_like(input_ids), 4,
                                                SamplerProcessing(temperature=0.7))
     assert torch.allclose(processed, fused[:, -4:], rtol=1e-5, atol=1e-6)
+
+
+def test_under_autocast_the_head_projects_in_trls_dtype():
+    """Under bf16 autocast (what accelerate wraps a mixed-precision forward in), TRL's fused head rounds every logit
+    to bf16 before its float32 log-softmax; pi's support is scored outside that forward. `CapturedBackbone.head_dtype`
+    carries the forward's dtype to the projection, so the processed log-probs without truncation are TRL's fused
+    log-probs up to float32 rounding (the same bf16 products; a log-softmax over 97 tokens), while the float32
+    projection an earlier version made is off by the bf16 rounding of the logits (0.12 here), over 100 times more."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from topr_trl.sampler_support import captured_outputs
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    with torch.no_grad():  # logits of a few units, as a trained model's: bf16 rounds them by up to 2^-8 of that
+        model.get_output_embeddings().weight.mul_(50)
+    add_fused_lm_head(model, temperature=1.0)
+    input_ids = torch.randint(0, 97, (3, 9))
+    backbone, owner = fused_head_parts(model)
+    with torch.no_grad(), captured_outputs(backbone) as captured:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fused = model(input_ids=input_ids, labels=input_ids.clone(), fused_lm_head=True).log_probs[:, -4:]
+    assert captured.head_dtype() == torch.bfloat16 and captured.head_dtype(cast_lm_head_to_fp32=True) == torch.float32
+    ones = torch.ones_like(input_ids)
+    ours = completion_processed_log_probs(owner, captured.hidden[0], input_ids, ones, 4, SamplerProcessing(),
+                                          captured.head_dtype())
+    float32 = completion_processed_log_probs(owner, captured.hidden[0], input_ids, ones, 4, SamplerProcessing())
+    scale = fused.abs().max().item()
+    torch.testing.assert_close(ours, fused, **float32_tolerance(fused, roundings=16, scale=scale))
+    assert (float32 - fused).abs().max() > 100 * float32_tolerance(fused, roundings=16, scale=scale)["atol"]
 
 
 @pytest.fixture(scope="module")

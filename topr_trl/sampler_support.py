@@ -153,14 +153,21 @@ def processed_log_probs(logits: torch.Tensor, tokens: torch.Tensor, processing: 
         flat = processed_log_probs(logits.reshape(-1, logits.size(-1)), tokens.reshape(-1), processing)
         return flat.reshape(tokens.shape)
     with torch.no_grad():
-        scaled = logits.float() / processing.temperature
+        scaled = logits.float()  # no copy of float32 logits at temperature 1: they are the largest tensor here
+        if processing.temperature != 1:
+            scaled = scaled / processing.temperature
         chosen = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         normaliser = torch.empty_like(chosen)
-        rows = torch.arange(chosen.size(0), device=chosen.device)
+        rows = None  # every row, without gathering a copy of them
         for candidates in SUPPORT_CANDIDATES:  # fewer and fewer rows, on more and more candidates
-            values, undecided = _normaliser_on_candidates(scaled[rows], chosen[rows], processing, candidates)
-            normaliser[rows] = values
-            rows = rows[undecided]
+            values, undecided = _normaliser_on_candidates(scaled if rows is None else scaled[rows],
+                                                          chosen if rows is None else chosen[rows], processing,
+                                                          candidates)
+            if rows is None:
+                normaliser, rows = values, undecided.nonzero().squeeze(-1)
+            else:
+                normaliser[rows] = values
+                rows = rows[undecided]
             if rows.numel() == 0:
                 return chosen - normaliser
         keep = sampler_support(logits[rows], processing)
@@ -244,19 +251,41 @@ def _masked_logsumexp(values: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     return values.masked_fill(~kept, -math.inf).logsumexp(dim=-1)
 
 
+class CapturedBackbone(NamedTuple):
+    """What `captured_outputs` saw of the backbone's forward: its last hidden states in call order (detached), and
+    the autocast dtype in force there (None without autocast), which is the dtype TRL's fused head projects in."""
+
+    hidden: list[torch.Tensor]
+    autocast_dtypes: list[torch.dtype | None]
+
+    def head_dtype(self, cast_lm_head_to_fp32: bool = False) -> torch.dtype:
+        """MIRROR of the dtype TRL 1.16's chunked log-prob kernel computes the head's logits in
+        (`trl/kernels/chunked_logprob.py`, `compute_dtype`; `add_fused_lm_head` disables autocast and casts to
+        float32 under `cast_lm_head_to_fp32`): the autocast dtype where autocast was on, else the hidden states'.
+        Scoring pi's support in another dtype than TRL's log-probs would put the two roundings into pi/mu (a bf16
+        logit of 10 is rounded by up to 0.03). tests/test_sampler_support.py holds it to TRL's kernel."""
+        if cast_lm_head_to_fp32:
+            return torch.float32
+        return self.autocast_dtypes[0] or self.hidden[0].dtype
+
+
 @contextmanager
-def captured_outputs(module: torch.nn.Module) -> Iterator[list]:
-    """The outputs `module` returns while the block runs, in call order (detached last hidden states): how the
-    trainer sees the backbone's hidden states of TRL's fused-head forward without running the backbone twice."""
-    outputs: list[torch.Tensor] = []
+def captured_outputs(module: torch.nn.Module) -> Iterator[CapturedBackbone]:
+    """The outputs `module` returns while the block runs, in call order (detached last hidden states), with the
+    autocast dtype of each call: how the trainer sees the backbone's hidden states of TRL's fused-head forward
+    without running the backbone twice."""
+    captured = CapturedBackbone([], [])
 
     def hook(_module, _inputs, output):
         hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-        outputs.append(hidden.detach())
+        captured.hidden.append(hidden.detach())
+        device = hidden.device.type
+        captured.autocast_dtypes.append(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                                        else None)
 
     handle = module.register_forward_hook(hook)
     try:
-        yield outputs
+        yield captured
     finally:
         handle.remove()
 
@@ -272,11 +301,14 @@ def fused_head_parts(model) -> tuple[torch.nn.Module, torch.nn.Module]:
     return model.base_model, model
 
 
-def head_logits(owner: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+@contextmanager
+def head_projection(owner: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[Callable]:
     """MIRROR of the logits TRL 1.16's `add_fused_lm_head` (trl/trainer/utils.py) scores before dividing by the
-    temperature: the output embedding (and bias), the model's logit scale (`logit_scale`, `output_multiplier`,
-    `lm_head_multiplier`, `logits_scaling`) and final soft-capping, in float32. tests/test_sampler_support.py holds it
-    to TRL's fused log-probs."""
+    temperature, as a function of (N, H) hidden states: the output embedding (and bias) in `dtype` (the head's own by
+    default; `CapturedBackbone.head_dtype` for TRL's), the product rounded to it as TRL's tiles are, then in float32
+    the model's logit scale (`logit_scale`, `output_multiplier`, `lm_head_multiplier`, `logits_scaling`) and final
+    soft-capping. The weight is cast once for every call of the block. tests/test_sampler_support.py holds it to
+    TRL's fused log-probs."""
     config = owner.config.get_text_config()
     scale = getattr(config, "logit_scale", None)
     if scale is None:
@@ -292,12 +324,27 @@ def head_logits(owner: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         weight = weight.full_tensor()
         bias = bias.full_tensor() if bias is not None else None
     with maybe_gather_lm_head_ctx(weight, bias):
-        logits = torch.nn.functional.linear(hidden.to(weight.device, weight.dtype), weight, bias).float()
-    if scale is not None:
-        logits = logits * scale
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
+        dtype = dtype or weight.dtype
+        cast_weight = weight.detach().to(dtype)
+        cast_bias = bias.detach().to(dtype) if bias is not None else None
+
+        def project(hidden: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(hidden.device.type, enabled=False):
+                logits = torch.nn.functional.linear(hidden.to(cast_weight.device, dtype), cast_weight,
+                                                    cast_bias).float()
+            if scale is not None:
+                logits = logits * scale
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+            return logits
+
+        yield project
+
+
+def head_logits(owner: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`head_projection` of one block of hidden states."""
+    with head_projection(owner, dtype) as project:
+        return project(hidden)
 
 
 CORRECTION_CHUNK_ELEMENTS = 2**25
@@ -308,26 +355,28 @@ processing adding a few masks of that size (top-p's sort: its values and int64 i
 
 def completion_processed_log_probs(owner: torch.nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor,
                                    attention_mask: torch.Tensor, logits_to_keep: int,
-                                   processing: SamplerProcessing) -> torch.Tensor:
+                                   processing: SamplerProcessing, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`processed_log_probs` of the last `logits_to_keep` tokens of each sequence (B, logits_to_keep), 0 where
-    `attention_mask` is 0: from the backbone's last hidden states (B, L, H), which predict token t at position t-1."""
+    `attention_mask` is 0: from the backbone's last hidden states (B, L, H), which predict token t at position t-1,
+    projected in `dtype` (`head_projection`)."""
     hidden = hidden[:, -logits_to_keep - 1:-1]
     tokens = input_ids[:, -logits_to_keep:]
     positions = attention_mask[:, -logits_to_keep:].bool().nonzero(as_tuple=True)
     values = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
     values[positions] = chunked_processed_log_probs(owner, hidden[positions], tokens[positions],
-                                                    processing).to(values.device)
+                                                    processing, dtype).to(values.device)
     return values
 
 
 def chunked_processed_log_probs(owner: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor,
-                                processing: SamplerProcessing) -> torch.Tensor:
-    """`processed_log_probs` for N tokens from their (N, H) hidden states, `CORRECTION_CHUNK_ELEMENTS` logits at a
-    time."""
+                                processing: SamplerProcessing, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`processed_log_probs` for N tokens from their (N, H) hidden states, projected in `dtype`
+    (`head_projection`), `CORRECTION_CHUNK_ELEMENTS` logits at a time."""
     step = max(1, CORRECTION_CHUNK_ELEMENTS // owner.config.get_text_config().vocab_size)
-    values = [processed_log_probs(head_logits(owner, hidden[start:start + step]),
-                                  tokens[start:start + step].to(hidden.device), processing)
-              for start in range(0, hidden.size(0), step)]
+    with head_projection(owner, dtype) as project:
+        values = [processed_log_probs(project(hidden[start:start + step]), tokens[start:start + step].to(hidden.device),
+                                      processing)
+                  for start in range(0, hidden.size(0), step)]
     return torch.cat(values) if values else hidden.new_zeros(0, dtype=torch.float32)
 
 

@@ -131,11 +131,12 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                               *args, **kwargs)
         backbone, owner = fused_head_parts(model)
-        with captured_outputs(backbone) as hidden:
+        with captured_outputs(backbone) as captured:
             logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        processed = completion_processed_log_probs(owner, torch.cat(hidden), input_ids, attention_mask,
-                                                   logits_to_keep, processing)
+        processed = completion_processed_log_probs(owner, torch.cat(captured.hidden), input_ids, attention_mask,
+                                                   logits_to_keep, processing,
+                                                   captured.head_dtype(self.args.cast_lm_head_to_fp32))
         return on_mus_support(logps, processed, attention_mask[:, -logits_to_keep:]), entropies, aux_loss
 
     @staticmethod

@@ -292,12 +292,12 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
         if self._sampler_processing is None:
             return self._packed_forward(model, inputs)
         backbone, owner = fused_head_parts(model)
-        with captured_outputs(backbone) as hidden:
+        with captured_outputs(backbone) as captured:
             log_probs, entropy, selected, aux_loss = self._packed_forward(model, inputs)
         token_index = inputs["token_index"][selected]
         labels = inputs["shift_labels"][inputs["attention_mask"].bool()]
-        processed = chunked_processed_log_probs(owner, hidden[0].flatten(0, 1)[token_index], labels[token_index],
-                                                self._sampler_processing)
+        processed = chunked_processed_log_probs(owner, captured.hidden[0].flatten(0, 1)[token_index],
+                                                labels[token_index], self._sampler_processing, captured.head_dtype())
         return on_mus_support(log_probs, processed.to(log_probs.device), 1), entropy, selected, aux_loss
 
     # ------------------------------------------------------------------ the loss
