@@ -225,21 +225,33 @@ def loss_only(options, model_path: str) -> dict:
         trainers[name] = TOPRTrainer(model=model_path, reward_funcs=reward, train_dataset=dataset,
                                      args=TOPRConfig(**common, **SETTINGS[name][1]))
     first = next(iter(trainers.values()))
-    inputs = first._prepare_inputs(next(iter(first.get_train_dataloader())))
+    on_policy = first._prepare_inputs(next(iter(first.get_train_dataloader())))
     for trainer in trainers.values():  # as training does: with --bf16 the forward runs under the accelerator's autocast
         trainer.model = trainer.accelerator.prepare_model(trainer.model)
+    # The batch as off-policy data brings it: mu's log-probs kept from generation time (GRPO computes them when it
+    # reuses a batch, a sampler returns them, stored rows hold them). On-policy without KL, TOPR has no support to
+    # score (pi/mu is 1 by construction: `TOPRTrainer._mu_is_this_forward`); that case is timed apart.
+    with torch.no_grad():
+        completion_length = on_policy["completion_ids"].size(1)
+        old_logps = first._get_per_token_logps_and_entropies(
+            first.model, torch.cat([on_policy["prompt_ids"], on_policy["completion_ids"]], dim=1),
+            torch.cat([on_policy["prompt_mask"], on_policy["completion_mask"]], dim=1), completion_length)[0]
+    inputs = {**on_policy, "old_per_token_logps": old_logps}
+    calls = {name: (trainer, inputs) for name, trainer in trainers.items()}
+    calls["topr-online-top-k, on-policy batch"] = (trainers["topr-online-top-k"], on_policy)
+    trainers = calls
     times: dict[str, list[float]] = {name: [] for name in trainers}
     # On a GPU, the memory one call adds above what is resident before it (every trainer's weights; gradients are
     # freed between calls): activations, logits, gradients and, with truncation, the support's extra logits.
     added_memory: dict[str, list[float]] = {name: [] for name in trainers}
     for repeat in range(options.repeats * options.steps + 3):
-        for name, trainer in trainers.items():
+        for name, (trainer, batch) in trainers.items():
             if cuda:
                 torch.cuda.synchronize()
                 resident = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-            trainer.compute_loss(trainer.model, inputs).backward()
+            trainer.compute_loss(trainer.model, batch).backward()
             if cuda:
                 torch.cuda.synchronize()
             if repeat >= 3:  # warm-up calls
@@ -251,7 +263,8 @@ def loss_only(options, model_path: str) -> dict:
     quartiles = {name: statistics.quantiles(values, n=4) for name, values in times.items()}
     ratios = {f"topr-online / {name}": medians["topr-online"] / medians[name] for name in ("grpo-grpo", "grpo-dapo")}
     ratios.update({f"{name} / {base}": medians[name] / medians[base] for name in ("topr-online-top-k",
-                                                                                   "topr-online-top-p")
+                                                                                   "topr-online-top-p",
+                                                                                   "topr-online-top-k, on-policy batch")
                    for base in ("topr-online", "grpo-dapo")})
     result = {"median_loss_backward_s": medians, "quartiles_s": quartiles, "ratios": ratios}
     if cuda:

@@ -246,6 +246,40 @@ def test_online_generation_with_top_k_scores_pi_on_its_support(tiny_model_path, 
     assert ratios and all(r == pytest.approx(1.0, abs=1e-4) for r in ratios), ratios
 
 
+def test_on_policy_without_kl_the_support_is_not_scored_and_training_is_the_same(tiny_model_path, arithmetic_dataset,
+                                                                                  tmp_path, monkeypatch):
+    """On-policy (GRPO keeps no log-probs from generation time, mu is this forward's own) and without KL, pi/mu is 1
+    whatever the support: the trainer skips the extra pass through the output layer, and two optimiser steps give
+    bitwise the parameters of the same run forced to score the support (a constant added to log pi moves no
+    gradient). With a step per generation more, mu is the policy at generation time and the support is scored."""
+    import topr_trl.trainer as trainer_module
+
+    calls = []
+    scored = trainer_module.completion_processed_log_probs
+    monkeypatch.setattr(trainer_module, "completion_processed_log_probs",
+                        lambda *a, **k: calls.append(1) or scored(*a, **k))
+
+    def trained(name, **overrides):
+        torch.manual_seed(0)
+        args = TOPRConfig(**small_config_kwargs(tmp_path / name, **{"top_k": 3, "max_steps": 2, **overrides}))
+        trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
+                              train_dataset=arithmetic_dataset)
+        trainer.train()
+        return [parameter.detach().clone() for parameter in trainer.model.parameters()]
+
+    skipped = trained("skipped")
+    assert calls == []
+    with monkeypatch.context() as forced:
+        forced.setattr(TOPRTrainer, "_mu_is_this_forward", lambda self, inputs: False)
+        scored_run = trained("scored")
+    assert len(calls) == 2  # one loss call per step
+    assert all(torch.equal(a, b) for a, b in zip(skipped, scored_run, strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(skipped, trained("start", learning_rate=0.0), strict=True))
+    calls.clear()
+    trained("off_policy", steps_per_generation=2)
+    assert len(calls) > 2  # the generation-time log-probs and every loss call
+
+
 def test_the_log_probs_in_chunks_equal_the_log_probs_at_once(monkeypatch):
     """Three tokens per chunk (the last one short) against every token at once: the same values, in order, up to
     the float32 rounding of another row blocking in the head's matmul (bitwise equal on Intel AVX-512, one ulp apart

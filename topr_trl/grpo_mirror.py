@@ -28,8 +28,9 @@ MULTIMODAL_KEYS = (
 class GRPOLossMirror:
     """Mixed into `TOPRTrainer` (a `GRPOTrainer`): GRPO's loss around a per-token policy loss."""
 
-    def _policy_logps_and_entropies(self, model, inputs):
-        """MIRROR of GRPO's forward pass in `_compute_loss` (multimodal inputs included)."""
+    def _policy_logps_and_entropies(self, model, inputs, **scoring):
+        """MIRROR of GRPO's forward pass in `_compute_loss` (multimodal inputs included); `scoring` goes to the
+        trainer's `_get_per_token_logps_and_entropies` as is."""
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         return self._get_per_token_logps_and_entropies(
@@ -40,6 +41,7 @@ class GRPOLossMirror:
             compute_entropy=True,
             compute_aux_loss=self.aux_loss_enabled,
             **{key: inputs.get(key) for key in MULTIMODAL_KEYS},
+            **scoring,
         )
 
     def _grpo_loss_around_policy_term(self, inputs, mode, mask, per_token_loss, per_token_logps, entropies, aux_loss,

@@ -121,12 +121,13 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
         return processing if processing.differs_from(self.temperature) else None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args,
-                                           **kwargs):
+                                           score_on_support: bool = True, **kwargs):
         """GRPOTrainer's log-probs (its fused head: the whole vocabulary at the trainer's temperature), plus, for
         TOPR's losses when mu's sampling truncated or used another temperature, the constant that scores pi on mu's
         support (`topr_trl.sampler_support`): pi/mu is then exact at learning rate 0, and the gradient stays GRPO's.
-        The backbone's hidden states of the same forward are reused: no second forward pass."""
-        processing = self._sampler_processing
+        The backbone's hidden states of the same forward are reused: no second forward pass. `score_on_support=False`
+        leaves the constant out where nothing reads the log-probs' values (`_mu_is_this_forward`)."""
+        processing = self._sampler_processing if score_on_support else None
         if processing is None:
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                               *args, **kwargs)
@@ -276,13 +277,22 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
             loss = loss * 0.0
         return loss
 
+    def _mu_is_this_forward(self, inputs) -> bool:
+        """Whether mu's log-probs will be this forward's own, detached (on-policy, GRPO computed no others), and no KL
+        compares the policy's log-probs with the reference's: then pi/mu is 1 whatever the support, and scoring pi on
+        mu's support (an extra pass through the output layer) would shift both sides alike. Off-policy data (a
+        sampler's log-probs, the policy's at generation time, stored rows) is always scored on the support."""
+        return (inputs.get("sampling_per_token_logps") is None and inputs.get("old_per_token_logps") is None
+                and self.beta == 0.0)
+
     def _topr_loss(self, model, inputs):
         """TOPR's contribution: the per-token policy loss of the configured loss type (`topr_trl.loss.POLICY_LOSSES`)
         on the signal and mu of this batch. Everything around it is GRPO's (`_grpo_loss_around_policy_term`)."""
         mode = "train" if self.model.training else "eval"
         completion_mask = inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        per_token_logps, entropies, aux_loss = self._policy_logps_and_entropies(model, inputs)
+        per_token_logps, entropies, aux_loss = self._policy_logps_and_entropies(
+            model, inputs, score_on_support=not self._mu_is_this_forward(inputs))
         signal = inputs["topr_signal"] if self.args.topr_signal == "reward" else inputs["advantages"]
         signal = signal.reshape(-1, 1)
         # mu: the sampler's log-probs when asked for and given (vLLM, a rollout_func, stored rows), else the policy's at
