@@ -386,3 +386,18 @@ def test_the_support_decided_on_the_largest_logits_is_the_whole_vocabularys(proc
     scaled = logits / processing.temperature
     expected = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - scaled.masked_fill(~keep, -math.inf).logsumexp(-1)
     assert torch.allclose(processed_log_probs(logits, tokens, processing), expected, atol=2e-5)
+
+
+@pytest.mark.parametrize("processing", [
+    SamplerProcessing(top_k=3), SamplerProcessing(top_p=0.9), SamplerProcessing(min_p=0.05),
+    SamplerProcessing(temperature=0.7, top_k=40, top_p=0.8), SamplerProcessing(top_p=0.95, min_p=0.01, engine="vllm")])
+def test_bf16_logits_give_bitwise_the_log_probs_of_their_float32_copy(processing):
+    """Under mixed precision the head's logits arrive in bf16 and are read in it (no float32 copy of every row): the
+    candidates' order and ties are those of the float32 copy, and every value is converted before any arithmetic, so
+    the log-probs are bit for bit those of the float32 copy. bf16 makes ties common; flat rows fall through to the
+    whole vocabulary."""
+    generator = torch.Generator().manual_seed(5)
+    logits = (torch.randn(48, 2000, generator=generator) * torch.linspace(0.05, 8, 48).unsqueeze(1)).bfloat16()
+    tokens = torch.randint(0, 2000, (48,), generator=generator)
+    assert torch.equal(processed_log_probs(logits, tokens, processing),
+                       processed_log_probs(logits.float(), tokens, processing))

@@ -153,14 +153,14 @@ def processed_log_probs(logits: torch.Tensor, tokens: torch.Tensor, processing: 
         flat = processed_log_probs(logits.reshape(-1, logits.size(-1)), tokens.reshape(-1), processing)
         return flat.reshape(tokens.shape)
     with torch.no_grad():
-        scaled = logits.float()  # no copy of float32 logits at temperature 1: they are the largest tensor here
-        if processing.temperature != 1:
-            scaled = scaled / processing.temperature
-        chosen = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        # The logits stay in their dtype (bf16 under mixed precision) until a few of them are chosen: a float32 copy of
+        # every row would be the largest tensor here, and the order and ties of the logits are the same in both.
+        temperature = processing.temperature
+        chosen = _scaled(logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), temperature)
         normaliser = torch.empty_like(chosen)
         rows = None  # every row, without gathering a copy of them
         for candidates in SUPPORT_CANDIDATES:  # fewer and fewer rows, on more and more candidates
-            values, undecided = _normaliser_on_candidates(scaled if rows is None else scaled[rows],
+            values, undecided = _normaliser_on_candidates(logits if rows is None else logits[rows],
                                                           chosen if rows is None else chosen[rows], processing,
                                                           candidates)
             if rows is None:
@@ -172,8 +172,14 @@ def processed_log_probs(logits: torch.Tensor, tokens: torch.Tensor, processing: 
                 return chosen - normaliser
         keep = sampler_support(logits[rows], processing)
         keep.scatter_(-1, tokens[rows].unsqueeze(-1), True)
-        normaliser[rows] = scaled[rows].masked_fill(~keep, -math.inf).logsumexp(dim=-1)
+        normaliser[rows] = _scaled(logits[rows], temperature).masked_fill(~keep, -math.inf).logsumexp(dim=-1)
         return chosen - normaliser
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / T in float32 (float32 logits at T = 1 are returned as they are, not copied)."""
+    scaled = logits.float()
+    return scaled if temperature == 1 else scaled / temperature
 
 
 SUPPORT_CANDIDATES = (1024, 16384)
@@ -191,8 +197,8 @@ class _Prefix(NamedTuple):
     undecided: torch.Tensor
 
 
-def _prefix_top_k(prefix: _Prefix, values: torch.Tensor, scaled: torch.Tensor, s: SamplerProcessing) -> _Prefix:
-    if not s.top_k or s.top_k >= scaled.size(-1):
+def _prefix_top_k(prefix: _Prefix, values: torch.Tensor, logits: torch.Tensor, s: SamplerProcessing) -> _Prefix:
+    if not s.top_k or s.top_k >= logits.size(-1):
         return prefix
     boundary = values[:, s.top_k - 1:s.top_k]
     ties_past = ~prefix.whole & (values[:, -1] >= boundary[:, 0])  # ties at the k-th logit beyond the candidates
@@ -200,16 +206,17 @@ def _prefix_top_k(prefix: _Prefix, values: torch.Tensor, scaled: torch.Tensor, s
                    torch.ones_like(prefix.whole), prefix.undecided | ties_past)
 
 
-def _prefix_top_p(prefix: _Prefix, values: torch.Tensor, scaled: torch.Tensor, s: SamplerProcessing) -> _Prefix:
+def _prefix_top_p(prefix: _Prefix, values: torch.Tensor, logits: torch.Tensor, s: SamplerProcessing) -> _Prefix:
     if s.top_p is None or s.top_p >= 1:
         return prefix
-    total = torch.where(prefix.whole, _masked_logsumexp(values, prefix.kept), scaled.logsumexp(dim=-1))
+    total = torch.where(prefix.whole, _masked_logsumexp(values, prefix.kept),
+                        _scaled(logits, s.temperature).logsumexp(dim=-1))
     probs = torch.where(prefix.kept, (values - total.unsqueeze(-1)).exp(), 0.0)
     nucleus = prefix.kept & (probs.cumsum(dim=-1) - probs < s.top_p)  # the kept mass above each token is < p
     return _Prefix(nucleus, torch.ones_like(prefix.whole), prefix.undecided | _runs_past(prefix, nucleus))
 
 
-def _prefix_min_p(prefix: _Prefix, values: torch.Tensor, scaled: torch.Tensor, s: SamplerProcessing) -> _Prefix:
+def _prefix_min_p(prefix: _Prefix, values: torch.Tensor, logits: torch.Tensor, s: SamplerProcessing) -> _Prefix:
     if not s.min_p:
         return prefix
     nucleus = prefix.kept & (values >= values[:, :1] + math.log(s.min_p))  # p >= min_p * the largest p
@@ -227,19 +234,19 @@ _CANDIDATE_FILTERS: dict[str, Callable[[_Prefix, torch.Tensor, torch.Tensor, Sam
 """`_FILTERS` on the sorted candidates: each filter keeps a prefix."""
 
 
-def _normaliser_on_candidates(scaled: torch.Tensor, chosen: torch.Tensor, processing: SamplerProcessing,
+def _normaliser_on_candidates(logits: torch.Tensor, chosen: torch.Tensor, processing: SamplerProcessing,
                               candidates: int):
     """(logsumexp of the scaled logits over the support plus the sampled token, the rows the largest `candidates`
-    logits do not decide) for (N, V) `scaled` logits and the sampled tokens' `chosen` values."""
-    vocabulary = scaled.size(-1)
+    logits do not decide) for (N, V) `logits` in any dtype and the sampled tokens' `chosen` scaled values."""
+    vocabulary = logits.size(-1)
     width = min(vocabulary, processing.top_k + 16 if processing.top_k else candidates)
-    values = scaled.topk(width, dim=-1).values  # descending
+    values = _scaled(logits.topk(width, dim=-1).values, processing.temperature)  # descending
     rows = values.shape[:1]
     prefix = _Prefix(torch.ones_like(values, dtype=torch.bool),
                      torch.full(rows, width == vocabulary, dtype=torch.bool, device=values.device),
                      torch.zeros(rows, dtype=torch.bool, device=values.device))
     for name in SUPPORT_FILTERS[processing.engine]:
-        prefix = _CANDIDATE_FILTERS[name](prefix, values, scaled, processing)
+        prefix = _CANDIDATE_FILTERS[name](prefix, values, logits, processing)
     undecided = prefix.undecided | ~prefix.whole  # no filter truncated: the support is the whole vocabulary
     boundary = torch.where(prefix.kept, values, math.inf).amin(dim=-1)
     normaliser = _masked_logsumexp(values, prefix.kept)
@@ -307,7 +314,8 @@ def head_projection(owner: torch.nn.Module, dtype: torch.dtype | None = None) ->
     temperature, as a function of (N, H) hidden states: the output embedding (and bias) in `dtype` (the head's own by
     default; `CapturedBackbone.head_dtype` for TRL's), the product rounded to it as TRL's tiles are, then in float32
     the model's logit scale (`logit_scale`, `output_multiplier`, `lm_head_multiplier`, `logits_scaling`) and final
-    soft-capping. The weight is cast once for every call of the block. tests/test_sampler_support.py holds it to
+    soft-capping. The logits stay in `dtype` where neither applies (`processed_log_probs` reads any dtype). The weight
+    is cast once for every call of the block. tests/test_sampler_support.py holds it to
     TRL's fused log-probs."""
     config = owner.config.get_text_config()
     scale = getattr(config, "logit_scale", None)
@@ -330,21 +338,20 @@ def head_projection(owner: torch.nn.Module, dtype: torch.dtype | None = None) ->
 
         def project(hidden: torch.Tensor) -> torch.Tensor:
             with torch.autocast(hidden.device.type, enabled=False):
-                logits = torch.nn.functional.linear(hidden.to(cast_weight.device, dtype), cast_weight,
-                                                    cast_bias).float()
+                logits = torch.nn.functional.linear(hidden.to(cast_weight.device, dtype), cast_weight, cast_bias)
             if scale is not None:
-                logits = logits * scale
+                logits = logits.float() * scale
             if softcap is not None:
-                logits = torch.tanh(logits / softcap) * softcap
+                logits = torch.tanh(logits.float() / softcap) * softcap
             return logits
 
         yield project
 
 
 def head_logits(owner: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`head_projection` of one block of hidden states."""
+    """`head_projection` of one block of hidden states, in float32."""
     with head_projection(owner, dtype) as project:
-        return project(hidden)
+        return project(hidden).float()
 
 
 CORRECTION_CHUNK_ELEMENTS = 2**25
