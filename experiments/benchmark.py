@@ -231,21 +231,18 @@ def loss_only(options, model_path: str) -> dict:
     # The batch as off-policy data brings it: mu's log-probs kept from generation time (GRPO computes them when it
     # reuses a batch, a sampler returns them, stored rows hold them). On-policy without KL, TOPR has no support to
     # score (pi/mu is 1 by construction: `TOPRTrainer._mu_is_this_forward`); that case is timed apart.
+    untruncated = trainers["topr-online"]  # GRPO's forward (the mirror), no support to score
     with torch.no_grad():
-        completion_length = on_policy["completion_ids"].size(1)
-        old_logps = first._get_per_token_logps_and_entropies(
-            first.model, torch.cat([on_policy["prompt_ids"], on_policy["completion_ids"]], dim=1),
-            torch.cat([on_policy["prompt_mask"], on_policy["completion_mask"]], dim=1), completion_length)[0]
+        old_logps = untruncated._policy_logps_and_entropies(untruncated.model, on_policy)[0]
     inputs = {**on_policy, "old_per_token_logps": old_logps}
     calls = {name: (trainer, inputs) for name, trainer in trainers.items()}
     calls["topr-online-top-k, on-policy batch"] = (trainers["topr-online-top-k"], on_policy)
-    trainers = calls
-    times: dict[str, list[float]] = {name: [] for name in trainers}
+    times: dict[str, list[float]] = {name: [] for name in calls}
     # On a GPU, the memory one call adds above what is resident before it (every trainer's weights; gradients are
     # freed between calls): activations, logits, gradients and, with truncation, the support's extra logits.
-    added_memory: dict[str, list[float]] = {name: [] for name in trainers}
+    added_memory: dict[str, list[float]] = {name: [] for name in calls}
     for repeat in range(options.repeats * options.steps + 3):
-        for name, (trainer, batch) in trainers.items():
+        for name, (trainer, batch) in calls.items():
             if cuda:
                 torch.cuda.synchronize()
                 resident = torch.cuda.memory_allocated()
