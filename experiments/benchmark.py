@@ -16,6 +16,7 @@ TOPR/GRPO, and writes them as JSON with `--output`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -193,6 +194,22 @@ def worker(options: dict) -> dict:
             "flops": step_flops(trainer.model.config, options, options["setting"])}
 
 
+@contextlib.contextmanager
+def support_projected_again():
+    """pi's support scored on a second projection of the hidden states instead of TRL's head tiles (the path
+    `topr_trl.head_tiles.HeadTileSupport` falls back to, and the one every truncated call took before it): the
+    baseline the tiles are timed against in the same run."""
+    from topr_trl.head_tiles import HeadTileSupport, logger
+
+    read_tile, warning_once = HeadTileSupport.read_tile, logger.warning_once
+    HeadTileSupport.read_tile = lambda self, *args: None
+    logger.warning_once = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        HeadTileSupport.read_tile, logger.warning_once = read_tile, warning_once
+
+
 def loss_only(options, model_path: str) -> dict:
     """Loss + backward of each trainer on the *same* generated batch, interleaved call by call in one process:
     the part of a step where TOPR and GRPO differ, free of generation noise."""
@@ -235,20 +252,24 @@ def loss_only(options, model_path: str) -> dict:
     with torch.no_grad():
         old_logps = untruncated._policy_logps_and_entropies(untruncated.model, on_policy)[0]
     inputs = {**on_policy, "old_per_token_logps": old_logps}
-    calls = {name: (trainer, inputs) for name, trainer in trainers.items()}
-    calls["topr-online-top-k, on-policy batch"] = (trainers["topr-online-top-k"], on_policy)
+    calls = {name: (trainer, inputs, contextlib.nullcontext) for name, trainer in trainers.items()}
+    calls["topr-online-top-k, on-policy batch"] = (trainers["topr-online-top-k"], on_policy, contextlib.nullcontext)
+    # The same top-k call with the support scored as before it was read from TRL's head tiles: the hidden states
+    # projected through the output layer a second time (what `HeadTileSupport` falls back to).
+    calls["topr-online-top-k, projected again"] = (trainers["topr-online-top-k"], inputs, support_projected_again)
     times: dict[str, list[float]] = {name: [] for name in calls}
     # On a GPU, the memory one call adds above what is resident before it (every trainer's weights; gradients are
     # freed between calls): activations, logits, gradients and, with truncation, the support's extra logits.
     added_memory: dict[str, list[float]] = {name: [] for name in calls}
     for repeat in range(options.repeats * options.steps + 3):
-        for name, (trainer, batch) in calls.items():
+        for name, (trainer, batch, context) in calls.items():
             if cuda:
                 torch.cuda.synchronize()
                 resident = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-            trainer.compute_loss(trainer.model, batch).backward()
+            with context():
+                trainer.compute_loss(trainer.model, batch).backward()
             if cuda:
                 torch.cuda.synchronize()
             if repeat >= 3:  # warm-up calls
@@ -261,8 +282,11 @@ def loss_only(options, model_path: str) -> dict:
     ratios = {f"topr-online / {name}": medians["topr-online"] / medians[name] for name in ("grpo-grpo", "grpo-dapo")}
     ratios.update({f"{name} / {base}": medians[name] / medians[base] for name in ("topr-online-top-k",
                                                                                    "topr-online-top-p",
-                                                                                   "topr-online-top-k, on-policy batch")
+                                                                                   "topr-online-top-k, on-policy batch",
+                                                                                   "topr-online-top-k, projected again")
                    for base in ("topr-online", "grpo-dapo")})
+    ratios["topr-online-top-k / topr-online-top-k, projected again"] = (
+        medians["topr-online-top-k"] / medians["topr-online-top-k, projected again"])
     result = {"median_loss_backward_s": medians, "quartiles_s": quartiles, "ratios": ratios}
     if cuda:
         peaks = {name: max(values) for name, values in added_memory.items()}

@@ -37,15 +37,17 @@ def test_benchmark_interleaved_smoke_with_offline_replay(tmp_path):
 
 @pytest.mark.slow
 def test_benchmark_loss_only_smoke_times_the_support_on_an_off_policy_batch(tmp_path):
-    """Loss + backward of every trainer on one batch carrying mu's log-probs (as off-policy data does), and top-k on
-    the on-policy batch apart, where TOPR has no support to score."""
+    """Loss + backward of every trainer on one batch carrying mu's log-probs (as off-policy data does), top-k on the
+    on-policy batch apart, where TOPR has no support to score, and top-k with the support projected a second time
+    (the baseline of reading it from TRL's head tiles)."""
     output = tmp_path / "bench.json"
     completed = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--loss_only", "--output", str(output)],
                                capture_output=True, text=True, timeout=900)
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(output.read_text())["loss_only"]
     assert set(result["median_loss_backward_s"]) == {"grpo-grpo", "grpo-dapo", "topr-online", "topr-online-top-k",
-                                                      "topr-online-top-p", "topr-online-top-k, on-policy batch"}
+                                                      "topr-online-top-p", "topr-online-top-k, on-policy batch",
+                                                      "topr-online-top-k, projected again"}
     assert all(value > 0 for value in result["ratios"].values())
 
 

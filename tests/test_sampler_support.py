@@ -252,12 +252,11 @@ def test_on_policy_without_kl_the_support_is_not_scored_and_training_is_the_same
     whatever the support: the trainer skips the extra pass through the output layer, and two optimiser steps give
     bitwise the parameters of the same run forced to score the support (a constant added to log pi moves no
     gradient). With a step per generation more, mu is the policy at generation time and the support is scored."""
-    import topr_trl.trainer as trainer_module
+    from topr_trl.head_tiles import HeadTileSupport
 
     calls = []
-    scored = trainer_module.completion_processed_log_probs
-    monkeypatch.setattr(trainer_module, "completion_processed_log_probs",
-                        lambda *a, **k: calls.append(1) or scored(*a, **k))
+    scored = HeadTileSupport.processed
+    monkeypatch.setattr(HeadTileSupport, "processed", lambda *a, **k: calls.append(1) or scored(*a, **k))
 
     def trained(name, **overrides):
         torch.manual_seed(0)

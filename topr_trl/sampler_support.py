@@ -197,8 +197,8 @@ class _Prefix(NamedTuple):
     undecided: torch.Tensor
 
 
-def _prefix_top_k(prefix: _Prefix, values: torch.Tensor, logits: torch.Tensor, s: SamplerProcessing) -> _Prefix:
-    if not s.top_k or s.top_k >= logits.size(-1):
+def _prefix_top_k(prefix: _Prefix, values: torch.Tensor, total: torch.Tensor | None, s: SamplerProcessing) -> _Prefix:
+    if not s.top_k or s.top_k >= values.size(-1):  # the candidates are k + 16 unless the vocabulary is smaller
         return prefix
     boundary = values[:, s.top_k - 1:s.top_k]
     ties_past = ~prefix.whole & (values[:, -1] >= boundary[:, 0])  # ties at the k-th logit beyond the candidates
@@ -206,17 +206,21 @@ def _prefix_top_k(prefix: _Prefix, values: torch.Tensor, logits: torch.Tensor, s
                    torch.ones_like(prefix.whole), prefix.undecided | ties_past)
 
 
-def _prefix_top_p(prefix: _Prefix, values: torch.Tensor, logits: torch.Tensor, s: SamplerProcessing) -> _Prefix:
+def _prefix_top_p(prefix: _Prefix, values: torch.Tensor, total: torch.Tensor | None,
+                  s: SamplerProcessing) -> _Prefix:
     if s.top_p is None or s.top_p >= 1:
         return prefix
-    total = torch.where(prefix.whole, _masked_logsumexp(values, prefix.kept),
-                        _scaled(logits, s.temperature).logsumexp(dim=-1))
+    kept_total = _masked_logsumexp(values, prefix.kept)
+    if total is None:  # `needs_whole_row_mass` said no earlier filter leaves the candidates short of the support
+        assert bool(prefix.whole.all()), "top-p on candidates short of the support needs the whole row's mass"
+        total = kept_total
+    total = torch.where(prefix.whole, kept_total, total)
     probs = torch.where(prefix.kept, (values - total.unsqueeze(-1)).exp(), 0.0)
     nucleus = prefix.kept & (probs.cumsum(dim=-1) - probs < s.top_p)  # the kept mass above each token is < p
     return _Prefix(nucleus, torch.ones_like(prefix.whole), prefix.undecided | _runs_past(prefix, nucleus))
 
 
-def _prefix_min_p(prefix: _Prefix, values: torch.Tensor, logits: torch.Tensor, s: SamplerProcessing) -> _Prefix:
+def _prefix_min_p(prefix: _Prefix, values: torch.Tensor, total: torch.Tensor | None, s: SamplerProcessing) -> _Prefix:
     if not s.min_p:
         return prefix
     nucleus = prefix.kept & (values >= values[:, :1] + math.log(s.min_p))  # p >= min_p * the largest p
@@ -229,24 +233,49 @@ def _runs_past(prefix: _Prefix, nucleus: torch.Tensor) -> torch.Tensor:
     return ~prefix.whole & (nucleus == prefix.kept).all(dim=-1)
 
 
-_CANDIDATE_FILTERS: dict[str, Callable[[_Prefix, torch.Tensor, torch.Tensor, SamplerProcessing], _Prefix]] = {
+_CANDIDATE_FILTERS: dict[str, Callable[[_Prefix, torch.Tensor, torch.Tensor | None, SamplerProcessing], _Prefix]] = {
     "top_k": _prefix_top_k, "top_p": _prefix_top_p, "min_p": _prefix_min_p}
 """`_FILTERS` on the sorted candidates: each filter keeps a prefix."""
 
 
+def candidate_width(processing: SamplerProcessing, candidates: int, vocabulary: int) -> int:
+    """How many of a row's largest logits decide its support (top-k: k plus a margin for ties)."""
+    return min(vocabulary, processing.top_k + 16 if processing.top_k else candidates)
+
+
+def needs_whole_row_mass(processing: SamplerProcessing) -> bool:
+    """Whether top-p may run on candidates that are not yet the support (no top-k, nor vLLM's min-p, truncated them
+    first): its nucleus is then a share of the whole row's mass, which the candidates alone do not give."""
+    if processing.top_p is None or processing.top_p >= 1:
+        return False
+    before = SUPPORT_FILTERS[processing.engine]
+    before = before[:before.index("top_p")]
+    return not (("top_k" in before and processing.top_k) or ("min_p" in before and processing.min_p))
+
+
 def _normaliser_on_candidates(logits: torch.Tensor, chosen: torch.Tensor, processing: SamplerProcessing,
                               candidates: int):
-    """(logsumexp of the scaled logits over the support plus the sampled token, the rows the largest `candidates`
-    logits do not decide) for (N, V) `logits` in any dtype and the sampled tokens' `chosen` scaled values."""
+    """`normaliser_of_candidates` on the largest `candidates` of (N, V) `logits` in any dtype."""
     vocabulary = logits.size(-1)
-    width = min(vocabulary, processing.top_k + 16 if processing.top_k else candidates)
+    width = candidate_width(processing, candidates, vocabulary)
     values = _scaled(logits.topk(width, dim=-1).values, processing.temperature)  # descending
+    total = (_scaled(logits, processing.temperature).logsumexp(dim=-1)
+             if width < vocabulary and needs_whole_row_mass(processing) else None)
+    return normaliser_of_candidates(values, chosen, total, width == vocabulary, processing)
+
+
+def normaliser_of_candidates(values: torch.Tensor, chosen: torch.Tensor, total: torch.Tensor | None, whole: bool,
+                             processing: SamplerProcessing) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logsumexp of the scaled logits over the support plus the sampled token, the rows these candidates do not
+    decide), from each row's largest scaled logits `values` (N, W) in descending order, the sampled tokens' scaled
+    logits `chosen` (N,), whether the W candidates are the `whole` vocabulary, and the logsumexp of the whole scaled
+    row `total` (N,), which top-p reads when `needs_whole_row_mass` (else None)."""
     rows = values.shape[:1]
     prefix = _Prefix(torch.ones_like(values, dtype=torch.bool),
-                     torch.full(rows, width == vocabulary, dtype=torch.bool, device=values.device),
+                     torch.full(rows, whole, dtype=torch.bool, device=values.device),
                      torch.zeros(rows, dtype=torch.bool, device=values.device))
     for name in SUPPORT_FILTERS[processing.engine]:
-        prefix = _CANDIDATE_FILTERS[name](prefix, values, logits, processing)
+        prefix = _CANDIDATE_FILTERS[name](prefix, values, total, processing)
     undecided = prefix.undecided | ~prefix.whole  # no filter truncated: the support is the whole vocabulary
     boundary = torch.where(prefix.kept, values, math.inf).amin(dim=-1)
     normaliser = _masked_logsumexp(values, prefix.kept)
@@ -308,15 +337,11 @@ def fused_head_parts(model) -> tuple[torch.nn.Module, torch.nn.Module]:
     return model.base_model, model
 
 
-@contextmanager
-def head_projection(owner: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[Callable]:
-    """MIRROR of the logits TRL 1.16's `add_fused_lm_head` (trl/trainer/utils.py) scores before dividing by the
-    temperature, as a function of (N, H) hidden states: the output embedding (and bias) in `dtype` (the head's own by
-    default; `CapturedBackbone.head_dtype` for TRL's), the product rounded to it as TRL's tiles are, then in float32
-    the model's logit scale (`logit_scale`, `output_multiplier`, `lm_head_multiplier`, `logits_scaling`) and final
-    soft-capping. The logits stay in `dtype` where neither applies (`processed_log_probs` reads any dtype). The weight
-    is cast once for every call of the block. tests/test_sampler_support.py holds it to
-    TRL's fused log-probs."""
+def head_transform(owner: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """MIRROR of what TRL 1.16's `add_fused_lm_head` (trl/trainer/utils.py) does to the head's product before dividing
+    by the temperature: in float32 the model's logit scale (`logit_scale`, `output_multiplier`, `lm_head_multiplier`,
+    `logits_scaling`), then final soft-capping; the product as it is where neither applies. Elementwise and
+    increasing, so the largest logits of a row are the largest products."""
     config = owner.config.get_text_config()
     scale = getattr(config, "logit_scale", None)
     if scale is None:
@@ -326,6 +351,26 @@ def head_projection(owner: torch.nn.Module, dtype: torch.dtype | None = None) ->
     if scale is None and getattr(config, "logits_scaling", None) is not None:
         scale = config.logits_scaling if config.model_type == "hyperclovax" else 1 / config.logits_scaling
     softcap = getattr(config, "final_logit_softcapping", None)
+
+    def transform(product: torch.Tensor) -> torch.Tensor:
+        if scale is not None:
+            product = product.float() * scale
+        if softcap is not None:
+            product = torch.tanh(product.float() / softcap) * softcap
+        return product
+
+    return transform
+
+
+@contextmanager
+def head_projection(owner: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[Callable]:
+    """MIRROR of the logits TRL 1.16's `add_fused_lm_head` (trl/trainer/utils.py) scores before dividing by the
+    temperature, as a function of (N, H) hidden states: the output embedding (and bias) in `dtype` (the head's own by
+    default; `CapturedBackbone.head_dtype` for TRL's), the product rounded to it as TRL's tiles are, then
+    `head_transform`. The logits stay in `dtype` where no scale or soft-cap applies (`processed_log_probs` reads any
+    dtype). The weight is cast once for every call of the block. tests/test_sampler_support.py holds it to TRL's
+    fused log-probs."""
+    transform = head_transform(owner)
     head = owner.get_output_embeddings()
     weight, bias = head.weight, head.bias
     if hasattr(weight, "full_tensor"):  # FSDP2's DTensor
@@ -338,12 +383,8 @@ def head_projection(owner: torch.nn.Module, dtype: torch.dtype | None = None) ->
 
         def project(hidden: torch.Tensor) -> torch.Tensor:
             with torch.autocast(hidden.device.type, enabled=False):
-                logits = torch.nn.functional.linear(hidden.to(cast_weight.device, dtype), cast_weight, cast_bias)
-            if scale is not None:
-                logits = logits.float() * scale
-            if softcap is not None:
-                logits = torch.tanh(logits.float() / softcap) * softcap
-            return logits
+                product = torch.nn.functional.linear(hidden.to(cast_weight.device, dtype), cast_weight, cast_bias)
+            return transform(product)
 
         yield project
 

@@ -12,6 +12,7 @@ from trl.trainer.utils import get_config_model_id
 
 from .config import TOPRConfig, topr_setting
 from .grpo_mirror import GRPOLossMirror
+from .head_tiles import HeadTileSupport, completion_rows
 from .loss import POLICY_LOSSES, baseline_for_target_share, policy_per_token_loss, reward_signal
 from .offline.replay import OfflineReplay, prepare_replayed_datasets
 from .offline.schema import checked_reward_function, is_offline_dataset, stored_processing
@@ -21,8 +22,6 @@ from .policy_metrics import (
 )
 from .sampler_support import (
     SamplerProcessing,
-    captured_outputs,
-    completion_processed_log_probs,
     fused_head_parts,
     history_dependent_sampling,
     on_mus_support,
@@ -125,20 +124,23 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
         """GRPOTrainer's log-probs (its fused head: the whole vocabulary at the trainer's temperature), plus, for
         TOPR's losses when mu's sampling truncated or used another temperature, the constant that scores pi on mu's
         support (`topr_trl.sampler_support`): pi/mu is then exact at learning rate 0, and the gradient stays GRPO's.
-        The backbone's hidden states of the same forward are reused: no second forward pass. `score_on_support=False`
+        The support is read from the logits tiles TRL's fused head projects (`topr_trl.head_tiles`): no second forward
+        pass, and no second projection through the output layer. `score_on_support=False`
         leaves the constant out where nothing reads the log-probs' values (`_mu_is_this_forward`)."""
         processing = self._sampler_processing if score_on_support else None
         if processing is None:
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                               *args, **kwargs)
         backbone, owner = fused_head_parts(model)
-        with captured_outputs(backbone) as captured:
+        with HeadTileSupport(backbone, owner, processing,
+                             completion_rows(input_ids, attention_mask, logits_to_keep)) as support:
             logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        processed = completion_processed_log_probs(owner, torch.cat(captured.hidden), input_ids, attention_mask,
-                                                   logits_to_keep, processing,
-                                                   captured.head_dtype(self.args.cast_lm_head_to_fp32))
-        return on_mus_support(logps, processed, attention_mask[:, -logits_to_keep:]), entropies, aux_loss
+        completion_mask = attention_mask[:, -logits_to_keep:]
+        processed = torch.zeros(completion_mask.shape, dtype=torch.float32, device=logps.device)
+        processed[completion_mask.bool()] = support.processed(
+            support.captured.head_dtype(self.args.cast_lm_head_to_fp32)).to(logps.device)
+        return on_mus_support(logps, processed, completion_mask), entropies, aux_loss
 
     @staticmethod
     def _generates_on_gloo_server(args) -> bool:

@@ -31,12 +31,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
+from ..head_tiles import HeadTileSupport, packed_rows
 from ..loss import packed_topr_loss, unpack_segments
 from ..policy_metrics import staleness_bin_metrics, staleness_bin_sums
 from ..sampler_support import (
     SamplerProcessing,
-    captured_outputs,
-    chunked_processed_log_probs,
     fused_head_parts,
     history_dependent_sampling,
     on_mus_support,
@@ -288,17 +287,19 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
 
     def _scored_packed_forward(self, model, inputs):
         """`_packed_forward`, with pi scored on the support the worker sampled from (`topr_trl.sampler_support`)
-        when its sampling truncated: the backbone's hidden states of the same forward give the constant per token."""
+        when its sampling truncated: the constant per token is read from the logits tiles TRL's fused head projects
+        in the same forward (`topr_trl.head_tiles`)."""
         if self._sampler_processing is None:
             return self._packed_forward(model, inputs)
         backbone, owner = fused_head_parts(model)
-        with captured_outputs(backbone) as captured:
-            log_probs, entropy, selected, aux_loss = self._packed_forward(model, inputs)
-        token_index = inputs["token_index"][selected]
+        token_index = inputs["token_index"][inputs["token_index"] >= 0]
+        ascending, order = token_index.sort()
         labels = inputs["shift_labels"][inputs["attention_mask"].bool()]
-        processed = chunked_processed_log_probs(owner, captured.hidden[0].flatten(0, 1)[token_index],
-                                                labels[token_index], self._sampler_processing, captured.head_dtype())
-        return on_mus_support(log_probs, processed.to(log_probs.device), 1), entropy, selected, aux_loss
+        with HeadTileSupport(backbone, owner, self._sampler_processing, packed_rows(labels, ascending)) as support:
+            log_probs, entropy, selected, aux_loss = self._packed_forward(model, inputs)
+        processed = torch.empty(token_index.shape, dtype=torch.float32, device=log_probs.device)
+        processed[order.to(log_probs.device)] = support.processed(support.captured.head_dtype()).to(log_probs.device)
+        return on_mus_support(log_probs, processed, 1), entropy, selected, aux_loss
 
     # ------------------------------------------------------------------ the loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -1,0 +1,150 @@
+"""pi's support read from TRL's fused-head tiles (`topr_trl.head_tiles`) against the same support scored on a second
+projection of the hidden states (`completion_processed_log_probs`), which tests/test_sampler_support.py holds to
+transformers' warpers and to hand values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from trl.trainer.utils import add_fused_lm_head
+
+import topr_trl.head_tiles as head_tiles
+from topr_trl import TOPRConfig, TOPRTrainer
+from topr_trl.head_tiles import HeadTileSupport, completion_rows
+from topr_trl.sampler_support import SamplerProcessing, completion_processed_log_probs, fused_head_parts
+
+from .conftest import float32_tolerance, parity_reward, small_config_kwargs
+
+
+def small_model(family: str, vocabulary: int, positions: int = 64):
+    """A two-layer model with random weights: a tied Qwen2, a soft-capped Gemma2, or an untied Qwen2 whose head has
+    a bias (TRL adds it to each tile in place)."""
+    torch.manual_seed(0)
+    shape = dict(vocab_size=vocabulary, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=positions)
+    if family == "gemma2_softcapped":
+        return Gemma2ForCausalLM(Gemma2Config(**shape, head_dim=8, final_logit_softcapping=3.0))
+    model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=family == "qwen2_tied"))
+    if family == "qwen2_head_bias":
+        head = torch.nn.Linear(16, vocabulary, bias=True)
+        with torch.no_grad():
+            head.weight.copy_(model.lm_head.weight)
+            head.bias.normal_(0, 1.0)
+        model.lm_head = head
+    with torch.no_grad():  # logits of a few units, a trained model's scale
+        model.get_output_embeddings().weight.mul_(8)
+    return model
+
+
+def scored_both_ways(model, processing, input_ids, attention_mask, logits_to_keep, micro_batch, temperature=1.0):
+    """(from the tiles, from a second projection, whether every forward was read from the tiles): GRPOTrainer's
+    forwards (its labels, `micro_batch` sequences at a time) under `HeadTileSupport`."""
+    add_fused_lm_head(model, temperature=temperature)
+    backbone, owner = fused_head_parts(model)
+    with torch.no_grad(), HeadTileSupport(backbone, owner, processing,
+                                          completion_rows(input_ids, attention_mask, logits_to_keep)) as support:
+        for start in range(0, input_ids.size(0), micro_batch):
+            labels = input_ids[start:start + micro_batch].masked_fill(attention_mask[start:start + micro_batch] == 0,
+                                                                      -100)
+            labels[:, :-logits_to_keep] = -100
+            model(input_ids=input_ids[start:start + micro_batch],
+                  attention_mask=attention_mask[start:start + micro_batch], labels=labels, fused_lm_head=True)
+    tiles = support.processed()
+    mask = attention_mask[:, -logits_to_keep:].bool()
+    projected = completion_processed_log_probs(owner, torch.cat(support.captured.hidden), input_ids, attention_mask,
+                                               logits_to_keep, processing)[mask]
+    return tiles, projected, support.read_from_tiles
+
+
+PROCESSINGS = [SamplerProcessing(top_k=3), SamplerProcessing(top_p=0.9), SamplerProcessing(top_p=0.3),
+               SamplerProcessing(temperature=0.7, top_k=5, top_p=0.8), SamplerProcessing(min_p=0.2, engine="vllm"),
+               SamplerProcessing(top_k=10, top_p=0.5, min_p=0.1), SamplerProcessing(temperature=0.5)]
+
+
+@pytest.mark.parametrize("family", ["qwen2_tied", "gemma2_softcapped", "qwen2_head_bias"])
+@pytest.mark.parametrize("processing", PROCESSINGS, ids=str)
+def test_the_support_read_from_trls_tiles_is_the_second_projections(family, processing):
+    """Padded prompts and completions, two forwards (micro-batches of 2 of 3 sequences): every completion token's
+    log pi_S(y) from the tiles equals the one from projecting its hidden state again, up to the float32 rounding of
+    the two projections (16 products each, then a log-softmax over 97 tokens), and every forward was read from the
+    tiles (the kernel's rows and vocabulary chunks as `completion_rows` expects them)."""
+    model = small_model(family, vocabulary=97)
+    input_ids = torch.randint(0, 97, (3, 12))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0  # a left-padded prompt
+    attention_mask[1, -2:] = 0  # a completion that ended early
+    tiles, projected, read = scored_both_ways(model, processing, input_ids, attention_mask, 5, micro_batch=2,
+                                              temperature=processing.temperature)
+    assert read
+    assert tiles.shape == projected.shape == (3 * 5 - 2,)
+    torch.testing.assert_close(tiles, projected, **float32_tolerance(projected, roundings=64))
+
+
+def test_the_tiles_cover_several_vocabulary_chunks_and_token_chunks():
+    """A vocabulary past TRL's 32,768-wide chunk (two tiles per token) and more scored positions than its 4,096-row
+    token chunk (two token chunks): the candidates merge across tiles and the rows across chunks."""
+    model = small_model("qwen2_tied", vocabulary=33_000, positions=2_200)
+    input_ids = torch.randint(0, 33_000, (2, 2_100))
+    attention_mask = torch.ones_like(input_ids)
+    for processing in (SamplerProcessing(top_k=4), SamplerProcessing(top_p=0.9)):
+        tiles, projected, read = scored_both_ways(model, processing, input_ids, attention_mask, 64, micro_batch=2)
+        assert read and tiles.shape == (128,)
+        torch.testing.assert_close(tiles, projected, **float32_tolerance(projected, roundings=64))
+
+
+def test_where_trl_projects_only_the_labelled_rows_they_are_read_in_that_order(monkeypatch):
+    """On a Triton device TRL projects only the positions with a label (its `compact` rows). Here TRL's choice is
+    turned on while its tiles are still folded in torch: the rows are read in that order, with the same values."""
+    import trl.trainer.utils as trl_utils
+
+    monkeypatch.setattr(trl_utils, "_use_triton", lambda device: True)
+    monkeypatch.setattr(head_tiles, "scores_only_labelled_rows", lambda device: True)
+    model = small_model("qwen2_tied", vocabulary=97)
+    input_ids = torch.randint(0, 97, (3, 12))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[2, -3:] = 0
+    tiles, projected, read = scored_both_ways(model, SamplerProcessing(top_k=3), input_ids, attention_mask, 5, 3)
+    assert read
+    torch.testing.assert_close(tiles, projected, **float32_tolerance(projected, roundings=64))
+
+
+def test_without_trls_tiles_the_hidden_states_are_projected_again_and_the_run_says_so(monkeypatch):
+    """A forward that does not go through TRL's fused head (the model's own logits) leaves no tiles: every token is
+    then scored on a second projection, the same values, and a warning says the time it costs."""
+    said = []
+    monkeypatch.setattr(head_tiles.logger, "warning_once", said.append)
+    model = small_model("qwen2_tied", vocabulary=97)
+    input_ids = torch.randint(0, 97, (2, 10))
+    attention_mask = torch.ones_like(input_ids)
+    backbone, owner = fused_head_parts(model)
+    processing = SamplerProcessing(top_k=3)
+    with torch.no_grad(), HeadTileSupport(backbone, owner, processing,
+                                          completion_rows(input_ids, attention_mask, 4)) as support:
+        model(input_ids=input_ids, attention_mask=attention_mask)
+    values = support.processed()
+    assert not support.read_from_tiles and len(said) == 1 and "again" in said[0]
+    projected = completion_processed_log_probs(owner, support.captured.hidden[0], input_ids, attention_mask, 4,
+                                               processing).flatten()
+    assert torch.equal(values, projected)
+
+
+def test_the_trainer_reads_the_support_from_the_tiles_and_projects_nothing_again(tiny_model_path, arithmetic_dataset,
+                                                                                 tmp_path, monkeypatch):
+    """A TOPR step on data two generations old under top_k 3: every loss call reads pi's support from TRL's tiles,
+    and no token is projected through the output layer a second time."""
+    reads, projections = [], []
+    processed = HeadTileSupport.processed
+
+    def recorded(self, *args, **kwargs):
+        values = processed(self, *args, **kwargs)
+        reads.append(self.read_from_tiles)
+        return values
+
+    monkeypatch.setattr(HeadTileSupport, "processed", recorded)
+    projected = head_tiles.chunked_processed_log_probs
+    monkeypatch.setattr(head_tiles, "chunked_processed_log_probs",
+                        lambda *a, **k: projections.append(1) or projected(*a, **k))
+    args = TOPRConfig(**small_config_kwargs(tmp_path, top_k=3, max_steps=2, steps_per_generation=2))
+    TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args, train_dataset=arithmetic_dataset).train()
+    assert reads and all(reads) and projections == []

@@ -1,0 +1,271 @@
+"""pi's support read from the logits TRL's fused head projects anyway, instead of projecting them a second time.
+
+TRL 1.16's fused head (`add_fused_lm_head`, `ChunkedLogProbFunction`) never holds a row's logits whole: it projects
+`torch.mm(hidden_chunk, weight_chunk.T, out=tile)` one [tokens, vocabulary chunk] tile at a time and folds each
+tile into its log-probs. Scoring pi on mu's support needs, per token, the largest logits, the sampled token's logit
+and (top-p alone) the row's total mass: all three fold over vocabulary chunks as the log-probs do. `HeadTileSupport`
+reads each tile as TRL's kernel produces it, through a `TorchFunctionMode` that is active only between the end of
+the backbone's forward and the start of the next (the head's part of each forward), and keeps those three per token.
+The second projection through the output layer, the support's largest cost (about 4-8 % of a training step at a
+Qwen2.5 vocabulary), is gone; what remains is the candidates' `topk` on each tile.
+
+Rows the candidates do not decide (a flat distribution under top-p, ties past the candidates) are projected again,
+alone (`chunked_processed_log_probs`). Where the tiles are not the ones expected (another head, a TRL that projects
+otherwise), every row is projected again and the run says so once: the values are the same either way
+(tests/test_head_tiles.py compares the two bit for bit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+from transformers.utils import logging
+from trl.kernels import chunked_logprob
+
+from .sampler_support import (
+    SUPPORT_CANDIDATES,
+    CapturedBackbone,
+    SamplerProcessing,
+    _scaled,
+    candidate_width,
+    chunked_processed_log_probs,
+    head_transform,
+    needs_whole_row_mass,
+    normaliser_of_candidates,
+)
+
+
+logger = logging.get_logger(__name__)
+
+
+class CallRows(NamedTuple):
+    """The tokens one forward of the head scores, as TRL's kernel orders them: `grid_index` (N,) the position of each
+    wanted token in the flattened (B * L', H) hidden grid the head projects (L' = L - 1 when the labels are shifted),
+    `tokens` (N,) its label, `kernel_rows` (N,) its row in the kernel (None: the kernel's rows are exactly these, in
+    order), `kernel_row_count` how many rows the kernel projects, and `shifted` whether the grid is hidden[:, :-1]."""
+
+    grid_index: torch.Tensor
+    tokens: torch.Tensor
+    kernel_rows: torch.Tensor | None
+    kernel_row_count: int
+    shifted: bool
+
+
+def scores_only_labelled_rows(device: torch.device) -> bool:
+    """MIRROR of TRL 1.16's choice in `add_fused_lm_head` (trl/trainer/utils.py: `compact = _use_triton(device)`):
+    on Triton devices the kernel projects only the positions with a label, elsewhere every position of the grid."""
+    return chunked_logprob._use_triton(device)
+
+
+def completion_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int
+                    ) -> Callable[[int, torch.Tensor], CallRows]:
+    """`CallRows` of GRPOTrainer's forwards over `input_ids[start:start + B]`: MIRROR of the labels
+    `GRPOTrainer._get_per_token_logps_and_entropies` (trl/trainer/grpo_trainer.py) passes to the fused head (padding
+    and every position before the last `logits_to_keep` at -100, shifted by one)."""
+
+    def rows(start: int, hidden: torch.Tensor) -> CallRows:
+        batch = hidden.size(0)
+        ids, mask = input_ids[start:start + batch], attention_mask[start:start + batch]
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :-logits_to_keep] = -100
+        labels = labels[:, 1:].reshape(-1).to(hidden.device)
+        labelled = labels != -100
+        grid_index = labelled.nonzero().squeeze(-1)
+        compact = scores_only_labelled_rows(hidden.device)
+        return CallRows(grid_index, labels[grid_index], None if compact else grid_index,
+                        grid_index.numel() if compact else labels.numel(), shifted=True)
+
+    return rows
+
+
+def packed_rows(shift_labels: torch.Tensor, token_index: torch.Tensor) -> Callable[[int, torch.Tensor], CallRows]:
+    """`CallRows` of AsyncGRPOTrainer's packed forward: the head scores the packed row's `shift_labels` unshifted,
+    and the trained tokens are the grid positions `token_index`, ascending. A trained token without a label (which
+    the kernel would not project where it scores only labelled rows) sends the forward to the second projection."""
+
+    def rows(start: int, hidden: torch.Tensor) -> CallRows:
+        labels = shift_labels.reshape(-1).to(hidden.device)
+        grid_index = token_index.to(hidden.device)
+        labelled = labels != -100
+        if not scores_only_labelled_rows(hidden.device):
+            return CallRows(grid_index, labels[grid_index], grid_index, labels.numel(), shifted=False)
+        if not bool(labelled[grid_index].all()):
+            return CallRows(grid_index, labels[grid_index], grid_index, -1, shifted=False)
+        return CallRows(grid_index, labels[grid_index], (labelled.cumsum(0) - 1)[grid_index], int(labelled.sum()),
+                        shifted=False)
+
+    return rows
+
+
+class _TileStream:
+    """What one forward's tiles leave per wanted token: its largest `width` logits (as projected, descending once
+    complete), its own logit, and (top-p alone) the logsumexp of its whole scaled row."""
+
+    def __init__(self, rows: CallRows, processing: SamplerProcessing, width_of: Callable[[int], int]):
+        self.rows, self.processing, self.width_of = rows, processing, width_of
+        self.top: torch.Tensor | None = None
+        self.chosen: torch.Tensor | None = None
+        self.total: torch.Tensor | None = None
+        self.row, self.column, self.broken = 0, 0, False
+        self.vocabulary = 0
+
+    def read(self, tile: torch.Tensor, bias: torch.Tensor | None, vocabulary: int,
+             transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        n, w = tile.shape
+        self.vocabulary = vocabulary
+        if self.column + w > vocabulary or self.row + n > self.rows.kernel_row_count:
+            self.broken = True
+        if self.broken:
+            return
+        if self.top is None:
+            wanted = self.rows.tokens.numel()
+            self.top = tile.new_full((wanted, self.width_of(vocabulary)), -torch.inf)
+            self.chosen = torch.zeros(wanted, dtype=torch.float32, device=tile.device)
+            if needs_whole_row_mass(self.processing):
+                self.total = torch.full((wanted,), -torch.inf, dtype=torch.float32, device=tile.device)
+        if self.rows.kernel_rows is None:
+            lo, hi, logits = self.row, self.row + n, tile
+        else:
+            lo, hi = torch.searchsorted(self.rows.kernel_rows,
+                                        torch.tensor([self.row, self.row + n], device=tile.device)).tolist()
+            logits = tile[self.rows.kernel_rows[lo:hi] - self.row]
+        if hi > lo:
+            if bias is not None:  # TRL adds the bias to the tile in place after the product, in the tile's dtype
+                logits = logits + bias[self.column:self.column + w].to(tile.dtype)
+            width = self.top.size(-1)
+            merged = torch.cat([self.top[lo:hi], logits.topk(min(width, w), dim=-1).values], dim=-1)
+            self.top[lo:hi] = merged.topk(width, dim=-1).values
+            local = self.rows.tokens[lo:hi] - self.column
+            inside = (local >= 0) & (local < w)
+            own = logits.gather(-1, local.clamp(0, w - 1).unsqueeze(-1)).squeeze(-1).float()
+            self.chosen[lo:hi] = torch.where(inside, own, self.chosen[lo:hi])
+            if self.total is not None:
+                mass = _scaled(transform(logits), self.processing.temperature).logsumexp(dim=-1)
+                self.total[lo:hi] = torch.logaddexp(self.total[lo:hi], mass)
+        self.column += w
+        if self.column == vocabulary:
+            self.row, self.column = self.row + n, 0
+
+    @property
+    def complete(self) -> bool:
+        return not self.broken and self.row == self.rows.kernel_row_count and self.column == 0 and (
+            self.top is not None or self.rows.tokens.numel() == 0)
+
+
+class _HeadTileMode(TorchFunctionMode):
+    """Hands each `torch.mm(hidden_chunk, weight_chunk.T, out=tile)` of the head's part of a forward to its reader."""
+
+    def __init__(self, reader: HeadTileSupport):
+        super().__init__()
+        self.reader = reader
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func is torch.mm and kwargs.get("out") is not None and len(args) == 2:
+            self.reader.read_tile(args[0], args[1], kwargs["out"])
+        return result
+
+
+class HeadTileSupport:
+    """For the block it wraps: the backbone's hidden states of each forward (`captured`, as `captured_outputs` gives
+    them), and pi's processed log-probs on mu's support for the tokens `rows_of_call(start, hidden)` names, read from
+    TRL's fused head's tiles (`processed`). `start` counts the sequences of the earlier forwards of the block."""
+
+    def __init__(self, backbone: torch.nn.Module, owner: torch.nn.Module, processing: SamplerProcessing,
+                 rows_of_call: Callable[[int, torch.Tensor], CallRows]):
+        self.backbone, self.owner, self.processing, self.rows_of_call = backbone, owner, processing, rows_of_call
+        self.captured = CapturedBackbone([], [])
+        self.streams: list[_TileStream] = []
+        self.transform = head_transform(owner)
+        self._mode: _HeadTileMode | None = None
+        self._handles = []
+
+    def __enter__(self) -> HeadTileSupport:
+        self._handles = [self.backbone.register_forward_pre_hook(lambda *_: self._leave_head()),
+                         self.backbone.register_forward_hook(self._enter_head)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._leave_head()
+        for handle in self._handles:
+            handle.remove()
+
+    def _enter_head(self, _module, _inputs, output) -> None:
+        hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        hidden = hidden.detach()
+        device = hidden.device.type
+        start = sum(earlier.size(0) for earlier in self.captured.hidden)
+        self.captured.hidden.append(hidden)
+        self.captured.autocast_dtypes.append(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                                             else None)
+        self.streams.append(_TileStream(self.rows_of_call(start, hidden), self.processing, self._width))
+        self._leave_head()
+        self._mode = _HeadTileMode(self)
+        self._mode.__enter__()
+
+    def _width(self, vocabulary: int) -> int:
+        return candidate_width(self.processing, SUPPORT_CANDIDATES[0], vocabulary)
+
+    def _leave_head(self) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+    def read_tile(self, hidden_chunk: torch.Tensor, weight_chunk: torch.Tensor, tile: torch.Tensor) -> None:
+        head = self.owner.get_output_embeddings()
+        weight, bias = head.weight, head.bias
+        if hasattr(weight, "full_tensor"):  # FSDP2's DTensor: TRL projects the gathered head
+            weight = weight.full_tensor()
+            bias = bias.full_tensor() if bias is not None else None
+        vocabulary, size = weight.shape
+        if (hidden_chunk.dim() != 2 or weight_chunk.dim() != 2 or hidden_chunk.size(1) != size
+                or weight_chunk.size(0) != size or tile.shape != (hidden_chunk.size(0), weight_chunk.size(1))):
+            return  # not the head's product
+        with torch.no_grad():
+            self.streams[-1].read(tile, bias.detach() if bias is not None else None, vocabulary, self.transform)
+
+    @property
+    def read_from_tiles(self) -> bool:
+        """Whether every forward's tokens were read from TRL's tiles (else they were projected again)."""
+        return all(stream.complete for stream in self.streams)
+
+    def processed(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """log pi_S(y) of every wanted token of every forward, in order (N,): from the tiles, and for the rows they
+        leave undecided, or every row of a forward whose tiles were not TRL's expected ones, from the hidden states
+        projected again in `dtype` (`CapturedBackbone.head_dtype`)."""
+        values = [self._processed_call(stream, hidden, dtype)
+                  for stream, hidden in zip(self.streams, self.captured.hidden, strict=True)]
+        if not self.read_from_tiles:
+            logger.warning_once("pi's support was scored by projecting the hidden states through the output layer "
+                                "again: TRL's fused head did not project the tiles expected (the values are the same, "
+                                "the time is one more projection per loss call).")
+        if not values:
+            return torch.zeros(0)
+        return torch.cat([value.to(values[0].device) for value in values])
+
+    def _processed_call(self, stream: _TileStream, hidden: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        rows = stream.rows
+        grid = (hidden[:, :-1] if rows.shifted else hidden).reshape(-1, hidden.size(-1))
+
+        def projected(index: torch.Tensor) -> torch.Tensor:
+            return chunked_processed_log_probs(self.owner, grid[rows.grid_index[index].to(grid.device)],
+                                               rows.tokens[index], self.processing, dtype).to(rows.tokens.device)
+
+        if rows.tokens.numel() == 0:
+            return torch.zeros(0, device=rows.tokens.device)
+        if not stream.complete:
+            return projected(torch.arange(rows.tokens.numel(), device=rows.tokens.device))
+        temperature = self.processing.temperature
+        values = _scaled(self.transform(stream.top), temperature)
+        chosen = _scaled(self.transform(stream.chosen), temperature)
+        normaliser, undecided = normaliser_of_candidates(values, chosen, stream.total,
+                                                         stream.top.size(-1) >= stream.vocabulary, self.processing)
+        result = chosen - normaliser
+        undecided = undecided.nonzero().squeeze(-1)
+        if undecided.numel():
+            result[undecided] = projected(undecided)
+        return result
