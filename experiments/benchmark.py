@@ -268,8 +268,10 @@ def loss_only(options, model_path: str) -> dict:
                 resident = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-            with context():
-                trainer.compute_loss(trainer.model, batch).backward()
+            with context(), torch.no_grad() if options.forward_only else contextlib.nullcontext():
+                loss = trainer.compute_loss(trainer.model, batch)
+                if not options.forward_only:
+                    loss.backward()
             if cuda:
                 torch.cuda.synchronize()
             if repeat >= 3:  # warm-up calls
@@ -287,7 +289,8 @@ def loss_only(options, model_path: str) -> dict:
                    for base in ("topr-online", "grpo-dapo")})
     ratios["topr-online-top-k / topr-online-top-k, projected again"] = (
         medians["topr-online-top-k"] / medians["topr-online-top-k, projected again"])
-    result = {"median_loss_backward_s": medians, "quartiles_s": quartiles, "ratios": ratios}
+    result = {"median_loss_backward_s": medians, "quartiles_s": quartiles, "ratios": ratios,
+              "timed": "the loss's forward alone, without gradient" if options.forward_only else "loss + backward"}
     if cuda:
         peaks = {name: max(values) for name, values in added_memory.items()}
         result["peak_added_memory_mib"] = peaks
@@ -525,6 +528,9 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--loss_only", action="store_true",
                         help="time only loss+backward on one shared batch, all trainers in one process")
+    parser.add_argument("--forward_only", action="store_true",
+                        help="with --loss_only: time the loss's forward alone, without gradient (where the support's "
+                             "cost is a larger share of the call)")
     parser.add_argument("--interleaved", action="store_true",
                         help="whole steps of every setting alternated in one process (wall and CPU time; no memory)")
     parser.add_argument("--support_only", action="store_true",

@@ -121,6 +121,24 @@ def logged_values(trainer, key) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if entry.get(key) is not None]
 
 
+@pytest.fixture
+def tile_reads(monkeypatch) -> list[bool]:
+    """For each time pi's support is scored (`HeadTileSupport.processed`), whether every forward's tokens were read
+    from TRL's fused-head tiles rather than projected again."""
+    from topr_trl.head_tiles import HeadTileSupport
+
+    reads = []
+    processed = HeadTileSupport.processed
+
+    def recorded(self, *args, **kwargs):
+        values = processed(self, *args, **kwargs)
+        reads.append(self.read_from_tiles)
+        return values
+
+    monkeypatch.setattr(HeadTileSupport, "processed", recorded)
+    return reads
+
+
 def parity_reward(completions, **kwargs) -> list[float]:
     """+1 when the completion's character codes sum to an even number, else -1: a coin flip for a random-init
     model, so groups have reward variance and every update is non-trivial."""

@@ -130,21 +130,13 @@ def test_without_trls_tiles_the_hidden_states_are_projected_again_and_the_run_sa
 
 
 def test_the_trainer_reads_the_support_from_the_tiles_and_projects_nothing_again(tiny_model_path, arithmetic_dataset,
-                                                                                 tmp_path, monkeypatch):
+                                                                                 tmp_path, monkeypatch, tile_reads):
     """A TOPR step on data two generations old under top_k 3: every loss call reads pi's support from TRL's tiles,
     and no token is projected through the output layer a second time."""
-    reads, projections = [], []
-    processed = HeadTileSupport.processed
-
-    def recorded(self, *args, **kwargs):
-        values = processed(self, *args, **kwargs)
-        reads.append(self.read_from_tiles)
-        return values
-
-    monkeypatch.setattr(HeadTileSupport, "processed", recorded)
+    projections = []
     projected = head_tiles.chunked_processed_log_probs
     monkeypatch.setattr(head_tiles, "chunked_processed_log_probs",
                         lambda *a, **k: projections.append(1) or projected(*a, **k))
     args = TOPRConfig(**small_config_kwargs(tmp_path, top_k=3, max_steps=2, steps_per_generation=2))
     TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args, train_dataset=arithmetic_dataset).train()
-    assert reads and all(reads) and projections == []
+    assert tile_reads and all(tile_reads) and projections == []

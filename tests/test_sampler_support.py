@@ -400,3 +400,36 @@ def test_bf16_logits_give_bitwise_the_log_probs_of_their_float32_copy(processing
     tokens = torch.randint(0, 2000, (48,), generator=generator)
     assert torch.equal(processed_log_probs(logits, tokens, processing),
                        processed_log_probs(logits.float(), tokens, processing))
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.99])
+def test_a_nucleus_bound_to_pass_the_next_candidates_goes_to_the_whole_vocabulary_at_once(top_p, monkeypatch):
+    """`least_nucleus` is a lower bound on the size of every row's top-p nucleus (counted on transformers' own
+    support), and `processed_log_probs` on candidates (8, 64) tries 64 only on rows whose bound leaves them a chance:
+    the flat rows, whose nucleus the bound puts past 128, go to the whole vocabulary at once, with the values of
+    log-softmax over transformers' support (within 2e-5, as above)."""
+    from topr_trl import sampler_support as support
+
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(48, 2000, generator=generator) * torch.linspace(0.05, 8, 48).unsqueeze(1)
+    tokens = torch.randint(0, 2000, (48,), generator=generator)
+    processing = SamplerProcessing(top_p=top_p)
+    keep = transformers_support(logits, processing)
+    total = logits.logsumexp(-1)
+    for width in (8, 64, 512):
+        values = logits.topk(width, dim=-1).values
+        assert (support.least_nucleus(values, total, processing) <= keep.sum(-1) + 1e-3).all()
+    tried = []
+    on_candidates = support._normaliser_on_candidates
+    monkeypatch.setattr(support, "_normaliser_on_candidates",
+                        lambda logits, *a: tried.append((a[-1], logits.size(0))) or on_candidates(logits, *a))
+    keep.scatter_(-1, tokens.unsqueeze(-1), True)
+    expected = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logits.masked_fill(~keep, -math.inf).logsumexp(-1)
+    assert torch.allclose(support.processed_log_probs(logits, tokens, processing, (8, 64)), expected, atol=2e-5)
+    least = support.least_nucleus(logits.topk(8, dim=-1).values, total, processing)
+    undecided_on_8 = keep.sum(-1) > 8  # at least: rows whose support is wider than the candidates
+    assert tried[0] == (8, 48)
+    tried_on_64 = dict(tried).get(64, 0)
+    assert tried_on_64 <= int((undecided_on_8 & (least <= 128)).sum())
+    if top_p >= 0.9:
+        assert int((least > 128).sum()) > 0 and tried_on_64 < int(undecided_on_8.sum())

@@ -33,6 +33,7 @@ from .sampler_support import (
     candidate_width,
     chunked_processed_log_probs,
     head_transform,
+    least_nucleus,
     needs_whole_row_mass,
     normaliser_of_candidates,
 )
@@ -251,9 +252,10 @@ class HeadTileSupport:
         rows = stream.rows
         grid = (hidden[:, :-1] if rows.shifted else hidden).reshape(-1, hidden.size(-1))
 
-        def projected(index: torch.Tensor) -> torch.Tensor:
+        def projected(index: torch.Tensor, candidates: tuple[int, ...] | None = None) -> torch.Tensor:
             return chunked_processed_log_probs(self.owner, grid[rows.grid_index[index].to(grid.device)],
-                                               rows.tokens[index], self.processing, dtype).to(rows.tokens.device)
+                                               rows.tokens[index], self.processing, dtype,
+                                               candidates).to(rows.tokens.device)
 
         if rows.tokens.numel() == 0:
             return torch.zeros(0, device=rows.tokens.device)
@@ -265,7 +267,14 @@ class HeadTileSupport:
         normaliser, undecided = normaliser_of_candidates(values, chosen, stream.total,
                                                          stream.top.size(-1) >= stream.vocabulary, self.processing)
         result = chosen - normaliser
-        undecided = undecided.nonzero().squeeze(-1)
-        if undecided.numel():
-            result[undecided] = projected(undecided)
+        # The rows the tiles' candidates leave undecided go on to the larger candidate sets, or straight to the whole
+        # vocabulary when their top-p nucleus is bound to hold more tokens than the next set (a flat row).
+        later = SUPPORT_CANDIDATES[1:]
+        far = torch.zeros_like(undecided)
+        if stream.total is not None and later:
+            far = undecided & (least_nucleus(values, stream.total, self.processing) > 2 * later[0])
+        for index, candidates in ((undecided & ~far, later), (far, ())):
+            index = index.nonzero().squeeze(-1)
+            if index.numel():
+                result[index] = projected(index, candidates)
         return result

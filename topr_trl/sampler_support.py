@@ -140,40 +140,67 @@ def sampler_support(logits: torch.Tensor, processing: SamplerProcessing) -> torc
     return keep
 
 
-def processed_log_probs(logits: torch.Tensor, tokens: torch.Tensor, processing: SamplerProcessing) -> torch.Tensor:
+def processed_log_probs(logits: torch.Tensor, tokens: torch.Tensor, processing: SamplerProcessing,
+                        candidates: tuple[int, ...] = None) -> torch.Tensor:
     """log pi_S(y) for each (..., V) row of `logits` and its token y (...): the log-softmax of logits / T over the
     sampler's support, which always holds y. No gradient: the ratio's value only.
 
     Every filter keeps a prefix of the tokens sorted by logit (top-k: the k largest and their ties; top-p: those
     whose mass above them is < p; min-p: those within log(min_p) of the largest), so the support is decided on the
-    largest `SUPPORT_CANDIDATES` logits (`torch.topk`) rather than on a sorted vocabulary; a row whose support may
-    reach past them (a flat distribution under top-p or min-p, ties past the candidates) takes the whole-vocabulary
-    path (`sampler_support`). Both give the same support."""
+    largest `candidates` logits in turn (`SUPPORT_CANDIDATES` by default; `torch.topk`) rather than on a sorted
+    vocabulary; a row whose support may reach past them (a flat distribution under top-p or min-p, ties past the
+    candidates) takes the whole-vocabulary path (`sampler_support`). Both give the same support. A row whose top-p
+    nucleus is bound to hold more tokens than the next candidates (`least_nucleus`) goes to the whole vocabulary
+    at once."""
+    candidates = SUPPORT_CANDIDATES if candidates is None else candidates
     if logits.dim() != 2:  # (..., V): the same on the flattened rows
-        flat = processed_log_probs(logits.reshape(-1, logits.size(-1)), tokens.reshape(-1), processing)
+        flat = processed_log_probs(logits.reshape(-1, logits.size(-1)), tokens.reshape(-1), processing, candidates)
         return flat.reshape(tokens.shape)
     with torch.no_grad():
         # The logits stay in their dtype (bf16 under mixed precision) until a few of them are chosen: a float32 copy of
         # every row would be the largest tensor here, and the order and ties of the logits are the same in both.
         temperature = processing.temperature
         chosen = _scaled(logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), temperature)
-        normaliser = torch.empty_like(chosen)
-        rows = None  # every row, without gathering a copy of them
-        for candidates in SUPPORT_CANDIDATES:  # fewer and fewer rows, on more and more candidates
-            values, undecided = _normaliser_on_candidates(logits if rows is None else logits[rows],
-                                                          chosen if rows is None else chosen[rows], processing,
-                                                          candidates)
-            if rows is None:
-                normaliser, rows = values, undecided.nonzero().squeeze(-1)
+        total = (_scaled(logits, temperature).logsumexp(dim=-1)
+                 if candidates and needs_whole_row_mass(processing) else None)
+        normaliser = torch.zeros_like(chosen)
+        rows = torch.arange(chosen.numel(), device=chosen.device)
+        for stage, width in enumerate(candidates):  # fewer and fewer rows, on more and more candidates
+            every = rows.numel() == chosen.numel()  # every row, without gathering a copy of them
+            values, decided, undecided = _normaliser_on_candidates(
+                logits if every else logits[rows], chosen if every else chosen[rows],
+                total if total is None or every else total[rows], processing, width)
+            normaliser[rows] = decided
+            if total is not None and stage + 1 < len(candidates):
+                least = least_nucleus(values, total if every else total[rows], processing)
+                past_next = least > 2 * candidates[stage + 1]  # the margin: float32 rounding of the bound
+                skipped, undecided = rows[undecided & past_next], undecided & ~past_next
             else:
-                normaliser[rows] = values
-                rows = rows[undecided]
+                skipped = rows[:0]
+            rows = rows[undecided]
+            if stage + 1 < len(candidates) and skipped.numel():  # straight to the whole vocabulary
+                normaliser[skipped] = _whole_vocabulary_normaliser(logits[skipped], tokens[skipped], processing)
             if rows.numel() == 0:
                 return chosen - normaliser
-        keep = sampler_support(logits[rows], processing)
-        keep.scatter_(-1, tokens[rows].unsqueeze(-1), True)
-        normaliser[rows] = _scaled(logits[rows], temperature).masked_fill(~keep, -math.inf).logsumexp(dim=-1)
+        normaliser[rows] = _whole_vocabulary_normaliser(logits[rows], tokens[rows], processing)
         return chosen - normaliser
+
+
+def _whole_vocabulary_normaliser(logits: torch.Tensor, tokens: torch.Tensor, processing: SamplerProcessing
+                                 ) -> torch.Tensor:
+    keep = sampler_support(logits, processing)
+    keep.scatter_(-1, tokens.unsqueeze(-1), True)
+    return _scaled(logits, processing.temperature).masked_fill(~keep, -math.inf).logsumexp(dim=-1)
+
+
+def least_nucleus(values: torch.Tensor, total: torch.Tensor, processing: SamplerProcessing) -> torch.Tensor:
+    """A lower bound on how many tokens top-p keeps in each row (N,), from the row's largest scaled logits `values`
+    (N, W), descending, and the logsumexp of the whole scaled row `total` (N,): where the candidates' mass is short
+    of p, the nucleus, which reaches p, holds them all and, as every token past them has at most the last one's
+    probability q, at least (p - their mass) / q tokens more (1 where they reach p)."""
+    mass = (values.logsumexp(dim=-1) - total).exp()
+    last = (values[:, -1] - total).exp()
+    return torch.where(mass < processing.top_p, values.size(-1) + (processing.top_p - mass) / last, 1.0)
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -253,15 +280,15 @@ def needs_whole_row_mass(processing: SamplerProcessing) -> bool:
     return not (("top_k" in before and processing.top_k) or ("min_p" in before and processing.min_p))
 
 
-def _normaliser_on_candidates(logits: torch.Tensor, chosen: torch.Tensor, processing: SamplerProcessing,
-                              candidates: int):
-    """`normaliser_of_candidates` on the largest `candidates` of (N, V) `logits` in any dtype."""
+def _normaliser_on_candidates(logits: torch.Tensor, chosen: torch.Tensor, total: torch.Tensor | None,
+                              processing: SamplerProcessing, candidates: int):
+    """(the candidates' scaled values, then `normaliser_of_candidates`) on the largest `candidates` of (N, V)
+    `logits` in any dtype."""
     vocabulary = logits.size(-1)
     width = candidate_width(processing, candidates, vocabulary)
     values = _scaled(logits.topk(width, dim=-1).values, processing.temperature)  # descending
-    total = (_scaled(logits, processing.temperature).logsumexp(dim=-1)
-             if width < vocabulary and needs_whole_row_mass(processing) else None)
-    return normaliser_of_candidates(values, chosen, total, width == vocabulary, processing)
+    return (values, *normaliser_of_candidates(values, chosen, total if width < vocabulary else None,
+                                              width == vocabulary, processing))
 
 
 def normaliser_of_candidates(values: torch.Tensor, chosen: torch.Tensor, total: torch.Tensor | None, whole: bool,
@@ -417,13 +444,14 @@ def completion_processed_log_probs(owner: torch.nn.Module, hidden: torch.Tensor,
 
 
 def chunked_processed_log_probs(owner: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor,
-                                processing: SamplerProcessing, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`processed_log_probs` for N tokens from their (N, H) hidden states, projected in `dtype`
+                                processing: SamplerProcessing, dtype: torch.dtype | None = None,
+                                candidates: tuple[int, ...] | None = None) -> torch.Tensor:
+    """`processed_log_probs` (on `candidates`) for N tokens from their (N, H) hidden states, projected in `dtype`
     (`head_projection`), `CORRECTION_CHUNK_ELEMENTS` logits at a time."""
     step = max(1, CORRECTION_CHUNK_ELEMENTS // owner.config.get_text_config().vocab_size)
     with head_projection(owner, dtype) as project:
         values = [processed_log_probs(project(hidden[start:start + step]), tokens[start:start + step].to(hidden.device),
-                                      processing)
+                                      processing, candidates)
                   for start in range(0, hidden.size(0), step)]
     return torch.cat(values) if values else hidden.new_zeros(0, dtype=torch.float32)
 
