@@ -6,13 +6,13 @@ tile into its log-probs. Scoring pi on mu's support needs, per token, the larges
 and (top-p alone) the row's total mass: all three fold over vocabulary chunks as the log-probs do. `HeadTileSupport`
 reads each tile as TRL's kernel produces it, through a `TorchFunctionMode` that is active only between the end of
 the backbone's forward and the start of the next (the head's part of each forward), and keeps those three per token.
-The second projection through the output layer, the support's largest cost (about 4-8 % of a training step at a
-Qwen2.5 vocabulary), is gone; what remains is the candidates' `topk` on each tile.
+The second projection through the output layer, the support's largest cost on a CPU (0.42 of its 0.55 s in a loss
+call at the Qwen2.5-0.5B shape, docs/benchmarks.md), is gone; what remains is the candidates' `topk` on each tile.
 
 Rows the candidates do not decide (a flat distribution under top-p, ties past the candidates) are projected again,
 alone (`chunked_processed_log_probs`). Where the tiles are not the ones expected (another head, a TRL that projects
-otherwise), every row is projected again and the run says so once: the values are the same either way
-(tests/test_head_tiles.py compares the two bit for bit).
+otherwise), every row is projected again and the run says so once: the values are the same either way, up to the
+float32 rounding of two tilings of one product (tests/test_head_tiles.py).
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from .sampler_support import (
     SUPPORT_CANDIDATES,
     CapturedBackbone,
     SamplerProcessing,
-    _scaled,
     candidate_width,
     chunked_processed_log_probs,
     head_transform,
     least_nucleus,
     needs_whole_row_mass,
     normaliser_of_candidates,
+    scaled_logits,
 )
 
 
@@ -144,7 +144,7 @@ class _TileStream:
             own = logits.gather(-1, local.clamp(0, w - 1).unsqueeze(-1)).squeeze(-1).float()
             self.chosen[lo:hi] = torch.where(inside, own, self.chosen[lo:hi])
             if self.total is not None:
-                mass = _scaled(transform(logits), self.processing.temperature).logsumexp(dim=-1)
+                mass = scaled_logits(transform(logits), self.processing.temperature).logsumexp(dim=-1)
                 self.total[lo:hi] = torch.logaddexp(self.total[lo:hi], mass)
         self.column += w
         if self.column == vocabulary:
@@ -262,8 +262,8 @@ class HeadTileSupport:
         if not stream.complete:
             return projected(torch.arange(rows.tokens.numel(), device=rows.tokens.device))
         temperature = self.processing.temperature
-        values = _scaled(self.transform(stream.top), temperature)
-        chosen = _scaled(self.transform(stream.chosen), temperature)
+        values = scaled_logits(self.transform(stream.top), temperature)
+        chosen = scaled_logits(self.transform(stream.chosen), temperature)
         normaliser, undecided = normaliser_of_candidates(values, chosen, stream.total,
                                                          stream.top.size(-1) >= stream.vocabulary, self.processing)
         result = chosen - normaliser

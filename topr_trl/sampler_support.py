@@ -160,8 +160,8 @@ def processed_log_probs(logits: torch.Tensor, tokens: torch.Tensor, processing: 
         # The logits stay in their dtype (bf16 under mixed precision) until a few of them are chosen: a float32 copy of
         # every row would be the largest tensor here, and the order and ties of the logits are the same in both.
         temperature = processing.temperature
-        chosen = _scaled(logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), temperature)
-        total = (_scaled(logits, temperature).logsumexp(dim=-1)
+        chosen = scaled_logits(logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), temperature)
+        total = (scaled_logits(logits, temperature).logsumexp(dim=-1)
                  if candidates and needs_whole_row_mass(processing) else None)
         normaliser = torch.zeros_like(chosen)
         rows = torch.arange(chosen.numel(), device=chosen.device)
@@ -190,7 +190,7 @@ def _whole_vocabulary_normaliser(logits: torch.Tensor, tokens: torch.Tensor, pro
                                  ) -> torch.Tensor:
     keep = sampler_support(logits, processing)
     keep.scatter_(-1, tokens.unsqueeze(-1), True)
-    return _scaled(logits, processing.temperature).masked_fill(~keep, -math.inf).logsumexp(dim=-1)
+    return scaled_logits(logits, processing.temperature).masked_fill(~keep, -math.inf).logsumexp(dim=-1)
 
 
 def least_nucleus(values: torch.Tensor, total: torch.Tensor, processing: SamplerProcessing) -> torch.Tensor:
@@ -203,7 +203,7 @@ def least_nucleus(values: torch.Tensor, total: torch.Tensor, processing: Sampler
     return torch.where(mass < processing.top_p, values.size(-1) + (processing.top_p - mass) / last, 1.0)
 
 
-def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """logits / T in float32 (float32 logits at T = 1 are returned as they are, not copied)."""
     scaled = logits.float()
     return scaled if temperature == 1 else scaled / temperature
@@ -286,7 +286,7 @@ def _normaliser_on_candidates(logits: torch.Tensor, chosen: torch.Tensor, total:
     `logits` in any dtype."""
     vocabulary = logits.size(-1)
     width = candidate_width(processing, candidates, vocabulary)
-    values = _scaled(logits.topk(width, dim=-1).values, processing.temperature)  # descending
+    values = scaled_logits(logits.topk(width, dim=-1).values, processing.temperature)  # descending
     return (values, *normaliser_of_candidates(values, chosen, total if width < vocabulary else None,
                                               width == vocabulary, processing))
 
