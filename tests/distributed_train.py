@@ -15,6 +15,7 @@ import torch  # noqa: E402
 
 from topr_trl import TOPRConfig, TOPRTrainer  # noqa: E402
 from topr_trl.distributed import end_process_group  # noqa: E402
+from topr_trl.head_tiles import HeadTileSupport  # noqa: E402
 from topr_trl.offline import load_offline_dataset, stored_reward  # noqa: E402
 
 
@@ -29,6 +30,16 @@ def main(model_path: str, data_dir: str, output_dir: str, results_dir: str, per_
     )
     trainer = TOPRTrainer(model=model_path, reward_funcs=stored_reward, args=args,
                           train_dataset=load_offline_dataset(data_dir))
+    # whether pi's support (data sampled with truncation) was read from TRL's head tiles in every loss call
+    tile_reads = []
+    processed = HeadTileSupport.processed
+
+    def recorded(self, *args, **kwargs):
+        values = processed(self, *args, **kwargs)
+        tile_reads.append(self.read_from_tiles)
+        return values
+
+    HeadTileSupport.processed = recorded
     trainer.train()
     parameters = dict(trainer.model.named_parameters())
     if trainer.is_deepspeed_enabled and trainer.accelerator.deepspeed_plugin.zero_stage == 3:
@@ -41,7 +52,7 @@ def main(model_path: str, data_dir: str, output_dir: str, results_dir: str, per_
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     rank = trainer.accelerator.process_index
     result = {"rank": rank, "world": trainer.accelerator.num_processes, "losses": losses,
-              "steps": trainer.state.global_step}
+              "steps": trainer.state.global_step, "tile_reads": tile_reads}
     torch.save(gathered, os.path.join(results_dir, f"parameters-rank{rank}.pt"))
     with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as handle:
         json.dump(result, handle)

@@ -75,6 +75,44 @@ def one_process_run(offline_data, tiny_model_path, tmp_path_factory) -> tuple[di
     return run_training(tmp_path_factory.mktemp("one") / "run", offline_data, tiny_model_path, launch=None)
 
 
+@pytest.fixture(scope="module")
+def top_k_data(tiny_model_path, tmp_path_factory) -> Path:
+    """`offline_data` sampled at top_k 3: training scores pi on that support."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from topr_trl.offline import generate_offline_dataset
+    from topr_trl.tasks.arithmetic import make_arithmetic_dataset
+
+    from .conftest import parity_reward
+
+    directory = tmp_path_factory.mktemp("top-k-data")
+    torch.manual_seed(0)
+    generate_offline_dataset(AutoModelForCausalLM.from_pretrained(tiny_model_path),
+                             AutoTokenizer.from_pretrained(tiny_model_path),
+                             make_arithmetic_dataset(8, digits=1, seed=0), parity_reward, directory,
+                             num_completions=4, max_new_tokens=6, show_progress=False, top_k=3)
+    return directory
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_under_two_processes_the_support_is_read_from_each_ranks_head_tiles(launch, top_k_data, tiny_model_path,
+                                                                           tmp_path):
+    """Data sampled at top_k 3, under DDP, ZeRO-2 and ZeRO-3 (the head gathered for TRL's kernel): every loss call of
+    every rank reads pi's support from TRL's head tiles, and two processes train what one does (as above)."""
+    import torch
+
+    (reference, reference_parameters) = run_training(tmp_path / "one", top_k_data, tiny_model_path, launch=None)
+    result, parameters = run_training(tmp_path / "two", top_k_data, tiny_model_path, launch)
+    second_rank = json.loads((tmp_path / "two" / "rank1.json").read_text())
+    for run in (reference, result, second_rank):
+        assert run["tile_reads"] and all(run["tile_reads"]), run["tile_reads"]
+    torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
+    for name, value in parameters.items():
+        torch.testing.assert_close(value, reference_parameters[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launch", list(LAUNCHES))
 def test_two_processes_compute_what_one_process_computes(launch, one_process_run, offline_data, tiny_model_path,

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 
@@ -356,9 +357,10 @@ def captured_outputs(module: torch.nn.Module) -> Iterator[CapturedBackbone]:
 def fused_head_parts(model) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the backbone whose last hidden state TRL's fused head projects, the causal LM that owns the head) of a policy
     as the trainer holds it (wrapped by DDP or DeepSpeed, PEFT or not): where TRL's `add_fused_lm_head` looks them
-    up (`base_model`, `get_output_embeddings()`)."""
-    while hasattr(model, "module") and not hasattr(model, "get_output_embeddings"):  # DDP, DeepSpeedEngine
-        model = model.module
+    up (`base_model`, `get_output_embeddings()`). accelerate unwraps DDP, FSDP and DeepSpeed: a DeepSpeedEngine
+    forwards unknown attributes to its module, `get_output_embeddings` among them, but its own `config` is
+    DeepSpeed's dict."""
+    model = extract_model_from_parallel(model)
     if hasattr(model, "get_base_model"):  # PEFT
         model = model.get_base_model()
     return model.base_model, model
