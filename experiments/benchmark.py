@@ -307,14 +307,14 @@ def loss_only(options, model_path: str) -> dict:
 def support_only(options) -> dict:
     """What scoring pi on mu's support costs per completion token, apart from the extra head projection:
     `processed_log_probs` (the support decided on the largest logits) against the whole-vocabulary path
-    (`sampler_support`, a sort for top-p) on (tokens, vocabulary) logits at the Qwen2.5 vocabulary, flat (a
+    (`sampler_support`, top-p in value bins; and with the sort those replaced, the baseline) on (tokens, vocabulary) logits at the Qwen2.5 vocabulary, flat (a
     random-weight model: top-p's nucleus is most of the vocabulary) and peaked (Zipf-like, as a trained model's next
     token: the nucleus within the largest few hundred)."""
     import math
 
     import torch
 
-    from topr_trl.sampler_support import SamplerProcessing, processed_log_probs, sampler_support
+    from topr_trl.sampler_support import SamplerProcessing, _keep_top_p_sorted, processed_log_probs, sampler_support
 
     vocabulary, tokens = 151_936, options.batch_size * options.completion_length
     generator = torch.Generator().manual_seed(0)
@@ -326,8 +326,10 @@ def support_only(options) -> dict:
     shapes = {shape: logits.to(options.device) for shape, logits in shapes.items()}
     synchronize = torch.cuda.synchronize if options.device == "cuda" else (lambda: None)
 
-    def whole_vocabulary(logits, processing):
+    def whole_vocabulary(logits, processing, sort_top_p=False):
         keep = sampler_support(logits, processing)
+        if sort_top_p and processing.top_p is not None:  # the sort `_keep_top_p_in_bins` replaced, as the baseline
+            keep = _keep_top_p_sorted(logits / processing.temperature, torch.ones_like(keep), processing.top_p)
         keep.scatter_(-1, sampled.unsqueeze(-1), True)
         scaled = logits / processing.temperature
         return scaled.gather(-1, sampled.unsqueeze(-1)).squeeze(-1) - scaled.masked_fill(~keep, -math.inf).logsumexp(-1)
@@ -341,6 +343,8 @@ def support_only(options) -> dict:
                 "candidates": lambda logits=logits, processing=processing: processed_log_probs(logits, sampled,
                                                                                               processing),
                 "whole vocabulary": lambda logits=logits, processing=processing: whole_vocabulary(logits, processing),
+                "whole vocabulary, top-p sorted": lambda logits=logits, processing=processing: whole_vocabulary(
+                    logits, processing, sort_top_p=True),
             }.items():
                 function()
                 times = []

@@ -52,7 +52,20 @@ def test_the_support_is_the_one_transformers_generation_samples_from(processing)
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 50, generator=generator) * torch.linspace(0.3, 6, 64).unsqueeze(1)
     logits[0, :8] = 4.0  # eight ties at the top
-    assert torch.equal(sampler_support(logits, processing), transformers_support(logits, processing))
+    assert_same_support(sampler_support(logits, processing), transformers_support(logits, processing), logits)
+
+
+def assert_same_support(kept: torch.Tensor, expected: torch.Tensor, logits: torch.Tensor) -> None:
+    """Two supports are the same: the same tokens, except that where top-p's cut falls among tied logits, which of
+    the ties it keeps is the order of a sort (not the same in two sorts), so only as many of them."""
+    assert torch.equal(kept.sum(-1), expected.sum(-1))
+    ascending, order = logits.sort(dim=-1)
+    repeats = ascending[:, 1:] == ascending[:, :-1]
+    tied = torch.zeros_like(ascending, dtype=torch.bool)
+    tied[:, 1:] |= repeats
+    tied[:, :-1] |= repeats
+    tied = tied.scatter(-1, order, tied)  # a logit another token of its row has as well
+    assert not bool(((kept != expected) & ~tied).any())
 
 
 def test_vllm_applies_min_p_before_top_p():
@@ -381,10 +394,17 @@ def test_the_support_decided_on_the_largest_logits_is_the_whole_vocabularys(proc
         keep = transformers_support(logits, processing)
     else:
         keep = sampler_support(logits, processing)
-    keep.scatter_(-1, tokens.unsqueeze(-1), True)
-    scaled = logits / processing.temperature
-    expected = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - scaled.masked_fill(~keep, -math.inf).logsumexp(-1)
+    expected = log_softmax_on_support(logits / processing.temperature, keep, tokens)
     assert torch.allclose(processed_log_probs(logits, tokens, processing), expected, atol=2e-5)
+
+
+def log_softmax_on_support(scaled: torch.Tensor, keep: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log-softmax of each row's sampled token over the support plus that token; a sampled token tied with a kept
+    logit but cut (the ties' order is a sort's) takes a kept tie's place, as the sampler kept it."""
+    chosen = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    cut_below = chosen < scaled.masked_fill(~keep, math.inf).amin(-1)
+    keep = keep | (torch.nn.functional.one_hot(tokens, scaled.size(-1)).bool() & cut_below.unsqueeze(-1))
+    return chosen - scaled.masked_fill(~keep, -math.inf).logsumexp(-1)
 
 
 @pytest.mark.parametrize("processing", [
@@ -402,34 +422,57 @@ def test_bf16_logits_give_bitwise_the_log_probs_of_their_float32_copy(processing
                        processed_log_probs(logits.float(), tokens, processing))
 
 
-@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.99])
-def test_a_nucleus_bound_to_pass_the_next_candidates_goes_to_the_whole_vocabulary_at_once(top_p, monkeypatch):
-    """`least_nucleus` is a lower bound on the size of every row's top-p nucleus (counted on transformers' own
-    support), and `processed_log_probs` on candidates (8, 64) tries 64 only on rows whose bound leaves them a chance:
-    the flat rows, whose nucleus the bound puts past 128, go to the whole vocabulary at once, with the values of
-    log-softmax over transformers' support (within 2e-5, as above)."""
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.95, 0.99])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_p_in_bins_is_top_p_sorted(top_p, dtype):
+    """Top-p's support found in value bins (`_keep_top_p_in_bins`, no sort of the vocabulary) is the sorted rule's
+    (`_keep_top_p_sorted`, which transformers' warper is held to above): on 2,000-token rows from flat to peaked,
+    after an earlier filter (top-k 1,500) and where it removed a random third, and on rows of 60 ties at the top.
+    Where the two masks differ, the tokens are ties whose order only the sort decides (bf16 logits), so the kept
+    mass is the same: the logsumexps agree to float32 rounding of one sum in two orders (2e-6 of values <= ~10)."""
+    from topr_trl.sampler_support import _keep_top_k, _keep_top_p_in_bins, _keep_top_p_sorted
+
+    generator = torch.Generator().manual_seed(11)
+    scaled = (torch.randn(96, 2000, generator=generator) * torch.linspace(0.05, 8, 96).unsqueeze(1)).to(dtype).float()
+    scaled[:4, :60] = 5.0
+    every = torch.ones_like(scaled, dtype=torch.bool)
+    for keep in (every, _keep_top_k(scaled, every, 1500), torch.rand(scaled.shape, generator=generator) > 0.33):
+        kept, undecided = _keep_top_p_in_bins(scaled, keep, top_p)
+        expected = _keep_top_p_sorted(scaled, keep, top_p)
+        assert int(undecided.sum()) <= 2  # a cumulative mass within 1e-6 of 1 - p: about one row in 5,000 here
+        decided = ~undecided
+        kept, expected, values = kept[decided], expected[decided], scaled[decided]
+        assert not bool((kept & ~keep[decided]).any())
+        assert_same_support(kept, expected, values)
+        if dtype == torch.float32:  # distinct values (the tied rows first): the same tokens
+            assert torch.equal(kept[decided[:4].sum():], expected[decided[:4].sum():])
+        assert torch.allclose(values.masked_fill(~kept, -math.inf).logsumexp(-1),
+                              values.masked_fill(~expected, -math.inf).logsumexp(-1), rtol=0, atol=2e-6)
+    ties = torch.zeros(1, 60)  # 12 of 60 ties hold exactly 1 - 0.8 of the mass: rounding decides, so the sort does
+    assert _keep_top_p_in_bins(ties, torch.ones_like(ties, dtype=torch.bool), 0.8)[1].tolist() == [True]
+
+
+def test_flat_rows_past_the_candidates_are_decided_without_sorting_the_vocabulary(monkeypatch):
+    """A flat 5,000-token row under top_p 0.95 passes the 1,024 candidates and takes the whole vocabulary, where top-p
+    is decided in bins: no row is sorted, and the values are log-softmax over transformers' support (2e-5, as
+    above). A row whose bins the float rounding leaves undecided is sorted, alone."""
     from topr_trl import sampler_support as support
 
-    generator = torch.Generator().manual_seed(7)
-    logits = torch.randn(48, 2000, generator=generator) * torch.linspace(0.05, 8, 48).unsqueeze(1)
-    tokens = torch.randint(0, 2000, (48,), generator=generator)
-    processing = SamplerProcessing(top_p=top_p)
+    generator = torch.Generator().manual_seed(13)
+    logits = torch.randn(16, 5000, generator=generator) * 0.6
+    tokens = torch.randint(0, 5000, (16,), generator=generator)
+    processing = SamplerProcessing(top_p=0.95)
+    sorted_rows = []
+    keep_sorted = support._keep_top_p_sorted
+    monkeypatch.setattr(support, "_keep_top_p_sorted",
+                        lambda scaled, *a: sorted_rows.append(scaled.size(0)) or keep_sorted(scaled, *a))
     keep = transformers_support(logits, processing)
-    total = logits.logsumexp(-1)
-    for width in (8, 64, 512):
-        values = logits.topk(width, dim=-1).values
-        assert (support.least_nucleus(values, total, processing) <= keep.sum(-1) + 1e-3).all()
-    tried = []
-    on_candidates = support._normaliser_on_candidates
-    monkeypatch.setattr(support, "_normaliser_on_candidates",
-                        lambda logits, *a: tried.append((a[-1], logits.size(0))) or on_candidates(logits, *a))
-    keep.scatter_(-1, tokens.unsqueeze(-1), True)
-    expected = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logits.masked_fill(~keep, -math.inf).logsumexp(-1)
-    assert torch.allclose(support.processed_log_probs(logits, tokens, processing, (8, 64)), expected, atol=2e-5)
-    least = support.least_nucleus(logits.topk(8, dim=-1).values, total, processing)
-    undecided_on_8 = keep.sum(-1) > 8  # at least: rows whose support is wider than the candidates
-    assert tried[0] == (8, 48)
-    tried_on_64 = dict(tried).get(64, 0)
-    assert tried_on_64 <= int((undecided_on_8 & (least <= 128)).sum())
-    if top_p >= 0.9:
-        assert int((least > 128).sum()) > 0 and tried_on_64 < int(undecided_on_8.sum())
+    assert bool((keep.sum(-1) > support.SUPPORT_CANDIDATES).all())
+    expected = log_softmax_on_support(logits, keep, tokens)
+    assert torch.allclose(support.processed_log_probs(logits, tokens, processing), expected, atol=2e-5)
+    assert sorted_rows == []
+    in_bins = support._keep_top_p_in_bins
+    monkeypatch.setattr(support, "_keep_top_p_in_bins",
+                        lambda scaled, keep, p: (in_bins(scaled, keep, p)[0], torch.arange(scaled.size(0)) == 3))
+    assert torch.allclose(support.processed_log_probs(logits, tokens, processing), expected, atol=2e-5)
+    assert sorted_rows == [1]

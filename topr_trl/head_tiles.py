@@ -10,8 +10,9 @@ The second projection through the output layer, the support's largest cost on a 
 call at the Qwen2.5-0.5B shape, docs/benchmarks.md), is gone; what remains is the candidates' `topk` on each tile.
 
 Rows the candidates do not decide (a flat distribution under top-p, ties past the candidates) are projected again,
-alone (`chunked_processed_log_probs`). Where the tiles are not the ones expected (another head, a TRL that projects
-otherwise), every row is projected again and the run says so once: the values are the same either way, up to the
+alone, and decided on their whole vocabulary (`chunked_processed_log_probs`, whose top-p sorts no row). Where the
+tiles are not the ones expected (another head, a TRL that projects otherwise), every row is projected again and the
+run says so once: the values are the same either way, up to the
 float32 rounding of two tilings of one product (tests/test_head_tiles.py).
 """
 
@@ -32,7 +33,6 @@ from .sampler_support import (
     candidate_width,
     chunked_processed_log_probs,
     head_transform,
-    least_nucleus,
     needs_whole_row_mass,
     normaliser_of_candidates,
     scaled_logits,
@@ -209,7 +209,7 @@ class HeadTileSupport:
         self._mode.__enter__()
 
     def _width(self, vocabulary: int) -> int:
-        return candidate_width(self.processing, SUPPORT_CANDIDATES[0], vocabulary)
+        return candidate_width(self.processing, SUPPORT_CANDIDATES, vocabulary)
 
     def _leave_head(self) -> None:
         if self._mode is not None:
@@ -252,7 +252,7 @@ class HeadTileSupport:
         rows = stream.rows
         grid = (hidden[:, :-1] if rows.shifted else hidden).reshape(-1, hidden.size(-1))
 
-        def projected(index: torch.Tensor, candidates: tuple[int, ...] | None = None) -> torch.Tensor:
+        def projected(index: torch.Tensor, candidates: int | None = None) -> torch.Tensor:
             return chunked_processed_log_probs(self.owner, grid[rows.grid_index[index].to(grid.device)],
                                                rows.tokens[index], self.processing, dtype,
                                                candidates).to(rows.tokens.device)
@@ -267,14 +267,9 @@ class HeadTileSupport:
         normaliser, undecided = normaliser_of_candidates(values, chosen, stream.total,
                                                          stream.top.size(-1) >= stream.vocabulary, self.processing)
         result = chosen - normaliser
-        # The rows the tiles' candidates leave undecided go on to the larger candidate sets, or straight to the whole
-        # vocabulary when their top-p nucleus is bound to hold more tokens than the next set (a flat row).
-        later = SUPPORT_CANDIDATES[1:]
-        far = torch.zeros_like(undecided)
-        if stream.total is not None and later:
-            far = undecided & (least_nucleus(values, stream.total, self.processing) > 2 * later[0])
-        for index, candidates in ((undecided & ~far, later), (far, ())):
-            index = index.nonzero().squeeze(-1)
-            if index.numel():
-                result[index] = projected(index, candidates)
+        # The rows the tiles' candidates leave undecided (a flat row under top-p) go to their whole vocabulary: the
+        # tiles' candidates were these rows' largest logits already.
+        index = undecided.nonzero().squeeze(-1)
+        if index.numel():
+            result[index] = projected(index, candidates=0)
         return result
