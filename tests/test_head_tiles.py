@@ -37,9 +37,10 @@ def small_model(family: str, vocabulary: int, positions: int = 64):
     return model
 
 
-def scored_both_ways(model, processing, input_ids, attention_mask, logits_to_keep, micro_batch, temperature=1.0):
+def scored_both_ways(model, processing, input_ids, attention_mask, logits_to_keep, micro_batch, temperature=1.0,
+                     seen=None):
     """(from the tiles, from a second projection, whether every forward was read from the tiles): GRPOTrainer's
-    forwards (its labels, `micro_batch` sequences at a time) under `HeadTileSupport`."""
+    forwards (its labels, `micro_batch` sequences at a time) under `HeadTileSupport` (handed to `seen`, a list)."""
     add_fused_lm_head(model, temperature=temperature)
     backbone, owner = fused_head_parts(model)
     with torch.no_grad(), HeadTileSupport(backbone, owner, processing,
@@ -51,6 +52,8 @@ def scored_both_ways(model, processing, input_ids, attention_mask, logits_to_kee
             model(input_ids=input_ids[start:start + micro_batch],
                   attention_mask=attention_mask[start:start + micro_batch], labels=labels, fused_lm_head=True)
     tiles = support.processed()
+    if seen is not None:
+        seen.append(support)
     mask = attention_mask[:, -logits_to_keep:].bool()
     projected = completion_processed_log_probs(owner, torch.cat(support.captured.hidden), input_ids, attention_mask,
                                                logits_to_keep, processing)[mask]
@@ -91,6 +94,56 @@ def test_the_tiles_cover_several_vocabulary_chunks_and_token_chunks():
         tiles, projected, read = scored_both_ways(model, processing, input_ids, attention_mask, 64, micro_batch=2)
         assert read and tiles.shape == (128,)
         torch.testing.assert_close(tiles, projected, **float32_tolerance(projected, roundings=64))
+
+
+def flat_model(vocabulary: int, positions: int):
+    """A tied Qwen2 whose logits are within a few tenths of one another: every top-p nucleus of 0.5 or more holds
+    thousands of tokens, past the 1,024 candidates (a random-weight model's rows, a trained model's most uncertain)."""
+    model = small_model("qwen2_tied", vocabulary=vocabulary, positions=positions)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.02)
+    return model
+
+
+@pytest.mark.parametrize("processing", [SamplerProcessing(top_p=0.9), SamplerProcessing(top_p=0.95),
+                                        SamplerProcessing(temperature=0.7, top_p=0.5)], ids=str)
+def test_a_flat_rows_nucleus_is_decided_on_its_band_without_projecting_it_again(processing):
+    """Flat rows over two vocabulary tiles (33,000 tokens): the candidates do not reach p, and each row's nucleus is
+    decided from the band of logits kept around where its ascending mass passes 1 - p (estimated on the first tile),
+    with the values of the second projection (within the float32 rounding of a sum of 33,000 terms in two orders,
+    relative 2^-20 of the row's mass: 1e-6 of the log). At most one row in ten is left to the second projection
+    (a cumulative mass within rounding of 1 - p)."""
+    model = flat_model(33_000, positions=48)
+    input_ids = torch.randint(0, 33_000, (4, 40))
+    attention_mask = torch.ones_like(input_ids)
+    seen = []
+    tiles, projected, read = scored_both_ways(model, processing, input_ids, attention_mask, 16, micro_batch=2,
+                                              temperature=processing.temperature, seen=seen)
+    assert read and tiles.shape == (64,)
+    support = seen[0]
+    assert support.band_rows + support.projected_rows == 64 and support.projected_rows <= 6
+    torch.testing.assert_close(tiles, projected, rtol=0, atol=2e-6)
+
+
+def test_a_band_the_later_tiles_move_the_nucleus_out_of_sends_its_rows_to_the_second_projection():
+    """A head whose bias lifts the second tile's 232 tokens by 4 (e^4 = 55 times the first tile's tokens' mass each):
+    the first tile misplaces where the ascending mass passes 1 - p, the band misses it, and the rows are projected
+    again, with the same values as before."""
+    model = flat_model(33_000, positions=48)
+    head = torch.nn.Linear(16, 33_000, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.zero_()
+        head.bias[32_768:] = 4.0
+    model.config.tie_word_embeddings = False
+    model.lm_head = head
+    input_ids = torch.randint(0, 33_000, (2, 40))
+    attention_mask = torch.ones_like(input_ids)
+    seen = []
+    tiles, projected, read = scored_both_ways(model, SamplerProcessing(top_p=0.9), input_ids, attention_mask, 16,
+                                              micro_batch=2, seen=seen)
+    assert read and seen[0].projected_rows == 32 and seen[0].band_rows == 0
+    torch.testing.assert_close(tiles, projected, **float32_tolerance(projected, roundings=64))
 
 
 def test_where_trl_projects_only_the_labelled_rows_they_are_read_in_that_order(monkeypatch):

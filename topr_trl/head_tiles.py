@@ -27,15 +27,20 @@ from transformers.utils import logging
 from trl.kernels import chunked_logprob
 
 from .sampler_support import (
+    NUCLEUS_BAND_SHARE,
     SUPPORT_CANDIDATES,
     CapturedBackbone,
     SamplerProcessing,
+    ascending_by_row,
     candidate_width,
     chunked_processed_log_probs,
     head_transform,
     needs_whole_row_mass,
     normaliser_of_candidates,
+    nucleus_band_applies,
+    nucleus_from_band,
     scaled_logits,
+    share_band,
 )
 
 
@@ -101,6 +106,62 @@ def packed_rows(shift_labels: torch.Tensor, token_index: torch.Tensor) -> Callab
     return rows
 
 
+BAND_MEMBERS_LIMIT = 2**25
+"""The most logits `_NucleusBand` keeps for one forward (128 MB in float32 plus their rows), a quarter of one of TRL's
+4,096 x 32,768 tiles; past it, its rows are projected again."""
+
+
+class _NucleusBand:
+    """Under top-p alone, what decides a flat row's nucleus without projecting it again: per wanted token, the scaled
+    logits in a band of values around where its ascending mass passes 1 - p (`share_band` on its first vocabulary
+    tile, +-`NUCLEUS_BAND_SHARE`), the mass under the band and its whole mass, in units of exp(the first tile's
+    largest logit). A row whose first tile puts its nucleus within the candidates gets no band (a peaked row's band
+    would be its long tail); a band the later tiles move the crossing out of leaves the row undecided
+    (`nucleus_from_band`), and it is projected again."""
+
+    def __init__(self, wanted: int, p: float, device: torch.device):
+        self.p = p
+        self.reference = torch.zeros(wanted, device=device)
+        self.low = torch.full((wanted,), torch.inf, device=device)
+        self.high = torch.full((wanted,), torch.inf, device=device)
+        self.below = torch.zeros(wanted, device=device)
+        self.mass = torch.zeros(wanted, device=device)
+        self.rows: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.kept = 0
+
+    def read(self, lo: int, hi: int, scaled: torch.Tensor, first: bool, vocabulary: int) -> None:
+        if first:
+            low, high = share_band(scaled, max(0.0, 1 - self.p - NUCLEUS_BAND_SHARE),
+                                   min(1.0, 1 - self.p + NUCLEUS_BAND_SHARE))
+            past_candidates = (scaled >= low.unsqueeze(-1)).sum(-1) * (vocabulary / scaled.size(-1)) > \
+                SUPPORT_CANDIDATES / 2  # the nucleus estimated from this tile
+            self.reference[lo:hi] = scaled.amax(dim=-1)
+            self.low[lo:hi] = torch.where(past_candidates, low, torch.inf)
+            self.high[lo:hi] = torch.where(past_candidates, high, torch.inf)
+        weights = (scaled - self.reference[lo:hi].unsqueeze(-1)).exp()
+        low, high = self.low[lo:hi].unsqueeze(-1), self.high[lo:hi].unsqueeze(-1)
+        self.mass[lo:hi] += weights.sum(dim=-1)
+        self.below[lo:hi] += torch.where(scaled < low, weights, 0.0).sum(dim=-1)
+        row, column = ((scaled >= low) & (scaled < high)).nonzero(as_tuple=True)
+        self.kept += row.numel()
+        if self.kept <= BAND_MEMBERS_LIMIT:
+            self.rows.append((row + lo).int())
+            self.values.append(scaled[row, column])
+
+    def normalisers(self, index: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`nucleus_from_band` for the wanted tokens `index` (their sampled tokens' scaled logits `chosen`)."""
+        if self.kept > BAND_MEMBERS_LIMIT or not self.rows:
+            return torch.zeros_like(chosen), torch.ones_like(chosen, dtype=torch.bool)
+        position = torch.full_like(self.mass, -1, dtype=torch.long)
+        position[index] = torch.arange(index.numel(), device=index.device)
+        rows, values = torch.cat(self.rows).long(), torch.cat(self.values)
+        wanted = position[rows] >= 0
+        rows, values = position[rows[wanted]], values[wanted]
+        members, _ = ascending_by_row(rows, values, index.numel(), rows)
+        return nucleus_from_band(members, self.below[index], self.mass[index], self.reference[index], chosen, self.p)
+
+
 class _TileStream:
     """What one forward's tiles leave per wanted token: its largest `width` logits (as projected, descending once
     complete), its own logit, and (top-p alone) the logsumexp of its whole scaled row."""
@@ -110,6 +171,7 @@ class _TileStream:
         self.top: torch.Tensor | None = None
         self.chosen: torch.Tensor | None = None
         self.total: torch.Tensor | None = None
+        self.band: _NucleusBand | None = None
         self.row, self.column, self.broken = 0, 0, False
         self.vocabulary = 0
 
@@ -127,6 +189,8 @@ class _TileStream:
             self.chosen = torch.zeros(wanted, dtype=torch.float32, device=tile.device)
             if needs_whole_row_mass(self.processing):
                 self.total = torch.full((wanted,), -torch.inf, dtype=torch.float32, device=tile.device)
+            if nucleus_band_applies(self.processing):
+                self.band = _NucleusBand(wanted, self.processing.top_p, tile.device)
         if self.rows.kernel_rows is None:
             lo, hi, logits = self.row, self.row + n, tile
         else:
@@ -144,8 +208,10 @@ class _TileStream:
             own = logits.gather(-1, local.clamp(0, w - 1).unsqueeze(-1)).squeeze(-1).float()
             self.chosen[lo:hi] = torch.where(inside, own, self.chosen[lo:hi])
             if self.total is not None:
-                mass = scaled_logits(transform(logits), self.processing.temperature).logsumexp(dim=-1)
-                self.total[lo:hi] = torch.logaddexp(self.total[lo:hi], mass)
+                scaled = scaled_logits(transform(logits), self.processing.temperature)
+                self.total[lo:hi] = torch.logaddexp(self.total[lo:hi], scaled.logsumexp(dim=-1))
+                if self.band is not None:
+                    self.band.read(lo, hi, scaled, self.column == 0, vocabulary)
         self.column += w
         if self.column == vocabulary:
             self.row, self.column = self.row + n, 0
@@ -182,6 +248,8 @@ class HeadTileSupport:
         self.captured = CapturedBackbone([], [])
         self.streams: list[_TileStream] = []
         self.transform = head_transform(owner)
+        self.band_rows = 0  # undecided rows decided on their nucleus band
+        self.projected_rows = 0  # rows projected through the output layer again
         self._mode: _HeadTileMode | None = None
         self._handles = []
 
@@ -253,6 +321,7 @@ class HeadTileSupport:
         grid = (hidden[:, :-1] if rows.shifted else hidden).reshape(-1, hidden.size(-1))
 
         def projected(index: torch.Tensor, candidates: int | None = None) -> torch.Tensor:
+            self.projected_rows += index.numel()
             return chunked_processed_log_probs(self.owner, grid[rows.grid_index[index].to(grid.device)],
                                                rows.tokens[index], self.processing, dtype,
                                                candidates).to(rows.tokens.device)
@@ -267,9 +336,14 @@ class HeadTileSupport:
         normaliser, undecided = normaliser_of_candidates(values, chosen, stream.total,
                                                          stream.top.size(-1) >= stream.vocabulary, self.processing)
         result = chosen - normaliser
-        # The rows the tiles' candidates leave undecided (a flat row under top-p) go to their whole vocabulary: the
-        # tiles' candidates were these rows' largest logits already.
+        # The rows the tiles' candidates leave undecided (a flat row under top-p) are decided on their band where
+        # they have one, else on their whole vocabulary projected again.
         index = undecided.nonzero().squeeze(-1)
+        if index.numel() and stream.band is not None:
+            from_band, still = stream.band.normalisers(index, chosen[index])
+            result[index] = torch.where(still, result[index], chosen[index] - from_band)
+            self.band_rows += int((~still).sum())
+            index = index[still]
         if index.numel():
             result[index] = projected(index, candidates=0)
         return result

@@ -159,13 +159,7 @@ def _keep_top_p_in_bins(scaled: torch.Tensor, keep: torch.Tensor, p: float) -> t
     below = (above - mass).gather(-1, crossing.unsqueeze(-1))  # the mass under the crossing bin
     members = keep & (bins == crossing.unsqueeze(-1))
     row, column = members.nonzero(as_tuple=True)
-    counts = torch.bincount(row, minlength=n)
-    place = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts)[row]
-    values = scaled.new_full((n, max(int(counts.max()) if n else 0, 1)), math.inf)
-    columns = torch.zeros(values.shape, dtype=torch.long, device=scaled.device)
-    values[row, place], columns[row, place] = scaled[row, column], column
-    values, order = values.sort(dim=-1)  # the crossing bin's tokens, ascending (inf: padding)
-    columns = columns.gather(-1, order)
+    values, columns = ascending_by_row(row, scaled[row, column], n, column)  # the crossing bin's tokens
     present = torch.isfinite(values)
     cumulative = below + torch.where(present, (values - high).exp(), 0.0).cumsum(dim=-1)
     stays = present & (cumulative > limit)
@@ -177,6 +171,83 @@ def _keep_top_p_in_bins(scaled: torch.Tensor, keep: torch.Tensor, p: float) -> t
     rows = torch.arange(n, device=scaled.device).unsqueeze(-1).expand_as(stays)
     kept[rows[stays], columns[stays]] = True
     return kept, undecided
+
+
+def ascending_by_row(row: torch.Tensor, values: torch.Tensor, n: int, labels: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, M) each row's `values` in ascending order, padded with inf, and their `labels` alike, from the flat
+    (row index, value, label) triples of N rows, in any order (M the most any row has)."""
+    if row.numel() > 1 and not bool((row[1:] >= row[:-1]).all()):
+        by_row = row.argsort(stable=True)
+        row, values, labels = row[by_row], values[by_row], labels[by_row]
+    counts = torch.bincount(row, minlength=n)
+    place = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts)[row]
+    width = max(int(counts.max()) if n and row.numel() else 0, 1)
+    padded = values.new_full((n, width), math.inf)
+    tags = torch.zeros((n, width), dtype=labels.dtype, device=labels.device)
+    padded[row, place], tags[row, place] = values, labels
+    padded, order = padded.sort(dim=-1)
+    return padded, tags.gather(-1, order)
+
+
+NUCLEUS_BAND_SHARE = 0.004
+"""Half the width, in shares of a row's mass, of the band `share_band` brackets around where the row's ascending mass
+passes 1 - p: about three standard errors of that share estimated on one 32,768-token vocabulary tile."""
+
+
+def nucleus_band_applies(processing: SamplerProcessing) -> bool:
+    """Whether top-p is the only filter that truncates, so a row's support is the tokens above the value where its
+    ascending mass passes 1 - p (`nucleus_from_band`)."""
+    return processing.top_p is not None and processing.top_p < 1 and not processing.top_k and not processing.min_p
+
+
+def share_band(scaled: torch.Tensor, low_share: float, high_share: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(low, high) (N,): logit values bracketing where the ascending cumulative mass of each (N, W) row of scaled
+    logits passes `low_share` and `high_share` of the row's mass, at the resolution of `TOP_P_BINS` value bins (the
+    bins' edges; -inf / inf at the ends)."""
+    n = scaled.size(0)
+    high = scaled.amax(dim=-1, keepdim=True)
+    low = scaled.amin(dim=-1, keepdim=True)
+    weights = (scaled - high).exp()
+    spread = high - low
+    scale = torch.where(spread > 0, TOP_P_BINS / spread, 0.0)
+    scale = torch.where(torch.isfinite(scale), scale, 0.0)
+    bins = (scaled - low).mul_(scale).clamp_(0, TOP_P_BINS - 1).long()
+    mass = weights.new_zeros(n, TOP_P_BINS).scatter_add_(-1, bins, weights)
+    share = mass.cumsum(dim=-1) / mass.sum(dim=-1, keepdim=True)
+    first = (share > low_share).int().argmax(dim=-1, keepdim=True)  # the bin where the low share is passed
+    last = (share >= high_share).int().argmax(dim=-1, keepdim=True)
+    width = torch.where(scale > 0, 1 / scale, math.inf)
+    band_low = torch.where(first > 0, low + first * width, -math.inf)
+    band_high = torch.where(last < TOP_P_BINS - 1, low + (last + 1) * width, math.inf)
+    return band_low.squeeze(-1), band_high.squeeze(-1)
+
+
+def nucleus_from_band(members: torch.Tensor, below: torch.Tensor, mass: torch.Tensor, reference: torch.Tensor,
+                      chosen: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the logsumexp of the scaled logits over top-p's support plus the sampled token, the rows this does not
+    decide) for N rows of which only a band of values is known: `members` (N, M) the scaled logits in the band,
+    ascending (inf: padding), `below` the mass of the row's tokens under the band and `mass` its whole mass, both in
+    units of exp(`reference`), and `chosen` the sampled token's scaled logit. Where the ascending mass passes 1 - p
+    inside the band, the tokens before the crossing are removed as `_keep_top_p_sorted` removes them (ties in
+    order), and the support's mass is the whole less theirs; a crossing under the band (`below` past 1 - p), above
+    it (every member removed), or within rounding of 1 - p (`TOP_P_ROUNDING`) leaves the row undecided."""
+    limit = (1 - p) * mass
+    present = torch.isfinite(members)
+    weights = torch.where(present, (members - reference.unsqueeze(-1)).exp(), 0.0)
+    cumulative = below.unsqueeze(-1) + weights.cumsum(dim=-1)
+    stays = present & (cumulative > limit.unsqueeze(-1))
+    margin = (limit * TOP_P_ROUNDING).unsqueeze(-1)
+    at_the_cut = present & ((cumulative - limit.unsqueeze(-1)).abs() <= margin)
+    removed_count = (present & ~stays).sum(dim=-1, keepdim=True)
+    removed = torch.where(removed_count > 0, cumulative.gather(-1, (removed_count - 1).clamp_min(0)),
+                          below.unsqueeze(-1)).squeeze(-1)
+    smallest_kept = members.gather(-1, removed_count.clamp_max(members.size(-1) - 1)).squeeze(-1)
+    undecided = (~torch.isfinite(mass) | ~torch.isfinite(below) | (below >= limit - margin.squeeze(-1))
+                 | ~stays.any(dim=-1) | at_the_cut.any(dim=-1))
+    normaliser = reference + (mass - removed).log()
+    outside = chosen < smallest_kept  # the sampled token, below the cut: added; tied with a kept one: among them
+    return torch.where(outside, torch.logaddexp(normaliser, chosen), normaliser), undecided
 
 
 def _keep_top_p_sorted(scaled: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
