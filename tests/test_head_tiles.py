@@ -107,12 +107,13 @@ def flat_model(vocabulary: int, positions: int):
 
 @pytest.mark.parametrize("processing", [SamplerProcessing(top_p=0.9), SamplerProcessing(top_p=0.95),
                                         SamplerProcessing(temperature=0.7, top_p=0.5)], ids=str)
-def test_a_flat_rows_nucleus_is_decided_on_its_band_without_projecting_it_again(processing):
+def test_a_flat_rows_nucleus_is_decided_on_its_band_without_projecting_it_again(processing, monkeypatch):
     """Flat rows over two vocabulary tiles (33,000 tokens): the candidates do not reach p, and each row's nucleus is
     decided from the band of logits kept around where its ascending mass passes 1 - p (estimated on the first tile),
     with the values of the second projection (within the float32 rounding of a sum of 33,000 terms in two orders,
     relative 2^-20 of the row's mass: 1e-6 of the log). At most one row in ten is left to the second projection
-    (a cumulative mass within rounding of 1 - p)."""
+    (a cumulative mass within rounding of 1 - p). The band reads a tile 7 rows at a time."""
+    monkeypatch.setattr(head_tiles, "BAND_ROWS_AT_ONCE", 7)
     model = flat_model(33_000, positions=48)
     input_ids = torch.randint(0, 33_000, (4, 40))
     attention_mask = torch.ones_like(input_ids)

@@ -111,19 +111,26 @@ BAND_MEMBERS_LIMIT = 2**25
 4,096 x 32,768 tiles; past it, its rows are projected again."""
 
 
+BAND_ROWS_AT_ONCE = 512
+"""How many of a tile's rows `_NucleusBand` reads at once: its temporaries (the rows' weights, and on a first tile
+their int64 bins) stay at 512 x 32,768 values, an eighth of TRL's tile."""
+
+
 class _NucleusBand:
-    """Under top-p alone, what decides a flat row's nucleus without projecting it again: per wanted token, the scaled
-    logits in a band of values around where its ascending mass passes 1 - p (`share_band` on its first vocabulary
-    tile, +-`NUCLEUS_BAND_SHARE`), the mass under the band and its whole mass, in units of exp(the first tile's
-    largest logit). A row whose first tile puts its nucleus within the candidates gets no band (a peaked row's band
-    would be its long tail); a band the later tiles move the crossing out of leaves the row undecided
-    (`nucleus_from_band`), and it is projected again."""
+    """Under top-p alone, each wanted token's whole mass, and what decides a flat row's nucleus without projecting
+    it again: the scaled logits in a band of values around where its ascending mass passes 1 - p (`share_band` on
+    its first vocabulary tile, +-`NUCLEUS_BAND_SHARE`) and the mass under the band. Masses are in units of
+    exp(`reference`), the largest logit read so far (rescaled as a larger one comes, as an online logsumexp). A row
+    whose first tile puts its nucleus within the candidates gets no band (`banded` False: a peaked row's band would
+    be its long tail) and takes the candidates; a banded row takes none, and where the later tiles move its
+    crossing out of the band (`nucleus_from_band` leaves it undecided) it is projected again."""
 
     def __init__(self, wanted: int, p: float, device: torch.device):
         self.p = p
-        self.reference = torch.zeros(wanted, device=device)
+        self.reference = torch.full((wanted,), -torch.inf, device=device)
         self.low = torch.full((wanted,), torch.inf, device=device)
         self.high = torch.full((wanted,), torch.inf, device=device)
+        self.banded = torch.zeros(wanted, dtype=torch.bool, device=device)
         self.below = torch.zeros(wanted, device=device)
         self.mass = torch.zeros(wanted, device=device)
         self.rows: list[torch.Tensor] = []
@@ -131,23 +138,38 @@ class _NucleusBand:
         self.kept = 0
 
     def read(self, lo: int, hi: int, scaled: torch.Tensor, first: bool, vocabulary: int) -> None:
+        for start in range(0, hi - lo, BAND_ROWS_AT_ONCE):  # temporaries of a few tile rows, not the tile's size
+            stop = min(start + BAND_ROWS_AT_ONCE, hi - lo)
+            self._read_rows(lo + start, lo + stop, scaled[start:stop], first, vocabulary)
+
+    def _read_rows(self, lo: int, hi: int, scaled: torch.Tensor, first: bool, vocabulary: int) -> None:
         if first:
             low, high = share_band(scaled, max(0.0, 1 - self.p - NUCLEUS_BAND_SHARE),
                                    min(1.0, 1 - self.p + NUCLEUS_BAND_SHARE))
             past_candidates = (scaled >= low.unsqueeze(-1)).sum(-1) * (vocabulary / scaled.size(-1)) > \
                 SUPPORT_CANDIDATES / 2  # the nucleus estimated from this tile
-            self.reference[lo:hi] = scaled.amax(dim=-1)
+            self.banded[lo:hi] = past_candidates
             self.low[lo:hi] = torch.where(past_candidates, low, torch.inf)
             self.high[lo:hi] = torch.where(past_candidates, high, torch.inf)
-        weights = (scaled - self.reference[lo:hi].unsqueeze(-1)).exp()
-        low, high = self.low[lo:hi].unsqueeze(-1), self.high[lo:hi].unsqueeze(-1)
+        reference = torch.maximum(self.reference[lo:hi], scaled.amax(dim=-1))
+        rescale = (self.reference[lo:hi] - reference).exp()
+        self.mass[lo:hi] *= rescale
+        self.below[lo:hi] *= rescale
+        self.reference[lo:hi] = reference
+        weights = (scaled - reference.unsqueeze(-1)).exp()
         self.mass[lo:hi] += weights.sum(dim=-1)
+        low, high = self.low[lo:hi].unsqueeze(-1), self.high[lo:hi].unsqueeze(-1)
         self.below[lo:hi] += torch.where(scaled < low, weights, 0.0).sum(dim=-1)
         row, column = ((scaled >= low) & (scaled < high)).nonzero(as_tuple=True)
         self.kept += row.numel()
         if self.kept <= BAND_MEMBERS_LIMIT:
             self.rows.append((row + lo).int())
             self.values.append(scaled[row, column])
+
+    @property
+    def total(self) -> torch.Tensor:
+        """The logsumexp of each wanted token's whole scaled row."""
+        return self.reference + self.mass.log()
 
     def normalisers(self, index: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`nucleus_from_band` for the wanted tokens `index` (their sampled tokens' scaled logits `chosen`)."""
@@ -164,7 +186,8 @@ class _NucleusBand:
 
 class _TileStream:
     """What one forward's tiles leave per wanted token: its largest `width` logits (as projected, descending once
-    complete), its own logit, and (top-p alone) the logsumexp of its whole scaled row."""
+    complete; -inf for a row decided on its band), its own logit, and (top-p) the logsumexp of its whole scaled row
+    (`whole_row_total`)."""
 
     def __init__(self, rows: CallRows, processing: SamplerProcessing, width_of: Callable[[int], int]):
         self.rows, self.processing, self.width_of = rows, processing, width_of
@@ -187,10 +210,10 @@ class _TileStream:
             wanted = self.rows.tokens.numel()
             self.top = tile.new_full((wanted, self.width_of(vocabulary)), -torch.inf)
             self.chosen = torch.zeros(wanted, dtype=torch.float32, device=tile.device)
-            if needs_whole_row_mass(self.processing):
-                self.total = torch.full((wanted,), -torch.inf, dtype=torch.float32, device=tile.device)
             if nucleus_band_applies(self.processing):
                 self.band = _NucleusBand(wanted, self.processing.top_p, tile.device)
+            elif needs_whole_row_mass(self.processing):
+                self.total = torch.full((wanted,), -torch.inf, dtype=torch.float32, device=tile.device)
         if self.rows.kernel_rows is None:
             lo, hi, logits = self.row, self.row + n, tile
         else:
@@ -200,21 +223,38 @@ class _TileStream:
         if hi > lo:
             if bias is not None:  # TRL adds the bias to the tile in place after the product, in the tile's dtype
                 logits = logits + bias[self.column:self.column + w].to(tile.dtype)
-            width = self.top.size(-1)
-            merged = torch.cat([self.top[lo:hi], logits.topk(min(width, w), dim=-1).values], dim=-1)
-            self.top[lo:hi] = merged.topk(width, dim=-1).values
             local = self.rows.tokens[lo:hi] - self.column
             inside = (local >= 0) & (local < w)
             own = logits.gather(-1, local.clamp(0, w - 1).unsqueeze(-1)).squeeze(-1).float()
             self.chosen[lo:hi] = torch.where(inside, own, self.chosen[lo:hi])
-            if self.total is not None:
+            if self.band is not None or self.total is not None:
                 scaled = scaled_logits(transform(logits), self.processing.temperature)
-                self.total[lo:hi] = torch.logaddexp(self.total[lo:hi], scaled.logsumexp(dim=-1))
                 if self.band is not None:
                     self.band.read(lo, hi, scaled, self.column == 0, vocabulary)
+                else:
+                    self.total[lo:hi] = torch.logaddexp(self.total[lo:hi], scaled.logsumexp(dim=-1))
+            self._keep_candidates(lo, hi, logits)
         self.column += w
         if self.column == vocabulary:
             self.row, self.column = self.row + n, 0
+
+    def _keep_candidates(self, lo: int, hi: int, logits: torch.Tensor) -> None:
+        """Merge the largest logits of rows lo:hi of this tile into `top`, but for rows decided on their band."""
+        rows = None
+        if self.band is not None and bool(self.band.banded[lo:hi].any()):
+            rows = (~self.band.banded[lo:hi]).nonzero().squeeze(-1)
+            if rows.numel() == 0:
+                return
+            logits = logits[rows]
+        width = self.top.size(-1)
+        target = slice(lo, hi) if rows is None else rows + lo
+        merged = torch.cat([self.top[target], logits.topk(min(width, logits.size(-1)), dim=-1).values], dim=-1)
+        self.top[target] = merged.topk(width, dim=-1).values
+
+    @property
+    def whole_row_total(self) -> torch.Tensor | None:
+        """The logsumexp of each wanted token's whole scaled row, where top-p needs it (else None)."""
+        return self.band.total if self.band is not None else self.total
 
     @property
     def complete(self) -> bool:
@@ -333,8 +373,10 @@ class HeadTileSupport:
         temperature = self.processing.temperature
         values = scaled_logits(self.transform(stream.top), temperature)
         chosen = scaled_logits(self.transform(stream.chosen), temperature)
-        normaliser, undecided = normaliser_of_candidates(values, chosen, stream.total,
+        normaliser, undecided = normaliser_of_candidates(values, chosen, stream.whole_row_total,
                                                          stream.top.size(-1) >= stream.vocabulary, self.processing)
+        if stream.band is not None:
+            undecided |= stream.band.banded  # no candidates kept
         result = chosen - normaliser
         # The rows the tiles' candidates leave undecided (a flat row under top-p) are decided on their band where
         # they have one, else on their whole vocabulary projected again.
