@@ -9,11 +9,15 @@ the backbone's forward and the start of the next (the head's part of each forwar
 The second projection through the output layer, the support's largest cost on a CPU (0.42 of its 0.55 s in a loss
 call at the Qwen2.5-0.5B shape, docs/benchmarks.md), is gone; what remains is the candidates' `topk` on each tile.
 
-Rows the candidates do not decide (a flat distribution under top-p, ties past the candidates) are projected again,
-alone, and decided on their whole vocabulary (`chunked_processed_log_probs`, whose top-p sorts no row). Where the
-tiles are not the ones expected (another head, a TRL that projects otherwise), every row is projected again and the
-run says so once: the values are the same either way, up to the
-float32 rounding of two tilings of one product (tests/test_head_tiles.py).
+Under top-p alone a flat row's nucleus runs past any candidate set (most of a random-weight model's rows, a trained
+model's most uncertain ones). For such a row, marked on its first vocabulary tile, the tiles keep instead the
+logits in a band of values around where its ascending mass passes 1 - p, and its mass under the band
+(`_NucleusBand`): the tokens of the band are sorted at the end and the nucleus is cut as the sorted rule cuts it
+(`nucleus_from_band`). Rows neither decides (a band the later tiles moved the crossing out of, a cumulative mass
+within rounding of 1 - p, ties past the candidates) are projected again, alone, and decided on their whole
+vocabulary (`chunked_processed_log_probs`, whose top-p sorts no row). Where the tiles are not the ones expected
+(another head, a TRL that projects otherwise), every row is projected again and the run says so once: the values
+are the same either way, up to the float32 rounding of two tilings of one product (tests/test_head_tiles.py).
 """
 
 from __future__ import annotations
