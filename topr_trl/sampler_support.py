@@ -147,11 +147,7 @@ def _keep_top_p_in_bins(scaled: torch.Tensor, keep: torch.Tensor, p: float) -> t
     weights = (masked - high).exp_()  # probabilities times the row's sum `whole`, 0 outside `keep`
     whole = weights.sum(dim=-1, keepdim=True)
     low = (scaled if every else scaled.masked_fill(~keep, math.inf)).amin(dim=-1, keepdim=True)
-    spread = high - low
-    scale = torch.where(spread > 0, TOP_P_BINS / spread, 0.0)  # one kept value: every token in bin 0
-    scale = torch.where(torch.isfinite(scale), scale, 0.0)  # a spread below float32's range: likewise
-    bins = (scaled - low).mul_(scale).clamp_(0, TOP_P_BINS - 1).long()  # tokens outside `keep` weigh 0 anywhere
-    mass = weights.new_zeros(n, TOP_P_BINS).scatter_add_(-1, bins, weights)
+    bins, mass, _ = _mass_in_value_bins(scaled, low, high, weights)  # tokens outside `keep` weigh 0 anywhere
     limit = (1 - p) * whole  # 1 - p of the row's mass
     above = mass.cumsum(dim=-1)  # the mass of each bin and those below it
     crossing = (above > limit).int().argmax(dim=-1)  # the first bin past 1 - p
@@ -171,6 +167,18 @@ def _keep_top_p_in_bins(scaled: torch.Tensor, keep: torch.Tensor, p: float) -> t
     rows = torch.arange(n, device=scaled.device).unsqueeze(-1).expand_as(stays)
     kept[rows[stays], columns[stays]] = True
     return kept, undecided
+
+
+def _mass_in_value_bins(scaled: torch.Tensor, low: torch.Tensor, high: torch.Tensor, weights: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(each token's bin (N, V) int64, each bin's mass (N, `TOP_P_BINS`), bins per unit of logit (N, 1)): the (N, V)
+    `scaled` logits in `TOP_P_BINS` bins of equal width between each row's `low` and `high` (N, 1), with the
+    tokens' `weights` added up per bin. A row of one value (or a spread below float32's range) is all in bin 0."""
+    spread = high - low
+    scale = torch.where(spread > 0, TOP_P_BINS / spread, 0.0)
+    scale = torch.where(torch.isfinite(scale), scale, 0.0)
+    bins = (scaled - low).mul_(scale).clamp_(0, TOP_P_BINS - 1).long()
+    return bins, weights.new_zeros(scaled.size(0), TOP_P_BINS).scatter_add_(-1, bins, weights), scale
 
 
 def ascending_by_row(row: torch.Tensor, values: torch.Tensor, n: int, labels: torch.Tensor
@@ -205,15 +213,9 @@ def share_band(scaled: torch.Tensor, low_share: float, high_share: float) -> tup
     """(low, high) (N,): logit values bracketing where the ascending cumulative mass of each (N, W) row of scaled
     logits passes `low_share` and `high_share` of the row's mass, at the resolution of `TOP_P_BINS` value bins (the
     bins' edges; -inf / inf at the ends)."""
-    n = scaled.size(0)
     high = scaled.amax(dim=-1, keepdim=True)
     low = scaled.amin(dim=-1, keepdim=True)
-    weights = (scaled - high).exp()
-    spread = high - low
-    scale = torch.where(spread > 0, TOP_P_BINS / spread, 0.0)
-    scale = torch.where(torch.isfinite(scale), scale, 0.0)
-    bins = (scaled - low).mul_(scale).clamp_(0, TOP_P_BINS - 1).long()
-    mass = weights.new_zeros(n, TOP_P_BINS).scatter_add_(-1, bins, weights)
+    _, mass, scale = _mass_in_value_bins(scaled, low, high, (scaled - high).exp())
     share = mass.cumsum(dim=-1) / mass.sum(dim=-1, keepdim=True)
     first = (share > low_share).int().argmax(dim=-1, keepdim=True)  # the bin where the low share is passed
     last = (share >= high_share).int().argmax(dim=-1, keepdim=True)
