@@ -123,20 +123,10 @@ def logged_values(trainer, key) -> list[float]:
 
 @pytest.fixture
 def tile_reads(monkeypatch) -> list[bool]:
-    """For each time pi's support is scored (`HeadTileSupport.processed`), whether every forward's tokens were read
-    from TRL's fused-head tiles rather than projected again."""
-    from topr_trl.head_tiles import HeadTileSupport
+    """For each time pi's support is scored, whether it was read from TRL's fused-head tiles (`recording_tile_reads`)."""
+    from .tile_reads import recording_tile_reads
 
-    reads = []
-    processed = HeadTileSupport.processed
-
-    def recorded(self, *args, **kwargs):
-        values = processed(self, *args, **kwargs)
-        reads.append(self.read_from_tiles)
-        return values
-
-    monkeypatch.setattr(HeadTileSupport, "processed", recorded)
-    return reads
+    return recording_tile_reads(monkeypatch.setattr)
 
 
 def parity_reward(completions, **kwargs) -> list[float]:

@@ -12,10 +12,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import torch  # noqa: E402
+from tile_reads import recording_tile_reads  # noqa: E402  (tests/ is this script's first path)
 
 from topr_trl import TOPRConfig, TOPRTrainer  # noqa: E402
 from topr_trl.distributed import end_process_group  # noqa: E402
-from topr_trl.head_tiles import HeadTileSupport  # noqa: E402
 from topr_trl.offline import load_offline_dataset, stored_reward  # noqa: E402
 
 
@@ -31,15 +31,7 @@ def main(model_path: str, data_dir: str, output_dir: str, results_dir: str, per_
     trainer = TOPRTrainer(model=model_path, reward_funcs=stored_reward, args=args,
                           train_dataset=load_offline_dataset(data_dir))
     # whether pi's support (data sampled with truncation) was read from TRL's head tiles in every loss call
-    tile_reads = []
-    processed = HeadTileSupport.processed
-
-    def recorded(self, *args, **kwargs):
-        values = processed(self, *args, **kwargs)
-        tile_reads.append(self.read_from_tiles)
-        return values
-
-    HeadTileSupport.processed = recorded
+    tile_reads = recording_tile_reads(setattr)
     trainer.train()
     parameters = dict(trainer.model.named_parameters())
     if trainer.is_deepspeed_enabled and trainer.accelerator.deepspeed_plugin.zero_stage == 3:

@@ -184,7 +184,7 @@ class _NucleusBand:
         rows, values = torch.cat(self.rows).long(), torch.cat(self.values)
         wanted = position[rows] >= 0
         rows, values = position[rows[wanted]], values[wanted]
-        members, _ = ascending_by_row(rows, values, index.numel(), rows)
+        members, _ = ascending_by_row(rows, values, index.numel())
         return nucleus_from_band(members, self.below[index], self.mass[index], self.reference[index], chosen, self.p)
 
 

@@ -156,13 +156,9 @@ def _keep_top_p_in_bins(scaled: torch.Tensor, keep: torch.Tensor, p: float) -> t
     members = keep & (bins == crossing.unsqueeze(-1))
     row, column = members.nonzero(as_tuple=True)
     values, columns = ascending_by_row(row, scaled[row, column], n, column)  # the crossing bin's tokens
-    present = torch.isfinite(values)
-    cumulative = below + torch.where(present, (values - high).exp(), 0.0).cumsum(dim=-1)
-    stays = present & (cumulative > limit)
-    # A token whose cumulative mass is within rounding of 1 - p (ties at the cut: 12 of 60 equal tokens at p = 0.8)
-    # may fall either way in two summation orders: such rows are left to the sort, which engines use.
-    at_the_cut = present & ((cumulative - limit).abs() <= limit * TOP_P_ROUNDING)
-    undecided = ~found.squeeze(-1) | ~stays.any(dim=-1) | at_the_cut.any(dim=-1)
+    cut = _ascending_cut(values, below.squeeze(-1), limit.squeeze(-1), high.squeeze(-1))
+    stays = cut.stays
+    undecided = ~found.squeeze(-1) | ~stays.any(dim=-1) | cut.at_the_cut
     kept = keep & (bins > crossing.unsqueeze(-1))
     rows = torch.arange(n, device=scaled.device).unsqueeze(-1).expand_as(stays)
     kept[rows[stays], columns[stays]] = True
@@ -181,20 +177,24 @@ def _mass_in_value_bins(scaled: torch.Tensor, low: torch.Tensor, high: torch.Ten
     return bins, weights.new_zeros(scaled.size(0), TOP_P_BINS).scatter_add_(-1, bins, weights), scale
 
 
-def ascending_by_row(row: torch.Tensor, values: torch.Tensor, n: int, labels: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, M) each row's `values` in ascending order, padded with inf, and their `labels` alike, from the flat
-    (row index, value, label) triples of N rows, in any order (M the most any row has)."""
+def ascending_by_row(row: torch.Tensor, values: torch.Tensor, n: int, labels: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(N, M) each row's `values` in ascending order, padded with inf, and their `labels` alike (None without), from
+    the flat (row index, value, label) triples of N rows, in any order (M the most any row has)."""
     if row.numel() > 1 and not bool((row[1:] >= row[:-1]).all()):
         by_row = row.argsort(stable=True)
-        row, values, labels = row[by_row], values[by_row], labels[by_row]
+        row, values = row[by_row], values[by_row]
+        labels = labels[by_row] if labels is not None else None
     counts = torch.bincount(row, minlength=n)
     place = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts)[row]
     width = max(int(counts.max()) if n and row.numel() else 0, 1)
     padded = values.new_full((n, width), math.inf)
-    tags = torch.zeros((n, width), dtype=labels.dtype, device=labels.device)
-    padded[row, place], tags[row, place] = values, labels
+    padded[row, place] = values
     padded, order = padded.sort(dim=-1)
+    if labels is None:
+        return padded, None
+    tags = torch.zeros((n, width), dtype=labels.dtype, device=labels.device)
+    tags[row, place] = labels
     return padded, tags.gather(-1, order)
 
 
@@ -235,21 +235,45 @@ def nucleus_from_band(members: torch.Tensor, below: torch.Tensor, mass: torch.Te
     order), and the support's mass is the whole less theirs; a crossing under the band (`below` past 1 - p), above
     it (every member removed), or within rounding of 1 - p (`TOP_P_ROUNDING`) leaves the row undecided."""
     limit = (1 - p) * mass
-    present = torch.isfinite(members)
-    weights = torch.where(present, (members - reference.unsqueeze(-1)).exp(), 0.0)
-    cumulative = below.unsqueeze(-1) + weights.cumsum(dim=-1)
-    stays = present & (cumulative > limit.unsqueeze(-1))
-    margin = (limit * TOP_P_ROUNDING).unsqueeze(-1)
-    at_the_cut = present & ((cumulative - limit.unsqueeze(-1)).abs() <= margin)
-    removed_count = (present & ~stays).sum(dim=-1, keepdim=True)
-    removed = torch.where(removed_count > 0, cumulative.gather(-1, (removed_count - 1).clamp_min(0)),
+    cut = _ascending_cut(members, below, limit, reference)
+    removed_count = (cut.present & ~cut.stays).sum(dim=-1, keepdim=True)
+    removed = torch.where(removed_count > 0, cut.cumulative.gather(-1, (removed_count - 1).clamp_min(0)),
                           below.unsqueeze(-1)).squeeze(-1)
     smallest_kept = members.gather(-1, removed_count.clamp_max(members.size(-1) - 1)).squeeze(-1)
-    undecided = (~torch.isfinite(mass) | ~torch.isfinite(below) | (below >= limit - margin.squeeze(-1))
-                 | ~stays.any(dim=-1) | at_the_cut.any(dim=-1))
-    normaliser = reference + (mass - removed).log()
-    outside = chosen < smallest_kept  # the sampled token, below the cut: added; tied with a kept one: among them
-    return torch.where(outside, torch.logaddexp(normaliser, chosen), normaliser), undecided
+    undecided = (~torch.isfinite(mass) | ~torch.isfinite(below) | (below >= limit * (1 - TOP_P_ROUNDING))
+                 | ~cut.stays.any(dim=-1) | cut.at_the_cut)
+    return _with_the_sampled_token(reference + (mass - removed).log(), chosen, smallest_kept), undecided
+
+
+class _Cut(NamedTuple):
+    """Top-p's cut among a row's tokens in ascending order: `present` (not padding), `cumulative` their ascending
+    cumulative mass, `stays` whether each is kept (its cumulative mass > 1 - p of the row's), and `at_the_cut` (N,)
+    whether a token's cumulative mass is within `TOP_P_ROUNDING` of 1 - p."""
+
+    present: torch.Tensor
+    cumulative: torch.Tensor
+    stays: torch.Tensor
+    at_the_cut: torch.Tensor
+
+
+def _ascending_cut(values: torch.Tensor, below: torch.Tensor, limit: torch.Tensor, reference: torch.Tensor) -> _Cut:
+    """`_Cut` of (N, M) scaled logits `values` in ascending order (inf: padding), above tokens of mass `below` (N,),
+    against `limit` (N,) = (1 - p) x the row's mass, masses in units of exp(`reference`) (N,). A token within rounding
+    of 1 - p (ties at the cut: 12 of 60 equal tokens at p = 0.8) may fall either way in two summation orders, so
+    its row is left to the sort, which engines use."""
+    present = torch.isfinite(values)
+    cumulative = below.unsqueeze(-1) + torch.where(present, (values - reference.unsqueeze(-1)).exp(), 0.0).cumsum(-1)
+    stays = present & (cumulative > limit.unsqueeze(-1))
+    at_the_cut = (present & ((cumulative - limit.unsqueeze(-1)).abs() <= (limit * TOP_P_ROUNDING).unsqueeze(-1)))
+    return _Cut(present, cumulative, stays, at_the_cut.any(dim=-1))
+
+
+def _with_the_sampled_token(normaliser: torch.Tensor, chosen: torch.Tensor, smallest_kept: torch.Tensor
+                            ) -> torch.Tensor:
+    """The support's logsumexp `normaliser` with the sampled token's scaled logit `chosen` added where it lies below
+    the smallest kept logit; tied with a kept one, it is one of the ties the cut kept (which ones is a sort's
+    order), as the sampler kept it."""
+    return torch.where(chosen < smallest_kept, torch.logaddexp(normaliser, chosen), normaliser)
 
 
 def _keep_top_p_sorted(scaled: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
@@ -327,10 +351,9 @@ def with_the_sampled_token(keep: torch.Tensor, logits: torch.Tensor, tokens: tor
     the sampled one was among those (which ones the cut keeps is a sort's order; `normaliser_of_candidates` reads the
     sampled token alike)."""
     scaled = scaled_logits(logits, temperature)
-    normaliser = scaled.masked_fill(~keep, -math.inf).logsumexp(dim=-1)
-    chosen = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    outside = chosen < scaled.masked_fill(~keep, math.inf).amin(dim=-1)
-    return torch.where(outside, torch.logaddexp(normaliser, chosen), normaliser)
+    return _with_the_sampled_token(scaled.masked_fill(~keep, -math.inf).logsumexp(dim=-1),
+                                   scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1),
+                                   scaled.masked_fill(~keep, math.inf).amin(dim=-1))
 
 
 def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -436,10 +459,8 @@ def normaliser_of_candidates(values: torch.Tensor, chosen: torch.Tensor, total: 
     for name in SUPPORT_FILTERS[processing.engine]:
         prefix = _CANDIDATE_FILTERS[name](prefix, values, total, processing)
     undecided = prefix.undecided | ~prefix.whole  # no filter truncated: the support is the whole vocabulary
-    boundary = torch.where(prefix.kept, values, math.inf).amin(dim=-1)
-    normaliser = _masked_logsumexp(values, prefix.kept)
-    outside = chosen < boundary  # the sampled token, kept in the support though the filters drop it
-    return torch.where(outside, torch.logaddexp(normaliser, chosen), normaliser), undecided
+    smallest_kept = torch.where(prefix.kept, values, math.inf).amin(dim=-1)
+    return _with_the_sampled_token(_masked_logsumexp(values, prefix.kept), chosen, smallest_kept), undecided
 
 
 def _masked_logsumexp(values: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
