@@ -113,7 +113,7 @@ def test_a_flat_rows_nucleus_is_decided_on_its_band_without_projecting_it_again(
     with the values of the second projection (within the float32 rounding of a sum of 33,000 terms in two orders,
     relative 2^-20 of the row's mass: 1e-6 of the log). At most one row in ten is left to the second projection
     (a cumulative mass within rounding of 1 - p). The band reads a tile 7 rows at a time."""
-    monkeypatch.setattr(head_tiles, "BAND_ROWS_AT_ONCE", 7)
+    monkeypatch.setattr(head_tiles, "rows_at_once", lambda tile: 7)
     model = flat_model(33_000, positions=48)
     input_ids = torch.randint(0, 33_000, (4, 40))
     attention_mask = torch.ones_like(input_ids)
@@ -124,6 +124,38 @@ def test_a_flat_rows_nucleus_is_decided_on_its_band_without_projecting_it_again(
     support = seen[0]
     assert support.band_rows + support.projected_rows == 64 and support.projected_rows <= 6
     torch.testing.assert_close(tiles, projected, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("rows_at_once", [7, 64])
+def test_the_band_keeps_each_rows_logits_in_its_band_and_its_masses_over_every_tile(rows_at_once):
+    """`_NucleusBand` fed 40 rows of 3,000 logits in three tiles (1,300, 1,300, 400 columns), `rows_at_once` rows at
+    a time (as `_TileStream` reads a tile), the later tiles' largest logits above the first's (the reference is rescaled): for each banded row, its
+    members are exactly the row's logits in [low, high) (sorted, not one lost or moved by another tile's), and its
+    whole mass and the mass under the band are those of the whole row (float32 sums of 3,000 terms: relative 1e-5).
+    Rows peaked on the first tile are not banded and keep no members."""
+    generator = torch.Generator().manual_seed(3)
+    rows = torch.randn(40, 3_000, generator=generator) * 0.3
+    rows[:, 2_600:] += 0.5  # the last tile's logits above the first's largest
+    rows[30:, 7] = 40.0  # peaked rows: their nucleus is one token
+    band = head_tiles._NucleusBand(40, 0.9, torch.device("cpu"))
+    for lo, hi in [(0, 1_300), (1_300, 2_600), (2_600, 3_000)]:
+        for start in range(0, 40, rows_at_once):
+            stop = min(start + rows_at_once, 40)
+            band.read(start, stop, rows[start:stop, lo:hi], first=lo == 0, vocabulary=3_000)
+    assert band.banded[:30].all() and not band.banded[30:].any()
+    reference = rows.amax(dim=-1)
+    torch.testing.assert_close(band.reference, reference, rtol=0, atol=0)
+    torch.testing.assert_close(band.mass, (rows - reference[:, None]).exp().sum(-1), rtol=1e-5, atol=0)
+    index = torch.arange(30)
+    members = band.members(index)
+    for row in range(30):
+        low, high = band.low[row], band.high[row]
+        inside = rows[row][(rows[row] >= low) & (rows[row] < high)].sort().values
+        assert inside.numel() > 10
+        torch.testing.assert_close(members[row, :inside.numel()], inside, rtol=0, atol=0)
+        assert torch.isinf(members[row, inside.numel():]).all()
+        below = (rows[row][rows[row] < low] - reference[row]).exp().sum()
+        torch.testing.assert_close(band.below[row], below, rtol=1e-5, atol=0)
 
 
 def test_a_band_the_later_tiles_move_the_nucleus_out_of_sends_its_rows_to_the_second_projection():

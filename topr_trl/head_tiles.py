@@ -35,7 +35,6 @@ from .sampler_support import (
     SUPPORT_CANDIDATES,
     CapturedBackbone,
     SamplerProcessing,
-    ascending_by_row,
     candidate_width,
     chunked_processed_log_probs,
     head_transform,
@@ -115,9 +114,22 @@ BAND_MEMBERS_LIMIT = 2**25
 4,096 x 32,768 tiles; past it, its rows are projected again."""
 
 
-BAND_ROWS_AT_ONCE = 512
-"""How many of a tile's rows `_NucleusBand` reads at once: its temporaries (the rows' weights, and on a first tile
-their int64 bins) stay at 512 x 32,768 values, an eighth of TRL's tile."""
+ROWS_AT_ONCE = 512
+"""How many of a tile's wanted rows `_TileStream` reads at once on an accelerator: the temporaries (the rows' weights
+in the band, and on a first tile their int64 bins) stay at 512 x 32,768 values, an eighth of TRL's tile."""
+
+
+CPU_ELEMENTS_AT_ONCE = 2**20
+"""How many logits `_TileStream` reads at once on a CPU (4 MB of float32, 32 rows of a 32,768-token tile): the band's
+passes over a tile then run in cache instead of streaming 64 MB temporaries through memory, which took its reading
+from 0.46 to 0.18 s per 256 flat rows at the Qwen2.5-0.5B head (docs/benchmarks.md)."""
+
+
+def rows_at_once(tile: torch.Tensor) -> int:
+    """How many wanted rows of `tile` `_TileStream` reads at once (`CPU_ELEMENTS_AT_ONCE`, `ROWS_AT_ONCE`)."""
+    if tile.device.type == "cpu":
+        return max(1, CPU_ELEMENTS_AT_ONCE // max(1, tile.size(-1)))
+    return ROWS_AT_ONCE
 
 
 class _NucleusBand:
@@ -137,16 +149,17 @@ class _NucleusBand:
         self.banded = torch.zeros(wanted, dtype=torch.bool, device=device)
         self.below = torch.zeros(wanted, device=device)
         self.mass = torch.zeros(wanted, device=device)
-        self.rows: list[torch.Tensor] = []
+        # The members, in the order read (each chunk of rows row-major), and per chunk and row: the row, how many of
+        # its members the chunk holds, and how many it held before (where the chunk's go among the row's members).
         self.values: list[torch.Tensor] = []
+        self.rows: list[torch.Tensor] = []
+        self.counts: list[torch.Tensor] = []
+        self.earlier: list[torch.Tensor] = []
+        self.filled = torch.zeros(wanted, dtype=torch.long, device=device)  # members kept per row so far
         self.kept = 0
 
     def read(self, lo: int, hi: int, scaled: torch.Tensor, first: bool, vocabulary: int) -> None:
-        for start in range(0, hi - lo, BAND_ROWS_AT_ONCE):  # temporaries of a few tile rows, not the tile's size
-            stop = min(start + BAND_ROWS_AT_ONCE, hi - lo)
-            self._read_rows(lo + start, lo + stop, scaled[start:stop], first, vocabulary)
-
-    def _read_rows(self, lo: int, hi: int, scaled: torch.Tensor, first: bool, vocabulary: int) -> None:
+        """Rows lo:hi of a tile's scaled logits (`first`: the vocabulary's first tile)."""
         if first:
             low, high = share_band(scaled, max(0.0, 1 - self.p - NUCLEUS_BAND_SHARE),
                                    min(1.0, 1 - self.p + NUCLEUS_BAND_SHARE))
@@ -160,32 +173,46 @@ class _NucleusBand:
         self.mass[lo:hi] *= rescale
         self.below[lo:hi] *= rescale
         self.reference[lo:hi] = reference
-        weights = (scaled - reference.unsqueeze(-1)).exp()
+        weights = torch.sub(scaled, reference.unsqueeze(-1)).exp_()
         self.mass[lo:hi] += weights.sum(dim=-1)
-        low, high = self.low[lo:hi].unsqueeze(-1), self.high[lo:hi].unsqueeze(-1)
-        self.below[lo:hi] += torch.where(scaled < low, weights, 0.0).sum(dim=-1)
-        row, column = ((scaled >= low) & (scaled < high)).nonzero(as_tuple=True)
+        inside = scaled >= self.low[lo:hi].unsqueeze(-1)
+        self.below[lo:hi] += weights.masked_fill_(inside, 0.0).sum(dim=-1)
+        inside &= scaled < self.high[lo:hi].unsqueeze(-1)
+        row, column = inside.nonzero(as_tuple=True)  # row-major: each row's members in a run
         self.kept += row.numel()
         if self.kept <= BAND_MEMBERS_LIMIT:
-            self.rows.append((row + lo).int())
+            counts = torch.bincount(row, minlength=hi - lo)
             self.values.append(scaled[row, column])
+            self.rows.append(torch.arange(lo, hi, device=row.device))
+            self.counts.append(counts)
+            self.earlier.append(self.filled[lo:hi].clone())
+            self.filled[lo:hi] += counts
 
     @property
     def total(self) -> torch.Tensor:
         """The logsumexp of each wanted token's whole scaled row."""
         return self.reference + self.mass.log()
 
-    def normalisers(self, index: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`nucleus_from_band` for the wanted tokens `index` (their sampled tokens' scaled logits `chosen`)."""
-        if self.kept > BAND_MEMBERS_LIMIT or not self.rows:
-            return torch.zeros_like(chosen), torch.ones_like(chosen, dtype=torch.bool)
+    def members(self, index: torch.Tensor) -> torch.Tensor:
+        """(len(index), M) the band's scaled logits of the wanted tokens `index`, ascending, padded with inf."""
         position = torch.full_like(self.mass, -1, dtype=torch.long)
         position[index] = torch.arange(index.numel(), device=index.device)
-        rows, values = torch.cat(self.rows).long(), torch.cat(self.values)
-        wanted = position[rows] >= 0
-        rows, values = position[rows[wanted]], values[wanted]
-        members, _ = ascending_by_row(rows, values, index.numel())
-        return nucleus_from_band(members, self.below[index], self.mass[index], self.reference[index], chosen, self.p)
+        members = self.values[0].new_full((index.numel(), max(int(self.filled[index].max()), 1)), torch.inf)
+        for values, rows, counts, earlier in zip(self.values, self.rows, self.counts, self.earlier, strict=True):
+            # each member's place among its row's members of every tile (chunk by chunk: temporaries of its size)
+            starts = (counts.cumsum(0) - counts - earlier).repeat_interleave(counts)
+            places = torch.arange(values.numel(), device=values.device) - starts
+            rows = position[rows.repeat_interleave(counts)]
+            wanted = rows >= 0
+            members[rows[wanted], places[wanted]] = values[wanted]
+        return members.sort(dim=-1).values
+
+    def normalisers(self, index: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`nucleus_from_band` for the wanted tokens `index` (their sampled tokens' scaled logits `chosen`)."""
+        if self.kept > BAND_MEMBERS_LIMIT or not self.values:
+            return torch.zeros_like(chosen), torch.ones_like(chosen, dtype=torch.bool)
+        return nucleus_from_band(self.members(index), self.below[index], self.mass[index], self.reference[index],
+                                 chosen, self.p)
 
 
 class _TileStream:
@@ -219,28 +246,43 @@ class _TileStream:
             elif needs_whole_row_mass(self.processing):
                 self.total = torch.full((wanted,), -torch.inf, dtype=torch.float32, device=tile.device)
         if self.rows.kernel_rows is None:
-            lo, hi, logits = self.row, self.row + n, tile
+            lo, hi, local = self.row, self.row + n, None
         else:
             lo, hi = torch.searchsorted(self.rows.kernel_rows,
                                         torch.tensor([self.row, self.row + n], device=tile.device)).tolist()
-            logits = tile[self.rows.kernel_rows[lo:hi] - self.row]
-        if hi > lo:
-            if bias is not None:  # TRL adds the bias to the tile in place after the product, in the tile's dtype
-                logits = logits + bias[self.column:self.column + w].to(tile.dtype)
-            local = self.rows.tokens[lo:hi] - self.column
-            inside = (local >= 0) & (local < w)
-            own = logits.gather(-1, local.clamp(0, w - 1).unsqueeze(-1)).squeeze(-1).float()
-            self.chosen[lo:hi] = torch.where(inside, own, self.chosen[lo:hi])
-            if self.band is not None or self.total is not None:
-                scaled = scaled_logits(transform(logits), self.processing.temperature)
-                if self.band is not None:
-                    self.band.read(lo, hi, scaled, self.column == 0, vocabulary)
-                else:
-                    self.total[lo:hi] = torch.logaddexp(self.total[lo:hi], scaled.logsumexp(dim=-1))
-            self._keep_candidates(lo, hi, logits)
+            local = self.rows.kernel_rows[lo:hi] - self.row  # the wanted rows' places in the tile, ascending
+        at_once = rows_at_once(tile)
+        for start in range(lo, hi, at_once):  # a few rows at a time: temporaries of their size, not the tile's
+            stop = min(start + at_once, hi)
+            if local is None:
+                logits = tile[start - lo:stop - lo]
+            else:
+                places = local[start - lo:stop - lo]
+                first = int(places[0])
+                contiguous = int(places[-1]) - first == stop - start - 1  # a view, not a copy
+                logits = tile[first:first + stop - start] if contiguous else tile[places]
+            self._read_rows(start, stop, logits, bias, vocabulary, transform)
         self.column += w
         if self.column == vocabulary:
             self.row, self.column = self.row + n, 0
+
+    def _read_rows(self, lo: int, hi: int, logits: torch.Tensor, bias: torch.Tensor | None, vocabulary: int,
+                   transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Wanted tokens lo:hi, whose rows of the tile are `logits`."""
+        w = logits.size(-1)
+        if bias is not None:  # TRL adds the bias to the tile in place after the product, in the tile's dtype
+            logits = logits + bias[self.column:self.column + w].to(logits.dtype)
+        local = self.rows.tokens[lo:hi] - self.column
+        inside = (local >= 0) & (local < w)
+        own = logits.gather(-1, local.clamp(0, w - 1).unsqueeze(-1)).squeeze(-1).float()
+        self.chosen[lo:hi] = torch.where(inside, own, self.chosen[lo:hi])
+        if self.band is not None or self.total is not None:
+            scaled = scaled_logits(transform(logits), self.processing.temperature)
+            if self.band is not None:
+                self.band.read(lo, hi, scaled, self.column == 0, vocabulary)
+            else:
+                self.total[lo:hi] = torch.logaddexp(self.total[lo:hi], scaled.logsumexp(dim=-1))
+        self._keep_candidates(lo, hi, logits)
 
     def _keep_candidates(self, lo: int, hi: int, logits: torch.Tensor) -> None:
         """Merge the largest logits of rows lo:hi of this tile into `top`, but for rows decided on their band."""
