@@ -194,6 +194,48 @@ def worker(options: dict) -> dict:
             "flops": step_flops(trainer.model.config, options, options["setting"])}
 
 
+class AddedMemory:
+    """The most memory one call adds above what is resident when it starts. On a GPU, the allocator's peak. On a
+    Linux CPU, the process's resident peak (`VmHWM`, reset through /proc/self/clear_refs) with glibc's mmap threshold
+    fixed at 1 MiB (`mallopt`), so that every tensor of a MiB or more is mapped when allocated and unmapped when freed:
+    the resident size then follows the live tensors, not what malloc keeps. Not `available` elsewhere."""
+
+    def __init__(self, torch, cuda: bool):
+        self.torch, self.cuda = torch, cuda
+        self.available, self.measured_as = cuda, "torch.cuda.max_memory_allocated" if cuda else None
+        self._resident = 0.0
+        if not cuda and os.path.exists("/proc/self/clear_refs"):
+            import ctypes
+
+            try:
+                fixed = ctypes.CDLL("libc.so.6").mallopt(-3, 2**20) == 1  # M_MMAP_THRESHOLD
+            except OSError:
+                fixed = False
+            self.available = fixed
+            self.measured_as = "VmHWM - VmRSS, mmap threshold 1 MiB" if fixed else None
+
+    @staticmethod
+    def _status_mib(key: str) -> float:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith(key)) / 1024
+
+    def start(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            self._resident = self.torch.cuda.memory_allocated() / 2**20
+            self.torch.cuda.reset_peak_memory_stats()
+        else:
+            with open("/proc/self/clear_refs", "w") as clear:
+                clear.write("5")  # the resident peak starts again from the resident size
+            self._resident = self._status_mib("VmRSS:")
+
+    def peak_mib(self) -> float:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            return self.torch.cuda.max_memory_allocated() / 2**20 - self._resident
+        return self._status_mib("VmHWM:") - self._resident
+
+
 @contextlib.contextmanager
 def support_projected_again():
     """pi's support scored on a second projection of the hidden states instead of TRL's head tiles (the path
@@ -258,27 +300,36 @@ def loss_only(options, model_path: str) -> dict:
     # projected through the output layer a second time (what `HeadTileSupport` falls back to).
     calls["topr-online-top-k, projected again"] = (trainers["topr-online-top-k"], inputs, support_projected_again)
     times: dict[str, list[float]] = {name: [] for name in calls}
-    # On a GPU, the memory one call adds above what is resident before it (every trainer's weights; gradients are
-    # freed between calls): activations, logits, gradients and, with truncation, the support's extra logits.
-    added_memory: dict[str, list[float]] = {name: [] for name in calls}
+
+    def call(name: str) -> None:
+        trainer, batch, context = calls[name]
+        with context(), torch.no_grad() if options.forward_only else contextlib.nullcontext():
+            loss = trainer.compute_loss(trainer.model, batch)
+            if not options.forward_only:
+                loss.backward()
+        trainer.model.zero_grad(set_to_none=True)
+
     for repeat in range(options.repeats * options.steps + 3):
-        for name, (trainer, batch, context) in calls.items():
+        for name in calls:
             if cuda:
                 torch.cuda.synchronize()
-                resident = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-            with context(), torch.no_grad() if options.forward_only else contextlib.nullcontext():
-                loss = trainer.compute_loss(trainer.model, batch)
-                if not options.forward_only:
-                    loss.backward()
+            call(name)
             if cuda:
                 torch.cuda.synchronize()
             if repeat >= 3:  # warm-up calls
                 times[name].append(time.perf_counter() - start)
-                if cuda:
-                    added_memory[name].append((torch.cuda.max_memory_allocated() - resident) / 2**20)
-            trainer.model.zero_grad(set_to_none=True)
+    # The memory one call adds above what is resident before it (every trainer's weights; gradients are freed
+    # between calls): activations, logits, gradients and, with truncation, the support's extra logits. Measured after
+    # the timed calls, since on a CPU it changes how tensors are allocated.
+    watch = AddedMemory(torch, cuda)
+    added_memory: dict[str, list[float]] = {name: [] for name in calls}
+    if watch.available:
+        for _ in range(2):
+            for name in calls:
+                watch.start()
+                call(name)
+                added_memory[name].append(watch.peak_mib())
     medians = {name: statistics.median(values) for name, values in times.items()}
     quartiles = {name: statistics.quantiles(values, n=4) for name, values in times.items()}
     ratios = {f"topr-online / {name}": medians["topr-online"] / medians[name] for name in ("grpo-grpo", "grpo-dapo")}
@@ -291,9 +342,10 @@ def loss_only(options, model_path: str) -> dict:
         medians["topr-online-top-k"] / medians["topr-online-top-k, projected again"])
     result = {"median_loss_backward_s": medians, "quartiles_s": quartiles, "ratios": ratios,
               "timed": "the loss's forward alone, without gradient" if options.forward_only else "loss + backward"}
-    if cuda:
+    if watch.available:
         peaks = {name: max(values) for name, values in added_memory.items()}
         result["peak_added_memory_mib"] = peaks
+        result["peak_added_memory_measured_as"] = watch.measured_as
         result["peak_added_memory_ratios"] = {
             f"{name} / {base}": peaks[name] / peaks[base] for name in ("topr-online", "topr-online-top-k",
                                                                         "topr-online-top-p")

@@ -49,6 +49,47 @@ def test_benchmark_loss_only_smoke_times_the_support_on_an_off_policy_batch(tmp_
                                                       "topr-online-top-p", "topr-online-top-k, on-policy batch",
                                                       "topr-online-top-k, projected again"}
     assert all(value > 0 for value in result["ratios"].values())
+    if benchmark_memory_is_measured():
+        assert set(result["peak_added_memory_mib"]) == set(result["median_loss_backward_s"])
+        assert all(value > 0 for value in result["peak_added_memory_mib"].values())
+
+
+def benchmark_memory_is_measured() -> bool:
+    return Path("/proc/self/clear_refs").exists() and sys.platform == "linux"
+
+
+MEMORY_PROBE = """
+import sys, torch
+from experiments import benchmark
+watch = benchmark.AddedMemory(torch, cuda=False)
+if not watch.available:
+    sys.exit(3)
+first = torch.ones(2**22)  # 16 MiB: glibc's own threshold would rise past 8 MiB when it is freed
+del first
+freed = [torch.ones(2**21) for _ in range(8)]  # 8 x 8 MiB
+del freed[:7]  # 56 MiB freed under the last one: glibc would keep them for the next allocations
+watch.start()
+held = [torch.ones(2**21) for _ in range(4)]
+del held
+print(watch.peak_mib())
+watch.start()
+print(watch.peak_mib())
+"""
+
+
+def test_the_memory_a_call_adds_is_what_it_holds_at_its_peak_on_a_cpu():
+    """`AddedMemory` on a Linux CPU (in its own process, as it fixes glibc's mmap threshold for the process): a call
+    that holds four 8 MiB tensors adds 32 MiB at its peak, within 3 MiB (the interpreter's own pages come and go),
+    although 56 MiB freed just before would have served them with glibc's own threshold (16 MiB measured then); a
+    call that allocates nothing adds under 3 MiB."""
+    completed = subprocess.run([sys.executable, "-c", MEMORY_PROBE], capture_output=True, text=True, timeout=300,
+                               cwd=SCRIPT.parents[1])
+    if completed.returncode == 3:
+        pytest.skip("no /proc/self/clear_refs or glibc mallopt here")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    peak, nothing = (float(line) for line in completed.stdout.split())
+    assert abs(peak - 32) < 3
+    assert nothing < 3
 
 
 def test_model_flops_follow_the_palm_convention():
