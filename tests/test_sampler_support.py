@@ -452,6 +452,28 @@ def test_top_p_in_bins_is_top_p_sorted(top_p, dtype):
     assert _keep_top_p_in_bins(ties, torch.ones_like(ties, dtype=torch.bool), 0.8)[1].tolist() == [True]
 
 
+def test_a_tokens_weight_far_below_its_rows_largest_is_floored_at_float32s_smallest_normal():
+    """`mass_weights` is exp(x - reference) down to x - reference = -87 and e^-87 below it (a subnormal or zero
+    exactly, else). On rows whose logits span hundreds (a trained model's peaked rows), top-p in bins is still the
+    sorted rule, and tokens outside an earlier filter still weigh nothing: the floor moves a row's mass by under
+    1e-32 of itself."""
+    from topr_trl.sampler_support import EXP_FLOOR, _keep_top_p_in_bins, _keep_top_p_sorted, mass_weights
+
+    x = torch.tensor([[0.0, -1.5, -50.0, -86.9, -87.0, -87.1, -100.0, -1000.0, -math.inf]])
+    floor = math.exp(EXP_FLOOR)
+    expected = torch.tensor([[1.0, math.exp(-1.5), math.exp(-50.0), math.exp(-86.9), floor, floor, floor, floor,
+                              floor]])
+    torch.testing.assert_close(mass_weights(x, torch.zeros(1, 1)), expected, rtol=2e-6, atol=0)  # exp near e^-87
+    generator = torch.Generator().manual_seed(5)
+    scaled = torch.randn(64, 2000, generator=generator) * torch.linspace(20, 120, 64).unsqueeze(1)
+    every = torch.ones_like(scaled, dtype=torch.bool)
+    for keep in (every, torch.rand(scaled.shape, generator=generator) > 0.33):
+        for top_p in (0.5, 0.95):
+            kept, undecided = _keep_top_p_in_bins(scaled, keep, top_p)
+            assert not bool(undecided.any())
+            assert torch.equal(kept, _keep_top_p_sorted(scaled, keep, top_p))
+
+
 def test_flat_rows_past_the_candidates_are_decided_without_sorting_the_vocabulary(monkeypatch):
     """A flat 5,000-token row under top_p 0.95 passes the 1,024 candidates and takes the whole vocabulary, where top-p
     is decided in bins: no row is sorted, and the values are log-softmax over transformers' support (2e-5, as

@@ -38,6 +38,7 @@ from .sampler_support import (
     candidate_width,
     chunked_processed_log_probs,
     head_transform,
+    mass_weights,
     needs_whole_row_mass,
     normaliser_of_candidates,
     nucleus_band_applies,
@@ -173,7 +174,7 @@ class _NucleusBand:
         self.mass[lo:hi] *= rescale
         self.below[lo:hi] *= rescale
         self.reference[lo:hi] = reference
-        weights = torch.sub(scaled, reference.unsqueeze(-1)).exp_()
+        weights = mass_weights(scaled, reference.unsqueeze(-1))
         self.mass[lo:hi] += weights.sum(dim=-1)
         inside = scaled >= self.low[lo:hi].unsqueeze(-1)
         self.below[lo:hi] += weights.masked_fill_(inside, 0.0).sum(dim=-1)
@@ -252,15 +253,17 @@ class _TileStream:
                                         torch.tensor([self.row, self.row + n], device=tile.device)).tolist()
             local = self.rows.kernel_rows[lo:hi] - self.row  # the wanted rows' places in the tile, ascending
         at_once = rows_at_once(tile)
-        for start in range(lo, hi, at_once):  # a few rows at a time: temporaries of their size, not the tile's
-            stop = min(start + at_once, hi)
+        chunks = [(start, min(start + at_once, hi)) for start in range(lo, hi, at_once)]  # a few rows at a time
+        if local is not None and chunks:  # each chunk's first and last row in the tile, with one device sync
+            ends = local[torch.tensor([[start - lo, stop - 1 - lo] for start, stop in chunks],
+                                      device=local.device)].tolist()
+        for number, (start, stop) in enumerate(chunks):
             if local is None:
                 logits = tile[start - lo:stop - lo]
             else:
-                places = local[start - lo:stop - lo]
-                first = int(places[0])
-                contiguous = int(places[-1]) - first == stop - start - 1  # a view, not a copy
-                logits = tile[first:first + stop - start] if contiguous else tile[places]
+                first, last = ends[number]
+                contiguous = last - first == stop - start - 1  # a view of the tile, not a copy
+                logits = tile[first:last + 1] if contiguous else tile[local[start - lo:stop - lo]]
             self._read_rows(start, stop, logits, bias, vocabulary, transform)
         self.column += w
         if self.column == vocabulary:
