@@ -96,6 +96,34 @@ def test_the_tiles_cover_several_vocabulary_chunks_and_token_chunks():
         torch.testing.assert_close(tiles, projected, **float32_tolerance(projected, roundings=64))
 
 
+@pytest.mark.parametrize("processing", [SamplerProcessing(top_k=50), SamplerProcessing(top_p=0.5),
+                                        SamplerProcessing(top_k=200, top_p=0.9)], ids=str)
+def test_a_later_tiles_logits_above_a_rows_smallest_candidate_enter_its_candidates(processing):
+    """Peaked rows over two vocabulary tiles, whose second tile (232 tokens) a head bias lifts by 10 so that many of
+    each row's largest logits are there: the candidates kept from the first tile's `topk` take the second tile's
+    logits above their smallest (a comparison, not a `topk`), with the second projection's values; no row is decided
+    on a band or projected again."""
+    model = small_model("qwen2_tied", vocabulary=33_000, positions=48)
+    head = torch.nn.Linear(16, 33_000, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight * 8)  # logits a few units apart: a small nucleus
+        head.bias.zero_()
+        head.bias[32_768:] = 10.0
+    model.config.tie_word_embeddings = False
+    model.lm_head = head
+    input_ids = torch.randint(0, 33_000, (2, 40))
+    attention_mask = torch.ones_like(input_ids)
+    seen = []
+    tiles, projected, read = scored_both_ways(model, processing, input_ids, attention_mask, 16, micro_batch=2,
+                                              seen=seen)
+    assert read and seen[0].band_rows == 0 and seen[0].projected_rows == 0
+    logits = model.lm_head(torch.cat(seen[0].captured.hidden)[:, -17:-1].reshape(-1, 16))
+    width = processing.top_k or 1024
+    from_second_tile = (logits.topk(width, dim=-1).indices >= 32_768).sum(-1)
+    assert bool((from_second_tile > width // 20).all())  # the second tile changes every row's candidates
+    torch.testing.assert_close(tiles, projected, **float32_tolerance(projected, roundings=64))
+
+
 def flat_model(vocabulary: int, positions: int):
     """A tied Qwen2 whose logits are within a few tenths of one another: every top-p nucleus of 0.5 or more holds
     thousands of tokens, past the 1,024 candidates (a random-weight model's rows, a trained model's most uncertain)."""

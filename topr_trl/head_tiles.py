@@ -133,6 +133,16 @@ def rows_at_once(tile: torch.Tensor) -> int:
     return ROWS_AT_ONCE
 
 
+def padded_by_row(row: torch.Tensor, values: torch.Tensor, n: int, fill: float) -> torch.Tensor:
+    """(n, M) the `values` of each of n rows from (row index, value) pairs in row-major order (as `nonzero` gives
+    them), padded with `fill` (M the most any row has)."""
+    counts = torch.bincount(row, minlength=n)
+    place = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts)[row]
+    padded = values.new_full((n, max(int(counts.max()), 1)), fill)
+    padded[row, place] = values
+    return padded
+
+
 class _NucleusBand:
     """Under top-p alone, each wanted token's whole mass, and what decides a flat row's nucleus without projecting
     it again: the scaled logits in a band of values around where its ascending mass passes 1 - p (`share_band` on
@@ -288,7 +298,9 @@ class _TileStream:
         self._keep_candidates(lo, hi, logits)
 
     def _keep_candidates(self, lo: int, hi: int, logits: torch.Tensor) -> None:
-        """Merge the largest logits of rows lo:hi of this tile into `top`, but for rows decided on their band."""
+        """Merge the largest logits of rows lo:hi of this tile into `top`, but for rows decided on their band. On a
+        later vocabulary tile only a row's logits above its smallest candidate so far can enter: they are picked by a
+        comparison (on a peaked row, a few hundred of 32,768), not by a `topk` of the whole tile's row."""
         rows = None
         if self.band is not None and bool(self.band.banded[lo:hi].any()):
             rows = (~self.band.banded[lo:hi]).nonzero().squeeze(-1)
@@ -297,8 +309,15 @@ class _TileStream:
             logits = logits[rows]
         width = self.top.size(-1)
         target = slice(lo, hi) if rows is None else rows + lo
-        merged = torch.cat([self.top[target], logits.topk(min(width, logits.size(-1)), dim=-1).values], dim=-1)
-        self.top[target] = merged.topk(width, dim=-1).values
+        current = self.top[target]
+        if self.column == 0:
+            entering = logits.topk(min(width, logits.size(-1)), dim=-1).values
+        else:
+            row, column = (logits > current[:, -1:]).nonzero(as_tuple=True)
+            if row.numel() == 0:
+                return
+            entering = padded_by_row(row, logits[row, column], current.size(0), -torch.inf)
+        self.top[target] = torch.cat([current, entering], dim=-1).topk(width, dim=-1).values
 
     @property
     def whole_row_total(self) -> torch.Tensor | None:
