@@ -512,7 +512,10 @@ def qwen_config(shape: str, tokenizer):
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
 
-def build_model(shape: str, path: str) -> None:
+def build_model(shape: str, path: str, logit_scale: float = 1.0) -> None:
+    """A random-weight model of `shape` saved at `path`; `logit_scale` multiplies its output embedding (tied at the
+    Qwen2.5 shapes: the input embedding too), so that its logits spread as a trained model's: 1 gives rows of
+    logits about 0.6 apart (flat), 8 about 5 (peaked, a nucleus of a few tokens)."""
     from topr_trl.tasks.tiny import build_model as build
     from topr_trl.tasks.tiny import build_tokenizer, save_pretrained
 
@@ -525,6 +528,9 @@ def build_model(shape: str, path: str) -> None:
         model = Qwen2ForCausalLM(qwen_config(shape, tokenizer))
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
+        if logit_scale != 1:
+            with torch.no_grad():
+                model.get_output_embeddings().weight.mul_(logit_scale)
     else:
         kwargs = dict(MODEL_SHAPES[shape])
         model = build(tokenizer, hidden_size=kwargs.pop("hidden_size"), num_layers=kwargs.pop("num_layers"), **kwargs)
@@ -572,6 +578,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny and short: checks the script runs")
     parser.add_argument("--model", default="tiny", choices=sorted(MODEL_SHAPES) + sorted(QWEN_SHAPES))
+    parser.add_argument("--logit_scale", type=float, default=1.0,
+                        help="multiply a Qwen2.5-shaped model's output embedding: 1 flat rows, 8 peaked (build_model)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
@@ -594,6 +602,8 @@ def main() -> None:
     parser.add_argument("--output", help="write the results as JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options = parser.parse_args()
+    if options.logit_scale != 1 and options.model not in QWEN_SHAPES:
+        parser.error(f"--logit_scale applies to the Qwen2.5 shapes ({', '.join(sorted(QWEN_SHAPES))}), not {options.model}")
     if options.worker:
         print("RESULT " + json.dumps(worker(json.loads(options.worker))), flush=True)
         return
@@ -608,7 +618,7 @@ def main() -> None:
         options.repeats, options.steps, options.warmup, options.batch_size, options.num_generations = 1, 2, 1, 4, 4
         options.completion_length, options.prompt_length = 8, 16
     model_path = tempfile.mkdtemp(prefix="topr-bench-model-")
-    build_model(options.model, model_path)
+    build_model(options.model, model_path, options.logit_scale)
     if options.loss_only:
         result = loss_only(options, model_path)
         for name, median in result["median_loss_backward_s"].items():
