@@ -207,6 +207,31 @@ def test_a_band_the_later_tiles_move_the_nucleus_out_of_sends_its_rows_to_the_se
     torch.testing.assert_close(tiles, projected, **float32_tolerance(projected, roundings=64))
 
 
+def test_a_row_with_a_few_thousand_tokens_above_its_band_keeps_them_all_and_its_crossing_may_move_up():
+    """Rows whose first tile estimates between 512 and `OPEN_BAND_TOKENS` logits above the band's low edge, and whose
+    second tile (232 tokens, lifted by 6 by a head bias) holds most of their mass, so that the crossing moves far
+    above the first tile's estimate: their band is open above, keeps every logit past its low edge, and decides
+    every row (none projected again) with the second projection's values. A band closed above would miss them all
+    (the test above)."""
+    model = small_model("qwen2_tied", vocabulary=33_000, positions=48)
+    head = torch.nn.Linear(16, 33_000, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight * 4)
+        head.bias.zero_()
+        head.bias[32_768:] = 6.0
+    model.config.tie_word_embeddings = False
+    model.lm_head = head
+    input_ids = torch.randint(0, 33_000, (2, 40))
+    attention_mask = torch.ones_like(input_ids)
+    seen = []
+    tiles, projected, read = scored_both_ways(model, SamplerProcessing(top_p=0.9), input_ids, attention_mask, 16,
+                                              micro_batch=2, seen=seen)
+    band = seen[0].streams[0].band
+    assert read and bool(band.banded.all()) and bool(torch.isinf(band.high).all())
+    assert seen[0].band_rows == 32 and seen[0].projected_rows == 0
+    torch.testing.assert_close(tiles, projected, rtol=0, atol=2e-6)
+
+
 def test_where_trl_projects_only_the_labelled_rows_they_are_read_in_that_order(monkeypatch):
     """On a Triton device TRL projects only the positions with a label (its `compact` rows). Here TRL's choice is
     turned on while its tiles are still folded in torch: the rows are read in that order, with the same values."""

@@ -115,6 +115,11 @@ BAND_MEMBERS_LIMIT = 2**25
 4,096 x 32,768 tiles; past it, its rows are projected again."""
 
 
+OPEN_BAND_TOKENS = 4096
+"""A banded row estimated (on its first tile) to have at most this many logits above its band's low edge keeps them
+all, the band open above (16 KB per row): the later tiles may move its crossing up anywhere."""
+
+
 ROWS_AT_ONCE = 512
 """How many of a tile's wanted rows `_TileStream` reads at once on an accelerator: the temporaries (the rows' weights
 in the band, and on a first tile their int64 bins) stay at 512 x 32,768 values, an eighth of TRL's tile."""
@@ -174,11 +179,14 @@ class _NucleusBand:
         if first:
             low, high = share_band(scaled, max(0.0, 1 - self.p - NUCLEUS_BAND_SHARE),
                                    min(1.0, 1 - self.p + NUCLEUS_BAND_SHARE))
-            past_candidates = (scaled >= low.unsqueeze(-1)).sum(-1) * (vocabulary / scaled.size(-1)) > \
-                SUPPORT_CANDIDATES / 2  # the nucleus estimated from this tile
+            # the tokens at or above the band's low edge in the whole row, estimated from this tile
+            estimated = (scaled >= low.unsqueeze(-1)).sum(-1) * (vocabulary / scaled.size(-1))
+            past_candidates = estimated > SUPPORT_CANDIDATES / 2
             self.banded[lo:hi] = past_candidates
             self.low[lo:hi] = torch.where(past_candidates, low, torch.inf)
-            self.high[lo:hi] = torch.where(past_candidates, high, torch.inf)
+            # A row whose mass a few large logits hold may have them in a later tile, which moves its crossing up past
+            # the band: unless that would keep too many, it keeps every logit above the low edge.
+            self.high[lo:hi] = torch.where(past_candidates & (estimated > OPEN_BAND_TOKENS), high, torch.inf)
         reference = torch.maximum(self.reference[lo:hi], scaled.amax(dim=-1))
         rescale = (self.reference[lo:hi] - reference).exp()
         self.mass[lo:hi] *= rescale
