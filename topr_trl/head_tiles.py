@@ -1,23 +1,25 @@
 """pi's support read from the logits TRL's fused head projects anyway, instead of projecting them a second time.
 
 TRL 1.16's fused head (`add_fused_lm_head`, `ChunkedLogProbFunction`) never holds a row's logits whole: it projects
-`torch.mm(hidden_chunk, weight_chunk.T, out=tile)` one [tokens, vocabulary chunk] tile at a time and folds each
-tile into its log-probs. Scoring pi on mu's support needs, per token, the largest logits, the sampled token's logit
-and (top-p alone) the row's total mass: all three fold over vocabulary chunks as the log-probs do. `HeadTileSupport`
+`torch.mm(hidden_chunk, weight_chunk.T, out=tile)` one [tokens, vocabulary chunk] tile at a time and folds each tile
+into its log-probs. Scoring pi on mu's support needs, per token, the largest logits, the sampled token's logit and
+(top-p alone) the row's total mass: all three fold over vocabulary chunks as the log-probs do. `HeadTileSupport`
 reads each tile as TRL's kernel produces it, through a `TorchFunctionMode` that is active only between the end of
 the backbone's forward and the start of the next (the head's part of each forward), and keeps those three per token.
 The second projection through the output layer, the support's largest cost on a CPU (0.42 of its 0.55 s in a loss
-call at the Qwen2.5-0.5B shape, docs/benchmarks.md), is gone; what remains is the candidates' `topk` on each tile.
+call at the Qwen2.5-0.5B shape, docs/benchmarks.md), is gone; what remains is the candidates' `topk` on the first
+tile and a comparison on the later ones. A tile is read a few rows at a time (`rows_at_once`).
 
 Under top-p alone a flat row's nucleus runs past any candidate set (most of a random-weight model's rows, a trained
-model's most uncertain ones). For such a row, marked on its first vocabulary tile, the tiles keep instead the
-logits in a band of values around where its ascending mass passes 1 - p, and its mass under the band
-(`_NucleusBand`): the tokens of the band are sorted at the end and the nucleus is cut as the sorted rule cuts it
-(`nucleus_from_band`). Rows neither decides (a band the later tiles moved the crossing out of, a cumulative mass
-within rounding of 1 - p, ties past the candidates) are projected again, alone, and decided on their whole
-vocabulary (`chunked_processed_log_probs`, whose top-p sorts no row). Where the tiles are not the ones expected
-(another head, a TRL that projects otherwise), every row is projected again and the run says so once: the values
-are the same either way, up to the float32 rounding of two tilings of one product (tests/test_head_tiles.py).
+model's most uncertain ones). For such a row, marked on its first vocabulary tile, the tiles keep instead the logits
+in a band of values around where its ascending mass passes 1 - p (open above where that keeps at most 4,096 of
+them), and its mass under the band (`_NucleusBand`): the tokens of the band are sorted at the end and the nucleus is
+cut as the sorted rule cuts it (`nucleus_from_band`). Rows neither decides (a band the later tiles moved the
+crossing out of, a cumulative mass within rounding of 1 - p, ties past the candidates) are projected again, alone,
+and decided on their whole vocabulary (`chunked_processed_log_probs`, whose top-p sorts no row). Where the tiles are
+not the ones expected (another head, a TRL that projects otherwise), every row is projected again and the run says
+so once: the values are the same either way, up to the float32 rounding of two tilings of one product
+(tests/test_head_tiles.py).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from .sampler_support import (
     normaliser_of_candidates,
     nucleus_band_applies,
     nucleus_from_band,
+    padded_by_row,
     scaled_logits,
     share_band,
 )
@@ -138,24 +141,15 @@ def rows_at_once(tile: torch.Tensor) -> int:
     return ROWS_AT_ONCE
 
 
-def padded_by_row(row: torch.Tensor, values: torch.Tensor, n: int, fill: float) -> torch.Tensor:
-    """(n, M) the `values` of each of n rows from (row index, value) pairs in row-major order (as `nonzero` gives
-    them), padded with `fill` (M the most any row has)."""
-    counts = torch.bincount(row, minlength=n)
-    place = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts)[row]
-    padded = values.new_full((n, max(int(counts.max()), 1)), fill)
-    padded[row, place] = values
-    return padded
-
-
 class _NucleusBand:
     """Under top-p alone, each wanted token's whole mass, and what decides a flat row's nucleus without projecting
     it again: the scaled logits in a band of values around where its ascending mass passes 1 - p (`share_band` on
     its first vocabulary tile, +-`NUCLEUS_BAND_SHARE`) and the mass under the band. Masses are in units of
     exp(`reference`), the largest logit read so far (rescaled as a larger one comes, as an online logsumexp). A row
     whose first tile puts its nucleus within the candidates gets no band (`banded` False: a peaked row's band would
-    be its long tail) and takes the candidates; a banded row takes none, and where the later tiles move its
-    crossing out of the band (`nucleus_from_band` leaves it undecided) it is projected again."""
+    be its long tail) and takes the candidates; a banded row takes none. A banded row with at most
+    `OPEN_BAND_TOKENS` logits above the band's low edge keeps them all (`high` inf). Where the later tiles move a
+    row's crossing out of its band (`nucleus_from_band` leaves it undecided), it is projected again."""
 
     def __init__(self, wanted: int, p: float, device: torch.device):
         self.p = p

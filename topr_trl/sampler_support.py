@@ -192,6 +192,16 @@ def _mass_in_value_bins(scaled: torch.Tensor, low: torch.Tensor, high: torch.Ten
     return bins, weights.new_zeros(scaled.size(0), TOP_P_BINS).scatter_add_(-1, bins, weights), scale
 
 
+def padded_by_row(row: torch.Tensor, values: torch.Tensor, n: int, fill: float) -> torch.Tensor:
+    """(n, M) the `values` of each of n rows from (row index, value) pairs ordered by row (as `nonzero` gives them),
+    in that order, padded with `fill` (M the most any row has)."""
+    counts = torch.bincount(row, minlength=n)
+    place = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts)[row]
+    padded = values.new_full((n, max(int(counts.max()) if n and row.numel() else 0, 1)), fill)
+    padded[row, place] = values
+    return padded
+
+
 def ascending_by_row(row: torch.Tensor, values: torch.Tensor, n: int, labels: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(N, M) each row's `values` in ascending order, padded with inf, and their `labels` alike (None without), from
@@ -200,17 +210,10 @@ def ascending_by_row(row: torch.Tensor, values: torch.Tensor, n: int, labels: to
         by_row = row.argsort(stable=True)
         row, values = row[by_row], values[by_row]
         labels = labels[by_row] if labels is not None else None
-    counts = torch.bincount(row, minlength=n)
-    place = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts)[row]
-    width = max(int(counts.max()) if n and row.numel() else 0, 1)
-    padded = values.new_full((n, width), math.inf)
-    padded[row, place] = values
-    padded, order = padded.sort(dim=-1)
+    padded, order = padded_by_row(row, values, n, math.inf).sort(dim=-1)
     if labels is None:
         return padded, None
-    tags = torch.zeros((n, width), dtype=labels.dtype, device=labels.device)
-    tags[row, place] = labels
-    return padded, tags.gather(-1, order)
+    return padded, padded_by_row(row, labels, n, 0).gather(-1, order)
 
 
 NUCLEUS_BAND_SHARE = 0.004
