@@ -96,6 +96,19 @@ def test_the_tiles_cover_several_vocabulary_chunks_and_token_chunks():
         torch.testing.assert_close(tiles, projected, **float32_tolerance(projected, roundings=64))
 
 
+def second_tile_lifted(model, scale: float, lift: float):
+    """`model` (a tied Qwen2 over 33,000 tokens) with an untied head: its output embedding times `scale`, and a bias
+    of `lift` on the 232 tokens of TRL's second vocabulary tile (0 on the first's)."""
+    head = torch.nn.Linear(16, 33_000, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight * scale)
+        head.bias.zero_()
+        head.bias[32_768:] = lift
+    model.config.tie_word_embeddings = False
+    model.lm_head = head
+    return model
+
+
 @pytest.mark.parametrize("processing", [SamplerProcessing(top_k=50), SamplerProcessing(top_p=0.5),
                                         SamplerProcessing(top_k=200, top_p=0.9)], ids=str)
 def test_a_later_tiles_logits_above_a_rows_smallest_candidate_enter_its_candidates(processing):
@@ -103,14 +116,7 @@ def test_a_later_tiles_logits_above_a_rows_smallest_candidate_enter_its_candidat
     each row's largest logits are there: the candidates kept from the first tile's `topk` take the second tile's
     logits above their smallest (a comparison, not a `topk`), with the second projection's values; no row is decided
     on a band or projected again."""
-    model = small_model("qwen2_tied", vocabulary=33_000, positions=48)
-    head = torch.nn.Linear(16, 33_000, bias=True)
-    with torch.no_grad():
-        head.weight.copy_(model.lm_head.weight * 8)  # logits a few units apart: a small nucleus
-        head.bias.zero_()
-        head.bias[32_768:] = 10.0
-    model.config.tie_word_embeddings = False
-    model.lm_head = head
+    model = second_tile_lifted(small_model("qwen2_tied", vocabulary=33_000, positions=48), scale=8, lift=10.0)
     input_ids = torch.randint(0, 33_000, (2, 40))
     attention_mask = torch.ones_like(input_ids)
     seen = []
@@ -190,14 +196,7 @@ def test_a_band_the_later_tiles_move_the_nucleus_out_of_sends_its_rows_to_the_se
     """A head whose bias lifts the second tile's 232 tokens by 4 (e^4 = 55 times the first tile's tokens' mass each):
     the first tile misplaces where the ascending mass passes 1 - p, the band misses it, and the rows are projected
     again, with the same values as before."""
-    model = flat_model(33_000, positions=48)
-    head = torch.nn.Linear(16, 33_000, bias=True)
-    with torch.no_grad():
-        head.weight.copy_(model.lm_head.weight)
-        head.bias.zero_()
-        head.bias[32_768:] = 4.0
-    model.config.tie_word_embeddings = False
-    model.lm_head = head
+    model = second_tile_lifted(flat_model(33_000, positions=48), scale=1, lift=4.0)
     input_ids = torch.randint(0, 33_000, (2, 40))
     attention_mask = torch.ones_like(input_ids)
     seen = []
@@ -213,14 +212,7 @@ def test_a_row_with_a_few_thousand_tokens_above_its_band_keeps_them_all_and_its_
     above the first tile's estimate: their band is open above, keeps every logit past its low edge, and decides
     every row (none projected again) with the second projection's values. A band closed above would miss them all
     (the test above)."""
-    model = small_model("qwen2_tied", vocabulary=33_000, positions=48)
-    head = torch.nn.Linear(16, 33_000, bias=True)
-    with torch.no_grad():
-        head.weight.copy_(model.lm_head.weight * 4)
-        head.bias.zero_()
-        head.bias[32_768:] = 6.0
-    model.config.tie_word_embeddings = False
-    model.lm_head = head
+    model = second_tile_lifted(small_model("qwen2_tied", vocabulary=33_000, positions=48), scale=4, lift=6.0)
     input_ids = torch.randint(0, 33_000, (2, 40))
     attention_mask = torch.ones_like(input_ids)
     seen = []
