@@ -159,10 +159,10 @@ class _NucleusBand:
         self.banded = torch.zeros(wanted, dtype=torch.bool, device=device)
         self.below = torch.zeros(wanted, device=device)
         self.mass = torch.zeros(wanted, device=device)
-        # The members, in the order read (each chunk of rows row-major), and per chunk and row: the row, how many of
-        # its members the chunk holds, and how many it held before (where the chunk's go among the row's members).
+        # The members, in the order read (each chunk of rows row-major); per chunk its first row, and per row of it
+        # how many of its members the chunk holds and how many it held before (where the chunk's go among them).
         self.values: list[torch.Tensor] = []
-        self.rows: list[torch.Tensor] = []
+        self.first_rows: list[int] = []
         self.counts: list[torch.Tensor] = []
         self.earlier: list[torch.Tensor] = []
         self.filled = torch.zeros(wanted, dtype=torch.long, device=device)  # members kept per row so far
@@ -196,7 +196,7 @@ class _NucleusBand:
         if self.kept <= BAND_MEMBERS_LIMIT:
             counts = torch.bincount(row, minlength=hi - lo)
             self.values.append(scaled[row, column])
-            self.rows.append(torch.arange(lo, hi, device=row.device))
+            self.first_rows.append(lo)
             self.counts.append(counts)
             self.earlier.append(self.filled[lo:hi].clone())
             self.filled[lo:hi] += counts
@@ -211,11 +211,11 @@ class _NucleusBand:
         position = torch.full_like(self.mass, -1, dtype=torch.long)
         position[index] = torch.arange(index.numel(), device=index.device)
         members = self.values[0].new_full((index.numel(), max(int(self.filled[index].max()), 1)), torch.inf)
-        for values, rows, counts, earlier in zip(self.values, self.rows, self.counts, self.earlier, strict=True):
+        for values, lo, counts, earlier in zip(self.values, self.first_rows, self.counts, self.earlier, strict=True):
             # each member's place among its row's members of every tile (chunk by chunk: temporaries of its size)
             starts = (counts.cumsum(0) - counts - earlier).repeat_interleave(counts)
             places = torch.arange(values.numel(), device=values.device) - starts
-            rows = position[rows.repeat_interleave(counts)]
+            rows = position[lo:lo + counts.numel()].repeat_interleave(counts)
             wanted = rows >= 0
             members[rows[wanted], places[wanted]] = values[wanted]
         return members.sort(dim=-1).values
