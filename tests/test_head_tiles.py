@@ -96,14 +96,14 @@ def test_the_tiles_cover_several_vocabulary_chunks_and_token_chunks():
         torch.testing.assert_close(tiles, projected, **float32_tolerance(projected, roundings=64))
 
 
-def second_tile_lifted(model, scale: float, lift: float):
-    """`model` (a tied Qwen2 over 33,000 tokens) with an untied head: its output embedding times `scale`, and a bias
-    of `lift` on the 232 tokens of TRL's second vocabulary tile (0 on the first's)."""
-    head = torch.nn.Linear(16, 33_000, bias=True)
+def second_tile_lifted(model, scale: float, lift: float, vocabulary: int = 33_000, lifted: slice = slice(32_768, None)):
+    """`model` (a tied Qwen2 over `vocabulary` tokens, hidden 16) with an untied head: its output embedding times
+    `scale`, and a bias of `lift` on the `lifted` tokens (by default TRL's second vocabulary tile's 232, 0 elsewhere)."""
+    head = torch.nn.Linear(16, vocabulary, bias=True)
     with torch.no_grad():
         head.weight.copy_(model.lm_head.weight * scale)
         head.bias.zero_()
-        head.bias[32_768:] = lift
+        head.bias[lifted] = lift
     model.config.tie_word_embeddings = False
     model.lm_head = head
     return model
@@ -163,33 +163,66 @@ def test_a_flat_rows_nucleus_is_decided_on_its_band_without_projecting_it_again(
 @pytest.mark.parametrize("rows_at_once", [7, 64])
 def test_the_band_keeps_each_rows_logits_in_its_band_and_its_masses_over_every_tile(rows_at_once):
     """`_NucleusBand` fed 40 rows of 3,000 logits in three tiles (1,300, 1,300, 400 columns), `rows_at_once` rows at
-    a time (as `_TileStream` reads a tile), the later tiles' largest logits above the first's (the reference is rescaled): for each banded row, its
-    members are exactly the row's logits in [low, high) (sorted, not one lost or moved by another tile's), and its
-    whole mass and the mass under the band are those of the whole row (float32 sums of 3,000 terms: relative 1e-5).
-    Rows peaked on the first tile are not banded and keep no members."""
+    a time (as `_TileStream` reads a tile), the later tiles' largest logits above the first's (the reference is
+    rescaled): for each banded row, its members are exactly the row's logits in [low, high) (sorted, not one lost or
+    moved by another tile's), and its whole mass and the mass under the band are those of the whole row (float32
+    sums of 3,000 terms: relative 1e-5). Ten rows' last tile holds nearly all their mass: their band is placed anew
+    on it, above every earlier logit, the earlier ones all under it. Rows peaked on the first tile are not banded
+    and keep no members."""
     generator = torch.Generator().manual_seed(3)
     rows = torch.randn(40, 3_000, generator=generator) * 0.3
     rows[:, 2_600:] += 0.5  # the last tile's logits above the first's largest
+    rows[20:30, 2_600:] += 12.0  # the last tile holds nearly all the mass: the band moves up onto it
     rows[30:, 7] = 40.0  # peaked rows: their nucleus is one token
-    band = head_tiles._NucleusBand(40, 0.9, torch.device("cpu"))
-    for lo, hi in [(0, 1_300), (1_300, 2_600), (2_600, 3_000)]:
-        for start in range(0, 40, rows_at_once):
-            stop = min(start + rows_at_once, 40)
-            band.read(start, stop, rows[start:stop, lo:hi], first=lo == 0, vocabulary=3_000)
+    band = band_fed_in_tiles(rows, rows_at_once)
     assert band.banded[:30].all() and not band.banded[30:].any()
+    earlier_largest = rows[:, :2_600].amax(dim=-1)
+    assert (band.low[20:30] > earlier_largest[20:30]).all() and (band.low[:20] < earlier_largest[:20]).all()
+    assert_the_band_holds_its_rows(band, rows, range(30))
+
+
+def band_fed_in_tiles(rows: torch.Tensor, rows_at_once: int) -> head_tiles._NucleusBand:
+    """A top-p 0.9 `_NucleusBand` fed (N, 3,000) `rows` in three tiles (1,300, 1,300, 400 columns), `rows_at_once`
+    rows at a time, as `_TileStream` reads a tile."""
+    band = head_tiles._NucleusBand(rows.size(0), 0.9, torch.device("cpu"))
+    for lo, hi in [(0, 1_300), (1_300, 2_600), (2_600, 3_000)]:
+        for start in range(0, rows.size(0), rows_at_once):
+            stop = min(start + rows_at_once, rows.size(0))
+            band.read(start, stop, rows[start:stop, lo:hi], column=lo, vocabulary=3_000)
+    return band
+
+
+def assert_the_band_holds_its_rows(band: head_tiles._NucleusBand, rows: torch.Tensor, banded) -> None:
+    """Each `banded` row's members are exactly its logits in [low, high), and the band's whole mass and mass under
+    the band are the row's (float32 sums of 3,000 terms in two orders: relative 1e-5)."""
     reference = rows.amax(dim=-1)
     torch.testing.assert_close(band.reference, reference, rtol=0, atol=0)
     torch.testing.assert_close(band.mass, (rows - reference[:, None]).exp().sum(-1), rtol=1e-5, atol=0)
-    index = torch.arange(30)
-    members = band.members(index)
-    for row in range(30):
+    members = band.members(torch.tensor(list(banded)))
+    for place, row in enumerate(banded):
         low, high = band.low[row], band.high[row]
         inside = rows[row][(rows[row] >= low) & (rows[row] < high)].sort().values
         assert inside.numel() > 10
-        torch.testing.assert_close(members[row, :inside.numel()], inside, rtol=0, atol=0)
-        assert torch.isinf(members[row, inside.numel():]).all()
+        torch.testing.assert_close(members[place, :inside.numel()], inside, rtol=0, atol=0)
+        assert torch.isinf(members[place, inside.numel():]).all()
         below = (rows[row][rows[row] < low] - reference[row]).exp().sum()
         torch.testing.assert_close(band.below[row], below, rtol=1e-5, atol=0)
+
+
+def test_a_later_tile_whose_crossing_may_lie_under_the_earlier_logits_leaves_the_band_where_it_is():
+    """Two rows of 3,000 logits, the first two tiles' 2,600 all 0 (mass 2,600; banded, open: every logit a member),
+    the last tile's 300 at -0.1 and 100 at v. For v = 5.55 that tile holds over 1 - (1 - p - 0.004) of the mass read
+    (it is considered), but its band would start under its -0.1 logits, under earlier members: the band stays, as
+    read. For v = 8 it starts at the 8s, above every earlier logit: the band moves there, all 2,900 below it under
+    it. Both rows' members and masses are exact."""
+    rows = torch.zeros(2, 3_000)
+    rows[:, 2_600:2_900] = -0.1
+    rows[0, 2_900:] = 5.55
+    rows[1, 2_900:] = 8.0
+    for rows_at_once in (1, 2):
+        band = band_fed_in_tiles(rows, rows_at_once)
+        assert band.banded.all() and band.low[0] == -torch.inf and band.low[1] > 7.9
+        assert_the_band_holds_its_rows(band, rows, range(2))
 
 
 def test_a_band_the_later_tiles_move_the_nucleus_out_of_sends_its_rows_to_the_second_projection():
@@ -221,6 +254,33 @@ def test_a_row_with_a_few_thousand_tokens_above_its_band_keeps_them_all_and_its_
     band = seen[0].streams[0].band
     assert read and bool(band.banded.all()) and bool(torch.isinf(band.high).all())
     assert seen[0].band_rows == 32 and seen[0].projected_rows == 0
+    torch.testing.assert_close(tiles, projected, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("processing", [SamplerProcessing(top_p=0.9), SamplerProcessing(temperature=0.7, top_p=0.5)],
+                         ids=str)
+def test_a_later_tile_that_holds_nearly_all_of_a_rows_mass_takes_its_band(processing):
+    """Flat rows over three vocabulary tiles (66,000 tokens), the second tile's 32,768 logits lifted by 12 by a head
+    bias: the first tile's band lies far under the crossing, the second tile holds all but e^-12 of each row's mass,
+    so the band is placed anew on it (closed: it estimates thousands of logits above its low edge), above every
+    logit of the first tile, and the third tile's logits fall under it. Every row is decided on its band, but those
+    within rounding of 1 - p (the flat test's one in ten), with the second projection's values; before, every row
+    was projected again."""
+    model = second_tile_lifted(flat_model(66_000, positions=48), scale=1, lift=12.0, vocabulary=66_000,
+                               lifted=slice(32_768, 65_536))
+    input_ids = torch.randint(0, 66_000, (2, 40))
+    attention_mask = torch.ones_like(input_ids)
+    seen = []
+    tiles, projected, read = scored_both_ways(model, processing, input_ids, attention_mask, 16, micro_batch=2,
+                                              temperature=processing.temperature, seen=seen)
+    support = seen[0]
+    band = support.streams[0].band
+    with torch.no_grad():
+        logits = model.lm_head(torch.cat(support.captured.hidden)[:, -17:-1].reshape(-1, 16))
+    first_tiles_largest = logits[:, :32_768].amax(dim=-1) / processing.temperature
+    assert read and bool(band.banded.all()) and bool(torch.isfinite(band.high).all())
+    assert bool((band.low > first_tiles_largest).all())
+    assert support.band_rows + support.projected_rows == 32 and support.projected_rows <= 3
     torch.testing.assert_close(tiles, projected, rtol=0, atol=2e-6)
 
 

@@ -148,8 +148,10 @@ class _NucleusBand:
     exp(`reference`), the largest logit read so far (rescaled as a larger one comes, as an online logsumexp). A row
     whose first tile puts its nucleus within the candidates gets no band (`banded` False: a peaked row's band would
     be its long tail) and takes the candidates; a banded row takes none. A banded row with at most
-    `OPEN_BAND_TOKENS` logits above the band's low edge keeps them all (`high` inf). Where the later tiles move a
-    row's crossing out of its band (`nucleus_from_band` leaves it undecided), it is projected again."""
+    `OPEN_BAND_TOKENS` logits above the band's low edge keeps them all (`high` inf). A later tile that holds nearly
+    all the mass read so far (a likeliest token far above the first tile's logits) takes the band where its own
+    crossing lies above every earlier logit (`_move_up`). Where the later tiles move a row's crossing out of its
+    band otherwise (`nucleus_from_band` leaves it undecided), it is projected again."""
 
     def __init__(self, wanted: int, p: float, device: torch.device):
         self.p = p
@@ -168,38 +170,77 @@ class _NucleusBand:
         self.filled = torch.zeros(wanted, dtype=torch.long, device=device)  # members kept per row so far
         self.kept = 0
 
-    def read(self, lo: int, hi: int, scaled: torch.Tensor, first: bool, vocabulary: int) -> None:
-        """Rows lo:hi of a tile's scaled logits (`first`: the vocabulary's first tile)."""
-        if first:
-            low, high = share_band(scaled, max(0.0, 1 - self.p - NUCLEUS_BAND_SHARE),
-                                   min(1.0, 1 - self.p + NUCLEUS_BAND_SHARE))
-            # the tokens at or above the band's low edge in the whole row, estimated from this tile
-            estimated = (scaled >= low.unsqueeze(-1)).sum(-1) * (vocabulary / scaled.size(-1))
-            past_candidates = estimated > SUPPORT_CANDIDATES / 2
-            self.banded[lo:hi] = past_candidates
-            self.low[lo:hi] = torch.where(past_candidates, low, torch.inf)
-            # A row whose mass a few large logits hold may have them in a later tile, which moves its crossing up past
-            # the band: unless that would keep too many, it keeps every logit above the low edge.
-            self.high[lo:hi] = torch.where(past_candidates & (estimated > OPEN_BAND_TOKENS), high, torch.inf)
-        reference = torch.maximum(self.reference[lo:hi], scaled.amax(dim=-1))
-        rescale = (self.reference[lo:hi] - reference).exp()
+    def read(self, lo: int, hi: int, scaled: torch.Tensor, column: int, vocabulary: int) -> None:
+        """Rows lo:hi of the vocabulary tile at `column` (its scaled logits)."""
+        earlier_reference = self.reference[lo:hi].clone()
+        reference = torch.maximum(earlier_reference, scaled.amax(dim=-1))
+        rescale = (earlier_reference - reference).exp()
         self.mass[lo:hi] *= rescale
         self.below[lo:hi] *= rescale
         self.reference[lo:hi] = reference
         weights = mass_weights(scaled, reference.unsqueeze(-1))
-        self.mass[lo:hi] += weights.sum(dim=-1)
+        tile_mass = weights.sum(dim=-1)
+        if column == 0:
+            self._place(lo, None, scaled, max(0.0, 1 - self.p - NUCLEUS_BAND_SHARE),
+                        min(1.0, 1 - self.p + NUCLEUS_BAND_SHARE), vocabulary)
+        else:
+            self._move_up(lo, hi, scaled, earlier_reference, tile_mass, vocabulary - column)
+        self.mass[lo:hi] += tile_mass
         inside = scaled >= self.low[lo:hi].unsqueeze(-1)
         self.below[lo:hi] += weights.masked_fill_(inside, 0.0).sum(dim=-1)
         inside &= scaled < self.high[lo:hi].unsqueeze(-1)
-        row, column = inside.nonzero(as_tuple=True)  # row-major: each row's members in a run
+        row, token = inside.nonzero(as_tuple=True)  # row-major: each row's members in a run
         self.kept += row.numel()
         if self.kept <= BAND_MEMBERS_LIMIT:
             counts = torch.bincount(row, minlength=hi - lo)
-            self.values.append(scaled[row, column])
+            self.values.append(scaled[row, token])
             self.first_rows.append(lo)
             self.counts.append(counts)
             self.earlier.append(self.filled[lo:hi].clone())
             self.filled[lo:hi] += counts
+
+    def _place(self, lo: int, rows: torch.Tensor | None, scaled: torch.Tensor, low_share: float | torch.Tensor,
+               high_share: float | torch.Tensor, remaining: int) -> torch.Tensor:
+        """Band rows lo + `rows` (None: every row of `scaled`) where their ascending mass passes `low_share` and
+        `high_share` of it (`share_band`), open above where the `remaining` vocabulary (this tile's and the later
+        ones') is estimated from this tile to hold at most `OPEN_BAND_TOKENS` logits above the low edge: the low
+        edges."""
+        low, high = share_band(scaled, low_share, high_share)
+        estimated = (scaled >= low.unsqueeze(-1)).sum(-1) * (remaining / scaled.size(-1))
+        target = slice(lo, lo + scaled.size(0)) if rows is None else rows + lo
+        self.low[target] = low
+        self.high[target] = torch.where(estimated > OPEN_BAND_TOKENS, high, torch.inf)
+        if rows is None:  # a row whose nucleus the first tile puts within the candidates takes them, no band
+            banded = estimated > SUPPORT_CANDIDATES / 2
+            self.banded[target] = banded
+            self.low[target] = torch.where(banded, low, torch.inf)
+        return low
+
+    def _move_up(self, lo: int, hi: int, scaled: torch.Tensor, earlier_reference: torch.Tensor,
+                 tile_mass: torch.Tensor, remaining: int) -> None:
+        """A banded row of which this later tile holds so much of the mass read so far (a few logits far above the
+        earlier tiles': a trained model's likeliest token) that its crossing may lie above every earlier logit: its
+        band is placed anew on this tile, the earlier tiles' whole mass taken as under it. Where this tile's band
+        does start above every earlier logit, the mass under it is exact and the earlier members lie under it
+        (`members` leaves them out); elsewhere the band stays."""
+        earlier = self.mass[lo:hi]  # the earlier tiles' mass, in this tile's units
+        read = earlier + tile_mass
+
+        def share_of_tile(share: float) -> torch.Tensor:  # a share of the mass read so far, as one of this tile's
+            return (share * read - earlier) / tile_mass
+
+        low_share = share_of_tile(1 - self.p - NUCLEUS_BAND_SHARE)
+        rows = (self.banded[lo:hi] & (low_share > 0)).nonzero().squeeze(-1)
+        if rows.numel() == 0:
+            return
+        high_share = share_of_tile(1 - self.p + NUCLEUS_BAND_SHARE)
+        kept = (self.low[rows + lo].clone(), self.high[rows + lo].clone())
+        low = self._place(lo, rows, scaled[rows], low_share[rows].unsqueeze(-1), high_share[rows].unsqueeze(-1),
+                          remaining)
+        moved = low > earlier_reference[rows]
+        self.low[rows + lo] = torch.where(moved, low, kept[0])
+        self.high[rows + lo] = torch.where(moved, self.high[rows + lo], kept[1])
+        self.below[rows + lo] = torch.where(moved, earlier[rows], self.below[rows + lo])
 
     @property
     def total(self) -> torch.Tensor:
@@ -218,6 +259,8 @@ class _NucleusBand:
             rows = position[lo:lo + counts.numel()].repeat_interleave(counts)
             wanted = rows >= 0
             members[rows[wanted], places[wanted]] = values[wanted]
+        # a band placed anew on a later tile (`_move_up`) starts above every earlier member
+        members = torch.where(members >= self.low[index].unsqueeze(-1), members, torch.inf)
         return members.sort(dim=-1).values
 
     def normalisers(self, index: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,7 +337,7 @@ class _TileStream:
         if self.band is not None or self.total is not None:
             scaled = scaled_logits(transform(logits), self.processing.temperature)
             if self.band is not None:
-                self.band.read(lo, hi, scaled, self.column == 0, vocabulary)
+                self.band.read(lo, hi, scaled, self.column, vocabulary)
             else:
                 self.total[lo:hi] = torch.logaddexp(self.total[lo:hi], scaled.logsumexp(dim=-1))
         self._keep_candidates(lo, hi, logits)
