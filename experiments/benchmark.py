@@ -621,8 +621,9 @@ def main() -> None:
     build_model(options.model, model_path, options.logit_scale)
     if options.loss_only:
         result = loss_only(options, model_path)
+        timed = "forward" if options.forward_only else "loss+backward"
         for name, median in result["median_loss_backward_s"].items():
-            print(f"{name:<14} loss+backward median {median * 1000:.2f} ms  quartiles "
+            print(f"{name:<14} {timed} median {median * 1000:.2f} ms  quartiles "
                   f"{[round(q * 1000, 2) for q in result['quartiles_s'][name]]}")
         for name, ratio in result["ratios"].items():
             print(f"{name:<28} {ratio:.3f}")

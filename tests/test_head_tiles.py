@@ -96,7 +96,7 @@ def test_the_tiles_cover_several_vocabulary_chunks_and_token_chunks():
         torch.testing.assert_close(tiles, projected, **float32_tolerance(projected, roundings=64))
 
 
-def second_tile_lifted(model, scale: float, lift: float, vocabulary: int = 33_000, lifted: slice = slice(32_768, None)):
+def head_lifted(model, scale: float, lift: float, vocabulary: int = 33_000, lifted: slice = slice(32_768, None)):
     """`model` (a tied Qwen2 over `vocabulary` tokens, hidden 16) with an untied head: its output embedding times
     `scale`, and a bias of `lift` on the `lifted` tokens (by default TRL's second vocabulary tile's 232, 0 elsewhere)."""
     head = torch.nn.Linear(16, vocabulary, bias=True)
@@ -116,7 +116,7 @@ def test_a_later_tiles_logits_above_a_rows_smallest_candidate_enter_its_candidat
     each row's largest logits are there: the candidates kept from the first tile's `topk` take the second tile's
     logits above their smallest (a comparison, not a `topk`), with the second projection's values; no row is decided
     on a band or projected again."""
-    model = second_tile_lifted(small_model("qwen2_tied", vocabulary=33_000, positions=48), scale=8, lift=10.0)
+    model = head_lifted(small_model("qwen2_tied", vocabulary=33_000, positions=48), scale=8, lift=10.0)
     input_ids = torch.randint(0, 33_000, (2, 40))
     attention_mask = torch.ones_like(input_ids)
     seen = []
@@ -229,7 +229,7 @@ def test_a_band_the_later_tiles_move_the_nucleus_out_of_sends_its_rows_to_the_se
     """A head whose bias lifts the second tile's 232 tokens by 4 (e^4 = 55 times the first tile's tokens' mass each):
     the first tile misplaces where the ascending mass passes 1 - p, the band misses it, and the rows are projected
     again, with the same values as before."""
-    model = second_tile_lifted(flat_model(33_000, positions=48), scale=1, lift=4.0)
+    model = head_lifted(flat_model(33_000, positions=48), scale=1, lift=4.0)
     input_ids = torch.randint(0, 33_000, (2, 40))
     attention_mask = torch.ones_like(input_ids)
     seen = []
@@ -245,7 +245,7 @@ def test_a_row_with_a_few_thousand_tokens_above_its_band_keeps_them_all_and_its_
     above the first tile's estimate: their band is open above, keeps every logit past its low edge, and decides
     every row (none projected again) with the second projection's values. A band closed above would miss them all
     (the test above)."""
-    model = second_tile_lifted(small_model("qwen2_tied", vocabulary=33_000, positions=48), scale=4, lift=6.0)
+    model = head_lifted(small_model("qwen2_tied", vocabulary=33_000, positions=48), scale=4, lift=6.0)
     input_ids = torch.randint(0, 33_000, (2, 40))
     attention_mask = torch.ones_like(input_ids)
     seen = []
@@ -266,7 +266,7 @@ def test_a_later_tile_that_holds_nearly_all_of_a_rows_mass_takes_its_band(proces
     logit of the first tile, and the third tile's logits fall under it. Every row is decided on its band, but those
     within rounding of 1 - p (the flat test's one in ten), with the second projection's values; before, every row
     was projected again."""
-    model = second_tile_lifted(flat_model(66_000, positions=48), scale=1, lift=12.0, vocabulary=66_000,
+    model = head_lifted(flat_model(66_000, positions=48), scale=1, lift=12.0, vocabulary=66_000,
                                lifted=slice(32_768, 65_536))
     input_ids = torch.randint(0, 66_000, (2, 40))
     attention_mask = torch.ones_like(input_ids)
@@ -281,6 +281,61 @@ def test_a_later_tile_that_holds_nearly_all_of_a_rows_mass_takes_its_band(proces
     assert read and bool(band.banded.all()) and bool(torch.isfinite(band.high).all())
     assert bool((band.low > first_tiles_largest).all())
     assert support.band_rows + support.projected_rows == 32 and support.projected_rows <= 3
+    torch.testing.assert_close(tiles, projected, rtol=0, atol=2e-6)
+
+
+def test_a_first_tile_holding_a_rows_likeliest_token_places_its_band_on_the_rest_of_the_row():
+    """Flat rows over three vocabulary tiles (66,000 tokens) and one token of the first tile lifted by 10.25 (about
+    30 % of each row's mass). Estimated from the first tile's share alone, the crossing lies far above the row's
+    (the lump would stand for twice its mass): 10 of the 32 rows were projected again. With the tile's
+    `LUMP_TOKENS` largest apart from its sea, the band reaches down to the crossing, and every row is decided on its
+    band (but those within rounding of 1 - p), with the second projection's values."""
+    model = head_lifted(flat_model(66_000, positions=48), scale=1, lift=10.25, vocabulary=66_000, lifted=slice(5, 6))
+    input_ids = torch.randint(0, 66_000, (2, 40))
+    attention_mask = torch.ones_like(input_ids)
+    seen = []
+    tiles, projected, read = scored_both_ways(model, SamplerProcessing(top_p=0.9), input_ids, attention_mask, 16,
+                                              micro_batch=2, seen=seen)
+    support = seen[0]
+    with torch.no_grad():
+        probabilities = model.lm_head(torch.cat(support.captured.hidden)[:, -17:-1].reshape(-1, 16)).softmax(-1)
+    assert bool(((probabilities[:, 5] > 0.2) & (probabilities[:, 5] < 0.4)).all())
+    assert read and bool(support.streams[0].band.banded.all())
+    assert support.band_rows + support.projected_rows == 32 and support.projected_rows <= 3
+    torch.testing.assert_close(tiles, projected, rtol=0, atol=2e-6)
+
+
+def test_the_first_tiles_shares_take_its_lumps_apart_from_its_sea():
+    """`_first_shares` on a tile of 84 weights of 1 and 16 of 10 (its lumps) from a 300-token vocabulary at top-p
+    0.9, by hand: the row's sea is 3 x 84 = 252; the crossing's share of the sea is at least 0.1 x (252 + 160) / 252
+    and at most 0.1 x (252 + (3 + 0.5 x 2) x 160) / 252, each +-0.004, times the sea's share of the tile, 84 / 244."""
+    band = head_tiles._NucleusBand(1, 0.9, torch.device("cpu"))
+    weights = torch.cat([torch.ones(84), torch.full((16,), 10.0)]).unsqueeze(0)
+    low, high = band._first_shares(weights, weights.sum(-1), vocabulary=300)
+    least, most = 0.1 * 412 / 252, 0.1 * (252 + 4 * 160) / 252
+    torch.testing.assert_close(low, torch.tensor([[(least - 0.004) * 84 / 244]]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(high, torch.tensor([[(most + 0.004) * 84 / 244]]), rtol=1e-6, atol=0)
+
+
+def test_rows_whose_band_members_pass_the_limit_alone_are_projected_again(monkeypatch):
+    """Flat rows over two full vocabulary tiles (66,000 tokens), read 7 at a time, with `BAND_MEMBERS_LIMIT` at three
+    quarters of the members the band keeps: the first tile's members all fit, and of the second tile's chunks those
+    past the limit keep none. Only their rows (whose members are then half missing) are projected again; the rest
+    are still decided on their band (before, every row of the forward was projected again), all with the second
+    projection's values."""
+    monkeypatch.setattr(head_tiles, "rows_at_once", lambda tile: 7)
+    model = flat_model(66_000, positions=48)
+    input_ids = torch.randint(0, 66_000, (4, 40))
+    attention_mask = torch.ones_like(input_ids)
+    processing = SamplerProcessing(top_p=0.9)
+    seen = []
+    scored_both_ways(model, processing, input_ids, attention_mask, 16, micro_batch=4, seen=seen)
+    monkeypatch.setattr(head_tiles, "BAND_MEMBERS_LIMIT", seen[0].streams[0].band.kept * 3 // 4)
+    tiles, projected, read = scored_both_ways(model, processing, input_ids, attention_mask, 16, micro_batch=4,
+                                              seen=seen)
+    lost = int(seen[1].streams[0].band.lost.sum())
+    assert read and 16 <= lost <= 48
+    assert seen[1].band_rows >= 64 - lost - 6 and seen[1].projected_rows >= lost
     torch.testing.assert_close(tiles, projected, rtol=0, atol=2e-6)
 
 

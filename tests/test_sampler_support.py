@@ -498,3 +498,18 @@ def test_flat_rows_past_the_candidates_are_decided_without_sorting_the_vocabular
                         lambda scaled, keep, p: (in_bins(scaled, keep, p)[0], torch.arange(scaled.size(0)) == 3))
     assert torch.allclose(support.processed_log_probs(logits, tokens, processing), expected, atol=2e-5)
     assert sorted_rows == [1]
+
+
+def test_the_share_band_is_each_rows_own_and_open_where_a_share_is_not_reached():
+    """`share_band` with per-row shares gives each row the edges it gets alone; a high share no bin reaches (a
+    share of 1 and more) leaves the band open above (inf), not closed at the first bin."""
+    from topr_trl.sampler_support import share_band
+
+    rows = torch.randn(2, 500, generator=torch.Generator().manual_seed(1))
+    low, high = share_band(rows, torch.tensor([[0.05], [0.3]]), torch.tensor([[0.1], [0.4]]))
+    for row, (low_share, high_share) in enumerate([(0.05, 0.1), (0.3, 0.4)]):
+        alone = share_band(rows[row:row + 1], low_share, high_share)
+        assert low[row] == alone[0][0] and high[row] == alone[1][0]
+    assert bool((low < high).all())
+    _, unreached = share_band(rows, 0.1, 1.5)
+    assert bool(torch.isinf(unreached).all())

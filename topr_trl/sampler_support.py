@@ -227,19 +227,22 @@ def nucleus_band_applies(processing: SamplerProcessing) -> bool:
     return processing.top_p is not None and processing.top_p < 1 and not processing.top_k and not processing.min_p
 
 
-def share_band(scaled: torch.Tensor, low_share: float, high_share: float) -> tuple[torch.Tensor, torch.Tensor]:
+def share_band(scaled: torch.Tensor, low_share: float | torch.Tensor, high_share: float | torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(low, high) (N,): logit values bracketing where the ascending cumulative mass of each (N, W) row of scaled
-    logits passes `low_share` and `high_share` of the row's mass, at the resolution of `TOP_P_BINS` value bins (the
-    bins' edges; -inf / inf at the ends)."""
+    logits passes `low_share` and `high_share` of the row's mass (floats, or (N, 1) per row), at the resolution of
+    `TOP_P_BINS` value bins (the bins' edges; -inf / inf at the ends, inf where a share is not reached)."""
     high = scaled.amax(dim=-1, keepdim=True)
     low = scaled.amin(dim=-1, keepdim=True)
     _, mass, scale = _mass_in_value_bins(scaled, low, high, mass_weights(scaled, high))
     share = mass.cumsum(dim=-1) / mass.sum(dim=-1, keepdim=True)
     first = (share > low_share).int().argmax(dim=-1, keepdim=True)  # the bin where the low share is passed
-    last = (share >= high_share).int().argmax(dim=-1, keepdim=True)
+    reached = share >= high_share
+    last = reached.int().argmax(dim=-1, keepdim=True)
     width = torch.where(scale > 0, 1 / scale, math.inf)
     band_low = torch.where(first > 0, low + first * width, -math.inf)
-    band_high = torch.where(last < TOP_P_BINS - 1, low + (last + 1) * width, math.inf)
+    band_high = torch.where((last < TOP_P_BINS - 1) & reached.any(dim=-1, keepdim=True), low + (last + 1) * width,
+                            math.inf)
     return band_low.squeeze(-1), band_high.squeeze(-1)
 
 
