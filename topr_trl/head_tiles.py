@@ -197,7 +197,12 @@ class _NucleusBand:
         weights = mass_weights(scaled, reference.unsqueeze(-1))
         tile_mass = weights.sum(dim=-1)
         if column == 0:
-            self._place(lo, None, scaled, *self._first_shares(weights, tile_mass, vocabulary), vocabulary)
+            low, high, estimated = self._edges(scaled, *self._first_shares(weights, tile_mass, vocabulary), vocabulary)
+            # a row whose nucleus the first tile puts within the candidates takes them, no band
+            banded = estimated > SUPPORT_CANDIDATES / 2
+            self.banded[lo:hi] = banded
+            self.low[lo:hi] = torch.where(banded, low, torch.inf)
+            self.high[lo:hi] = high
         else:
             self._move_up(lo, hi, scaled, earlier_reference, tile_mass, vocabulary - column)
         self.mass[lo:hi] += tile_mass
@@ -234,22 +239,16 @@ class _NucleusBand:
         high = torch.where(tile_sea > 0, (most + NUCLEUS_BAND_SHARE) * in_tile, 1 - self.p + NUCLEUS_BAND_SHARE)
         return low.clamp(0, 1).unsqueeze(-1), high.clamp(0, 1).unsqueeze(-1)
 
-    def _place(self, lo: int, rows: torch.Tensor | None, scaled: torch.Tensor, low_share: float | torch.Tensor,
-               high_share: float | torch.Tensor, remaining: int) -> torch.Tensor:
-        """Band rows lo + `rows` (None: every row of `scaled`) where their ascending mass passes `low_share` and
-        `high_share` of it (`share_band`), open above where the `remaining` vocabulary (this tile's and the later
-        ones') is estimated from this tile to hold at most `OPEN_BAND_TOKENS` logits above the low edge: the low
-        edges."""
+    @staticmethod
+    def _edges(scaled: torch.Tensor, low_share: float | torch.Tensor, high_share: float | torch.Tensor,
+               remaining: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(low, high, estimated) (N,): a band around where each row's ascending mass passes `low_share` and
+        `high_share` of it (`share_band`), open above (high inf) where the `remaining` vocabulary (this tile's and
+        the later ones') is estimated from this tile to hold at most `OPEN_BAND_TOKENS` logits above the low edge,
+        and that estimate."""
         low, high = share_band(scaled, low_share, high_share)
         estimated = (scaled >= low.unsqueeze(-1)).sum(-1) * (remaining / scaled.size(-1))
-        target = slice(lo, lo + scaled.size(0)) if rows is None else rows + lo
-        self.low[target] = low
-        self.high[target] = torch.where(estimated > OPEN_BAND_TOKENS, high, torch.inf)
-        if rows is None:  # a row whose nucleus the first tile puts within the candidates takes them, no band
-            banded = estimated > SUPPORT_CANDIDATES / 2
-            self.banded[target] = banded
-            self.low[target] = torch.where(banded, low, torch.inf)
-        return low
+        return low, torch.where(estimated > OPEN_BAND_TOKENS, high, torch.inf), estimated
 
     def _move_up(self, lo: int, hi: int, scaled: torch.Tensor, earlier_reference: torch.Tensor,
                  tile_mass: torch.Tensor, remaining: int) -> None:
@@ -269,13 +268,11 @@ class _NucleusBand:
         if rows.numel() == 0:
             return
         high_share = share_of_tile(1 - self.p + NUCLEUS_BAND_SHARE)
-        kept = (self.low[rows + lo].clone(), self.high[rows + lo].clone())
-        low = self._place(lo, rows, scaled[rows], low_share[rows].unsqueeze(-1), high_share[rows].unsqueeze(-1),
-                          remaining)
+        low, high, _ = self._edges(scaled[rows], low_share[rows].unsqueeze(-1), high_share[rows].unsqueeze(-1),
+                                   remaining)
         moved = low > earlier_reference[rows]
-        self.low[rows + lo] = torch.where(moved, low, kept[0])
-        self.high[rows + lo] = torch.where(moved, self.high[rows + lo], kept[1])
-        self.below[rows + lo] = torch.where(moved, earlier[rows], self.below[rows + lo])
+        target = rows[moved] + lo
+        self.low[target], self.high[target], self.below[target] = low[moved], high[moved], earlier[rows[moved]]
 
     @property
     def total(self) -> torch.Tensor:
