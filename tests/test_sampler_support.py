@@ -452,6 +452,71 @@ def test_top_p_in_bins_is_top_p_sorted(top_p, dtype):
     assert _keep_top_p_in_bins(ties, torch.ones_like(ties, dtype=torch.bool), 0.8)[1].tolist() == [True]
 
 
+def test_a_cut_at_the_last_token_under_the_crossing_bin_is_left_to_the_sort():
+    """Four small tokens (each in its own bin) far under one large token, with p such that the four hold 1 - p of
+    the row's mass within rounding: the fourth's cumulative mass is 1 - p, which the sort's order decides. It lies in
+    a bin under the crossing one (the large token's), where no token comes near 1 - p: the row is undecided, not cut
+    where the bins' sum puts it, by the whole row's bins and by the band's (all five tokens its members). With 1 - p
+    halfway through the third token's mass the row is decided: the last three kept."""
+    from topr_trl.sampler_support import _keep_top_p_in_bins, nucleus_from_band
+
+    row = torch.tensor([[0.0, 0.01, 0.02, 0.03, 6.0]])
+    every = torch.ones_like(row, dtype=torch.bool)
+    small = (row[0, :4] - 6.0).double().exp()
+    whole = 1 + float(small.sum())
+    # 1 - p just above the four's mass (2^-21 of it, half of `TOP_P_ROUNDING`): the bins put the crossing in the large
+    # token's bin, past float32's rounding of the sums (a few 2^-24)
+    at_the_cut = 1 - float(small.sum()) * (1 + 2**-21) / whole
+    inside = 1 - float(small[:2].sum() + small[2] / 2) / whole
+    assert _keep_top_p_in_bins(row, every, at_the_cut)[1].tolist() == [True]
+    kept, undecided = _keep_top_p_in_bins(row, every, inside)
+    assert undecided.tolist() == [False] and kept.tolist() == [[False, False, True, True, True]]
+
+    def band(top_p: float):
+        return nucleus_from_band(torch.zeros(5, dtype=torch.long), row[0], torch.zeros(1), (row - 6.0).exp().sum(-1),
+                                 torch.tensor([6.0]), torch.tensor([6.0]), top_p)
+
+    assert band(at_the_cut)[1].tolist() == [True]
+    normaliser, undecided = band(inside)
+    assert undecided.tolist() == [False]
+    torch.testing.assert_close(normaliser, row[:, 2:].logsumexp(-1), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95])
+def test_the_nucleus_decided_on_a_band_of_each_rows_values_is_the_sorted_rules(top_p):
+    """`nucleus_from_band` given, for 12 rows of 3,000 logits from flat to peaked, only the logits in a band around
+    where the ascending mass passes 1 - p (in one shuffled list, rows interleaved), the mass under the band and the
+    whole mass: the support's logsumexp with the sampled token is the sorted rule's (`_keep_top_p_sorted`), to the
+    float32 rounding of 3,000-term sums in two orders (relative 2e-6 of masses of order 1 to 3,000: 2e-6 absolute in
+    the log). A band above the crossing, one under it and a row without members are undecided."""
+    from topr_trl.sampler_support import _keep_top_p_sorted, nucleus_from_band
+
+    generator = torch.Generator().manual_seed(17)
+    rows = torch.randn(15, 3000, generator=generator) * torch.linspace(0.2, 3.0, 15).unsqueeze(1)
+    reference = rows.amax(dim=-1)
+    weights = (rows - reference[:, None]).exp()
+    keep = _keep_top_p_sorted(rows, torch.ones_like(rows, dtype=torch.bool), top_p)
+    smallest_kept = rows.masked_fill(~keep, math.inf).amin(dim=-1)
+    largest_removed = rows.masked_fill(keep, -math.inf).amax(dim=-1)
+    under = torch.rand(15, generator=generator) * 0.3 + 0.05  # the band's edges: a share of the values around the cut
+    low = largest_removed - under * (largest_removed - rows.amin(dim=-1))
+    high = smallest_kept + under * (reference - smallest_kept)
+    low[12], high[12] = smallest_kept[12] + 1e-3, math.inf  # above the crossing: the removed tokens under the band
+    low[13], high[13] = rows[13].amin(), largest_removed[13]  # under the crossing: every member removed
+    high[14] = low[14]  # no members
+    inside = (rows >= low[:, None]) & (rows < high[:, None])
+    row, column = inside.nonzero(as_tuple=True)
+    shuffled = torch.randperm(row.numel(), generator=generator)
+    below = weights.masked_fill(rows >= low[:, None], 0.0).sum(dim=-1)
+    tokens = torch.stack([keep[r].nonzero()[r % 3, 0] if r % 2 else (~keep[r]).nonzero()[0, 0] for r in range(15)])
+    chosen = rows.gather(-1, tokens[:, None]).squeeze(-1)
+    normaliser, undecided = nucleus_from_band(row[shuffled], rows[row, column][shuffled], below, weights.sum(-1),
+                                              reference, chosen, top_p)
+    assert undecided.tolist() == [False] * 12 + [True] * 3
+    expected = log_softmax_on_support(rows, keep, tokens)
+    torch.testing.assert_close((chosen - normaliser)[:12], expected[:12], rtol=0, atol=2e-6)
+
+
 def test_a_tokens_weight_far_below_its_rows_largest_is_floored_at_float32s_smallest_normal():
     """`mass_weights` is exp(x - reference) down to x - reference = -87 and e^-87 below it (a subnormal or zero
     exactly, else). On rows whose logits span hundreds (a trained model's peaked rows), top-p in bins is still the

@@ -160,24 +160,44 @@ def _keep_top_p_in_bins(scaled: torch.Tensor, keep: torch.Tensor, p: float) -> t
     weights = mass_weights(scaled, high)  # probabilities times the row's sum `whole`, 0 outside `keep`
     if not every:
         weights.masked_fill_(~keep, 0.0)
-    whole = weights.sum(dim=-1, keepdim=True)
+    whole = weights.sum(dim=-1)
     low = (scaled if every else scaled.masked_fill(~keep, math.inf)).amin(dim=-1, keepdim=True)
     bins, mass, _ = _mass_in_value_bins(scaled, low, high, weights)  # tokens outside `keep` weigh 0 anywhere
     limit = (1 - p) * whole  # 1 - p of the row's mass
-    above = mass.cumsum(dim=-1)  # the mass of each bin and those below it
-    crossing = (above > limit).int().argmax(dim=-1)  # the first bin past 1 - p
-    found = above[:, -1:] > limit
-    below = (above - mass).gather(-1, crossing.unsqueeze(-1))  # the mass under the crossing bin
-    members = keep & (bins == crossing.unsqueeze(-1))
+    crossing = _crossing_bin(mass, torch.zeros_like(whole), limit)
+    members = keep & (bins == crossing.bin.unsqueeze(-1))
     row, column = members.nonzero(as_tuple=True)
     values, columns = ascending_by_row(row, scaled[row, column], n, column)  # the crossing bin's tokens
-    cut = _ascending_cut(values, below.squeeze(-1), limit.squeeze(-1), high.squeeze(-1))
+    cut = _ascending_cut(values, crossing.under, limit, high.squeeze(-1))
     stays = cut.stays
-    undecided = ~found.squeeze(-1) | ~stays.any(dim=-1) | cut.at_the_cut
-    kept = keep & (bins > crossing.unsqueeze(-1))
+    undecided = crossing.undecided | ~stays.any(dim=-1) | cut.at_the_cut
+    kept = keep & (bins > crossing.bin.unsqueeze(-1))
     rows = torch.arange(n, device=scaled.device).unsqueeze(-1).expand_as(stays)
     kept[rows[stays], columns[stays]] = True
     return kept, undecided
+
+
+class _CrossingBin(NamedTuple):
+    """Where a row's ascending mass, bin by bin, first passes `limit`: that `bin` (N,), the mass `under` it (N,), and
+    whether the bins leave the row `undecided` (N,): no bin passes the limit, or the mass under the crossing bin (the
+    cumulative mass of the last token under it) is within `TOP_P_ROUNDING` of the limit, a cut the order of the
+    sum decides."""
+
+    bin: torch.Tensor
+    under: torch.Tensor
+    undecided: torch.Tensor
+
+
+def _crossing_bin(mass: torch.Tensor, below: torch.Tensor, limit: torch.Tensor) -> _CrossingBin:
+    """`_CrossingBin` of (N, B) bins of ascending value holding `mass` each, above tokens of mass `below` (N,)."""
+    # the mass under each bin, summed as such: taking a bin's mass off the sum through it would lose the small mass
+    # under a heavy bin to the rounding of the sum (an ulp of the whole row's mass: 1e-6 of 1 - p = 0.05 of it)
+    lower = below.unsqueeze(-1) + torch.nn.functional.pad(mass[:, :-1], (1, 0)).cumsum(dim=-1)
+    passed = lower + mass > limit.unsqueeze(-1)
+    crossing = passed.int().argmax(dim=-1)
+    under = lower.gather(-1, crossing.unsqueeze(-1)).squeeze(-1)
+    undecided = ~passed[:, -1] | ((under - limit).abs() <= limit * TOP_P_ROUNDING)
+    return _CrossingBin(crossing, under, undecided)
 
 
 def _mass_in_value_bins(scaled: torch.Tensor, low: torch.Tensor, high: torch.Tensor, weights: torch.Tensor
@@ -246,23 +266,37 @@ def share_band(scaled: torch.Tensor, low_share: float | torch.Tensor, high_share
     return band_low.squeeze(-1), band_high.squeeze(-1)
 
 
-def nucleus_from_band(members: torch.Tensor, below: torch.Tensor, mass: torch.Tensor, reference: torch.Tensor,
-                      chosen: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+def nucleus_from_band(row: torch.Tensor, members: torch.Tensor, below: torch.Tensor, mass: torch.Tensor,
+                      reference: torch.Tensor, chosen: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(the logsumexp of the scaled logits over top-p's support plus the sampled token, the rows this does not
-    decide) for N rows of which only a band of values is known: `members` (N, M) the scaled logits in the band,
-    ascending (inf: padding), `below` the mass of the row's tokens under the band and `mass` its whole mass, both in
-    units of exp(`reference`), and `chosen` the sampled token's scaled logit. Where the ascending mass passes 1 - p
-    inside the band, the tokens before the crossing are removed as `_keep_top_p_sorted` removes them (ties in
-    order), and the support's mass is the whole less theirs; a crossing under the band (`below` past 1 - p), above
-    it (every member removed), or within rounding of 1 - p (`TOP_P_ROUNDING`) leaves the row undecided."""
+    decide) for N rows of which only a band of values is known: `members` (K,) the scaled logits in the band, of the
+    rows `row` (K,), in any order, `below` the mass of each row's tokens under the band and `mass` its whole mass,
+    both in units of exp(`reference`), and `chosen` the sampled token's scaled logit. As `_keep_top_p_in_bins` cuts
+    a whole row, the members fall into `TOP_P_BINS` bins of equal value between the row's least and largest, their
+    masses add up from `below`, and only the bin where they pass 1 - p is sorted: the tokens before the crossing are
+    removed as `_keep_top_p_sorted` removes them (ties in order), and the support's mass is the whole less theirs. A
+    crossing under the band (`below` past 1 - p), above it (no bin passes it) or within rounding of 1 - p
+    (`TOP_P_ROUNDING`) leaves the row undecided."""
+    n = below.numel()
     limit = (1 - p) * mass
-    cut = _ascending_cut(members, below, limit, reference)
+    low = torch.full_like(below, math.inf).scatter_reduce(0, row, members, "amin")
+    high = torch.full_like(below, -math.inf).scatter_reduce(0, row, members, "amax")
+    weights = mass_weights(members, reference[row])
+    spread = high - low
+    scale = torch.where(torch.isfinite(spread) & (spread > 0), TOP_P_BINS / spread, 0.0)
+    bins = (members - low[row]).mul_(scale[row]).clamp_(0, TOP_P_BINS - 1).long()
+    flat = row * TOP_P_BINS + bins
+    binned = weights.new_zeros(n * TOP_P_BINS).index_add_(0, flat, weights).view(n, TOP_P_BINS)
+    crossing = _crossing_bin(binned, below, limit)
+    in_crossing = (bins == crossing.bin[row]).nonzero().squeeze(-1)
+    ascending, _ = ascending_by_row(row[in_crossing], members[in_crossing], n)  # the crossing bin's members
+    cut = _ascending_cut(ascending, crossing.under, limit, reference)
     removed_count = (cut.present & ~cut.stays).sum(dim=-1, keepdim=True)
     removed = torch.where(removed_count > 0, cut.cumulative.gather(-1, (removed_count - 1).clamp_min(0)),
-                          below.unsqueeze(-1)).squeeze(-1)
-    smallest_kept = members.gather(-1, removed_count.clamp_max(members.size(-1) - 1)).squeeze(-1)
+                          crossing.under.unsqueeze(-1)).squeeze(-1)
+    smallest_kept = ascending.gather(-1, removed_count.clamp_max(ascending.size(-1) - 1)).squeeze(-1)
     undecided = (~torch.isfinite(mass) | ~torch.isfinite(below) | (below >= limit * (1 - TOP_P_ROUNDING))
-                 | ~cut.stays.any(dim=-1) | cut.at_the_cut)
+                 | crossing.undecided | ~cut.stays.any(dim=-1) | cut.at_the_cut)
     return _with_the_sampled_token(reference + (mass - removed).log(), chosen, smallest_kept), undecided
 
 
