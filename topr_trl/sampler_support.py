@@ -358,7 +358,7 @@ _FILTERS: dict[str, Callable[[torch.Tensor, torch.Tensor, SamplerProcessing], to
 def sampler_support(logits: torch.Tensor, processing: SamplerProcessing) -> torch.Tensor:
     """The tokens the sampler keeps, (..., V) bool, from (..., V) logits: its filters in its engine's order, each on
     the logits the previous ones left."""
-    scaled = logits.float() / processing.temperature
+    scaled = scaled_logits(logits, processing.temperature)
     keep = torch.ones_like(scaled, dtype=torch.bool)
     for name in SUPPORT_FILTERS[processing.engine]:
         keep = _FILTERS[name](scaled, keep, processing)
