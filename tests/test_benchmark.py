@@ -127,3 +127,18 @@ def test_qwen_shaped_models_have_the_published_parameter_counts(shape, published
     with torch.device("meta"):
         model = Qwen2ForCausalLM(benchmark.qwen_config(shape, build_tokenizer()))
     assert sum(parameter.numel() for parameter in model.parameters()) == published_parameters
+
+
+@pytest.mark.slow
+def test_the_head_support_profile_runs_and_accounts_for_every_row(tmp_path):
+    """`experiments/head_support.py --smoke`: the support's parts are timed, and every scored row (all banded on the
+    smoke's flat one-layer model) is decided on its band or projected again, once."""
+    output = tmp_path / "head.json"
+    completed = subprocess.run([sys.executable, "-m", "experiments.head_support", "--smoke", "--output", str(output)],
+                               capture_output=True, text=True, timeout=900, cwd=SCRIPT.parents[1])
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(output.read_text())
+    rows = result["rows"]
+    assert rows["rows"] == 256 and rows["banded"] > 0 and result["parts_s"]["band's reading of the tiles"] > 0
+    # the smoke's one-layer model has flat rows: every one banded, decided on its band or projected again
+    assert rows["banded"] == rows["rows"] and rows["decided on the band"] + rows["projected again"] == rows["rows"]

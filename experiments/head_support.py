@@ -1,0 +1,190 @@
+"""Where the time of pi's support goes in the head's part of one forward (`topr_trl.head_tiles`), and which rows it
+leaves to a second projection, on a Qwen2.5-shaped model with random weights.
+
+    python -m experiments.head_support --logit_scale 4 --top_p 0.95 --repeats 6 --output head.json
+    python -m experiments.head_support --smoke      # seconds: a one-layer model, a 66,000-token vocabulary
+
+Each repeat runs the model's forward on the same 4 x 96 random token ids (the last 64 of each scored, as
+GRPOTrainer's loss scores 4 completions of 64 tokens) with TRL's fused head alone, then under `HeadTileSupport` with
+the support scored (`processed`); the difference is what the support adds. Its parts are timed by wrapping the
+functions that do them (the band's reading of the tiles, its members gathered, the nucleus decided on them, and
+the rows projected again). The rows are then sorted by what decided them, against the sorted rule
+(`_keep_top_p_sorted`) on their whole logits: the candidates, the band, or a second projection, this last because
+the crossing lies under or above the band or (in it) within float rounding of 1 - p.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from experiments.benchmark import QWEN_COMMON, QWEN_SHAPES, qwen_config
+
+
+PARTS = {  # the part's name: (module, attribute) of the function that does it
+    "band's reading of the tiles": ("_NucleusBand", "read"),
+    "band's members gathered": ("_NucleusBand", "members"),
+    "nucleus decided on the band": (None, "nucleus_from_band"),
+    "rows projected again": (None, "chunked_processed_log_probs"),
+    "candidates kept": ("_TileStream", "_keep_candidates"),
+}
+
+
+@contextlib.contextmanager
+def timed_parts(seconds: dict[str, float]) -> Iterator[None]:
+    """Each of `PARTS` wrapped so that its wall time adds up in `seconds`, restored on exit."""
+    from topr_trl import head_tiles
+
+    saved = []
+    for name, (owner_name, attribute) in PARTS.items():
+        owner = getattr(head_tiles, owner_name) if owner_name else head_tiles
+        original = getattr(owner, attribute)
+        saved.append((owner, attribute, original))
+
+        def wrapper(*args, _original: Callable = original, _name: str = name, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                seconds[_name] = seconds.get(_name, 0.0) + time.perf_counter() - start
+
+        setattr(owner, attribute, wrapper)
+    try:
+        yield
+    finally:
+        for owner, attribute, original in saved:
+            setattr(owner, attribute, original)
+
+
+def build(options):
+    """(model with TRL's fused head, token ids, labels): random weights (seed 0), the output embedding times
+    `--logit_scale`, as `experiments.benchmark.build_model` builds its models."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from topr_trl.tasks.tiny import build_tokenizer
+
+    torch.manual_seed(0)
+    if options.smoke:
+        config = Qwen2Config(**{**QWEN_COMMON, "vocab_size": 66_000}, hidden_size=32, num_hidden_layers=1,
+                             intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    else:
+        config = qwen_config(options.model, build_tokenizer())
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(options.logit_scale)
+    add_fused_lm_head(model, temperature=options.temperature)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (options.sequences, options.prompt_length + options.completion_length),
+                        generator=generator)
+    labels = ids.clone()
+    labels[:, :-options.completion_length] = -100
+    return model, ids, labels
+
+
+def classify(support, owner, processing) -> dict[str, int]:
+    """How many of the forward's scored rows each path decided, and why the band left the others: the crossing (the
+    smallest logit the sorted rule keeps, on the row's whole logits) under the band or above it, a token's cumulative
+    mass within rounding of 1 - p (`TOP_P_ROUNDING`), members past the limit (a row may have several reasons)."""
+    from topr_trl.sampler_support import TOP_P_ROUNDING, _keep_top_p_sorted, head_logits, scaled_logits
+
+    stream = support.streams[0]
+    band = stream.band
+    counts = {"rows": int(stream.rows.tokens.numel()), "projected again": support.projected_rows,
+              "decided on the band": support.band_rows}
+    if band is None:
+        return counts
+    hidden = support.captured.hidden[0][:, :-1].reshape(-1, support.captured.hidden[0].size(-1))
+    scaled = scaled_logits(head_logits(owner, hidden[stream.rows.grid_index]), processing.temperature)
+    kept = _keep_top_p_sorted(scaled, torch.ones_like(scaled, dtype=torch.bool), processing.top_p)
+    crossing = scaled.masked_fill(~kept, torch.inf).amin(dim=-1)
+    banded = band.banded
+    counts.update({"banded": int(banded.sum()), "members": band.kept,
+                   "crossing under the band": int((banded & (crossing < band.low)).sum()),
+                   "crossing above the band": int((banded & (crossing >= band.high)).sum()),
+                   "members past the limit": int(band.lost.sum())})
+    ascending = scaled.sort(dim=-1).values.softmax(dim=-1).cumsum(dim=-1)  # the sorted rule's cumulative masses
+    limit = 1 - processing.top_p
+    at_the_cut = ((ascending - limit).abs() <= limit * TOP_P_ROUNDING).any(dim=-1)
+    counts["a cumulative mass within rounding of 1 - p"] = int((banded & at_the_cut).sum())
+    probabilities = scaled.softmax(dim=-1)
+    counts["likeliest token in a later tile"] = int((banded & (probabilities.argmax(dim=-1) >= 32_768)).sum())
+    return counts
+
+
+def run(options) -> dict:
+    from topr_trl.head_tiles import HeadTileSupport, completion_rows
+    from topr_trl.sampler_support import SamplerProcessing, fused_head_parts
+
+    model, ids, labels = build(options)
+    backbone, owner = fused_head_parts(model)
+    mask = torch.ones_like(ids)
+    processing = SamplerProcessing(temperature=options.temperature, top_p=options.top_p, top_k=options.top_k or None)
+
+    def forward() -> None:
+        model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+
+    def with_support(seconds: dict[str, float]):
+        with timed_parts(seconds):
+            with HeadTileSupport(backbone, owner, processing,
+                                 completion_rows(ids, mask, options.completion_length)) as support:
+                forward()
+            support.processed()
+        return support
+
+    plain, supported, parts = [], [], []
+    with torch.no_grad():
+        forward(), with_support({})  # warm-up
+        for _ in range(options.repeats):
+            start = time.perf_counter()
+            forward()
+            plain.append(time.perf_counter() - start)
+            seconds: dict[str, float] = {}
+            start = time.perf_counter()
+            support = with_support(seconds)
+            supported.append(time.perf_counter() - start)
+            parts.append(seconds)
+        counts = classify(support, owner, processing)
+    median_plain, median_supported = statistics.median(plain), statistics.median(supported)
+    return {"forward_s": median_plain, "forward_with_support_s": median_supported,
+            "support_added_s": median_supported - median_plain, "ratio": median_supported / median_plain,
+            "parts_s": {name: statistics.median(part.get(name, 0.0) for part in parts) for name in PARTS},
+            "rows": counts, "threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="a one-layer model at a 66,000-token vocabulary")
+    parser.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(QWEN_SHAPES))
+    parser.add_argument("--logit_scale", type=float, default=4.0)
+    parser.add_argument("--top_p", type=float, default=0.95)
+    parser.add_argument("--top_k", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--sequences", type=int, default=4)
+    parser.add_argument("--prompt_length", type=int, default=32)
+    parser.add_argument("--completion_length", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--output", help="write the results as JSON here")
+    options = parser.parse_args()
+    if options.smoke:
+        options.repeats = 1
+    result = run(options)
+    print(f"forward {result['forward_s']:.3f} s, with the support {result['forward_with_support_s']:.3f} s "
+          f"(+{result['support_added_s']:.3f} s, {result['ratio']:.3f}x), {result['threads']} threads")
+    for name, seconds in result["parts_s"].items():
+        print(f"  {name:<32} {seconds:.3f} s")
+    for name, count in result["rows"].items():
+        print(f"  {name:<40} {count}")
+    if options.output:
+        with open(options.output, "w") as handle:
+            json.dump({**result, "options": vars(options)}, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
