@@ -282,8 +282,8 @@ class _NucleusBand:
     def members(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, value) (K,) each: the band's scaled logits of the wanted tokens `index`, each with its place in
         `index`, in the order read."""
-        position = torch.full_like(self.mass, -1, dtype=torch.long)
-        position[index] = torch.arange(index.numel(), device=index.device)
+        position = torch.full_like(self.mass, -1, dtype=torch.int32)  # int32: 4 bytes a member, as its value
+        position[index] = torch.arange(index.numel(), device=index.device, dtype=torch.int32)
         rows, values = [], []
         for chunk, lo, counts in zip(self.values, self.first_rows, self.counts, strict=True):
             places = position[lo:lo + counts.numel()].repeat_interleave(counts)

@@ -281,15 +281,15 @@ def nucleus_from_band(row: torch.Tensor, members: torch.Tensor, below: torch.Ten
     limit = (1 - p) * mass
     low = torch.full_like(below, math.inf).scatter_reduce(0, row, members, "amin")
     high = torch.full_like(below, -math.inf).scatter_reduce(0, row, members, "amax")
-    weights = mass_weights(members, reference[row])
     spread = high - low
     scale = torch.where(torch.isfinite(spread) & (spread > 0), TOP_P_BINS / spread, 0.0)
-    bins = (members - low[row]).mul_(scale[row]).clamp_(0, TOP_P_BINS - 1).long()
-    flat = row * TOP_P_BINS + bins
-    binned = weights.new_zeros(n * TOP_P_BINS).index_add_(0, flat, weights).view(n, TOP_P_BINS)
-    crossing = _crossing_bin(binned, below, limit)
-    in_crossing = (bins == crossing.bin[row]).nonzero().squeeze(-1)
-    ascending, _ = ascending_by_row(row[in_crossing], members[in_crossing], n)  # the crossing bin's members
+    # int32 bins and places: the temporaries per member stay at a few times its 4 bytes (up to 2^25 members)
+    bins = (members - low[row]).mul_(scale[row]).clamp_(0, TOP_P_BINS - 1).int()
+    binned = members.new_zeros(n * TOP_P_BINS).index_add_(0, row.int() * TOP_P_BINS + bins,
+                                                          mass_weights(members, reference[row]))
+    crossing = _crossing_bin(binned.view(n, TOP_P_BINS), below, limit)
+    in_crossing = (bins == crossing.bin.int()[row]).nonzero().squeeze(-1)
+    ascending, _ = ascending_by_row(row[in_crossing].long(), members[in_crossing], n)  # the crossing bin's members
     cut = _ascending_cut(ascending, crossing.under, limit, reference)
     removed_count = (cut.present & ~cut.stays).sum(dim=-1, keepdim=True)
     removed = torch.where(removed_count > 0, cut.cumulative.gather(-1, (removed_count - 1).clamp_min(0)),
