@@ -205,11 +205,21 @@ def _mass_in_value_bins(scaled: torch.Tensor, low: torch.Tensor, high: torch.Ten
     """(each token's bin (N, V) int64, each bin's mass (N, `TOP_P_BINS`), bins per unit of logit (N, 1)): the (N, V)
     `scaled` logits in `TOP_P_BINS` bins of equal width between each row's `low` and `high` (N, 1), with the
     tokens' `weights` added up per bin. A row of one value (or a spread below float32's range) is all in bin 0."""
-    spread = high - low
-    scale = torch.where(spread > 0, TOP_P_BINS / spread, 0.0)
-    scale = torch.where(torch.isfinite(scale), scale, 0.0)
-    bins = (scaled - low).mul_(scale).clamp_(0, TOP_P_BINS - 1).long()
+    scale = _bins_per_logit(low, high)
+    bins = _value_bins(scaled, low, scale).long()
     return bins, weights.new_zeros(scaled.size(0), TOP_P_BINS).scatter_add_(-1, bins, weights), scale
+
+
+def _bins_per_logit(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """How many of `TOP_P_BINS` equal bins span a unit of logit between `low` and `high`: 0 where they are one value,
+    or their spread is past float32's range or not finite (every token then in bin 0)."""
+    scale = torch.where(high - low > 0, TOP_P_BINS / (high - low), 0.0)
+    return torch.where(torch.isfinite(scale), scale, 0.0)
+
+
+def _value_bins(values: torch.Tensor, low: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Each of `values`' bin (as float, whole numbers 0 to `TOP_P_BINS` - 1), `scale` bins a unit above `low`."""
+    return (values - low).mul_(scale).clamp_(0, TOP_P_BINS - 1)
 
 
 def padded_by_row(row: torch.Tensor, values: torch.Tensor, n: int, fill: float) -> torch.Tensor:
@@ -281,10 +291,9 @@ def nucleus_from_band(row: torch.Tensor, members: torch.Tensor, below: torch.Ten
     limit = (1 - p) * mass
     low = torch.full_like(below, math.inf).scatter_reduce(0, row, members, "amin")
     high = torch.full_like(below, -math.inf).scatter_reduce(0, row, members, "amax")
-    spread = high - low
-    scale = torch.where(torch.isfinite(spread) & (spread > 0), TOP_P_BINS / spread, 0.0)
+    scale = _bins_per_logit(low, high)
     # int32 bins and places: the temporaries per member stay at a few times its 4 bytes (up to 2^25 members)
-    bins = (members - low[row]).mul_(scale[row]).clamp_(0, TOP_P_BINS - 1).int()
+    bins = _value_bins(members, low[row], scale[row]).int()
     binned = members.new_zeros(n * TOP_P_BINS).index_add_(0, row.int() * TOP_P_BINS + bins,
                                                           mass_weights(members, reference[row]))
     crossing = _crossing_bin(binned.view(n, TOP_P_BINS), below, limit)
