@@ -88,11 +88,20 @@ def build(options):
     return model, ids, labels
 
 
-def classify(support, owner, processing) -> dict[str, int]:
+def classify(support, owner, processing, processed: torch.Tensor) -> dict[str, float]:
     """How many of the forward's scored rows each path decided, and why the band left the others: the crossing (the
     smallest logit the sorted rule keeps, on the row's whole logits) under the band or above it, a token's cumulative
-    mass within rounding of 1 - p (`TOP_P_ROUNDING`), members past the limit (a row may have several reasons)."""
-    from topr_trl.sampler_support import TOP_P_ROUNDING, _keep_top_p_sorted, head_logits, scaled_logits
+    mass within rounding of 1 - p (`TOP_P_ROUNDING`), members past the limit (a row may have several reasons); and
+    how far the `processed` log-probs are from the sorted rule's on the whole logits, over every row and over the
+    rows within rounding (decided by the bins' sum where the tokens the cut may move are negligible,
+    `TOP_P_NEGLIGIBLE`)."""
+    from topr_trl.sampler_support import (
+        TOP_P_ROUNDING,
+        _keep_top_p_sorted,
+        head_logits,
+        scaled_logits,
+        with_the_sampled_token,
+    )
 
     stream = support.streams[0]
     band = stream.band
@@ -113,6 +122,11 @@ def classify(support, owner, processing) -> dict[str, int]:
     limit = 1 - processing.top_p
     at_the_cut = ((ascending - limit).abs() <= limit * TOP_P_ROUNDING).any(dim=-1)
     counts["a cumulative mass within rounding of 1 - p"] = int((banded & at_the_cut).sum())
+    tokens = stream.rows.tokens
+    expected = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - with_the_sampled_token(kept, scaled, tokens, 1.0)
+    apart = (processed - expected).abs()
+    counts["largest difference from the sorted rule"] = float(apart.max())
+    counts["largest within rounding of 1 - p"] = float(apart[at_the_cut].max()) if bool(at_the_cut.any()) else 0.0
     probabilities = scaled.softmax(dim=-1)
     counts["likeliest token in a later tile"] = int((banded & (probabilities.argmax(dim=-1) >= 32_768)).sum())
     return counts
@@ -135,8 +149,8 @@ def run(options) -> dict:
             with HeadTileSupport(backbone, owner, processing,
                                  completion_rows(ids, mask, options.completion_length)) as support:
                 forward()
-            support.processed()
-        return support
+            values = support.processed()
+        return support, values
 
     plain, supported, parts = [], [], []
     with torch.no_grad():
@@ -147,10 +161,10 @@ def run(options) -> dict:
             plain.append(time.perf_counter() - start)
             seconds: dict[str, float] = {}
             start = time.perf_counter()
-            support = with_support(seconds)
+            support, values = with_support(seconds)
             supported.append(time.perf_counter() - start)
             parts.append(seconds)
-        counts = classify(support, owner, processing)
+        counts = classify(support, owner, processing, values)
     median_plain, median_supported = statistics.median(plain), statistics.median(supported)
     return {"forward_s": median_plain, "forward_with_support_s": median_supported,
             "support_added_s": median_supported - median_plain, "ratio": median_supported / median_plain,
@@ -180,7 +194,7 @@ def main() -> None:
     for name, seconds in result["parts_s"].items():
         print(f"  {name:<32} {seconds:.3f} s")
     for name, count in result["rows"].items():
-        print(f"  {name:<40} {count}")
+        print(f"  {name:<40} {count:.2e}" if isinstance(count, float) else f"  {name:<40} {count}")
     if options.output:
         with open(options.output, "w") as handle:
             json.dump({**result, "options": vars(options)}, handle, indent=2)

@@ -482,6 +482,78 @@ def test_a_cut_at_the_last_token_under_the_crossing_bin_is_left_to_the_sort():
     torch.testing.assert_close(normaliser, row[:, 2:].logsumexp(-1), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("where", ["in the crossing bin", "under it"])
+def test_a_cut_within_rounding_that_may_move_only_negligible_tokens_is_decided_by_the_bins(where):
+    """A row of one large token over many small ones, with 1 - p exactly the cumulative mass of the k-th small token
+    (within `TOP_P_ROUNDING`: the order of the sum decides whether it is removed). "in the crossing bin": the small
+    tokens all at 0, k = 13,107 of them, 1 - p in their bin; "under it": k small tokens at 0 and the next ones at
+    0.5 (another bin), 1 - p the mass of the bin under the crossing one. Where the small tokens weigh 2^-18 of the
+    row (each under `TOP_P_NEGLIGIBLE` = 2^-17 of the support, as a flat 151,936-token row's do), the row is decided
+    by the whole row's bins and by the band's, and its support's logsumexp is the sort's to one small token's share
+    of the support (4.0e-6 or 6.6e-6 at 0.5, the most the cut may move) plus float32's rounding of a log near 12.5
+    (1e-6). Where they weigh 2^-13, the row is left to the sort, as before. The bins' masses are summed in float64:
+    in float32 the 13,107 equal weights under the crossing bin summed 1.4e-4 under their mass, and the bins removed
+    a token at 0.5 as well, far from 1 - p."""
+    from topr_trl.sampler_support import _keep_top_p_in_bins, _keep_top_p_sorted, nucleus_from_band
+
+    for total, decided in ((2.0**18, True), (2.0**13, False)):
+        k = int(0.05 * total)
+        if where == "in the crossing bin":
+            small = torch.zeros(int(total * 0.15))
+        else:
+            small = torch.cat([torch.zeros(k), torch.full((int(total * 0.1),), 0.5)])
+        rest = total - float(small.double().exp().sum())
+        row = torch.cat([small, torch.tensor([math.log(rest)])]).unsqueeze(0)
+        top_p = 1 - k / total  # 1 - p is the k-th small token's cumulative mass
+        every = torch.ones_like(row, dtype=torch.bool)
+        kept, undecided = _keep_top_p_in_bins(row, every, top_p)
+        assert undecided.tolist() == [not decided]
+        reference = row.amax(dim=-1)
+        normaliser, band_undecided = nucleus_from_band(torch.zeros(row.size(-1), dtype=torch.long), row[0],
+                                                       torch.zeros(1), (row - reference).exp().sum(-1), reference,
+                                                       reference, top_p)
+        assert band_undecided.tolist() == [not decided]
+        if decided:
+            expected = row.masked_fill(~_keep_top_p_sorted(row, every, top_p), -math.inf).logsumexp(-1)
+            one_token = float(small.max().exp()) / (top_p * total)
+            for got in (row.masked_fill(~kept, -math.inf).logsumexp(-1), normaliser):
+                assert float((got - expected).abs()) <= one_token + 1e-6
+
+
+def test_a_cut_on_the_candidates_within_rounding_of_p_goes_to_the_sort_unless_it_may_move_only_negligible_tokens(
+        monkeypatch):
+    """Top-p decided on a row's 1,024 largest logits (of 2,000), with p exactly the mass above a candidate (the
+    order of the sum decides whether it stays). Ten tied tokens of 0.1 of the mass each and p = 0.7: the cut may
+    move a token of 0.1, so the row is left to the sort (its whole vocabulary, then `_keep_top_p_sorted`), and
+    the value is the sorted rule's (1e-6); decided on the candidates, the eighth tie was kept or not by their sum's
+    rounding (0.13 in the log). One token of most of the mass and 1,999 of 2^-19 each, p the mass above the 101st
+    of them: the cut may move one of 2^-19, so the candidates decide it, within that token's share of the support
+    plus 1e-6 of the sort's value, and no row takes its whole vocabulary."""
+    from topr_trl import sampler_support as support
+
+    sorted_rows, whole_rows = [], []
+    keep_sorted, whole_vocabulary = support._keep_top_p_sorted, support._whole_vocabulary_normaliser
+    monkeypatch.setattr(support, "_keep_top_p_sorted",
+                        lambda scaled, *a: sorted_rows.append(scaled.size(0)) or keep_sorted(scaled, *a))
+    monkeypatch.setattr(support, "_whole_vocabulary_normaliser",
+                        lambda logits, *a: whole_rows.append(logits.size(0)) or whole_vocabulary(logits, *a))
+    ties = torch.cat([torch.zeros(10), torch.full((1990,), -30.0)])
+    light = 2.0**-19 / (1 - 1999 * 2.0**-19)  # each small token's weight against the large token's 1
+    many = torch.cat([torch.zeros(1), torch.full((1999,), math.log(light))])
+    total_many = 1 + 1999 * light
+    for row, top_p, sorted_expected, tolerance in (
+            (ties, 0.7, [1], 1e-6),
+            (many, (1 + 100 * light) / total_many, [], light / ((1 + 100 * light) / total_many) / total_many + 1e-6)):
+        sorted_rows.clear(), whole_rows.clear()
+        row = row.unsqueeze(0)
+        token = torch.zeros(1, dtype=torch.long)
+        processing = SamplerProcessing(top_p=float(top_p))
+        got = support.processed_log_probs(row, token, processing)
+        assert sorted_rows == whole_rows == sorted_expected
+        expected = log_softmax_on_support(row, keep_sorted(row, torch.ones_like(row, dtype=torch.bool), top_p), token)
+        assert float((got - expected).abs()) <= tolerance
+
+
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95])
 def test_the_nucleus_decided_on_a_band_of_each_rows_values_is_the_sorted_rules(top_p):
     """`nucleus_from_band` given, for 12 rows of 3,000 logits from flat to peaked, only the logits in a band around

@@ -138,9 +138,23 @@ where the ascending mass crosses 1 - p are the only ones sorted (a few hundred o
 
 
 TOP_P_ROUNDING = 2.0**-20
-"""How close (relative) a token's cumulative mass may come to 1 - p before `_keep_top_p_in_bins` leaves its row to
-the sort: 8 float32 ulps, against a cumulative sum of float32 probabilities (a few ulps apart in two orders). On a flat
-151,936-token row about one row in twenty comes that close."""
+"""How close (relative) a token's cumulative mass may come to 1 - p for two summation orders to disagree on whether
+it is removed: 8 float32 ulps, against a cumulative sum of float32 probabilities (a few ulps apart in two orders). On
+a flat 151,936-token row about one row in twenty comes that close. The candidates (`_prefix_top_p`) take it of the
+row's whole mass: their mass above a token is p's side of the cut, normalised by the whole row's logsumexp."""
+
+
+TOP_P_NEGLIGIBLE = 2.0**-17
+"""The most the tokens a top-p cut within `TOP_P_ROUNDING` of 1 - p may keep or remove can weigh, as a share of the
+support's mass, for the bins (`_keep_top_p_in_bins`, `nucleus_from_band`) or the candidates (`_prefix_top_p`) to
+decide the row by their own sum; past it the row is left to the sort. Such a cut is the float rounding's in every
+engine (the sampler's own logits come from other kernels, a KV cache, another batch, bf16 in vLLM, and vLLM's
+sampler sums in its own order), so the sort on the trainer's logits is no closer to the sampler's cut than the
+bins: what is bounded is how far the two may be apart.
+The log of the support's mass then differs from the sort's by at most 2^-17 = 7.6e-6 (8 ulps of a log-probability
+between -8 and -16): on a flat 151,936-token row a token at the cut weighs 3e-6 of the support, and the sort of its
+whole row (7 ms on a CPU, after projecting it again) is spared; a row whose cut may move a heavier token (ties, a
+small vocabulary, a small p) is still sorted."""
 
 
 def _keep_top_p_in_bins(scaled: torch.Tensor, keep: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,8 +165,9 @@ def _keep_top_p_in_bins(scaled: torch.Tensor, keep: torch.Tensor, p: float) -> t
     higher bin one > 1 - p (kept); in the crossing bin, the first tokens in ascending order whose cumulative mass is
     <= 1 - p are removed, ties among them in the order of the sort, as the sorted rule leaves them. The masses are
     summed in another order than the sorted cumulative sum, so a row with a token whose cumulative mass is within
-    `TOP_P_ROUNDING` of 1 - p is undecided, as is one whose crossing bin the rounding leaves whole (no kept token,
-    or none found)."""
+    `TOP_P_ROUNDING` of 1 - p is undecided where the tokens that may fall either way could weigh over
+    `TOP_P_NEGLIGIBLE` of the support (`_rounding_decides`), as is one whose crossing bin the rounding leaves whole
+    (no kept token, or none found)."""
     n, _ = scaled.shape
     every = bool(keep.all())  # no earlier filter: no masked copies of the rows
     masked = scaled if every else scaled.masked_fill(~keep, -math.inf)
@@ -162,15 +177,18 @@ def _keep_top_p_in_bins(scaled: torch.Tensor, keep: torch.Tensor, p: float) -> t
         weights.masked_fill_(~keep, 0.0)
     whole = weights.sum(dim=-1)
     low = (scaled if every else scaled.masked_fill(~keep, math.inf)).amin(dim=-1, keepdim=True)
-    bins, mass, _ = _mass_in_value_bins(scaled, low, high, weights)  # tokens outside `keep` weigh 0 anywhere
+    # tokens outside `keep` weigh 0 anywhere
+    bins, mass, scale = _mass_in_value_bins(scaled, low, high, weights, exact=True)
     limit = (1 - p) * whole  # 1 - p of the row's mass
     crossing = _crossing_bin(mass, torch.zeros_like(whole), limit)
     members = keep & (bins == crossing.bin.unsqueeze(-1))
     row, column = members.nonzero(as_tuple=True)
     values, columns = ascending_by_row(row, scaled[row, column], n, column)  # the crossing bin's tokens
-    cut = _ascending_cut(values, crossing.under, limit, high.squeeze(-1))
+    reference = high.squeeze(-1)
+    cut = _ascending_cut(values, crossing.under, limit, reference)
     stays = cut.stays
-    undecided = crossing.undecided | ~stays.any(dim=-1) | cut.at_the_cut
+    rounding = _rounding_decides(crossing, cut, low.squeeze(-1), scale.squeeze(-1), reference, whole, limit)
+    undecided = crossing.none_passes | ~stays.any(dim=-1) | rounding
     kept = keep & (bins > crossing.bin.unsqueeze(-1))
     rows = torch.arange(n, device=scaled.device).unsqueeze(-1).expand_as(stays)
     kept[rows[stays], columns[stays]] = True
@@ -178,36 +196,71 @@ def _keep_top_p_in_bins(scaled: torch.Tensor, keep: torch.Tensor, p: float) -> t
 
 
 class _CrossingBin(NamedTuple):
-    """Where a row's ascending mass, bin by bin, first passes `limit`: that `bin` (N,), the mass `under` it (N,), and
-    whether the bins leave the row `undecided` (N,): no bin passes the limit, or the mass under the crossing bin (the
-    cumulative mass of the last token under it) is within `TOP_P_ROUNDING` of the limit, a cut the order of the
-    sum decides."""
+    """Where a row's ascending mass, bin by bin, first passes `limit`: that `bin` (N,), the mass `under` it (N,),
+    whether `none_passes` the limit (N,) (the rounding of the sums: the row is undecided), and whether the mass under
+    the crossing bin (the cumulative mass of the last token under it) is `near` the limit (N,), within
+    `TOP_P_ROUNDING`: a cut the order of the sum decides."""
 
     bin: torch.Tensor
     under: torch.Tensor
-    undecided: torch.Tensor
+    none_passes: torch.Tensor
+    near: torch.Tensor
 
 
 def _crossing_bin(mass: torch.Tensor, below: torch.Tensor, limit: torch.Tensor) -> _CrossingBin:
-    """`_CrossingBin` of (N, B) bins of ascending value holding `mass` each, above tokens of mass `below` (N,)."""
+    """`_CrossingBin` of (N, B) bins of ascending value holding `mass` each (float64: `_mass_in_value_bins`), above
+    tokens of mass `below` (N,); `under` in `below`'s dtype."""
     # the mass under each bin, summed as such: taking a bin's mass off the sum through it would lose the small mass
     # under a heavy bin to the rounding of the sum (an ulp of the whole row's mass: 1e-6 of 1 - p = 0.05 of it)
     lower = below.unsqueeze(-1) + torch.nn.functional.pad(mass[:, :-1], (1, 0)).cumsum(dim=-1)
     passed = lower + mass > limit.unsqueeze(-1)
     crossing = passed.int().argmax(dim=-1)
     under = lower.gather(-1, crossing.unsqueeze(-1)).squeeze(-1)
-    undecided = ~passed[:, -1] | ((under - limit).abs() <= limit * TOP_P_ROUNDING)
-    return _CrossingBin(crossing, under, undecided)
+    near = (under - limit).abs() <= limit * TOP_P_ROUNDING
+    return _CrossingBin(crossing, under.to(below.dtype), ~passed[:, -1], near)
 
 
-def _mass_in_value_bins(scaled: torch.Tensor, low: torch.Tensor, high: torch.Tensor, weights: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rounding_decides(crossing: _CrossingBin, cut: _Cut, low: torch.Tensor, scale: torch.Tensor,
+                      reference: torch.Tensor, mass: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """(N,) the rows whose top-p cut the order of the sum decides and the sort must make: a token's cumulative mass
+    within `TOP_P_ROUNDING` of 1 - p (under the crossing bin, `crossing.near`, or in it, `cut.at_the_cut`) where the
+    tokens that may fall either way could weigh over `TOP_P_NEGLIGIBLE` of the support. Those tokens are the ones
+    whose cumulative mass lies within the rounding of `limit`: the first of them lies in the crossing bin or under
+    it (`scale` bins a unit above each row's `low`), so weighs at most a token at the bin's upper edge, and the rest
+    together at most the rounding's width, 2 x `TOP_P_ROUNDING` x `limit`. The support holds at least `mass` -
+    `limit` (masses in units of exp(`reference`))."""
+    upper_edge = torch.where(scale > 0, low + (crossing.bin + 1) / scale, reference)  # one value: as heavy as any
+    ambiguous = mass_weights(upper_edge, reference) + 2 * TOP_P_ROUNDING * limit
+    return (crossing.near | cut.at_the_cut) & (ambiguous > TOP_P_NEGLIGIBLE * (mass - limit))
+
+
+BIN_SUM_ELEMENTS = 2**20
+"""How many weights `_mass_in_value_bins` casts to float64 at once for an exact sum (8 MB): a float64 copy of every
+row at once would be the largest tensor of the whole-row path."""
+
+
+def _mass_in_value_bins(scaled: torch.Tensor, low: torch.Tensor, high: torch.Tensor, weights: torch.Tensor,
+                        exact: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(each token's bin (N, V) int64, each bin's mass (N, `TOP_P_BINS`), bins per unit of logit (N, 1)): the (N, V)
     `scaled` logits in `TOP_P_BINS` bins of equal width between each row's `low` and `high` (N, 1), with the
-    tokens' `weights` added up per bin. A row of one value (or a spread below float32's range) is all in bin 0."""
+    tokens' `weights` added up per bin, in float64 where `exact`. A row of one value (or a spread below float32's
+    range) is all in bin 0.
+
+    A float32 `scatter_add_` adds a bin's weights one at a time, each addition rounded, and on thousands of near-equal
+    weights (a flat row's, bf16 logits' ties) the roundings go one way: 13,107 equal weights summed 1.4e-4 under
+    their exact sum, 140 times `TOP_P_ROUNDING`, and the cut removed a token far from 1 - p that the sort keeps
+    (tests/test_sampler_support.py). The sort's cumulative sum is exact to float32 (a CPU's `cumsum`
+    accumulates float32 in float64; a GPU's scan rounds log2(V) times), so where the cut is made the bins' masses
+    are summed in float64."""
     scale = _bins_per_logit(low, high)
     bins = _value_bins(scaled, low, scale).long()
-    return bins, weights.new_zeros(scaled.size(0), TOP_P_BINS).scatter_add_(-1, bins, weights), scale
+    if not exact:
+        return bins, weights.new_zeros(scaled.size(0), TOP_P_BINS).scatter_add_(-1, bins, weights), scale
+    mass = weights.new_zeros(scaled.size(0), TOP_P_BINS, dtype=torch.float64)
+    rows = max(1, BIN_SUM_ELEMENTS // max(1, scaled.size(-1)))
+    for start in range(0, scaled.size(0), rows):
+        mass[start:start + rows].scatter_add_(-1, bins[start:start + rows], weights[start:start + rows].double())
+    return bins, mass, scale
 
 
 def _bins_per_logit(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
@@ -285,8 +338,8 @@ def nucleus_from_band(row: torch.Tensor, members: torch.Tensor, below: torch.Ten
     a whole row, the members fall into `TOP_P_BINS` bins of equal value between the row's least and largest, their
     masses add up from `below`, and only the bin where they pass 1 - p is sorted: the tokens before the crossing are
     removed as `_keep_top_p_sorted` removes them (ties in order), and the support's mass is the whole less theirs. A
-    crossing under the band (`below` past 1 - p), above it (no bin passes it) or within rounding of 1 - p
-    (`TOP_P_ROUNDING`) leaves the row undecided."""
+    crossing under the band (`below` past 1 - p), above it (no bin passes it) or within rounding of 1 - p where the
+    tokens it may move are not negligible (`_rounding_decides`) leaves the row undecided."""
     n = below.numel()
     limit = (1 - p) * mass
     low = torch.full_like(below, math.inf).scatter_reduce(0, row, members, "amin")
@@ -294,8 +347,8 @@ def nucleus_from_band(row: torch.Tensor, members: torch.Tensor, below: torch.Ten
     scale = _bins_per_logit(low, high)
     # int32 bins and places: the temporaries per member stay at a few times its 4 bytes (up to 2^25 members)
     bins = _value_bins(members, low[row], scale[row]).int()
-    binned = members.new_zeros(n * TOP_P_BINS).index_add_(0, row.int() * TOP_P_BINS + bins,
-                                                          mass_weights(members, reference[row]))
+    binned = members.new_zeros(n * TOP_P_BINS, dtype=torch.float64).index_add_(  # exact, as `_mass_in_value_bins`
+        0, row.int() * TOP_P_BINS + bins, mass_weights(members, reference[row]).double())
     crossing = _crossing_bin(binned.view(n, TOP_P_BINS), below, limit)
     in_crossing = (bins == crossing.bin.int()[row]).nonzero().squeeze(-1)
     ascending, _ = ascending_by_row(row[in_crossing].long(), members[in_crossing], n)  # the crossing bin's members
@@ -304,8 +357,9 @@ def nucleus_from_band(row: torch.Tensor, members: torch.Tensor, below: torch.Ten
     removed = torch.where(removed_count > 0, cut.cumulative.gather(-1, (removed_count - 1).clamp_min(0)),
                           crossing.under.unsqueeze(-1)).squeeze(-1)
     smallest_kept = ascending.gather(-1, removed_count.clamp_max(ascending.size(-1) - 1)).squeeze(-1)
+    rounding = _rounding_decides(crossing, cut, low, scale, reference, mass, limit)
     undecided = (~torch.isfinite(mass) | ~torch.isfinite(below) | (below >= limit * (1 - TOP_P_ROUNDING))
-                 | crossing.undecided | ~cut.stays.any(dim=-1) | cut.at_the_cut)
+                 | crossing.none_passes | ~cut.stays.any(dim=-1) | rounding)
     return _with_the_sampled_token(reference + (mass - removed).log(), chosen, smallest_kept), undecided
 
 
@@ -462,8 +516,23 @@ def _prefix_top_p(prefix: _Prefix, values: torch.Tensor, total: torch.Tensor | N
         total = kept_total
     total = torch.where(prefix.whole, kept_total, total)
     probs = torch.where(prefix.kept, (values - total.unsqueeze(-1)).exp(), 0.0)
-    nucleus = prefix.kept & (probs.cumsum(dim=-1) - probs < s.top_p)  # the kept mass above each token is < p
-    return _Prefix(nucleus, torch.ones_like(prefix.whole), prefix.undecided | _runs_past(prefix, nucleus))
+    above = probs.cumsum(dim=-1) - probs
+    nucleus = prefix.kept & (above < s.top_p)  # the kept mass above each token is < p
+    undecided = prefix.undecided | _runs_past(prefix, nucleus) | _candidate_rounding_decides(prefix, probs, above, s)
+    return _Prefix(nucleus, torch.ones_like(prefix.whole), undecided)
+
+
+def _candidate_rounding_decides(prefix: _Prefix, probs: torch.Tensor, above: torch.Tensor, s: SamplerProcessing
+                                ) -> torch.Tensor:
+    """(N,) the rows whose top-p cut on the candidates the order of the sum decides and the sort must make, as
+    `_rounding_decides` for the bins: a candidate whose mass `above` it is within `TOP_P_ROUNDING` of p (of the whole
+    row's mass, 1: the candidates' probabilities are normalised by the whole row's logsumexp, the sort's by its own
+    softmax, each a few 2^-24 of 1 off), where the tokens that may fall either way (the first of them any candidate
+    in that window, the rest together at most its width) could weigh over `TOP_P_NEGLIGIBLE` of the support (at
+    least p)."""
+    near = prefix.kept & ((above - s.top_p).abs() <= TOP_P_ROUNDING)
+    ambiguous = torch.where(near, probs, 0.0).amax(dim=-1) + 2 * TOP_P_ROUNDING
+    return near.any(dim=-1) & (ambiguous > TOP_P_NEGLIGIBLE * s.top_p)
 
 
 def _prefix_min_p(prefix: _Prefix, values: torch.Tensor, total: torch.Tensor | None, s: SamplerProcessing) -> _Prefix:
