@@ -3,6 +3,7 @@ leaves to a second projection, on a Qwen2.5-shaped model with random weights.
 
     python -m experiments.head_support --logit_scale 4 --top_p 0.95 --repeats 6 --output head.json
     python -m experiments.head_support --smoke      # seconds: a one-layer model, a 66,000-token vocabulary
+    python -m experiments.head_support --device cuda --bf16 --prompt_length 512 --completion_length 512  # a GPU
 
 Each repeat runs the model's forward on the same 4 x 96 random token ids (the last 64 of each scored, as
 GRPOTrainer's loss scores 4 completions of 64 tokens) with TRL's fused head alone, then under `HeadTileSupport` with
@@ -37,8 +38,9 @@ PARTS = {  # the part's name: (module, attribute) of the function that does it
 
 
 @contextlib.contextmanager
-def timed_parts(seconds: dict[str, float]) -> Iterator[None]:
-    """Each of `PARTS` wrapped so that its wall time adds up in `seconds`, restored on exit."""
+def timed_parts(seconds: dict[str, float], sync: Callable[[], None]) -> Iterator[None]:
+    """Each of `PARTS` wrapped so that its wall time adds up in `seconds` (the device's queue emptied by `sync` at
+    both ends), restored on exit."""
     from topr_trl import head_tiles
 
     saved = []
@@ -48,10 +50,12 @@ def timed_parts(seconds: dict[str, float]) -> Iterator[None]:
         saved.append((owner, attribute, original))
 
         def wrapper(*args, _original: Callable = original, _name: str = name, **kwargs):
+            sync()
             start = time.perf_counter()
             try:
                 return _original(*args, **kwargs)
             finally:
+                sync()
                 seconds[_name] = seconds.get(_name, 0.0) + time.perf_counter() - start
 
         setattr(owner, attribute, wrapper)
@@ -63,8 +67,8 @@ def timed_parts(seconds: dict[str, float]) -> Iterator[None]:
 
 
 def build(options):
-    """(model with TRL's fused head, token ids, labels): random weights (seed 0), the output embedding times
-    `--logit_scale`, as `experiments.benchmark.build_model` builds its models."""
+    """(model with TRL's fused head, token ids, labels) on `--device` (bf16 with `--bf16`): random weights (seed 0),
+    the output embedding times `--logit_scale`, as `experiments.benchmark.build_model` builds its models."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
@@ -85,7 +89,8 @@ def build(options):
                         generator=generator)
     labels = ids.clone()
     labels[:, :-options.completion_length] = -100
-    return model, ids, labels
+    model.to(options.device, dtype=torch.bfloat16 if options.bf16 else None)
+    return model, ids.to(options.device), labels.to(options.device)
 
 
 def classify(support, owner, processing, processed: torch.Tensor) -> dict[str, float]:
@@ -140,12 +145,14 @@ def run(options) -> dict:
     backbone, owner = fused_head_parts(model)
     mask = torch.ones_like(ids)
     processing = SamplerProcessing(temperature=options.temperature, top_p=options.top_p, top_k=options.top_k or None)
+    cuda = options.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def forward() -> None:
         model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
 
     def with_support(seconds: dict[str, float]):
-        with timed_parts(seconds):
+        with timed_parts(seconds, sync):
             with HeadTileSupport(backbone, owner, processing,
                                  completion_rows(ids, mask, options.completion_length)) as support:
                 forward()
@@ -156,12 +163,15 @@ def run(options) -> dict:
     with torch.no_grad():
         forward(), with_support({})  # warm-up
         for _ in range(options.repeats):
+            sync()
             start = time.perf_counter()
             forward()
+            sync()
             plain.append(time.perf_counter() - start)
             seconds: dict[str, float] = {}
             start = time.perf_counter()
             support, values = with_support(seconds)
+            sync()
             supported.append(time.perf_counter() - start)
             parts.append(seconds)
         counts = classify(support, owner, processing, values)
@@ -169,7 +179,8 @@ def run(options) -> dict:
     return {"forward_s": median_plain, "forward_with_support_s": median_supported,
             "support_added_s": median_supported - median_plain, "ratio": median_supported / median_plain,
             "parts_s": {name: statistics.median(part.get(name, 0.0) for part in parts) for name in PARTS},
-            "rows": counts, "threads": torch.get_num_threads()}
+            "rows": counts, "threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
 
 
 def main() -> None:
@@ -180,6 +191,8 @@ def main() -> None:
     parser.add_argument("--top_p", type=float, default=0.95)
     parser.add_argument("--top_k", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--bf16", action="store_true", help="the model in bfloat16 (TRL's head then projects in bf16)")
     parser.add_argument("--sequences", type=int, default=4)
     parser.add_argument("--prompt_length", type=int, default=32)
     parser.add_argument("--completion_length", type=int, default=64)
@@ -190,7 +203,8 @@ def main() -> None:
         options.repeats = 1
     result = run(options)
     print(f"forward {result['forward_s']:.3f} s, with the support {result['forward_with_support_s']:.3f} s "
-          f"(+{result['support_added_s']:.3f} s, {result['ratio']:.3f}x), {result['threads']} threads")
+          f"(+{result['support_added_s']:.3f} s, {result['ratio']:.3f}x), {result['device']}, "
+          f"{result['threads']} threads")
     for name, seconds in result["parts_s"].items():
         print(f"  {name:<32} {seconds:.3f} s")
     for name, count in result["rows"].items():

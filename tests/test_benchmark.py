@@ -135,8 +135,10 @@ def test_qwen_shaped_models_have_the_published_parameter_counts(shape, published
 
 @pytest.mark.slow
 def test_the_head_support_profile_runs_and_accounts_for_every_row(tmp_path):
-    """`experiments/head_support.py --smoke`: the support's parts are timed, and every scored row (all banded on the
-    smoke's flat one-layer model) is decided on its band or projected again, once."""
+    """`experiments/head_support.py --smoke`: the support's parts are timed, every scored row (all banded on the
+    smoke's flat one-layer model) is decided on its band or projected again, once, and the log-probs are the sorted
+    rule's on the whole logits within `TOP_P_NEGLIGIBLE` (7.6e-6, a cut within rounding of 1 - p) plus the float32
+    rounding of two projections of a log-prob near -11 (2e-6)."""
     output = tmp_path / "head.json"
     completed = subprocess.run([sys.executable, "-m", "experiments.head_support", "--smoke", "--output", str(output)],
                                capture_output=True, text=True, timeout=900, cwd=SCRIPT.parents[1])
@@ -146,3 +148,4 @@ def test_the_head_support_profile_runs_and_accounts_for_every_row(tmp_path):
     assert rows["rows"] == 256 and rows["banded"] > 0 and result["parts_s"]["band's reading of the tiles"] > 0
     # the smoke's one-layer model has flat rows: every one banded, decided on its band or projected again
     assert rows["banded"] == rows["rows"] and rows["decided on the band"] + rows["projected again"] == rows["rows"]
+    assert 0 <= rows["largest difference from the sorted rule"] <= 2.0**-17 + 2e-6

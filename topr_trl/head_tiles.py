@@ -16,8 +16,9 @@ in a band of values around where its ascending mass passes 1 - p (open above whe
 them), and its mass under the band (`_NucleusBand`): at the end the band's tokens fall into value bins, the bin
 where the ascending mass passes 1 - p alone is sorted, and the nucleus is cut as the sorted rule cuts it
 (`nucleus_from_band`). Rows neither decides (a band the later tiles moved the crossing out of, a cumulative mass
-within rounding of 1 - p, ties past the candidates) are projected again, alone, and decided on their whole vocabulary
-(`chunked_processed_log_probs`, whose top-p sorts no row). Where the tiles are not the ones expected (another head, a
+within rounding of 1 - p where the cut may move a token heavier than `TOP_P_NEGLIGIBLE` of the support, ties past
+the candidates) are projected again, alone, and decided on their whole vocabulary (`chunked_processed_log_probs`,
+whose top-p sorts only such rows). Where the tiles are not the ones expected (another head, a
 TRL that projects otherwise), every row is projected again and the run says so once: the values are the same either
 way, up to the float32 rounding of two tilings of one product (tests/test_head_tiles.py).
 """
