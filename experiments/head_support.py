@@ -4,6 +4,10 @@ leaves to a second projection, on a Qwen2.5-shaped model with random weights.
     python -m experiments.head_support --logit_scale 4 --top_p 0.95 --repeats 6 --output head.json
     python -m experiments.head_support --smoke      # seconds: a one-layer model, a 66,000-token vocabulary
     python -m experiments.head_support --device cuda --bf16 --prompt_length 512 --completion_length 512  # a GPU
+    python -m experiments.head_support --rows_at_once 2048 ...   # the tiles read 2,048 rows at a time
+
+On a GPU it also counts the host synchronisations one forward's support makes (`torch.cuda.set_sync_debug_mode`):
+each empties the device's queue, so their number times the launch latency bounds what small reads cost there.
 
 Each repeat runs the model's forward on the same 4 x 96 random token ids (the last 64 of each scored, as
 GRPOTrainer's loss scores 4 completions of 64 tokens) with TRL's fused head alone, then under `HeadTileSupport` with
@@ -21,6 +25,7 @@ import contextlib
 import json
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -97,9 +102,10 @@ def classify(support, owner, processing, processed: torch.Tensor) -> dict[str, f
     """How many of the forward's scored rows each path decided, and why the band left the others: the crossing (the
     smallest logit the sorted rule keeps, on the row's whole logits) under the band or above it, a token's cumulative
     mass within rounding of 1 - p (`TOP_P_ROUNDING`), members past the limit (a row may have several reasons); and
-    how far the `processed` log-probs are from the sorted rule's on the whole logits, over every row and over the
-    rows within rounding (decided by the bins' sum where the tokens the cut may move are negligible,
-    `TOP_P_NEGLIGIBLE`)."""
+    how far the `processed` log-probs are from the sorted rule's on the whole logits: over every row, over the rows
+    within rounding (decided by the bins' sum where the tokens the cut may move are negligible, `TOP_P_NEGLIGIBLE`,
+    else by the sort on a second projection, whose rounding may move them too), and beyond what the tokens within
+    rounding of the cut weigh (the float32 rounding of the log-probs alone)."""
     from topr_trl.sampler_support import (
         TOP_P_ROUNDING,
         _keep_top_p_sorted,
@@ -123,24 +129,47 @@ def classify(support, owner, processing, processed: torch.Tensor) -> dict[str, f
                    "crossing under the band": int((banded & (crossing < band.low)).sum()),
                    "crossing above the band": int((banded & (crossing >= band.high)).sum()),
                    "members past the limit": int(band.lost.sum())})
-    ascending = scaled.sort(dim=-1).values.softmax(dim=-1).cumsum(dim=-1)  # the sorted rule's cumulative masses
+    # the sorted rule's ascending probabilities and cumulative masses, exact (float64) on these logits
+    ascending = scaled.double().sort(dim=-1).values.softmax(dim=-1)
+    cumulative = ascending.cumsum(dim=-1)
     limit = 1 - processing.top_p
-    at_the_cut = ((ascending - limit).abs() <= limit * TOP_P_ROUNDING).any(dim=-1)
+    within = (cumulative - limit).abs() <= limit * TOP_P_ROUNDING  # tokens a rounding of the sum may keep or remove
+    at_the_cut = within.any(dim=-1)
     counts["a cumulative mass within rounding of 1 - p"] = int((banded & at_the_cut).sum())
     tokens = stream.rows.tokens
     expected = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - with_the_sampled_token(kept, scaled, tokens, 1.0)
     apart = (processed - expected).abs()
     counts["largest difference from the sorted rule"] = float(apart.max())
     counts["largest within rounding of 1 - p"] = float(apart[at_the_cut].max()) if bool(at_the_cut.any()) else 0.0
+    # What the rounding may move: a cut within rounding is the float rounding's (another projection of the same
+    # hidden states, the band's sum or the sampler's own logits may move a token there), so the log of the support's
+    # mass may differ by what those tokens weigh, -log(1 - their mass / p), and by no more.
+    movable = -torch.log1p(-(ascending * within).sum(dim=-1) / processing.top_p)
+    counts["largest difference beyond the tokens at the cut"] = float((apart.double() - movable).clamp_min(0).max())
     probabilities = scaled.softmax(dim=-1)
     counts["likeliest token in a later tile"] = int((banded & (probabilities.argmax(dim=-1) >= 32_768)).sum())
     return counts
 
 
+def host_syncs(work: Callable[[], object]) -> int:
+    """How many times `work` makes the host wait on the GPU (CUDA's sync debug mode warns at each)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            work()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(warning.message) for warning in caught)
+
+
 def run(options) -> dict:
+    from topr_trl import head_tiles
     from topr_trl.head_tiles import HeadTileSupport, completion_rows
     from topr_trl.sampler_support import SamplerProcessing, fused_head_parts
 
+    if options.rows_at_once:  # an experiment's knob: how many rows of a tile are read at once (`rows_at_once`)
+        head_tiles.rows_at_once = lambda tile: options.rows_at_once
     model, ids, labels = build(options)
     backbone, owner = fused_head_parts(model)
     mask = torch.ones_like(ids)
@@ -175,6 +204,8 @@ def run(options) -> dict:
             supported.append(time.perf_counter() - start)
             parts.append(seconds)
         counts = classify(support, owner, processing, values)
+        if cuda:
+            counts["host syncs in one forward's support"] = host_syncs(lambda: with_support({}))
     median_plain, median_supported = statistics.median(plain), statistics.median(supported)
     return {"forward_s": median_plain, "forward_with_support_s": median_supported,
             "support_added_s": median_supported - median_plain, "ratio": median_supported / median_plain,
@@ -197,6 +228,8 @@ def main() -> None:
     parser.add_argument("--prompt_length", type=int, default=32)
     parser.add_argument("--completion_length", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--rows_at_once", type=int, default=0,
+                        help="read the tiles this many rows at a time (0: `head_tiles.rows_at_once`'s choice)")
     parser.add_argument("--output", help="write the results as JSON here")
     options = parser.parse_args()
     if options.smoke:
