@@ -12,7 +12,14 @@ from trl.trainer.utils import add_fused_lm_head
 import topr_trl.head_tiles as head_tiles
 from topr_trl import TOPRConfig, TOPRTrainer
 from topr_trl.head_tiles import HeadTileSupport, completion_rows
-from topr_trl.sampler_support import SamplerProcessing, completion_processed_log_probs, fused_head_parts
+from topr_trl.sampler_support import (
+    TOP_P_ROUNDING,
+    SamplerProcessing,
+    completion_processed_log_probs,
+    fused_head_parts,
+    head_logits,
+    scaled_logits,
+)
 
 from .conftest import float32_tolerance, parity_reward, small_config_kwargs
 
@@ -58,6 +65,23 @@ def scored_both_ways(model, processing, input_ids, attention_mask, logits_to_kee
     projected = completion_processed_log_probs(owner, torch.cat(support.captured.hidden), input_ids, attention_mask,
                                                logits_to_keep, processing)[mask]
     return tiles, projected, support.read_from_tiles
+
+
+def assert_close_but_at_the_cut(tiles, projected, support, processing, attention_mask, logits_to_keep=16, atol=2e-6):
+    """`tiles` within `atol` of `projected`, plus, per scored token, what the tokens within rounding of 1 - p weigh
+    (`TOP_P_ROUNDING`; -log(1 - their mass / p), on an exact float64 sort of the row's logits), zero on most rows. A
+    cut there is the float rounding's: the band leaves such a row to the sort on its own second projection, and one
+    row's product rounds otherwise than the whole batch's (a CPU's kernel for a single row is another), which may keep
+    or remove those tokens. On an Intel CPU the head-support smoke's row 167 did (a token of 1.3e-5 of its support)."""
+    mask = attention_mask[:, -logits_to_keep:].bool()
+    hidden = torch.cat(support.captured.hidden)[:, -logits_to_keep - 1:-1][mask]
+    with torch.no_grad():
+        scaled = scaled_logits(head_logits(support.owner, hidden), processing.temperature)
+    ascending = scaled.double().sort(dim=-1).values.softmax(dim=-1)
+    limit = 1 - processing.top_p
+    within = ((ascending.cumsum(dim=-1) - limit).abs() <= limit * TOP_P_ROUNDING)
+    movable = -torch.log1p(-(ascending * within).sum(dim=-1) / processing.top_p)
+    assert bool(((tiles - projected).abs().double() <= atol + movable).all()), (tiles - projected).abs().max()
 
 
 PROCESSINGS = [SamplerProcessing(top_k=3), SamplerProcessing(top_p=0.9), SamplerProcessing(top_p=0.3),
@@ -157,7 +181,7 @@ def test_a_flat_rows_nucleus_is_decided_on_its_band_without_projecting_it_again(
     assert read and tiles.shape == (64,)
     support = seen[0]
     assert support.band_rows + support.projected_rows == 64 and support.projected_rows <= 6
-    torch.testing.assert_close(tiles, projected, rtol=0, atol=2e-6)
+    assert_close_but_at_the_cut(tiles, projected, support, processing, attention_mask)
 
 
 @pytest.mark.parametrize("rows_at_once", [7, 64])
@@ -253,7 +277,7 @@ def test_a_row_with_a_few_thousand_tokens_above_its_band_keeps_them_all_and_its_
     band = seen[0].streams[0].band
     assert read and bool(band.banded.all()) and bool(torch.isinf(band.high).all())
     assert seen[0].band_rows == 32 and seen[0].projected_rows == 0
-    torch.testing.assert_close(tiles, projected, rtol=0, atol=2e-6)
+    assert_close_but_at_the_cut(tiles, projected, seen[0], SamplerProcessing(top_p=0.9), attention_mask)
 
 
 @pytest.mark.parametrize("processing", [SamplerProcessing(top_p=0.9), SamplerProcessing(temperature=0.7, top_p=0.5)],
@@ -280,7 +304,7 @@ def test_a_later_tile_that_holds_nearly_all_of_a_rows_mass_takes_its_band(proces
     assert read and bool(band.banded.all()) and bool(torch.isfinite(band.high).all())
     assert bool((band.low > first_tiles_largest).all())
     assert support.band_rows + support.projected_rows == 32 and support.projected_rows <= 3
-    torch.testing.assert_close(tiles, projected, rtol=0, atol=2e-6)
+    assert_close_but_at_the_cut(tiles, projected, support, processing, attention_mask)
 
 
 def test_a_first_tile_holding_a_rows_likeliest_token_places_its_band_on_the_rest_of_the_row():
@@ -301,7 +325,7 @@ def test_a_first_tile_holding_a_rows_likeliest_token_places_its_band_on_the_rest
     assert bool(((probabilities[:, 5] > 0.2) & (probabilities[:, 5] < 0.4)).all())
     assert read and bool(support.streams[0].band.banded.all())
     assert support.band_rows + support.projected_rows == 32 and support.projected_rows <= 3
-    torch.testing.assert_close(tiles, projected, rtol=0, atol=2e-6)
+    assert_close_but_at_the_cut(tiles, projected, support, SamplerProcessing(top_p=0.9), attention_mask)
 
 
 def test_the_first_tiles_shares_take_its_lumps_apart_from_its_sea():
@@ -335,7 +359,7 @@ def test_rows_whose_band_members_pass_the_limit_alone_are_projected_again(monkey
     lost = int(seen[1].streams[0].band.lost.sum())
     assert read and 16 <= lost <= 48
     assert seen[1].band_rows >= 64 - lost - 6 and seen[1].projected_rows >= lost
-    torch.testing.assert_close(tiles, projected, rtol=0, atol=2e-6)
+    assert_close_but_at_the_cut(tiles, projected, seen[1], processing, attention_mask)
 
 
 def test_where_trl_projects_only_the_labelled_rows_they_are_read_in_that_order(monkeypatch):
