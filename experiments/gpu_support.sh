@@ -15,8 +15,9 @@
 #                                  GPU its host synchronisations;
 #   support-loss-scale{4,1}.json   loss + backward and the memory a call adds, top-k 50 and top-p 0.95 against TOPR
 #                                  untruncated and GRPO on the same batch (`experiments.benchmark --loss_only`);
-#   head-support-scale4-rows2048.json  scale 4 with the tiles read 2,048 rows at a time instead of 512: whether the
-#                                  reads' launches and synchronisations matter there;
+#   head-support-scale4-widths.json  scale 4 with the tiles read 512 (the default there), 1,024, 2,048 and 4,096
+#                                  rows at a time: whether the reads' launches and synchronisations matter there,
+#                                  and what the wider reads cost in memory;
 #   log.txt                        the whole output.
 # Planned at about six minutes on an H100, model builds included (not yet run on one); the steps' limits add up to
 # under ten. The most telling steps (scale 4, rows between flat and peaked) run first.
@@ -67,14 +68,16 @@ export HF_HUB_OFFLINE=1 TRL_EXPERIMENTAL_SILENCE=1 PYTHONUNBUFFERED=1
 precision=(--bf16)
 loss_shape=(--model qwen2.5-0.5b --prompt_length 512 --completion_length 512 --repeats 1 --steps 12)
 head_shape=(--prompt_length 512 --completion_length 512 --repeats 6)
-head_limit=60  # seconds a step may take
+head_limit=45  # seconds a step may take: with the versions (30 s), 525 s in all
 loss_limit=120
+widths_limit=120
 if [ "$smoke" = 1 ]; then
   precision=()
   loss_shape=(--smoke --model tiny)
   head_shape=(--smoke)
   head_limit=300
   loss_limit=300
+  widths_limit=600
 fi
 failed=0
 step() {  # step NAME SECONDS COMMAND...: run under a time limit; a failure is noted and the next step runs
@@ -87,10 +90,10 @@ step() {  # step NAME SECONDS COMMAND...: run under a time limit; a failure is n
   echo "== $name: rc $rc in $((SECONDS - start)) s"
   [ "$rc" = 0 ] || failed=1
 }
-head_support() {  # head_support SCALE FILE [OPTIONS...]
-  local scale=$1 file=$2
-  shift 2
-  step "head support, scale $scale $*" "$head_limit" "$python" -m experiments.head_support --device "$device" \
+head_support() {  # head_support SCALE FILE SECONDS [OPTIONS...]
+  local scale=$1 file=$2 limit=$3
+  shift 3
+  step "head support, scale $scale $*" "$limit" "$python" -m experiments.head_support --device "$device" \
     "${precision[@]}" --logit_scale "$scale" "${head_shape[@]}" "$@" --output "$out/$file"
 }
 loss_backward() {  # loss_backward SCALE (the smoke's tiny model takes no logit scale)
@@ -100,7 +103,7 @@ loss_backward() {  # loss_backward SCALE (the smoke's tiny model takes no logit 
     "${precision[@]}" "${scaled[@]}" "${loss_shape[@]}" --loss_only --output "$out/support-loss-scale$1.json"
 }
 
-step versions 60 "$python" -c '
+step versions 30 "$python" -c '
 import sys, time
 import datasets, torch, transformers, trl
 device, path = sys.argv[1:]
@@ -120,11 +123,11 @@ if device == "cuda":
 print("\n".join(lines))
 open(path, "w").write("\n".join(lines) + "\n")
 ' "$device" "$out/versions.txt"
-head_support 4 head-support-scale4.json
+head_support 4 head-support-scale4.json "$head_limit"
 loss_backward 4
-head_support 1 head-support-scale1.json
-head_support 8 head-support-scale8.json
+head_support 1 head-support-scale1.json "$head_limit"
+head_support 8 head-support-scale8.json "$head_limit"
 loss_backward 1
-head_support 4 head-support-scale4-rows2048.json --rows_at_once 2048
+head_support 4 head-support-scale4-widths.json "$widths_limit" --rows_at_once 512 1024 2048 4096
 echo "== done: $([ "$failed" = 0 ] && echo 'every step passed' || echo 'a step failed (above)')"
 exit "$failed"

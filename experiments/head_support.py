@@ -4,7 +4,7 @@ leaves to a second projection, on a Qwen2.5-shaped model with random weights.
     python -m experiments.head_support --logit_scale 4 --top_p 0.95 --repeats 6 --output head.json
     python -m experiments.head_support --smoke      # seconds: a one-layer model, a 66,000-token vocabulary
     python -m experiments.head_support --device cuda --bf16 --prompt_length 512 --completion_length 512  # a GPU
-    python -m experiments.head_support --rows_at_once 2048 ...   # the tiles read 2,048 rows at a time
+    python -m experiments.head_support --rows_at_once 512 2048 ...   # the tiles read 512, then 2,048 rows at a time
 
 On a GPU it also counts the host synchronisations one forward's support makes (`torch.cuda.set_sync_debug_mode`):
 each empties the device's queue, so their number times the launch latency bounds what small reads cost there.
@@ -164,53 +164,88 @@ def host_syncs(work: Callable[[], object]) -> int:
 
 
 def run(options) -> dict:
+    """The measurements at the first of `options.rows_at_once` (0: `head_tiles.rows_at_once`'s choice), and at each
+    other width its times, host synchronisations and memory under `"other widths"`."""
     from topr_trl import head_tiles
     from topr_trl.head_tiles import HeadTileSupport, completion_rows
     from topr_trl.sampler_support import SamplerProcessing, fused_head_parts
 
-    if options.rows_at_once:  # an experiment's knob: how many rows of a tile are read at once (`rows_at_once`)
-        head_tiles.rows_at_once = lambda tile: options.rows_at_once
     model, ids, labels = build(options)
     backbone, owner = fused_head_parts(model)
     mask = torch.ones_like(ids)
     processing = SamplerProcessing(temperature=options.temperature, top_p=options.top_p, top_k=options.top_k or None)
     cuda = options.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    chosen_width = head_tiles.rows_at_once
 
     def forward() -> None:
         model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
 
-    def with_support(seconds: dict[str, float]):
-        with timed_parts(seconds, sync):
+    def with_support(seconds: dict[str, float] | None = None):
+        with timed_parts(seconds, sync) if seconds is not None else contextlib.nullcontext():
             with HeadTileSupport(backbone, owner, processing,
                                  completion_rows(ids, mask, options.completion_length)) as support:
                 forward()
             values = support.processed()
         return support, values
 
-    plain, supported, parts = [], [], []
-    with torch.no_grad():
-        forward(), with_support({})  # warm-up
+    def peak_added_mib(work: Callable[[], object]) -> float | None:
+        """The most GPU memory `work` holds above what was allocated when it starts."""
+        if not cuda:
+            return None
+        sync()
+        resident = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        work()
+        sync()
+        return (torch.cuda.max_memory_allocated() - resident) / 2**20
+
+    def measure(width: int) -> dict:
+        # an experiment's knob: how many rows of a tile are read at once (0: `rows_at_once`'s own choice)
+        head_tiles.rows_at_once = (lambda tile: width) if width else chosen_width
+        plain, supported, parts = [], [], []
+        forward(), with_support()  # warm-up
         for _ in range(options.repeats):
             sync()
             start = time.perf_counter()
             forward()
             sync()
             plain.append(time.perf_counter() - start)
+            # On a GPU the parts' timers empty the device's queue at each part: timed in a pass of their own
             seconds: dict[str, float] = {}
             start = time.perf_counter()
-            support, values = with_support(seconds)
+            support, values = with_support(None if cuda else seconds)
             sync()
             supported.append(time.perf_counter() - start)
+            if cuda:
+                with_support(seconds)
             parts.append(seconds)
-        counts = classify(support, owner, processing, values)
+        median_plain, median_supported = statistics.median(plain), statistics.median(supported)
+        result = {"forward_s": median_plain, "forward_with_support_s": median_supported,
+                  "support_added_s": median_supported - median_plain, "ratio": median_supported / median_plain,
+                  "parts_s": {name: statistics.median(part.get(name, 0.0) for part in parts) for name in PARTS},
+                  "peak_added_mib": {"forward": peak_added_mib(forward),
+                                     "forward with the support": peak_added_mib(with_support)} if cuda else None}
         if cuda:
-            counts["host syncs in one forward's support"] = host_syncs(lambda: with_support({}))
-    median_plain, median_supported = statistics.median(plain), statistics.median(supported)
-    return {"forward_s": median_plain, "forward_with_support_s": median_supported,
-            "support_added_s": median_supported - median_plain, "ratio": median_supported / median_plain,
-            "parts_s": {name: statistics.median(part.get(name, 0.0) for part in parts) for name in PARTS},
-            "rows": counts, "threads": torch.get_num_threads(),
+            result["host syncs in one forward's support"] = host_syncs(with_support)
+        return result, support, values
+
+    widths = options.rows_at_once or [0]
+    with torch.no_grad():
+        result, support, values = measure(widths[0])
+        result["rows"] = classify(support, owner, processing, values)
+        others = {}
+        for width in widths[1:]:
+            other, other_support, other_values = measure(width)
+            others[str(width)] = {key: other[key] for key in ("support_added_s", "ratio", "parts_s", "peak_added_mib",
+                                                               "host syncs in one forward's support") if key in other}
+            others[str(width)].update({  # the same rows, decided the same way, to the same values
+                "decided on the band": other_support.band_rows, "projected again": other_support.projected_rows,
+                "largest difference from the first width": float((other_values - values).abs().max())})
+    head_tiles.rows_at_once = chosen_width
+    if others:
+        result["other widths"] = others
+    return {**result, "threads": torch.get_num_threads(),
             "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
 
 
@@ -228,8 +263,9 @@ def main() -> None:
     parser.add_argument("--prompt_length", type=int, default=32)
     parser.add_argument("--completion_length", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--rows_at_once", type=int, default=0,
-                        help="read the tiles this many rows at a time (0: `head_tiles.rows_at_once`'s choice)")
+    parser.add_argument("--rows_at_once", type=int, nargs="+", default=[0],
+                        help="read the tiles this many rows at a time (0: `head_tiles.rows_at_once`'s choice); "
+                             "several: the first in full, the others' times, host syncs and memory as well")
     parser.add_argument("--output", help="write the results as JSON here")
     options = parser.parse_args()
     if options.smoke:
@@ -242,6 +278,14 @@ def main() -> None:
         print(f"  {name:<32} {seconds:.3f} s")
     for name, count in result["rows"].items():
         print(f"  {name:<40} {count:.2e}" if isinstance(count, float) else f"  {name:<40} {count}")
+    for name in ("peak_added_mib", "host syncs in one forward's support"):
+        if result.get(name) is not None:
+            print(f"  {name}: {result[name]}")
+    for width, other in result.get("other widths", {}).items():
+        syncs = other.get("host syncs in one forward's support", "-")
+        print(f"  {width} rows at once: +{other['support_added_s']:.3f} s ({other['ratio']:.3f}x), {syncs} host syncs, "
+              f"memory {other['peak_added_mib']}, {other['projected again']} rows projected again, values "
+              f"{other['largest difference from the first width']:.1e} from the first width's")
     if options.output:
         with open(options.output, "w") as handle:
             json.dump({**result, "options": vars(options)}, handle, indent=2)

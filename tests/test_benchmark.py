@@ -171,7 +171,8 @@ def test_the_gpu_script_runs_every_step_and_leaves_what_a_lease_brings_back(tmp_
     lease brings back (no more), each head-support run decided every row as the sorted rule does (up to the tokens
     within rounding of 1 - p and `LOG_PROB_ROUNDING`; at scale 1 the smoke's model has a row whose projection
     again moved a token of 1.3e-5 of its support, on the Intel machine that built this), and the
-    tiles read 2,048 rows at a time decide the same rows the same way as at the default width."""
+    tiles read 512 to 4,096 rows at a time decide the same rows the same way as at the default width, to the same
+    values."""
     out = tmp_path / "out"
     completed = subprocess.run(["bash", str(GPU_SCRIPT), "run", str(out), "--smoke", "--device", "cpu"],
                                capture_output=True, text=True, timeout=1800, env={**os.environ, "PYTHON": sys.executable})
@@ -180,15 +181,20 @@ def test_the_gpu_script_runs_every_step_and_leaves_what_a_lease_brings_back(tmp_
     names = {path.name for path in out.iterdir()}
     assert names == {"versions.txt", "log.txt", "support-loss-scale1.json", "support-loss-scale4.json",
                      "head-support-scale1.json", "head-support-scale4.json", "head-support-scale8.json",
-                     "head-support-scale4-rows2048.json"}
+                     "head-support-scale4-widths.json"}
     heads = {name: json.loads((out / name).read_text()) for name in names if name.startswith("head-support")}
     for result in heads.values():
         rows = result["rows"]
         assert rows["decided on the band"] + rows["projected again"] == rows["rows"] == 256
         assert 0 <= rows["largest difference beyond the tokens at the cut"] <= LOG_PROB_ROUNDING
-    default, wide = heads["head-support-scale4.json"], heads["head-support-scale4-rows2048.json"]
-    assert wide["options"]["rows_at_once"] == 2048 and default["options"]["rows_at_once"] == 0
-    assert {name: count for name, count in wide["rows"].items() if isinstance(count, int)} == {
+    default, widths = heads["head-support-scale4.json"], heads["head-support-scale4-widths.json"]
+    assert widths["options"]["rows_at_once"] == [512, 1024, 2048, 4096] and default["options"]["rows_at_once"] == [0]
+    assert {name: count for name, count in widths["rows"].items() if isinstance(count, int)} == {
         name: count for name, count in default["rows"].items() if isinstance(count, int)}
+    assert set(widths["other widths"]) == {"1024", "2048", "4096"}
+    for other in widths["other widths"].values():
+        assert other["decided on the band"] == default["rows"]["decided on the band"]
+        assert other["projected again"] == default["rows"]["projected again"]
+        assert other["largest difference from the first width"] <= LOG_PROB_ROUNDING
     loss = json.loads((out / "support-loss-scale4.json").read_text())["loss_only"]
     assert loss["ratios"]["topr-online-top-p / topr-online"] > 0
