@@ -200,7 +200,7 @@ def run(options) -> dict:
         sync()
         return (torch.cuda.max_memory_allocated() - resident) / 2**20
 
-    def measure(width: int) -> dict:
+    def measure(width: int) -> tuple[dict, HeadTileSupport, torch.Tensor]:
         # an experiment's knob: how many rows of a tile are read at once (0: `rows_at_once`'s own choice)
         head_tiles.rows_at_once = (lambda tile: width) if width else chosen_width
         plain, supported, parts = [], [], []
