@@ -6,8 +6,9 @@ leaves to a second projection, on a Qwen2.5-shaped model with random weights.
     python -m experiments.head_support --device cuda --bf16 --prompt_length 512 --completion_length 512  # a GPU
     python -m experiments.head_support --rows_at_once 512 2048 ...   # the tiles read 512, then 2,048 rows at a time
 
-On a GPU it also counts the host synchronisations one forward's support makes (`torch.cuda.set_sync_debug_mode`):
-each empties the device's queue, so their number times the launch latency bounds what small reads cost there.
+It counts the torch calls one forward's support makes and those that read a result on the host (`torch_calls`, on
+any device), and on a GPU the host synchronisations themselves (`torch.cuda.set_sync_debug_mode`): there each call
+costs the host some microseconds and each synchronisation empties the device's queue.
 
 Each repeat runs the model's forward on the same 4 x 96 random token ids (the last 64 of each scored, as
 GRPOTrainer's loss scores 4 completions of 64 tokens) with TRL's fused head alone, then under `HeadTileSupport` with
@@ -129,12 +130,16 @@ def classify(support, owner, processing, processed: torch.Tensor) -> dict[str, f
                    "crossing under the band": int((banded & (crossing < band.low)).sum()),
                    "crossing above the band": int((banded & (crossing >= band.high)).sum()),
                    "members past the limit": int(band.lost.sum())})
-    # the sorted rule's ascending probabilities and cumulative masses, exact (float64) on these logits
-    ascending = scaled.double().sort(dim=-1).values.softmax(dim=-1)
-    cumulative = ascending.cumsum(dim=-1)
+    # the sorted rule's ascending cumulative masses, exact (float64) on these logits, 256 rows at a time: the tokens
+    # within rounding of 1 - p (a rounding of the sum may keep or remove them) and their mass
     limit = 1 - processing.top_p
-    within = (cumulative - limit).abs() <= limit * TOP_P_ROUNDING  # tokens a rounding of the sum may keep or remove
-    at_the_cut = within.any(dim=-1)
+    at_the_cut, mass_at_the_cut = [], []
+    for start in range(0, scaled.size(0), 256):
+        ascending = scaled[start:start + 256].double().sort(dim=-1).values.softmax(dim=-1)
+        within = (ascending.cumsum(dim=-1) - limit).abs() <= limit * TOP_P_ROUNDING
+        at_the_cut.append(within.any(dim=-1))
+        mass_at_the_cut.append((ascending * within).sum(dim=-1))
+    at_the_cut, mass_at_the_cut = torch.cat(at_the_cut), torch.cat(mass_at_the_cut)
     counts["a cumulative mass within rounding of 1 - p"] = int((banded & at_the_cut).sum())
     tokens = stream.rows.tokens
     expected = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - with_the_sampled_token(kept, scaled, tokens, 1.0)
@@ -144,10 +149,62 @@ def classify(support, owner, processing, processed: torch.Tensor) -> dict[str, f
     # What the rounding may move: a cut within rounding is the float rounding's (another projection of the same
     # hidden states, the band's sum or the sampler's own logits may move a token there), so the log of the support's
     # mass may differ by what those tokens weigh, -log(1 - their mass / p), and by no more.
-    movable = -torch.log1p(-(ascending * within).sum(dim=-1) / processing.top_p)
+    movable = -torch.log1p(-mass_at_the_cut / processing.top_p)
     counts["largest difference beyond the tokens at the cut"] = float((apart.double() - movable).clamp_min(0).max())
     probabilities = scaled.softmax(dim=-1)
     counts["likeliest token in a later tile"] = int((banded & (probabilities.argmax(dim=-1) >= 32_768)).sum())
+    return counts
+
+
+SYNCING = {"nonzero", "tolist", "item", "__bool__", "__int__", "__float__", "unique", "masked_select"}
+"""Torch functions that read a result on the host (a size or a value), so that on an accelerator the host waits for
+the device's queue to empty; also a boolean mask's indexing and `repeat_interleave` without `output_size`."""
+
+
+def torch_calls(work: Callable[[], object]) -> dict[str, int]:
+    """How many torch functions the support calls while `work` runs (in its reads of the tiles and its `processed`),
+    and how many of them wait on the device (`SYNCING`): on any device, as a count of calls rather than a time."""
+    from torch.overrides import TorchFunctionMode
+
+    from topr_trl import head_tiles
+
+    counts = {"torch calls": 0, "calls that wait on the device": 0}
+    inside = [0]
+
+    def waits(name: str, args: tuple, kwargs: dict) -> bool:
+        if name in SYNCING:
+            return True
+        if name == "repeat_interleave":
+            return "output_size" not in kwargs
+        if name == "__getitem__":
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            return any(isinstance(part, torch.Tensor) and part.dtype == torch.bool for part in index)
+        return False
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if inside[0]:
+                counts["torch calls"] += 1
+                counts["calls that wait on the device"] += waits(getattr(func, "__name__", ""), args, kwargs)
+            return func(*args, **kwargs)
+
+    saved = [(head_tiles._TileStream, "read"), (head_tiles.HeadTileSupport, "processed")]
+    originals = [getattr(owner, name) for owner, name in saved]
+    for (owner, name), original in zip(saved, originals, strict=True):
+        def counted(*args, _original=original, **kwargs):
+            inside[0] += 1
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                inside[0] -= 1
+        setattr(owner, name, counted)
+    try:
+        with Count():
+            work()
+    finally:
+        for (owner, name), original in zip(saved, originals, strict=True):
+            setattr(owner, name, original)
     return counts
 
 
@@ -226,6 +283,7 @@ def run(options) -> dict:
                   "parts_s": {name: statistics.median(part.get(name, 0.0) for part in parts) for name in PARTS},
                   "peak_added_mib": {"forward": peak_added_mib(forward),
                                      "forward with the support": peak_added_mib(with_support)} if cuda else None}
+        result["calls in one forward's support"] = torch_calls(with_support)
         if cuda:
             result["host syncs in one forward's support"] = host_syncs(with_support)
         return result, support, values
@@ -238,6 +296,7 @@ def run(options) -> dict:
         for width in widths[1:]:
             other, other_support, other_values = measure(width)
             others[str(width)] = {key: other[key] for key in ("support_added_s", "ratio", "parts_s", "peak_added_mib",
+                                                               "calls in one forward's support",
                                                                "host syncs in one forward's support") if key in other}
             others[str(width)].update({  # the same rows, decided the same way, to the same values
                 "decided on the band": other_support.band_rows, "projected again": other_support.projected_rows,
@@ -278,7 +337,7 @@ def main() -> None:
         print(f"  {name:<32} {seconds:.3f} s")
     for name, count in result["rows"].items():
         print(f"  {name:<40} {count:.2e}" if isinstance(count, float) else f"  {name:<40} {count}")
-    for name in ("peak_added_mib", "host syncs in one forward's support"):
+    for name in ("peak_added_mib", "calls in one forward's support", "host syncs in one forward's support"):
         if result.get(name) is not None:
             print(f"  {name}: {result[name]}")
     for width, other in result.get("other widths", {}).items():

@@ -283,18 +283,22 @@ class _NucleusBand:
     def members(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, value) (K,) each: the band's scaled logits of the wanted tokens `index`, each with its place in
         `index`, in the order read."""
+        device = self.mass.device
         position = torch.full_like(self.mass, -1, dtype=torch.int32)  # int32: 4 bytes a member, as its value
-        position[index] = torch.arange(index.numel(), device=index.device, dtype=torch.int32)
-        rows, values = [], []
-        for chunk, lo, counts in zip(self.values, self.first_rows, self.counts, strict=True):
-            places = position[lo:lo + counts.numel()].repeat_interleave(counts)
-            if bool((position[lo:lo + counts.numel()] < 0).any() | self.moved[lo:lo + counts.numel()].any()):
-                # rows not asked for; a band placed anew on a later tile (`_move_up`) starts above every earlier member
-                kept = (places >= 0) & (chunk >= self.low[lo:lo + counts.numel()].repeat_interleave(counts))
-                places, chunk = places[kept], chunk[kept]
-            rows.append(places)
-            values.append(chunk)
-        return torch.cat(rows), torch.cat(values)
+        position[index] = torch.arange(index.numel(), device=device, dtype=torch.int32)
+        values = torch.cat(self.values)
+        # each member's wanted token, all chunks at once: the chunks' rows are known here, their members' count is
+        # `kept`, so nothing waits on the device (a loop over the chunks waited twice per chunk)
+        chunk_rows = torch.cat([torch.arange(lo, lo + counts.numel(), dtype=torch.int32)
+                                for lo, counts in zip(self.first_rows, self.counts, strict=True)]).to(device)
+        member_rows = chunk_rows.repeat_interleave(torch.cat(self.counts), output_size=values.numel())
+        places = position[member_rows]
+        if bool((position < 0).any() | self.moved.any()):
+            # rows not asked for; a band placed anew on a later tile (`_move_up`) starts above every earlier member (a
+            # row's other members are at or above its low edge, which only `_move_up` changes)
+            kept = (places >= 0) & (values >= self.low[member_rows])
+            places, values = places[kept], values[kept]
+        return places, values
 
     def normalisers(self, index: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`nucleus_from_band` for the wanted tokens `index` (their sampled tokens' scaled logits `chosen`)."""
@@ -318,6 +322,9 @@ class _TileStream:
         self.band: _NucleusBand | None = None
         self.row, self.column, self.broken = 0, 0, False
         self.vocabulary = 0
+        # per chunk of rows (its first wanted row): the rows that take candidates, set on the first vocabulary tile
+        # (where `banded` is decided) and read on the later ones without asking the device again; None: every row
+        self.unbanded: dict[int, torch.Tensor | None] = {}
 
     def read(self, tile: torch.Tensor, bias: torch.Tensor | None, vocabulary: int,
              transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -341,6 +348,7 @@ class _TileStream:
             lo, hi = torch.searchsorted(self.rows.kernel_rows,
                                         torch.tensor([self.row, self.row + n], device=tile.device)).tolist()
             local = self.rows.kernel_rows[lo:hi] - self.row  # the wanted rows' places in the tile, ascending
+        self._read_chosen(lo, hi, tile, local, bias)
         at_once = rows_at_once(tile)
         chunks = [(start, min(start + at_once, hi)) for start in range(lo, hi, at_once)]  # a few rows at a time
         if local is not None and chunks:  # each chunk's first and last row in the tile, with one device sync
@@ -358,16 +366,27 @@ class _TileStream:
         if self.column == vocabulary:
             self.row, self.column = self.row + n, 0
 
+    def _read_chosen(self, lo: int, hi: int, tile: torch.Tensor, local: torch.Tensor | None,
+                     bias: torch.Tensor | None) -> None:
+        """The sampled tokens' own logits, for the wanted tokens lo:hi (their rows of the tile: `local`, None: in
+        order) whose token lies in this tile: all of the tile's rows at once, a few kernels per tile rather than per
+        chunk of rows (on an accelerator each launch costs the host some microseconds while the device waits)."""
+        w = tile.size(-1)
+        token = self.rows.tokens[lo:hi] - self.column
+        inside = (token >= 0) & (token < w)
+        token = token.clamp(0, w - 1)
+        rows = torch.arange(hi - lo, device=tile.device) if local is None else local
+        own = tile[rows, token]
+        if bias is not None:  # TRL adds the bias to the tile in place after the product, in the tile's dtype
+            own = own + bias[self.column + token].to(tile.dtype)
+        self.chosen[lo:hi] = torch.where(inside, own.float(), self.chosen[lo:hi])
+
     def _read_rows(self, lo: int, hi: int, logits: torch.Tensor, bias: torch.Tensor | None, vocabulary: int,
                    transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Wanted tokens lo:hi, whose rows of the tile are `logits`."""
         w = logits.size(-1)
         if bias is not None:  # TRL adds the bias to the tile in place after the product, in the tile's dtype
             logits = logits + bias[self.column:self.column + w].to(logits.dtype)
-        local = self.rows.tokens[lo:hi] - self.column
-        inside = (local >= 0) & (local < w)
-        own = logits.gather(-1, local.clamp(0, w - 1).unsqueeze(-1)).squeeze(-1).float()
-        self.chosen[lo:hi] = torch.where(inside, own, self.chosen[lo:hi])
         if self.band is not None or self.total is not None:
             scaled = scaled_logits(transform(logits), self.processing.temperature)
             if self.band is not None:
@@ -381,8 +400,12 @@ class _TileStream:
         later vocabulary tile only a row's logits above its smallest candidate so far can enter: they are picked by a
         comparison (on a peaked row, a few hundred of 32,768), not by a `topk` of the whole tile's row."""
         rows = None
-        if self.band is not None and bool(self.band.banded[lo:hi].any()):
-            rows = (~self.band.banded[lo:hi]).nonzero().squeeze(-1)
+        if self.band is not None:
+            if self.column == 0:
+                banded = self.band.banded[lo:hi]
+                self.unbanded[lo] = (~banded).nonzero().squeeze(-1) if bool(banded.any()) else None
+            rows = self.unbanded[lo]
+        if rows is not None:
             if rows.numel() == 0:
                 return
             logits = logits[rows]
