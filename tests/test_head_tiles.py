@@ -248,6 +248,28 @@ def test_a_later_tile_whose_crossing_may_lie_under_the_earlier_logits_leaves_the
         assert_the_band_holds_its_rows(band, rows, range(2))
 
 
+def test_rows_that_take_candidates_among_banded_ones_keep_them_when_a_later_tile_is_read_in_other_chunks(monkeypatch):
+    """Under top-p, a head scaled by 5 whose bias lifts the second tile's 232 tokens by 6: 25 of the 32 rows are flat
+    (banded) and 7 peaked, taking candidates, whose largest logits lie in the second tile. The first tile is read 5
+    rows at a time and the second 32 at once, as a CPU reads a narrower last tile: the rows that take candidates are
+    found per chunk of the later tile too: no row is projected again, and every value is the second projection's.
+    Keyed by the chunk's first row alone, the second tile took the first chunk's rows for all 32, and the others,
+    lacking their largest logits, were projected again."""
+    monkeypatch.setattr(head_tiles, "rows_at_once", lambda tile: 5 if tile.size(-1) > 1_000 else 32)
+    torch.manual_seed(0)
+    model = head_lifted(small_model("qwen2_tied", vocabulary=33_000, positions=48), scale=5, lift=6.0)
+    input_ids = torch.randint(0, 33_000, (2, 40))
+    attention_mask = torch.ones_like(input_ids)
+    seen = []
+    tiles, projected, read = scored_both_ways(model, SamplerProcessing(top_p=0.9), input_ids, attention_mask, 16,
+                                              micro_batch=2, seen=seen)
+    banded = seen[0].streams[0].band.banded
+    assert read and 0 < int(banded.sum()) < banded.numel()
+    # every row decided from the tiles: the peaked rows on their candidates, none sent to a second projection for
+    # the candidates it lacked
+    assert seen[0].projected_rows == 0 and seen[0].band_rows == int(banded.sum())
+    assert_close_but_at_the_cut(tiles, projected, seen[0], SamplerProcessing(top_p=0.9), attention_mask)
+
 def test_a_band_the_later_tiles_move_the_nucleus_out_of_sends_its_rows_to_the_second_projection():
     """A head whose bias lifts the second tile's 232 tokens by 4 (e^4 = 55 times the first tile's tokens' mass each):
     the first tile misplaces where the ascending mass passes 1 - p, the band misses it, and the rows are projected

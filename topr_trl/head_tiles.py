@@ -322,9 +322,10 @@ class _TileStream:
         self.band: _NucleusBand | None = None
         self.row, self.column, self.broken = 0, 0, False
         self.vocabulary = 0
-        # per chunk of rows (its first wanted row): the rows that take candidates, set on the first vocabulary tile
-        # (where `banded` is decided) and read on the later ones without asking the device again; None: every row
-        self.unbanded: dict[int, torch.Tensor | None] = {}
+        # per chunk of rows (lo, hi): the rows that take candidates (None: every row), found once `banded` is decided
+        # (on the first vocabulary tile) and read again by the later tiles chunked alike, without asking the device
+        # (a narrower last tile is read more rows at a time on a CPU, in chunks of its own)
+        self.unbanded: dict[tuple[int, int], torch.Tensor | None] = {}
 
     def read(self, tile: torch.Tensor, bias: torch.Tensor | None, vocabulary: int,
              transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -401,10 +402,10 @@ class _TileStream:
         comparison (on a peaked row, a few hundred of 32,768), not by a `topk` of the whole tile's row."""
         rows = None
         if self.band is not None:
-            if self.column == 0:
+            if (lo, hi) not in self.unbanded:
                 banded = self.band.banded[lo:hi]
-                self.unbanded[lo] = (~banded).nonzero().squeeze(-1) if bool(banded.any()) else None
-            rows = self.unbanded[lo]
+                self.unbanded[lo, hi] = (~banded).nonzero().squeeze(-1) if bool(banded.any()) else None
+            rows = self.unbanded[lo, hi]
         if rows is not None:
             if rows.numel() == 0:
                 return
