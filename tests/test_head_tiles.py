@@ -248,6 +248,18 @@ def test_a_later_tile_whose_crossing_may_lie_under_the_earlier_logits_leaves_the
         assert_the_band_holds_its_rows(band, rows, range(2))
 
 
+def two_sequences_at_top_p(model, p: float = 0.9):
+    """(tiles, projected, the `HeadTileSupport`, attention mask): `scored_both_ways` at top-p `p` on 2 sequences of
+    40 random tokens of `model`'s 33,000, the last 16 scored, in one forward read from the tiles."""
+    input_ids = torch.randint(0, 33_000, (2, 40))
+    attention_mask = torch.ones_like(input_ids)
+    seen = []
+    tiles, projected, read = scored_both_ways(model, SamplerProcessing(top_p=p), input_ids, attention_mask, 16,
+                                              micro_batch=2, seen=seen)
+    assert read
+    return tiles, projected, seen[0], attention_mask
+
+
 def test_rows_that_take_candidates_among_banded_ones_keep_them_when_a_later_tile_is_read_in_other_chunks(monkeypatch):
     """Under top-p, a head scaled by 5 whose bias lifts the second tile's 232 tokens by 6: 25 of the 32 rows are flat
     (banded) and 7 peaked, taking candidates, whose largest logits lie in the second tile. The first tile is read 5
@@ -258,29 +270,22 @@ def test_rows_that_take_candidates_among_banded_ones_keep_them_when_a_later_tile
     monkeypatch.setattr(head_tiles, "rows_at_once", lambda tile: 5 if tile.size(-1) > 1_000 else 32)
     torch.manual_seed(0)
     model = head_lifted(small_model("qwen2_tied", vocabulary=33_000, positions=48), scale=5, lift=6.0)
-    input_ids = torch.randint(0, 33_000, (2, 40))
-    attention_mask = torch.ones_like(input_ids)
-    seen = []
-    tiles, projected, read = scored_both_ways(model, SamplerProcessing(top_p=0.9), input_ids, attention_mask, 16,
-                                              micro_batch=2, seen=seen)
-    banded = seen[0].streams[0].band.banded
-    assert read and 0 < int(banded.sum()) < banded.numel()
+    tiles, projected, support, attention_mask = two_sequences_at_top_p(model)
+    banded = support.streams[0].band.banded
+    assert 0 < int(banded.sum()) < banded.numel()
     # every row decided from the tiles: the peaked rows on their candidates, none sent to a second projection for
     # the candidates it lacked
-    assert seen[0].projected_rows == 0 and seen[0].band_rows == int(banded.sum())
-    assert_close_but_at_the_cut(tiles, projected, seen[0], SamplerProcessing(top_p=0.9), attention_mask)
+    assert support.projected_rows == 0 and support.band_rows == int(banded.sum())
+    assert_close_but_at_the_cut(tiles, projected, support, SamplerProcessing(top_p=0.9), attention_mask)
+
 
 def test_a_band_the_later_tiles_move_the_nucleus_out_of_sends_its_rows_to_the_second_projection():
     """A head whose bias lifts the second tile's 232 tokens by 4 (e^4 = 55 times the first tile's tokens' mass each):
     the first tile misplaces where the ascending mass passes 1 - p, the band misses it, and the rows are projected
     again, with the same values as before."""
     model = head_lifted(flat_model(33_000, positions=48), scale=1, lift=4.0)
-    input_ids = torch.randint(0, 33_000, (2, 40))
-    attention_mask = torch.ones_like(input_ids)
-    seen = []
-    tiles, projected, read = scored_both_ways(model, SamplerProcessing(top_p=0.9), input_ids, attention_mask, 16,
-                                              micro_batch=2, seen=seen)
-    assert read and seen[0].projected_rows == 32 and seen[0].band_rows == 0
+    tiles, projected, support, attention_mask = two_sequences_at_top_p(model)
+    assert support.projected_rows == 32 and support.band_rows == 0
     torch.testing.assert_close(tiles, projected, **float32_tolerance(projected, roundings=64))
 
 
@@ -291,15 +296,11 @@ def test_a_row_with_a_few_thousand_tokens_above_its_band_keeps_them_all_and_its_
     every row (none projected again) with the second projection's values. A band closed above would miss them all
     (the test above)."""
     model = head_lifted(small_model("qwen2_tied", vocabulary=33_000, positions=48), scale=4, lift=6.0)
-    input_ids = torch.randint(0, 33_000, (2, 40))
-    attention_mask = torch.ones_like(input_ids)
-    seen = []
-    tiles, projected, read = scored_both_ways(model, SamplerProcessing(top_p=0.9), input_ids, attention_mask, 16,
-                                              micro_batch=2, seen=seen)
-    band = seen[0].streams[0].band
-    assert read and bool(band.banded.all()) and bool(torch.isinf(band.high).all())
-    assert seen[0].band_rows == 32 and seen[0].projected_rows == 0
-    assert_close_but_at_the_cut(tiles, projected, seen[0], SamplerProcessing(top_p=0.9), attention_mask)
+    tiles, projected, support, attention_mask = two_sequences_at_top_p(model)
+    band = support.streams[0].band
+    assert bool(band.banded.all()) and bool(torch.isinf(band.high).all())
+    assert support.band_rows == 32 and support.projected_rows == 0
+    assert_close_but_at_the_cut(tiles, projected, support, SamplerProcessing(top_p=0.9), attention_mask)
 
 
 @pytest.mark.parametrize("processing", [SamplerProcessing(top_p=0.9), SamplerProcessing(temperature=0.7, top_p=0.5)],
