@@ -44,32 +44,40 @@ PARTS = {  # the part's name: (module, attribute) of the function that does it
 
 
 @contextlib.contextmanager
-def timed_parts(seconds: dict[str, float], sync: Callable[[], None]) -> Iterator[None]:
-    """Each of `PARTS` wrapped so that its wall time adds up in `seconds` (the device's queue emptied by `sync` at
-    both ends), restored on exit."""
+def wrapped(targets: dict[str, tuple[str | None, str]], wrap: Callable[[Callable, str], Callable]) -> Iterator[None]:
+    """Each function `targets` names ((class in `topr_trl.head_tiles`, None: the module), attribute) replaced by
+    `wrap(original, name)`, restored on exit."""
     from topr_trl import head_tiles
 
     saved = []
-    for name, (owner_name, attribute) in PARTS.items():
+    for name, (owner_name, attribute) in targets.items():
         owner = getattr(head_tiles, owner_name) if owner_name else head_tiles
         original = getattr(owner, attribute)
         saved.append((owner, attribute, original))
-
-        def wrapper(*args, _original: Callable = original, _name: str = name, **kwargs):
-            sync()
-            start = time.perf_counter()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                sync()
-                seconds[_name] = seconds.get(_name, 0.0) + time.perf_counter() - start
-
-        setattr(owner, attribute, wrapper)
+        setattr(owner, attribute, wrap(original, name))
     try:
         yield
     finally:
         for owner, attribute, original in saved:
             setattr(owner, attribute, original)
+
+
+def timed_parts(seconds: dict[str, float], sync: Callable[[], None]):
+    """Each of `PARTS` wrapped so that its wall time adds up in `seconds` (the device's queue emptied by `sync` at
+    both ends), restored on exit."""
+
+    def wrap(original: Callable, name: str) -> Callable:
+        def timed(*args, **kwargs):
+            sync()
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                sync()
+                seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+        return timed
+
+    return wrapped(PARTS, wrap)
 
 
 def build(options):
@@ -99,6 +107,24 @@ def build(options):
     return model, ids.to(options.device), labels.to(options.device)
 
 
+def movable_at_the_cut(scaled: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whether a token's cumulative mass is within `TOP_P_ROUNDING` of 1 - p, what those tokens may move the log of
+    the support's mass by) (N,) each, for (N, V) scaled logits, from their exact (float64) ascending cumulative
+    masses, 256 rows at a time. A cut within rounding is the float rounding's (another projection of the same hidden
+    states, the band's sum or the sampler's own logits may move a token there), so the log of the support's mass
+    may differ from the sorted rule's by what those tokens weigh, -log(1 - their mass / p), and by no more."""
+    from topr_trl.sampler_support import TOP_P_ROUNDING
+
+    limit = 1 - top_p
+    at_the_cut, mass = [], []
+    for start in range(0, scaled.size(0), 256):
+        ascending = scaled[start:start + 256].double().sort(dim=-1).values.softmax(dim=-1)
+        within = (ascending.cumsum(dim=-1) - limit).abs() <= limit * TOP_P_ROUNDING
+        at_the_cut.append(within.any(dim=-1))
+        mass.append((ascending * within).sum(dim=-1))
+    return torch.cat(at_the_cut), -torch.log1p(-torch.cat(mass) / top_p)
+
+
 def classify(support, owner, processing, processed: torch.Tensor) -> dict[str, float]:
     """How many of the forward's scored rows each path decided, and why the band left the others: the crossing (the
     smallest logit the sorted rule keeps, on the row's whole logits) under the band or above it, a token's cumulative
@@ -108,7 +134,6 @@ def classify(support, owner, processing, processed: torch.Tensor) -> dict[str, f
     else by the sort on a second projection, whose rounding may move them too), and beyond what the tokens within
     rounding of the cut weigh (the float32 rounding of the log-probs alone)."""
     from topr_trl.sampler_support import (
-        TOP_P_ROUNDING,
         _keep_top_p_sorted,
         head_logits,
         scaled_logits,
@@ -130,26 +155,13 @@ def classify(support, owner, processing, processed: torch.Tensor) -> dict[str, f
                    "crossing under the band": int((banded & (crossing < band.low)).sum()),
                    "crossing above the band": int((banded & (crossing >= band.high)).sum()),
                    "members past the limit": int(band.lost.sum())})
-    # the sorted rule's ascending cumulative masses, exact (float64) on these logits, 256 rows at a time: the tokens
-    # within rounding of 1 - p (a rounding of the sum may keep or remove them) and their mass
-    limit = 1 - processing.top_p
-    at_the_cut, mass_at_the_cut = [], []
-    for start in range(0, scaled.size(0), 256):
-        ascending = scaled[start:start + 256].double().sort(dim=-1).values.softmax(dim=-1)
-        within = (ascending.cumsum(dim=-1) - limit).abs() <= limit * TOP_P_ROUNDING
-        at_the_cut.append(within.any(dim=-1))
-        mass_at_the_cut.append((ascending * within).sum(dim=-1))
-    at_the_cut, mass_at_the_cut = torch.cat(at_the_cut), torch.cat(mass_at_the_cut)
+    at_the_cut, movable = movable_at_the_cut(scaled, processing.top_p)
     counts["a cumulative mass within rounding of 1 - p"] = int((banded & at_the_cut).sum())
     tokens = stream.rows.tokens
     expected = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - with_the_sampled_token(kept, scaled, tokens, 1.0)
     apart = (processed - expected).abs()
     counts["largest difference from the sorted rule"] = float(apart.max())
     counts["largest within rounding of 1 - p"] = float(apart[at_the_cut].max()) if bool(at_the_cut.any()) else 0.0
-    # What the rounding may move: a cut within rounding is the float rounding's (another projection of the same
-    # hidden states, the band's sum or the sampler's own logits may move a token there), so the log of the support's
-    # mass may differ by what those tokens weigh, -log(1 - their mass / p), and by no more.
-    movable = -torch.log1p(-mass_at_the_cut / processing.top_p)
     counts["largest difference beyond the tokens at the cut"] = float((apart.double() - movable).clamp_min(0).max())
     probabilities = scaled.softmax(dim=-1)
     counts["likeliest token in a later tile"] = int((banded & (probabilities.argmax(dim=-1) >= 32_768)).sum())
@@ -165,8 +177,6 @@ def torch_calls(work: Callable[[], object]) -> dict[str, int]:
     """How many torch functions the support calls while `work` runs (in its reads of the tiles and its `processed`),
     and how many of them wait on the device (`SYNCING`): on any device, as a count of calls rather than a time."""
     from torch.overrides import TorchFunctionMode
-
-    from topr_trl import head_tiles
 
     counts = {"torch calls": 0, "calls that wait on the device": 0}
     inside = [0]
@@ -189,22 +199,17 @@ def torch_calls(work: Callable[[], object]) -> dict[str, int]:
                 counts["calls that wait on the device"] += waits(getattr(func, "__name__", ""), args, kwargs)
             return func(*args, **kwargs)
 
-    saved = [(head_tiles._TileStream, "read"), (head_tiles.HeadTileSupport, "processed")]
-    originals = [getattr(owner, name) for owner, name in saved]
-    for (owner, name), original in zip(saved, originals, strict=True):
-        def counted(*args, _original=original, **kwargs):
+    def wrap(original: Callable, name: str) -> Callable:
+        def counted(*args, **kwargs):
             inside[0] += 1
             try:
-                return _original(*args, **kwargs)
+                return original(*args, **kwargs)
             finally:
                 inside[0] -= 1
-        setattr(owner, name, counted)
-    try:
-        with Count():
-            work()
-    finally:
-        for (owner, name), original in zip(saved, originals, strict=True):
-            setattr(owner, name, original)
+        return counted
+
+    with wrapped({"reads": ("_TileStream", "read"), "processed": ("HeadTileSupport", "processed")}, wrap), Count():
+        work()
     return counts
 
 

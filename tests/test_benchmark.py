@@ -197,4 +197,6 @@ def test_the_gpu_script_runs_every_step_and_leaves_what_a_lease_brings_back(tmp_
         assert other["projected again"] == default["rows"]["projected again"]
         assert other["largest difference from the first width"] <= LOG_PROB_ROUNDING
     loss = json.loads((out / "support-loss-scale4.json").read_text())["loss_only"]
-    assert loss["ratios"]["topr-online-top-p / topr-online"] > 0
+    medians = loss["median_loss_backward_s"]
+    assert loss["ratios"]["topr-online-top-p / topr-online"] == pytest.approx(
+        medians["topr-online-top-p"] / medians["topr-online"], rel=1e-12)

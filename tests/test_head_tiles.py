@@ -13,7 +13,6 @@ import topr_trl.head_tiles as head_tiles
 from topr_trl import TOPRConfig, TOPRTrainer
 from topr_trl.head_tiles import HeadTileSupport, completion_rows
 from topr_trl.sampler_support import (
-    TOP_P_ROUNDING,
     SamplerProcessing,
     completion_processed_log_probs,
     fused_head_parts,
@@ -69,20 +68,18 @@ def scored_both_ways(model, processing, input_ids, attention_mask, logits_to_kee
 
 def assert_close_but_at_the_cut(tiles, projected, support, processing, attention_mask, logits_to_keep=16, atol=2e-6):
     """`tiles` within `atol` of `projected`, plus, per scored token, what the tokens within rounding of 1 - p weigh
-    (`TOP_P_ROUNDING`; -log(1 - their mass / p), on an exact float64 sort of the row's logits), zero on most rows. A
-    cut there is the float rounding's: the band leaves such a row to the sort on its own second projection, and one
-    row's product rounds otherwise than the whole batch's (a CPU's kernel for a single row is another), which may keep
-    or remove those tokens. On an Intel CPU the head-support smoke's row 167 did (a token of 1.3e-5 of its support)."""
+    (`experiments.head_support.movable_at_the_cut`, zero on most rows). A cut there is the float rounding's: the
+    band leaves such a row to the sort on its own second projection, and one row's product rounds otherwise than the
+    whole batch's (a CPU's kernel for a single row is another), which may keep or remove those tokens. On an Intel CPU
+    the head-support smoke's row 167 did (a token of 1.3e-5 of its support)."""
+    from experiments.head_support import movable_at_the_cut
+
     mask = attention_mask[:, -logits_to_keep:].bool()
     hidden = torch.cat(support.captured.hidden)[:, -logits_to_keep - 1:-1][mask]
     with torch.no_grad():
         scaled = scaled_logits(head_logits(support.owner, hidden), processing.temperature)
-    ascending = scaled.double().sort(dim=-1).values.softmax(dim=-1)
-    limit = 1 - processing.top_p
-    within = ((ascending.cumsum(dim=-1) - limit).abs() <= limit * TOP_P_ROUNDING)
-    movable = -torch.log1p(-(ascending * within).sum(dim=-1) / processing.top_p)
+    _, movable = movable_at_the_cut(scaled, processing.top_p)
     assert bool(((tiles - projected).abs().double() <= atol + movable).all()), (tiles - projected).abs().max()
-
 
 PROCESSINGS = [SamplerProcessing(top_k=3), SamplerProcessing(top_p=0.9), SamplerProcessing(top_p=0.3),
                SamplerProcessing(temperature=0.7, top_k=5, top_p=0.8), SamplerProcessing(min_p=0.2, engine="vllm"),
