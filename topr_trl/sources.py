@@ -6,6 +6,7 @@ reading of files and folders: prompts, benchmarks and offline datasets alike."""
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import re
 import socket
@@ -14,8 +15,12 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pyarrow.parquet
+from accelerate import PartialState
 from datasets import DatasetDict, load_dataset, load_from_disk
 from huggingface_hub import constants, try_to_load_from_cache
+
+from .distributed import say
+from .packaged_models import PACKAGED_MODELS, ModelSourceError, is_gguf_file, packaged_file, trainable_folder
 
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -52,26 +57,71 @@ def hub_unreachable_reason() -> str | None:
 
 
 def check_model_source(name: str | None, what: str = "model", dry_run: bool = False) -> None:
-    """Fail at once, in one line, on a model that cannot load: a local path that does not exist or holds no model,
-    or a name that is neither a local folder, nor in the local Hugging Face cache, nor reachable on the Hub (not
-    asked in a dry run, which validates a recipe, Hub ids included, on a machine that may not reach the Hub)."""
+    """Fail at once, in one line, on a model that cannot load (`resolve_model_source`, converting nothing; a dry run,
+    which validates a recipe on a machine that may not reach the Hub, does not ask the Hub)."""
+    resolve_model_source(name, what, convert=False, ask_hub=not dry_run)
+
+
+def resolve_model_source(name: str | None, what: str = "model", convert: bool = True,
+                         ask_hub: bool = True) -> str | None:
+    """What to load for the model `name`, failing at once, in one line, on one that cannot load:
+
+    - a local model folder: itself (one without config.json fails);
+    - a `.gguf` file: its trainable float32 folder, converted once and cached (`topr_trl.packaged_models`);
+    - a Hub id in the local Hugging Face cache, or with the Hub reachable: itself, as transformers loads it;
+    - a Hub id that a package ships (`PACKAGED_MODELS`) with the Hub out of reach: the packaged copy's trainable
+      folder, said in one line;
+    - anything else: a one-line exit (a path that does not exist, a Hub id that cannot be asked for).
+
+    `convert=False` checks without converting (returning `name` where it would convert); `ask_hub=False` takes a Hub
+    id as it is."""
     if name is None:
-        return
+        return None
     path = Path(name).expanduser()
+    if is_gguf_file(name):
+        if not path.is_file():
+            raise ModelSourceError(f"{what} file {name} does not exist")
+        if not convert:
+            return name
+        key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:10]
+        return str(_converted(path, f"{path.stem}-{key}"))
     if path.exists():
         if not path.is_dir() or not any((path / f).is_file() for f in ("config.json", "adapter_config.json")):
             raise SystemExit(f"topr-trl: {name} is not a model folder (no config.json in it): give the folder a "
-                             "model was saved to with save_pretrained, or a Hub id")
-        return
+                             "model was saved to with save_pretrained, a .gguf file, or a Hub id")
+        return name
     if looks_like_local_path(name):
         raise SystemExit(f"topr-trl: {what} folder {name} does not exist")
 
-    if dry_run or isinstance(try_to_load_from_cache(name, "config.json"), str):
-        return
+    if not ask_hub or isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return name
     reason = hub_unreachable_reason()
-    if reason is not None:
-        raise SystemExit(f"topr-trl: {name} is not a local folder, and the Hub cannot be asked for it ({reason}); "
-                         f"give the path of a {what} folder, or a Hub id with the Hub reachable")
+    if reason is None:
+        return name
+    if name in PACKAGED_MODELS:
+        if not convert:
+            packaged_file(name)  # installed, or one line saying how
+            return name
+        packaged = PACKAGED_MODELS[name]
+        folder = _converted(packaged_file(name), name.replace("/", "--"), packaged.sha256)
+        say(f"the Hub cannot be reached ({reason}): using {packaged.what} of {name}, cached at {folder}")
+        return str(folder)
+    raise SystemExit(f"topr-trl: {name} is not a local folder, and the Hub cannot be asked for it ({reason}); "
+                     f"give the path of a {what} folder or .gguf file, or a Hub id with the Hub reachable"
+                     + (f" (packaged for use without the Hub: {', '.join(PACKAGED_MODELS)})" if PACKAGED_MODELS
+                        else ""))
+
+
+def needs_resolving(model) -> bool:
+    """Whether a trainer's `model` argument names a GGUF file or a packaged Hub id, which `resolve_model_source` may
+    turn into a folder (any other name is left to transformers, as GRPOTrainer leaves it)."""
+    return isinstance(model, str) and (is_gguf_file(model) or model in PACKAGED_MODELS)
+
+
+def _converted(source: Path, cache_name: str, sha256: str | None = None) -> Path:
+    """`trainable_folder`, converted by the main process first under `accelerate launch` (the others reuse it)."""
+    with PartialState().main_process_first():
+        return trainable_folder(source, cache_name, sha256, say=say)
 
 
 def check_data_source(name: str | None, flag: str) -> None:

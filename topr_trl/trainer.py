@@ -26,6 +26,7 @@ from .sampler_support import (
     history_dependent_sampling,
     on_mus_support,
 )
+from .sources import needs_resolving, resolve_model_source
 from .trainer_shared import TOPR_NAME, TOPR_PAPER, TOPR_TAG_NAMES, PolicyMetricsLogging, trained_method
 from .vllm_colocate import use_cpu_weight_reload
 from .vllm_server.client import GlooServerGeneration, server_generation_arguments, uses_gloo_server
@@ -57,6 +58,8 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = TOPRConfig(f"{model_name.split('/')[-1]}-TOPR")
+        if needs_resolving(model):  # a .gguf file, or a packaged Hub id where the Hub cannot be reached
+            model = resolve_model_source(model)
         if args.loss_type in POLICY_LOSSES and not hasattr(args, "policy_loss_spec"):
             raise ValueError(f"loss_type={args.loss_type!r} is TOPR's: pass a TOPRConfig (a GRPOConfig has no TOPR "
                              "fields).")

@@ -40,6 +40,7 @@ from ..sampler_support import (
     history_dependent_sampling,
     on_mus_support,
 )
+from ..sources import needs_resolving, resolve_model_source
 from ..trainer_shared import TOPR_PAPER, PolicyMetricsLogging, trained_method
 from ..vllm_server import BACKEND
 from ..vllm_server.client import GlooWeightTransfer, server_weight_backend
@@ -200,6 +201,8 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
         if not isinstance(args, AsyncTOPRConfig):
             raise TypeError(f"AsyncTOPRTrainer takes an AsyncTOPRConfig, got {type(args).__name__}: swap "
                             "AsyncGRPOConfig for AsyncTOPRConfig (same fields, TOPR's loss, no staleness cap).")
+        if needs_resolving(model):  # a .gguf file, or a packaged Hub id where the Hub cannot be reached
+            model = resolve_model_source(model)
         if args.keeps_every_sample and args.max_inflight_tasks < 0:
             # TRL sizes this from max_staleness (inf here); keep its default depth instead
             args.max_inflight_tasks = DEFAULT_PIPELINE_DEPTH * args.per_device_train_batch_size * \

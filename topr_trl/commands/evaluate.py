@@ -21,7 +21,7 @@ from ..config import check_choice
 from ..evaluation.runner import evaluate_model, json_safe, save_results
 from ..machine import describe_machine, machine_info
 from ..sampling import BACKENDS
-from ..sources import check_data_source, check_model_source
+from ..sources import check_data_source, resolve_model_source
 from ..tasks.registry import BUILTIN_TASK, CUSTOM_TASK, ROW_COLUMN, TASKS
 from ..tasks.user_rewards import reporting_reward, resolve_reward, reward_classifier
 from .arguments import parse_command
@@ -61,7 +61,7 @@ def run(options) -> dict[str, Any]:
         raise SystemExit("topr-trl: --limit must be positive")
     options.task = _resolve_task(options)
 
-    check_model_source(options.model_name_or_path)
+    options.model_name_or_path = resolve_model_source(options.model_name_or_path)
     check_data_source(options.dataset_name, "--dataset_name")
     task = TASKS[options.task]
     dataset = task.evaluation_data(options)

@@ -15,6 +15,7 @@ from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.trainer.grpo_trainer import add_fused_lm_head
 
 from ..config import TOPRConfig, topr_setting
+from ..sources import needs_resolving, resolve_model_source
 from .sampler import GroupShuffleSampler
 from .schema import (
     check_offline_columns,
@@ -134,6 +135,8 @@ class OfflineReplay:
         of a sharded policy, DeepSpeed shards this model itself)."""
         model_init_kwargs = dict(self.args.model_init_kwargs or {})
         model_init_kwargs.setdefault("dtype", self.model.dtype)
+        if needs_resolving(name_or_path):  # a .gguf file, or a packaged Hub id where the Hub cannot be reached
+            name_or_path = resolve_model_source(name_or_path, what="behaviour model")
         behaviour = AutoModelForCausalLM.from_pretrained(name_or_path, **model_init_kwargs)
         behaviour.eval().requires_grad_(False)
         # The same chunked, temperature-scaled log-prob head GRPOTrainer gives its policy and reference model.

@@ -18,7 +18,7 @@ from ..config import check_choice
 from ..distributed import evaluate_policy, outside_zero3_construction, say
 from ..machine import describe_machine
 from ..offline.held_out import reward_evaluator
-from ..sources import check_data_source, check_local_data, check_model_source
+from ..sources import check_data_source, check_local_data, resolve_model_source
 from .registry import BUILTIN_TASK, CUSTOM_TASK, TASKS, builtin_task_names, training_task_names
 from .user_rewards import reporting_reward, resolve_reward
 
@@ -52,7 +52,9 @@ def load_task(options, model_name_or_path: str | None, seed: int, offline: bool 
     or None, reward functions) of the run. Without a model, builds the built-in tiny one (on the main process first
     under `accelerate launch`); with `dry_run`, validates and loads nothing."""
     task = resolve_task(options, model_name_or_path, offline)
-    check_model_source(model_name_or_path, dry_run=options.dry_run)  # before anything heavy, dry runs included
+    # before anything heavy, dry runs included (which convert nothing and do not ask the Hub)
+    model_name_or_path = resolve_model_source(model_name_or_path, convert=not options.dry_run,
+                                              ask_hub=not options.dry_run)
     check_data_source(options.dataset_name, "--dataset_name")
     reward_names = options.reward_funcs or list(TASKS[task].reward_funcs)
     # a user's function that raises stops the command in one line naming it (the Python API lets it raise as is)

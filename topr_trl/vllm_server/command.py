@@ -31,6 +31,7 @@ import requests
 import torch
 from trl.scripts.vllm_serve import ScriptArguments, build_command
 
+from ..sources import resolve_model_source
 from . import BACKEND, SECRET_ENV
 
 
@@ -134,7 +135,10 @@ def server_command(arguments: VLLMServeArguments, extra_args: list[str]) -> tupl
 
 def serve(arguments: VLLMServeArguments, extra_args: list[str]) -> None:
     """Become the server `arguments` describe (the same process id: stopping it stops vLLM); `extra_args` go to
-    vLLM as they are. The command line parses them (`topr-trl vllm-serve`)."""
+    vLLM as they are. The command line parses them (`topr-trl vllm-serve`). A Hub id the Hub cannot serve here, or a
+    .gguf file, is served from its trainable folder (`topr_trl.sources.resolve_model_source`), as the trainer loads
+    it."""
+    arguments.model = resolve_model_source(arguments.model)
     command, environment = server_command(arguments, extra_args)
     shown = shlex.join(["python", *command[1:]])
     print(f"topr-trl vllm-serve: {shown}", file=sys.stderr, flush=True)
