@@ -126,6 +126,25 @@ def user_model(tmp_path_factory, tied: bool) -> tuple[str, object, object, int]:
     return str(folder / "my-model"), Dataset.from_list(rows), contains_answer, 16
 
 
+REAL_MODEL_RATE = 3e-3
+"""The learning rate of the sync tests on the real model: one Adam step moves each of its weights by about this, far
+beyond their bfloat16 rounding (the tiny models' 3e-2 would wreck a pretrained model's distribution)."""
+
+
+def packaged_real_model() -> tuple[str, object, object, int]:
+    """SmolLM2-135M-Instruct (tied embeddings, 49,152 tokens) from its packaged copy's trainable folder, its word
+    problems and their reward, 16-token completions."""
+    from topr_trl.packaged_models import ModelSourceError
+    from topr_trl.sources import resolve_model_source
+    from topr_trl.tasks.word_problems import make_word_problems, word_problem_reward
+
+    try:
+        path = resolve_model_source("HuggingFaceTB/SmolLM2-135M-Instruct")
+    except ModelSourceError as error:
+        pytest.skip(str(error))
+    return path, make_word_problems(48, "train"), word_problem_reward, 16
+
+
 def bf16_floor(model_dir: str, state: dict, sequences: list[list[int]], prompt_length: int) -> float:
     """The train/inference mismatch of these weights themselves: mean |log pi| gap per token between the model in
     float32 and the same weights in bfloat16 (transformers). The engine computes in bfloat16 too; measured on the
@@ -181,7 +200,8 @@ def test_colocated_vllm_sampling_with_top_k_gives_pi_over_mu_of_one_up_to_the_bf
     gc.collect()
 
 
-@pytest.mark.parametrize("which", ["built-in reasoning model (tied)", "user's Qwen2 (tied)", "user's Qwen2 (untied)"])
+@pytest.mark.parametrize("which", ["built-in reasoning model (tied)", "user's Qwen2 (tied)", "user's Qwen2 (untied)",
+                                   "packaged SmolLM2-135M-Instruct (tied)"])
 def test_colocated_vllm_samples_from_the_policys_current_weights_and_mu_is_its_sampler(which, reasoning_model,
                                                                                        tmp_path, tmp_path_factory):
     """Online TOPR with `use_vllm=True, vllm_mode="colocate"` on a CPU, where TRL's per-tensor weight load fails
@@ -199,12 +219,15 @@ def test_colocated_vllm_samples_from_the_policys_current_weights_and_mu_is_its_s
     if which.startswith("built-in"):
         model_dir, dataset, reward, length = (reasoning_model, make_reasoning_dataset(48, 3), reasoning_reward,
                                               max_completion_tokens(3))
+    elif which.startswith("packaged"):
+        model_dir, dataset, reward, length = packaged_real_model()
     else:
         model_dir, dataset, reward, length = user_model(tmp_path_factory, tied="(tied)" in which)
     snapshots = WeightSnapshots()
     args = TOPRConfig(str(tmp_path), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="colocate",
                       vllm_gpu_memory_utilization=0.3, per_device_train_batch_size=16, num_generations=8,
-                      max_completion_length=length, max_steps=3, learning_rate=3e-2, topr_signal="reward",
+                      max_completion_length=length, max_steps=3,
+                      learning_rate=REAL_MODEL_RATE if which.startswith("packaged") else 3e-2, topr_signal="reward",
                       topr_behaviour_source="sampler", topr_unscored_batch="train", logging_steps=1,
                       report_to="none", save_strategy="no")
     trainer = TOPRTrainer(model_dir, reward, args=args, train_dataset=dataset, callbacks=[snapshots])
@@ -213,7 +236,9 @@ def test_colocated_vllm_samples_from_the_policys_current_weights_and_mu_is_its_s
         prompt = tokenizer.apply_chat_template(make_reasoning_dataset(1, 3, "heldout")[0]["prompt"],
                                                add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     else:
-        prompt = tokenizer("What is 3 plus 4?")["input_ids"]
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 3 plus 4?"}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"] \
+            if which.startswith("packaged") else tokenizer("What is 3 plus 4?")["input_ids"]
     sampled = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=4, max_tokens=20, seed=0), use_tqdm=False)
     sequences = [prompt + list(sample.token_ids) for sample in sampled[0].outputs]
 

@@ -24,12 +24,14 @@ from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_toke
 
 from .test_cli_run_folder import one_error_line, user_run
 from .test_vllm import (
+    REAL_MODEL_RATE,
     SYNCED_WITHIN_FLOORS,
     WRONG_BEYOND_FLOORS,
     WeightSnapshots,
     bf16_floor,
     free_port,
     mean_gap,
+    packaged_real_model,
     token_logps,
     user_model,
 )
@@ -127,7 +129,8 @@ def test_a_float32_server_sampling_with_top_k_or_top_p_gives_pi_over_mu_of_one_a
             assert log_ratio.max().exp() < bound, (sampling, log_ratio)
 
 
-@pytest.mark.parametrize("which", ["built-in reasoning model (tied)", "user's Qwen2 (tied)", "user's Qwen2 (untied)"])
+@pytest.mark.parametrize("which", ["built-in reasoning model (tied)", "user's Qwen2 (tied)", "user's Qwen2 (untied)",
+                                   "packaged SmolLM2-135M-Instruct (tied)"])
 def test_server_mode_trains_on_a_cpu_and_the_server_holds_the_weights_of_the_last_sync(which, reasoning_model,
                                                                                        tmp_path, tmp_path_factory):
     """TOPRTrainer with `use_vllm=True, vllm_mode="server"` against `topr-trl vllm-serve`, on a CPU. After 3 steps at
@@ -142,13 +145,16 @@ def test_server_mode_trains_on_a_cpu_and_the_server_holds_the_weights_of_the_las
     if which.startswith("built-in"):
         model_dir, dataset, reward, length = (reasoning_model, make_reasoning_dataset(48, 3), reasoning_reward,
                                               max_completion_tokens(3))
+    elif which.startswith("packaged"):
+        model_dir, dataset, reward, length = packaged_real_model()
     else:
         model_dir, dataset, reward, length = user_model(tmp_path_factory, tied="(tied)" in which)
     with served(model_dir, tmp_path / "server.log") as (url, _):
         snapshots = WeightSnapshots()
         args = TOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="server",
                           vllm_server_base_url=url, vllm_group_port=free_port(), per_device_train_batch_size=16,
-                          num_generations=8, max_completion_length=length, max_steps=3, learning_rate=3e-2,
+                          num_generations=8, max_completion_length=length, max_steps=3,
+                          learning_rate=REAL_MODEL_RATE if which.startswith("packaged") else 3e-2,
                           topr_signal="reward", topr_behaviour_source="sampler", topr_unscored_batch="train",
                           logging_steps=1, report_to="none", save_strategy="no")
         trainer = TOPRTrainer(model_dir, reward, args=args, train_dataset=dataset, callbacks=[snapshots])
@@ -160,7 +166,9 @@ def test_server_mode_trains_on_a_cpu_and_the_server_holds_the_weights_of_the_las
                                                    add_generation_prompt=True, tokenize=True,
                                                    return_dict=True)["input_ids"]
         else:
-            prompt = tokenizer("What is 3 plus 4?")["input_ids"]
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 3 plus 4?"}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"] \
+            if which.startswith("packaged") else tokenizer("What is 3 plus 4?")["input_ids"]
         sequences = sampled_sequences(url, prompt)
 
         def gap_to(state, served_logps) -> float:

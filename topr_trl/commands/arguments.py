@@ -431,7 +431,7 @@ def run_defaults(command: str, choice: _RunChoice) -> dict:
         task = TASKS[choice.task or BUILTIN_TASK]
         if task.recipe:  # the task's own settings on top of the command's
             settings = recipe(task.recipe)
-            settings["max_completion_length"] = task.max_new_tokens(choice.task_digits or settings["task_digits"])
+            settings["max_completion_length"] = task.max_new_tokens(choice.task_digits or settings.get("task_digits"))
             defaults.update(settings)
             if command == "iterate":
                 defaults["max_steps"] = -1  # one pass over each iteration's data
@@ -477,8 +477,10 @@ def short_name(value) -> str:
 def default_output_dir(command: str, choice: _RunChoice) -> str:
     """`outputs/<prefix>-<model>-<data>` (prefix: `topr` for train, `topr-iterations` for iterate, `data` for
     generate): one folder per model and data, so runs do not overwrite each other."""
-    model = short_name(choice.model_name_or_path) if choice.model_name_or_path else "tiny"
     data = choice.offline_dataset or choice.dataset_name or choice.task or BUILTIN_TASK
+    default_model = TASKS[choice.task].default_model if choice.task in TASKS else None
+    model = short_name(choice.model_name_or_path or default_model) if choice.model_name_or_path or default_model \
+        else "tiny"
     return f"outputs/{_OUTPUT_PREFIX[command]}-{model}-{short_name(data)}"
 
 

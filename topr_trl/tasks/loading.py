@@ -52,6 +52,8 @@ def load_task(options, model_name_or_path: str | None, seed: int, offline: bool 
     or None, reward functions) of the run. Without a model, builds the built-in tiny one (on the main process first
     under `accelerate launch`); with `dry_run`, validates and loads nothing."""
     task = resolve_task(options, model_name_or_path, offline)
+    if model_name_or_path is None and TASKS[task].default_model is not None:  # a built-in task on a real model
+        model_name_or_path = TASKS[task].default_model
     # before anything heavy, dry runs included (which convert nothing and do not ask the Hub)
     model_name_or_path = resolve_model_source(model_name_or_path, convert=not options.dry_run,
                                               ask_hub=not options.dry_run)

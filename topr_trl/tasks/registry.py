@@ -34,6 +34,13 @@ from .reasoning import (
     warm_model_path,
 )
 from .tiny import prebuilt_model
+from .word_problems import (
+    WORD_PROBLEM_MODEL,
+    WORD_PROBLEM_TOKENS,
+    make_word_problems,
+    measure_word_problems,
+    word_problem_classify,
+)
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,9 @@ class Task:
     tiny_model: Callable[..., TinyModel] | None = None
     # the recipe (topr_trl/commands/recipes/<name>.yaml) a built-in run of it adds to the command's own
     recipe: str | None = None
+    # a built-in task's model when it is not a tiny one the package builds: a Hub id (resolved offline from its
+    # packaged copy, `topr_trl.sources.resolve_model_source`)
+    default_model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -169,6 +179,26 @@ def _reasoning_classifier():
     return reasoning_classify
 
 
+def _word_problems_training(options, eval_split: bool) -> TrainingData:
+    # three splits, disjoint by construction: train, validation (the trainer's eval set) and test (held out)
+    return TrainingData(
+        train=make_word_problems(options.task_train_prompts, "train", seed=1),
+        held_out=make_word_problems(options.task_eval_prompts, "test"),
+        evaluation=make_word_problems(options.task_eval_prompts, "validation") if eval_split else None)
+
+
+def _word_problems_evaluation(options):
+    return make_word_problems(options.task_eval_prompts, options.dataset_test_split or "test")
+
+
+def _word_problems_held_out(held_out):
+    return lambda model, tokenizer: measure_word_problems(model, tokenizer, held_out)
+
+
+def _word_problems_classifier():
+    return word_problem_classify
+
+
 def _benchmark_common(options) -> dict:
     split = options.dataset_test_split or "test"
     source = {"source": options.dataset_name} if options.dataset_name else {}
@@ -254,6 +284,11 @@ register_task(Task("reasoning", trains=True, training_data=_reasoning_training,
                    reward_funcs=("reasoning",), classifier=_reasoning_classifier, builtin=True,
                    held_out_evaluator=_reasoning_held_out, tiny_model=_reasoning_tiny_model,
                    recipe="builtin-reasoning"))
+register_task(Task("word_problems", trains=True, training_data=_word_problems_training,
+                   evaluation_data=_word_problems_evaluation, max_new_tokens=_fixed(WORD_PROBLEM_TOKENS),
+                   reward_funcs=("word_problems",), classifier=_word_problems_classifier, builtin=True,
+                   held_out_evaluator=_word_problems_held_out, recipe="builtin-word_problems",
+                   default_model=WORD_PROBLEM_MODEL))
 register_task(Task("gsm8k", trains=True, training_data=_gsm8k_training, evaluation_data=_gsm8k_evaluation,
                    max_new_tokens=_fixed(512), reward_funcs=("topr_trl.evaluation.rewards:gsm8k_reward",),
                    classifier=_gsm8k_classifier))

@@ -23,17 +23,16 @@ from trl.trainer.utils import is_async_callable
 from ..evaluation.rewards import CORRECT, INCORRECT, INVALID
 from .arithmetic import arithmetic_reward
 from .reasoning import reasoning_reward
+from .word_problems import word_problem_reward
 
 
-BUILTIN_REWARDS = ("arithmetic", "reasoning")
+BUILTIN_REWARDS = ("arithmetic", "reasoning", "word_problems")
 HOOK_KEYWORDS = ("trainer_state", "log_extra", "log_metric", "environments")
 
 
 def builtin_reward(name: str):
-    if name == "arithmetic":
-        return arithmetic_reward
-
-    return reasoning_reward
+    return {"arithmetic": arithmetic_reward, "reasoning": reasoning_reward,
+            "word_problems": word_problem_reward}[name]
 
 
 def resolve_reward(name: str):
