@@ -1,8 +1,8 @@
-"""The tables of docs/real-model.md, generated from the evidence files under docs/evidence/real-model/ (so that the page's
+"""The tables of docs/real-model.md (and docs/off-policy.md's whole-vocabulary table), generated from the evidence files under docs/evidence/real-model/ (so that the page's
 numbers cannot drift from its data; tests/test_real_model.py checks the page holds them).
 
     python -m experiments.real_model_tables          # prints the tables
-    python -m experiments.real_model_tables --write  # writes them into docs/real-model.md between their markers
+    python -m experiments.real_model_tables --write  # writes them into the pages (PAGES) between their markers
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EVIDENCE = ROOT / "docs" / "evidence" / "real-model"
-PAGE = ROOT / "docs" / "real-model.md"
+PAGES = (ROOT / "docs" / "real-model.md", ROOT / "docs" / "off-policy.md")
+"""The pages that hold these tables (each table where the page has its markers)."""
 
 CANDIDATE_LABELS = {
     "word_problems_2_shot": "**word problems, two worked examples (shipped)**",
@@ -60,7 +61,7 @@ def marked(name: str, table: str) -> str:
     return f"<!-- table:{name} (python -m experiments.real_model_tables --write) -->\n{table}\n<!-- /table:{name} -->"
 
 
-def write_page(page: Path = PAGE) -> None:
+def write_page(page: Path) -> None:
     text = page.read_text()
     for name, make in TABLES.items():
         pattern = re.compile(rf"<!-- table:{re.escape(name)} .*?<!-- /table:{re.escape(name)} -->", re.S)
@@ -73,7 +74,8 @@ def main() -> None:
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     if args.write:
-        write_page()
+        for page in PAGES:
+            write_page(page)
     else:
         for name, make in TABLES.items():
             print(marked(name, make()), end="\n\n")

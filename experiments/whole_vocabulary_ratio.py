@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from topr_trl.machine import machine_info
 from topr_trl.sources import resolve_model_source
-from topr_trl.tasks.word_problems import WORD_PROBLEM_MODEL, WORD_PROBLEM_TOKENS, make_word_problems
+from topr_trl.tasks.word_problems import FEW_SHOT, WORD_PROBLEM_MODEL, WORD_PROBLEM_TOKENS, make_word_problems
 
 
 def kept_log_mass(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -43,6 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--few_shot", type=int, default=FEW_SHOT, help="worked examples before each problem")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -50,7 +51,7 @@ def main() -> None:
     path = resolve_model_source(WORD_PROBLEM_MODEL)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    problems = make_word_problems(args.prompts, "validation")
+    problems = make_word_problems(args.prompts, "validation", few_shot=args.few_shot)
     results = []
     for truncation in ({"top_k": 500}, {"top_p": 0.95}):
         torch.manual_seed(args.seed)
@@ -82,7 +83,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": WORD_PROBLEM_MODEL, "prompts": args.prompts, "samples": args.samples,
-                               "seed": args.seed, "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0),
+                               "few_shot": args.few_shot, "seed": args.seed, "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0),
                                "machine": machine_info(), "results": results}, indent=2))
 
 

@@ -300,3 +300,44 @@ def test_colocated_vllm_on_the_real_model_with_mu_from_the_policy_gives_pi_over_
 
     trainer = None
     gc.collect()
+
+
+def test_the_real_model_page_holds_the_tables_its_evidence_files_give():
+    """docs/real-model.md's tables are generated from docs/evidence/real-model/ (`experiments.real_model_tables`):
+    a number edited by hand, or an evidence file changed without regenerating, fails here."""
+    from experiments.real_model_tables import PAGES, TABLES, marked
+
+    for page in PAGES:
+        text = page.read_text()
+        for name, make in TABLES.items():
+            if f"<!-- table:{name} " in text:
+                assert marked(name, make()) in text, "regenerate: python -m experiments.real_model_tables --write"
+    assert all(f"<!-- table:{name} " in PAGES[0].read_text() for name in TABLES)
+
+
+@pytest.mark.slow
+def test_offline_generate_train_and_iterate_on_the_real_model(real_model_path, tmp_path, monkeypatch):
+    """Algorithm 1 on the real model by its Hub id, through the command line: `generate` samples an offline dataset
+    with the paper's top_k 500 (and records how), `train --offline_dataset` replays it at learning rate 0 with pi on
+    mu's support (pi/mu = 1 within 1e-4), and `iterate` runs one generate-train iteration with the held-out measure
+    before and after."""
+    from topr_trl.commands import cli
+
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "data"
+    summary = cli.generate(["--task", "word_problems", "--max_prompts", "4", "--num_generations", "4",
+                            "--max_completion_length", "16", "--top_k", "500", "--output_dir", str(data)])
+    assert summary["rows"] == 16
+    trained = cli.train(["--offline_dataset", str(data), "--model_name_or_path", SMOLLM2, "--learning_rate", "0",
+                         "--max_steps", "2", "--per_device_train_batch_size", "8", "--max_completion_length", "16",
+                         "--logging_steps", "1", "--report_to", "none", "--output_dir", str(tmp_path / "train")])
+    history = json.loads((tmp_path / "train" / "trainer_state.json").read_text())["log_history"]
+    ratios = [entry[key] for entry in history for key in ("topr/ratio_positive/min", "topr/ratio_positive/max",
+                                                          "topr/ratio_negative/min", "topr/ratio_negative/max")
+              if entry.get(key) is not None]
+    assert trained["steps"] == 2 and ratios and all(r == pytest.approx(1.0, abs=1e-4) for r in ratios), ratios
+    summaries = cli.iterate(["--task", "word_problems", "--iterations", "1", "--task_train_prompts", "2",
+                             "--task_eval_prompts", "4", "--num_generations", "4", "--max_completion_length", "16",
+                             "--per_device_train_batch_size", "8", "--report_to", "none",
+                             "--output_dir", str(tmp_path / "iterations")])
+    assert len(summaries) == 1 and summaries[0].get("evaluation") and "pass@1" in summaries[0]["evaluation"]
