@@ -23,7 +23,7 @@ from datasets import Dataset
 from topr_trl.evaluation.runner import evaluate_model
 from topr_trl.machine import machine_info
 from topr_trl.sources import resolve_model_source
-from topr_trl.tasks.word_problems import make_word_problems, word_problem_classify
+from topr_trl.tasks.word_problems import make_word_problems
 
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -78,7 +78,7 @@ def main() -> None:
     results = []
     for top_k in args.top_k:
         started = time.time()
-        result = evaluate_model(model, None, dataset, word_problem_classify, k=1, num_samples=args.samples,
+        result = evaluate_model(model, None, dataset, k=1, num_samples=args.samples,
                                 temperature=1.0, top_k=top_k, max_new_tokens=budget, batch_size=args.batch_size,
                                 seed=args.seed, show_progress=False, backend=args.backend, num_bootstrap=1000)
         p = [record["num_correct"] / args.samples for record in result.records]

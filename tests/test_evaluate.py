@@ -169,8 +169,9 @@ def test_ready_made_classifiers():
     from topr_trl.tasks.registry import TASKS
 
     classifiers = {name: task.classifier() for name, task in TASKS.items() if task.classifier is not None}
-    assert set(classifiers) == {"arithmetic", "gsm8k", "math", "math500", "reasoning"}
+    assert set(classifiers) == {"arithmetic", "gsm8k", "math", "math500", "reasoning", "word_problems"}
     assert classifiers["gsm8k"] is gsm8k_classify and classifiers["math500"] is math_classify
+    assert classifiers["word_problems"] is gsm8k_classify  # the final number, as GSM8K's is read
 
 
 def test_command_line_on_the_tiny_model(tiny_model_path, tmp_path, capsys):

@@ -131,6 +131,13 @@ REAL_MODEL_RATE = 3e-3
 beyond their bfloat16 rounding (the tiny models' 3e-2 would wreck a pretrained model's distribution)."""
 
 
+def batch_of(which: str) -> dict:
+    """The sync tests' batch: 16 completions in groups of 8, or 8 in groups of 4 on the real model (a step of a 135M
+    model on a CPU takes minutes at 16)."""
+    return dict(per_device_train_batch_size=8, num_generations=4) if which.startswith("packaged") else \
+        dict(per_device_train_batch_size=16, num_generations=8)
+
+
 def packaged_real_model() -> tuple[str, object, object, int]:
     """SmolLM2-135M-Instruct (tied embeddings, 49,152 tokens) from its packaged copy's trainable folder, its word
     problems and their reward, 16-token completions."""
@@ -225,7 +232,7 @@ def test_colocated_vllm_samples_from_the_policys_current_weights_and_mu_is_its_s
         model_dir, dataset, reward, length = user_model(tmp_path_factory, tied="(tied)" in which)
     snapshots = WeightSnapshots()
     args = TOPRConfig(str(tmp_path), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="colocate",
-                      vllm_gpu_memory_utilization=0.3, per_device_train_batch_size=16, num_generations=8,
+                      vllm_gpu_memory_utilization=0.3, **batch_of(which),
                       max_completion_length=length, max_steps=3,
                       learning_rate=REAL_MODEL_RATE if which.startswith("packaged") else 3e-2, topr_signal="reward",
                       topr_behaviour_source="sampler", topr_unscored_batch="train", logging_steps=1,
@@ -263,7 +270,10 @@ def test_colocated_vllm_samples_from_the_policys_current_weights_and_mu_is_its_s
     first = trainer.state.log_history[0]
     ratios = [first[f"topr/ratio_{sign}/{stat}"] for sign in ("positive", "negative") for stat in ("min", "max")
               if first.get(f"topr/ratio_{sign}/{stat}") is not None]
-    assert ratios and all(0.8 < ratio < 1.25 for ratio in ratios)
+    # the engine's bfloat16 mismatch, multiplied over the completion: on the real model 0.07-0.11 per token
+    # (measured), so its band is wider (measured 0.66-1.54 over 16 tokens)
+    band = (0.5, 2.0) if which.startswith("packaged") else (0.8, 1.25)
+    assert ratios and all(band[0] < ratio < band[1] for ratio in ratios), ratios
     assert any(abs(ratio - 1) > 1e-4 for ratio in ratios)
 
     engine = engine_logps()

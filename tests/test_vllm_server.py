@@ -28,6 +28,7 @@ from .test_vllm import (
     SYNCED_WITHIN_FLOORS,
     WRONG_BEYOND_FLOORS,
     WeightSnapshots,
+    batch_of,
     bf16_floor,
     free_port,
     mean_gap,
@@ -152,8 +153,8 @@ def test_server_mode_trains_on_a_cpu_and_the_server_holds_the_weights_of_the_las
     with served(model_dir, tmp_path / "server.log") as (url, _):
         snapshots = WeightSnapshots()
         args = TOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="server",
-                          vllm_server_base_url=url, vllm_group_port=free_port(), per_device_train_batch_size=16,
-                          num_generations=8, max_completion_length=length, max_steps=3,
+                          vllm_server_base_url=url, vllm_group_port=free_port(), **batch_of(which),
+                          max_completion_length=length, max_steps=3,
                           learning_rate=REAL_MODEL_RATE if which.startswith("packaged") else 3e-2,
                           topr_signal="reward", topr_behaviour_source="sampler", topr_unscored_batch="train",
                           logging_steps=1, report_to="none", save_strategy="no")
@@ -185,7 +186,10 @@ def test_server_mode_trains_on_a_cpu_and_the_server_holds_the_weights_of_the_las
     first = trainer.state.log_history[0]
     ratios = [first[f"topr/ratio_{sign}/{stat}"] for sign in ("positive", "negative") for stat in ("min", "max")
               if first.get(f"topr/ratio_{sign}/{stat}") is not None]
-    assert ratios and all(0.8 < ratio < 1.25 for ratio in ratios)
+    # the engine's bfloat16 mismatch, multiplied over the completion: on the real model 0.07-0.11 per token
+    # (measured), so its band is wider (measured 0.66-1.54 over 16 tokens)
+    band = (0.5, 2.0) if which.startswith("packaged") else (0.8, 1.25)
+    assert ratios and all(band[0] < ratio < band[1] for ratio in ratios), ratios
     assert any(abs(ratio - 1) > 1e-4 for ratio in ratios)
     assert len(snapshots.states) == 3
     floor = bf16_floor(model_dir, snapshots.states[2], sequences, len(prompt))

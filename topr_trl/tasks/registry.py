@@ -39,7 +39,6 @@ from .word_problems import (
     WORD_PROBLEM_TOKENS,
     make_word_problems,
     measure_word_problems,
-    word_problem_classify,
 )
 
 
@@ -196,7 +195,7 @@ def _word_problems_held_out(held_out):
 
 
 def _word_problems_classifier():
-    return word_problem_classify
+    return gsm8k_classify
 
 
 def _benchmark_common(options) -> dict:

@@ -16,7 +16,7 @@ import random
 from datasets import Dataset
 
 from ..evaluation.rewards import classify_gsm8k, completion_text
-from ..evaluation.runner import evaluate_model
+from ..evaluation.runner import evaluate_model, gsm8k_classify
 
 
 NAMES = ("Mia", "Tom", "Ava", "Leo", "Emma", "Noah", "Lily", "Sam", "Zoe", "Ben", "Ella", "Max")
@@ -105,11 +105,6 @@ def make_word_problems(num_problems: int, split: str, seed: int = 0, instruction
     return Dataset.from_list(rows)
 
 
-def word_problem_classify(text: str, reference) -> str:
-    """'correct' when the completion's answer (its last number, or a marked answer) equals `reference`."""
-    return classify_gsm8k(text, reference)
-
-
 def word_problem_reward(completions, answer, **kwargs) -> list[float]:
     """+1 for a correct final number, -1 otherwise (the paper's +1/-1 reward)."""
     return [1.0 if classify_gsm8k(completion_text(completion), reference) == "correct" else -1.0
@@ -122,9 +117,9 @@ def measure_word_problems(model, tokenizer, held_out: Dataset, num_samples: int 
     bootstrap SE over samples (`pass@1_se`) and the SE over problems (`pass@1_problem_se`), the mean completion
     length and the share cut at the budget; greedy accuracy beside it."""
     common = dict(max_new_tokens=WORD_PROBLEM_TOKENS, batch_size=batch_size, seed=seed, show_progress=False)
-    sampled = evaluate_model(model, tokenizer, held_out, word_problem_classify, k=1, num_samples=num_samples,
+    sampled = evaluate_model(model, tokenizer, held_out, gsm8k_classify, k=1, num_samples=num_samples,
                              temperature=temperature, **common)
-    greedy = evaluate_model(model, tokenizer, held_out, word_problem_classify, k=1, temperature=0.0, **common)
+    greedy = evaluate_model(model, tokenizer, held_out, gsm8k_classify, k=1, temperature=0.0, **common)
     per_problem = [record["num_correct"] / num_samples for record in sampled.records]
     lengths = [tokens for record in sampled.records for tokens in record["num_tokens"]]
     mean = sum(per_problem) / len(per_problem)

@@ -104,15 +104,21 @@ def read_secret(arguments: VLLMServeArguments) -> str:
     return secret
 
 
-def server_command(arguments: VLLMServeArguments, extra_args: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The command and environment that start the server `arguments` describe. Refuses, in one line, a server that
-    listens beyond this machine without a secret."""
-    weight_sync = resolved_weight_sync(arguments)
+def refuse_unguarded_host(arguments: VLLMServeArguments) -> str:
+    """The secret (`read_secret`); refuses, in one line, a server that listens beyond this machine without one."""
     secret = read_secret(arguments)
     if not loopback(arguments.host) and not secret:
         raise ValueError(f"--host {arguments.host} lets other machines reach the server, and through it replace the "
                          f"model that samples your training data: set {SECRET_ENV} (or pass --secret_file) here and "
                          "for the trainer, or listen on 127.0.0.1")
+    return secret
+
+
+def server_command(arguments: VLLMServeArguments, extra_args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that start the server `arguments` describe. Refuses, in one line, a server that
+    listens beyond this machine without a secret."""
+    weight_sync = resolved_weight_sync(arguments)
+    secret = refuse_unguarded_host(arguments)
     if arguments.enforce_eager is None:
         arguments.enforce_eager = not cuda_available()
     command = build_command(arguments, extra_args)
@@ -138,6 +144,7 @@ def serve(arguments: VLLMServeArguments, extra_args: list[str]) -> None:
     vLLM as they are. The command line parses them (`topr-trl vllm-serve`). A Hub id the Hub cannot serve here, or a
     .gguf file, is served from its trainable folder (`topr_trl.sources.resolve_model_source`), as the trainer loads
     it."""
+    refuse_unguarded_host(arguments)  # the flags' own refusal first: instant, before a model is looked for
     arguments.model = resolve_model_source(arguments.model)
     command, environment = server_command(arguments, extra_args)
     shown = shlex.join(["python", *command[1:]])
