@@ -177,14 +177,14 @@ def real_config(tmp_path, **overrides):
 def test_online_pi_over_mu_is_one_at_learning_rate_zero_under_truncation(truncation, real_model_path, tmp_path):
     """Online TOPR with transformers generation on the real model (49,152 tokens, tied embeddings), mu sampling with
     the paper's top_k 500 or with top_p 0.95, two optimiser steps per generation (so mu is the policy's log-probs at
-    generation time, not this forward's): at learning rate 0, pi scored on mu's support gives pi/mu = 1 within
-    1e-4 on every sequence."""
+    generation time, not this forward's; the first of them is trained): at learning rate 0, pi scored on mu's
+    support gives pi/mu = 1 within 1e-4 on every sequence."""
     from topr_trl import TOPRTrainer
     from topr_trl.tasks.word_problems import word_problem_reward
 
     from .conftest import logged_values
 
-    args = real_config(tmp_path, learning_rate=0.0, steps_per_generation=2, **truncation)
+    args = real_config(tmp_path, learning_rate=0.0, steps_per_generation=2, max_steps=1, **truncation)
     trainer = TOPRTrainer(model=SMOLLM2, reward_funcs=word_problem_reward, args=args,
                           train_dataset=word_problem_dataset())
     trainer.train()
@@ -205,7 +205,9 @@ def test_online_topr_trains_the_real_model(peft, real_model_path, tmp_path):
     from topr_trl import TOPRTrainer
     from topr_trl.tasks.word_problems import word_problem_reward
 
-    args = real_config(tmp_path, learning_rate=1e-4 if peft else 1e-5)
+    # the paper's signal R - c with c = 0: every completion carries +1 or -1, so no step is a no-op (a group whose
+    # samples all fail has a group advantage of 0)
+    args = real_config(tmp_path, learning_rate=1e-4 if peft else 1e-5, topr_signal="reward")
     trainer = TOPRTrainer(model=SMOLLM2, reward_funcs=word_problem_reward, args=args,
                           train_dataset=word_problem_dataset(),
                           peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
@@ -265,7 +267,7 @@ def test_a_float32_vllm_server_of_the_real_model_gives_pi_over_mu_of_one_under_t
         for sampling in ({"top_k": 500}, {"top_p": 0.95}):
             args = real_config(tmp_path / "out", use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
                                vllm_group_port=free_port(), per_device_train_batch_size=8, num_generations=4,
-                               learning_rate=0.0, topr_behaviour_source="sampler", **sampling)
+                               learning_rate=0.0, max_steps=1, topr_behaviour_source="sampler", **sampling)
             trainer = TOPRTrainer(SMOLLM2, word_problem_reward, args=args, train_dataset=dataset)
             assert trainer._sampler_processing.engine == "vllm"
             trainer.train()
@@ -288,7 +290,7 @@ def test_colocated_vllm_on_the_real_model_with_mu_from_the_policy_gives_pi_over_
 
     args = real_config(tmp_path, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
                        per_device_train_batch_size=8, num_generations=4, top_k=500, steps_per_generation=2,
-                       learning_rate=0.0, topr_behaviour_source="policy")
+                       max_steps=1, learning_rate=0.0, topr_behaviour_source="policy")
     trainer = TOPRTrainer(SMOLLM2, word_problem_reward, args=args, train_dataset=word_problem_dataset(16))
     assert trainer._sampler_processing.engine == "vllm"
     trainer.train()
@@ -329,6 +331,7 @@ def test_offline_generate_train_and_iterate_on_the_real_model(real_model_path, t
                             "--max_completion_length", "16", "--top_k", "500", "--output_dir", str(data)])
     assert summary["rows"] == 16
     trained = cli.train(["--offline_dataset", str(data), "--model_name_or_path", SMOLLM2, "--learning_rate", "0",
+                         "--num_generations", "4",
                          "--max_steps", "2", "--per_device_train_batch_size", "8", "--max_completion_length", "16",
                          "--logging_steps", "1", "--report_to", "none", "--output_dir", str(tmp_path / "train")])
     history = json.loads((tmp_path / "train" / "trainer_state.json").read_text())["log_history"]
