@@ -267,7 +267,7 @@ def test_a_float32_vllm_server_of_the_real_model_gives_pi_over_mu_of_one_under_t
         for sampling in ({"top_k": 500}, {"top_p": 0.95}):
             args = real_config(tmp_path / "out", use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
                                vllm_group_port=free_port(), per_device_train_batch_size=8, num_generations=4,
-                               learning_rate=0.0, max_steps=1, topr_behaviour_source="sampler", **sampling)
+                               learning_rate=0.0, topr_behaviour_source="sampler", **sampling)
             trainer = TOPRTrainer(SMOLLM2, word_problem_reward, args=args, train_dataset=dataset)
             assert trainer._sampler_processing.engine == "vllm"
             trainer.train()
