@@ -54,7 +54,20 @@ def whole_vocabulary_table() -> str:
     return "\n".join(lines)
 
 
-TABLES = {"candidates": candidates_table, "whole-vocabulary": whole_vocabulary_table}
+def readme_run_table() -> str:
+    data = json.loads((EVIDENCE / "readme-run.json").read_text())
+    lines = ["| held-out (48 test problems) | sampled pass@1 (temperature 1, 4 samples) | greedy accuracy | mean "
+             "completion tokens | cut at 64 tokens |", "|---|---|---|---|---|"]
+    for when in ("before", "after"):
+        row = data[when]
+        lines.append(f"| {when} | {row['pass@1']:.3f} ± {row['pass@1_problem_se']:.3f} | {row['greedy_accuracy']:.3f} "
+                     f"| {row['mean_completion_tokens']:.0f} | {row['truncated_rate']:.2f} |")
+    lines.append(f"\n{data['steps']} steps; {data['wall_clock_s'] / 60:.0f} min wall clock, "
+                 f"{data['max_rss_kb'] / 2**20:.1f} GiB peak memory; {data['conditions']}.")
+    return "\n".join(lines)
+
+
+TABLES = {"candidates": candidates_table, "whole-vocabulary": whole_vocabulary_table, "readme-run": readme_run_table}
 
 
 def marked(name: str, table: str) -> str:
