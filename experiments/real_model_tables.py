@@ -27,41 +27,43 @@ CANDIDATE_LABELS = {
 }
 
 
+def markdown_table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)] + \
+        ["| " + " | ".join(row) + " |" for row in rows]
+
+
 def candidates_table() -> str:
-    lines = ["| candidate | questions x samples | top_k | sampled pass@1 | questions with 0 < p < 1 | mean tokens | "
-             "cut at the budget |", "|---|---|---|---|---|---|---|"]
+    rows = []
     for name, label in CANDIDATE_LABELS.items():
         path = EVIDENCE / f"candidates-{name}.json"
         if not path.is_file():
             continue
         data = json.loads(path.read_text())
         for row in data["results"]:
-            lines.append(f"| {label} | {data['questions']} x {data['samples']} | {row['top_k'] or 'none'} | "
-                         f"{row['pass@1']:.3f} ± {row['pass@1_se']:.3f} | {row['questions_0<p<1']:.2f} | "
-                         f"{row['mean_tokens']:.0f} (budget {data['max_new_tokens']}) | {row['truncated']:.2f} |")
-    return "\n".join(lines)
+            rows.append([label, f"{data['questions']} x {data['samples']}", str(row["top_k"] or "none"),
+                         f"{row['pass@1']:.3f} ± {row['pass@1_se']:.3f}", f"{row['questions_0<p<1']:.2f}",
+                         f"{row['mean_tokens']:.0f} (budget {data['max_new_tokens']})", f"{row['truncated']:.2f}"])
+    return "\n".join(markdown_table(["candidate", "questions x samples", "top_k", "sampled pass@1",
+                                      "questions with 0 < p < 1", "mean tokens", "cut at the budget"], rows))
 
 
 def whole_vocabulary_table() -> str:
     data = json.loads((EVIDENCE / "whole-vocabulary-ratio.json").read_text())
-    lines = ["| mu samples with | sequences | mean tokens | pi/mu on the whole vocabulary: median | 10th-90th "
-             "percentile | min | per-token kept mass (geometric mean) |", "|---|---|---|---|---|---|---|"]
-    for row in data["results"]:
-        how = f"top_k {row['top_k']}" if "top_k" in row else f"top_p {row['top_p']}"
-        lines.append(f"| {how} | {row['sequences']} | {row['mean_tokens']:.0f} | {row['ratio_median']:.3f} | "
-                     f"{row['ratio_p10']:.3f}-{row['ratio_p90']:.3f} | {row['ratio_min']:.3f} | "
-                     f"{row['per_token_kept_mass_mean']:.4f} |")
-    return "\n".join(lines)
+    rows = [[f"top_k {row['top_k']}" if "top_k" in row else f"top_p {row['top_p']}", str(row["sequences"]),
+             f"{row['mean_tokens']:.0f}", f"{row['ratio_median']:.3f}", f"{row['ratio_p10']:.3f}-{row['ratio_p90']:.3f}",
+             f"{row['ratio_min']:.3f}", f"{row['per_token_kept_mass_mean']:.4f}"] for row in data["results"]]
+    return "\n".join(markdown_table(["mu samples with", "sequences", "mean tokens",
+                                      "pi/mu on the whole vocabulary: median", "10th-90th percentile", "min",
+                                      "per-token kept mass (geometric mean)"], rows))
 
 
 def readme_run_table() -> str:
     data = json.loads((EVIDENCE / "readme-run.json").read_text())
-    lines = ["| held-out (48 test problems) | sampled pass@1 (temperature 1, 4 samples) | greedy accuracy | mean "
-             "completion tokens | cut at 64 tokens |", "|---|---|---|---|---|"]
-    for when in ("before", "after"):
-        row = data[when]
-        lines.append(f"| {when} | {row['pass@1']:.3f} ± {row['pass@1_problem_se']:.3f} | {row['greedy_accuracy']:.3f} "
-                     f"| {row['mean_completion_tokens']:.0f} | {row['truncated_rate']:.2f} |")
+    rows = [[when, f"{data[when]['pass@1']:.3f} ± {data[when]['pass@1_problem_se']:.3f}",
+             f"{data[when]['greedy_accuracy']:.3f}", f"{data[when]['mean_completion_tokens']:.0f}",
+             f"{data[when]['truncated_rate']:.2f}"] for when in ("before", "after")]
+    lines = markdown_table(["held-out (48 test problems)", "sampled pass@1 (temperature 1, 4 samples)",
+                            "greedy accuracy", "mean completion tokens", "cut at 64 tokens"], rows)
     lines.append(f"\n{data['steps']} steps; {data['wall_clock_s'] / 60:.0f} min wall clock, "
                  f"{data['max_rss_kb'] / 2**20:.1f} GiB peak memory; {data['conditions']}.")
     return "\n".join(lines)

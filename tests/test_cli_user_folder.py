@@ -156,7 +156,7 @@ def test_a_model_name_the_hub_cannot_be_asked_for_fails_at_once(monkeypatch):
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: refused at once
     started = time.time()
     with pytest.raises(SystemExit) as stop:
-        sources.check_model_source("no/such-model-dir")
+        sources.resolve_model_source("no/such-model-dir", convert=False)
     assert "127.0.0.1 cannot be reached" in one_line_error(stop) and time.time() - started < 5
 
 

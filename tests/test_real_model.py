@@ -7,6 +7,7 @@ The conversion runs once per machine (about 40 s) into the cache the package use
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -129,12 +130,12 @@ def test_a_gguf_file_transformers_cannot_read_is_refused_in_one_line_and_leaves_
         bad.write_bytes(b"" if damage == "empty" else b"this is not a model\n" * 100)
     run = subprocess.run([sys.executable, "-m", "topr_trl", "evaluate", "--model_name_or_path", str(bad),
                           "--task", "gsm8k", "--limit", "1"], capture_output=True, text=True,
-                         env={**__import__("os").environ, CACHE_ENV: str(tmp_path / "cache")}, timeout=300)
+                         env={**os.environ, CACHE_ENV: str(tmp_path / "cache")}, timeout=300)
     assert run.returncode == 1, run.stderr[-2000:]
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith(f"topr-trl: {bad} is not a GGUF model transformers can read ("), run.stderr[-2000:]
     assert "Traceback" not in run.stderr
-    assert not any((tmp_path / "cache").iterdir()) if (tmp_path / "cache").exists() else True
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 
 
 def test_a_missing_gguf_file_fails_in_one_line(tmp_path):

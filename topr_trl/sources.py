@@ -56,12 +56,6 @@ def hub_unreachable_reason() -> str | None:
     return None
 
 
-def check_model_source(name: str | None, what: str = "model", dry_run: bool = False) -> None:
-    """Fail at once, in one line, on a model that cannot load (`resolve_model_source`, converting nothing; a dry run,
-    which validates a recipe on a machine that may not reach the Hub, does not ask the Hub)."""
-    resolve_model_source(name, what, convert=False, ask_hub=not dry_run)
-
-
 def resolve_model_source(name: str | None, what: str = "model", convert: bool = True,
                          ask_hub: bool = True) -> str | None:
     """What to load for the model `name`, failing at once, in one line, on one that cannot load:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import statistics
 
 from datasets import Dataset
 
@@ -122,9 +123,7 @@ def measure_word_problems(model, tokenizer, held_out: Dataset, num_samples: int 
     greedy = evaluate_model(model, tokenizer, held_out, gsm8k_classify, k=1, temperature=0.0, **common)
     per_problem = [record["num_correct"] / num_samples for record in sampled.records]
     lengths = [tokens for record in sampled.records for tokens in record["num_tokens"]]
-    mean = sum(per_problem) / len(per_problem)
-    spread = (sum((p - mean) ** 2 for p in per_problem) / (len(per_problem) - 1)) ** 0.5 if len(per_problem) > 1 \
-        else float("nan")
+    spread = statistics.stdev(per_problem) if len(per_problem) > 1 else float("nan")
     return {
         "num_problems": len(held_out), "num_samples": num_samples, "temperature": temperature,
         "pass@1": sampled.pass_at_1, "pass@1_se": sampled.standard_errors["pass@1"],
