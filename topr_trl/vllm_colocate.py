@@ -38,8 +38,9 @@ def repack_tied_modules(model) -> list[str]:
     """After a reload of `model` (a vLLM model), re-run the post-load processing of every embedding-like module whose
     weight another module shares (a tied `lm_head`), and return their names.
 
-    vLLM's CPU build packs an embedding's weight into a copy for its GEMM kernel when the model loads
-    (`UnquantizedEmbeddingMethod.process_weights_after_loading`, which keeps the weight itself). The layerwise
+    vLLM's CPU build may pack an embedding's weight into a copy for its GEMM kernel when the model loads
+    (`UnquantizedEmbeddingMethod.process_weights_after_loading`, which keeps the weight itself; whether the kernel
+    reads a copy depends on the CPU: measured on an Intel CPU, not on an AMD EPYC with AVX2). The layerwise
     reload updates the shared Parameter in place and re-processes the module that received the tensor
     (`embed_tokens`), but not a tied `lm_head`, which receives none (the checkpoint has no `lm_head.weight`): the
     engine would compute its logits from the head packed at the first load for the whole run, so that mu is the
