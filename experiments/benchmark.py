@@ -8,6 +8,7 @@ are interleaved round by round so that machine noise hits all of them alike. Com
     python -m experiments.benchmark --repeats 5 --steps 20  # the CPU figures in the note
     python -m experiments.benchmark --interleaved --repeats 5 --steps 20   # whole steps alternated in one process
     python -m experiments.benchmark --model qwen2.5-0.5b --device cuda --bf16 --prompt_length 512 --completion_length 512
+    python -m experiments.benchmark --model smollm2 --loss_only    # the packaged real model (trained weights)
 
 Prints a table (median and spread of seconds per step, tokens per second, peak memory) and the ratios
 TOPR/GRPO, and writes them as JSON with `--output`.
@@ -66,6 +67,9 @@ QWEN_SHAPES = {
     "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960, num_attention_heads=12,
                          num_key_value_heads=2),
 }
+# The packaged pretrained model (`topr_trl.packaged_models`): trained weights, so peaked distributions, its own
+# tokenizer and its 49,152-token vocabulary with tied embeddings. Resolved to its cached trainable folder, not built.
+REAL_MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 QWEN_COMMON = dict(vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6,
                    rms_norm_eps=1e-6, hidden_act="silu")
 
@@ -579,7 +583,7 @@ def write_output(options, result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny and short: checks the script runs")
-    parser.add_argument("--model", default="tiny", choices=sorted(MODEL_SHAPES) + sorted(QWEN_SHAPES))
+    parser.add_argument("--model", default="tiny", choices=sorted(MODEL_SHAPES) + sorted(QWEN_SHAPES) + sorted(REAL_MODELS))
     parser.add_argument("--logit_scale", type=float, default=1.0,
                         help="multiply a Qwen2.5-shaped model's output embedding: 1 flat rows, 8 peaked (build_model)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -619,8 +623,14 @@ def main() -> None:
     if options.smoke:
         options.repeats, options.steps, options.warmup, options.batch_size, options.num_generations = 1, 2, 1, 4, 4
         options.completion_length, options.prompt_length = 8, 16
-    model_path = tempfile.mkdtemp(prefix="topr-bench-model-")
-    build_model(options.model, model_path, options.logit_scale)
+    if options.model in REAL_MODELS:
+        from topr_trl.sources import resolve_model_source
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        model_path = resolve_model_source(REAL_MODELS[options.model], "--model")
+    else:
+        model_path = tempfile.mkdtemp(prefix="topr-bench-model-")
+        build_model(options.model, model_path, options.logit_scale)
     if options.loss_only:
         result = loss_only(options, model_path)
         timed = "forward" if options.forward_only else "loss+backward"

@@ -1,6 +1,6 @@
 """vLLM against transformers `generate` on the same model: throughput, and the train/inference mismatch pi/mu.
 
-    python -m experiments.vllm_generation --measure throughput [--models reasoning,27m] [--repeats 3]
+    python -m experiments.vllm_generation --measure throughput [--models reasoning,27m,smollm2] [--repeats 3]
     python -m experiments.vllm_generation --measure mismatch [--num_prompts 64] [--num_generations 8]
     python -m experiments.vllm_generation --measure server_sync [--models reasoning,small,27m] [--repeats 10]
 
@@ -44,8 +44,17 @@ import torch
 MODELS = {"small": dict(hidden_size=256, num_layers=4), "27m": dict(hidden_size=512, num_layers=8)}
 
 
+REAL_MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+"""The packaged pretrained model (trained weights, 49,152 tokens, tied embeddings), prompted with word problems."""
+
+
 def model_path(name: str, work: Path) -> str:
-    """The built-in reasoning model ("reasoning"), or a random-weight tiny model of the shape `MODELS[name]`."""
+    """The built-in reasoning model ("reasoning"), the packaged real model ("smollm2"), or a random-weight tiny model
+    of the shape `MODELS[name]`."""
+    if name in REAL_MODELS:
+        from topr_trl.sources import resolve_model_source
+
+        return resolve_model_source(REAL_MODELS[name], "--models")
     if name == "reasoning":
         from topr_trl.commands.arguments import TaskArguments
         from topr_trl.tasks.loading import builtin_model
@@ -64,6 +73,15 @@ def reasoning_prompt_ids(tokenizer, num_prompts: int, split: str = "heldout") ->
     return tokenize_prompts(tokenizer, make_reasoning_dataset(num_prompts, 3, split, seed=0)["prompt"])
 
 
+def word_problem_prompt_ids(tokenizer, num_prompts: int) -> list[list[int]]:
+    """The real task's held-out prompts (two worked examples as earlier turns, then the problem) under the chat
+    template, as the trainer tokenizes them."""
+    from topr_trl.prompts import tokenize_prompts
+    from topr_trl.tasks.word_problems import make_word_problems
+
+    return tokenize_prompts(tokenizer, make_word_problems(num_prompts, "test")["prompt"])
+
+
 def throughput(name: str, work: Path, num_completions: int, length: int, repeats: int, dtype: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import SamplingParams
@@ -72,7 +90,7 @@ def throughput(name: str, work: Path, num_completions: int, length: int, repeats
 
     path = model_path(name, work)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    prompts = reasoning_prompt_ids(tokenizer, num_completions)
+    prompts = (word_problem_prompt_ids if name in REAL_MODELS else reasoning_prompt_ids)(tokenizer, num_completions)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     started = time.perf_counter()
     llm = make_vllm_engine(path, seed=0, dtype=dtype)
@@ -228,8 +246,8 @@ def main() -> None:
     parser.add_argument("--output", help="write the results as JSON here")
     options = parser.parse_args()
     for name in options.models.split(","):
-        if name not in ("reasoning", *MODELS):
-            parser.error(f"--models: unknown model {name!r}; choose from reasoning, {', '.join(MODELS)}")
+        if name not in ("reasoning", *MODELS, *REAL_MODELS):
+            parser.error(f"--models: unknown model {name!r}; choose from reasoning, {', '.join([*MODELS, *REAL_MODELS])}")
     threads = torch.get_num_threads()
     print(f"torch threads {threads} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})", flush=True)
     results = []

@@ -194,6 +194,38 @@ def test_online_pi_over_mu_is_one_at_learning_rate_zero_under_truncation(truncat
     assert ratios and all(r == pytest.approx(1.0, abs=1e-4) for r in ratios), ratios
 
 
+@pytest.mark.parametrize("truncation", [{"top_k": 500}, {"top_p": 0.95}], ids=["top_k_500", "top_p_0.95"])
+def test_asynchronous_pi_over_mu_is_one_at_learning_rate_zero_under_truncation(truncation, real_model_path, tmp_path,
+                                                                               tile_reads):
+    """The asynchronous trainer (TRL's AsyncGRPOTrainer underneath) on the real model: its CPU worker samples with
+    the paper's top_k 500 or with top_p 0.95 and records mu's log-probs; the trainer's packed forward scores pi on
+    that support, read from TRL's fused-head tiles over the 49,152-token vocabulary, so at learning rate 0 and lag 0
+    every ratio is 1 within 1e-4."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer, LaggedRolloutWorker
+    from topr_trl.tasks.word_problems import word_problem_reward
+
+    from .conftest import logged_values
+
+    dataset = word_problem_dataset()
+    tokenizer = AutoTokenizer.from_pretrained(real_model_path)
+    worker = LaggedRolloutWorker(AutoModelForCausalLM.from_pretrained(real_model_path), tokenizer, dataset,
+                                 word_problem_reward, num_generations=4, max_completion_length=16, lockstep=True,
+                                 samples_per_version=8, generation_kwargs=truncation)
+    args = AsyncTOPRConfig(str(tmp_path), bf16=False, use_cpu=True, per_device_train_batch_size=8,
+                           num_generations=4, max_completion_length=16, max_steps=1, learning_rate=0.0,
+                           token_budget=0, logging_steps=1, report_to="none", save_strategy="no",
+                           heartbeat_stale_after_s=120, topr_signal="reward", seed=0)
+    trainer = AsyncTOPRTrainer(SMOLLM2, word_problem_reward, args, train_dataset=dataset, processing_class=tokenizer,
+                               rollout_worker=worker, weight_transfer=worker.weight_transfer())
+    trainer.train()
+    ratios = [value for key in ("topr/ratio_positive/min", "topr/ratio_positive/max", "topr/ratio_negative/min",
+                                "topr/ratio_negative/max") for value in logged_values(trainer, key)]
+    assert ratios and all(abs(ratio - 1) < 1e-4 for ratio in ratios), ratios
+    assert tile_reads and all(tile_reads)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
 def test_online_topr_trains_the_real_model(peft, real_model_path, tmp_path):
@@ -345,3 +377,62 @@ def test_offline_generate_train_and_iterate_on_the_real_model(real_model_path, t
                              "--per_device_train_batch_size", "8", "--report_to", "none",
                              "--output_dir", str(tmp_path / "iterations")])
     assert len(summaries) == 1 and summaries[0].get("evaluation") and "pass@1" in summaries[0]["evaluation"]
+
+
+REAL_RUN_FLAGS = ["--task", "word_problems", "--model_name_or_path", SMOLLM2, "--max_steps", "2",
+                  "--task_train_prompts", "16", "--task_eval_prompts", "4", "--per_device_train_batch_size", "4",
+                  "--num_generations", "4", "--max_completion_length", "16", "--learning_rate", "1e-5",
+                  "--topr_signal", "reward", "--logging_steps", "1", "--report_to", "none"]
+"""Two steps of the built-in real task from the Hub id, small enough for minutes on two cores: 4 completions of 16
+tokens per process and step; the held-out measure on 4 problems (4 samples each) before and after. The paper's
+signal R - c (c = 0), so a group whose samples all fail still trains."""
+
+
+def trained_from(output: Path, steps: int) -> dict:
+    """The run's summary, after checking what it saved: `steps` steps logged with finite losses, TOPR's ratios
+    among the metrics, and a model that reloads with its tied output layer and differs from the base."""
+    from transformers import AutoModelForCausalLM
+
+    summary = json.loads((output / "topr_summary.json").read_text())
+    history = json.loads((output / "trainer_state.json").read_text())["log_history"]
+    losses = [entry["loss"] for entry in history if "loss" in entry]
+    assert summary["steps"] == steps and len(losses) == steps and all(np.isfinite(losses)), history
+    assert any("topr/ratio_positive/mean" in entry or "topr/ratio_negative/mean" in entry for entry in history)
+    trained = AutoModelForCausalLM.from_pretrained(output)
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_source(SMOLLM2))
+    assert trained.lm_head.weight.data_ptr() == trained.model.embed_tokens.weight.data_ptr()
+    assert not torch.equal(trained.model.embed_tokens.weight, base.model.embed_tokens.weight)
+    for when in ("before", "after"):
+        assert 0 <= summary[when]["pass@1"] <= 1 and summary[when]["num_problems"] == 4, summary[when]
+    return summary
+
+
+@pytest.mark.slow
+def test_the_asynchronous_command_trains_the_real_model(real_model_path, tmp_path):
+    """`topr-trl train --asynchronous` on the real model by its Hub id: the CPU worker generates a step ahead of the
+    trainer (TRL's AsyncGRPOTrainer), every sample is trained (TOPR drops none), the saved model reloads."""
+    from topr_trl.commands import cli
+
+    cli.train([*REAL_RUN_FLAGS, "--asynchronous", "--async_lag", "1", "--output_dir", str(tmp_path / "run")])
+    summary = trained_from(tmp_path / "run", steps=2)
+    assert summary["asynchronous"]["dropped"] == 0
+    counts = {int(k): v for k, v in summary["asynchronous"]["staleness_counts"].items()}
+    assert sum(counts.values()) >= 2 * 4 and max(counts) >= 1  # the lag of 1 shows up as staleness
+
+
+@pytest.mark.slow
+def test_two_processes_train_the_real_model_under_accelerate_launch(real_model_path, tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2 -m topr_trl train` on the real model (gloo on a CPU): both
+    ranks resolve the Hub id to the packaged copy's folder (converted once, by the main process first), train two
+    steps of 4 completions each, and the main process alone measures, prints and saves."""
+    from .test_distributed import LAUNCH_ENVIRONMENT
+
+    output = tmp_path / "run"
+    completed = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+         "1", "--mixed_precision", "no", "--main_process_port", "0", "-m", "topr_trl", "train", *REAL_RUN_FLAGS,
+         "--output_dir", str(output)],
+        capture_output=True, text=True, timeout=1200, env=LAUNCH_ENVIRONMENT)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert completed.stdout.count("after training:") == 1  # printed by the main process only
+    trained_from(output, steps=2)

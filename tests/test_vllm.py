@@ -162,6 +162,22 @@ def bf16_floor(model_dir: str, state: dict, sequences: list[list[int]], prompt_l
     return mean_gap(full, token_logps(model.to(torch.bfloat16), sequences, [prompt_length] * len(sequences)))
 
 
+def engine_floor(which: str, model_dir: str, state: dict, sequences: list[list[int]], prompt_length: int,
+                 gap_at_load: float) -> float:
+    """The mismatch floor the sync checks are held to: `bf16_floor` of `state`, or, on the packaged real model, the
+    engine's own gap to the weights it loaded (`gap_at_load`, measured before training): transformers' bfloat16 on a
+    CPU without native bfloat16 takes minutes per forward of a 135M model, and the engine's gap is the quantity the
+    floor stands for. Three steps at `REAL_MODEL_RATE` barely change the weights' scale, so neither their rounding."""
+    if which.startswith("packaged"):
+        return gap_at_load
+    return bf16_floor(model_dir, state, sequences, prompt_length)
+
+
+ENGINE_MISMATCH_AT_MOST = 0.2
+"""Mean |log pi - log mu| per token of a bfloat16 engine on the packaged real model's own weights: measured 0.07-0.11
+(colocated); a value above this is no mismatch but a wrong engine."""
+
+
 # The engine's gap to the weights it holds, in units of their bf16 floor (measured 0.73-0.82 on the tied Qwen2), and
 # the least distance, in the same units, of anything the sync must not leave: one step stale, never synced, a tied
 # output layer left at its first load (measured: 330, 310 and 360 at learning rate 3e-2).
@@ -287,8 +303,11 @@ def check_colocated_sync(which: str, reasoning_model, tmp_path, tmp_path_factory
 
     initial_state = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
     # before training the engine holds the weights it loaded from disk: the floor's scale on this machine
-    assert gap_to(initial_state, engine_logps()) < SYNCED_WITHIN_FLOORS * bf16_floor(
-        model_dir, initial_state, sequences, len(prompt))
+    gap_at_load = gap_to(initial_state, engine_logps())
+    if which.startswith("packaged"):
+        assert gap_at_load < ENGINE_MISMATCH_AT_MOST, gap_at_load
+    else:
+        assert gap_at_load < SYNCED_WITHIN_FLOORS * bf16_floor(model_dir, initial_state, sequences, len(prompt))
     trainer.train()
 
     first = trainer.state.log_history[0]
@@ -302,8 +321,10 @@ def check_colocated_sync(which: str, reasoning_model, tmp_path, tmp_path_factory
 
     engine = engine_logps()
     assert len(snapshots.states) == 3
-    floor = bf16_floor(model_dir, snapshots.states[2], sequences, len(prompt))
+    floor = engine_floor(which, model_dir, snapshots.states[2], sequences, len(prompt), gap_at_load)
     synced, stale, initial = (gap_to(snapshots.states[i], engine) for i in (2, 1, 0))
+    print(f"{which}: gap to the synced weights {synced:.3g}, one step stale {stale:.3g}, initial {initial:.3g}; "
+          f"floor {floor:.3g}")
     assert synced < SYNCED_WITHIN_FLOORS * floor, f"synced weights {synced:.3g} from the engine, floor {floor:.3g}"
     assert stale > WRONG_BEYOND_FLOORS * floor and initial > WRONG_BEYOND_FLOORS * floor, (stale, initial, floor)
     tied = trainer.model.config.tie_word_embeddings
