@@ -3,14 +3,16 @@
 #   bash scripts/test.sh                # the linter (ruff), then the default run (slow tests left out; vLLM tests
 #                                       # skip without vLLM)
 #   bash scripts/test.sh -m slow        # the multi-process and DeepSpeed tests (minutes)
-#   bash scripts/test.sh --vllm         # the tests on a real vLLM engine (CPU build), in .venv-vllm
+#   bash scripts/test.sh --vllm         # the tests on a real vLLM engine (CPU build), in .venv-vllm, slow ones
+#                                       # left out
+#   bash scripts/test.sh --vllm -m "vllm and slow"   # those on the real model (minutes each; not in CI)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--vllm" ]; then
   shift
   bash scripts/bootstrap.sh --vllm
   venv="${TOPR_VENV:-.venv-vllm}"
-  if [ "$#" -eq 0 ]; then set -- -m vllm; fi
+  if [ "$#" -eq 0 ]; then set -- -m "vllm and not slow"; fi
   # the engines' KV cache on a CPU (GiB; vLLM's default is 4 per engine)
   export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 else

@@ -282,6 +282,7 @@ def whole_vocabulary_log_ratios(trainer, dataset) -> torch.Tensor:
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # minutes on a real engine: `bash scripts/test.sh --vllm -m "vllm and slow"`
 def test_a_float32_vllm_server_of_the_real_model_gives_pi_over_mu_of_one_under_truncation(real_model_path, tmp_path):
     """`topr-trl vllm-serve --model HuggingFaceTB/SmolLM2-135M-Instruct` offline serves the packaged copy's folder
     in float32; mu is the server's processed log-probs with the paper's top_k 500 and with top_p 0.95, pi is scored
@@ -310,6 +311,7 @@ def test_a_float32_vllm_server_of_the_real_model_gives_pi_over_mu_of_one_under_t
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # minutes on a real engine: `bash scripts/test.sh --vllm -m "vllm and slow"`
 def test_colocated_vllm_on_the_real_model_with_mu_from_the_policy_gives_pi_over_mu_of_one(real_model_path, tmp_path):
     """The colocated engine computes in bfloat16 on a CPU (vLLM casts float32 down; TRL gives it no dtype), so its
     log-probs cannot give pi/mu = 1 to 1e-4. With topr_behaviour_source="policy", mu is the policy's log-probs at

@@ -162,20 +162,27 @@ def bf16_floor(model_dir: str, state: dict, sequences: list[list[int]], prompt_l
     return mean_gap(full, token_logps(model.to(torch.bfloat16), sequences, [prompt_length] * len(sequences)))
 
 
-def engine_floor(which: str, model_dir: str, state: dict, sequences: list[list[int]], prompt_length: int,
-                 gap_at_load: float) -> float:
-    """The mismatch floor the sync checks are held to: `bf16_floor` of `state`, or, on the packaged real model, the
-    engine's own gap to the weights it loaded (`gap_at_load`, measured before training): transformers' bfloat16 on a
-    CPU without native bfloat16 takes minutes per forward of a 135M model, and the engine's gap is the quantity the
-    floor stands for. Three steps at `REAL_MODEL_RATE` barely change the weights' scale, so neither their rounding."""
-    if which.startswith("packaged"):
-        return gap_at_load
-    return bf16_floor(model_dir, state, sequences, prompt_length)
+REAL_MODEL_ENGINE_MISMATCH = 0.5
+"""The most mean |log pi - log mu| per token a bfloat16 engine may show on the packaged real model's weights it holds:
+measured 0.023-0.028 at load and 0.10 (colocated) and 0.21 (server) after three steps at `REAL_MODEL_RATE`. The
+real-model sync cases use it instead of `bf16_floor`, whose bfloat16 forward in transformers takes minutes per 135M
+model on a CPU without native bfloat16; their wrong weights must then sit `WRONG_BEYOND_FLOORS /
+SYNCED_WITHIN_FLOORS` (15) times further from the engine than the synced ones (measured: 42-210 times)."""
 
 
-ENGINE_MISMATCH_AT_MOST = 0.2
-"""Mean |log pi - log mu| per token of a bfloat16 engine on the packaged real model's own weights: measured 0.07-0.11
-(colocated); a value above this is no mismatch but a wrong engine."""
+def assert_the_engine_holds_the_synced_weights(which: str, synced: float, stale: float, initial: float,
+                                               floor: float | None) -> None:
+    """The engine's gap to the weights of the last sync against its gaps to the weights one step older and to the
+    initial ones: within twice their bf16 `floor` and 30 floors away; on the real model (`floor` None) within
+    `REAL_MODEL_ENGINE_MISMATCH` and 15 times further, the same separation."""
+    print(f"{which}: gap to the synced weights {synced:.3g}, one step stale {stale:.3g}, initial {initial:.3g}; "
+          f"floor {floor}")
+    if floor is None:
+        assert synced < REAL_MODEL_ENGINE_MISMATCH, f"synced weights {synced:.3g} from the engine"
+        assert min(stale, initial) > WRONG_BEYOND_FLOORS / SYNCED_WITHIN_FLOORS * synced, (synced, stale, initial)
+    else:
+        assert synced < SYNCED_WITHIN_FLOORS * floor, f"synced weights {synced:.3g} from the engine, floor {floor:.3g}"
+        assert stale > WRONG_BEYOND_FLOORS * floor and initial > WRONG_BEYOND_FLOORS * floor, (stale, initial, floor)
 
 
 # The engine's gap to the weights it holds, in units of their bf16 floor (measured 0.73-0.82 on the tied Qwen2), and
@@ -224,7 +231,7 @@ def test_colocated_vllm_sampling_with_top_k_gives_pi_over_mu_of_one_up_to_the_bf
 
 
 @pytest.mark.parametrize("which", ["built-in reasoning model (tied)", "user's Qwen2 (tied)", "user's Qwen2 (untied)",
-                                   "packaged SmolLM2-135M-Instruct (tied)"])
+                                   pytest.param("packaged SmolLM2-135M-Instruct (tied)", marks=pytest.mark.slow)])
 def test_colocated_vllm_samples_from_the_policys_current_weights_and_mu_is_its_sampler(which, reasoning_model,
                                                                                        tmp_path, tmp_path_factory):
     """Online TOPR with `use_vllm=True, vllm_mode="colocate"` on a CPU, where TRL's per-tensor weight load fails
@@ -304,10 +311,8 @@ def check_colocated_sync(which: str, reasoning_model, tmp_path, tmp_path_factory
     initial_state = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
     # before training the engine holds the weights it loaded from disk: the floor's scale on this machine
     gap_at_load = gap_to(initial_state, engine_logps())
-    if which.startswith("packaged"):
-        assert gap_at_load < ENGINE_MISMATCH_AT_MOST, gap_at_load
-    else:
-        assert gap_at_load < SYNCED_WITHIN_FLOORS * bf16_floor(model_dir, initial_state, sequences, len(prompt))
+    assert gap_at_load < (REAL_MODEL_ENGINE_MISMATCH if which.startswith("packaged") else
+                          SYNCED_WITHIN_FLOORS * bf16_floor(model_dir, initial_state, sequences, len(prompt)))
     trainer.train()
 
     first = trainer.state.log_history[0]
@@ -321,12 +326,8 @@ def check_colocated_sync(which: str, reasoning_model, tmp_path, tmp_path_factory
 
     engine = engine_logps()
     assert len(snapshots.states) == 3
-    floor = engine_floor(which, model_dir, snapshots.states[2], sequences, len(prompt), gap_at_load)
-    synced, stale, initial = (gap_to(snapshots.states[i], engine) for i in (2, 1, 0))
-    print(f"{which}: gap to the synced weights {synced:.3g}, one step stale {stale:.3g}, initial {initial:.3g}; "
-          f"floor {floor:.3g}")
-    assert synced < SYNCED_WITHIN_FLOORS * floor, f"synced weights {synced:.3g} from the engine, floor {floor:.3g}"
-    assert stale > WRONG_BEYOND_FLOORS * floor and initial > WRONG_BEYOND_FLOORS * floor, (stale, initial, floor)
+    floor = None if which.startswith("packaged") else bf16_floor(model_dir, snapshots.states[2], sequences, len(prompt))
+    assert_the_engine_holds_the_synced_weights(which, *(gap_to(snapshots.states[i], engine) for i in (2, 1, 0)), floor)
     tied = trainer.model.config.tie_word_embeddings
     assert not repacked or sorted(llm.collective_rpc(repack_tied_weights)[0]) == (["lm_head", "model.embed_tokens"] if tied else [])
     trainer = llm = None  # the engine's memory, before the next test builds one
