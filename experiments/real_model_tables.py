@@ -1,5 +1,6 @@
-"""The tables of docs/real-model.md (and docs/off-policy.md's whole-vocabulary table), generated from the evidence files under docs/evidence/real-model/ (so that the page's
-numbers cannot drift from its data; tests/test_real_model.py checks the page holds them).
+"""The tables of docs/real-model.md (and docs/off-policy.md's whole-vocabulary table, docs/benchmarks.md's real-model
+speed), generated from the evidence files under docs/evidence/real-model/ and docs/evidence/benchmarks/ (so that the
+pages' numbers cannot drift from their data; tests/test_real_model.py checks the pages hold them).
 
     python -m experiments.real_model_tables          # prints the tables
     python -m experiments.real_model_tables --write  # writes them into the pages (PAGES) between their markers
@@ -15,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EVIDENCE = ROOT / "docs" / "evidence" / "real-model"
-PAGES = (ROOT / "docs" / "real-model.md", ROOT / "docs" / "off-policy.md")
+PAGES = (ROOT / "docs" / "real-model.md", ROOT / "docs" / "off-policy.md", ROOT / "docs" / "benchmarks.md")
 """The pages that hold these tables (each table where the page has its markers)."""
 
 CANDIDATE_LABELS = {
@@ -69,7 +70,54 @@ def readme_run_table() -> str:
     return "\n".join(lines)
 
 
-TABLES = {"candidates": candidates_table, "whole-vocabulary": whole_vocabulary_table, "readme-run": readme_run_table}
+BENCHMARKS = ROOT / "docs" / "evidence" / "benchmarks"
+LOSS_LABELS = {
+    "grpo-dapo": "GRPOTrainer `loss_type=\"dapo\"` (TRL's default)",
+    "grpo-grpo": "GRPOTrainer `loss_type=\"grpo\"`",
+    "topr-online": "TOPRTrainer (canonical TOPR), μ unprocessed",
+    "topr-online-top-k": "TOPRTrainer, μ sampled with top_k 50: π on μ's support",
+    "topr-online-top-p": "TOPRTrainer, μ sampled with top_p 0.95: π on μ's support",
+}
+
+
+def loss_speed_table() -> str:
+    """Loss + backward of each trainer on one shared batch of the real model (`experiments.benchmark --loss_only`)."""
+    data = json.loads((BENCHMARKS / "cpu-smollm2-loss.json").read_text())
+    result, options = data["loss_only"], data["options"]
+    medians, peaks = result["median_loss_backward_s"], result.get("peak_added_memory_mib", {})
+    base = medians["grpo-dapo"]
+    rows = [[label, f"{medians[name]:.2f}", "/".join(f"{q:.2f}" for q in result["quartiles_s"][name]),
+             f"{medians[name] / base:.3f}", f"{peaks[name]:.0f}" if name in peaks else "-",
+             f"{peaks[name] / peaks['grpo-dapo']:.3f}" if name in peaks else "-"] for name, label in LOSS_LABELS.items()]
+    lines = markdown_table(["trainer", "loss + backward, median s", "quartiles s", "time / dapo",
+                            "memory one call adds, MiB", "memory / dapo"], rows)
+    lines.append(f"\n{options['batch_size']} completions ({options['num_generations']} per prompt) of "
+                 f"{options['completion_length']} tokens, forced to full length; {options['repeats'] * options['steps']} "
+                 f"timed calls per trainer after 3 warm-up rounds, interleaved call by call in one process; "
+                 f"float32, one thread, μ's log-probs kept from generation (an off-policy batch).")
+    return "\n".join(lines)
+
+
+def generation_speed_table() -> str:
+    """vLLM's CPU engine against transformers `generate` on the real model (`experiments.vllm_generation`)."""
+    rows = []
+    for name in ("vllm_throughput_smollm2.json", "vllm_throughput_smollm2_bf16.json"):
+        path = BENCHMARKS / name
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        for row in data["results"]:
+            rates = row["completions_per_second"]
+            rows.append([row["vllm_dtype"], f"{rates['vllm']:.2f}", f"{rates['transformers']:.2f}",
+                         f"**{row['ratio_vllm_over_transformers']:.2f}x**", f"{row['engine_load_seconds']:.0f} s",
+                         f"{row['completions']} x {row['completion_length']}", str(data["threads"])])
+    return "\n".join(markdown_table(["engine dtype", "vLLM completions/s", "transformers completions/s (float32)",
+                                      "vLLM / transformers", "engine start", "completions x tokens", "threads"],
+                                     rows))
+
+
+TABLES = {"candidates": candidates_table, "whole-vocabulary": whole_vocabulary_table, "readme-run": readme_run_table,
+          "loss-speed": loss_speed_table, "generation-speed": generation_speed_table}
 
 
 def marked(name: str, table: str) -> str:

@@ -88,6 +88,32 @@ def test_the_converted_weights_are_the_files_dequantized_weights(real_model_path
             assert torch.equal(saved.get_tensor(name), expected.reshape(saved.get_tensor(name).shape)), name
 
 
+@pytest.mark.slow
+def test_a_users_own_gguf_file_converts_once_into_a_folder_of_its_own(real_model_path, packaged_gguf, tmp_path,
+                                                                      monkeypatch, capsys):
+    """A `.gguf` file of the user's own, given as the model: converted into a folder named after the file (and a
+    hash of its path) that records the file, holds the same weights the packaged copy's conversion holds, and is
+    reused on the next run without converting again. Slow: a conversion takes about 40 s."""
+    from safetensors import safe_open
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    mine = tmp_path / "downloads" / "my-model.gguf"
+    mine.parent.mkdir()
+    shutil.copyfile(packaged_gguf, mine)
+    folder = Path(resolve_model_source(str(mine)))
+    assert folder.parent == tmp_path / "cache" and folder.name.startswith("my-model-")
+    record = json.loads((folder / SOURCE_RECORD).read_text())
+    assert Path(record["path"]).resolve() == mine.resolve() and record["sha256"] == PACKAGED_MODELS[SMOLLM2].sha256
+    with safe_open(folder / "model.safetensors", "pt") as converted, \
+            safe_open(Path(real_model_path) / "model.safetensors", "pt") as packaged:
+        assert sorted(converted.keys()) == sorted(packaged.keys())
+        assert all(torch.equal(converted.get_tensor(name), packaged.get_tensor(name)) for name in converted.keys())
+    written = (folder / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    assert resolve_model_source(str(mine)) == str(folder)
+    assert "convert" not in capsys.readouterr().out and (folder / "model.safetensors").stat().st_mtime_ns == written
+
+
 def test_a_cache_folder_made_from_another_file_is_refused(packaged_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     folder = tmp_path / SMOLLM2.replace("/", "--")
