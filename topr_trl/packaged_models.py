@@ -60,6 +60,19 @@ class ModelSourceError(ValueError):
     """A GGUF source that cannot give a trainable model: said in one line by the command line."""
 
 
+def converted_source(folder: str | Path) -> str | None:
+    """What a converted folder was made from, for a model card: the packaged Hub id as a link with how its copy
+    differs, or the user's GGUF file by name; None for any other folder (no `SOURCE_RECORD`)."""
+    record_path = Path(folder) / SOURCE_RECORD
+    if not record_path.is_file():
+        return None
+    record = json.loads(record_path.read_text())
+    for name, packaged in PACKAGED_MODELS.items():
+        if record.get("sha256") == packaged.sha256:
+            return f"[{name}](https://huggingface.co/{name}), from {packaged.what}"
+    return f"the GGUF file `{Path(record.get('path', '?')).name}` (dequantized)"
+
+
 def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "topr-trl" / "models").expanduser()
 

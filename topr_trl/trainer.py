@@ -16,6 +16,7 @@ from .head_tiles import HeadTileSupport, completion_rows
 from .loss import POLICY_LOSSES, baseline_for_target_share, policy_per_token_loss, reward_signal
 from .offline.replay import OfflineReplay, prepare_replayed_datasets
 from .offline.schema import checked_reward_function, is_offline_dataset, stored_processing
+from .packaged_models import converted_source
 from .policy_metrics import (
     drift_and_mismatch,
     drift_and_mismatch_sums,
@@ -179,10 +180,13 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
         card = Path(self.args.output_dir) / "README.md"
         if not self.is_world_process_zero() or not card.exists():
             return
-        # TRL names no base model for one loaded from a local folder, which its template renders as "[None]"
+        # TRL names no base model for one loaded from a local folder, which its template renders as "[None]"; a
+        # folder converted from a GGUF file (a packaged Hub id without the Hub) is named by what it came from
         local = get_config_model_id(self.model.config)
+        source = converted_source(local) if local else None
         card.write_text(card.read_text().replace(
             "fine-tuned version of [None](https://huggingface.co/None)",
+            f"fine-tuned version of {source}" if source else
             f"fine-tuned version of a local model (`{Path(str(local)).name or local}`)"))
         if self._loss_spec is None:
             card.write_text(card.read_text() + f"\n## Loss\n\nTrained with TRL's `loss_type={self.args.loss_type!r}`, "
