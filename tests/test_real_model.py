@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -162,6 +163,23 @@ def test_a_gguf_file_transformers_cannot_read_is_refused_in_one_line_and_leaves_
     assert last.startswith(f"topr-trl: {bad} is not a GGUF model transformers can read ("), run.stderr[-2000:]
     assert "Traceback" not in run.stderr
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_a_staging_folder_left_by_a_killed_conversion_is_removed_by_the_next_one(tmp_path, monkeypatch):
+    """A conversion killed mid-way (SIGKILL) leaves its staging folder; the next conversion into that cache removes
+    it once it is an hour old, and leaves a fresh one (another process converting now) alone."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    abandoned, fresh = tmp_path / "cache" / ".x-abandoned", tmp_path / "cache" / ".x-converting"
+    for staging in (abandoned, fresh):
+        staging.mkdir(parents=True)
+        (staging / "model.safetensors").write_bytes(b"partial")
+    two_hours_ago = time.time() - 7200
+    os.utime(abandoned, (two_hours_ago, two_hours_ago))
+    not_gguf = tmp_path / "x.gguf"
+    not_gguf.write_bytes(b"not a gguf file")
+    with pytest.raises(ModelSourceError):
+        trainable_folder(not_gguf, "x")
+    assert not abandoned.exists() and fresh.is_dir()
 
 
 def test_a_missing_gguf_file_fails_in_one_line(tmp_path):

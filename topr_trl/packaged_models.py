@@ -12,6 +12,7 @@ converting at once both end up with one complete folder.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -131,6 +132,18 @@ def _check_cached(folder: Path, source: Path, digest: str) -> None:
                                f"to convert this one, or set {CACHE_ENV} to another folder")
 
 
+ABANDONED_AFTER_S = 3600
+"""A staging folder untouched this long was left by a conversion that was killed (a conversion writes its files
+within about a minute); the next conversion into the same cache removes it (half a GB for a 135M model)."""
+
+
+def _remove_abandoned_staging(folder: Path) -> None:
+    for staging in folder.parent.glob(f".{folder.name}-*"):
+        with contextlib.suppress(OSError):
+            if staging.is_dir() and time.time() - staging.stat().st_mtime > ABANDONED_AFTER_S:
+                shutil.rmtree(staging, ignore_errors=True)
+
+
 def _convert(source: Path, digest: str, folder: Path, say) -> None:
     import torch  # noqa: PLC0415 - the package imports torch lazily where a module only needs it here
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - as torch
@@ -138,6 +151,7 @@ def _convert(source: Path, digest: str, folder: Path, say) -> None:
     if importlib.util.find_spec("gguf") is None:
         raise ModelSourceError(f"reading {source.name} needs the gguf package: pip install gguf")
     folder.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_staging(folder)
     started = time.time()
     say(f"converting {source} into a trainable float32 folder (once; about 40 s for a 135M-parameter model)")
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
