@@ -264,7 +264,6 @@ def test_asynchronous_pi_over_mu_is_one_at_learning_rate_zero_under_truncation(t
     from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer, LaggedRolloutWorker
     from topr_trl.tasks.word_problems import word_problem_reward
 
-    from .conftest import logged_values
 
     dataset = word_problem_dataset()
     tokenizer = AutoTokenizer.from_pretrained(real_model_path)
@@ -278,8 +277,7 @@ def test_asynchronous_pi_over_mu_is_one_at_learning_rate_zero_under_truncation(t
     trainer = AsyncTOPRTrainer(SMOLLM2, word_problem_reward, args, train_dataset=dataset, processing_class=tokenizer,
                                rollout_worker=worker, weight_transfer=worker.weight_transfer())
     trainer.train()
-    ratios = [value for key in ("topr/ratio_positive/min", "topr/ratio_positive/max", "topr/ratio_negative/min",
-                                "topr/ratio_negative/max") for value in logged_values(trainer, key)]
+    ratios = ratios_logged(trainer)
     assert ratios and all(abs(ratio - 1) < 1e-4 for ratio in ratios), ratios
     assert tile_reads and all(tile_reads)
 
