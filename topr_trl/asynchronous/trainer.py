@@ -29,6 +29,7 @@ from accelerate import PartialState
 from accelerate.utils import broadcast, broadcast_object_list
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
+from trl.chat_template_utils import add_response_schema, qwen3_template
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
 from ..head_tiles import HeadTileSupport, packed_rows
@@ -179,6 +180,21 @@ def _gloo_weight_transfer_of_server(args: AsyncTOPRConfig):
     except (ConnectionError, OSError):
         return None
     return GlooWeightTransfer(url, sync_timeout_s=float(args.weight_sync_timeout)) if backend == BACKEND else None
+
+
+def with_response_template(tokenizer):
+    """The tokenizer TRL's rollout worker needs: one that parses each generated response. TRL sets the template of
+    the chat formats it knows (`add_response_schema`); a ChatML template it does not know by name (SmolLM2's, the
+    built-in tasks') ends responses as Qwen's does, so Qwen's template parses them. Any other raises TRL's error."""
+    if getattr(tokenizer, "response_template", None) is not None:
+        return tokenizer
+    try:
+        return add_response_schema(tokenizer)
+    except ValueError:
+        if "<|im_start|>assistant" not in (tokenizer.chat_template or ""):
+            raise
+    tokenizer.response_template = qwen3_template
+    return tokenizer
 
 
 class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):

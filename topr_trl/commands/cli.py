@@ -32,7 +32,6 @@ import torch
 from accelerate import PartialState
 from transformers import AutoTokenizer
 from trl import get_peft_config
-from trl.chat_template_utils import add_response_schema, qwen3_template
 
 from ..config import check_choice
 from ..curves import logged_curves, plot_curves
@@ -219,7 +218,7 @@ def _asynchronous_trainer(script_args, async_args, model, reward_funcs, train_da
 def _served_asynchronous_trainer(script_args, async_args, model, reward_funcs, train_dataset):
     """`--asynchronous --vllm_server_base_url URL`: TRL's own rollout worker generating on that server, which follows
     the policy through its weight path (gloo from `topr-trl vllm-serve` without a GPU, TRL's NCCL otherwise)."""
-    from ..asynchronous import AsyncTOPRTrainer  # noqa: PLC0415 - loads trl.experimental
+    from ..asynchronous import AsyncTOPRTrainer, with_response_template  # noqa: PLC0415 - loads trl.experimental
 
     stand_in = {"--async_lag": script_args.async_lag,
                 "--async_seconds_per_sample": script_args.async_seconds_per_sample}
@@ -227,14 +226,7 @@ def _served_asynchronous_trainer(script_args, async_args, model, reward_funcs, t
         raise SystemExit(f"topr-trl: --asynchronous with --vllm_server_base_url generates on the server: "
                          f"{', '.join(flag for flag, value in stand_in.items() if value)} set(s) the in-process "
                          "stand-in worker only; drop it, or drop --vllm_server_base_url")
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    if getattr(tokenizer, "response_template", None) is None:
-        try:  # TRL's worker parses each response with the template of a chat format it knows
-            tokenizer = add_response_schema(tokenizer)
-        except ValueError:
-            if "<|im_start|>assistant" not in (tokenizer.chat_template or ""):
-                raise
-            tokenizer.response_template = qwen3_template  # ChatML (the built-in tasks'): responses end as Qwen's
+    tokenizer = with_response_template(AutoTokenizer.from_pretrained(model))
     step = async_args.per_device_train_batch_size * async_args.gradient_accumulation_steps * async_args.world_size
     if not gpu_available():  # vLLM's CPU engine can fail on many seeded requests at once ("CPU Generator does not
         async_args.max_inflight_tasks = step  # use offset"): one step's samples in flight
