@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 
 SETTINGS = {
@@ -35,7 +36,7 @@ SETTINGS = {
     "grpo-grpo": ("grpo", {"loss_type": "grpo"}),
     "grpo-grpo-kl": ("grpo", {"loss_type": "grpo", "beta": 0.04}),
     "topr-online": ("topr", {}),
-    # sampling truncated: pi scored on mu's support (topr_trl.sampler_support), an extra head projection per token
+    # sampling truncated: pi scored on mu's support (topr_trl.support), an extra head projection per scored token
     "topr-online-top-k": ("topr", {"top_k": 50}),
     "topr-online-top-p": ("topr", {"top_p": 0.95}),
     "topr-offline": ("topr", {"__behaviour__": True}),
@@ -241,19 +242,21 @@ class AddedMemory:
 
 
 @contextlib.contextmanager
-def support_projected_again():
-    """pi's support scored on a second projection of the hidden states instead of TRL's head tiles (the path
-    `topr_trl.head_tiles.HeadTileSupport` falls back to, and the one every truncated call took before it): the
-    baseline the tiles are timed against in the same run."""
-    from topr_trl.head_tiles import HeadTileSupport, logger
+def every_sequence_scored():
+    """pi scored on mu's support for every sequence, as before only those whose weight reads pi/mu were
+    (`topr_trl.loss.reads_the_ratio`; canonical TOPR's negatives): what leaving the positives unscored saves, timed in
+    the same run."""
+    import topr_trl.trainer as trainer_module
 
-    read_tile, warning_once = HeadTileSupport.read_tile, logger.warning_once
-    HeadTileSupport.read_tile = lambda self, *args: None
-    logger.warning_once = lambda *args, **kwargs: None
+    if not hasattr(trainer_module, "reads_the_ratio"):  # a library that scores every sequence already (timed as is)
+        yield
+        return
+    reads = trainer_module.reads_the_ratio
+    trainer_module.reads_the_ratio = lambda signal, spec: reads(signal, spec) | True
     try:
         yield
     finally:
-        HeadTileSupport.read_tile, logger.warning_once = read_tile, warning_once
+        trainer_module.reads_the_ratio = reads
 
 
 def loss_only(options, model_path: str) -> dict:
@@ -284,25 +287,25 @@ def loss_only(options, model_path: str) -> dict:
         "topr-online": TOPRTrainer(model=model_path, reward_funcs=reward, train_dataset=dataset,
                                    args=TOPRConfig(**common)),
     }
-    for name in ("topr-online-top-k", "topr-online-top-p"):  # the same batch, pi scored on mu's support
+    truncations = {"topr-online-top-k": {"top_k": options.top_k}, "topr-online-top-p": {"top_p": options.top_p}}
+    for name, truncation in truncations.items():  # the same batch, pi scored on mu's support
         trainers[name] = TOPRTrainer(model=model_path, reward_funcs=reward, train_dataset=dataset,
-                                     args=TOPRConfig(**common, **SETTINGS[name][1]))
+                                     args=TOPRConfig(**common, **truncation))
     first = next(iter(trainers.values()))
     on_policy = first._prepare_inputs(next(iter(first.get_train_dataloader())))
     for trainer in trainers.values():  # as training does: with --bf16 the forward runs under the accelerator's autocast
         trainer.model = trainer.accelerator.prepare_model(trainer.model)
     # The batch as off-policy data brings it: mu's log-probs kept from generation time (GRPO computes them when it
     # reuses a batch, a sampler returns them, stored rows hold them). On-policy without KL, TOPR has no support to
-    # score (pi/mu is 1 by construction: `TOPRTrainer._mu_is_this_forward`); that case is timed apart.
+    # score (pi/mu is 1 by construction: `TOPRTrainer._rows_reading_the_ratio`); that case is timed apart.
     untruncated = trainers["topr-online"]  # GRPO's forward (the mirror), no support to score
     with torch.no_grad():
         old_logps = untruncated._policy_logps_and_entropies(untruncated.model, on_policy)[0]
     inputs = {**on_policy, "old_per_token_logps": old_logps}
     calls = {name: (trainer, inputs, contextlib.nullcontext) for name, trainer in trainers.items()}
     calls["topr-online-top-k, on-policy batch"] = (trainers["topr-online-top-k"], on_policy, contextlib.nullcontext)
-    # The same top-k call with the support scored as before it was read from TRL's head tiles: the hidden states
-    # projected through the output layer a second time (what `HeadTileSupport` falls back to).
-    calls["topr-online-top-k, projected again"] = (trainers["topr-online-top-k"], inputs, support_projected_again)
+    # The same top-k call with every sequence scored, positives too (whose weight canonical TOPR pins at 1)
+    calls["topr-online-top-k, every sequence scored"] = (trainers["topr-online-top-k"], inputs, every_sequence_scored)
     times: dict[str, list[float]] = {name: [] for name in calls}
 
     def call(name: str) -> None:
@@ -340,11 +343,18 @@ def loss_only(options, model_path: str) -> dict:
     ratios.update({f"{name} / {base}": medians[name] / medians[base] for name in ("topr-online-top-k",
                                                                                    "topr-online-top-p",
                                                                                    "topr-online-top-k, on-policy batch",
-                                                                                   "topr-online-top-k, projected again")
+                                                                                   "topr-online-top-k, every sequence scored")
                    for base in ("topr-online", "grpo-dapo")})
-    ratios["topr-online-top-k / topr-online-top-k, projected again"] = (
-        medians["topr-online-top-k"] / medians["topr-online-top-k, projected again"])
-    result = {"median_loss_backward_s": medians, "quartiles_s": quartiles, "ratios": ratios,
+    ratios["topr-online-top-k / topr-online-top-k, every sequence scored"] = (
+        medians["topr-online-top-k"] / medians["topr-online-top-k, every sequence scored"])
+    import topr_trl
+    from topr_trl.machine import machine_info
+
+    library = Path(topr_trl.__file__).resolve().parents[1]
+    commit = subprocess.run(["git", "-C", str(library), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    result = {"library": {"path": str(library), "commit": commit}, "machine": machine_info(),
+              "median_loss_backward_s": medians, "quartiles_s": quartiles, "ratios": ratios,
               "timed": "the loss's forward alone, without gradient" if options.forward_only else "loss + backward"}
     if watch.available:
         peaks = {name: max(values) for name, values in added_memory.items()}
@@ -363,16 +373,13 @@ def loss_only(options, model_path: str) -> dict:
 
 
 def support_only(options) -> dict:
-    """What scoring pi on mu's support costs per completion token, apart from the extra head projection:
-    `processed_log_probs` (the support decided on the largest logits) against the whole-vocabulary path
-    (`sampler_support`, top-p in value bins; and with the sort those replaced, the baseline) on (tokens, vocabulary) logits at the Qwen2.5 vocabulary, flat (a
-    random-weight model: top-p's nucleus is most of the vocabulary) and peaked (Zipf-like, as a trained model's next
-    token: the nucleus within the largest few hundred)."""
-    import math
-
+    """What the rule costs per completion token, apart from the head projection: `processed_log_probs` (top-k on the
+    k largest logits, top-p on the sorted row) against the log-softmax over the whole vocabulary (what scoring without
+    truncation does), on (tokens, vocabulary) logits at the Qwen2.5 vocabulary, flat (a random-weight model's) and
+    peaked (Zipf-like, as a trained model's next token)."""
     import torch
 
-    from topr_trl.sampler_support import SamplerProcessing, _keep_top_p_sorted, processed_log_probs, sampler_support
+    from topr_trl.support import SamplerProcessing, processed_log_probs
 
     vocabulary, tokens = 151_936, options.batch_size * options.completion_length
     generator = torch.Generator().manual_seed(0)
@@ -384,37 +391,24 @@ def support_only(options) -> dict:
     shapes = {shape: logits.to(options.device) for shape, logits in shapes.items()}
     synchronize = torch.cuda.synchronize if options.device == "cuda" else (lambda: None)
 
-    def whole_vocabulary(logits, processing, sort_top_p=False):
-        keep = sampler_support(logits, processing)
-        if sort_top_p and processing.top_p is not None:  # the sort `_keep_top_p_in_bins` replaced, as the baseline
-            keep = _keep_top_p_sorted(logits / processing.temperature, torch.ones_like(keep), processing.top_p)
-        keep.scatter_(-1, sampled.unsqueeze(-1), True)
-        scaled = logits / processing.temperature
-        return scaled.gather(-1, sampled.unsqueeze(-1)).squeeze(-1) - scaled.masked_fill(~keep, -math.inf).logsumexp(-1)
+    def timed(function) -> float:
+        function()
+        times = []
+        for _ in range(options.repeats):
+            synchronize()
+            start = time.perf_counter()
+            function()
+            synchronize()
+            times.append(time.perf_counter() - start)
+        return 1000 * statistics.median(times) / tokens * 1000
 
     result = {}
     for shape, logits in shapes.items():
+        whole = timed(lambda logits=logits: logits.log_softmax(-1).gather(-1, sampled.unsqueeze(-1)))
         for name, processing in {"top_k 50": SamplerProcessing(top_k=50),
                                  "top_p 0.95": SamplerProcessing(top_p=0.95)}.items():
-            timings = {}
-            for path, function in {
-                "candidates": lambda logits=logits, processing=processing: processed_log_probs(logits, sampled,
-                                                                                              processing),
-                "whole vocabulary": lambda logits=logits, processing=processing: whole_vocabulary(logits, processing),
-                "whole vocabulary, top-p sorted": lambda logits=logits, processing=processing: whole_vocabulary(
-                    logits, processing, sort_top_p=True),
-            }.items():
-                function()
-                times = []
-                for _ in range(options.repeats):
-                    synchronize()
-                    start = time.perf_counter()
-                    function()
-                    synchronize()
-                    times.append(time.perf_counter() - start)
-                timings[path] = statistics.median(times)
-            result[f"{shape} {name}"] = {"ms_per_1k_tokens": {path: 1000 * value / tokens * 1000
-                                                              for path, value in timings.items()}}
+            rule = timed(lambda logits=logits, processing=processing: processed_log_probs(logits, sampled, processing))
+            result[f"{shape} {name}"] = {"ms_per_1k_tokens": {"rule": rule, "whole vocabulary": whole}}
     return {"tokens": tokens, "vocabulary": vocabulary, "device": options.device, "timings": result}
 
 
@@ -603,8 +597,10 @@ def main() -> None:
                              "cost is a larger share of the call)")
     parser.add_argument("--interleaved", action="store_true",
                         help="whole steps of every setting alternated in one process (wall and CPU time; no memory)")
+    parser.add_argument("--top_k", type=int, default=50, help="--loss_only: mu's top-k (the paper samples with 500)")
+    parser.add_argument("--top_p", type=float, default=0.95, help="--loss_only: mu's top-p")
     parser.add_argument("--support_only", action="store_true",
-                        help="time pi's log-probs on mu's support alone (both paths, flat and peaked logits)")
+                        help="time the rule alone against the whole-vocabulary log-softmax (flat and peaked logits)")
     parser.add_argument("--output", help="write the results as JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options = parser.parse_args()

@@ -1,26 +1,24 @@
 #!/usr/bin/env bash
-# The GPU run that settles the 1.05x target of pi's support (docs/benchmarks.md, "Rows between flat and peaked"), as
-# one command that fits a short lease on a machine without a package index.
+# The GPU run that measures what pi on mu's support costs at the Qwen2.5-0.5B shape (docs/benchmarks.md), as one
+# command that fits a short lease on a machine without a package index.
 #
 #   bash experiments/gpu_support.sh wheels              # here: trl and datasets (and datasets' dill and multiprocess,
 #                                                       # which GPU images lack) as Python 3.12 wheels in .whl/
 #   bash experiments/gpu_support.sh run OUT             # there: installs .whl/ into /tmp/site where trl or datasets
-#                                                       # is missing, then writes at most 8 files to OUT
+#                                                       # is missing, then writes at most 6 files to OUT
 #   bash experiments/gpu_support.sh run OUT --smoke --device cpu   # the same steps on tiny shapes, on a CPU
 #
 # Each step runs under its own time limit, so that what finished is kept when a later step does not:
 #   versions.txt                   versions, the GPU's name and its bf16 matrix-product rate;
-#   head-support-scale{4,1,8}.json what the support adds to the head's part of one forward of 4 x (512 + 512) tokens
-#                                  (`experiments.head_support`): its parts, its rows by what decided them, and on a
-#                                  GPU its host synchronisations;
-#   support-loss-scale{4,1}.json   loss + backward and the memory a call adds, top-k 50 and top-p 0.95 against TOPR
-#                                  untruncated and GRPO on the same batch (`experiments.benchmark --loss_only`);
-#   head-support-scale4-widths.json  scale 4 with the tiles read 512 (the default there), 1,024, 2,048 and 4,096
-#                                  rows at a time: whether the reads' launches and synchronisations matter there,
-#                                  and what the wider reads cost in memory;
+#   support-rule.json              the rule alone per 1,000 tokens at the 151,936-token vocabulary, flat and peaked
+#                                  rows, top-k 50 and top-p 0.95, against the whole-vocabulary log-softmax
+#                                  (`experiments.benchmark --support_only`);
+#   support-loss-scale{4,1,8}.json loss + backward and the memory a call adds, top-k 50 and top-p 0.95 against TOPR
+#                                  untruncated and GRPO on the same batch (`experiments.benchmark --loss_only`), the
+#                                  logits scaled 4x (rows between flat and peaked), 1x (random weights: flat) and 8x;
 #   log.txt                        the whole output.
-# Planned at about six minutes on an H100, model builds included (not yet run on one); the steps' limits add up to
-# under ten. The most telling steps (scale 4, rows between flat and peaked) run first.
+# Planned at about five minutes on an H100, model builds included (not yet run on one); the steps' limits add up to
+# under nine.
 set -uo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -67,17 +65,15 @@ export HF_HUB_OFFLINE=1 TRL_EXPERIMENTAL_SILENCE=1 PYTHONUNBUFFERED=1
 
 precision=(--bf16)
 loss_shape=(--model qwen2.5-0.5b --prompt_length 512 --completion_length 512 --repeats 1 --steps 12)
-head_shape=(--prompt_length 512 --completion_length 512 --repeats 6)
-head_limit=45  # seconds a step may take: with the versions (30 s), 525 s in all
+rule_shape=(--batch_size 4 --completion_length 512 --repeats 6)
+rule_limit=60  # seconds a step may take: with the versions (30 s), 450 s in all
 loss_limit=120
-widths_limit=120
 if [ "$smoke" = 1 ]; then
   precision=()
   loss_shape=(--smoke --model tiny)
-  head_shape=(--smoke)
-  head_limit=300
+  rule_shape=(--batch_size 2 --completion_length 8 --repeats 2)
+  rule_limit=300
   loss_limit=300
-  widths_limit=600
 fi
 failed=0
 step() {  # step NAME SECONDS COMMAND...: run under a time limit; a failure is noted and the next step runs
@@ -89,12 +85,6 @@ step() {  # step NAME SECONDS COMMAND...: run under a time limit; a failure is n
   local rc=$?
   echo "== $name: rc $rc in $((SECONDS - start)) s"
   [ "$rc" = 0 ] || failed=1
-}
-head_support() {  # head_support SCALE FILE SECONDS [OPTIONS...]
-  local scale=$1 file=$2 limit=$3
-  shift 3
-  step "head support, scale $scale $*" "$limit" "$python" -m experiments.head_support --device "$device" \
-    "${precision[@]}" --logit_scale "$scale" "${head_shape[@]}" "$@" --output "$out/$file"
 }
 loss_backward() {  # loss_backward SCALE (the smoke's tiny model takes no logit scale)
   local scaled=(--logit_scale "$1")
@@ -123,11 +113,10 @@ if device == "cuda":
 print("\n".join(lines))
 open(path, "w").write("\n".join(lines) + "\n")
 ' "$device" "$out/versions.txt"
-head_support 4 head-support-scale4.json "$head_limit"
+step "the rule alone" "$rule_limit" "$python" -m experiments.benchmark --device "$device" --support_only \
+  "${rule_shape[@]}" --output "$out/support-rule.json"
 loss_backward 4
-head_support 1 head-support-scale1.json "$head_limit"
-head_support 8 head-support-scale8.json "$head_limit"
 loss_backward 1
-head_support 4 head-support-scale4-widths.json "$widths_limit" --rows_at_once 512 1024 2048 4096
+loss_backward 8
 echo "== done: $([ "$failed" = 0 ] && echo 'every step passed' || echo 'a step failed (above)')"
 exit "$failed"

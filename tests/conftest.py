@@ -121,14 +121,6 @@ def logged_values(trainer, key) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if entry.get(key) is not None]
 
 
-@pytest.fixture
-def tile_reads(monkeypatch) -> list[bool]:
-    """For each time pi's support is scored, whether it was read from TRL's fused-head tiles (`recording_tile_reads`)."""
-    from .tile_reads import recording_tile_reads
-
-    return recording_tile_reads(monkeypatch.setattr)
-
-
 def parity_reward(completions, **kwargs) -> list[float]:
     """+1 when the completion's character codes sum to an even number, else -1: a coin flip for a random-init
     model, so groups have reward variance and every update is non-trivial."""

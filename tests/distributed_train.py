@@ -12,8 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import torch  # noqa: E402
-from tile_reads import recording_tile_reads  # noqa: E402  (tests/ is this script's first path)
 
+import topr_trl.trainer as trainer_module  # noqa: E402
 from topr_trl import TOPRConfig, TOPRTrainer  # noqa: E402
 from topr_trl.distributed import end_process_group  # noqa: E402
 from topr_trl.offline import load_offline_dataset, stored_reward  # noqa: E402
@@ -30,8 +30,11 @@ def main(model_path: str, data_dir: str, output_dir: str, results_dir: str, per_
     )
     trainer = TOPRTrainer(model=model_path, reward_funcs=stored_reward, args=args,
                           train_dataset=load_offline_dataset(data_dir))
-    # whether pi's support (data sampled with truncation) was read from TRL's head tiles in every loss call
-    tile_reads = recording_tile_reads(setattr)
+    # how many times pi was scored on mu's support (data sampled with truncation): the head projected on each rank,
+    # gathered under ZeRO-3
+    scored = []
+    scoring = trainer_module.completion_processed_log_probs
+    trainer_module.completion_processed_log_probs = lambda *a, **k: scored.append(1) or scoring(*a, **k)
     trainer.train()
     parameters = dict(trainer.model.named_parameters())
     if trainer.is_deepspeed_enabled and trainer.accelerator.deepspeed_plugin.zero_stage == 3:
@@ -44,7 +47,7 @@ def main(model_path: str, data_dir: str, output_dir: str, results_dir: str, per_
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     rank = trainer.accelerator.process_index
     result = {"rank": rank, "world": trainer.accelerator.num_processes, "losses": losses,
-              "steps": trainer.state.global_step, "tile_reads": tile_reads}
+              "steps": trainer.state.global_step, "support_scored": len(scored)}
     torch.save(gathered, os.path.join(results_dir, f"parameters-rank{rank}.pt"))
     with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as handle:
         json.dump(result, handle)

@@ -421,7 +421,7 @@ def test_async_topr_on_trls_worker_sampling_with_top_k_or_top_p_gives_pi_over_mu
     from trl.chat_template_utils import qwen3_template
 
     from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer
-    from topr_trl.sampler_support import SamplerProcessing
+    from topr_trl.support import SamplerProcessing
 
     tokenizer = AutoTokenizer.from_pretrained(reasoning_model)
     tokenizer.response_template = qwen3_template

@@ -432,6 +432,19 @@ def branch_losses(
     return positive, negative
 
 
+def reads_the_ratio(signal: torch.Tensor, spec: PolicyLossSpec) -> torch.Tensor:
+    """(B,) whether each trajectory's weight depends on pi/mu: not where Eq. 7's limits of its branch (a+ = b+ for
+    signal >= 0, a- = b- below) pin the weight to one value, as canonical TOPR's [1, 1] does for positives (an SFT
+    step) and SFT's [0, 0] for negatives; always for a loss outside Eq. 7 (PPO, CISPO, Kimi-1.5)."""
+    is_positive = signal.reshape(-1) >= 0
+    limits = spec.limits
+    if limits is None:
+        return torch.ones_like(is_positive)
+    positive_reads = limits.positive_lower != limits.positive_upper
+    negative_reads = limits.negative_lower != limits.negative_upper
+    return (is_positive & positive_reads) | (~is_positive & negative_reads)
+
+
 def reward_signal(rewards: torch.Tensor, baseline: float | str, num_generations: int) -> torch.Tensor:
     """The paper's signal s(tau) = R(tau) - c for a generation batch of rewards (B,), grouped by prompt in runs of
     `num_generations`. `baseline` is c: a number, "group_mean" (the mean reward of the prompt's completions) or

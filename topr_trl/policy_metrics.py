@@ -13,11 +13,15 @@ import torch
 from .loss import MAX_LOG_RATIO, PolicyTerms
 
 
-def _ratio_and_branches(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor):
-    """pi/mu (bounded like the loss's), and the elements of each branch (trajectories, or completion tokens)."""
+def _ratio_and_branches(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor,
+                        read: torch.Tensor | None = None):
+    """pi/mu (bounded like the loss's), and the elements of each branch (trajectories, or completion tokens), only
+    those of the trajectories `read` (B,) names where given."""
     signal = signal.detach().float().reshape(-1, 1)
     sequence_level = terms.log_ratio.size(1) == 1
     element_mask = torch.ones_like(terms.log_ratio, dtype=torch.float) if sequence_level else mask.float()
+    if read is not None:
+        element_mask = element_mask * read.reshape(-1, 1).to(element_mask)
     ratio = terms.log_ratio.float().clamp(max=MAX_LOG_RATIO).exp()
     return signal, ratio, element_mask * (signal > 0), element_mask * (signal < 0)
 
@@ -31,7 +35,8 @@ def _truncated(terms: PolicyTerms, ratio: torch.Tensor, negative_weight: float) 
 
 
 def metric_sums(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, entropies: torch.Tensor,
-                loss: torch.Tensor, negative_weight: float) -> dict[str, torch.Tensor]:
+                loss: torch.Tensor, negative_weight: float, read: torch.Tensor | None = None
+                ) -> dict[str, torch.Tensor]:
     """This process's sums, by name: the caller adds them over processes (one collective over the values, in the
     dict's order) and hands the totals to `policy_metrics`.
 
@@ -39,8 +44,10 @@ def metric_sums(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, en
     lambda- * pi/mu, by more than a relative 1e-4 (or four roundings of the weights' dtype, if coarser): a ratio of
     1 + 1e-6 (mu = pi, log-probs recomputed in another batch layout) is not truncated by b- = 1. For Eq. 7's losses
     this is "pi/mu lies outside [a-, b-] by more than the tolerance"; it also covers CISPO's and PPO's clipping (PPO's
-    weight drops to 0 where it clips)."""
+    weight drops to 0 where it clips). The ratio's statistics cover the trajectories `read` (B,) names (all: None);
+    the weights' cover every trajectory."""
     signal, ratio, in_positive, in_negative = _ratio_and_branches(terms, signal, mask)
+    _, _, ratio_in_positive, ratio_in_negative = _ratio_and_branches(terms, signal, mask, read)
     mask = mask.float()
     weights = terms.weights.float()
     outside = _truncated(terms, ratio, negative_weight)
@@ -51,12 +58,14 @@ def metric_sums(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, en
     magnitude = (mean_weight * signal).abs()  # |w s|: each trajectory's share of the update (p~ of Eq. 12)
     sums = {
         "n_positive": (signal > 0).sum(), "n_negative": (signal < 0).sum(), "n_zero": (signal == 0).sum(),
-        "ratio_sum_positive": (ratio * in_positive).sum(), "ratio_sum_negative": (ratio * in_negative).sum(),
-        "ratio_count_positive": in_positive.sum(), "ratio_count_negative": in_negative.sum(),
-        "ratio_sq_sum_positive": (ratio.square() * in_positive).sum(),
-        "ratio_sq_sum_negative": (ratio.square() * in_negative).sum(),
+        "ratio_sum_positive": (ratio * ratio_in_positive).sum(),
+        "ratio_sum_negative": (ratio * ratio_in_negative).sum(),
+        "ratio_count_positive": ratio_in_positive.sum(), "ratio_count_negative": ratio_in_negative.sum(),
+        "ratio_sq_sum_positive": (ratio.square() * ratio_in_positive).sum(),
+        "ratio_sq_sum_negative": (ratio.square() * ratio_in_negative).sum(),
         "weight_sum_positive": (weights * in_positive).sum(), "weight_sum_negative": (weights * in_negative).sum(),
-        "truncated_negative": (outside * in_negative).sum(),
+        "count_positive": in_positive.sum(), "count_negative": in_negative.sum(),
+        "truncated_negative": (outside * ratio_in_negative).sum(),
         "mass_positive": (magnitude * (signal >= 0)).sum(), "mass_total": magnitude.sum(),
         "nonfinite_loss": (~torch.isfinite(loss.detach())).sum(),
         "entropy_sum": (entropies.detach() * mask).sum(), "token_count": mask.sum(),
@@ -64,10 +73,11 @@ def metric_sums(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, en
     return {name: value.float() for name, value in sums.items()}
 
 
-def ratio_minima(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def ratio_minima(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, read: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """(min positive ratio, min negative ratio, -max positive ratio, -max negative ratio) on this process, inf for an
     empty branch (also when this process has no trajectory at all): the caller takes the minimum over processes."""
-    _, ratio, in_positive, in_negative = _ratio_and_branches(terms, signal, mask)
+    _, ratio, in_positive, in_negative = _ratio_and_branches(terms, signal, mask, read)
     inf = torch.tensor([float("inf")], device=ratio.device)
 
     def least(values: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
@@ -81,11 +91,12 @@ RATIO_QUANTILES = (0.1, 0.5, 0.9)
 """The quantiles of pi/mu logged per branch (`topr/ratio_<branch>/p10`, `/p50`, `/p90`)."""
 
 
-def branch_ratios(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def branch_ratios(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, read: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """(2, N): every element's pi/mu (trajectories, or completion tokens), on the positive row where it is a positive
     and on the negative row where it is a negative, NaN elsewhere: what the caller pads and gathers over processes
     for `ratio_quantiles`."""
-    _, ratio, in_positive, in_negative = _ratio_and_branches(terms, signal, mask)
+    _, ratio, in_positive, in_negative = _ratio_and_branches(terms, signal, mask, read)
     nan = torch.tensor(float("nan"), device=ratio.device)
     return torch.stack([torch.where(in_positive.bool(), ratio, nan).flatten(),
                         torch.where(in_negative.bool(), ratio, nan).flatten()])
@@ -144,8 +155,8 @@ def policy_metrics(totals: dict[str, float], minima: list[float], branch_losses:
             totals["ratio_count_positive"] + totals["ratio_count_negative"]),
         "topr/ratio_negative/ess_fraction": effective_sample_size_fraction(
             totals["ratio_sum_negative"], totals["ratio_sq_sum_negative"], totals["ratio_count_negative"]),
-        "topr/weight_positive/mean": share("weight_sum_positive", "ratio_count_positive"),
-        "topr/weight_negative/mean": share("weight_sum_negative", "ratio_count_negative"),
+        "topr/weight_positive/mean": share("weight_sum_positive", "count_positive"),
+        "topr/weight_negative/mean": share("weight_sum_negative", "count_negative"),
         "topr/negative_truncated_fraction": share("truncated_negative", "ratio_count_negative"),
         "topr/loss_positive": branch_losses[0],
         "topr/loss_negative": branch_losses[1],
@@ -181,12 +192,13 @@ STALENESS_BIN_SUMS = ("count_positive", "ratio_sum_positive", "count_negative", 
 
 
 def staleness_bin_sums(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, trajectory_bins: torch.Tensor,
-                       num_bins: int, negative_weight: float) -> torch.Tensor:
+                       num_bins: int, negative_weight: float, read: torch.Tensor | None = None) -> torch.Tensor:
     """This process's (num_bins, len(STALENESS_BIN_SUMS)) sums of each trajectory's pi/mu by the staleness bin of
     the sample it came from (`trajectory_bins`, (S,), -1 where unknown: left out): how far the policy moved from mu
     at each lag, per branch. The caller adds them over processes and `staleness_bin_metrics` divides. Elements are
-    trajectories for sequence-level ratios, completion tokens for token-level ones (each in its trajectory's bin)."""
-    _, ratio, in_positive, in_negative = _ratio_and_branches(terms, signal, mask)
+    trajectories for sequence-level ratios, completion tokens for token-level ones (each in its trajectory's bin),
+    of the trajectories `read` (B,) names where given."""
+    _, ratio, in_positive, in_negative = _ratio_and_branches(terms, signal, mask, read)
     bins = trajectory_bins.to(ratio.device).long().reshape(-1, 1).expand_as(ratio)
     known = bins >= 0
     in_either = in_positive + in_negative

@@ -12,8 +12,7 @@ from trl.trainer.utils import get_config_model_id
 
 from .config import TOPRConfig, topr_setting
 from .grpo_mirror import GRPOLossMirror
-from .head_tiles import HeadTileSupport, completion_rows
-from .loss import POLICY_LOSSES, baseline_for_target_share, policy_per_token_loss, reward_signal
+from .loss import POLICY_LOSSES, baseline_for_target_share, policy_per_token_loss, reads_the_ratio, reward_signal
 from .offline.replay import OfflineReplay, prepare_replayed_datasets
 from .offline.schema import checked_reward_function, is_offline_dataset, stored_processing
 from .packaged_models import converted_source
@@ -21,13 +20,15 @@ from .policy_metrics import (
     drift_and_mismatch,
     drift_and_mismatch_sums,
 )
-from .sampler_support import (
+from .sources import needs_resolving, resolve_model_source
+from .support import (
     SamplerProcessing,
+    captured_outputs,
+    completion_processed_log_probs,
     fused_head_parts,
     history_dependent_sampling,
     on_mus_support,
 )
-from .sources import needs_resolving, resolve_model_source
 from .trainer_shared import TOPR_NAME, TOPR_PAPER, TOPR_TAG_NAMES, PolicyMetricsLogging, trained_method
 from .vllm_colocate import use_cpu_weight_reload
 from .vllm_server.client import GlooServerGeneration, server_generation_arguments, uses_gloo_server
@@ -110,7 +111,7 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
     def _mu_processing(self, args) -> SamplerProcessing | None:
         """How mu turned logits into its sampling distribution, when it differs from what TRL scores the policy with
         (the whole vocabulary at the trainer's temperature): then pi is scored on mu's support
-        (`topr_trl.sampler_support`). Online it is this trainer's generation settings (vLLM's filter order with vLLM);
+        (`topr_trl.support`). Online it is this trainer's generation settings (vLLM's filter order with vLLM);
         offline, the stored rows' `behaviour_sampling` (one processing for the dataset), else the trainer's settings,
         said once."""
         engine = "vllm" if self.use_vllm else "transformers"
@@ -124,27 +125,27 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
         return processing if processing.differs_from(self.temperature) else None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args,
-                                           score_on_support: bool = True, **kwargs):
+                                           scored_rows: torch.Tensor | None = None, **kwargs):
         """GRPOTrainer's log-probs (its fused head: the whole vocabulary at the trainer's temperature), plus, for
         TOPR's losses when mu's sampling truncated or used another temperature, the constant that scores pi on mu's
-        support (`topr_trl.sampler_support`): pi/mu is then exact at learning rate 0, and the gradient stays GRPO's.
-        The support is read from the logits tiles TRL's fused head projects (`topr_trl.head_tiles`): no second forward
-        pass, and no second projection through the output layer. `score_on_support=False`
-        leaves the constant out where nothing reads the log-probs' values (`_mu_is_this_forward`)."""
-        processing = self._sampler_processing if score_on_support else None
-        if processing is None:
+        support (`topr_trl.support`): pi/mu is then exact at learning rate 0, and the gradient stays GRPO's. The
+        backbone's hidden states of the same forward are projected again for the sequences `scored_rows` (B,) names
+        (every one by default; none where nothing reads the log-probs' values, see `_rows_reading_the_ratio`)."""
+        processing = self._sampler_processing
+        if processing is None or (scored_rows is not None and not bool(scored_rows.any())):
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                               *args, **kwargs)
         backbone, owner = fused_head_parts(model)
-        with HeadTileSupport(backbone, owner, processing,
-                             completion_rows(input_ids, attention_mask, logits_to_keep)) as support:
+        with captured_outputs(backbone) as captured:
             logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        completion_mask = attention_mask[:, -logits_to_keep:]
-        processed = torch.zeros(completion_mask.shape, dtype=torch.float32, device=logps.device)
-        processed[completion_mask.bool()] = support.processed(
-            support.captured.head_dtype(self.args.cast_lm_head_to_fp32)).to(logps.device)
-        return on_mus_support(logps, processed, completion_mask), entropies, aux_loss
+        scored = attention_mask
+        if scored_rows is not None:
+            scored = attention_mask * scored_rows.to(attention_mask).unsqueeze(-1)
+        processed = completion_processed_log_probs(
+            owner, torch.cat(captured.hidden), input_ids, scored, logits_to_keep, processing,
+            captured.head_dtype(self.args.cast_lm_head_to_fp32))
+        return on_mus_support(logps, processed.to(logps.device), scored[:, -logits_to_keep:]), entropies, aux_loss
 
     @staticmethod
     def _generates_on_gloo_server(args) -> bool:
@@ -286,13 +287,17 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
             loss = loss * 0.0
         return loss
 
-    def _mu_is_this_forward(self, inputs) -> bool:
-        """Whether mu's log-probs will be this forward's own, detached (on-policy, GRPO computed no others), and no KL
-        compares the policy's log-probs with the reference's: then pi/mu is 1 whatever the support, and scoring pi on
-        mu's support (an extra pass through the output layer) would shift both sides alike. Off-policy data (a
-        sampler's log-probs, the policy's at generation time, stored rows) is always scored on the support."""
-        return (inputs.get("sampling_per_token_logps") is None and inputs.get("old_per_token_logps") is None
-                and self.beta == 0.0)
+    def _rows_reading_the_ratio(self, signal: torch.Tensor, on_policy: bool) -> torch.Tensor:
+        """(B,) the sequences whose log-probs' values must be pi's on mu's support (`topr_trl.support`): those whose
+        weight reads pi/mu (`reads_the_ratio`: not canonical TOPR's positives, whose weight is pinned at 1), every one
+        where a KL term or GRPO's off-policy mask reads the log-probs too, and none `on_policy` (mu's log-probs are
+        this forward's own, detached: GRPO kept none from generation time) without KL: pi/mu is then 1 whatever the
+        support."""
+        if self.beta != 0.0 or self.off_policy_mask_threshold is not None:
+            return torch.ones_like(signal.reshape(-1), dtype=torch.bool)
+        if on_policy:
+            return torch.zeros_like(signal.reshape(-1), dtype=torch.bool)
+        return reads_the_ratio(signal, self._loss_spec)
 
     def _topr_loss(self, model, inputs):
         """TOPR's contribution: the per-token policy loss of the configured loss type (`topr_trl.loss.POLICY_LOSSES`)
@@ -300,10 +305,13 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
         mode = "train" if self.model.training else "eval"
         completion_mask = inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        per_token_logps, entropies, aux_loss = self._policy_logps_and_entropies(
-            model, inputs, score_on_support=not self._mu_is_this_forward(inputs))
         signal = inputs["topr_signal"] if self.args.topr_signal == "reward" else inputs["advantages"]
         signal = signal.reshape(-1, 1)
+        on_policy = inputs.get("sampling_per_token_logps") is None and inputs.get("old_per_token_logps") is None
+        scored = self._rows_reading_the_ratio(signal, on_policy)
+        per_token_logps, entropies, aux_loss = self._policy_logps_and_entropies(model, inputs, scored_rows=scored)
+        # pi/mu of a sequence not scored on a truncated mu's support would carry the bias: it is not reported
+        ratio_read = scored if self._sampler_processing is not None and not on_policy else None
         # mu: the sampler's log-probs when asked for and given (vLLM, a rollout_func, stored rows), else the policy's at
         # generation time; on-policy and aligned, GRPO skipped those: then pi = mu.
         behaviour_logps = None
@@ -315,15 +323,16 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
             behaviour_logps = per_token_logps.detach()
         policy_at_generation, sampler_logps = inputs.get("old_per_token_logps"), inputs.get("sampling_per_token_logps")
         if policy_at_generation is not None and sampler_logps is not None:
+            compared = mask if ratio_read is None else mask * ratio_read.to(mask).unsqueeze(-1)
             totals = self.accelerator.reduce(drift_and_mismatch_sums(per_token_logps, policy_at_generation,
-                                                                     sampler_logps, mask), reduction="sum")
+                                                                     sampler_logps, compared), reduction="sum")
             for name, value in drift_and_mismatch(totals.tolist()).items():
                 self._metrics[mode][name].append(value)
         terms = policy_per_token_loss(per_token_logps, behaviour_logps, signal, mask, self._loss_spec)
         loss, policy_per_token, aggregate_kwargs = self._grpo_loss_around_policy_term(
             inputs, mode, mask, terms.per_token_loss, per_token_logps, entropies, aux_loss, signal, behaviour_logps)
         nonfinite, ratio_ranges = self._log_policy_metrics(mode, terms, signal, mask, entropies, policy_per_token,
-                                                           aggregate_kwargs, loss)
+                                                           aggregate_kwargs, loss, ratio_read)
         if nonfinite:
             self._on_nonfinite_loss(nonfinite, ratio_ranges)
         return loss

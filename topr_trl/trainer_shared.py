@@ -39,14 +39,16 @@ class PolicyMetricsLogging:
     """TOPR's metrics and the non-finite-loss check, shared by `TOPRTrainer` and the asynchronous trainer
     (`topr_trl.asynchronous`): both have `accelerator`, `args.topr_signal`, `_loss_spec`, `_metrics` and `state`."""
 
-    def _log_policy_metrics(self, mode, terms, signal, mask, entropies, policy_per_token, aggregate_kwargs, loss):
+    def _log_policy_metrics(self, mode, terms, signal, mask, entropies, policy_per_token, aggregate_kwargs, loss,
+                            ratio_read=None):
         """TOPR's metrics (`topr_trl.policy_metrics`), reduced over processes with two collectives, so every rank logs
         every key; returns what `_on_nonfinite_loss` needs (the number of processes whose loss is not finite, and the
-        ratio ranges), which every rank agrees on."""
-        sums = metric_sums(terms, signal, mask, entropies, loss, self._loss_spec.negative_weight)
+        ratio ranges), which every rank agrees on. `ratio_read` (B,) leaves out of the ratio statistics the sequences
+        whose pi was not scored on mu's support (None: every sequence's pi/mu is reported)."""
+        sums = metric_sums(terms, signal, mask, entropies, loss, self._loss_spec.negative_weight, ratio_read)
         reduced = self.accelerator.reduce(torch.stack(list(sums.values())), reduction="sum").tolist()
         totals = dict(zip(sums, reduced, strict=True))
-        minima = ratio_minima(terms, signal, mask)
+        minima = ratio_minima(terms, signal, mask, ratio_read)
         losses = torch.stack(branch_losses(policy_per_token, terms.is_positive, mask, **aggregate_kwargs)).float()
         # one collective for both: each process's row is its minima then its branch losses
         gathered = self.accelerator.gather(torch.cat([minima, losses]).unsqueeze(0))
@@ -54,7 +56,7 @@ class PolicyMetricsLogging:
         # a process that trained no trajectory (an empty packed row) has NaN branch losses and joins the mean as none
         values = policy_metrics(totals, all_minima.amin(dim=0).tolist(), all_losses.nanmean(dim=0).tolist(),
                                 reward_signal=self.args.topr_signal == "reward")
-        ratios = branch_ratios(terms, signal, mask)
+        ratios = branch_ratios(terms, signal, mask, ratio_read)
         if self.accelerator.num_processes > 1:  # every process's ratios, NaN-padded to one length
             ratios = self.accelerator.pad_across_processes(ratios, dim=1, pad_index=float("nan"))
             ratios = self.accelerator.gather(ratios.unsqueeze(0)).transpose(0, 1).flatten(1)

@@ -37,8 +37,8 @@ import torch
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from ..prompts import tokenize_prompts
-from ..sampler_support import SamplerProcessing
 from ..sampling import generate_completions
+from ..support import SamplerProcessing
 
 
 # The reward functions' extra keyword arguments, as GRPOTrainer passes them (the dataset's other columns).

@@ -32,16 +32,17 @@ from transformers.utils import logging
 from trl.chat_template_utils import add_response_schema, qwen3_template
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-from ..head_tiles import HeadTileSupport, packed_rows
-from ..loss import packed_topr_loss, unpack_segments
+from ..loss import packed_topr_loss, reads_the_ratio, unpack_segments
 from ..policy_metrics import staleness_bin_metrics, staleness_bin_sums
-from ..sampler_support import (
+from ..sources import needs_resolving, resolve_model_source
+from ..support import (
     SamplerProcessing,
+    captured_outputs,
+    chunked_processed_log_probs,
     fused_head_parts,
     history_dependent_sampling,
     on_mus_support,
 )
-from ..sources import needs_resolving, resolve_model_source
 from ..trainer_shared import TOPR_PAPER, PolicyMetricsLogging, trained_method
 from ..vllm_server import BACKEND
 from ..vllm_server.client import GlooWeightTransfer, server_weight_backend
@@ -305,20 +306,23 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
         return processing if processing.differs_from(self.temperature) else None
 
     def _scored_packed_forward(self, model, inputs):
-        """`_packed_forward`, with pi scored on the support the worker sampled from (`topr_trl.sampler_support`)
-        when its sampling truncated: the constant per token is read from the logits tiles TRL's fused head projects
-        in the same forward (`topr_trl.head_tiles`)."""
+        """`_packed_forward`, with pi scored on the support the worker sampled from (`topr_trl.support`) when its
+        sampling truncated, for the tokens whose weight reads pi/mu (`reads_the_ratio`; every sample here is
+        off-policy): the backbone's hidden states of the same forward, projected again for those tokens."""
         if self._sampler_processing is None:
             return self._packed_forward(model, inputs)
         backbone, owner = fused_head_parts(model)
-        token_index = inputs["token_index"][inputs["token_index"] >= 0]
-        ascending, order = token_index.sort()
-        labels = inputs["shift_labels"][inputs["attention_mask"].bool()]
-        with HeadTileSupport(backbone, owner, self._sampler_processing, packed_rows(labels, ascending)) as support:
+        with captured_outputs(backbone) as captured:
             log_probs, entropy, selected, aux_loss = self._packed_forward(model, inputs)
-        processed = torch.empty(token_index.shape, dtype=torch.float32, device=log_probs.device)
-        processed[order.to(log_probs.device)] = support.processed(support.captured.head_dtype()).to(log_probs.device)
-        return on_mus_support(log_probs, processed, 1), entropy, selected, aux_loss
+        scored = reads_the_ratio(inputs["advantages"][selected], self._loss_spec).to(log_probs.device)
+        # the packed row's hidden state at position t predicts its label `shift_labels` at t (TRL's packed forward)
+        hidden = torch.cat([state.reshape(-1, state.size(-1)) for state in captured.hidden])
+        labels = inputs["shift_labels"][inputs["attention_mask"].bool()].to(hidden.device)
+        rows = inputs["token_index"][selected].to(hidden.device)[scored.to(hidden.device)]
+        processed = torch.zeros(log_probs.shape, dtype=torch.float32, device=log_probs.device)
+        processed[scored] = chunked_processed_log_probs(owner, hidden[rows], labels[rows], self._sampler_processing,
+                                                        captured.head_dtype()).to(log_probs.device)
+        return on_mus_support(log_probs, processed, scored), entropy, selected, aux_loss
 
     # ------------------------------------------------------------------ the loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -351,15 +355,17 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
         with torch.no_grad():
             entropies, _ = unpack_segments(entropy.detach(), segment_id)
             signal, _ = unpack_segments(token_signal.to(log_probs.dtype), segment_id)
+            # pi/mu of a sample not scored on a truncated mu's support would carry the bias: it is not reported
+            read = reads_the_ratio(signal[:, :1], self._loss_spec) if self._sampler_processing is not None else None
             nonfinite, ratio_ranges = self._log_policy_metrics(
-                "train", terms, signal[:, :1], mask, entropies, terms.per_token_loss, aggregate_kwargs, loss)
-            self._log_staleness_metrics(terms, signal[:, :1], mask, inputs.get("trajectory_model_version"))
+                "train", terms, signal[:, :1], mask, entropies, terms.per_token_loss, aggregate_kwargs, loss, read)
+            self._log_staleness_metrics(terms, signal[:, :1], mask, inputs.get("trajectory_model_version"), read)
         if nonfinite:
             self._on_nonfinite_loss(nonfinite, ratio_ranges)
         self._account_step(inputs)
         return loss
 
-    def _log_staleness_metrics(self, terms, signal, mask, versions) -> None:
+    def _log_staleness_metrics(self, terms, signal, mask, versions, read=None) -> None:
         """pi/mu by the staleness of the samples at this step (`topr_trl.policy_metrics.staleness_bin_metrics`): the
         main process's policy version (the one that counts syncs) broadcast, and one reduction; every rank joins both,
         since the batch holds `trajectory_model_version` on every rank or on none."""
@@ -370,7 +376,8 @@ class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
         if self.accelerator.num_processes > 1:
             current = broadcast(current, from_process=0)
         bins = torch.where(versions >= 0, staleness_bin_indices(current - versions), -1)
-        sums = staleness_bin_sums(terms, signal, mask, bins, len(STALENESS_BINS), self._loss_spec.negative_weight)
+        sums = staleness_bin_sums(terms, signal, mask, bins, len(STALENESS_BINS), self._loss_spec.negative_weight,
+                                  read)
         totals = self.accelerator.reduce(sums, reduction="sum")
         for name, value in staleness_bin_metrics(totals.cpu(), STALENESS_BIN_NAMES).items():
             self._metrics["train"][name].append(value)

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ..prompts import tokenize_prompts
-from ..sampler_support import SamplerProcessing
 from ..sampling import generate_completions
+from ..support import SamplerProcessing
 
 
 def sample_with_logps(

@@ -19,7 +19,7 @@ from trl.trainer.utils import is_async_callable
 
 from ..loss import POLICY_LOSSES
 from ..prompts import tokenize_prompts
-from ..sampler_support import SamplerProcessing
+from ..support import SamplerProcessing
 
 
 logger = logging.get_logger(__name__)

@@ -1,6 +1,7 @@
-"""pi on the support mu sampled from (`topr_trl.sampler_support`): the support against transformers' own warpers,
-hand-computed processed log-probs, the head held to TRL's fused log-probs, and pi/mu = 1 at learning rate 0 when mu
-truncated (top-k, top-p) on the offline and online transformers paths (tests/test_vllm.py: the vLLM ones)."""
+"""pi on the support mu sampled from (`topr_trl.support`): the support against transformers' own warpers and an
+independent sorted reference, hand-computed processed log-probs, the head held to TRL's fused log-probs, only the
+sequences whose weight reads pi/mu scored, and pi/mu = 1 at learning rate 0 when mu truncated (top-k, top-p) on the
+offline and online transformers paths (tests/test_vllm.py: the vLLM ones)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from transformers.generation.logits_process import (
 
 from topr_trl import TOPRConfig, TOPRTrainer
 from topr_trl.offline import generate_offline_dataset, stored_reward
-from topr_trl.sampler_support import (
+from topr_trl.support import (
     SamplerProcessing,
+    captured_outputs,
     completion_processed_log_probs,
     fused_head_parts,
     head_logits,
@@ -149,8 +151,6 @@ def test_the_head_is_the_one_trls_fused_log_probs_use(family):
     input_ids = torch.randint(0, 97, (3, 9))
     labels = input_ids.clone()
     backbone, owner = fused_head_parts(model)
-    from topr_trl.sampler_support import captured_outputs
-
     with torch.no_grad(), captured_outputs(backbone) as captured:
         fused = model(input_ids=input_ids, labels=labels, fused_lm_head=True).log_probs
     hidden = captured.hidden
@@ -171,8 +171,6 @@ def test_under_autocast_the_head_projects_in_trls_dtype():
     projection an earlier version made is off by the bf16 rounding of the logits (0.12 here), over 100 times more."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from trl.trainer.utils import add_fused_lm_head
-
-    from topr_trl.sampler_support import captured_outputs
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -263,13 +261,14 @@ def test_on_policy_without_kl_the_support_is_not_scored_and_training_is_the_same
                                                                                   tmp_path, monkeypatch):
     """On-policy (GRPO keeps no log-probs from generation time, mu is this forward's own) and without KL, pi/mu is 1
     whatever the support: the trainer skips the extra pass through the output layer, and two optimiser steps give
-    bitwise the parameters of the same run forced to score the support (a constant added to log pi moves no
+    bitwise the parameters of the same run forced to score every sequence (a constant added to log pi moves no
     gradient). With a step per generation more, mu is the policy at generation time and the support is scored."""
-    from topr_trl.head_tiles import HeadTileSupport
+    import topr_trl.trainer as trainer_module
 
     calls = []
-    scored = HeadTileSupport.processed
-    monkeypatch.setattr(HeadTileSupport, "processed", lambda *a, **k: calls.append(1) or scored(*a, **k))
+    scored = trainer_module.completion_processed_log_probs
+    monkeypatch.setattr(trainer_module, "completion_processed_log_probs",
+                        lambda *a, **k: calls.append(1) or scored(*a, **k))
 
     def trained(name, **overrides):
         torch.manual_seed(0)
@@ -282,7 +281,8 @@ def test_on_policy_without_kl_the_support_is_not_scored_and_training_is_the_same
     skipped = trained("skipped")
     assert calls == []
     with monkeypatch.context() as forced:
-        forced.setattr(TOPRTrainer, "_mu_is_this_forward", lambda self, inputs: False)
+        forced.setattr(TOPRTrainer, "_rows_reading_the_ratio",
+                       lambda self, signal, on_policy: torch.ones(signal.numel(), dtype=torch.bool))
         scored_run = trained("scored")
     assert len(calls) == 2  # one loss call per step
     assert all(torch.equal(a, b) for a, b in zip(skipped, scored_run, strict=True))
@@ -298,7 +298,7 @@ def test_the_log_probs_in_chunks_equal_the_log_probs_at_once(monkeypatch):
     on AMD Zen 4 with the same torch build)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    import topr_trl.sampler_support as support
+    import topr_trl.support.scoring as support
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -379,11 +379,10 @@ def test_behaviour_sampling_travels_through_the_files_a_user_keeps(suffix, trunc
     SamplerProcessing(top_k=3), SamplerProcessing(top_k=50), SamplerProcessing(top_p=0.9), SamplerProcessing(top_p=0.3),
     SamplerProcessing(min_p=0.05), SamplerProcessing(temperature=0.7, top_k=40, top_p=0.8),
     SamplerProcessing(top_k=20, min_p=0.2), SamplerProcessing(top_p=0.95, min_p=0.01, engine="vllm")])
-def test_the_support_decided_on_the_largest_logits_is_the_whole_vocabularys(processing):
-    """`processed_log_probs` decides the support on the largest logits and falls back to the whole vocabulary where
-    they do not decide it: against log-softmax over transformers' own support (plus the sampled token) on a
-    2,000-token vocabulary wider than the candidates, with flat rows (the nucleus runs past them), peaked rows, rows
-    of ties at the top, and sampled tokens inside and outside the support. float32 logsumexps of one support in two
+def test_the_log_probs_are_the_log_softmax_over_transformers_support(processing):
+    """`processed_log_probs` (top-k on the k largest logits, the other filters on the sorted row) against log-softmax
+    over transformers' own support (plus the sampled token) on a 2,000-token vocabulary, with flat rows, peaked rows,
+    rows of ties at the top, and sampled tokens inside and outside the support. float32 logsumexps of one support in two
     orders: within 2e-5 of values up to ~10."""
     generator = torch.Generator().manual_seed(3)
     logits = torch.randn(48, 2000, generator=generator) * torch.linspace(0.05, 8, 48).unsqueeze(1)
@@ -411,10 +410,8 @@ def log_softmax_on_support(scaled: torch.Tensor, keep: torch.Tensor, tokens: tor
     SamplerProcessing(top_k=3), SamplerProcessing(top_p=0.9), SamplerProcessing(min_p=0.05),
     SamplerProcessing(temperature=0.7, top_k=40, top_p=0.8), SamplerProcessing(top_p=0.95, min_p=0.01, engine="vllm")])
 def test_bf16_logits_give_bitwise_the_log_probs_of_their_float32_copy(processing):
-    """Under mixed precision the head's logits arrive in bf16 and are read in it (no float32 copy of every row): the
-    candidates' order and ties are those of the float32 copy, and every value is converted before any arithmetic, so
-    the log-probs are bit for bit those of the float32 copy. bf16 makes ties common; flat rows fall through to the
-    whole vocabulary."""
+    """Under mixed precision the head's logits arrive in bf16: every value is converted before any arithmetic, so
+    the log-probs are bit for bit those of the float32 copy (bf16 makes ties common)."""
     generator = torch.Generator().manual_seed(5)
     logits = (torch.randn(48, 2000, generator=generator) * torch.linspace(0.05, 8, 48).unsqueeze(1)).bfloat16()
     tokens = torch.randint(0, 2000, (48,), generator=generator)
@@ -422,231 +419,132 @@ def test_bf16_logits_give_bitwise_the_log_probs_of_their_float32_copy(processing
                        processed_log_probs(logits.float(), tokens, processing))
 
 
-@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.95, 0.99])
+def reference_log_prob(row: list[float], token: int, processing: SamplerProcessing) -> float:
+    """An independent reference for one row, in float64 Python: the filters in the generator's order, each as the
+    engines write it on what the previous ones kept (top-k the k largest and their ties; top-p: sort ascending,
+    remove the tokens whose cumulative probability is <= 1 - p, keep the largest; min-p: probability >= min_p times
+    the largest), then the log-softmax of the sampled token over what is kept plus that token (unless it ties the
+    smallest kept logit: then it is one of the ties kept)."""
+    scaled = [value / processing.temperature for value in row]
+    kept = list(range(len(scaled)))
+    for name in {"transformers": ("top_k", "top_p", "min_p"), "vllm": ("min_p", "top_k", "top_p")}[processing.engine]:
+        values = sorted((scaled[i] for i in kept), reverse=True)
+        if name == "top_k" and processing.top_k and processing.top_k < len(kept):
+            kept = [i for i in kept if scaled[i] >= values[processing.top_k - 1]]
+        elif name == "top_p" and processing.top_p is not None and processing.top_p < 1:
+            largest = values[0]
+            total = sum(math.exp(v - largest) for v in values)
+            ascending = sorted(kept, key=lambda i: scaled[i])
+            cumulative, removed = 0.0, set()
+            for i in ascending[:-1]:
+                cumulative += math.exp(scaled[i] - largest) / total
+                if cumulative <= 1 - processing.top_p:
+                    removed.add(i)
+            kept = [i for i in kept if i not in removed]
+        elif name == "min_p" and processing.min_p:
+            largest = values[0]
+            kept = [i for i in kept if math.exp(scaled[i] - largest) >= processing.min_p]
+    # a sampled token cut among ties of the smallest kept logit was one of the ties the sampler kept: same count
+    smallest = min(scaled[i] for i in kept)
+    members = set(kept) if token in kept or scaled[token] == smallest else set(kept) | {token}
+    largest = max(scaled[i] for i in members)
+    return scaled[token] - largest - math.log(sum(math.exp(scaled[i] - largest) for i in members))
+
+
+def property_rows(kind: str, rows: int, vocabulary: int, generator: torch.Generator) -> torch.Tensor:
+    """Rows of logits of one shape: flat (a random-weight model's), Zipf-like (a pretrained model's slow tail),
+    peaked (a trained model's confident steps) or tied (runs of equal values, as bf16 rounding makes)."""
+    if kind == "flat":
+        return torch.randn(rows, vocabulary, generator=generator) * 0.3
+    if kind == "zipf":
+        ranks = torch.arange(1, vocabulary + 1, dtype=torch.float32)
+        logits = -1.1 * ranks.log() + 0.3 * torch.randn(rows, vocabulary, generator=generator)
+        return logits[:, torch.randperm(vocabulary, generator=generator)]
+    if kind == "peaked":
+        logits = torch.randn(rows, vocabulary, generator=generator) * 2
+        logits[torch.arange(rows), torch.randint(0, vocabulary, (rows,), generator=generator)] += 12
+        return logits
+    return (torch.randn(rows, vocabulary, generator=generator) * 2).round()  # integers: many ties everywhere
+
+
+PROPERTY_PROCESSINGS = [
+    SamplerProcessing(top_k=5), SamplerProcessing(top_k=50), SamplerProcessing(top_p=0.5), SamplerProcessing(top_p=0.95),
+    SamplerProcessing(min_p=0.1), SamplerProcessing(temperature=0.7, top_k=40, top_p=0.9),
+    SamplerProcessing(top_k=30, top_p=0.8, min_p=0.05), SamplerProcessing(top_k=30, top_p=0.8, min_p=0.05, engine="vllm"),
+    SamplerProcessing(temperature=1.3, top_p=0.9, min_p=0.02, engine="vllm")]
+
+
+@pytest.mark.parametrize("kind", ["flat", "zipf", "peaked", "tied"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_top_p_in_bins_is_top_p_sorted(top_p, dtype):
-    """Top-p's support found in value bins (`_keep_top_p_in_bins`, no sort of the vocabulary) is the sorted rule's
-    (`_keep_top_p_sorted`, which transformers' warper is held to above): on 2,000-token rows from flat to peaked,
-    after an earlier filter (top-k 1,500) and where it removed a random third, and on rows of 60 ties at the top.
-    Where the two masks differ, the tokens are ties whose order only the sort decides (bf16 logits), so the kept
-    mass is the same: the logsumexps agree to float32 rounding of one sum in two orders (2e-6 of values <= ~10)."""
-    from topr_trl.sampler_support import _keep_top_k, _keep_top_p_in_bins, _keep_top_p_sorted
-
-    generator = torch.Generator().manual_seed(11)
-    scaled = (torch.randn(96, 2000, generator=generator) * torch.linspace(0.05, 8, 96).unsqueeze(1)).to(dtype).float()
-    scaled[:4, :60] = 5.0
-    every = torch.ones_like(scaled, dtype=torch.bool)
-    for keep in (every, _keep_top_k(scaled, every, 1500), torch.rand(scaled.shape, generator=generator) > 0.33):
-        kept, undecided = _keep_top_p_in_bins(scaled, keep, top_p)
-        expected = _keep_top_p_sorted(scaled, keep, top_p)
-        assert int(undecided.sum()) <= 2  # a cumulative mass within 1e-6 of 1 - p: about one row in 5,000 here
-        decided = ~undecided
-        kept, expected, values = kept[decided], expected[decided], scaled[decided]
-        assert not bool((kept & ~keep[decided]).any())
-        assert_same_support(kept, expected, values)
-        if dtype == torch.float32:  # distinct values (the tied rows first): the same tokens
-            assert torch.equal(kept[decided[:4].sum():], expected[decided[:4].sum():])
-        assert torch.allclose(values.masked_fill(~kept, -math.inf).logsumexp(-1),
-                              values.masked_fill(~expected, -math.inf).logsumexp(-1), rtol=0, atol=2e-6)
-    ties = torch.zeros(1, 60)  # 12 of 60 ties hold exactly 1 - 0.8 of the mass: rounding decides, so the sort does
-    assert _keep_top_p_in_bins(ties, torch.ones_like(ties, dtype=torch.bool), 0.8)[1].tolist() == [True]
-
-
-def test_a_cut_at_the_last_token_under_the_crossing_bin_is_left_to_the_sort():
-    """Four small tokens (each in its own bin) far under one large token, with p such that the four hold 1 - p of
-    the row's mass within rounding: the fourth's cumulative mass is 1 - p, which the sort's order decides. It lies in
-    a bin under the crossing one (the large token's), where no token comes near 1 - p: the row is undecided, not cut
-    where the bins' sum puts it, by the whole row's bins and by the band's (all five tokens its members). With 1 - p
-    halfway through the third token's mass the row is decided: the last three kept."""
-    from topr_trl.sampler_support import _keep_top_p_in_bins, nucleus_from_band
-
-    row = torch.tensor([[0.0, 0.01, 0.02, 0.03, 6.0]])
-    every = torch.ones_like(row, dtype=torch.bool)
-    small = (row[0, :4] - 6.0).double().exp()
-    whole = 1 + float(small.sum())
-    # 1 - p just above the four's mass (2^-21 of it, half of `TOP_P_ROUNDING`): the bins put the crossing in the large
-    # token's bin, past float32's rounding of the sums (a few 2^-24)
-    at_the_cut = 1 - float(small.sum()) * (1 + 2**-21) / whole
-    inside = 1 - float(small[:2].sum() + small[2] / 2) / whole
-    assert _keep_top_p_in_bins(row, every, at_the_cut)[1].tolist() == [True]
-    kept, undecided = _keep_top_p_in_bins(row, every, inside)
-    assert undecided.tolist() == [False] and kept.tolist() == [[False, False, True, True, True]]
-
-    def band(top_p: float):
-        return nucleus_from_band(torch.zeros(5, dtype=torch.long), row[0], torch.zeros(1), (row - 6.0).exp().sum(-1),
-                                 torch.tensor([6.0]), torch.tensor([6.0]), top_p)
-
-    assert band(at_the_cut)[1].tolist() == [True]
-    normaliser, undecided = band(inside)
-    assert undecided.tolist() == [False]
-    torch.testing.assert_close(normaliser, row[:, 2:].logsumexp(-1), rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize("where", ["in the crossing bin", "under it"])
-def test_a_cut_within_rounding_that_may_move_only_negligible_tokens_is_decided_by_the_bins(where):
-    """A row of one large token over many small ones, with 1 - p exactly the cumulative mass of the k-th small token
-    (within `TOP_P_ROUNDING`: the order of the sum decides whether it is removed). "in the crossing bin": the small
-    tokens all at 0, k = 13,107 of them, 1 - p in their bin; "under it": k small tokens at 0 and the next ones at
-    0.5 (another bin), 1 - p the mass of the bin under the crossing one. Where the small tokens weigh 2^-18 of the
-    row (each under `TOP_P_NEGLIGIBLE` = 2^-17 of the support, as a flat 151,936-token row's do), the row is decided
-    by the whole row's bins and by the band's, and its support's logsumexp is the sort's to one small token's share
-    of the support (4.0e-6 or 6.6e-6 at 0.5, the most the cut may move) plus float32's rounding of a log near 12.5
-    (1e-6). Where they weigh 2^-13, the row is left to the sort, as before. The bins' masses are summed in float64:
-    in float32 the 13,107 equal weights under the crossing bin summed 1.4e-4 under their mass, and the bins removed
-    a token at 0.5 as well, far from 1 - p."""
-    from topr_trl.sampler_support import _keep_top_p_in_bins, _keep_top_p_sorted, nucleus_from_band
-
-    for total, decided in ((2.0**18, True), (2.0**13, False)):
-        k = int(0.05 * total)
-        if where == "in the crossing bin":
-            small = torch.zeros(int(total * 0.15))
-        else:
-            small = torch.cat([torch.zeros(k), torch.full((int(total * 0.1),), 0.5)])
-        rest = total - float(small.double().exp().sum())
-        row = torch.cat([small, torch.tensor([math.log(rest)])]).unsqueeze(0)
-        top_p = 1 - k / total  # 1 - p is the k-th small token's cumulative mass
-        every = torch.ones_like(row, dtype=torch.bool)
-        kept, undecided = _keep_top_p_in_bins(row, every, top_p)
-        assert undecided.tolist() == [not decided]
-        reference = row.amax(dim=-1)
-        normaliser, band_undecided = nucleus_from_band(torch.zeros(row.size(-1), dtype=torch.long), row[0],
-                                                       torch.zeros(1), (row - reference).exp().sum(-1), reference,
-                                                       reference, top_p)
-        assert band_undecided.tolist() == [not decided]
-        if decided:
-            expected = row.masked_fill(~_keep_top_p_sorted(row, every, top_p), -math.inf).logsumexp(-1)
-            one_token = float(small.max().exp()) / (top_p * total)
-            for got in (row.masked_fill(~kept, -math.inf).logsumexp(-1), normaliser):
-                assert float((got - expected).abs()) <= one_token + 1e-6
-
-
-def test_a_cut_on_the_candidates_within_rounding_of_p_goes_to_the_sort_unless_it_may_move_only_negligible_tokens(
-        monkeypatch):
-    """Top-p decided on a row's 1,024 largest logits (of 2,000), with p exactly the mass above a candidate (the
-    order of the sum decides whether it stays). Ten tied tokens of 0.1 of the mass each and p = 0.7: the cut may
-    move a token of 0.1, so the row is left to the sort (its whole vocabulary, then `_keep_top_p_sorted`), and
-    the value is the sorted rule's (1e-6); decided on the candidates, the eighth tie was kept or not by their sum's
-    rounding (0.13 in the log). One token of most of the mass and 1,999 of 2^-19 each, p the mass above the 101st
-    of them: the cut may move one of 2^-19, so the candidates decide it, within that token's share of the support
-    plus 1e-6 of the sort's value, and no row takes its whole vocabulary."""
-    from topr_trl import sampler_support as support
-
-    sorted_rows, whole_rows = [], []
-    keep_sorted, whole_vocabulary = support._keep_top_p_sorted, support._whole_vocabulary_normaliser
-    monkeypatch.setattr(support, "_keep_top_p_sorted",
-                        lambda scaled, *a: sorted_rows.append(scaled.size(0)) or keep_sorted(scaled, *a))
-    monkeypatch.setattr(support, "_whole_vocabulary_normaliser",
-                        lambda logits, *a: whole_rows.append(logits.size(0)) or whole_vocabulary(logits, *a))
-    ties = torch.cat([torch.zeros(10), torch.full((1990,), -30.0)])
-    light = 2.0**-19 / (1 - 1999 * 2.0**-19)  # each small token's weight against the large token's 1
-    many = torch.cat([torch.zeros(1), torch.full((1999,), math.log(light))])
-    total_many = 1 + 1999 * light
-    for row, top_p, sorted_expected, tolerance in (
-            (ties, 0.7, [1], 1e-6),
-            (many, (1 + 100 * light) / total_many, [], light / ((1 + 100 * light) / total_many) / total_many + 1e-6)):
-        sorted_rows.clear(), whole_rows.clear()
-        row = row.unsqueeze(0)
-        token = torch.zeros(1, dtype=torch.long)
-        processing = SamplerProcessing(top_p=float(top_p))
-        got = support.processed_log_probs(row, token, processing)
-        assert sorted_rows == whole_rows == sorted_expected
-        expected = log_softmax_on_support(row, keep_sorted(row, torch.ones_like(row, dtype=torch.bool), top_p), token)
-        assert float((got - expected).abs()) <= tolerance
-
-
-@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95])
-def test_the_nucleus_decided_on_a_band_of_each_rows_values_is_the_sorted_rules(top_p):
-    """`nucleus_from_band` given, for 12 rows of 3,000 logits from flat to peaked, only the logits in a band around
-    where the ascending mass passes 1 - p (in one shuffled list, rows interleaved), the mass under the band and the
-    whole mass: the support's logsumexp with the sampled token is the sorted rule's (`_keep_top_p_sorted`), to the
-    float32 rounding of 3,000-term sums in two orders (relative 2e-6 of masses of order 1 to 3,000: 2e-6 absolute in
-    the log). A band above the crossing, one under it and a row without members are undecided."""
-    from topr_trl.sampler_support import _keep_top_p_sorted, nucleus_from_band
-
+def test_the_rule_is_the_independent_sorted_reference_on_every_shape_of_row(kind, dtype):
+    """`processed_log_probs` against `reference_log_prob` (float64, one row at a time, no torch) for every processing
+    of `PROPERTY_PROCESSINGS`, on 24 rows of 300 logits of each shape, in float32 and in bf16, with the sampled token
+    the most likely, one inside the support and one anywhere. Tolerance: float32 logsumexps of up to 300 terms of
+    values up to ~25, summed in another order (about 1e-5); a cut one token off would move a value by that token's
+    share of the support, 1e-3 or more here, except where the cumulative mass lies within float32 rounding of
+    1 - p (a token the two sums may order differently, which the test allows on at most one row in 50)."""
     generator = torch.Generator().manual_seed(17)
-    rows = torch.randn(15, 3000, generator=generator) * torch.linspace(0.2, 3.0, 15).unsqueeze(1)
-    reference = rows.amax(dim=-1)
-    weights = (rows - reference[:, None]).exp()
-    keep = _keep_top_p_sorted(rows, torch.ones_like(rows, dtype=torch.bool), top_p)
-    smallest_kept = rows.masked_fill(~keep, math.inf).amin(dim=-1)
-    largest_removed = rows.masked_fill(keep, -math.inf).amax(dim=-1)
-    under = torch.rand(15, generator=generator) * 0.3 + 0.05  # the band's edges: a share of the values around the cut
-    low = largest_removed - under * (largest_removed - rows.amin(dim=-1))
-    high = smallest_kept + under * (reference - smallest_kept)
-    low[12], high[12] = smallest_kept[12] + 1e-3, math.inf  # above the crossing: the removed tokens under the band
-    low[13], high[13] = rows[13].amin(), largest_removed[13]  # under the crossing: every member removed
-    high[14] = low[14]  # no members
-    inside = (rows >= low[:, None]) & (rows < high[:, None])
-    row, column = inside.nonzero(as_tuple=True)
-    shuffled = torch.randperm(row.numel(), generator=generator)
-    below = weights.masked_fill(rows >= low[:, None], 0.0).sum(dim=-1)
-    tokens = torch.stack([keep[r].nonzero()[r % 3, 0] if r % 2 else (~keep[r]).nonzero()[0, 0] for r in range(15)])
-    chosen = rows.gather(-1, tokens[:, None]).squeeze(-1)
-    normaliser, undecided = nucleus_from_band(row[shuffled], rows[row, column][shuffled], below, weights.sum(-1),
-                                              reference, chosen, top_p)
-    assert undecided.tolist() == [False] * 12 + [True] * 3
-    expected = log_softmax_on_support(rows, keep, tokens)
-    torch.testing.assert_close((chosen - normaliser)[:12], expected[:12], rtol=0, atol=2e-6)
+    logits = property_rows(kind, 24, 300, generator).to(dtype)
+    order = logits.float().argsort(-1, descending=True)
+    tokens = torch.cat([order[:8, 0], order[8:16, 3], torch.randint(0, 300, (8,), generator=generator)])
+    for processing in PROPERTY_PROCESSINGS:
+        got = processed_log_probs(logits, tokens, processing)
+        rows = logits.float().double().tolist()
+        expected = torch.tensor([reference_log_prob(row, int(token), processing)
+                                 for row, token in zip(rows, tokens.tolist(), strict=True)])
+        off = ((got.double() - expected).abs() > 1e-5 + 1e-6 * expected.abs()).sum()
+        assert int(off) <= len(rows) // 50, (processing, kind, dtype, got, expected)
 
 
-def test_a_tokens_weight_far_below_its_rows_largest_is_floored_at_float32s_smallest_normal():
-    """`mass_weights` is exp(x - reference) down to x - reference = -87 and e^-87 below it (a subnormal or zero
-    exactly, else). On rows whose logits span hundreds (a trained model's peaked rows), top-p in bins is still the
-    sorted rule, and tokens outside an earlier filter still weigh nothing: the floor moves a row's mass by under
-    1e-32 of itself."""
-    from topr_trl.sampler_support import EXP_FLOOR, _keep_top_p_in_bins, _keep_top_p_sorted, mass_weights
+def test_only_the_sequences_whose_weight_reads_the_ratio_are_scored(truncated_samples, tiny_model_path, tmp_path,
+                                                                     monkeypatch):
+    """Canonical TOPR pins the positives' weight at 1 ([1, 1]): on stored top-k rows (off-policy, so pi is scored on
+    mu's support), the trainer projects only the negatives' tokens, and every gradient is bitwise that of the same
+    step forced to score every sequence. The positives' pi/mu, not scored, is not reported (NaN); the negatives'
+    is 1 at learning rate 0. Under TIS ([0, 1] on both branches) every sequence is scored."""
+    import topr_trl.trainer as trainer_module
 
-    x = torch.tensor([[0.0, -1.5, -50.0, -86.9, -87.0, -87.1, -100.0, -1000.0, -math.inf]])
-    floor = math.exp(EXP_FLOOR)
-    expected = torch.tensor([[1.0, math.exp(-1.5), math.exp(-50.0), math.exp(-86.9), floor, floor, floor, floor,
-                              floor]])
-    torch.testing.assert_close(mass_weights(x, torch.zeros(1, 1)), expected, rtol=2e-6, atol=0)  # exp near e^-87
-    generator = torch.Generator().manual_seed(5)
-    scaled = torch.randn(64, 2000, generator=generator) * torch.linspace(20, 120, 64).unsqueeze(1)
-    every = torch.ones_like(scaled, dtype=torch.bool)
-    for keep in (every, torch.rand(scaled.shape, generator=generator) > 0.33):
-        for top_p in (0.5, 0.95):
-            kept, undecided = _keep_top_p_in_bins(scaled, keep, top_p)
-            assert not bool(undecided.any())
-            assert torch.equal(kept, _keep_top_p_sorted(scaled, keep, top_p))
+    rows_scored = []
+    scoring = trainer_module.completion_processed_log_probs
 
+    def counted(owner, hidden, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        rows_scored.append(int(attention_mask[:, -logits_to_keep:].any(-1).sum()))
+        return scoring(owner, hidden, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
 
-def test_flat_rows_past_the_candidates_are_decided_without_sorting_the_vocabulary(monkeypatch):
-    """A flat 5,000-token row under top_p 0.95 passes the 1,024 candidates and takes the whole vocabulary, where top-p
-    is decided in bins: no row is sorted, and the values are log-softmax over transformers' support (2e-5, as
-    above). A row whose bins the float rounding leaves undecided is sorted, alone."""
-    from topr_trl import sampler_support as support
+    monkeypatch.setattr(trainer_module, "completion_processed_log_probs", counted)
+    data = truncated_samples["top_k"]
 
-    generator = torch.Generator().manual_seed(13)
-    logits = torch.randn(16, 5000, generator=generator) * 0.6
-    tokens = torch.randint(0, 5000, (16,), generator=generator)
-    processing = SamplerProcessing(top_p=0.95)
-    sorted_rows = []
-    keep_sorted = support._keep_top_p_sorted
-    monkeypatch.setattr(support, "_keep_top_p_sorted",
-                        lambda scaled, *a: sorted_rows.append(scaled.size(0)) or keep_sorted(scaled, *a))
-    keep = transformers_support(logits, processing)
-    assert bool((keep.sum(-1) > support.SUPPORT_CANDIDATES).all())
-    expected = log_softmax_on_support(logits, keep, tokens)
-    assert torch.allclose(support.processed_log_probs(logits, tokens, processing), expected, atol=2e-5)
-    assert sorted_rows == []
-    in_bins = support._keep_top_p_in_bins
-    monkeypatch.setattr(support, "_keep_top_p_in_bins",
-                        lambda scaled, keep, p: (in_bins(scaled, keep, p)[0], torch.arange(scaled.size(0)) == 3))
-    assert torch.allclose(support.processed_log_probs(logits, tokens, processing), expected, atol=2e-5)
-    assert sorted_rows == [1]
+    def one_step(name, **overrides):
+        torch.manual_seed(0)
+        args = TOPRConfig(**small_config_kwargs(tmp_path / name, max_steps=1, per_device_train_batch_size=16,
+                                                learning_rate=0.0, **overrides))
+        trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args, train_dataset=data)
+        batch = next(iter(trainer.get_train_dataloader()))
+        inputs = trainer._prepare_inputs(batch)
+        rows_scored.clear()
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1  # what the training loop sets for each step
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, inputs)
+        loss.backward()
+        grads = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+        signal = inputs["topr_signal" if trainer.args.topr_signal == "reward" else "advantages"].reshape(-1)
+        return loss.detach(), grads, list(rows_scored), signal, trainer
 
-
-def test_the_share_band_is_each_rows_own_and_open_where_a_share_is_not_reached():
-    """`share_band` with per-row shares gives each row the edges it gets alone; a high share no bin reaches (a
-    share of 1 and more) leaves the band open above (inf), not closed at the first bin."""
-    from topr_trl.sampler_support import share_band
-
-    rows = torch.randn(2, 500, generator=torch.Generator().manual_seed(1))
-    low, high = share_band(rows, torch.tensor([[0.05], [0.3]]), torch.tensor([[0.1], [0.4]]))
-    for row, (low_share, high_share) in enumerate([(0.05, 0.1), (0.3, 0.4)]):
-        alone = share_band(rows[row:row + 1], low_share, high_share)
-        assert low[row] == alone[0][0] and high[row] == alone[1][0]
-    assert bool((low < high).all())
-    _, unreached = share_band(rows, 0.1, 1.5)
-    assert bool(torch.isinf(unreached).all())
+    loss, grads, scored, signal, trainer = one_step("topr")
+    negatives = int((signal < 0).sum())
+    assert 0 < negatives < signal.numel()
+    assert scored == [negatives]
+    with monkeypatch.context() as forced:
+        forced.setattr(trainer_module, "reads_the_ratio", lambda signal, spec: torch.ones(signal.numel(), dtype=torch.bool))
+        all_loss, all_grads, all_scored, _, _ = one_step("all")
+    assert all_scored == [signal.numel()]
+    # the gradient is bitwise the same; the loss's value is not: a positive's -s * log pi reads log pi over the whole
+    # vocabulary instead of on mu's support, a constant per token that moves no gradient
+    assert all(torch.equal(a, b) for a, b in zip(grads, all_grads, strict=True))
+    assert not torch.equal(loss, all_loss)
+    metrics = trainer._metrics["train"]
+    assert math.isnan(metrics["topr/ratio_positive/mean"][-1])
+    assert metrics["topr/ratio_negative/mean"][-1] == pytest.approx(1.0, abs=1e-4)
+    _, _, tis_scored, _, _ = one_step("tis", loss_type="tis")
+    assert tis_scored == [signal.numel()]
