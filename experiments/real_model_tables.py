@@ -75,18 +75,19 @@ LOSS_LABELS = {
     "grpo-dapo": "GRPOTrainer `loss_type=\"dapo\"` (TRL's default)",
     "grpo-grpo": "GRPOTrainer `loss_type=\"grpo\"`",
     "topr-online": "TOPRTrainer (canonical TOPR), μ unprocessed",
-    "topr-online-top-k": "TOPRTrainer, μ sampled with top_k 50: π on μ's support",
-    "topr-online-top-p": "TOPRTrainer, μ sampled with top_p 0.95: π on μ's support",
+    "topr-online-top-k": "TOPRTrainer, μ sampled with top_k {top_k}: π on μ's support",
+    "topr-online-top-p": "TOPRTrainer, μ sampled with top_p {top_p}: π on μ's support",
 }
 
 
 def loss_speed_table() -> str:
     """Loss + backward of each trainer on one shared batch of the real model (`experiments.benchmark --loss_only`)."""
-    data = json.loads((BENCHMARKS / "cpu-smollm2-loss.json").read_text())
+    data = json.loads((BENCHMARKS / "cpu-smollm2-support-rule.json").read_text())
     result, options = data["loss_only"], data["options"]
     medians, peaks = result["median_loss_backward_s"], result.get("peak_added_memory_mib", {})
     base = medians["grpo-dapo"]
-    rows = [[label, f"{medians[name]:.2f}", "/".join(f"{q:.2f}" for q in result["quartiles_s"][name]),
+    rows = [[label.format(top_k=options.get("top_k", 50), top_p=options.get("top_p", 0.95)), f"{medians[name]:.2f}",
+             "/".join(f"{q:.2f}" for q in result["quartiles_s"][name]),
              f"{medians[name] / base:.3f}", f"{peaks[name]:.0f}" if name in peaks else "-",
              f"{peaks[name] / peaks['grpo-dapo']:.3f}" if name in peaks else "-"] for name, label in LOSS_LABELS.items()]
     lines = markdown_table(["trainer", "loss + backward, median s", "quartiles s", "time / dapo",
@@ -96,6 +97,32 @@ def loss_speed_table() -> str:
                  f"timed calls per trainer after 3 warm-up rounds, interleaved call by call in one process; "
                  f"float32, one thread, μ's log-probs kept from generation (an off-policy batch).")
     return "\n".join(lines)
+
+
+SUPPORT_DESIGNS = {"cpu-smollm2-support-tiles.json": "the tiles (TRL's head read through a TorchFunctionMode; bins, band)",
+                   "cpu-smollm2-support-rule.json": "**the rule** (`topr_trl/support`: projected again, sorted)"}
+"""Two designs of pi on mu's support, each timed in its own run against TOPR without truncation in that run."""
+
+
+def support_cost_table() -> str:
+    """What pi on mu's support costs on the real model, old design against new (`experiments.benchmark --loss_only
+    --top_k 500`): each run's truncated calls against its own untruncated TOPR."""
+    rows = []
+    for name, label in SUPPORT_DESIGNS.items():
+        path = BENCHMARKS / name
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        result, options = data["loss_only"], data["options"]
+        medians, peaks = result["median_loss_backward_s"], result.get("peak_added_memory_mib", {})
+        for setting, truncation in (("topr-online-top-k", f"top_k {options['top_k']}"),
+                                    ("topr-online-top-p", f"top_p {options['top_p']}")):
+            memory = (f"{peaks[setting] / peaks['topr-online']:.3f}" if peaks.get("topr-online") else "-")
+            rows.append([label, f"`{result['library']['commit']}`", truncation,
+                         f"{medians[setting]:.2f} / {medians['topr-online']:.2f}",
+                         f"**{medians[setting] / medians['topr-online']:.3f}**", memory])
+    return "\n".join(markdown_table(["design", "commit", "μ samples with", "loss + backward s (truncated / TOPR)",
+                                      "time / TOPR untruncated", "memory / TOPR"], rows))
 
 
 def generation_speed_table() -> str:
@@ -117,7 +144,8 @@ def generation_speed_table() -> str:
 
 
 TABLES = {"candidates": candidates_table, "whole-vocabulary": whole_vocabulary_table, "readme-run": readme_run_table,
-          "loss-speed": loss_speed_table, "generation-speed": generation_speed_table}
+          "loss-speed": loss_speed_table, "generation-speed": generation_speed_table,
+          "support-cost": support_cost_table}
 
 
 def marked(name: str, table: str) -> str:
