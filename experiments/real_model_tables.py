@@ -143,9 +143,27 @@ def generation_speed_table() -> str:
                                      rows))
 
 
+def async_speed_table() -> str:
+    """Asynchronous TOPR against synchronous on a real vLLM server with the real model
+    (`experiments.async_server_throughput --model smollm2`)."""
+    data = json.loads((BENCHMARKS / "async_server_throughput_smollm2.json").read_text())
+    runs = data["runs"]
+    rows = [[f"{pair + 1}", f"{sync['seconds_per_step']:.1f}", f"{run['seconds_per_step']:.1f}",
+             f"{sync['samples_per_second']:.3f}", f"{run['samples_per_second']:.3f}", f"**{ratio:.2f}**"]
+            for pair, (sync, run, ratio) in enumerate(zip(runs[::2], runs[1::2], data["ratios"], strict=True))]
+    lines = markdown_table(["pair", "synchronous s/step", "asynchronous s/step", "synchronous samples/s",
+                            "asynchronous samples/s", "asynchronous / synchronous"], rows)
+    lines.append(f"\nMedian ratio **{data['median_ratio']:.2f}**. In the synchronous loop, generation and the weight "
+                 f"push took L = {data['L_generate_seconds_per_step']:.1f} s per step and the rest T = "
+                 f"{data['T_train_seconds_per_step']:.1f} s: the ideal ratio (L + T) / max(L, T) is "
+                 f"{data['ideal_ratio']:.2f}; the asynchronous trainer's own training took "
+                 f"{data['T_async_train_seconds_per_step']:.1f} s per step.")
+    return "\n".join(lines)
+
+
 TABLES = {"candidates": candidates_table, "whole-vocabulary": whole_vocabulary_table, "readme-run": readme_run_table,
           "loss-speed": loss_speed_table, "generation-speed": generation_speed_table,
-          "support-cost": support_cost_table}
+          "support-cost": support_cost_table, "async-speed": async_speed_table}
 
 
 def marked(name: str, table: str) -> str:
