@@ -293,10 +293,10 @@ class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrain
         where a KL term or GRPO's off-policy mask reads the log-probs too, and none `on_policy` (mu's log-probs are
         this forward's own, detached: GRPO kept none from generation time) without KL: pi/mu is then 1 whatever the
         support."""
+        if on_policy and self.beta == 0.0:
+            return torch.zeros_like(signal.reshape(-1), dtype=torch.bool)
         if self.beta != 0.0 or self.off_policy_mask_threshold is not None:
             return torch.ones_like(signal.reshape(-1), dtype=torch.bool)
-        if on_policy:
-            return torch.zeros_like(signal.reshape(-1), dtype=torch.bool)
         return reads_the_ratio(signal, self._loss_spec)
 
     def _topr_loss(self, model, inputs):
