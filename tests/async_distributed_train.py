@@ -56,11 +56,11 @@ class RecordingTrainer(AsyncTOPRTrainer):
 
     record: dict
 
-    def _log_staleness_metrics(self, terms, signal, mask, versions) -> None:
+    def _log_staleness_metrics(self, terms, signal, mask, versions, *args, **kwargs) -> None:
         if versions is not None:
             self.record["micro_batch_steps"].append(self.state.global_step)
             self.record["versions"].append(versions.reshape(-1)[:mask.size(0)].tolist())
-        super()._log_staleness_metrics(terms, signal, mask, versions)
+        super()._log_staleness_metrics(terms, signal, mask, versions, *args, **kwargs)
 
 
 def main(model: str, output_dir: str, results_dir: str, lag: str, max_steps: str, sync_steps: str = "1") -> None:
