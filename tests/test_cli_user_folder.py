@@ -259,3 +259,36 @@ def test_a_locally_built_model_shows_its_progress_and_is_keyed_on_the_machine(tm
     assert folder.name.endswith(machine_key()) and f"t{torch.get_num_threads()}" in folder.name
     build = json.loads((folder / "build.json").read_text())
     assert build["machine"]["threads"] == torch.get_num_threads() and build["settings"]["target_accuracy"] == 0.0
+
+
+# ----------------------------------------------------------------------------------------- evaluation rows
+QUICK_SAMPLES = 4  # one step of QUICK: per_device_train_batch_size completions
+def test_evaluation_reads_the_held_out_split_and_never_the_training_rows(user_dir, tiny_model_path):
+    """`--eval_strategy steps` on a single data file (which holds the training split only) or on a folder whose test
+    split repeats the training prompts is refused in one line before any model loads: it would report training rows
+    as eval. With train.jsonl and test.jsonl, the evaluation reads the test split's prompts, and only they are added
+    to what the reward function saw."""
+    data = prompt_dataset()
+    data.to_json(user_dir / "prompts.jsonl")
+    (user_dir / "same").mkdir()
+    data.to_json(user_dir / "same" / "train.jsonl")
+    data.to_json(user_dir / "same" / "test.jsonl")
+    (user_dir / "split").mkdir()
+    train_rows, test_rows = data.select(range(4)), data.select(range(4, len(data)))
+    train_rows.to_json(user_dir / "split" / "train.jsonl")
+    test_rows.to_json(user_dir / "split" / "test.jsonl")
+    common = ["train", "--model_name_or_path", tiny_model_path, "--reward_funcs", "my_rewards:correctness",
+              *QUICK, "--eval_strategy", "steps", "--eval_steps", "1", "--per_device_eval_batch_size", "4"]
+    for source, why, dry in (("prompts.jsonl", "holds one split", ["--dry_run", "true"]), ("prompts.jsonl",
+                             "holds one split", []), ("same", "holds the training prompts themselves", [])):
+        with pytest.raises(SystemExit) as stop:
+            main(common + ["--dataset_name", source, "--output_dir", f"out-{source}", *dry])
+        message = one_line_error(stop)
+        assert "--eval_strategy" in message and "--dataset_test_split" in message and why in message, message
+    assert not (user_dir / "seen.jsonl").exists()
+
+    main(common + ["--dataset_name", "split", "--output_dir", "out-split"])
+    seen = [prompt for line in (user_dir / "seen.jsonl").read_text().splitlines() for prompt in json.loads(line)]
+    trained, evaluated = seen[:QUICK_SAMPLES], seen[QUICK_SAMPLES:]  # one training step's samples, then the eval's
+    assert set(trained) <= set(train_rows["prompt"])
+    assert set(evaluated) == set(test_rows["prompt"])

@@ -10,6 +10,7 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
+from .checkpoint_weights import CheckpointWeights
 from .config import TOPRConfig, topr_setting
 from .grpo_mirror import GRPOLossMirror
 from .loss import POLICY_LOSSES, baseline_for_target_share, policy_per_token_loss, reads_the_ratio, reward_signal
@@ -37,7 +38,7 @@ from .vllm_server.client import GlooServerGeneration, server_generation_argument
 logger = logging.get_logger(__name__)
 
 
-class TOPRTrainer(PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrainer):
+class TOPRTrainer(CheckpointWeights, PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrainer):
     """
     Trainer for Tapered Off-Policy REINFORCE (TOPR, [arXiv:2503.14286](https://huggingface.co/papers/2503.14286)).
 

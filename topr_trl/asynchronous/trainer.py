@@ -32,6 +32,7 @@ from transformers.utils import logging
 from trl.chat_template_utils import add_response_schema, qwen3_template
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
+from ..checkpoint_weights import CheckpointWeights
 from ..loss import packed_topr_loss, reads_the_ratio, unpack_segments
 from ..policy_metrics import staleness_bin_metrics, staleness_bin_sums
 from ..sources import needs_resolving, resolve_model_source
@@ -198,7 +199,7 @@ def with_response_template(tokenizer):
     return tokenizer
 
 
-class AsyncTOPRTrainer(PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
+class AsyncTOPRTrainer(CheckpointWeights, PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
     """
     Asynchronous TOPR: [`trl.experimental.async_grpo.AsyncGRPOTrainer`] with TOPR's loss and no stale sample thrown
     away (see the module docstring). Same constructor as TRL's class; `args` is an [`AsyncTOPRConfig`].

@@ -19,7 +19,7 @@ from ..distributed import evaluate_policy, outside_zero3_construction, say
 from ..machine import describe_machine
 from ..offline.held_out import reward_evaluator
 from ..sources import check_data_source, check_local_data, resolve_model_source
-from .registry import BUILTIN_TASK, CUSTOM_TASK, TASKS, builtin_task_names, training_task_names
+from .registry import BUILTIN_TASK, CUSTOM_TASK, TASKS, builtin_task_names, no_held_out_split, training_task_names
 from .user_rewards import reporting_reward, resolve_reward
 
 
@@ -63,8 +63,13 @@ def load_task(options, model_name_or_path: str | None, seed: int, offline: bool 
     reward_funcs = [reporting_reward(resolve_reward(name)) for name in reward_names]
     if options.dry_run:
         if task == CUSTOM_TASK and options.dataset_name:  # an empty or unreadable file fails here, not steps in
-            for split in (options.dataset_train_split, *([options.dataset_test_split] if eval_split else [])):
-                check_local_data(options.dataset_name, split, config=options.dataset_config)
+            check_local_data(options.dataset_name, options.dataset_train_split, config=options.dataset_config)
+            if eval_split:  # a single file holds the training split only: no held-out rows to evaluate on
+                try:
+                    check_local_data(options.dataset_name, options.dataset_test_split or "test",
+                                     config=options.dataset_config, one_split=options.dataset_train_split)
+                except ValueError as error:
+                    raise no_held_out_split(str(error)) from None
         return model_name_or_path, task, None, None, None, reward_funcs
     if model_name_or_path is None:
         model_name_or_path = builtin_model(task, options, seed)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..evaluation.benchmarks import load_gsm8k, load_math, load_math500
 from ..evaluation.runner import gsm8k_classify, math_classify
+from ..offline.held_out import load_test_prompts
 from ..sources import load_data_source
 from .arithmetic import (
     accuracy,
@@ -253,8 +254,24 @@ def load_prompts(options, split: str):
 def _custom_training(options, eval_split: bool) -> TrainingData:
     if not options.dataset_name:  # an offline run: the prompts come with the offline dataset
         return TrainingData()
-    return TrainingData(train=load_prompts(options, options.dataset_train_split),
-                        evaluation=load_prompts(options, options.dataset_test_split) if eval_split else None)
+    train = load_prompts(options, options.dataset_train_split)
+    if not eval_split:
+        return TrainingData(train=train)
+    # the rule `iterate` measures by: a single file holds the training split only, and a test split that holds the
+    # training prompts themselves is no held-out set; evaluating on either would report training rows as eval
+    split = options.dataset_test_split or "test"
+    evaluation, why = load_test_prompts(options.dataset_name, split, options.dataset_train_split,
+                                        options.dataset_config, train)
+    if evaluation is None:
+        raise no_held_out_split(why)
+    return TrainingData(train=train, evaluation=evaluation)
+
+
+def no_held_out_split(why: str) -> SystemExit:
+    """The one line for an evaluation asked of a custom dataset with no held-out split."""
+    return SystemExit(f"topr-trl: --eval_strategy evaluates on a held-out split of --dataset_name, and there is "
+                      f"none: {' '.join(why.split())}. Pass --dataset_test_split SPLIT naming one (a folder with "
+                      f"train.jsonl and test.jsonl has 'test'), or leave --eval_strategy at 'no'")
 
 
 # a custom dataset's "reference" in `evaluate`: the row the reward functions read their columns from

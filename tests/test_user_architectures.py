@@ -1,0 +1,81 @@
+"""A user's own architectures through the command line, from their own folder (issue 54): a Pythia-family GPTNeoX
+with its own output layer (stored as `embed_out`, held as `lm_head`) and an OPT with tied embeddings, each built by
+the shared user-folder tool, outside the repository."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+
+from topr_trl.commands.cli import main
+
+from .conftest import SHARED
+
+
+MAKER = SHARED / "tools" / "user_folder" / "make_user_folder.py"
+ARCHITECTURES = {"gptneox": ["--arch", "gptneox", "--untied"], "opt": ["--arch", "opt"]}
+# a reward of -1 for every completion and the signal R - 0: every sample pushes its tokens down, so one step moves
+# every layer the completions reach, the output layer included
+ONE_STEP = ["--dataset_name", "data/prompts.jsonl", "--reward_funcs", "my_rewards:correctness",
+            "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
+            "--topr_unscored_batch", "train", "--topr_signal", "reward", "--learning_rate", "1e-2",
+            "--max_steps", "1", "--save_steps", "1"]
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def architecture_folder(request, tmp_path_factory) -> Path:
+    if not MAKER.is_file():
+        pytest.skip(f"the shared user-folder tool is not beside the repository ({MAKER})")
+    folder = tmp_path_factory.mktemp(request.param)
+    subprocess.run([sys.executable, str(MAKER), str(folder), *ARCHITECTURES[request.param]], check=True,
+                   capture_output=True, timeout=600)
+    return folder
+
+
+@pytest.fixture
+def in_folder(architecture_folder, monkeypatch) -> Path:
+    monkeypatch.chdir(architecture_folder)
+    monkeypatch.syspath_prepend(str(architecture_folder))
+    sys.modules.pop("my_rewards", None)
+    return architecture_folder
+
+
+def stored(folder: Path) -> dict:
+    return safetensors.torch.load_file(folder / "model.safetensors")
+
+
+def test_resuming_restores_every_trained_weight(in_folder):
+    """Train one step with a checkpoint, then resume the finished run from it (no step left to train): the saved
+    model is the checkpoint, every weight of it. Before, GPTNeoX's output layer was stored as `embed_out`, not loaded
+    back as `lm_head`, and the resumed run saved the base model's output layer."""
+    run = ["train", "--model_name_or_path", "my-model", "--output_dir", "resumed", *ONE_STEP]
+    main(run)
+    checkpoint = stored(in_folder / "resumed" / "checkpoint-1")
+    base = stored(in_folder / "my-model")
+    output_layer = "embed_out.weight" if "embed_out.weight" in checkpoint else "lm_head.weight"
+    assert (checkpoint.get(output_layer, checkpoint.get("model.decoder.embed_tokens.weight")) -
+            base.get(output_layer, base.get("model.decoder.embed_tokens.weight"))).abs().max() > 1e-3
+    main(run + ["--resume_from_checkpoint", "true"])
+    final = stored(in_folder / "resumed")
+    assert final.keys() == checkpoint.keys()
+    for name, weight in checkpoint.items():
+        assert final[name].equal(weight), name
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_in_one_line(in_folder, architecture_folder, tmp_path):
+    """Resuming from another model's checkpoint would leave this model's weights as they were: one line names it,
+    nothing is trained."""
+    other = "opt" if architecture_folder.name.startswith("gptneox") else "gptneox"
+    foreign = tmp_path / "foreign"
+    subprocess.run([sys.executable, str(MAKER), str(foreign), *ARCHITECTURES[other]], check=True, capture_output=True,
+                   timeout=600)
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--model_name_or_path", "my-model", "--output_dir", "refused", *ONE_STEP,
+              "--resume_from_checkpoint", str(foreign / "my-model")])
+    message = str(stop.value.code)
+    assert message.startswith("topr-trl: the checkpoint") and "\n" not in message, message
+    assert "does not" in message

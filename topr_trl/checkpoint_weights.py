@@ -1,0 +1,78 @@
+"""Resuming restores every trained weight, whatever names the checkpoint stores them under.
+
+transformers renames some architectures' weights when it loads them (GPTNeoX's output layer is `embed_out` on disk and
+`lm_head` in memory) and renames them back when it saves, so a checkpoint holds the on-disk names. `Trainer`'s resume
+(transformers 5.23, `_load_from_checkpoint`) reads the checkpoint with `load_state_dict(strict=False)`, which knows no
+renaming: the renamed weights stay as they were before training, with a warning as the only sign. `CheckpointWeights`
+reads such a checkpoint the way `from_pretrained` reads a model, through the renaming, and refuses in one line a
+checkpoint that would leave one of the model's weights unloaded (another architecture's, a damaged one)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
+
+class CheckpointNotLoadable(ValueError):
+    """A checkpoint that would leave some of the model's weights as they were: training on it would silently lose
+    them."""
+
+
+def stored_weight_names(folder: str) -> set[str] | None:
+    """The names of the weights a saved model folder stores (one safetensors file or a sharded index); None for a
+    folder in another format (left to `Trainer`)."""
+    single, index = os.path.join(folder, SAFE_WEIGHTS_NAME), os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)
+    if os.path.isfile(single):
+        with safe_open(single, framework="pt") as stored:
+            return set(stored.keys())
+    if os.path.isfile(index):
+        with open(index) as file:
+            return set(json.load(file)["weight_map"])
+    return None
+
+
+def load_renamed_checkpoint(model: torch.nn.Module, folder: str) -> bool:
+    """Loads `folder` into `model` when the folder stores weights under names the model's state dict does not have
+    (transformers' renaming, or another model's weights), through `from_pretrained`'s renaming; True when it did, False
+    when every stored name is the model's own (`Trainer`'s loading is right for it). Raises `CheckpointNotLoadable`
+    when a weight of the model would stay unloaded or a stored one would be dropped."""
+    stored = stored_weight_names(folder)
+    if stored is None or stored <= set(model.state_dict()):
+        return False
+    try:
+        reloaded, info = type(model).from_pretrained(folder, config=model.config, dtype=model.dtype,
+                                                     output_loading_info=True)
+    except (RuntimeError, ValueError, OSError) as error:  # shapes that do not fit the model, an unreadable file
+        raise CheckpointNotLoadable(f"the checkpoint {folder} does not fit this model "
+                                    f"({type(model).__name__}): {str(error).splitlines()[0]}") from None
+    lost = sorted(info["missing_keys"] | info["unexpected_keys"] | set(info["mismatched_keys"]))
+    if lost:
+        shown = ", ".join(map(str, lost[:3])) + (f" and {len(lost) - 3} more" if len(lost) > 3 else "")
+        raise CheckpointNotLoadable(f"the checkpoint {folder} does not hold every weight of this model "
+                                    f"({type(model).__name__}): {shown}; resume from a checkpoint of the same model")
+    model.load_state_dict(reloaded.state_dict(), strict=True)
+    return True
+
+
+class CheckpointWeights:
+    """`Trainer`'s resume and best-model loading, through transformers' renaming of stored weight names (see the
+    module). DeepSpeed, FSDP and PEFT adapters load as `Trainer` loads them (adapters keep PEFT's own names)."""
+
+    def _loads_whole_models(self, model) -> bool:
+        return not (self.is_deepspeed_enabled or self.is_fsdp_enabled or hasattr(model, "peft_config"))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        target = self.model if model is None else model
+        if self._loads_whole_models(target) and load_renamed_checkpoint(target, resume_from_checkpoint):
+            return None
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self):
+        best = self.state.best_model_checkpoint
+        if best is not None and self._loads_whole_models(self.model) and load_renamed_checkpoint(self.model, best):
+            return None
+        return super()._load_best_model()
