@@ -44,8 +44,9 @@ from ..offline import (
     proportion_of_positives,
     stored_reward,
 )
-from ..offline.generation import GeneratedWithOtherSettings
+from ..offline.generation import GeneratedWithOtherSettings, recorded_model
 from ..offline.held_out import HELD_OUT_SAMPLES, load_test_prompts
+from ..offline.schema import StoredTokensMismatch, check_stored_tokens
 from ..sampling import BACKENDS
 from ..sources import check_data_source, check_local_data
 from ..tasks.loading import describe_accuracy, held_out_accuracy, load_task, task_evaluator
@@ -101,6 +102,8 @@ def train(argv: list[str]) -> dict:
     model, task, train_dataset, held_out, eval_dataset, reward_funcs = load_task(
         script_args, model_args.model_name_or_path, training_args.seed, offline=offline,
         eval_split=training_args.eval_strategy != "no")
+    if offline_data is not None:  # the tokenizer only: before the policy's weights load
+        check_offline_policy(script_args.offline_dataset, offline_data, model, model_args.model_name_or_path)
     if offline and script_args.reward_funcs is None:  # the paper labels the data once, at generation
         reward_funcs = [stored_reward]
     async_args = _asynchronous_config(script_args, training_args, model_args, eval_dataset) \
@@ -177,6 +180,34 @@ def train(argv: list[str]) -> dict:
             if training_args.push_to_hub:
                 trainer.push_to_hub(dataset_name=script_args.offline_dataset or script_args.dataset_name)
     return summary
+
+
+def check_offline_policy(source: str, data, policy: str, given: str | None) -> None:
+    """An offline dataset's stored completion ids must be the policy's tokens (`check_stored_tokens`): without a
+    model named, a one-line exit asking for one (the built-in tiny model, taken by default, reads other tokens);
+    with one, the check's one line. A policy with mu's tokenizer that is another model than the one the manifest
+    records as mu is legitimate, and said: pi/mu then starts away from 1."""
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    behaviour = recorded_model(source)
+    try:
+        check_stored_tokens(data, tokenizer)
+    except StoredTokensMismatch as error:
+        if given is None:
+            raise SystemExit(f"topr-trl: --offline_dataset {source} was sampled with "
+                             f"{behaviour or 'another model'}'s tokenizer, not the built-in tiny model's: pass "
+                             f"--model_name_or_path {behaviour or 'MODEL'} (or another model with its tokenizer) "
+                             f"to train on it") from None
+        raise SystemExit(f"topr-trl: --model_name_or_path {given}: {error}") from None
+    if behaviour is not None and given is not None and not _same_model(behaviour, policy):
+        say(f"the policy ({shown_path(policy)}) is another model than mu ({shown_path(behaviour)}, which sampled "
+            f"--offline_dataset), with the same tokenizer: pi/mu starts where the two models differ, not at 1")
+
+
+def _same_model(recorded: str, policy: str) -> bool:
+    recorded_path, policy_path = Path(recorded).expanduser(), Path(policy).expanduser()
+    if recorded_path.exists() and policy_path.exists():
+        return recorded_path.resolve() == policy_path.resolve()
+    return recorded == policy
 
 
 def _asynchronous_config(script_args, training_args, model_args, eval_dataset):

@@ -393,6 +393,16 @@ def generation_settings(model: dict, dataset_name: str | None, prompts: Dataset,
     return json.loads(json.dumps(settings))
 
 
+def recorded_model(source) -> str | None:
+    """The model (path or Hub id) the manifest of a generated folder `source` records as mu; None for data without
+    such a manifest (a data file, a Hub dataset, a folder written otherwise)."""
+    try:
+        manifest = json.loads((Path(str(source)).expanduser() / _MANIFEST).read_text())
+        return str(manifest["settings"]["model"]["name_or_path"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return None
+
+
 def _recorded_file_digests(output_dir: Path) -> dict:
     """The file digests a current manifest in `output_dir` memoizes ({} when there is none)."""
     try:

@@ -19,6 +19,7 @@ from ..sources import needs_resolving, resolve_model_source
 from .sampler import GroupShuffleSampler
 from .schema import (
     check_offline_columns,
+    check_stored_tokens,
     checked_eval_datasets,
     is_offline_dataset,
     needs_whole_groups,
@@ -87,6 +88,7 @@ class OfflineReplay:
     def _tokenized_for_replay(self, dataset, role: str):
         if not is_offline_dataset(dataset):
             return dataset
+        check_stored_tokens(dataset, self.processing_class, role)
         with self.accelerator.main_process_first():  # one process writes the datasets cache, the others read it
             return tokenize_offline_dataset(dataset, self.processing_class, self.chat_template_kwargs, self.tools,
                                             self.chat_template, role=role)

@@ -135,6 +135,45 @@ def completion_token_ids(tokenizer, completions: Sequence, truncated: Sequence |
 
 
 
+STORED_TOKENS_CHECKED = 32  # rows whose stored completion ids are decoded against their stored text
+
+
+class StoredTokensMismatch(ValueError):
+    """Stored completion ids that the policy's tokenizer reads as other text: they were sampled with another
+    tokenizer, and training on them would train on other tokens than mu sampled."""
+
+
+def check_stored_tokens(dataset: Dataset, tokenizer, role: str = "train_dataset") -> None:
+    """Raises `StoredTokensMismatch` unless the first `STORED_TOKENS_CHECKED` rows' stored `completion_ids` decode,
+    with `tokenizer`, to their stored `completion` text (as generation decodes them: special tokens skipped). A
+    dataset without both columns has nothing to check (text alone is tokenized by the policy)."""
+    if not {"completion", "completion_ids"} <= set(dataset.column_names) or len(dataset) == 0:
+        return
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's text tokenizer
+    rows = dataset.select_columns(["completion", "completion_ids"]).select(
+        range(min(STORED_TOKENS_CHECKED, len(dataset))))
+    vocabulary = len(tokenizer)
+    differing = []
+    for row in rows:
+        stored = row["completion"]
+        if isinstance(stored, list) and len(stored) == 1 and isinstance(stored[0], dict):  # one assistant message
+            stored = stored[0].get("content")
+        if not isinstance(stored, str):
+            return  # not the text generation writes: nothing to compare with
+        ids = list(row["completion_ids"])
+        decoded = tokenizer.decode(ids, skip_special_tokens=True) if max(ids, default=0) < vocabulary else None
+        if decoded != stored:
+            differing.append((stored, decoded))
+    if differing:
+        stored, decoded = differing[0]
+        read_as = "ids beyond its vocabulary" if decoded is None else repr(decoded[:40])
+        raise StoredTokensMismatch(
+            f"offline {role}: {len(differing)} of the first {len(rows)} stored `completion_ids` are not this "
+            f"tokenizer's ({type(tokenizer).__name__}, {vocabulary} tokens): the first reads as {read_as} where the "
+            f"stored text is {stored[:40]!r}. They were sampled with another tokenizer: train a model with mu's "
+            "tokenizer, or keep only the `completion` text, which the policy tokenizes")
+
+
 def _prompt_ids_batch(batch: dict, tokenizer, chat_template_kwargs, tools, chat_template) -> dict:
     return {"prompt_ids": tokenize_prompts(tokenizer, batch["prompt"], chat_template_kwargs, tools, chat_template)}
 
