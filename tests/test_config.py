@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import warnings
 
 import pytest
 from trl import GRPOConfig
@@ -197,3 +198,38 @@ def test_fields_the_selected_loss_reads_are_accepted():
     # fields about the data, not the loss, apply to TRL's loss types too
     assert config(loss_type="dapo", topr_offline_epochs=2.0, topr_unscored_batch="skip").loss_type == "dapo"
     assert config(loss_type="grpo", topr_baseline="0.0").loss_type == "grpo"  # the default, spelt out
+
+
+@pytest.mark.parametrize(("kwargs", "counterpart"), [
+    ({"epsilon": 0.3}, "topr_positive_lower"), ({"epsilon_high": 0.28}, "topr_negative_lower/upper"),
+    ({"delta": 2.0}, "truncation"), ({"importance_sampling_level": "sequence"}, 'topr_ratio_level="length_normalized"'),
+    ({"sapo_temperature_pos": 2.0}, "truncation"), ({"sapo_temperature_neg": 2.0}, "truncation")])
+def test_trls_loss_fields_set_under_topr_say_they_are_not_read_and_name_the_counterpart(kwargs, counterpart):
+    """A DAPO or GSPO user who swaps the names is told their clipping or sequence-level ratio is off, once per field;
+    PPO's clipping here reads epsilon/epsilon_high/delta, and TRL's own losses (computed by GRPOTrainer) read them
+    all, so neither warns; nor do the defaults."""
+    (name, value), = kwargs.items()
+    with pytest.warns(UserWarning, match=rf"`{name}`={value!r} has no effect with loss_type='topr'") as caught:
+        config(**kwargs)
+    said = [str(w.message) for w in caught if "has no effect" in str(w.message)]
+    assert len(said) == 1 and counterpart in said[0]
+    quiet = [{"loss_type": "dapo"}, {"loss_type": "gspo"} if "gspo" in TRL_LOSS_TYPES else {"loss_type": "grpo"}]
+    if name in ("epsilon", "epsilon_high", "delta"):
+        quiet.append({"loss_type": "ppo"})
+    for other in [*quiet, {}]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            config(**({**kwargs, **other} if other else {}))
+        assert not [w for w in caught if "has no effect" in str(w.message)], other
+
+
+def test_the_asynchronous_config_says_the_same_of_trls_clipping():
+    from topr_trl.asynchronous import AsyncTOPRConfig
+
+    with pytest.warns(UserWarning, match=r"`epsilon_high`=0.3 has no effect with loss_type='topr'"):
+        AsyncTOPRConfig(output_dir="/tmp/topr-config-test", report_to="none", use_cpu=True, epsilon_high=0.3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        AsyncTOPRConfig(output_dir="/tmp/topr-config-test", report_to="none", use_cpu=True, epsilon_high=0.3,
+                        loss_type="ppo")
+    assert not [w for w in caught if "has no effect" in str(w.message)]

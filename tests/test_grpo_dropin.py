@@ -75,6 +75,27 @@ DELIBERATE_DIFFERENCES = {
         "a user who swapped only the trainer's name must not believe they trained TOPR",
         "test_a_grpo_config_works_with_the_topr_trainer below",
     ),
+    "a rollout_func's logprobs": (
+        "without vLLM, GRPOTrainer ignores the `logprobs` a rollout_func returns; with topr_behaviour_source "
+        "'auto'/'sampler' TOPR reads them as mu's, says so once, and gives pi/mu's span at the first batch",
+        "they are the sampler's log-probs, which is what pi/mu needs; log-probs that are not (a model in train mode, "
+        "under dropout) show as a span away from 1, and topr_behaviour_source='policy' ignores them",
+        "tests/test_trainer.py::test_a_rollout_funcs_logprobs_are_said_to_be_mu_once_with_their_distance",
+    ),
+    "TRL's loss fields under a TOPR loss": (
+        "epsilon, epsilon_high, delta, importance_sampling_level and sapo_temperature_* set away from their defaults "
+        "warn at construction that the chosen loss does not read them, naming TOPR's counterpart (the truncation "
+        "limits; topr_ratio_level='length_normalized' for GSPO's sequence ratio)",
+        "a DAPO or GSPO user who swaps the names must not believe their clipping or sequence ratio is on; warned, "
+        "not refused, so the swapped script still runs",
+        "tests/test_config.py::test_trls_loss_fields_set_under_topr_say_they_are_not_read_and_name_the_counterpart",
+    ),
+    "the logged metrics": (
+        "no clip_ratio/* (TOPR clips nothing); `loss` is TOPR's, on another scale than the clipped surrogate's; "
+        "topr/ratio_<branch>/* is absent (NaN) on steps with no sample in that branch",
+        "each metric reports what the loss computed",
+        "docs/metrics.md; test_only_the_policy_loss_differs below",
+    ),
 }
 
 REWARD_METRIC_PREFIXES = ("reward", "rewards/", "frac_reward_zero_std", "completions/", "num_tokens", "tools/")

@@ -110,6 +110,30 @@ def test_off_policy_behaviour_model_tapers_negatives(tiny_model_path, behaviour_
     assert all(r != pytest.approx(1.0) for r in logged_values(trainer, "topr/ratio_positive/mean"))
 
 
+@pytest.mark.parametrize("mu_is_the_policy", [True, False])
+def test_a_rollout_funcs_logprobs_are_said_to_be_mu_once_with_their_distance(
+        mu_is_the_policy, tiny_model_path, behaviour_model_path, arithmetic_dataset, tmp_path, caplog):
+    """GRPOTrainer ignores a rollout_func's `logprobs` without vLLM; TOPR reads them as mu's. Said once, at the first
+    batch, with pi/mu's span there: 1 (to float error) when they are the policy's own sampling log-probs, far from
+    1 when they are another model's."""
+    import re
+
+    sampler = AutoModelForCausalLM.from_pretrained(tiny_model_path if mu_is_the_policy else behaviour_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    args = TOPRConfig(**small_config_kwargs(tmp_path, max_steps=2, per_device_train_batch_size=8))
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
+                          train_dataset=arithmetic_dataset, rollout_func=make_behaviour_rollout(sampler, tokenizer))
+    with caplog.at_level(logging.WARNING, logger="topr_trl"):
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "rollout_func returns `logprobs`" in r.getMessage()]
+    assert len(said) == 1 and "topr_behaviour_source='policy'" in said[0]
+    low, high = map(float, re.search(r"spans \[([^,]+), ([^\]]+)\]", said[0]).groups())
+    if mu_is_the_policy:
+        assert low == pytest.approx(1.0, abs=1e-3) and high == pytest.approx(1.0, abs=1e-3)
+    else:
+        assert low < 0.5 or high > 2.0
+
+
 def test_reward_signal_with_baseline(tiny_model_path, arithmetic_dataset, tmp_path):
     """topr_signal='reward': the signal is R - c, so with +1/-1 rewards and c=0.5 every positive carries 0.5 and
     every negative -1.5, and the logged p~ follows Eq. 12."""

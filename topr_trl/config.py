@@ -251,6 +251,8 @@ class TOPRConfig(GRPOConfig):
         check_flag("topr_check_finite", self.topr_check_finite)
         check_loss_knobs(self)
         self._refuse_fields_without_effect()
+        if self.uses_topr_loss:
+            say_trl_loss_fields_unread(self)
         limits = self.topr_limits  # validates the limits
         if limits is not None and limits.negative_lower > 0:
             warnings.warn(
@@ -390,6 +392,34 @@ def check_loss_knobs(args) -> None:
             raise ValueError(f"loss_type={args.loss_type!r} reads `{name}`, which {type(args).__name__} does not "
                              "declare: add it as a field of a subclass of the config.")
         entry.check(name, getattr(args, name))
+
+
+_TRUNCATION = "TOPR's truncation of pi/mu, topr_positive_lower/upper and topr_negative_lower/upper (a+, b+, a-, b-)"
+# GRPOConfig's loss fields, read by TRL's own losses (and `epsilon`, `epsilon_high`, `delta` by the "ppo" loss here):
+# (the registered losses that read it, what TOPR has in its place). A registered loss that does not read one, set
+# away from GRPOConfig's default, warns and names the counterpart; warned rather than refused, since a GRPO script
+# with the names swapped keeps running (TOPRConfig's default loss is TOPR, which reads none of them).
+TRL_LOSS_FIELDS: dict[str, tuple[tuple[str, ...], str]] = {
+    "epsilon": (("ppo",), _TRUNCATION),
+    "epsilon_high": (("ppo",), _TRUNCATION),
+    "delta": (("ppo",), _TRUNCATION),
+    "importance_sampling_level": ((), 'topr_ratio_level="length_normalized" (GSPO\'s sequence-level ratio, the '
+                                      'geometric mean of token ratios; "sequence" is the paper\'s product)'),
+    "sapo_temperature_pos": ((), _TRUNCATION),
+    "sapo_temperature_neg": ((), _TRUNCATION),
+}
+
+
+def say_trl_loss_fields_unread(args) -> None:
+    """Warns, once per field, when a GRPOConfig loss field (`TRL_LOSS_FIELDS`) is set away from its default and the
+    registered loss of `args.loss_type` does not read it, naming what the loss has instead."""
+    defaults = {f.name: f.default for f in dataclasses.fields(args)}  # GRPOConfig's, or AsyncGRPOConfig's
+    for name, (readers, counterpart) in TRL_LOSS_FIELDS.items():
+        if name in defaults and getattr(args, name, defaults[name]) != defaults[name] \
+                and args.loss_type not in readers:
+            warnings.warn(f"`{name}`={getattr(args, name)!r} has no effect with loss_type={args.loss_type!r} (it is "
+                          f"read by TRL's own losses{' and ' + '/'.join(readers) if readers else ''}); its "
+                          f"counterpart is {counterpart}.", UserWarning, stacklevel=4)
 
 
 def knob_readers() -> dict[str, list[str]]:

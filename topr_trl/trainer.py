@@ -91,6 +91,7 @@ class TOPRTrainer(CheckpointWeights, PolicyMetricsLogging, OfflineReplay, GRPOLo
                              for function, name in zip(self.reward_funcs, self.reward_func_names, strict=True)]
         if self.use_vllm and args.vllm_mode == "colocate":
             use_cpu_weight_reload(self.vllm_generation)
+        self._said_rollout_logprobs = False  # `_say_rollout_logprobs_are_mu` speaks once
         self._loss_spec = args.policy_loss_spec if args.loss_type in POLICY_LOSSES else None
         if self._loss_spec is None:
             return
@@ -275,6 +276,9 @@ class TOPRTrainer(CheckpointWeights, PolicyMetricsLogging, OfflineReplay, GRPOLo
             output["sampling_per_token_logps"] = self._behaviour_logps(output)
         if "topr_signal" in inputs[0]:
             output["topr_signal"] = torch.tensor([row.pop("topr_signal") for row in inputs], device=device)
+        if not replay and self.rollout_func is not None and output.get("sampling_per_token_logps") is not None \
+                and not self.use_vllm:  # the user's rollout_func returned `logprobs`: pi/mu reads them as mu's
+            output["topr_rollout_logprobs"] = torch.ones(len(inputs), dtype=torch.bool, device=device)
         unscored = [row.pop("topr_unscored", False) for row in inputs]  # from every row: none goes on to TRL
         if any(unscored):
             output["topr_unscored"] = torch.ones(len(inputs), dtype=torch.bool, device=device)
@@ -299,6 +303,22 @@ class TOPRTrainer(CheckpointWeights, PolicyMetricsLogging, OfflineReplay, GRPOLo
         if self.beta != 0.0 or self.off_policy_mask_threshold is not None:
             return torch.ones_like(signal.reshape(-1), dtype=torch.bool)
         return reads_the_ratio(signal, self._loss_spec)
+
+    def _say_rollout_logprobs_are_mu(self, policy_logps, rollout_logps, mask) -> None:
+        """Once, at the first batch: GRPOTrainer ignores a rollout_func's `logprobs` without vLLM; TOPR takes them as
+        mu's, which is right when they are the sampler's and wrong otherwise (log-probs from a model in train mode,
+        under dropout or another precision): say so, with how far they are from the policy's here."""
+        if self._said_rollout_logprobs:
+            return
+        self._said_rollout_logprobs = True
+        with torch.no_grad():
+            gap = ((policy_logps - rollout_logps) * mask).sum(-1)  # log pi/mu of each completion
+            values = self.accelerator.gather(gap.float())
+        logger.warning(
+            "the rollout_func returns `logprobs`: TOPR uses them as mu's (GRPOTrainer ignores them without vLLM). At "
+            f"this first batch, before any update, pi/mu per completion spans [{values.exp().min().item():.3g}, "
+            f"{values.exp().max().item():.3g}] (1 where they are the sampler's and the policy sampled); if they are "
+            "not the sampler's log-probs, set topr_behaviour_source='policy'.")
 
     def _topr_loss(self, model, inputs):
         """TOPR's contribution: the per-token policy loss of the configured loss type (`topr_trl.loss.POLICY_LOSSES`)
@@ -329,6 +349,8 @@ class TOPRTrainer(CheckpointWeights, PolicyMetricsLogging, OfflineReplay, GRPOLo
                                                                      sampler_logps, compared), reduction="sum")
             for name, value in drift_and_mismatch(totals.tolist()).items():
                 self._metrics[mode][name].append(value)
+        if "topr_rollout_logprobs" in inputs and behaviour_logps is inputs.get("sampling_per_token_logps"):
+            self._say_rollout_logprobs_are_mu(per_token_logps, behaviour_logps, mask)
         terms = policy_per_token_loss(per_token_logps, behaviour_logps, signal, mask, self._loss_spec)
         loss, policy_per_token, aggregate_kwargs = self._grpo_loss_around_policy_term(
             inputs, mode, mask, terms.per_token_loss, per_token_logps, entropies, aux_loss, signal, behaviour_logps)

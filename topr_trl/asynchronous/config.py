@@ -18,6 +18,7 @@ from ..config import (
     policy_loss_spec_of,
     refuse_unread_knobs,
     resolve_limits,
+    say_trl_loss_fields_unread,
     topr_field,
 )
 from ..loss import POLICY_LOSSES, RATIO_LEVELS, PolicyLossSpec, TruncationLimits
@@ -99,6 +100,7 @@ class AsyncTOPRConfig(AsyncGRPOConfig):
         check_choice("topr_loss_aggregation", self.topr_loss_aggregation, ASYNC_AGGREGATIONS)
         check_loss_knobs(self)
         refuse_unread_knobs(self)
+        say_trl_loss_fields_unread(self)
         self.topr_baseline = TOPRConfig._parse_baseline(self.topr_baseline)
         if isinstance(self.topr_baseline, str):
             raise ValueError(f"`topr_baseline` must be a number for the asynchronous trainer, got "
