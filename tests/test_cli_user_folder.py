@@ -118,6 +118,9 @@ def test_an_interrupted_run_is_not_restarted_over_its_checkpoints(user_dir, tiny
     (["--max_steps", "two"], "--max_steps: invalid int value: 'two'"),
     (["--bf16", "maybe"], "--bf16: Truthy value expected: got maybe"),
     (["--topr_unscored_batch", "stop"], "topr_unscored_batch"),
+    (["--lora_r", "8"], "--lora_r sets the LoRA adapter, which only --use_peft true trains"),
+    (["--use_dora", "true"], "--use_dora sets the LoRA adapter"),
+    (["--max_steps", "0"], "--max_steps 0 would not stop training at step 0"),
 ])
 @pytest.mark.parametrize("dry_run", [False, True])
 def test_wrong_input_fails_at_once_in_one_line(argv, message, dry_run, user_dir, tiny_model_path):

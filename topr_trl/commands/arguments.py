@@ -345,7 +345,29 @@ def parse_command(command: str, argv: list[str]) -> tuple:
     except ValueError as error:  # refused by a config's own checks, which name fields: name them as flags
         raise ValueError(_in_flags(str(error), subparser, given)) from error  # `--debug` shows where
     _refuse_unknown(subparser, from_config, from_flags)
+    _refuse_settings_without_effect(parsed)
     return tuple(parsed)
+
+
+_LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
+                "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora")
+
+
+def _refuse_settings_without_effect(parsed) -> None:
+    """Values a command takes and would then ignore or misread, refused in one line: a LoRA setting without
+    --use_peft (the full model would train), and --max_steps 0 (which TrainingArguments reads as "no step limit":
+    the epochs would train)."""
+    for arguments in parsed:
+        if isinstance(arguments, ModelConfig) and not arguments.use_peft:
+            defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+            for name in _LORA_FIELDS:
+                if getattr(arguments, name, defaults.get(name)) != defaults.get(name):
+                    raise SystemExit(f"topr-trl: --{name} sets the LoRA adapter, which only --use_peft true trains "
+                                     f"(without it the whole model trains): add --use_peft true, or drop --{name}")
+        if getattr(arguments, "max_steps", None) == 0:
+            raise SystemExit("topr-trl: --max_steps 0 would not stop training at step 0 (TrainingArguments reads 0 "
+                             "as no limit, and trains --num_train_epochs): give a number of steps >= 1, or -1 to "
+                             "train by epochs")
 
 
 def _in_flags(message: str, parser: CommandParser, given: list[str]) -> str:
