@@ -79,3 +79,20 @@ def test_a_checkpoint_of_another_architecture_is_refused_in_one_line(in_folder, 
     message = str(stop.value.code)
     assert message.startswith("topr-trl: the checkpoint") and "\n" not in message, message
     assert "does not" in message
+
+
+def test_the_asynchronous_trainer_trains_each_architecture_and_saves_its_config_as_it_was(in_folder):
+    """TRL's FLOPs count read `num_key_value_heads` (and `intermediate_size`), which GPTNeoX's and OPT's configs do
+    not have: the first step raised AttributeError. Now the run trains and logs TRL's step metrics, and the saved
+    config has the fields the model came with, no more."""
+    import json
+
+    main(["train", "--model_name_or_path", "my-model", "--output_dir", "asynchronous", *ONE_STEP[:-4],
+          "--max_steps", "2", "--asynchronous", "true"])
+    summary = json.loads((in_folder / "asynchronous" / "topr_summary.json").read_text())
+    assert summary["steps"] == 2
+    state = json.loads((in_folder / "asynchronous" / "trainer_state.json").read_text())
+    assert any("batch/forwarded_tokens_per_step" in entry for entry in state["log_history"])
+    saved = json.loads((in_folder / "asynchronous" / "config.json").read_text())
+    original = json.loads((in_folder / "my-model" / "config.json").read_text())
+    assert set(saved) - {"dtype", "transformers_version"} <= set(original)

@@ -18,6 +18,7 @@ run without CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -197,6 +198,33 @@ def with_response_template(tokenizer):
             raise
     tokenizer.response_template = qwen3_template
     return tokenizer
+
+
+# What TRL's FLOPs estimate reads that some configs name otherwise or lack: multi-head attention has as many key/value
+# heads as heads (GPTNeoX, OPT, GPT-2 declare no `num_key_value_heads`); the MLP's width is `ffn_dim` (OPT) or
+# `n_inner` (GPT-2, None meaning 4 x hidden).
+_FLOPS_FIELDS = {
+    "num_key_value_heads": lambda config: config.num_attention_heads,
+    "intermediate_size": lambda config: getattr(config, "ffn_dim", None) or getattr(config, "n_inner", None)
+    or 4 * config.hidden_size,
+}
+
+
+@contextlib.contextmanager
+def flops_fields(config):
+    """`config` with the fields TRL's FLOPs estimate reads (`_FLOPS_FIELDS`), for the block only: those it lacks
+    are set to what its architecture means by them, then removed, so that nothing reaches a saved config.json.
+    Before, the asynchronous trainer's first step on a GPTNeoX or an OPT raised AttributeError there."""
+    added = []
+    for name, value_of in _FLOPS_FIELDS.items():
+        if getattr(config, name, None) is None:
+            setattr(config, name, value_of(config))
+            added.append(name)
+    try:
+        yield config
+    finally:
+        for name in added:
+            delattr(config, name)
 
 
 class AsyncTOPRTrainer(CheckpointWeights, PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
@@ -419,4 +447,10 @@ class AsyncTOPRTrainer(CheckpointWeights, PolicyMetricsLogging, CPUSupport, Asyn
         self._step_seq_len_weighted += mean_seq_len * n_forward_tokens
         self._step_samples += n_forward_tokens / mean_seq_len
         self._step_forward_s += self._last_forward_time_s
+
+    def _log_step_metrics(self) -> None:
+        """TRL's step metrics, its FLOPs estimate included (`trl.trainer.utils.compute_flops_per_token`), on every
+        architecture: see `flops_fields`."""
+        with flops_fields(self.model.config.get_text_config()):
+            super()._log_step_metrics()
 
