@@ -814,3 +814,21 @@ def test_the_resume_position_passes_dropped_groups_and_stops_at_a_split_one():
     assert ledger.resume_position(4) == ResumePosition(group=4, left_behind=24 - 14 - 4, trained_again=2)
     ledger.record_trained_micro_batch()
     assert ledger.resume_position(4) == ResumePosition(group=5, left_behind=2, trained_again=2)
+
+
+def test_the_documented_python_path_without_a_server_runs_as_written(tmp_path, monkeypatch):
+    """docs/asynchronous.md's block under "Without a server", run as it is written with `model`, `prompts` and
+    `my_reward` a user's: before, `token_budget` unset made TRL wait 240 s for a vLLM server, then time out."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "asynchronous.md").read_text()
+    section = page.split("## Without a server", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    namespace = {"model": MODEL, "prompts": make_reasoning_dataset(8),
+                 "my_reward": reasoning_reward}
+    started = time.monotonic()
+    exec(compile(block, "docs/asynchronous.md", "exec"), namespace)  # noqa: S102 - the page's own code
+    assert namespace["trainer"].state.global_step == 2
+    assert namespace["args"].token_budget == 0 and time.monotonic() - started < 120

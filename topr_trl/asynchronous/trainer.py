@@ -50,6 +50,7 @@ from ..vllm_server import BACKEND
 from ..vllm_server.client import GlooWeightTransfer, server_weight_backend
 from .config import AsyncTOPRConfig
 from .cpu import CPUSupport
+from .lagged_worker import LaggedRolloutWorker
 from .resume import RolloutLedger, describe_resume, read_rollout_state, write_rollout_state
 
 
@@ -257,6 +258,10 @@ class AsyncTOPRTrainer(CheckpointWeights, PolicyMetricsLogging, CPUSupport, Asyn
             self._name, self._paper, self._tag_names = trained_method(args.loss_type)
         if kwargs.get("weight_transfer") is None and kwargs.get("rollout_worker") is None:
             kwargs["weight_transfer"] = gloo_weight_transfer(args)
+        if args.token_budget is None and isinstance(kwargs.get("rollout_worker"), LaggedRolloutWorker):
+            # TRL sizes an unset budget from the vLLM server's max_model_len, waiting for a server the stand-in worker
+            # does not have (240 s, then a time-out): pack per_device_train_batch_size samples per row instead
+            args.token_budget = 0
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._loss_spec = args.policy_loss_spec
         self._sampler_processing = self._mu_processing(args, kwargs.get("rollout_worker"))
