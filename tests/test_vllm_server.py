@@ -363,6 +363,39 @@ def test_two_trainer_processes_train_against_one_server(user_folder_for_server, 
     assert any(not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), base.state_dict().values(), strict=False))
 
 
+def test_a_second_trainer_trains_against_the_server_while_the_first_still_holds_the_default_port(
+        user_folder_for_server, tmp_path):
+    """A first trainer's weight path still open (a notebook that trained once) holds GRPOConfig's default group port
+    on this machine; a second trainer process, left at the default, hosts its rendezvous on a free port instead of
+    failing at its first push with EADDRINUSE, and trains."""
+    from topr_trl.vllm_server.client import DEFAULT_GROUP_PORT
+
+    folder = user_folder_for_server
+    holder = ("import sys, time\n"
+              "from topr_trl.vllm_server.client import GlooVLLMClient\n"
+              "client = GlooVLLMClient(base_url=sys.argv[1], group_port=int(sys.argv[2]), connection_timeout=60)\n"
+              "client.init_communicator()\n"
+              "print('holding', client.group_port, flush=True)\n"
+              "time.sleep(600)\n")
+    with served(str(folder / "my-model"), tmp_path / "server.log") as (url, _):
+        first = subprocess.Popen([sys.executable, "-c", holder, url, str(DEFAULT_GROUP_PORT)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=child_environment())
+        try:
+            said = first.stdout.readline().split()
+            assert said[:1] == ["holding"], first.stderr.read()[-3000:] if first.poll() is not None else said
+            if int(said[1]) != DEFAULT_GROUP_PORT:
+                pytest.skip(f"port {DEFAULT_GROUP_PORT} is taken on this machine by something else")
+            second = cli(folder, user_run(folder, "outputs/second", "--use_vllm", "true", "--vllm_mode", "server",
+                                          "--vllm_server_base_url", url, "--max_steps", "2"))
+            _, stderr = second.communicate(timeout=600)
+        finally:
+            first.kill()
+            first.wait(timeout=60)
+        pushes = (tmp_path / "server.log").read_text().count('"POST /update_weights HTTP/1.1" 200')
+    assert second.returncode == 0, stderr[-3000:]
+    assert pushes == 2
+
+
 def test_async_topr_on_trls_rollout_worker_keeps_the_server_on_the_policy(reasoning_model, tmp_path):
     """AsyncTOPRTrainer with TRL's own rollout worker (a process sending /v1/completions requests) against
     `topr-trl vllm-serve`: the trainer finds the server's gloo path and syncs through it as TRL's protocol schedules

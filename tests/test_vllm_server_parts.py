@@ -204,3 +204,29 @@ def test_a_server_lost_mid_run_is_one_line_with_its_address_and_how_to_go_on(not
     assert line.endswith("then continue the run with --resume_from_checkpoint true"), line
     with pytest.raises(ValueError):  # not a lost server: left as it is
         generation._server_call(lambda: (_ for _ in ()).throw(ValueError("a bug")))
+
+
+def test_the_rendezvous_port_gives_way_only_when_it_is_the_default():
+    """A second trainer on this machine: GRPOConfig's default group port held by another process gives way to a free
+    one; a port the user chose and another process holds is refused in one line naming it; a free one is kept."""
+    import socket
+
+    from topr_trl.vllm_server.client import DEFAULT_GROUP_PORT, is_free_port, rendezvous_port
+
+    with socket.socket() as other:
+        other.bind(("", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        assert not is_free_port(taken)
+        with pytest.raises(ValueError, match=rf"^vllm_group_port {taken} is in use on this machine"):
+            rendezvous_port(taken)
+    assert rendezvous_port(taken) == taken  # released: free again
+    with socket.socket() as other:
+        try:
+            other.bind(("", DEFAULT_GROUP_PORT))
+        except OSError:
+            pytest.skip(f"port {DEFAULT_GROUP_PORT} is held by something else here")
+        other.listen()
+        chosen = rendezvous_port(DEFAULT_GROUP_PORT)
+        assert chosen != DEFAULT_GROUP_PORT and is_free_port(chosen)
+    assert rendezvous_port(None) > 0

@@ -11,12 +11,14 @@ into one line naming its address. `TOPRTrainer` uses it when the server runs thi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import threading
 import time
 
 import requests
+from trl import GRPOConfig
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 
@@ -142,9 +144,12 @@ class GlooVLLMClient(VLLMClient):
             raise outcome["error"]
 
     def init_communicator(self, device=None):
-        """Join the server's workers in a gloo group, as rank 0 hosting the rendezvous on `group_port`."""
+        """Join the server's workers in a gloo group, as rank 0 hosting the rendezvous on `group_port`
+        (`rendezvous_port`: GRPOConfig's default port, taken by another trainer on this machine, gives way to a free
+        one; the server is told which)."""
         world_size = self.get_world_size() + 1
         address = local_address_towards(self.host)
+        self.group_port = rendezvous_port(self.group_port)
         init_info = {"master_address": address, "master_port": self.group_port, "world_size": world_size,
                      "rank_offset": 1, "timeout_s": self.sync_timeout_s}
 
@@ -179,6 +184,35 @@ class GlooVLLMClient(VLLMClient):
 
     def close_communicator(self):
         self.group = None
+
+
+# GRPOConfig's `vllm_group_port`: the port every trainer asks for unless told otherwise
+DEFAULT_GROUP_PORT = next(f.default for f in dataclasses.fields(GRPOConfig) if f.name == "vllm_group_port")
+
+
+def is_free_port(port: int) -> bool:
+    """Whether a rendezvous could listen on `port` on this machine now."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def rendezvous_port(port: int | None) -> int:
+    """The port the trainer hosts the weight path's rendezvous on: `port` when it is free; a free one when `port` is
+    None, or GRPOConfig's default held by another process (a second trainer on this machine, or a first one still
+    alive in a notebook); a `port` chosen by the user and in use is refused in one line."""
+    if port is not None and is_free_port(port):
+        return port
+    if port is not None and port != DEFAULT_GROUP_PORT:
+        raise ValueError(f"vllm_group_port {port} is in use on this machine (another trainer's weight path?): set "
+                         f"vllm_group_port to a free port, or leave it at its default ({DEFAULT_GROUP_PORT}), which "
+                         "gives way to a free port when taken")
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
 
 
 SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -275,14 +309,9 @@ class GlooWeightTransfer:
         self.client: GlooVLLMClient | None = None
 
     def init_weight_transfer(self) -> None:
-        port = self.group_port
-        if port is None:  # a free port on this machine for the rendezvous the trainer hosts
-            with socket.socket() as probe:
-                probe.bind(("", 0))
-                port = probe.getsockname()[1]
         try:
-            self.client = GlooVLLMClient(base_url=self.url, group_port=port, connection_timeout=self.sync_timeout_s,
-                                         sync_timeout_s=self.sync_timeout_s)
+            self.client = GlooVLLMClient(base_url=self.url, group_port=self.group_port,
+                                         connection_timeout=self.sync_timeout_s, sync_timeout_s=self.sync_timeout_s)
         except requests.RequestException as error:
             raise ServerLost(f"the vLLM server at {self.url} failed: {type(error).__name__}") from error
         self.client.init_communicator()
