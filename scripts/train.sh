@@ -9,4 +9,6 @@ bash "$repo/scripts/bootstrap.sh"
 venv="${TOPR_VENV:-.venv}"
 case "$venv" in /*) ;; *) venv="$repo/$venv" ;; esac
 export HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
+# the command an interrupted run prints to resume it is this script, as its user can paste it
+export TOPR_TRL_LAUNCHER="bash $(printf %q "$repo/scripts/train.sh")"
 exec "$venv/bin/topr-trl" train "$@"

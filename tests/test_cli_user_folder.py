@@ -295,3 +295,83 @@ def test_evaluation_reads_the_held_out_split_and_never_the_training_rows(user_di
     trained, evaluated = seen[:QUICK_SAMPLES], seen[QUICK_SAMPLES:]  # one training step's samples, then the eval's
     assert set(trained) <= set(train_rows["prompt"])
     assert set(evaluated) == set(test_rows["prompt"])
+
+
+# ----------------------------------------------------------------------------------------- one line, not a traceback
+def test_what_would_fail_far_into_a_run_is_refused_in_one_line_before_it(user_dir, tiny_model_path):
+    """A model folder without a tokenizer (transformers builds a one-token tokenizer from the config, and the run
+    died with IndexError), a conversational prompt without `role`, an --output_dir that is a file or lies under one,
+    and another model's checkpoint of the same architecture: each one line, dry run or not where a dry run checks."""
+    import shutil
+
+    prompt_dataset().to_json(user_dir / "prompts.jsonl")
+    common = ["--dataset_name", "prompts.jsonl", "--reward_funcs", "my_rewards:correctness", *QUICK]
+    untokenized = user_dir / "no-tokenizer"
+    untokenized.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(tiny_model_path) / name, untokenized / name)
+    for dry in (["--dry_run", "true"], []):
+        with pytest.raises(SystemExit) as stop:
+            main(["train", "--model_name_or_path", str(untokenized), *common, "--output_dir", "a", *dry])
+        assert "has no tokenizer" in one_line_error(stop)
+
+    (user_dir / "roleless.jsonl").write_text(json.dumps({"prompt": [{"content": "1+1="}], "answer": "2"}) + "\n")
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--model_name_or_path", tiny_model_path, *common[2:], "--dataset_name", "roleless.jsonl",
+              "--output_dir", "b"])
+    assert "prompt row 0: every message of a conversational prompt needs `role` and `content`" in \
+        one_line_error(stop)
+
+    (user_dir / "a-file").write_text("")
+    for output_dir, says in (("a-file", "is a file"), ("a-file/run", "lies under a-file, which is a file")):
+        with pytest.raises(SystemExit) as stop:
+            main(["train", "--model_name_or_path", tiny_model_path, *common, "--output_dir", output_dir])
+        assert f"--output_dir {output_dir} {says}" in one_line_error(stop)
+
+    other = user_dir / "wider"  # the same architecture (Qwen2), another size
+    from topr_trl.tasks.tiny import build_model, build_tokenizer, save_pretrained
+
+    save_pretrained(build_model(build_tokenizer(), seed=1, hidden_size=48), build_tokenizer(), other)
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--model_name_or_path", tiny_model_path, *common, "--output_dir", "c",
+              "--resume_from_checkpoint", str(other)])
+    message = one_line_error(stop)
+    assert "does not fit this model" in message and "there and" in message
+
+
+def test_a_folder_a_live_run_holds_says_so_before_anything_else(user_dir, tiny_model_path):
+    """The folder holds an interrupted run's checkpoint and a live run's lock: the second run is told the folder is
+    in use (resuming into a live run is no way out), not to pass --resume_from_checkpoint."""
+    import fcntl
+
+    from topr_trl.commands.output_folders import LOCK_FILE
+
+    prompt_dataset().to_json(user_dir / "prompts.jsonl")
+    (user_dir / "live" / "checkpoint-1").mkdir(parents=True)
+    (user_dir / "live" / "checkpoint-1" / "trainer_state.json").write_text("{}")
+    with open(user_dir / "live" / LOCK_FILE, "w") as held:
+        held.write("pid 12345 on this machine\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(SystemExit) as stop:
+            main(["train", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl",
+                  "--reward_funcs", "my_rewards:correctness", *QUICK, "--output_dir", "live"])
+    message = one_line_error(stop)
+    assert "is in use by another run (pid 12345 on this machine)" in message and "resume" not in message
+
+
+def test_the_printed_resume_command_is_the_one_the_user_ran(user_dir, monkeypatch):
+    """scripts/train.sh's user gets the script back (`topr-trl` is not on their PATH); a console script that is not
+    the one on the PATH is given by its path."""
+    from topr_trl.commands import output_folders
+
+    (user_dir / "run" / "checkpoint-3").mkdir(parents=True)
+    (user_dir / "run" / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    monkeypatch.setenv(output_folders.LAUNCHER_ENV, "bash /opt/my\\ repo/scripts/train.sh")
+    stop = output_folders.interrupted_run("train", ["--max_steps", "9"], "run")
+    assert stop.code == 130
+    assert output_folders.command_line("train") == ["bash", "/opt/my repo/scripts/train.sh"]
+    monkeypatch.delenv(output_folders.LAUNCHER_ENV)
+    monkeypatch.setattr(sys, "argv", [str(user_dir / "venv" / "bin" / "topr-trl")])
+    monkeypatch.setenv("PATH", str(user_dir / "nowhere"))
+    assert output_folders.command_line("train") == ["venv/bin/topr-trl", "train"]

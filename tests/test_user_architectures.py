@@ -96,3 +96,22 @@ def test_the_asynchronous_trainer_trains_each_architecture_and_saves_its_config_
     saved = json.loads((in_folder / "asynchronous" / "config.json").read_text())
     original = json.loads((in_folder / "my-model" / "config.json").read_text())
     assert set(saved) - {"dtype", "transformers_version"} <= set(original)
+
+
+def test_a_completion_length_beyond_the_models_positions_is_refused_in_one_line(in_folder):
+    """OPT's learned positions end at 256 here (GPTNeoX's at 512): the default max_completion_length (512) died with
+    "index out of range in self" at the first generation; now one line names the model's positions, and a length
+    that fits with the prompt names the longest prompt's row."""
+    import json
+
+    positions = json.loads((in_folder / "my-model" / "config.json").read_text())["max_position_embeddings"]
+    run = ["train", "--model_name_or_path", "my-model", "--output_dir", "too-long", *ONE_STEP]
+    at = run.index("--max_completion_length")
+    for length, says in ((positions, f"leaves no room for a prompt in the model's {positions} positions"),
+                         (positions - 2, f"and the model has {positions} (max_position_embeddings)")):
+        run[at + 1] = str(length)
+        with pytest.raises(SystemExit) as stop:
+            main(run)
+        message = str(stop.value.code)
+        assert message.startswith("topr-trl: ") and "\n" not in message and says in message, message
+    assert not (in_folder / "too-long").exists()

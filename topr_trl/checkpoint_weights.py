@@ -22,17 +22,22 @@ class CheckpointNotLoadable(ValueError):
     them."""
 
 
-def stored_weight_names(folder: str) -> set[str] | None:
-    """The names of the weights a saved model folder stores (one safetensors file or a sharded index); None for a
-    folder in another format (left to `Trainer`)."""
+def stored_weight_shapes(folder: str) -> dict[str, list[int]] | None:
+    """The name and shape of each weight a saved model folder stores (one safetensors file or a sharded index, read
+    from the files' headers); None for a folder in another format (left to `Trainer`)."""
     single, index = os.path.join(folder, SAFE_WEIGHTS_NAME), os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)
     if os.path.isfile(single):
-        with safe_open(single, framework="pt") as stored:
-            return set(stored.keys())
-    if os.path.isfile(index):
+        files = [single]
+    elif os.path.isfile(index):
         with open(index) as file:
-            return set(json.load(file)["weight_map"])
-    return None
+            files = sorted({os.path.join(folder, shard) for shard in json.load(file)["weight_map"].values()})
+    else:
+        return None
+    shapes = {}
+    for path in files:
+        with safe_open(path, framework="pt") as stored:
+            shapes.update({name: list(stored.get_slice(name).get_shape()) for name in stored.keys()})
+    return shapes
 
 
 def load_renamed_checkpoint(model: torch.nn.Module, folder: str) -> bool:
@@ -40,8 +45,17 @@ def load_renamed_checkpoint(model: torch.nn.Module, folder: str) -> bool:
     (transformers' renaming, or another model's weights), through `from_pretrained`'s renaming; True when it did, False
     when every stored name is the model's own (`Trainer`'s loading is right for it). Raises `CheckpointNotLoadable`
     when a weight of the model would stay unloaded or a stored one would be dropped."""
-    stored = stored_weight_names(folder)
-    if stored is None or stored <= set(model.state_dict()):
+    stored = stored_weight_shapes(folder)
+    if stored is None:
+        return False
+    own = {name: list(tensor.shape) for name, tensor in model.state_dict().items()}
+    misshapen = [name for name, shape in stored.items() if name in own and own[name] != shape]
+    if misshapen:  # another size of the same architecture: load_state_dict would stop on the first, in PyTorch's words
+        raise CheckpointNotLoadable(f"the checkpoint {folder} does not fit this model ({type(model).__name__}): "
+                                    f"{misshapen[0]} is {stored[misshapen[0]]} there and {own[misshapen[0]]} here"
+                                    + (f", and {len(misshapen) - 1} more differ" if len(misshapen) > 1 else "")
+                                    + "; resume from a checkpoint of the same model")
+    if set(stored) <= set(own):
         return False
     try:
         reloaded, info = type(model).from_pretrained(folder, config=model.config, dtype=model.dtype,

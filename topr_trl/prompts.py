@@ -34,3 +34,41 @@ def tokenize_prompts(
                                    environment_factories=None)
     prompt_ids, _, _ = GRPOTrainer._tokenize_prompts(trainer_view, list(prompts))
     return [list(ids) for ids in prompt_ids]
+
+
+def model_positions(config) -> int | None:
+    """How many positions (prompt and completion together) the model with `config` was built for; None when its
+    config does not say."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_prompts_fit(prompts: Sequence, tokenizer, positions: int | None, max_completion_length: int,
+                      chat_template_kwargs: dict | None = None) -> None:
+    """Raises ValueError, in one line naming the row, for what would fail far into a run: a conversational prompt
+    with a message that is not a `role`/`content` record (the chat template's type error), and a prompt whose tokens
+    plus `max_completion_length` exceed the model's `positions` (an embedding's "index out of range" in a model with
+    learned positions, such as OPT)."""
+    for row, prompt in enumerate(prompts):
+        if isinstance(prompt, list):
+            for message in prompt:
+                if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                    raise ValueError(f"prompt row {row}: every message of a conversational prompt needs `role` and "
+                                     f"`content`, got {message!r:.80}")
+    if positions is None:
+        return
+    if max_completion_length >= positions:
+        raise ValueError(f"--max_completion_length {max_completion_length} leaves no room for a prompt in the model's "
+                         f"{positions} positions (max_position_embeddings): lower it below {positions}")
+    lengths = [len(ids) for ids in tokenize_prompts(tokenizer, prompts, chat_template_kwargs)]
+    longest = max(lengths, default=0)
+    if longest + max_completion_length > positions:
+        row = lengths.index(longest)
+        raise ValueError(f"prompt row {row} has {longest} tokens, which with --max_completion_length "
+                         f"{max_completion_length} make {longest + max_completion_length} positions, and the model has "
+                         f"{positions} (max_position_embeddings): shorten the prompts or lower --max_completion_length "
+                         f"to {positions - longest} or less")

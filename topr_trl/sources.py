@@ -56,6 +56,11 @@ def hub_unreachable_reason() -> str | None:
     return None
 
 
+# the files one of transformers' tokenizers loads from (fast, BPE, WordPiece, SentencePiece)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
 def resolve_model_source(name: str | None, what: str = "model", convert: bool = True,
                          ask_hub: bool = True) -> str | None:
     """What to load for the model `name`, failing at once, in one line, on one that cannot load:
@@ -83,6 +88,10 @@ def resolve_model_source(name: str | None, what: str = "model", convert: bool = 
         if not path.is_dir() or not any((path / f).is_file() for f in ("config.json", "adapter_config.json")):
             raise SystemExit(f"topr-trl: {name} is not a model folder (no config.json in it): give the folder a "
                              "model was saved to with save_pretrained, a .gguf file, or a Hub id")
+        if (path / "config.json").is_file() and not any((path / f).is_file() for f in TOKENIZER_FILES):
+            # transformers would build a one-token tokenizer from the config alone, and generation would fail later
+            raise SystemExit(f"topr-trl: {what} folder {name} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+                             "save the tokenizer beside the model (tokenizer.save_pretrained(folder))")
         return name
     if looks_like_local_path(name):
         raise SystemExit(f"topr-trl: {what} folder {name} does not exist")

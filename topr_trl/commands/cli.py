@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 from accelerate import PartialState
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 from trl import get_peft_config
 
 from ..config import check_choice
@@ -47,6 +47,7 @@ from ..offline import (
 from ..offline.generation import GeneratedWithOtherSettings, recorded_model
 from ..offline.held_out import HELD_OUT_SAMPLES, load_test_prompts
 from ..offline.schema import StoredTokensMismatch, check_stored_tokens
+from ..prompts import check_prompts_fit, model_positions
 from ..sampling import BACKENDS
 from ..sources import check_data_source, check_local_data
 from ..tasks.loading import describe_accuracy, held_out_accuracy, load_task, task_evaluator
@@ -69,6 +70,7 @@ from .output_folders import (
     output_dir_lock,
     push_failure_reported,
     quiet_unmeasured_metrics,
+    refuse_unusable_output_dir,
     refuse_used_output_dir,
     removed_if_left_empty,
     shown_path,
@@ -86,6 +88,7 @@ def _note_hardware(argv: list[str], training_args) -> None:
 def train(argv: list[str]) -> dict:
     script_args, training_args, model_args = parse_command("train", argv)
     offline = script_args.offline_dataset is not None
+    refuse_unusable_output_dir(training_args.output_dir)  # before what the folder holds: the lock's line first
     refuse_used_output_dir(training_args.output_dir, script_args.overwrite_output_dir,
                            bool(training_args.resume_from_checkpoint))
     check_trackers(training_args.report_to)
@@ -122,6 +125,10 @@ def train(argv: list[str]) -> dict:
         return {"dry_run": True}
     if offline:
         train_dataset, eval_dataset = offline_data, offline_eval
+    else:
+        for dataset in (train_dataset, eval_dataset):
+            check_fits_the_model(model, dataset, training_args.max_completion_length,
+                                 training_args.chat_template_kwargs)
     _note_hardware(argv, training_args)
 
     output_dir = training_args.output_dir
@@ -180,6 +187,19 @@ def train(argv: list[str]) -> dict:
             if training_args.push_to_hub:
                 trainer.push_to_hub(dataset_name=script_args.offline_dataset or script_args.dataset_name)
     return summary
+
+
+def check_fits_the_model(model: str, dataset, max_completion_length: int, chat_template_kwargs) -> None:
+    """The prompts of `dataset` (None: nothing) are records the chat template takes and fit the model's positions
+    with `max_completion_length` (`check_prompts_fit`), checked before any weight loads."""
+    if dataset is None or "prompt" not in dataset.column_names:
+        return
+    positions = model_positions(AutoConfig.from_pretrained(model))
+    try:
+        check_prompts_fit(dataset["prompt"], AutoTokenizer.from_pretrained(model), positions, max_completion_length,
+                          chat_template_kwargs)
+    except ValueError as error:
+        raise SystemExit(f"topr-trl: {error}") from None
 
 
 def check_offline_policy(source: str, data, policy: str, given: str | None) -> None:
@@ -296,6 +316,7 @@ def generate(argv: list[str]) -> dict:
 
     if options.max_prompts is not None:
         prompts = prompts.select(range(min(options.max_prompts, len(prompts))))
+    check_fits_the_model(model, prompts, options.max_completion_length, chat_template_kwargs)
     torch.manual_seed(options.seed)
     if options.overwrite_output_dir and any(Path(options.output_dir).glob("shard-*")):
         say(f"--overwrite_output_dir: deleting the earlier generation in {shown_path(options.output_dir)}")
@@ -341,6 +362,7 @@ def iterate(argv: list[str]) -> list[dict]:
               f"{options.composition}, task={task}, model={model or 'built-in tiny model'}, "
               f"limits={training_args.topr_limits}, output_dir={training_args.output_dir}")
         return []
+    check_fits_the_model(model, prompts, training_args.max_completion_length, training_args.chat_template_kwargs)
     _note_hardware(argv, training_args)
     torch.manual_seed(training_args.seed)
     iteration_settings = IterationSettings(

@@ -37,6 +37,37 @@ SUMMARY_METRICS = ("loss", "reward", "reward_std", "topr/effective_positive_prop
                    "topr/negative_truncated_fraction", "eval_reward")
 
 
+def refuse_unusable_output_dir(output_dir: str) -> None:
+    """One line, before anything else is said of the folder: an --output_dir that is a file or lies under one, and
+    a folder a live run holds (`output_dir_lock`; its message first, since resuming into a live run is no way out)."""
+    folder = Path(output_dir).expanduser()
+    for path in (folder, *folder.parents):
+        if path.exists() and not path.is_dir():
+            where = "is a file" if path == folder else f"lies under {path}, which is a file"
+            raise SystemExit(f"topr-trl: --output_dir {output_dir} {where}: choose a folder")
+    holder = lock_holder(folder)
+    if holder is not None:
+        raise SystemExit(f"topr-trl: {output_dir} is in use by another run ({holder}); wait for it to finish, or "
+                         "choose another --output_dir")
+
+
+def lock_holder(folder: Path) -> str | None:
+    """Who holds `folder`'s run lock (`output_dir_lock`) now, or None when no live process does."""
+    try:
+        handle = open(folder / LOCK_FILE)
+    except OSError:
+        return None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return " ".join(handle.read().split()) or "another process"
+        except OSError:  # a file system without locks: nothing to know
+            return None
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return None
+
+
 def refuse_used_output_dir(output_dir: str, overwrite: bool, resume: bool) -> None:
     """A folder that holds a finished run (its summary or its saved model) or an interrupted one (checkpoints) is not
     trained into again by accident: a finished one only with --overwrite_output_dir (or --resume_from_checkpoint to
@@ -287,7 +318,24 @@ def interrupted_run(command: str, argv: list[str], output_dir: str) -> SystemExi
         if not skip_value and not argument.startswith("--resume_from_checkpoint="):
             kept.append(argument)
     return interrupted(f"the last checkpoint is {shown_path(checkpoint)}; resume with: "
-                       f"{shlex.join(['topr-trl', command, *kept, '--resume_from_checkpoint', 'true'])}")
+                       f"{shlex.join([*command_line(command), *kept, '--resume_from_checkpoint', 'true'])}")
+
+
+LAUNCHER_ENV = "TOPR_TRL_LAUNCHER"  # set by scripts/train.sh: the command its user typed, before the arguments
+
+
+def command_line(command: str) -> list[str]:
+    """How the user who ran `command` runs it again, as they can paste it: `bash <repo>/scripts/train.sh` for that
+    script's user (`LAUNCHER_ENV`), the console script by its path where `topr-trl` on the PATH is not it (or there
+    is none), else `topr-trl`."""
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if launcher and command == "train":
+        return shlex.split(launcher)
+    script = Path(sys.argv[0])
+    on_path = shutil.which("topr-trl")
+    if script.name == "topr-trl" and (on_path is None or Path(on_path).resolve() != script.resolve()):
+        return [shown_path(str(script)), command]
+    return ["topr-trl", command]
 
 
 class _UnmeasuredMetricFilter(logging.Filter):
