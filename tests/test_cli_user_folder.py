@@ -375,3 +375,32 @@ def test_the_printed_resume_command_is_the_one_the_user_ran(user_dir, monkeypatc
     monkeypatch.setattr(sys, "argv", [str(user_dir / "venv" / "bin" / "topr-trl")])
     monkeypatch.setenv("PATH", str(user_dir / "nowhere"))
     assert output_folders.command_line("train") == ["venv/bin/topr-trl", "train"]
+
+
+# ----------------------------------------------------------------------------------------- weighted rewards
+def test_weighted_rewards_work_the_same_in_generate_and_asynchronous_train(user_dir, tiny_model_path):
+    """`generate --reward_weights` stores the weighted sum and records the weights (before, generate had no such flag
+    and recorded 1.0 each); `train --asynchronous` takes them (before, refused); and `generate` into a folder that
+    holds a trained model, not a generation, is refused in one line instead of writing shards beside it."""
+    prompt_dataset().to_json(user_dir / "prompts.jsonl")
+    rewards = ["--reward_funcs", "my_rewards:correctness", "my_rewards:correctness", "--reward_weights", "1", "0.5"]
+    main(["generate", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl", *rewards,
+          "--num_generations", "4", "--max_prompts", "2", "--max_completion_length", "4", "--output_dir", "data"])
+    manifest = json.loads((user_dir / "data" / "manifest.json").read_text())
+    assert manifest["settings"]["reward_weights"] == [1.0, 0.5]
+    from topr_trl.offline import load_offline_dataset
+
+    assert set(load_offline_dataset(user_dir / "data")["reward"]) <= {1.5, -1.5}
+
+    main(["train", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl", *rewards, *QUICK,
+          "--asynchronous", "true", "--output_dir", "asynchronous"])
+    assert json.loads((user_dir / "asynchronous" / "topr_summary.json").read_text())["steps"] == 1
+    state = json.loads((user_dir / "asynchronous" / "trainer_state.json").read_text())
+    logged = [entry["reward"] for entry in state["log_history"] if "reward" in entry]
+    assert logged and all(abs(value) == 1.5 for value in logged)
+
+    with pytest.raises(SystemExit) as stop:
+        main(["generate", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl", *rewards,
+              "--num_generations", "4", "--max_prompts", "2", "--max_completion_length", "4",
+              "--output_dir", "asynchronous"])
+    assert "holds other files" in one_line_error(stop) and not any((user_dir / "asynchronous").glob("shard-*"))

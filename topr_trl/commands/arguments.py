@@ -135,6 +135,10 @@ class GenerateScriptArguments(TaskArguments):
     backend: str = field(default="auto", metadata={"help": "auto (vLLM when installed and a GPU is present), "
                                                             "vllm or transformers."})
     seed: int = field(default=0, metadata={"help": "Seed of sampling and of the built-in model."})
+    reward_weights: list[float] | None = field(
+        default=None, metadata={"help": "One weight per reward function (GRPOConfig's reward_weights, as `train` "
+                                        "takes them): the stored `reward` is the weighted sum (default: 1 each)."}
+    )
     chat_template_kwargs: str | None = field(
         default=None, metadata={"help": "JSON object of keyword arguments for the chat template (GRPOConfig's "
                                         "chat_template_kwargs; give training the same), e.g. '{\"enable_thinking\": "

@@ -51,6 +51,7 @@ from ..prompts import check_prompts_fit, model_positions
 from ..sampling import BACKENDS
 from ..sources import check_data_source, check_local_data
 from ..tasks.loading import describe_accuracy, held_out_accuracy, load_task, task_evaluator
+from ..tasks.user_rewards import weighted_reward
 from ..trainer import TOPRTrainer
 from ..vllm_server.command import serve
 from .arguments import COMMANDS, build_parser, check_reward_weights, chosen_run, is_builtin_run, parse_command
@@ -109,9 +110,15 @@ def train(argv: list[str]) -> dict:
         check_offline_policy(script_args.offline_dataset, offline_data, model, model_args.model_name_or_path)
     if offline and script_args.reward_funcs is None:  # the paper labels the data once, at generation
         reward_funcs = [stored_reward]
+    check_reward_weights(reward_funcs, training_args.reward_weights, argv)  # before any model loads, dry or not
+    if script_args.asynchronous and training_args.reward_weights is not None:
+        # TRL's asynchronous trainer has no reward_weights: each function carries its weight, and the workers' sum
+        # of them is GRPO's weighted sum
+        reward_funcs = [weighted_reward(function, weight)
+                        for function, weight in zip(reward_funcs, training_args.reward_weights, strict=True)]
+        training_args.reward_weights = None
     async_args = _asynchronous_config(script_args, training_args, model_args, eval_dataset) \
         if script_args.asynchronous else None
-    check_reward_weights(reward_funcs, training_args.reward_weights, argv)  # before any model loads, dry or not
     if script_args.dry_run:
         if offline and Path(script_args.offline_dataset).expanduser().is_file():  # empty or unreadable: fail now
             check_local_data(script_args.offline_dataset, script_args.dataset_train_split, what="offline dataset",
@@ -306,6 +313,7 @@ def generate(argv: list[str]) -> dict:
     except json.JSONDecodeError as error:
         raise SystemExit(f"topr-trl: --chat_template_kwargs must be a JSON object ({error})") from None
     model, task, prompts, _, _, reward_funcs = load_task(options, model_args.model_name_or_path, options.seed)
+    check_reward_weights(reward_funcs, options.reward_weights, argv)
     if options.dry_run:
         print(f"[topr-trl] configuration valid: task={task} model={model or 'built-in tiny model'} "
               f"backend={options.backend} num_generations={options.num_generations} "
@@ -327,6 +335,7 @@ def generate(argv: list[str]) -> dict:
                 num_completions=options.num_generations, temperature=options.temperature, top_p=options.top_p,
                 top_k=options.top_k, max_new_tokens=options.max_completion_length,
                 prompts_per_shard=options.prompts_per_shard, backend=options.backend, seed=options.seed,
+                reward_weights=options.reward_weights,
                 push_to_hub=options.push_to_hub, chat_template_kwargs=chat_template_kwargs,
                 overwrite=options.overwrite_output_dir,
                 # recorded in the manifest: a rerun on other prompts into this folder is refused, not resumed

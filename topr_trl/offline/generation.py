@@ -248,6 +248,12 @@ def _checked_manifest(output_dir: Path, settings: dict, known: dict, overwrite: 
     earlier generation), kept when it records the same settings (the generation resumes), else refused with
     `GeneratedWithOtherSettings`."""
     manifest_file = output_dir / _MANIFEST
+    foreign = sorted(entry.name for entry in output_dir.iterdir() if not entry.name.startswith((".", "shard-"))
+                     and entry.name != _MANIFEST) if output_dir.is_dir() else []
+    if foreign:  # a trained model's folder, say: shards beside it would mix the two, and nothing here deletes it
+        raise ValueError(f"{output_dir} holds other files ({', '.join(foreign[:3])}"
+                         f"{f' and {len(foreign) - 3} more' if len(foreign) > 3 else ''}) and no generation: "
+                         "generate into a new or empty folder")
     earlier = [*output_dir.glob("shard-*"), *output_dir.glob(".shard-*.tmp")]
     if overwrite:
         for shard in earlier:

@@ -166,6 +166,30 @@ class AsyncReportingReward(ReportingReward):
             raise RewardFunctionError(_describe_failure(self.name, error, kwargs, None)) from error
 
 
+def weighted_reward(function, weight: float):
+    """`function` whose every score is multiplied by `weight` (None and NaN kept: no score), under the same name: for
+    a trainer without `reward_weights` (TRL's asynchronous one), whose sum of such functions is GRPO's weighted sum.
+    A callable object, so that it pickles when `function` does (see `reporting_reward`)."""
+    return (AsyncWeightedReward if is_async_callable(function) else WeightedReward)(function, float(weight))
+
+
+class WeightedReward:
+    def __init__(self, function, weight: float):
+        self.function, self.weight = function, weight
+        functools.update_wrapper(self, function, updated=())
+
+    def scaled(self, values):
+        return [value if value is None else self.weight * value for value in values]
+
+    def __call__(self, *args, **kwargs):
+        return self.scaled(self.function(*args, **kwargs))
+
+
+class AsyncWeightedReward(WeightedReward):
+    async def __call__(self, *args, **kwargs):
+        return self.scaled(await self.function(*args, **kwargs))
+
+
 def _ignore(*args, **kwargs) -> None:
     return None
 
