@@ -123,6 +123,32 @@ def test_logged_curves_keep_every_logged_number_and_skip_nan():
     assert curves == {"loss": ([11, 12], [0.5, 0.25]), "reward": ([11], [-1.0]), "eval_reward": ([12], [0.75])}
 
 
+def test_each_reward_function_is_drawn_beside_the_sum_on_whole_steps(tmp_path):
+    """TRL logs each function's mean as `rewards/<name>/mean`: the reward panel draws them with the sum (their std
+    is not drawn), and the steps axis has whole-number ticks only."""
+    from topr_trl.curves import drawn_panels
+
+    history = [{"step": s, "reward": 0.5 * s, "rewards/correctness/mean": s, "rewards/format/mean": -s,
+                "rewards/format/std": 0.1, "loss": 1.0} for s in (1, 2, 3)]
+    curves = logged_curves(history)
+    panels = dict(drawn_panels(curves))
+    assert panels["reward (training batches)"] == ["reward", "rewards/correctness/mean", "rewards/format/mean"]
+    assert "rewards/format/std" not in curves
+
+    from unittest import mock
+
+    import matplotlib.pyplot as plt
+
+    figures = []  # the figure drawn, kept open to read its axes
+    original = plt.subplots
+    with mock.patch.object(plt, "subplots", lambda *a, **k: figures.append(original(*a, **k)) or figures[-1]), \
+            mock.patch.object(plt, "close", lambda figure: None):
+        plot_curves(curves, tmp_path / "curves.png", "a run")
+    ticks = [tick for axis in figures[0][1].flat if axis.get_visible() for tick in axis.get_xticks()
+             if 1 <= tick <= 3]
+    assert ticks and all(float(tick).is_integer() for tick in ticks)
+
+
 def test_plot_curves_writes_a_png_or_nothing(tmp_path):
     assert plot_curves({}, tmp_path / "none.png", "empty") is None and not (tmp_path / "none.png").exists()
     path = plot_curves(logged_curves([{"step": s, "loss": 1 / s, "reward": s} for s in range(1, 5)]),

@@ -200,6 +200,7 @@ def test_evaluate_scores_the_users_prompts_with_the_users_reward(user_dir, tiny_
     for record in results["records"]:
         expected = ["correct" if c[:1] == answers[record["index"]][:1] else "incorrect" for c in record["completions"]]
         assert record["classes"] == expected
+        assert record["reference"] == {"answer": answers[record["index"]]}  # the row's reference, not its index
     from topr_trl.machine import machine_info
 
     assert results["settings"]["machine"] == machine_info()
@@ -229,6 +230,10 @@ def test_summary_model_card_and_output_folders_of_a_custom_run(user_dir, tiny_mo
     assert summary["machine"] == machine_info()  # recorded in this process, so the same machine description
     card = (jsonl / "README.md").read_text()
     assert "[None]" not in card and f"a local model (`{name}`)" in card
+    # the data and the rewards that trained it; a quick start that loads the saved model (before: model="None")
+    assert "Trained on the local dataset `prompts.jsonl`." in card and "huggingface.co/datasets" not in card
+    assert "| `correctness` | 1 |" in card
+    assert f'model="outputs/topr-{name}-prompts-jsonl"' in card and 'model="None"' not in card
 
 
 def test_help_texts_say_what_the_flags_do(capsys):

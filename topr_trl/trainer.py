@@ -177,12 +177,22 @@ class TOPRTrainer(CheckpointWeights, PolicyMetricsLogging, OfflineReplay, GRPOLo
         rewards = torch.tensor([float("nan") if r is None else r for r in train_dataset["reward"]])
         return baseline_for_target_share(rewards, args.topr_target_effective_proportion)
 
-    def create_model_card(self, *args, **kwargs):
-        """TRL's model card (which cites TOPR through `_paper`), plus the TOPR configuration that trained it."""
-        super().create_model_card(*args, **kwargs)
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's model card (which cites TOPR through `_paper`), plus what trained the model: the data, the reward
+        functions and their weights, and the TOPR configuration. A local dataset is named as a path (TRL's template
+        would link it to the Hub); the quick start loads the saved folder when the model is not on the Hub."""
+        local_data = dataset_name is not None and Path(str(dataset_name)).expanduser().exists()
+        super().create_model_card(model_name=model_name, dataset_name=None if local_data else dataset_name, tags=tags)
         card = Path(self.args.output_dir) / "README.md"
         if not self.is_world_process_zero() or not card.exists():
             return
+        text = card.read_text().replace('model="None"', f'model="{self.args.output_dir}"')
+        weights = self.reward_weights.tolist()
+        text += "\n## Training data and rewards\n\n" + (f"Trained on the local dataset `{dataset_name}`.\n\n"
+                                                        if local_data else "")
+        text += "| reward function | weight |\n|---|---|\n" + "".join(
+            f"| `{name}` | {weight:g} |\n" for name, weight in zip(self.reward_func_names, weights, strict=True))
+        card.write_text(text)
         # TRL names no base model for one loaded from a local folder, which its template renders as "[None]"; a
         # folder converted from a GGUF file (a packaged Hub id without the Hub) is named by what it came from
         local = get_config_model_id(self.model.config)

@@ -188,6 +188,8 @@ def train(argv: list[str]) -> dict:
                                  f"topr-trl train: {shown_path(output_dir)} ({training_args.loss_type})")
         with push_failure_reported(output_dir, training_args.push_to_hub):
             trainer.save_model(output_dir)  # under --push_to_hub, TrainingArguments' save_model pushes the folder
+            if not training_args.push_to_hub:  # (push_to_hub writes the card itself, naming the dataset too)
+                trainer.create_model_card(dataset_name=script_args.offline_dataset or script_args.dataset_name)
             say(f"model and summary saved to {shown_path(output_dir)}")
             if curves:
                 say(f"curves drawn to {shown_path(curves)} (TensorBoard: --report_to)")

@@ -84,6 +84,12 @@ def run(options) -> dict[str, Any]:
     result.settings.update(task=options.task, machine=machine_info())
     if options.task == CUSTOM_TASK:
         result.settings.update(dataset=options.dataset_name, reward_funcs=options.reward_funcs)
+        # the classifier needed the row's index; the user reads the row's own reference: every column the reward
+        # functions read (an `answer`, a `solution`, ...)
+        columns = [name for name in dataset.column_names if name not in ("prompt", ROW_COLUMN)]
+        for record in result.records:
+            row = dataset[int(record["reference"])]
+            record["reference"] = json_safe({name: row[name] for name in columns})
     output_dir = Path(options.output_dir or f"outputs/eval-{options.task}")
     paths = save_results(result, output_dir, plot=not options.no_plot)
     summary = json_safe(result.summary())
