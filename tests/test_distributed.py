@@ -199,3 +199,43 @@ def test_cli_iterate_under_accelerate_launch(launch, tmp_path):
         assert len(list((folder / "data").glob("shard-*"))) == 1
     assert summary["behaviour_model"] == str(tmp_path / "it" / "iteration-000" / "model")
     assert completed.stdout.count("iteration 1: p=") == 1  # printed by the main process only
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_train_and_save_one_model(tmp_path):
+    """`accelerate launch --num_machines 2` with machine ranks 0 and 1 (one process each, gloo, the main node at
+    127.0.0.1), as docs/distributed.md runs it on real nodes: both ranks train the same steps, the main node alone
+    saves the model, and it moved from the base model."""
+    import socket
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .conftest import SHARED
+
+    maker = SHARED / "tools" / "user_folder" / "make_user_folder.py"
+    if not maker.is_file():
+        pytest.skip(f"{maker} is absent (../shared is not beside the checkout)")
+    folder = tmp_path / "user"
+    subprocess.run([sys.executable, str(maker), str(folder)], check=True, capture_output=True, timeout=600)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    environment = {**LAUNCH_ENVIRONMENT, "PYTHONPATH": os.pathsep.join([str(folder), LAUNCH_ENVIRONMENT["PYTHONPATH"]])}
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2", "--machine_rank",
+         str(rank), "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+         "--mixed_precision", "no", "-m", "topr_trl", "train", "--model_name_or_path", "my-model", "--dataset_name",
+         "data/prompts.jsonl", "--reward_funcs", "my_rewards:correctness", "--per_device_train_batch_size", "4",
+         "--num_generations", "4", "--max_completion_length", "8", "--topr_unscored_batch", "train",
+         "--topr_signal", "reward", "--learning_rate", "1e-2", "--max_steps", "2", "--output_dir", "two-nodes"],
+        cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    for node, (_, stderr) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, stderr[-3000:]
+    assert [stdout.count("model and summary saved") for stdout, _ in outputs] == [1, 0]
+    assert json.loads((folder / "two-nodes" / "topr_summary.json").read_text())["steps"] == 2
+    trained = AutoModelForCausalLM.from_pretrained(folder / "two-nodes")
+    base = AutoModelForCausalLM.from_pretrained(folder / "my-model")
+    assert any(not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), base.state_dict().values(),
+                                                     strict=True))
