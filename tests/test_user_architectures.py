@@ -99,12 +99,20 @@ def test_the_asynchronous_trainer_trains_each_architecture_and_saves_its_config_
 
 
 def test_a_completion_length_beyond_the_models_positions_is_refused_in_one_line(in_folder):
-    """OPT's learned positions end at 256 here (GPTNeoX's at 512): the default max_completion_length (512) died with
-    "index out of range in self" at the first generation; now one line names the model's positions, and a length
-    that fits with the prompt names the longest prompt's row."""
+    """OPT's learned positions end at 256 here: the default max_completion_length (512) died with "index out of range
+    in self" at the first generation; now one line names the model's positions, and a length that fits with the
+    prompt names the longest prompt's row. GPTNeoX's rotary positions have no such end: nothing is refused."""
     import json
 
-    positions = json.loads((in_folder / "my-model" / "config.json").read_text())["max_position_embeddings"]
+    from transformers import AutoConfig
+
+    from topr_trl.prompts import model_positions
+
+    positions = model_positions(AutoConfig.from_pretrained(in_folder / "my-model"))
+    if "rope_parameters" in json.loads((in_folder / "my-model" / "config.json").read_text()):
+        assert positions is None
+        return
+    assert positions == 256
     run = ["train", "--model_name_or_path", "my-model", "--output_dir", "too-long", *ONE_STEP]
     at = run.index("--max_completion_length")
     for length, says in ((positions, f"leaves no room for a prompt in the model's {positions} positions"),

@@ -37,9 +37,13 @@ def tokenize_prompts(
 
 
 def model_positions(config) -> int | None:
-    """How many positions (prompt and completion together) the model with `config` was built for; None when its
-    config does not say."""
+    """How many positions (prompt and completion together) the model with `config` can take at most: the table of
+    learned position embeddings (OPT, GPT-2), past which an embedding lookup fails; None for rotary positions (a
+    RoPE model runs past `max_position_embeddings`, its trained context, without failing) or a config that does not
+    say."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if any("rope" in key or "rotary" in key for key in config.to_dict()):
+        return None
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
