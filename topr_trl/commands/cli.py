@@ -189,7 +189,10 @@ def train(argv: list[str]) -> dict:
         with push_failure_reported(output_dir, training_args.push_to_hub):
             trainer.save_model(output_dir)  # under --push_to_hub, TrainingArguments' save_model pushes the folder
             if not training_args.push_to_hub:  # (push_to_hub writes the card itself, naming the dataset too)
-                trainer.create_model_card(dataset_name=script_args.offline_dataset or script_args.dataset_name)
+                data = script_args.offline_dataset or script_args.dataset_name
+                if async_args is not None and data and Path(data).expanduser().exists():
+                    data = None  # TRL's card would link a local path to the Hub; TOPRTrainer's names it as a path
+                trainer.create_model_card(dataset_name=data)
             say(f"model and summary saved to {shown_path(output_dir)}")
             if curves:
                 say(f"curves drawn to {shown_path(curves)} (TensorBoard: --report_to)")
