@@ -332,6 +332,10 @@ def test_what_would_fail_far_into_a_run_is_refused_in_one_line_before_it(user_di
         with pytest.raises(SystemExit) as stop:
             main(["train", "--model_name_or_path", tiny_model_path, *common, "--output_dir", output_dir])
         assert f"--output_dir {output_dir} {says}" in one_line_error(stop)
+    with pytest.raises(SystemExit) as stop:
+        main(["generate", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl",
+              "--reward_funcs", "my_rewards:correctness", "--max_completion_length", "4", "--output_dir", "a-file"])
+    assert "--output_dir a-file is a file" in one_line_error(stop)
 
     other = user_dir / "wider"  # the same architecture (Qwen2), another size
     from topr_trl.tasks.tiny import build_model, build_tokenizer, save_pretrained

@@ -329,6 +329,7 @@ def generate(argv: list[str]) -> dict:
 
     if options.max_prompts is not None:
         prompts = prompts.select(range(min(options.max_prompts, len(prompts))))
+    refuse_unusable_output_dir(options.output_dir)
     check_fits_the_model(model, prompts, options.max_completion_length, chat_template_kwargs)
     torch.manual_seed(options.seed)
     if options.overwrite_output_dir and any(Path(options.output_dir).glob("shard-*")):
@@ -376,6 +377,7 @@ def iterate(argv: list[str]) -> list[dict]:
               f"{options.composition}, task={task}, model={model or 'built-in tiny model'}, "
               f"limits={training_args.topr_limits}, output_dir={training_args.output_dir}")
         return []
+    refuse_unusable_output_dir(training_args.output_dir)
     check_fits_the_model(model, prompts, training_args.max_completion_length, training_args.chat_template_kwargs)
     _note_hardware(argv, training_args)
     torch.manual_seed(training_args.seed)
