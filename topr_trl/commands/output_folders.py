@@ -45,7 +45,8 @@ def refuse_unusable_output_dir(output_dir: str) -> None:
         if path.exists() and not path.is_dir():
             where = "is a file" if path == folder else f"lies under {path}, which is a file"
             raise SystemExit(f"topr-trl: --output_dir {output_dir} {where}: choose a folder")
-    holder = lock_holder(folder)
+    # the main process takes the lock (`output_dir_lock`): another process of the same launch would find it held
+    holder = lock_holder(folder) if PartialState().is_main_process else None
     if holder is not None:
         raise SystemExit(f"topr-trl: {output_dir} is in use by another run ({holder}); wait for it to finish, or "
                          "choose another --output_dir")
