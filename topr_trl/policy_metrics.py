@@ -47,7 +47,8 @@ def metric_sums(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, en
     weight drops to 0 where it clips). The ratio's statistics cover the trajectories `read` (B,) names (all: None);
     the weights' cover every trajectory."""
     signal, ratio, in_positive, in_negative = _ratio_and_branches(terms, signal, mask)
-    _, _, ratio_in_positive, ratio_in_negative = _ratio_and_branches(terms, signal, mask, read)
+    read_elements = 1.0 if read is None else read.reshape(-1, 1).to(in_positive)  # the ratio's statistics only
+    ratio_in_positive, ratio_in_negative = in_positive * read_elements, in_negative * read_elements
     mask = mask.float()
     weights = terms.weights.float()
     outside = _truncated(terms, ratio, negative_weight)
