@@ -188,6 +188,15 @@ def correctness(prompts, completions, answer, **kwargs):
 '''
 
 
+def work_in(folder, monkeypatch):
+    """Run the commands from `folder`, as its user would: its working directory, its modules importable (a reward
+    module named again is imported afresh)."""
+    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
+    sys.modules.pop("my_rewards", None)
+    return folder
+
+
 @pytest.fixture
 def user_dir(tmp_path, monkeypatch, tiny_model_path):
     """A working directory with a reward module and prompts, as a user would have them."""

@@ -18,7 +18,7 @@ from topr_trl.commands.cli import main
 from topr_trl.offline import load_offline_dataset
 from topr_trl.offline.schema import StoredTokensMismatch, check_stored_tokens
 
-from .conftest import SHARED
+from .conftest import SHARED, work_in
 
 
 MAKER = SHARED / "tools" / "user_folder" / "make_user_folder.py"
@@ -55,10 +55,7 @@ def generated(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def in_generated(generated, monkeypatch) -> Path:
-    monkeypatch.chdir(generated)
-    monkeypatch.syspath_prepend(str(generated))
-    sys.modules.pop("my_rewards", None)
-    return generated
+    return work_in(generated, monkeypatch)
 
 
 def one_line(stop: pytest.ExceptionInfo) -> str:

@@ -13,7 +13,7 @@ import safetensors.torch
 
 from topr_trl.commands.cli import main
 
-from .conftest import SHARED
+from .conftest import SHARED, work_in
 
 
 MAKER = SHARED / "tools" / "user_folder" / "make_user_folder.py"
@@ -38,10 +38,7 @@ def architecture_folder(request, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def in_folder(architecture_folder, monkeypatch) -> Path:
-    monkeypatch.chdir(architecture_folder)
-    monkeypatch.syspath_prepend(str(architecture_folder))
-    sys.modules.pop("my_rewards", None)
-    return architecture_folder
+    return work_in(architecture_folder, monkeypatch)
 
 
 def stored(folder: Path) -> dict:
