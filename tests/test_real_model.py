@@ -416,19 +416,6 @@ def test_colocated_vllm_on_the_real_model_with_mu_from_the_policy_gives_pi_over_
     gc.collect()
 
 
-def test_the_real_model_page_holds_the_tables_its_evidence_files_give():
-    """docs/real-model.md's tables are generated from docs/evidence/real-model/ (`experiments.real_model_tables`):
-    a number edited by hand, or an evidence file changed without regenerating, fails here."""
-    from experiments.real_model_tables import PAGES, TABLES, marked
-
-    for page in PAGES:
-        text = page.read_text()
-        for name, make in TABLES.items():
-            if f"<!-- table:{name} " in text:
-                assert marked(name, make()) in text, "regenerate: python -m experiments.real_model_tables --write"
-    assert all(f"<!-- table:{name} " in PAGES[0].read_text() for name in TABLES)
-
-
 @pytest.mark.slow
 def test_offline_generate_train_and_iterate_on_the_real_model(real_model_path, tmp_path, monkeypatch):
     """Algorithm 1 on the real model by its Hub id, through the command line: `generate` samples an offline dataset

@@ -1,23 +1,10 @@
-"""The tables of docs/real-model.md (and docs/off-policy.md's whole-vocabulary table, docs/benchmarks.md's real-model
-speed), generated from the evidence files under docs/evidence/real-model/ and docs/evidence/benchmarks/ (so that the
-pages' numbers cannot drift from their data; tests/test_real_model.py checks the pages hold them).
-
-    python -m experiments.real_model_tables          # prints the tables
-    python -m experiments.real_model_tables --write  # writes them into the pages (PAGES) between their markers
-"""
+"""The tables of docs/real-model.md, docs/off-policy.md's whole-vocabulary table and docs/benchmarks.md's tables on the
+real model, from docs/evidence/real-model/ and docs/evidence/benchmarks/ (`python -m experiments.page_tables`)."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import re
-from pathlib import Path
+from experiments.page_tables.evidence import evidence, markdown_table
 
-
-ROOT = Path(__file__).resolve().parents[1]
-EVIDENCE = ROOT / "docs" / "evidence" / "real-model"
-PAGES = (ROOT / "docs" / "real-model.md", ROOT / "docs" / "off-policy.md", ROOT / "docs" / "benchmarks.md")
-"""The pages that hold these tables (each table where the page has its markers)."""
 
 CANDIDATE_LABELS = {
     "word_problems_2_shot": "**word problems, two worked examples (shipped)**",
@@ -28,49 +15,40 @@ CANDIDATE_LABELS = {
 }
 
 
-def markdown_table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)] + \
-        ["| " + " | ".join(row) + " |" for row in rows]
-
-
 def candidates_table() -> str:
     rows = []
     for name, label in CANDIDATE_LABELS.items():
-        path = EVIDENCE / f"candidates-{name}.json"
-        if not path.is_file():
-            continue
-        data = json.loads(path.read_text())
+        data = evidence(f"real-model/candidates-{name}")
         for row in data["results"]:
             rows.append([label, f"{data['questions']} x {data['samples']}", str(row["top_k"] or "none"),
                          f"{row['pass@1']:.3f} ± {row['pass@1_se']:.3f}", f"{row['questions_0<p<1']:.2f}",
                          f"{row['mean_tokens']:.0f} (budget {data['max_new_tokens']})", f"{row['truncated']:.2f}"])
-    return "\n".join(markdown_table(["candidate", "questions x samples", "top_k", "sampled pass@1",
-                                      "questions with 0 < p < 1", "mean tokens", "cut at the budget"], rows))
+    return markdown_table(["candidate", "questions x samples", "top_k", "sampled pass@1",
+                          "questions with 0 < p < 1", "mean tokens", "cut at the budget"], rows)
 
 
 def whole_vocabulary_table() -> str:
-    data = json.loads((EVIDENCE / "whole-vocabulary-ratio.json").read_text())
+    data = evidence("real-model/whole-vocabulary-ratio")
     rows = [[f"top_k {row['top_k']}" if "top_k" in row else f"top_p {row['top_p']}", str(row["sequences"]),
              f"{row['mean_tokens']:.0f}", f"{row['ratio_median']:.3f}", f"{row['ratio_p10']:.3f}-{row['ratio_p90']:.3f}",
              f"{row['ratio_min']:.3f}", f"{row['per_token_kept_mass_mean']:.4f}"] for row in data["results"]]
-    return "\n".join(markdown_table(["mu samples with", "sequences", "mean tokens",
-                                      "pi/mu on the whole vocabulary: median", "10th-90th percentile", "min",
-                                      "per-token kept mass (geometric mean)"], rows))
+    return markdown_table(["mu samples with", "sequences", "mean tokens",
+                          "pi/mu on the whole vocabulary: median", "10th-90th percentile", "min",
+                          "per-token kept mass (geometric mean)"], rows)
 
 
 def readme_run_table() -> str:
-    data = json.loads((EVIDENCE / "readme-run.json").read_text())
+    data = evidence("real-model/readme-run")
     rows = [[when, f"{data[when]['pass@1']:.3f} ± {data[when]['pass@1_problem_se']:.3f}",
              f"{data[when]['greedy_accuracy']:.3f}", f"{data[when]['mean_completion_tokens']:.0f}",
              f"{data[when]['truncated_rate']:.2f}"] for when in ("before", "after")]
-    lines = markdown_table(["held-out (48 test problems)", "sampled pass@1 (temperature 1, 4 samples)",
-                            "greedy accuracy", "mean completion tokens", "cut at 64 tokens"], rows)
+    lines = [markdown_table(["held-out (48 test problems)", "sampled pass@1 (temperature 1, 4 samples)",
+                            "greedy accuracy", "mean completion tokens", "cut at 64 tokens"], rows)]
     lines.append(f"\n{data['steps']} steps; {data['wall_clock_s'] / 60:.0f} min wall clock, "
                  f"{data['max_rss_kb'] / 2**20:.1f} GiB peak memory; {data['conditions']}.")
     return "\n".join(lines)
 
 
-BENCHMARKS = ROOT / "docs" / "evidence" / "benchmarks"
 LOSS_LABELS = {
     "grpo-dapo": "GRPOTrainer `loss_type=\"dapo\"` (TRL's default)",
     "grpo-grpo": "GRPOTrainer `loss_type=\"grpo\"`",
@@ -82,7 +60,7 @@ LOSS_LABELS = {
 
 def loss_speed_table() -> str:
     """Loss + backward of each trainer on one shared batch of the real model (`experiments.benchmark --loss_only`)."""
-    data = json.loads((BENCHMARKS / "cpu-smollm2-support-rule.json").read_text())
+    data = evidence("benchmarks/cpu-smollm2-support-rule")
     result, options = data["loss_only"], data["options"]
     medians, peaks = result["median_loss_backward_s"], result.get("peak_added_memory_mib", {})
     base = medians["grpo-dapo"]
@@ -90,8 +68,8 @@ def loss_speed_table() -> str:
              "/".join(f"{q:.2f}" for q in result["quartiles_s"][name]),
              f"{medians[name] / base:.3f}", f"{peaks[name]:.0f}" if name in peaks else "-",
              f"{peaks[name] / peaks['grpo-dapo']:.3f}" if name in peaks else "-"] for name, label in LOSS_LABELS.items()]
-    lines = markdown_table(["trainer", "loss + backward, median s", "quartiles s", "time / dapo",
-                            "memory one call adds, MiB", "memory / dapo"], rows)
+    lines = [markdown_table(["trainer", "loss + backward, median s", "quartiles s", "time / dapo",
+                            "memory one call adds, MiB", "memory / dapo"], rows)]
     lines.append(f"\n{options['batch_size']} completions ({options['num_generations']} per prompt) of "
                  f"{options['completion_length']} tokens, forced to full length; {options['repeats'] * options['steps']} "
                  f"timed calls per trainer after 3 warm-up rounds, interleaved call by call in one process; "
@@ -99,8 +77,8 @@ def loss_speed_table() -> str:
     return "\n".join(lines)
 
 
-SUPPORT_DESIGNS = {"cpu-smollm2-support-tiles.json": "the tiles (TRL's head read through a TorchFunctionMode; bins, band)",
-                   "cpu-smollm2-support-rule.json": "**the rule** (`topr_trl/support`: projected again, sorted)"}
+SUPPORT_DESIGNS = {"cpu-smollm2-support-tiles": "the tiles (TRL's head read through a TorchFunctionMode; bins, band)",
+                   "cpu-smollm2-support-rule": "**the rule** (`topr_trl/support`: projected again, sorted)"}
 """Two designs of pi on mu's support, each timed in its own run against TOPR without truncation in that run."""
 
 
@@ -109,10 +87,7 @@ def support_cost_table() -> str:
     --top_k 500`): each run's truncated calls against its own untruncated TOPR."""
     rows = []
     for name, label in SUPPORT_DESIGNS.items():
-        path = BENCHMARKS / name
-        if not path.is_file():
-            continue
-        data = json.loads(path.read_text())
+        data = evidence(f"benchmarks/{name}")
         result, options = data["loss_only"], data["options"]
         medians, peaks = result["median_loss_backward_s"], result.get("peak_added_memory_mib", {})
         for setting, truncation in (("topr-online-top-k", f"top_k {options['top_k']}"),
@@ -121,38 +96,35 @@ def support_cost_table() -> str:
             rows.append([label, f"`{result['library']['commit']}`", truncation,
                          f"{medians[setting]:.2f} / {medians['topr-online']:.2f}",
                          f"**{medians[setting] / medians['topr-online']:.3f}**", memory])
-    return "\n".join(markdown_table(["design", "commit", "μ samples with", "loss + backward s (truncated / TOPR)",
-                                      "time / TOPR untruncated", "memory / TOPR"], rows))
+    return markdown_table(["design", "commit", "μ samples with", "loss + backward s (truncated / TOPR)",
+                          "time / TOPR untruncated", "memory / TOPR"], rows)
 
 
 def generation_speed_table() -> str:
     """vLLM's CPU engine against transformers `generate` on the real model (`experiments.vllm_generation`)."""
     rows = []
-    for name in ("vllm_throughput_smollm2.json", "vllm_throughput_smollm2_bf16.json"):
-        path = BENCHMARKS / name
-        if not path.is_file():
-            continue
-        data = json.loads(path.read_text())
+    for name in ("vllm_throughput_smollm2", "vllm_throughput_smollm2_bf16"):
+        data = evidence(f"benchmarks/{name}")
         for row in data["results"]:
             rates = row["completions_per_second"]
             rows.append([row["vllm_dtype"], f"{rates['vllm']:.2f}", f"{rates['transformers']:.2f}",
                          f"**{row['ratio_vllm_over_transformers']:.2f}x**", f"{row['engine_load_seconds']:.0f} s",
                          f"{row['completions']} x {row['completion_length']}", str(data["threads"])])
-    return "\n".join(markdown_table(["engine dtype", "vLLM completions/s", "transformers completions/s (float32)",
-                                      "vLLM / transformers", "engine start", "completions x tokens", "threads"],
-                                     rows))
+    return markdown_table(["engine dtype", "vLLM completions/s", "transformers completions/s (float32)",
+                          "vLLM / transformers", "engine start", "completions x tokens", "threads"],
+                          rows)
 
 
 def async_speed_table() -> str:
     """Asynchronous TOPR against synchronous on a real vLLM server with the real model
     (`experiments.async_server_throughput --model smollm2`)."""
-    data = json.loads((BENCHMARKS / "async_server_throughput_smollm2.json").read_text())
+    data = evidence("benchmarks/async_server_throughput_smollm2")
     runs = data["runs"]
     rows = [[f"{pair + 1}", f"{sync['seconds_per_step']:.1f}", f"{run['seconds_per_step']:.1f}",
              f"{sync['samples_per_second']:.3f}", f"{run['samples_per_second']:.3f}", f"**{ratio:.2f}**"]
             for pair, (sync, run, ratio) in enumerate(zip(runs[::2], runs[1::2], data["ratios"], strict=True))]
-    lines = markdown_table(["pair", "synchronous s/step", "asynchronous s/step", "synchronous samples/s",
-                            "asynchronous samples/s", "asynchronous / synchronous"], rows)
+    lines = [markdown_table(["pair", "synchronous s/step", "asynchronous s/step", "synchronous samples/s",
+                            "asynchronous samples/s", "asynchronous / synchronous"], rows)]
     lines.append(f"\nMedian ratio **{data['median_ratio']:.2f}**. In the synchronous loop, generation and the weight "
                  f"push took L = {data['L_generate_seconds_per_step']:.1f} s per step and the rest T = "
                  f"{data['T_train_seconds_per_step']:.1f} s: the ideal ratio (L + T) / max(L, T) is "
@@ -164,31 +136,3 @@ def async_speed_table() -> str:
 TABLES = {"candidates": candidates_table, "whole-vocabulary": whole_vocabulary_table, "readme-run": readme_run_table,
           "loss-speed": loss_speed_table, "generation-speed": generation_speed_table,
           "support-cost": support_cost_table, "async-speed": async_speed_table}
-
-
-def marked(name: str, table: str) -> str:
-    return f"<!-- table:{name} (python -m experiments.real_model_tables --write) -->\n{table}\n<!-- /table:{name} -->"
-
-
-def write_page(page: Path) -> None:
-    text = page.read_text()
-    for name, make in TABLES.items():
-        pattern = re.compile(rf"<!-- table:{re.escape(name)} .*?<!-- /table:{re.escape(name)} -->", re.S)
-        text = pattern.sub(lambda _, n=name, m=make: marked(n, m()), text)
-    page.write_text(text)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--write", action="store_true")
-    args = parser.parse_args()
-    if args.write:
-        for page in PAGES:
-            write_page(page)
-    else:
-        for name, make in TABLES.items():
-            print(marked(name, make()), end="\n\n")
-
-
-if __name__ == "__main__":
-    main()
