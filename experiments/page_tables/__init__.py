@@ -120,8 +120,8 @@ def claim_differences(page: str, text: str, claims: list[Claim] | None = None) -
             differences.append(f"{page}: no section {claim.section!r} for the claim {expected!r}")
             continue
         if expected not in " ".join(where.split()):
-            differences.append(f"{page}, section {claim.section!r}: {', '.join(sources)} give(s) {expected!r}, "
-                               f"which the section does not say")
+            differences.append(f"{page}, section {claim.section!r}: the evidence ({', '.join(sources)}) gives "
+                               f"{expected!r}, which the section does not say")
     return differences
 
 

@@ -1,0 +1,92 @@
+"""The pages' numbers against their evidence files (`experiments.page_tables`): every generated table of
+docs/results.md, docs/benchmarks.md, docs/real-model.md and docs/off-policy.md as the page holds it, every number the
+README's and results.md's prose quotes from an evidence file as its section says it. Reads JSON and text only.
+
+And the check itself: a number edited by hand in a table or in a sentence is reported."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from experiments.page_tables import (
+    CLAIMS,
+    PAGES,
+    ROOT,
+    TABLES,
+    claim_differences,
+    differences,
+    marked,
+    section,
+    table_differences,
+)
+
+
+def test_every_page_says_what_its_evidence_files_give():
+    """A number edited by hand, or an evidence file changed without regenerating, fails here with the lines that
+    differ (tables: `python -m experiments.page_tables --write`; a quoted number: edit the sentence)."""
+    found = differences()
+    assert not found, "\n\n".join(found)
+
+
+def test_every_generated_table_and_claim_is_on_a_page():
+    texts = {page: page.read_text() for page in PAGES}
+    for name in TABLES:
+        assert any(f"<!-- table:{name} (" in text for text in texts.values()), name
+    pages = {str(page.relative_to(ROOT)) for page in PAGES}
+    assert {claim.page for claim in CLAIMS} <= pages
+    assert {"README.md", "docs/results.md"} <= {claim.page for claim in CLAIMS}
+
+
+def altered(text: str) -> str:
+    """`text` with its last digit changed (a number misquoted by one in its last place)."""
+    index = max(match.start() for match in re.finditer(r"\d", text))
+    return text[:index] + str((int(text[index]) + 1) % 10) + text[index + 1:]
+
+
+@pytest.mark.parametrize("name", ["sample-efficiency", "figure7", "async-server", "loss-speed"])
+def test_a_number_edited_in_a_table_is_reported(name):
+    page = next(page for page in PAGES if f"<!-- table:{name} (" in page.read_text())
+    text = page.read_text()
+    body = TABLES[name]()
+    assert marked(name, body) in text
+    found = table_differences("page", text.replace(marked(name, body), marked(name, altered(body))))
+    assert len(found) == 1 and f"table {name!r} differs" in found[0], found
+
+
+def test_a_hand_written_table_on_a_checked_page_is_reported():
+    text = (ROOT / "docs/results.md").read_text() + "\n| setting | pass@1 |\n|---|---|\n| TOPR | 0.950 |\n"
+    found = table_differences("docs/results.md", text)
+    assert len(found) == 1 and "written by hand" in found[0], found
+
+
+def test_a_marker_without_a_generator_is_reported():
+    found = table_differences("page", marked("no-such-table", "| a |\n|---|"))
+    assert len(found) == 1 and "no generator" in found[0], found
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/results.md"])
+def test_a_quoted_number_that_differs_from_its_evidence_is_reported(page):
+    """Each claim, one at a time: its number misquoted in the last place, in its own section, is reported."""
+    text = (ROOT / page).read_text()
+    claims = [claim for claim in CLAIMS if claim.page == page]
+    assert claims
+    for claim in claims:
+        expected = claim.expected()
+        where = section(text, claim.section)
+        flowing = " ".join(where.split())
+        assert expected in flowing, expected
+        # the sentence as the page wraps it, with the claim's last digit changed wherever it appears
+        pattern = r"\s+".join(re.escape(word) for word in expected.split())
+        misquoted = re.sub(pattern, lambda match: altered(match.group(0)), where)
+        found = claim_differences(page, text.replace(where, misquoted), [claim])
+        assert len(found) == 1 and repr(expected) in found[0], (expected, found)
+
+
+def test_section_reads_up_to_the_next_heading_of_its_level():
+    text = "# Page\n\n## One\nfirst\n### Inner\ninner\n## Two\nsecond\n"
+    assert section(text, "One") == "first\n### Inner\ninner"
+    assert section(text, "Inner") == "inner"
+    with pytest.raises(KeyError):
+        section(text, "Three")
