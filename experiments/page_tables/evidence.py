@@ -85,17 +85,6 @@ def signed_per_seed(values: list[float], digits: int = 3) -> str:
     return ", ".join(signed(value, digits) for value in values)
 
 
-def seeds_above(statistic: dict, every: str = "every seed", of: str = "{above} of {seeds}") -> str:
-    """How many seeds' paired differences lie above 0, as the pages say it: "every seed" or "4 of 5"."""
-    above = sum(value > 0 for value in statistic["values"])
-    return every if above == len(statistic["values"]) else of.format(above=above, seeds=len(statistic["values"]))
-
-
-def seeds_below(statistic: dict, every: str = "every seed below", of: str = "{below} of {seeds} below") -> str:
-    below = sum(value < 0 for value in statistic["values"])
-    return every if below == len(statistic["values"]) else of.format(below=below, seeds=len(statistic["values"]))
-
-
 def bold(text: str, emphasised: bool = True) -> str:
     """The pages' emphasis (a headline row or cell); an empty cell stays empty."""
     return f"**{text}**" if emphasised and text else text

@@ -43,6 +43,15 @@ def every_or_count(statistic: dict, every: str = "every seed", count: str = "{ab
     return count.format(above=above(statistic), below=below(statistic), seeds=len(statistic["values"]))
 
 
+def described(statistic: dict, every: str = "", some: str = "", emphasised: bool = False) -> str:
+    """A paired difference with the page's note after it: `every` when every seed has the mean's sign, else `some`
+    (formatted with the seeds above and below 0)."""
+    agreeing = above(statistic) if statistic["mean"] > 0 else below(statistic)
+    note = every if agreeing == len(statistic["values"]) else some
+    return bold(signed_interval(statistic), emphasised) + note.format(
+        above=above(statistic), below=below(statistic), seeds=len(statistic["values"]))
+
+
 def decided(statistic: dict) -> bool:
     """Whether a paired difference's 95 % interval excludes 0 (the pages' rule for a decided comparison)."""
     return abs(statistic["mean"]) > statistic["ci95"]
@@ -141,21 +150,16 @@ def sample_efficiency() -> str:
 
 def sample_efficiency_draw_per_seed() -> str:
     one, per = (evidence(name)["summary"] for name in (SAMPLE_EFFICIENCY, f"{SAMPLE_EFFICIENCY}_draw_per_seed"))
-    rows = [("offline TOPR, 4 passes − online GRPO", "topr_offline_k4", "late_minus_grpo", "{seeds} ({above} of 5 seeds above)"),
-            ("online TOPR − online GRPO", "topr_online", "late_minus_grpo", None),
-            ("SFT on positives, 4 passes − online GRPO", "sft_offline_k4", "late_minus_grpo", "{seeds}, every seed"),
-            ("PPO-clip, 4 passes − online GRPO", "ppo_offline_k4", "late_minus_grpo", "{seeds}, every seed"),
-            ("offline TOPR − SFT on positives (same reuse)", "sft_offline_k4", "topr_minus_this", "{seeds}, every seed"),
-            ("offline TOPR − PPO-clip (same reuse)", "ppo_offline_k4", "topr_minus_this", "{seeds}, every seed")]
-    cells = []
-    for label, method, key, note in rows:
-        drawn = per[method][key]
-        text = signed_interval(drawn)
-        if note:
-            text = (note.format(seeds=text, above=above(drawn)) if every_or_count(drawn) != "every seed"
-                    else f"{text}, every seed")
-        cells.append([label, signed_interval(one[method][key]), text])
-    return markdown_table(["paired late pass@1", "one draw (above)", "a draw per seed"], cells)
+    every, some = ", every seed", " ({above} of {seeds} seeds above)"
+    rows = [("offline TOPR, 4 passes − online GRPO", "topr_offline_k4", "late_minus_grpo", every, some),
+            ("online TOPR − online GRPO", "topr_online", "late_minus_grpo", "", ""),
+            ("SFT on positives, 4 passes − online GRPO", "sft_offline_k4", "late_minus_grpo", every, some),
+            ("PPO-clip, 4 passes − online GRPO", "ppo_offline_k4", "late_minus_grpo", every, some),
+            ("offline TOPR − SFT on positives (same reuse)", "sft_offline_k4", "topr_minus_this", every, some),
+            ("offline TOPR − PPO-clip (same reuse)", "ppo_offline_k4", "topr_minus_this", every, some)]
+    return markdown_table(["paired late pass@1", "one draw (above)", "a draw per seed"],
+                          [[label, signed_interval(one[method][key]), described(per[method][key], every, some)]
+                           for label, method, key, every, some in rows])
 
 
 HARDER_METHODS = {"grpo": "online GRPO", "topr_online": "online TOPR", "topr_offline_k4": "offline TOPR, 4 passes",
@@ -191,8 +195,9 @@ def harder_sample_efficiency(name: str, against_topr: bool, notes: dict[str, tup
 
 
 def annotation(statistic: dict, style: str) -> str:
-    """A paired cell's note: "" none; "every" "every seed" (checked: every seed agrees, else the count); or a
-    format for `every_or_count`'s count, used as its `every` as well when it holds no count."""
+    """A paired cell's note in parentheses, by `style`: "" none; "every": "every seed" when every seed agrees with
+    the mean's sign, else how many lie above 0; "every below": the same counted below 0; otherwise a format of the
+    count ("{above} of {seeds} above 0"), "every seed" when every seed agrees."""
     if not style:
         return ""
     if style == "every":
@@ -808,15 +813,6 @@ def by_lag(name: str, key: str) -> dict:
 
 def async_paired(name: str, key: str) -> dict:
     return evidence(name)["summary"]["paired"][key]
-
-
-def described(statistic: dict, every: str = "", some: str = "", emphasised: bool = False) -> str:
-    """A paired difference with the page's note after it: `every` when every seed has the mean's sign, else `some`
-    (formatted with the seeds above and below 0)."""
-    agreeing = above(statistic) if statistic["mean"] > 0 else below(statistic)
-    note = every if agreeing == len(statistic["values"]) else some
-    return bold(signed_interval(statistic), emphasised) + note.format(
-        above=above(statistic), below=below(statistic), seeds=len(statistic["values"]))
 
 
 def async_staleness() -> str:
