@@ -146,7 +146,9 @@ def experiment_parser(doc: str, *, output: str, epochs: float | None, prompts: i
     parser.add_argument("--task", default="reasoning", choices=TASKS,
                         help="reasoning: the written-addition testbed in the paper's regime (about two thirds of "
                              "samples correct; accuracy is sampled pass@1 at temperature 1); arithmetic: the "
-                             "built-in 2-digit task with 3-token answers, the low-p stress test (greedy accuracy)")
+                             "built-in 2-digit task with 3-token answers, the low-p stress test (greedy accuracy); "
+                             "word_problems: the real model (SmolLM2-135M-Instruct) on the built-in word problems "
+                             "(sampled pass@1; --eval_prompts, --eval_samples, --eval_split, --eval_draw, --threads)")
     testbed = parser.add_argument_group("reasoning testbed (--task reasoning)")
     testbed.add_argument("--digits", type=int, default=3)
     testbed.add_argument("--error_rate", type=float, default=0.25, help="planted carry-drop rate of the warm start")
@@ -455,15 +457,58 @@ def clipped_token_shares(model, data, epsilon: float = 0.2, batch_size: int = 64
 RATIO_MAXIMA = ("topr/ratio_negative/max", "topr/ratio_positive/max")
 
 
+def held_out_curve(testbed: Testbed, seed: int, eval_every: int, curve: list[dict], probe: Callable | None = None,
+                   fractions: tuple[float, ...] = ()):
+    """A callback appending the held-out curve to `curve`: `testbed.evaluate` at the start (the base model, measured
+    once per evaluation draw: `testbed.start`), every `eval_every` steps when > 0, at the steps these `fractions` of
+    the run's steps round to, and at the end; with `probe`, each point also holds `probe(model)`'s values. It
+    evaluates the model and tokenizer the trainer hands every callback."""
+    from transformers import TrainerCallback
+
+    class Evaluate(TrainerCallback):
+        at: set[int] = set()
+
+        def _evaluate(self, step: int, model, processing_class) -> None:
+            if step == 0:
+                point = testbed.start(model, processing_class, seed)
+            else:
+                point = testbed.evaluate(model, processing_class, testbed.evaluation_seed(seed))
+            curve.append({"step": step, **point, **(probe(model) if probe else {})})
+
+        def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+            self.at = {max(1, round(fraction * state.max_steps)) for fraction in fractions}
+            self._evaluate(0, model, processing_class)
+
+        def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+            if (eval_every and state.global_step % eval_every == 0) or state.global_step in self.at:
+                self._evaluate(state.global_step, model, processing_class)
+
+        def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+            if curve[-1]["step"] != state.global_step:
+                self._evaluate(state.global_step, model, processing_class)
+
+    return Evaluate()
+
+
+def negative_weight_log(log_history: list[dict]) -> list[dict]:
+    """Per logged step, the negatives' mean truncated weight and the share of negatives whose ratio the truncation
+    capped at b- (`topr/negative_truncated_fraction`), where the step logged them: how hard negatives pushed, and what
+    scoring pi off mu's support, or a policy far from mu, silences."""
+    return [{"step": entry["step"], "weight_negative": entry["topr/weight_negative/mean"],
+             **({"negative_truncated_fraction": entry["topr/negative_truncated_fraction"]}
+                if entry.get("topr/negative_truncated_fraction") is not None else {})}
+            for entry in log_history if entry.get("topr/weight_negative/mean") is not None]
+
+
 def train_offline(testbed: Testbed, data, output_dir: Path, *, seed: int, epochs: float, batch_size: int,
                   learning_rate: float, max_grad_norm: float = 1.0, eval_every: int = 0,
-                  probe: Callable | None = None, **overrides) -> dict:
+                  probe: Callable | None = None, fractions: tuple[float, ...] = (), **overrides) -> dict:
     """One offline run: train the testbed's base model on `data` with TOPRConfig `overrides`; returns the held-out
-    curve (`testbed.evaluate` at the start, every `eval_every` steps when > 0, and at the end; with `probe`, each
-    point also holds `probe(model)`'s values), the logged gradient norms and the run time (evaluation included)."""
+    curve (`held_out_curve`: at the start, every `eval_every` steps, at `fractions` of the steps, and at the end), the
+    logged gradient norms and the run time (evaluation included)."""
     import warnings
 
-    from transformers import PrinterCallback, TrainerCallback
+    from transformers import PrinterCallback
 
     from topr_trl import TOPRConfig, TOPRTrainer
     from topr_trl.offline import stored_reward
@@ -471,28 +516,6 @@ def train_offline(testbed: Testbed, data, output_dir: Path, *, seed: int, epochs
     warnings.filterwarnings("ignore", message=".*unbounded.*")
     started = time.time()
     curve: list[dict] = []
-
-    class Evaluate(TrainerCallback):
-        """The held-out curve, on the model and tokenizer the trainer hands every callback."""
-
-        def _evaluate(self, step: int, model, processing_class) -> None:
-            if step == 0:  # the base model, measured once per evaluation draw
-                point = testbed.start(model, processing_class, seed)
-            else:
-                point = testbed.evaluate(model, processing_class, testbed.evaluation_seed(seed))
-            curve.append({"step": step, **point, **(probe(model) if probe else {})})
-
-        def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
-            self._evaluate(0, model, processing_class)
-
-        def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
-            if eval_every and state.global_step % eval_every == 0:
-                self._evaluate(state.global_step, model, processing_class)
-
-        def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
-            if curve[-1]["step"] != state.global_step:
-                self._evaluate(state.global_step, model, processing_class)
-
     config = dict(
         output_dir=str(output_dir), per_device_train_batch_size=batch_size, num_generations=8,
         max_completion_length=testbed.max_new_tokens, topr_offline_epochs=epochs, learning_rate=learning_rate,
@@ -502,7 +525,8 @@ def train_offline(testbed: Testbed, data, output_dir: Path, *, seed: int, epochs
     )
     config.update(overrides)
     trainer = TOPRTrainer(model=str(testbed.base_dir), reward_funcs=stored_reward, args=TOPRConfig(**config),
-                          train_dataset=data, callbacks=[Evaluate()])
+                          train_dataset=data, callbacks=[held_out_curve(testbed, seed, eval_every, curve, probe,
+                                                                    fractions)])
     trainer.remove_callback(PrinterCallback)  # one line per step would drown the script's own summary lines
     trainer.train()
     grad_norms = [{"step": entry["step"], "grad_norm": entry["grad_norm"]}
@@ -511,8 +535,7 @@ def train_offline(testbed: Testbed, data, output_dir: Path, *, seed: int, epochs
     ratio_maxima = [{"step": entry["step"], **{key: entry[key] for key in RATIO_MAXIMA if key in entry}}
                     for entry in trainer.state.log_history if any(key in entry for key in RATIO_MAXIMA)]
     # the truncated weight applied to negatives, per step: what scoring pi off mu's support silences
-    negative_weights = [{"step": entry["step"], "weight_negative": entry["topr/weight_negative/mean"]}
-                        for entry in trainer.state.log_history if entry.get("topr/weight_negative/mean") is not None]
+    negative_weights = negative_weight_log(trainer.state.log_history)
     return {"curve": curve, "grad_norms": grad_norms, "ratio_maxima": ratio_maxima,
             "negative_weights": negative_weights, "seconds": time.time() - started}
 
@@ -628,6 +651,41 @@ def run_trainer(trainer_class, config, base_path, reward, dataset, tracker: Trac
     return trainer.state.global_step
 
 
+def word_problems_testbed(work: Path, options) -> Testbed:
+    """The real model's testbed: SmolLM2-135M-Instruct (the packaged copy without the Hub) on the built-in word
+    problems (`topr_trl.tasks.word_problems`), sampled pass@1 at temperature 1 over the whole vocabulary on
+    --eval_prompts problems of the test split ("heldout") or the validation split, greedy accuracy beside it."""
+    import torch
+
+    from topr_trl.sources import resolve_model_source
+    from topr_trl.tasks.word_problems import (
+        WORD_PROBLEM_MODEL,
+        WORD_PROBLEM_TOKENS,
+        make_word_problems,
+        measure_word_problems,
+        word_problem_reward,
+    )
+
+    torch.set_num_threads(options.threads)
+    split = "test" if options.eval_split == "heldout" else "validation"
+    held_out = make_word_problems(options.eval_prompts, split)
+
+    def evaluate(model, tokenizer, eval_seed: int) -> dict:
+        point = measure_word_problems(model, tokenizer, held_out, num_samples=options.eval_samples, seed=eval_seed)
+        return {"accuracy": point["pass@1"], **point}
+
+    return Testbed(
+        task="word_problems", base_dir=Path(resolve_model_source(WORD_PROBLEM_MODEL)), held_out=held_out,
+        reward=word_problem_reward, max_new_tokens=WORD_PROBLEM_TOKENS,
+        measure=f"sampled pass@1 (T=1, {options.eval_samples} samples x {len(held_out)} {split} problems)",
+        metrics=("accuracy", "greedy_accuracy", "mean_completion_tokens", "truncated_rate"),
+        # training problems of another draw per seed than the README run's (seed 1), all from the train split
+        prompts=lambda count, seed: make_word_problems(count, "train", seed=100 + seed),
+        evaluate=evaluate, eval_draw=options.eval_draw,
+    )
+
+
 # Each --task's testbed, the package's built-in tasks: (work dir, options) -> Testbed.
-TESTBEDS = {"reasoning": lambda work, options: reasoning_testbed(work, options)[0], "arithmetic": arithmetic_testbed}
+TESTBEDS = {"reasoning": lambda work, options: reasoning_testbed(work, options)[0], "arithmetic": arithmetic_testbed,
+            "word_problems": word_problems_testbed}
 TASKS = tuple(TESTBEDS)
