@@ -65,8 +65,125 @@ def check_choice(field_name: str, value: object, allowed: tuple[str, ...]) -> No
     raise ValueError(f"`{field_name}`={value!r} is not supported; choose one of {list(allowed)}.{hint}")
 
 
+_GRPO_DELTA = GRPOConfig.__dataclass_fields__["delta"]
+
+
 @dataclass
-class TOPRConfig(GRPOConfig):
+class TOPRFields:
+    r"""
+    TOPR's fields, declared once: [`TOPRConfig`] (on [`~trl.GRPOConfig`]) and `AsyncTOPRConfig` (on TRL's
+    `AsyncGRPOConfig`) both inherit them, with their defaults, their help and their checks; each config's docstring
+    says what they mean for its trainer. Listed before TRL's config among a config's bases, so that its `loss_type`
+    and `delta` take GRPOConfig's place in the field order. The checks read TRL's fields too (`learning_rate`,
+    `epsilon`, ...): a config is this class and one of TRL's.
+    """
+
+    loss_type: str = field(
+        default="topr",
+        metadata={"help": f"The loss: TOPR's {list(POLICY_LOSSES)} or TRL's {list(TRL_LOSS_TYPES)} (computed by "
+                          "GRPOTrainer)."},
+    )
+    topr_positive_lower: float | None = field(default=None, metadata={"help": "a+ (None: the loss type's)."})
+    topr_positive_upper: float | None = field(default=None, metadata={"help": "b+, may be inf (None: loss type's)."})
+    topr_negative_lower: float | None = field(default=None,
+                                              metadata={"help": "a- (None: the loss type's); > 0 is unbounded."})
+    topr_negative_upper: float | None = field(default=None, metadata={"help": "b-, may be inf (None: loss type's)."})
+    topr_ratio_level: str = field(
+        default="sequence", metadata={"help": f"How pi/mu is formed: {list(RATIO_LEVELS)}."}
+    )
+    topr_signal: str = field(
+        default="advantage",
+        metadata={"help": "'advantage' (GRPO's group advantage) or 'reward' (R - topr_baseline, the paper)."},
+    )
+    # Declared `str` because TRL's parser (HfArgumentParser) takes no `float | str` field, and c is a number or a mode;
+    # `_check_topr_values` turns it into a float or a mode (the asynchronous config then refuses a mode: its samples
+    # arrive one at a time, not in groups).
+    topr_baseline: str = field(
+        default="0.0",
+        metadata={"help": "Baseline c for topr_signal='reward': a number, 'group_mean' or 'batch_mean'."},
+    )
+    topr_positive_weight: float = field(default=1.0, metadata={"help": "Multiplier of the positive branch."})
+    topr_negative_weight: float = field(default=1.0, metadata={"help": "Multiplier of the negative branch."})
+    topr_loss_aggregation: str = field(
+        default="seq-mean-token-mean", metadata={"help": f"Loss aggregation: {list(AGGREGATIONS)}."}
+    )
+    topr_check_finite: bool = field(
+        default=False,
+        metadata={"help": "Stop on an infinite reward (ValueError) or a non-finite TOPR loss (FloatingPointError) "
+                          "instead of training on it, as GRPOTrainer does (the CLI: True)."},
+    )
+    cispo_epsilon_low: float = field(default=0.1, metadata={"help": "cispo_two_sided: 1 - eps lower clip."})
+    cispo_epsilon_high: float = field(default=0.1, metadata={"help": "cispo_two_sided: 1 + eps upper clip."})
+    kimi15_tau: float = field(default=0.1, metadata={"help": "kimi15: squared log-ratio weight."})
+    # GRPOConfig's own field (PPO's dual clip), which the "ppo" loss reads and TRL's AsyncGRPOConfig lacks: GRPOConfig's
+    # default and help, so that TOPRConfig's is GRPOConfig's and the asynchronous "ppo" loss reads it too.
+    delta: float | None = field(default=_GRPO_DELTA.default, metadata=dict(_GRPO_DELTA.metadata))
+
+    @property
+    def uses_topr_loss(self) -> bool:
+        """Whether the trainer computes the loss itself (a registered loss), rather than GRPOTrainer (TRL's)."""
+        return self.loss_type in POLICY_LOSSES
+
+    @property
+    def topr_limits(self) -> TruncationLimits | None:
+        """The truncation limits (a+, b+, a-, b-) in force: the loss type's (Eq. 7's entries of the registry),
+        overridden by the explicit topr_*_lower/upper fields; None for a loss that is not Eq. 7's."""
+        return resolve_limits(self)
+
+    @property
+    def policy_loss_spec(self) -> PolicyLossSpec:
+        """The loss the trainer computes when `loss_type` is one of TOPR's registry."""
+        return policy_loss_spec_of(self)
+
+    def _check_before_trl_config(self, loss_types: tuple[str, ...]) -> None:
+        """Before TRL's `__post_init__`: `loss_type` among what this config's trainer computes, and the values TRL's
+        config takes that the run refuses later, far from the field (torch's optimizer: "Invalid learning rate";
+        generate: `max_new_tokens`), refused here, naming the field."""
+        check_choice("loss_type", self.loss_type, loss_types)
+        if isinstance(self.learning_rate, (int, float)) and self.learning_rate < 0:
+            raise ValueError(f"`learning_rate` must be >= 0, got {self.learning_rate!r}; the optimizer refuses a "
+                             "negative one.")
+        if isinstance(self.max_completion_length, int) and self.max_completion_length < 1:
+            raise ValueError(f"`max_completion_length` must be at least 1 (new tokens per completion), got "
+                             f"{self.max_completion_length!r}.")
+
+    def _check_topr_values(self, loss_aggregations: tuple[str, ...]) -> None:
+        """Each TOPR field's own value, the loss's knobs included (after TRL's `__post_init__`); `topr_baseline`
+        becomes a float or a mode. `loss_aggregations`: those this config's trainer computes."""
+        check_choice("topr_ratio_level", self.topr_ratio_level, RATIO_LEVELS)
+        check_choice("topr_signal", self.topr_signal, SIGNALS)
+        check_choice("topr_loss_aggregation", self.topr_loss_aggregation, loss_aggregations)
+        self.topr_baseline = parse_baseline(self.topr_baseline)
+        check_flag("topr_check_finite", self.topr_check_finite)
+        check_loss_knobs(self)
+
+    def _check_what_the_loss_reads(self) -> None:
+        """Last: a knob the chosen loss does not read fails; a TRL loss field it does not read, Prop. 3.2's unbounded
+        limits and a baseline the signal does not read warn. The warnings point at the caller of the config's
+        constructor (stacklevel 4: past this method, `__post_init__` and the dataclass `__init__`)."""
+        refuse_unread_knobs(self)
+        if self.uses_topr_loss:
+            say_trl_loss_fields_unread(self)
+        limits = self.topr_limits  # validates the limits
+        if limits is not None and limits.negative_lower > 0:
+            warnings.warn(
+                f"topr_negative_lower (a-) = {limits.negative_lower} > 0: the TOPR objective is then unbounded "
+                "(Prop. 3.2 of the paper) and training can collapse by pushing negatives' probabilities to 0. "
+                "Set topr_negative_lower=0 unless this is the point of the experiment.",
+                UserWarning,
+                stacklevel=4,
+            )
+        if self.uses_topr_loss and self.topr_baseline != 0.0 and self.topr_signal == "advantage":
+            warnings.warn(
+                "topr_baseline is only used with topr_signal='reward'; with 'advantage' the group advantage "
+                "already has its baseline subtracted.",
+                UserWarning,
+                stacklevel=4,
+            )
+
+
+@dataclass
+class TOPRConfig(TOPRFields, GRPOConfig):
     r"""
     Configuration for [`TOPRTrainer`]: every [`~trl.GRPOConfig`] field, plus the Tapered Off-Policy REINFORCE
     (TOPR, [arXiv:2503.14286](https://huggingface.co/papers/2503.14286)) loss family. Only `loss_type`
@@ -164,41 +281,12 @@ class TOPRConfig(GRPOConfig):
             `loss_type="kimi15"`: weight of the squared log-ratio penalty tau/2 (log pi/mu)^2.
     """
 
-    loss_type: str = field(
-        default="topr",
-        metadata={"help": f"The loss: TOPR's {list(POLICY_LOSSES)} or TRL's {list(TRL_LOSS_TYPES)} (computed by "
-                          "GRPOTrainer)."},
-    )
-    topr_positive_lower: float | None = field(default=None, metadata={"help": "a+ (None: the loss type's)."})
-    topr_positive_upper: float | None = field(default=None, metadata={"help": "b+, may be inf (None: loss type's)."})
-    topr_negative_lower: float | None = field(default=None,
-                                              metadata={"help": "a- (None: the loss type's); > 0 is unbounded."})
-    topr_negative_upper: float | None = field(default=None, metadata={"help": "b-, may be inf (None: loss type's)."})
-    topr_ratio_level: str = field(
-        default="sequence", metadata={"help": f"How pi/mu is formed: {list(RATIO_LEVELS)}."}
-    )
-    topr_signal: str = field(
-        default="advantage",
-        metadata={"help": "'advantage' (GRPO's group advantage) or 'reward' (R - topr_baseline, the paper)."},
-    )
-    # Declared `str` because TRL's parser (HfArgumentParser) takes no `float | str` field, and c is a number or a mode;
-    # `__post_init__` turns it into a float or a mode, so after construction it is what the asynchronous config's
-    # `float` field is (which takes numbers only: its samples arrive one at a time, not in groups).
-    topr_baseline: str = field(
-        default="0.0",
-        metadata={"help": "Baseline c for topr_signal='reward': a number, 'group_mean' or 'batch_mean'."},
-    )
     topr_target_effective_proportion: float | None = field(
         default=None,
         metadata={"help": "Solve the baseline so that p~ (Eq. 12) hits this target (topr_signal='reward')."}
     )
     topr_baseline_scope: str = field(
         default="batch", metadata={"help": "Where the target baseline is solved: 'batch' or 'dataset' (offline)."}
-    )
-    topr_positive_weight: float = field(default=1.0, metadata={"help": "Multiplier of the positive branch."})
-    topr_negative_weight: float = field(default=1.0, metadata={"help": "Multiplier of the negative branch."})
-    topr_loss_aggregation: str = field(
-        default="seq-mean-token-mean", metadata={"help": f"Loss aggregation: {list(AGGREGATIONS)}."}
     )
     topr_behaviour_source: str = field(
         default="auto", metadata={"help": f"Where mu's log-probs come from: {list(BEHAVIOUR_SOURCES)}."}
@@ -214,29 +302,17 @@ class TOPRConfig(GRPOConfig):
         metadata={"help": f"A training batch no reward function could score (all None/NaN): "
                           f"{list(UNSCORED_BATCH_ACTIONS)} ('train': GRPOTrainer's behaviour; the CLI: 'error')."},
     )
-    topr_check_finite: bool = field(
-        default=False,
-        metadata={"help": "Stop on an infinite reward (ValueError) or a non-finite TOPR loss (FloatingPointError) "
-                          "instead of training on it, as GRPOTrainer does (the CLI: True)."},
-    )
-    cispo_epsilon_low: float = field(default=0.1, metadata={"help": "cispo_two_sided: 1 - eps lower clip."})
-    cispo_epsilon_high: float = field(default=0.1, metadata={"help": "cispo_two_sided: 1 + eps upper clip."})
-    kimi15_tau: float = field(default=0.1, metadata={"help": "kimi15: squared log-ratio weight."})
 
     def __post_init__(self) -> None:
-        check_choice("loss_type", self.loss_type, loss_types())
-        self._refuse_what_training_would()
+        self._check_before_trl_config(loss_types())
         generation_batch_set = self.generation_batch_size is not None or self.steps_per_generation is not None
         try:
             super().__post_init__()
         except ValueError:
             self._explain_generation_batch(generation_batch_set)
             raise
-        check_choice("topr_ratio_level", self.topr_ratio_level, RATIO_LEVELS)
-        check_choice("topr_signal", self.topr_signal, SIGNALS)
-        check_choice("topr_loss_aggregation", self.topr_loss_aggregation, AGGREGATIONS)
+        self._check_topr_values(AGGREGATIONS)
         check_choice("topr_behaviour_source", self.topr_behaviour_source, BEHAVIOUR_SOURCES)
-        self.topr_baseline = self._parse_baseline(self.topr_baseline)
         check_choice("topr_baseline_scope", self.topr_baseline_scope, BASELINE_SCOPES)
         target = self.topr_target_effective_proportion
         if target is not None:
@@ -248,37 +324,8 @@ class TOPRConfig(GRPOConfig):
         if not (isinstance(self.topr_offline_epochs, (int, float)) and self.topr_offline_epochs > 0):
             raise ValueError(f"`topr_offline_epochs` must be > 0, got {self.topr_offline_epochs!r}.")
         check_choice("topr_unscored_batch", self.topr_unscored_batch, UNSCORED_BATCH_ACTIONS)
-        check_flag("topr_check_finite", self.topr_check_finite)
-        check_loss_knobs(self)
-        self._refuse_fields_without_effect()
-        if self.uses_topr_loss:
-            say_trl_loss_fields_unread(self)
-        limits = self.topr_limits  # validates the limits
-        if limits is not None and limits.negative_lower > 0:
-            warnings.warn(
-                f"topr_negative_lower (a-) = {limits.negative_lower} > 0: the TOPR objective is then unbounded "
-                "(Prop. 3.2 of the paper) and training can collapse by pushing negatives' probabilities to 0. "
-                "Set topr_negative_lower=0 unless this is the point of the experiment.",
-                UserWarning,
-                stacklevel=3,  # the caller of TOPRConfig(...), past the dataclass __init__
-            )
-        if self.uses_topr_loss and self.topr_baseline != 0.0 and self.topr_signal == "advantage":
-            warnings.warn(
-                "topr_baseline is only used with topr_signal='reward'; with 'advantage' the group advantage "
-                "already has its baseline subtracted.",
-                UserWarning,
-                stacklevel=3,  # the caller of TOPRConfig(...), past the dataclass __init__
-            )
-
-    def _refuse_what_training_would(self) -> None:
-        """Values GRPOConfig takes that the run refuses later, far from the field (torch's optimizer: "Invalid
-        learning rate"; generate: `max_new_tokens`): refused here, naming the field."""
-        if isinstance(self.learning_rate, (int, float)) and self.learning_rate < 0:
-            raise ValueError(f"`learning_rate` must be >= 0, got {self.learning_rate!r}; the optimizer refuses a "
-                             "negative one.")
-        if isinstance(self.max_completion_length, int) and self.max_completion_length < 1:
-            raise ValueError(f"`max_completion_length` must be at least 1 (new tokens per completion), got "
-                             f"{self.max_completion_length!r}.")
+        self._refuse_topr_fields_with_trls_loss()
+        self._check_what_the_loss_reads()
 
     def _explain_generation_batch(self, generation_batch_set: bool) -> None:
         """GRPOConfig refuses a generation batch that `num_generations` does not divide, naming
@@ -296,14 +343,9 @@ class TOPRConfig(GRPOConfig):
             f"`num_generations` to a divisor of {batch}, or `per_device_train_batch_size` to a multiple of "
             f"{groups}.") from None
 
-    @property
-    def uses_topr_loss(self) -> bool:
-        """Whether TOPRTrainer computes the loss itself (a registered loss), rather than GRPOTrainer (TRL's)."""
-        return self.loss_type in POLICY_LOSSES
-
-    def _refuse_fields_without_effect(self) -> None:
-        """One field selects the loss: `loss_type`. A TOPR-family field with one of TRL's loss types, or a field only
-        other registered losses read, fails here, naming the field to drop."""
+    def _refuse_topr_fields_with_trls_loss(self) -> None:
+        """One field selects the loss: `loss_type`. A TOPR-family field (or a field only registered losses read) with
+        one of TRL's loss types fails here, naming the field to drop."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         if not self.uses_topr_loss:
             for name in (*_FAMILY_FIELDS, *(name for name in knob_readers() if name in defaults)):
@@ -312,35 +354,25 @@ class TOPRConfig(GRPOConfig):
                     continue
                 raise ValueError(f"`{name}` has no effect with loss_type={self.loss_type!r} (TRL's own loss, computed "
                                  f"by GRPOTrainer): drop it, or set a TOPR loss type ({', '.join(POLICY_LOSSES)}).")
-        refuse_unread_knobs(self)
 
-    @staticmethod
-    def _parse_baseline(value: float | str) -> float | str:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not math.isfinite(value):
-                raise ValueError(f"`topr_baseline` must be finite, got {value!r}.")
-            return float(value)
-        if isinstance(value, str):
-            if value in BASELINE_MODES:
-                return value
-            try:
-                return TOPRConfig._parse_baseline(float(value))
-            except ValueError:
-                pass
-        raise ValueError(
-            f"`topr_baseline`={value!r} is not supported; give a number or one of {list(BASELINE_MODES)}."
-        )
 
-    @property
-    def topr_limits(self) -> TruncationLimits | None:
-        """The truncation limits (a+, b+, a-, b-) in force: the loss type's (Eq. 7's entries of the registry),
-        overridden by the explicit topr_*_lower/upper fields; None for a loss that is not Eq. 7's."""
-        return resolve_limits(self)
-
-    @property
-    def policy_loss_spec(self) -> PolicyLossSpec:
-        """The loss the trainer computes when `loss_type="topr"`."""
-        return policy_loss_spec_of(self)
+def parse_baseline(value: float | str) -> float | str:
+    """`topr_baseline` as a config holds it: a finite float, or one of `BASELINE_MODES`; a number given as a string
+    (the command line's, see the field) is a float."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ValueError(f"`topr_baseline` must be finite, got {value!r}.")
+        return float(value)
+    if isinstance(value, str):
+        if value in BASELINE_MODES:
+            return value
+        try:
+            return parse_baseline(float(value))
+        except ValueError:
+            pass
+    raise ValueError(
+        f"`topr_baseline`={value!r} is not supported; give a number or one of {list(BASELINE_MODES)}."
+    )
 
 
 def resolve_limits(args) -> TruncationLimits | None:
@@ -419,7 +451,8 @@ def say_trl_loss_fields_unread(args) -> None:
                 and args.loss_type not in readers:
             warnings.warn(f"`{name}`={getattr(args, name)!r} has no effect with loss_type={args.loss_type!r} (it is "
                           f"read by TRL's own losses{' and ' + '/'.join(readers) if readers else ''}); its "
-                          f"counterpart is {counterpart}.", UserWarning, stacklevel=4)
+                          f"counterpart is {counterpart}.", UserWarning,
+                          stacklevel=5)  # the caller of the config, past TOPRFields' check, __post_init__, __init__
 
 
 def knob_readers() -> dict[str, list[str]]:
@@ -446,10 +479,3 @@ _TOPR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TOPRConfig)}
 def topr_setting(args, name: str):
     """`args.<name>`, or TOPRConfig's default when `args` is a GRPOConfig."""
     return getattr(args, name, _TOPR_DEFAULTS[name])
-
-
-def topr_field(name: str):
-    """A dataclass field with TOPRConfig's own default and help for `name`, for another config that takes the same
-    field (the asynchronous one): declared once, in TOPRConfig."""
-    source = TOPRConfig.__dataclass_fields__[name]
-    return field(default=source.default, metadata=dict(source.metadata))

@@ -4,24 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from ..config import (
-    SIGNALS,
-    TOPRConfig,
-    check_choice,
-    check_flag,
-    check_loss_knobs,
-    policy_loss_spec_of,
-    refuse_unread_knobs,
-    resolve_limits,
-    say_trl_loss_fields_unread,
-    topr_field,
-)
-from ..loss import POLICY_LOSSES, RATIO_LEVELS, PolicyLossSpec, TruncationLimits
+from ..config import TOPRConfig, TOPRFields
+from ..loss import POLICY_LOSSES
 
 
 # How the per-token loss of a micro-batch is reduced: the paper's per-trajectory mean of token means, or TRL's
@@ -30,10 +18,10 @@ ASYNC_AGGREGATIONS: tuple[str, ...] = ("seq-mean-token-mean", "global-token-mean
 
 
 @dataclass
-class AsyncTOPRConfig(AsyncGRPOConfig):
+class AsyncTOPRConfig(TOPRFields, AsyncGRPOConfig):
     r"""
     Configuration for [`~topr_trl.asynchronous.AsyncTOPRTrainer`]: every field of TRL's `AsyncGRPOConfig`, with
-    `max_staleness` off by default, plus TOPR's loss fields (as in [`TOPRConfig`]).
+    `max_staleness` off by default, plus TOPR's loss fields (`topr_trl.config.TOPRFields`, as in [`TOPRConfig`]).
 
     Parameters:
         max_staleness (`float`, *optional*, defaults to `inf`):
@@ -71,44 +59,20 @@ class AsyncTOPRConfig(AsyncGRPOConfig):
         metadata={"help": "Drop samples more than this many policy versions old (TRL's rule); inf (default) keeps "
                           "every sample, weighed by TOPR's truncated ratio."},
     )
+    # TOPR's fields are TOPRFields'. These two take fewer values here than in TOPRConfig, so their help lists these:
+    # TRL's losses are GRPOTrainer's, which this trainer is not, and the packed micro-batch has two aggregations.
     loss_type: str = field(default="topr", metadata={"help": f"The loss: one of {list(POLICY_LOSSES)}."})
-    topr_positive_lower: float | None = field(default=None, metadata={"help": "a+ (None: the loss type's)."})
-    topr_positive_upper: float | None = field(default=None, metadata={"help": "b+, may be inf (None: loss type's)."})
-    topr_negative_lower: float | None = field(default=None, metadata={"help": "a- (None: the loss type's)."})
-    topr_negative_upper: float | None = field(default=None, metadata={"help": "b-, may be inf (None: loss type's)."})
-    topr_ratio_level: str = field(default="sequence", metadata={"help": f"How pi/mu is formed: {list(RATIO_LEVELS)}."})
-    topr_signal: str = field(
-        default="advantage", metadata={"help": "'advantage' (the worker's group advantage) or 'reward' (R - c)."})
-    topr_baseline: float = field(default=0.0, metadata={"help": "c, with topr_signal='reward'."})
     topr_loss_aggregation: str = field(
         default="seq-mean-token-mean", metadata={"help": f"Loss aggregation: {list(ASYNC_AGGREGATIONS)}."})
-    topr_check_finite: bool = topr_field("topr_check_finite")
-    # the branch weights, the built-in losses' knobs and PPO's dual-clip delta, declared once in TOPRConfig
-    topr_positive_weight: float = topr_field("topr_positive_weight")
-    topr_negative_weight: float = topr_field("topr_negative_weight")
-    cispo_epsilon_low: float = topr_field("cispo_epsilon_low")
-    cispo_epsilon_high: float = topr_field("cispo_epsilon_high")
-    kimi15_tau: float = topr_field("kimi15_tau")
-    delta: float | None = topr_field("delta")
 
     def __post_init__(self) -> None:
+        self._check_before_trl_config(tuple(POLICY_LOSSES))
         super().__post_init__()
-        check_flag("topr_check_finite", self.topr_check_finite)
-        check_choice("loss_type", self.loss_type, tuple(POLICY_LOSSES))
-        check_choice("topr_ratio_level", self.topr_ratio_level, RATIO_LEVELS)
-        check_choice("topr_signal", self.topr_signal, SIGNALS)
-        check_choice("topr_loss_aggregation", self.topr_loss_aggregation, ASYNC_AGGREGATIONS)
-        check_loss_knobs(self)
-        refuse_unread_knobs(self)
-        say_trl_loss_fields_unread(self)
-        self.topr_baseline = TOPRConfig._parse_baseline(self.topr_baseline)
+        self._check_topr_values(ASYNC_AGGREGATIONS)
         if isinstance(self.topr_baseline, str):
             raise ValueError(f"`topr_baseline` must be a number for the asynchronous trainer, got "
                              f"{self.topr_baseline!r}: its samples arrive one at a time, not as a batch or a group "
                              "(use topr_signal='advantage' for a group baseline).")
-        if self.topr_baseline != 0.0 and self.topr_signal == "advantage":
-            warnings.warn("topr_baseline is only used with topr_signal='reward'; with 'advantage' the group "
-                          "advantage already has its baseline subtracted.", UserWarning, stacklevel=3)
         staleness = self.max_staleness
         if not (isinstance(staleness, (int, float)) and (staleness == math.inf or
                                                           (staleness >= 0 and float(staleness).is_integer()))):
@@ -116,23 +80,11 @@ class AsyncTOPRConfig(AsyncGRPOConfig):
                              f"sample; got {staleness!r}.")
         if staleness != math.inf:
             self.max_staleness = int(staleness)
-        limits = self.topr_limits  # validates the limits
-        if limits is not None and limits.negative_lower > 0:
-            warnings.warn(f"topr_negative_lower (a-) = {limits.negative_lower} > 0: the TOPR objective is then "
-                          "unbounded (Prop. 3.2 of the paper). Set topr_negative_lower=0 unless this is the point "
-                          "of the experiment.", UserWarning, stacklevel=3)
+        self._check_what_the_loss_reads()
 
     @property
     def keeps_every_sample(self) -> bool:
         return self.max_staleness == math.inf
-
-    @property
-    def topr_limits(self) -> TruncationLimits | None:
-        return resolve_limits(self)
-
-    @property
-    def policy_loss_spec(self) -> PolicyLossSpec:
-        return policy_loss_spec_of(self)
 
 
 # TOPRConfig fields with no counterpart in the asynchronous trainer, and the value that means "not used".
