@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -15,22 +16,22 @@ from .config import TOPRConfig, topr_setting
 from .grpo_mirror import GRPOLossMirror
 from .loss import POLICY_LOSSES, baseline_for_target_share, policy_per_token_loss, reads_the_ratio, reward_signal
 from .offline.replay import OfflineReplay, prepare_replayed_datasets
-from .offline.schema import checked_reward_function, is_offline_dataset, stored_processing
+from .offline.schema import checked_reward_function, is_offline_dataset
 from .packaged_models import converted_source
 from .policy_metrics import (
     drift_and_mismatch,
     drift_and_mismatch_sums,
 )
 from .sources import needs_resolving, resolve_model_source
-from .support import (
-    SamplerProcessing,
-    captured_outputs,
-    completion_processed_log_probs,
-    fused_head_parts,
-    history_dependent_sampling,
-    on_mus_support,
+from .support import completion_processed_log_probs, history_dependent_sampling
+from .trainer_shared import (
+    TOPR_NAME,
+    TOPR_PAPER,
+    TOPR_TAG_NAMES,
+    PolicyMetricsLogging,
+    SupportScoring,
+    trained_method,
 )
-from .trainer_shared import TOPR_NAME, TOPR_PAPER, TOPR_TAG_NAMES, PolicyMetricsLogging, trained_method
 from .vllm_colocate import use_cpu_weight_reload
 from .vllm_server.client import GlooServerGeneration, server_generation_arguments, uses_gloo_server
 
@@ -38,7 +39,8 @@ from .vllm_server.client import GlooServerGeneration, server_generation_argument
 logger = logging.get_logger(__name__)
 
 
-class TOPRTrainer(CheckpointWeights, PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrainer):
+class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, OfflineReplay, GRPOLossMirror,
+                  GRPOTrainer):
     """
     Trainer for Tapered Off-Policy REINFORCE (TOPR, [arXiv:2503.14286](https://huggingface.co/papers/2503.14286)).
 
@@ -101,7 +103,8 @@ class TOPRTrainer(CheckpointWeights, PolicyMetricsLogging, OfflineReplay, GRPOLo
                 "topr_behaviour_source='sampler' needs a generator that returns sampling log-probs: set "
                 "use_vllm=True or pass a rollout_func that returns `logprobs`; or use 'auto' or 'policy'."
             )
-        self._sampler_processing = self._mu_processing(args)
+        self._sampler_processing = self._mu_processing(args, "vllm" if self.use_vllm else "transformers",
+                                                       replayed=self._replayed_datasets())
         history = history_dependent_sampling(self.repetition_penalty)
         if history and args.loss_type in POLICY_LOSSES and not self._offline:  # offline, mu is the stored rows' sampler
             logger.warning(history)
@@ -110,44 +113,37 @@ class TOPRTrainer(CheckpointWeights, PolicyMetricsLogging, OfflineReplay, GRPOLo
             # TRL's separate correction on top would count it twice.
             self.vllm_importance_sampling_correction = False
 
-    def _mu_processing(self, args) -> SamplerProcessing | None:
-        """How mu turned logits into its sampling distribution, when it differs from what TRL scores the policy with
-        (the whole vocabulary at the trainer's temperature): then pi is scored on mu's support
-        (`topr_trl.support`). Online it is this trainer's generation settings (vLLM's filter order with vLLM);
-        offline, the stored rows' `behaviour_sampling` (one processing for the dataset), else the trainer's settings,
-        said once."""
-        engine = "vllm" if self.use_vllm else "transformers"
-        processing = SamplerProcessing(temperature=self.temperature, top_k=self.top_k or None, top_p=self.top_p,
-                                       min_p=self.min_p, engine=engine)
+    def _replayed_datasets(self) -> list:
+        """The datasets of stored completions this trainer replays (training offline, evaluation), whose stored rows
+        say how mu sampled them (`SupportScoring._mu_processing`)."""
         replayed = [self.train_dataset] if self._offline else []
         replayed += list(self.eval_dataset.values()) if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
-        replayed = [dataset for dataset in replayed if is_offline_dataset(dataset)]
-        if replayed:
-            processing = stored_processing(replayed, processing)
-        return processing if processing.differs_from(self.temperature) else None
+        return [dataset for dataset in replayed if is_offline_dataset(dataset)]
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args,
                                            scored_rows: torch.Tensor | None = None, **kwargs):
         """GRPOTrainer's log-probs (its fused head: the whole vocabulary at the trainer's temperature), plus, for
         TOPR's losses when mu's sampling truncated or used another temperature, the constant that scores pi on mu's
-        support (`topr_trl.support`): pi/mu is then exact at learning rate 0, and the gradient stays GRPO's. The
-        backbone's hidden states of the same forward are projected again for the sequences `scored_rows` (B,) names
-        (every one by default; none where nothing reads the log-probs' values, see `_rows_reading_the_ratio`)."""
-        processing = self._sampler_processing
-        if processing is None or (scored_rows is not None and not bool(scored_rows.any())):
-            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                              *args, **kwargs)
-        backbone, owner = fused_head_parts(model)
-        with captured_outputs(backbone) as captured:
-            logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        support (`SupportScoring._forward_on_mus_support`): pi/mu is then exact at learning rate 0, and the gradient
+        stays GRPO's. The backbone's hidden states of the same forward are projected again for the sequences
+        `scored_rows` (B,) names (every one by default; none where nothing reads the log-probs' values, see
+        `_rows_reading_the_ratio`)."""
+        forward = functools.partial(super()._get_per_token_logps_and_entropies, model, input_ids, attention_mask,
+                                    logits_to_keep, *args, **kwargs)
+        if self._sampler_processing is None or (scored_rows is not None and not bool(scored_rows.any())):
+            return forward()
         scored = attention_mask
         if scored_rows is not None:
             scored = attention_mask * scored_rows.to(attention_mask).unsqueeze(-1)
-        processed = completion_processed_log_probs(
-            owner, torch.cat(captured.hidden), input_ids, scored, logits_to_keep, processing,
-            captured.head_dtype(self.args.cast_lm_head_to_fp32))
-        return on_mus_support(logps, processed.to(logps.device), scored[:, -logits_to_keep:]), entropies, aux_loss
+
+        def completion_tokens(outputs, owner, captured):
+            """pi's log-probs on mu's support of the completion tokens of the scored sequences (B, logits_to_keep)."""
+            processed = completion_processed_log_probs(
+                owner, torch.cat(captured.hidden), input_ids, scored, logits_to_keep, self._sampler_processing,
+                captured.head_dtype(self.args.cast_lm_head_to_fp32))
+            return processed, scored[:, -logits_to_keep:]
+
+        return self._forward_on_mus_support(model, forward, completion_tokens)
 
     @staticmethod
     def _generates_on_gloo_server(args) -> bool:

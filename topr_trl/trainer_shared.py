@@ -1,19 +1,24 @@
 """What both trainers share, below them: `TOPRTrainer` (`topr_trl.trainer`) and the asynchronous trainer
-(`topr_trl.asynchronous`) log TOPR's metrics and check the loss the same way (`PolicyMetricsLogging`), and their
-model cards name the method that trained the model the same way (`trained_method`, TOPR's own identity in
-`TOPR_NAME`, `TOPR_PAPER`, `TOPR_TAG_NAMES`)."""
+(`topr_trl.asynchronous`) score pi on mu's support the same way (`SupportScoring`), log TOPR's metrics and check the
+loss the same way (`PolicyMetricsLogging`), and their model cards name the method that trained the model the same
+way (`trained_method`, TOPR's own identity in `TOPR_NAME`, `TOPR_PAPER`, `TOPR_TAG_NAMES`)."""
 
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Callable, Sequence
 
 import torch
+from datasets import Dataset
 from transformers.utils import logging
 from trl import GRPOTrainer
 
 from .config import topr_setting
 from .loss import POLICY_LOSSES, branch_losses
+from .offline.schema import stored_processing
 from .policy_metrics import branch_ratios, metric_sums, policy_metrics, ratio_minima, ratio_quantiles
+from .support import SamplerProcessing, captured_outputs, fused_head_parts, on_mus_support
+from .support.scoring import CapturedBackbone
 
 
 logger = logging.get_logger(__name__)
@@ -33,6 +38,51 @@ TOPR_PAPER = {
             eprint       = {arXiv:2503.14286},
         }"""),
 }
+
+
+# What a trainer's forward is scored with on mu's support: from its outputs (the log-probs first), the causal LM that
+# owns the output layer and the backbone's captured last hidden states, pi's log-probs on mu's support (shaped like
+# the log-probs) and where they hold.
+SupportProjection = Callable[[tuple, torch.nn.Module, CapturedBackbone], tuple[torch.Tensor, torch.Tensor]]
+
+
+class SupportScoring:
+    """pi scored on the support mu sampled from (`topr_trl.support`), so that pi/mu measures how far the policy moved:
+    the same in `TOPRTrainer` and the asynchronous trainer, each passing what differs (where mu's sampling is said,
+    and which tokens of its forward are scored). Both have TRL's `temperature` and keep `_mu_processing`'s answer as
+    `_sampler_processing`."""
+
+    def _mu_processing(self, args, engine: str, replayed: Sequence[Dataset] = (),
+                       rollout_worker: object | None = None) -> SamplerProcessing | None:
+        """How mu turned logits into its sampling distribution, when it differs from what TRL scores the policy with
+        (the whole vocabulary at the trainer's temperature): then pi is scored on mu's support; else None. By default
+        the config's generation settings (temperature, top_k, top_p, min_p) in `engine`'s filter order (the
+        synchronous trainer's own generation, or vLLM: TRL's rollout worker's). Offline, the `replayed` datasets'
+        stored `behaviour_sampling` (one processing for them all; rows that do not say take the config's, said
+        once). A `rollout_worker` that says how it samples (`sampling`, as the CPU stand-in `LaggedRolloutWorker`
+        does), as it says."""
+        processing = SamplerProcessing(temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
+                                       min_p=args.min_p, engine=engine)
+        if replayed:
+            processing = stored_processing(replayed, processing)
+        if isinstance(getattr(rollout_worker, "sampling", None), SamplerProcessing):
+            processing = rollout_worker.sampling
+        return processing if processing.differs_from(self.temperature) else None
+
+    def _forward_on_mus_support(self, model, forward: Callable[[], tuple], project: SupportProjection) -> tuple:
+        """`forward()`, TRL's forward through its fused head (its outputs begin with the log-probs), with the
+        log-probs worth pi's on mu's support where `project` scores them, from the backbone's last hidden states of
+        that same forward (captured by a hook: TRL's fused head never holds a row's logits whole, and the backbone
+        runs once). Only the values change: the gradient stays TRL's (`on_mus_support`). Without a processing to
+        score (`_sampler_processing` None), `forward()` as it is."""
+        if self._sampler_processing is None:
+            return forward()
+        backbone, owner = fused_head_parts(model)
+        with captured_outputs(backbone) as captured:
+            outputs = forward()
+        log_probs = outputs[0]
+        processed, scored = project(outputs, owner, captured)
+        return (on_mus_support(log_probs, processed.to(log_probs.device), scored.to(log_probs.device)), *outputs[1:])
 
 
 class PolicyMetricsLogging:

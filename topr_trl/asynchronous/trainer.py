@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 from collections import Counter
@@ -37,15 +38,8 @@ from ..checkpoint_weights import CheckpointWeights
 from ..loss import packed_topr_loss, reads_the_ratio, unpack_segments
 from ..policy_metrics import staleness_bin_metrics, staleness_bin_sums
 from ..sources import needs_resolving, resolve_model_source
-from ..support import (
-    SamplerProcessing,
-    captured_outputs,
-    chunked_processed_log_probs,
-    fused_head_parts,
-    history_dependent_sampling,
-    on_mus_support,
-)
-from ..trainer_shared import TOPR_PAPER, PolicyMetricsLogging, trained_method
+from ..support import chunked_processed_log_probs, history_dependent_sampling
+from ..trainer_shared import TOPR_PAPER, PolicyMetricsLogging, SupportScoring, trained_method
 from ..vllm_server import BACKEND
 from ..vllm_server.client import GlooWeightTransfer, server_weight_backend
 from .config import AsyncTOPRConfig
@@ -228,7 +222,7 @@ def flops_fields(config):
             delattr(config, name)
 
 
-class AsyncTOPRTrainer(CheckpointWeights, PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
+class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
     """
     Asynchronous TOPR: [`trl.experimental.async_grpo.AsyncGRPOTrainer`] with TOPR's loss and no stale sample thrown
     away (see the module docstring). Same constructor as TRL's class; `args` is an [`AsyncTOPRConfig`].
@@ -264,7 +258,8 @@ class AsyncTOPRTrainer(CheckpointWeights, PolicyMetricsLogging, CPUSupport, Asyn
             args.token_budget = 0
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._loss_spec = args.policy_loss_spec
-        self._sampler_processing = self._mu_processing(args, kwargs.get("rollout_worker"))
+        # TRL's worker samples on vLLM; the CPU stand-in worker says how it samples
+        self._sampler_processing = self._mu_processing(args, "vllm", rollout_worker=kwargs.get("rollout_worker"))
         history = history_dependent_sampling(args.repetition_penalty)
         if history:  # the loss is always one of TOPR's here: TRL's worker samples with the penalty
             logger.warning(history)
@@ -327,36 +322,28 @@ class AsyncTOPRTrainer(CheckpointWeights, PolicyMetricsLogging, CPUSupport, Asyn
             logger.warning(describe_resume(checkpoint, state))
         return super()._inner_training_loop(*args, **kwargs)
 
-    def _mu_processing(self, args, rollout_worker) -> SamplerProcessing | None:
-        """How the rollout worker turns logits into its sampling distribution, when it differs from TRL's scoring
-        (the whole vocabulary at the trainer's temperature): TRL's worker samples on vLLM with the config's
-        temperature, top_k, top_p and min_p; a worker that says how it samples (`sampling`, as the CPU stand-in
-        `LaggedRolloutWorker` does) as it says."""
-        if isinstance(getattr(rollout_worker, "sampling", None), SamplerProcessing):
-            processing = rollout_worker.sampling
-        else:
-            processing = SamplerProcessing(temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
-                                           min_p=args.min_p, engine="vllm")
-        return processing if processing.differs_from(self.temperature) else None
-
     def _scored_packed_forward(self, model, inputs):
-        """`_packed_forward`, with pi scored on the support the worker sampled from (`topr_trl.support`) when its
-        sampling truncated, for the tokens whose weight reads pi/mu (`reads_the_ratio`; every sample here is
-        off-policy): the backbone's hidden states of the same forward, projected again for those tokens."""
-        if self._sampler_processing is None:
-            return self._packed_forward(model, inputs)
-        backbone, owner = fused_head_parts(model)
-        with captured_outputs(backbone) as captured:
-            log_probs, entropy, selected, aux_loss = self._packed_forward(model, inputs)
-        scored = reads_the_ratio(inputs["advantages"][selected], self._loss_spec).to(log_probs.device)
-        # the packed row's hidden state at position t predicts its label `shift_labels` at t (TRL's packed forward)
-        hidden = torch.cat([state.reshape(-1, state.size(-1)) for state in captured.hidden])
-        labels = inputs["shift_labels"][inputs["attention_mask"].bool()].to(hidden.device)
-        rows = inputs["token_index"][selected].to(hidden.device)[scored.to(hidden.device)]
-        processed = torch.zeros(log_probs.shape, dtype=torch.float32, device=log_probs.device)
-        processed[scored] = chunked_processed_log_probs(owner, hidden[rows], labels[rows], self._sampler_processing,
-                                                        captured.head_dtype()).to(log_probs.device)
-        return on_mus_support(log_probs, processed, scored), entropy, selected, aux_loss
+        """`_packed_forward`, with pi scored on the support the worker sampled from
+        (`SupportScoring._forward_on_mus_support`) when its sampling truncated, for the tokens whose weight reads
+        pi/mu (`reads_the_ratio`; every sample here is off-policy): the backbone's hidden states of the same forward,
+        projected again for those tokens."""
+
+        def packed_tokens(outputs, owner, captured):
+            """pi's log-probs on mu's support of the trained tokens whose weight reads pi/mu, and where they are."""
+            log_probs, _, selected, _ = outputs
+            scored = reads_the_ratio(inputs["advantages"][selected], self._loss_spec).to(log_probs.device)
+            # the packed row's hidden state at position t predicts its label `shift_labels` at t (TRL's packed forward)
+            hidden = torch.cat([state.reshape(-1, state.size(-1)) for state in captured.hidden])
+            labels = inputs["shift_labels"][inputs["attention_mask"].bool()].to(hidden.device)
+            rows = inputs["token_index"][selected].to(hidden.device)[scored.to(hidden.device)]
+            processed = torch.zeros(log_probs.shape, dtype=torch.float32, device=log_probs.device)
+            processed[scored] = chunked_processed_log_probs(owner, hidden[rows], labels[rows],
+                                                            self._sampler_processing,
+                                                            captured.head_dtype()).to(log_probs.device)
+            return processed, scored
+
+        return self._forward_on_mus_support(model, functools.partial(self._packed_forward, model, inputs),
+                                            packed_tokens)
 
     # ------------------------------------------------------------------ the loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
