@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import typing
 import warnings
 
 import pytest
@@ -233,3 +234,80 @@ def test_the_asynchronous_config_says_the_same_of_trls_clipping():
         AsyncTOPRConfig(output_dir="/tmp/topr-config-test", report_to="none", use_cpu=True, epsilon_high=0.3,
                         loss_type="ppo")
     assert not [w for w in caught if "has no effect" in str(w.message)]
+
+
+# AsyncTOPRConfig declares these TOPRFields fields again, with TOPRFields' default: they take fewer values there (TRL's
+# loss types are GRPOTrainer's; the packed micro-batch has two aggregations), and their help lists those.
+NARROWED_BY_THE_ASYNCHRONOUS_CONFIG = {"loss_type", "topr_loss_aggregation"}
+
+
+def own_annotations(cls) -> set[str]:
+    """The fields `cls` itself declares (its body's annotations), not those it inherits."""
+    return set(cls.__dict__.get("__annotations__", {}))
+
+
+def test_topr_fields_are_declared_once_for_both_configs():
+    """TOPR's fields are TOPRFields': TOPRConfig and AsyncTOPRConfig inherit them (the same dataclass field: default,
+    type and help), and neither declares one again, but for the asynchronous config's narrowed choices. What the
+    asynchronous config adds to TRL's AsyncGRPOConfig is exactly TOPRFields' fields."""
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    from topr_trl.asynchronous import AsyncTOPRConfig
+    from topr_trl.config import TOPRFields
+
+    shared = {f.name: f for f in dataclasses.fields(TOPRFields)}
+    trl_fields = {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
+    assert {f.name for f in dataclasses.fields(AsyncTOPRConfig)} - trl_fields == set(shared)
+    assert not own_annotations(TOPRConfig) & set(shared)
+    assert own_annotations(AsyncTOPRConfig) & set(shared) == NARROWED_BY_THE_ASYNCHRONOUS_CONFIG
+    shared_types, asynchronous_types = typing.get_type_hints(TOPRFields), typing.get_type_hints(AsyncTOPRConfig)
+    for name, declared in shared.items():
+        assert TOPRConfig.__dataclass_fields__[name] is declared, name
+        asynchronous = AsyncTOPRConfig.__dataclass_fields__[name]
+        if name in NARROWED_BY_THE_ASYNCHRONOUS_CONFIG:
+            assert asynchronous.default == declared.default and asynchronous_types[name] == shared_types[name], name
+        else:
+            assert asynchronous is declared, name
+
+
+def both_configs(**kwargs) -> list:
+    """TOPRConfig and AsyncTOPRConfig with the same settings."""
+    from topr_trl.asynchronous import AsyncTOPRConfig
+
+    common = dict(output_dir="/tmp/topr-config-test", report_to="none", use_cpu=True, bf16=False)
+    return [cls(**common, **kwargs) for cls in (TOPRConfig, AsyncTOPRConfig)]
+
+
+@pytest.mark.parametrize("setting", [
+    {"topr_signal": "rewards"}, {"topr_ratio_level": "seq"}, {"topr_baseline": "abc"}, {"topr_baseline": math.inf},
+    {"topr_check_finite": "yes"}, {"topr_negative_weight": -1.0}, {"kimi15_tau": 0.5},
+    {"loss_type": "kimi15", "kimi15_tau": -1.0}, {"topr_positive_lower": 2.0, "topr_positive_upper": 1.0},
+    {"learning_rate": -1.0}, {"max_completion_length": 0}])
+def test_both_configs_refuse_a_setting_in_the_same_line(setting):
+    """One check of each TOPR field, run by both configs: the same one-line ValueError."""
+    from topr_trl.asynchronous import AsyncTOPRConfig
+
+    common = dict(output_dir="/tmp/topr-config-test", report_to="none", use_cpu=True, bf16=False)
+    said = []
+    for cls in (TOPRConfig, AsyncTOPRConfig):
+        with pytest.raises(ValueError) as error:
+            cls(**common, **setting)
+        said.append(str(error.value))
+    assert said[0] == said[1] and "\n" not in said[0], said
+
+
+def test_both_configs_take_a_topr_field_alike():
+    """The same settings give the same TOPR values (the baseline given as a string read as a number), the same loss,
+    and the same warnings, each pointing at the line that built the config."""
+    from topr_trl.config import TOPRFields
+
+    setting = dict(loss_type="tis", topr_signal="reward", topr_baseline="0.25", topr_negative_lower=0.5,
+                   topr_positive_weight=2.0, topr_check_finite=True, epsilon_high=0.3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        synchronous, asynchronous = both_configs(**setting)
+    assert synchronous.topr_baseline == asynchronous.topr_baseline == 0.25
+    assert all(getattr(synchronous, f.name) == getattr(asynchronous, f.name) for f in dataclasses.fields(TOPRFields))
+    assert synchronous.policy_loss_spec == asynchronous.policy_loss_spec
+    said = [(str(w.message), w.filename) for w in caught if w.category is UserWarning]
+    assert len(said) == 4 and said[:2] == said[2:] and {filename for _, filename in said} == {__file__}, said
