@@ -27,6 +27,7 @@ from topr_trl.support import (
     processed_log_probs,
     sampler_support,
 )
+from topr_trl.support.rule import descending_logits, scaled_logits
 
 from .conftest import float32_tolerance, logged_values, parity_reward, small_config_kwargs
 
@@ -494,6 +495,59 @@ def test_the_rule_is_the_independent_sorted_reference_on_every_shape_of_row(kind
                                  for row, token in zip(rows, tokens.tolist(), strict=True)])
         off = ((got.double() - expected).abs() > 1e-5 + 1e-6 * expected.abs()).sum()
         assert int(off) <= len(rows) // 50, (processing, kind, dtype, got, expected)
+
+
+def trained_rows(rows: int, vocabulary: int, generator: torch.Generator) -> torch.Tensor:
+    """Rows of a trained model's shape (a steep Zipf-like fall, exponent 2.5, with noise): as on SmolLM2-135M, where a
+    row's tokens of probability above top-p 0.95's floor are a few percent of the vocabulary."""
+    ranks = torch.arange(1, vocabulary + 1, dtype=torch.float32)
+    logits = -2.5 * ranks.log() + 0.5 * torch.randn(rows, vocabulary, generator=generator)
+    return torch.stack([row[torch.randperm(vocabulary, generator=generator)] for row in logits])
+
+
+def heavy_tail_rows(rows: int, vocabulary: int, generator: torch.Generator, top_p: float = 0.95,
+                    share_of_floor: float = 0.9) -> torch.Tensor:
+    """Rows whose tail is as heavy as top-p's floor allows: 48 tokens share most of the mass, and every other token has
+    `share_of_floor` of the floor's probability (1 - p) / (2V), so the tail holds almost (1 - p) / 2, enough to move
+    the cut when it is left out of the sum."""
+    tail = torch.full((rows, vocabulary - 48), share_of_floor * (1 - top_p) / (2 * vocabulary))
+    head = torch.rand(rows, 48, generator=generator) + 0.1
+    head = head / head.sum(-1, keepdim=True) * (1 - tail.sum(-1, keepdim=True))
+    probs = torch.cat([head, tail], dim=-1)
+    return torch.stack([row[torch.randperm(vocabulary, generator=generator)] for row in probs]).log()
+
+
+def tail_above_the_floor_rows(rows: int, vocabulary: int, generator: torch.Generator) -> torch.Tensor:
+    """A tail just above top-p 0.95's floor (three times it), holding 1.5 (1 - p): top-p keeps some of it, so no floor
+    may leave it out (the rule sorts these rows whole)."""
+    return heavy_tail_rows(rows, vocabulary, generator, share_of_floor=3.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [trained_rows, heavy_tail_rows, tail_above_the_floor_rows])
+def test_the_rule_sorts_only_above_the_floors_and_is_still_the_reference(shape, dtype):
+    """On rows of 4,096 logits shaped like a trained model's, or with a tail as heavy as top-p's floor allows, top-p
+    and min-p sort only the logits above their floors (fewer than a tenth of each row here), and the log-probs are
+    `reference_log_prob`'s, as in the test above (same tolerance, no row off): what lies below the floors enters
+    top-p's sum as one term, and the cut still falls where the engines' whole-row sum puts it. A tail above the floor
+    is kept in part, and the log-probs are still the reference's."""
+    generator = torch.Generator().manual_seed(5)
+    logits = shape(24, 4096, generator).to(dtype)
+    order = logits.float().argsort(-1, descending=True)
+    tokens = torch.cat([order[:8, 0], order[8:16, 2], torch.randint(0, 4096, (8,), generator=generator)])
+    processings = [SamplerProcessing(top_p=0.95), SamplerProcessing(top_p=0.95, min_p=0.01, engine="vllm")]
+    if shape is trained_rows:  # a heavy tail rises above the floors at another temperature or p: sorted whole
+        processings += [SamplerProcessing(top_p=0.5), SamplerProcessing(min_p=0.01),
+                        SamplerProcessing(temperature=0.8, top_p=0.9, min_p=0.02),
+                        SamplerProcessing(temperature=1.3, top_p=0.9, min_p=0.02, engine="vllm")]
+    rows = logits.float().double().tolist()
+    for processing in processings:
+        window, _ = descending_logits(scaled_logits(logits, processing.temperature), processing)
+        assert (window.size(-1) < 4096 // 10) == (shape is not tail_above_the_floor_rows), processing
+        got = processed_log_probs(logits, tokens, processing)
+        expected = torch.tensor([reference_log_prob(row, int(token), processing)
+                                 for row, token in zip(rows, tokens.tolist(), strict=True)], dtype=torch.float64)
+        assert torch.allclose(got.double(), expected, rtol=1e-6, atol=1e-5), (processing, got, expected)
 
 
 def test_only_the_sequences_whose_weight_reads_the_ratio_are_scored(truncated_samples, tiny_model_path, tmp_path,

@@ -12,11 +12,17 @@ The sampled token always counts (`with_the_sampled_token`): mu gave it weight, b
 filters may drop it, and pi_S(y) = 0 would give the weight 0 and no gradient. Tied with the smallest kept logit it
 is one of the ties the cut kept (which of them is a sort's order), as the sampler kept it.
 
-The sort is the rule; under top-k the support holds at most the k largest logits and their ties, which `torch.topk`
-gives without sorting the vocabulary. No gradient: the ratio's value only.
+The sort is the rule, but the support never reaches far down a row, so no row is sorted whole where it need not be:
+under top-k it holds at most the k largest logits and their ties, which `torch.topk` gives directly; under top-p a
+token of probability at most (1 - p) / (2V) lies below the cut (all such tokens together hold at most (1 - p) / 2, so
+the engines' ascending sum is still at most (1 - p) / 2 when it passes them, far from 1 - p), and under min-p a token
+below min_p times the largest. Only the logits above those floors are sorted; what lies below them enters top-p's
+sum as one term, their logsumexp (`descending_logits`). No gradient: the ratio's value only.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -29,39 +35,68 @@ def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return scaled if temperature == 1 else scaled / temperature
 
 
-def descending_logits(scaled: torch.Tensor, processing: SamplerProcessing) -> torch.Tensor:
-    """Each (N, V) row's largest logits in descending order, as many as its support can hold: under top-k the k
-    largest and every tie at the k-th (of the row that has most), otherwise all of them."""
+TAIL_MARGIN = 2.0
+"""Tokens of probability at most (1 - p) / (TAIL_MARGIN * V) are left out of top-p's sort: together they hold at most
+(1 - p) / TAIL_MARGIN, so float rounding of the engines' sum cannot carry one of them over the cut."""
+WHOLE_SORT_SHARE = 0.25
+"""Where the logits above the floors are more than this share of a row (flat rows), the whole row is sorted."""
+
+
+def descending_logits(scaled: torch.Tensor, processing: SamplerProcessing) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each (N, V) row's largest logits in descending order (N, W), as many as its support can hold, and the
+    logsumexp of the rest of each row (N,), or None when nothing is left out that a filter reads. Under top-k the k
+    largest and every tie at the k-th (of the row that has most): the cut falls inside them in both engines' orders.
+    Otherwise those above the floors of top-p and min-p (the module's docstring), or the whole row when they are most
+    of it."""
     vocabulary = scaled.size(-1)
     k = processing.top_k
-    if not k or k >= vocabulary:
-        return scaled.sort(dim=-1, descending=True).values
-    largest = scaled.topk(k, dim=-1).values
-    with_ties = int((scaled >= largest[:, -1:]).sum(dim=-1).max())
-    return largest if with_ties == k else scaled.topk(with_ties, dim=-1).values
+    if k and k < vocabulary:
+        largest = scaled.topk(k, dim=-1).values
+        with_ties = int((scaled >= largest[:, -1:]).sum(dim=-1).max())
+        return (largest if with_ties == k else scaled.topk(with_ties, dim=-1).values), None
+    floors = []
+    normaliser = scaled.logsumexp(dim=-1, keepdim=True)
+    if processing.top_p is not None and processing.top_p < 1:
+        floors.append(normaliser + math.log((1 - processing.top_p) / (TAIL_MARGIN * vocabulary)))
+    if processing.min_p:
+        # a hair below the exact floor: the engines compare probabilities, rounded, not logits
+        floors.append(scaled.amax(dim=-1, keepdim=True) + math.log(processing.min_p) - 1e-3)
+    width = vocabulary if not floors else int((scaled >= torch.stack(floors).amin(dim=0)).sum(dim=-1).max())
+    if width > WHOLE_SORT_SHARE * vocabulary:
+        return scaled.sort(dim=-1, descending=True).values, None
+    window = scaled.topk(width, dim=-1).values
+    # the mass below the window, from the window's own (the tail's terms are too small to matter one by one)
+    tail_mass = (1 - (window - normaliser).exp().sum(dim=-1)).clamp_min(0)
+    return window, normaliser.squeeze(-1) + tail_mass.log()
 
 
-def support_length(descending: torch.Tensor, processing: SamplerProcessing) -> torch.Tensor:
+def support_length(descending: torch.Tensor, processing: SamplerProcessing, tail: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """(N,) how many of each row's sorted logits (N, W) the sampler keeps: its filters in its engine's order
-    (`SUPPORT_FILTERS`), each on the tokens the previous ones kept, each as the engines write it."""
+    (`SUPPORT_FILTERS`), each on the tokens the previous ones kept, each as the engines write it. `tail`, the
+    logsumexp of what lies below the W (`descending_logits`), counts in top-p's sum, as one term, while no filter
+    before it has cut; no filter keeps it (top-p and min-p cut above it by construction)."""
     width = descending.size(-1)
-    position = torch.arange(width, device=descending.device)
-    length = torch.full(descending.shape[:1], width, dtype=torch.long, device=descending.device)
+    if tail is not None:
+        descending = torch.cat([descending, tail.unsqueeze(-1)], dim=-1)
+    position = torch.arange(descending.size(-1), device=descending.device)
+    in_window = position < width
+    length = torch.full(descending.shape[:1], descending.size(-1), dtype=torch.long, device=descending.device)
     for name in SUPPORT_FILTERS[processing.engine]:
         kept = descending.masked_fill(position >= length.unsqueeze(-1), -torch.inf)
         if name == "top_k" and processing.top_k and processing.top_k < width:
             # a row already shorter than k has -inf at the k-th: the comparison then keeps what it kept
-            kept_by_filter = (kept >= kept[:, processing.top_k - 1:processing.top_k]).sum(dim=-1)
+            kept_by_filter = ((kept >= kept[:, processing.top_k - 1:processing.top_k]) & in_window).sum(dim=-1)
         elif name == "top_p" and processing.top_p is not None and processing.top_p < 1:
             ascending = kept.flip(-1).softmax(dim=-1).cumsum(dim=-1)  # the engines' sum, smallest first
             kept_by_filter = (ascending > 1 - processing.top_p).sum(dim=-1).clamp_min(1)
         elif name == "min_p" and processing.min_p:
             probs = kept.softmax(dim=-1)
-            kept_by_filter = (probs >= processing.min_p * probs[:, :1]).sum(dim=-1)
+            kept_by_filter = ((probs >= processing.min_p * probs[:, :1]) & in_window).sum(dim=-1)
         else:
             continue
         length = torch.minimum(length, kept_by_filter)
-    return length
+    return length.clamp_max(width)
 
 
 def with_the_sampled_token(normaliser: torch.Tensor, chosen: torch.Tensor, smallest_kept: torch.Tensor
@@ -81,8 +116,8 @@ def processed_log_probs(logits: torch.Tensor, tokens: torch.Tensor, processing: 
         chosen = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         if not processing.truncates:  # the whole vocabulary at mu's temperature
             return chosen - scaled.logsumexp(dim=-1)
-        descending = descending_logits(scaled, processing)
-        length = support_length(descending, processing)
+        descending, tail = descending_logits(scaled, processing)
+        length = support_length(descending, processing, tail)
         kept = torch.arange(descending.size(-1), device=descending.device) < length.unsqueeze(-1)
         normaliser = descending.masked_fill(~kept, -torch.inf).logsumexp(dim=-1)
         smallest_kept = descending.gather(-1, (length - 1).unsqueeze(-1)).squeeze(-1)
