@@ -230,3 +230,45 @@ def test_the_rendezvous_port_gives_way_only_when_it_is_the_default():
         chosen = rendezvous_port(DEFAULT_GROUP_PORT)
         assert chosen != DEFAULT_GROUP_PORT and is_free_port(chosen)
     assert rendezvous_port(None) > 0
+
+
+def test_against_a_gloo_server_trl_never_connects_by_nccl_and_the_users_config_is_left_as_given(
+        tiny_model_path, arithmetic_dataset, tmp_path, monkeypatch):
+    """TOPRTrainer against a server running this package's gloo weight path (the server stood in: the backend it
+    reports and the client it would connect): GRPOTrainer's constructor never builds its NCCL client, the trainer
+    generates through the gloo client, and it holds the user's own config object, still saying use_vllm=True, at
+    every moment the user could look (the config is not flipped and restored around TRL's constructor)."""
+    import trl.trainer.grpo_trainer as grpo_trainer
+
+    from topr_trl import TOPRConfig, TOPRTrainer
+    from topr_trl import trainer as topr_trainer
+
+    from .conftest import parity_reward, small_config_kwargs
+
+    args = TOPRConfig(**small_config_kwargs(tmp_path, use_vllm=True, vllm_mode="server",
+                                            vllm_server_base_url="http://127.0.0.1:1"))
+    seen = []
+
+    class NoNCCL:
+        def __init__(self, **kwargs):
+            raise AssertionError("GRPOTrainer built its NCCL server client")
+
+    class StandInGlooClient:
+        def __init__(self, **kwargs):
+            seen.append(("client", args.use_vllm))
+
+    monkeypatch.setattr(topr_trainer, "uses_gloo_server", lambda config: True)
+    monkeypatch.setattr(topr_trainer, "GlooServerGeneration", StandInGlooClient)
+    monkeypatch.setattr(grpo_trainer, "VLLMGeneration", NoNCCL)
+    original_init = grpo_trainer.GRPOTrainer.__init__
+
+    def watched_init(self, *init_args, **init_kwargs):
+        seen.append(("TRL's constructor", args.use_vllm))
+        original_init(self, *init_args, **init_kwargs)
+
+    monkeypatch.setattr(grpo_trainer.GRPOTrainer, "__init__", watched_init)
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
+                          train_dataset=arithmetic_dataset)
+    assert trainer.args is args and args.use_vllm is True
+    assert trainer.use_vllm is True and isinstance(trainer.vllm_generation, StandInGlooClient)
+    assert seen == [("TRL's constructor", True), ("client", True)]

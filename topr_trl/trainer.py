@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from contextlib import nullcontext
 from pathlib import Path
@@ -37,6 +38,20 @@ from .vllm_server.client import GlooServerGeneration, server_generation_argument
 
 
 logger = logging.get_logger(__name__)
+
+
+CARRIED_ON_ROWS = ("topr_signal", "topr_unscored")
+"""What TOPR derives from the rewards, per row: R - c, and the mark of a skipped unscored batch (on every row or
+none). They ride on TRL's input rows from `_calculate_rewards`, the one hook that sees the gathered rewards, to
+`_generate_and_score_completions`, which builds the batch: TRL leaves no other seam between the two (it carries a
+rollout_func's extra fields on the rows the same way), and nothing is parked on the trainer between calls."""
+
+
+def without_vllm(args: TOPRConfig) -> TOPRConfig:
+    """A shallow copy of `args` with `use_vllm=False` (not validated again: the user's config already was)."""
+    unconnected = copy.copy(args)
+    unconnected.use_vllm = False
+    return unconnected
 
 
 class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, OfflineReplay, GRPOLossMirror,
@@ -80,13 +95,12 @@ class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, Offli
         self._dataset_baseline = self._baseline_of_dataset(args, kwargs.get("train_dataset"))
         self._sampler_processing = None  # how mu's sampling truncated, for TOPR's losses: set below
         gloo_server = self._generates_on_gloo_server(args)
-        if gloo_server:  # GRPOTrainer would connect by NCCL in its constructor: built below, with gloo, instead
-            args.use_vllm = False
-        try:
-            super().__init__(model, reward_funcs, args=args, **kwargs)
-        finally:
-            args.use_vllm = args.use_vllm or gloo_server
+        # GRPOTrainer's constructor connects to a vLLM server by NCCL, and TRL has no seam to connect another way: it
+        # is given a copy of the config that says "no vLLM", and the gloo client is connected below; the trainer then
+        # holds the user's own config, untouched.
+        super().__init__(model, reward_funcs, args=without_vllm(args) if gloo_server else args, **kwargs)
         if gloo_server:
+            self.args = args
             self._connect_gloo_server(args)
         self._prepare_replay()
         self.reward_funcs = [checked_reward_function(function, name)
@@ -217,8 +231,8 @@ class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, Offli
     # ------------------------------------------------------------------ rewards and the paper's signal
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """GRPO's rewards (gathered over processes), checked; what TOPR derives from them is computed here, where they
-        are, and travels with the batch's rows (GRPOTrainer builds the batch from them after this call, as it does with
-        a rollout_func's extra fields): each row's signal R - c, and the mark of a skipped unscored batch."""
+        are, and travels on the batch's rows (`CARRIED_ON_ROWS`): each row's signal R - c, and the mark of a skipped
+        unscored batch."""
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         infinite = torch.isinf(rewards_per_func)
         if topr_setting(self.args, "topr_check_finite") and infinite.any():
@@ -280,14 +294,13 @@ class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, Offli
         device = output["completion_ids"].device
         if replay and "behaviour_logps" not in inputs[0] and self._behaviour_model is not None:
             output["sampling_per_token_logps"] = self._behaviour_logps(output)
-        if "topr_signal" in inputs[0]:
-            output["topr_signal"] = torch.tensor([row.pop("topr_signal") for row in inputs], device=device)
+        for key in CARRIED_ON_ROWS:  # taken off every row: none goes on to TRL
+            values = [row.pop(key) for row in inputs if key in row]
+            if values:
+                output[key] = torch.tensor(values, device=device)
         if not replay and self.rollout_func is not None and output.get("sampling_per_token_logps") is not None \
                 and not self.use_vllm:  # the user's rollout_func returned `logprobs`: pi/mu reads them as mu's
             output["topr_rollout_logprobs"] = torch.ones(len(inputs), dtype=torch.bool, device=device)
-        unscored = [row.pop("topr_unscored", False) for row in inputs]  # from every row: none goes on to TRL
-        if any(unscored):
-            output["topr_unscored"] = torch.ones(len(inputs), dtype=torch.bool, device=device)
         return output
 
     # ------------------------------------------------------------------ the loss
