@@ -661,7 +661,8 @@ def test_every_topr_config_field_reaches_the_asynchronous_trainer_or_stops_it(tm
 
 def test_asynchronous_command_line_keeps_its_checks_and_refuses_what_would_be_dropped(tmp_path):
     from topr_trl.commands import arguments
-    from topr_trl.commands.cli import _asynchronous_config, main
+    from topr_trl.commands.cli import main
+    from topr_trl.commands.runs import _asynchronous_config
 
     argv = ["--asynchronous", "--output_dir", str(tmp_path / "run")]
     script_args, training_args, model_args = arguments.parse_command("train", argv)

@@ -7,14 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from topr_trl.commands.cli import generate as main_generate
-from topr_trl.commands.cli import iterate as main_iterate
-from topr_trl.commands.cli import main
+from topr_trl.commands.cli import main, run_command
 from topr_trl.offline import load_offline_dataset
 from topr_trl.tasks.arithmetic import arithmetic_reward
 from topr_trl.tasks.user_rewards import resolve_reward
 
 from .conftest import saved_model_accuracy
+
+
+def main_generate(argv: list[str]) -> dict:
+    return run_command("generate", argv)
+
+
+def main_iterate(argv: list[str]) -> list[dict]:
+    return run_command("iterate", argv)
 
 
 def test_train_command_runs_the_builtin_job(tmp_path):

@@ -254,7 +254,7 @@ def test_ctrl_c_in_training_is_never_lost_in_a_finaliser_and_a_second_one_interr
     """The first SIGINT only sets a flag (Python would raise it wherever the main thread is, and a KeyboardInterrupt
     raised in a finaliser is printed as "ignored" and lost: the run went on to its last step), read at the end of the
     step; Python's handler is back for a second one; leaving the block restores the handler it found."""
-    from topr_trl.commands.output_folders import InterruptAtStepEnd
+    from topr_trl.commands.interruption import InterruptAtStepEnd
 
     found = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as in a terminal
     try:
@@ -269,7 +269,7 @@ def test_ctrl_c_in_training_is_never_lost_in_a_finaliser_and_a_second_one_interr
 
 
 def _interrupt_twice(before) -> None:
-    from topr_trl.commands.output_folders import InterruptAtStepEnd
+    from topr_trl.commands.interruption import InterruptAtStepEnd
 
     interrupt = InterruptAtStepEnd()
     with interrupt:
@@ -299,14 +299,12 @@ def test_push_to_hub_without_the_hub_fails_before_training_in_one_line(user_fold
 
 
 def test_a_push_that_fails_after_training_says_where_the_model_is(user_folder, monkeypatch):
-    from topr_trl.commands import output_folders
     from topr_trl.trainer import TOPRTrainer
 
     def no_network(self, *args, **kwargs):
         raise ConnectionError("Failed to resolve 'huggingface.co'\nand 80 more lines")
 
-    monkeypatch.setattr(output_folders, "check_hub_push", lambda args: None)  # the Hub was there at the start
-    monkeypatch.setattr("topr_trl.commands.cli.check_hub_push", lambda args: None)
+    monkeypatch.setattr("topr_trl.commands.runs.check_hub_push", lambda args: None)  # the Hub was there at the start
     monkeypatch.setattr(TOPRTrainer, "init_hf_repo", lambda self, *a, **k: setattr(self, "push_in_progress", None))
     monkeypatch.setattr(TOPRTrainer, "_push_from_checkpoint", lambda self, *a, **k: None)
     monkeypatch.setattr(TOPRTrainer, "push_to_hub", no_network)

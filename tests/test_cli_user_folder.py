@@ -372,18 +372,19 @@ def test_a_folder_a_live_run_holds_says_so_before_anything_else(user_dir, tiny_m
 def test_the_printed_resume_command_is_the_one_the_user_ran(user_dir, monkeypatch):
     """scripts/train.sh's user gets the script back (`topr-trl` is not on their PATH); a console script that is not
     the one on the PATH is given by its path."""
-    from topr_trl.commands import output_folders
+    from topr_trl.commands.arguments import Invocation
+    from topr_trl.commands.interruption import interrupted_run
 
     (user_dir / "run" / "checkpoint-3").mkdir(parents=True)
     (user_dir / "run" / "checkpoint-3" / "trainer_state.json").write_text("{}")
-    monkeypatch.setenv(output_folders.LAUNCHER_ENV, "bash /opt/my\\ repo/scripts/train.sh")
-    stop = output_folders.interrupted_run("train", ["--max_steps", "9"], "run")
+    monkeypatch.setenv(cli.LAUNCHER_ENV, "bash /opt/my\\ repo/scripts/train.sh")
+    stop = interrupted_run("run", Invocation(launcher=tuple(cli.command_line("train")), arguments=("--max_steps", "9")))
     assert stop.code == 130
-    assert output_folders.command_line("train") == ["bash", "/opt/my repo/scripts/train.sh"]
-    monkeypatch.delenv(output_folders.LAUNCHER_ENV)
+    assert cli.command_line("train") == ["bash", "/opt/my repo/scripts/train.sh"]
+    monkeypatch.delenv(cli.LAUNCHER_ENV)
     monkeypatch.setattr(sys, "argv", [str(user_dir / "venv" / "bin" / "topr-trl")])
     monkeypatch.setenv("PATH", str(user_dir / "nowhere"))
-    assert output_folders.command_line("train") == ["venv/bin/topr-trl", "train"]
+    assert cli.command_line("train") == ["venv/bin/topr-trl", "train"]
 
 
 # ----------------------------------------------------------------------------------------- weighted rewards

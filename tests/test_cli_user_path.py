@@ -103,9 +103,9 @@ def test_a_finished_run_is_not_overwritten_unless_asked(user_dir, tiny_model_pat
 def generate_builtin(root: Path, prompts: int, folder: str) -> None:
     """`topr-trl generate` on the built-in task: `prompts` prompts x 4 completions into root/folder, its base model
     under root/base."""
-    cli.generate(["--task_train_prompts", str(prompts), "--num_generations", "4", "--warm_start_accuracy", "0",
-                  "--base_model_dir", str(root / "base"), "--backend", "transformers", "--output_dir",
-                  str(root / folder)])
+    cli.run_command("generate", ["--task_train_prompts", str(prompts), "--num_generations", "4",
+                                 "--warm_start_accuracy", "0", "--base_model_dir", str(root / "base"), "--backend",
+                                 "transformers", "--output_dir", str(root / folder)])
 
 
 @pytest.fixture(scope="module")

@@ -426,22 +426,24 @@ def test_offline_generate_train_and_iterate_on_the_real_model(real_model_path, t
 
     monkeypatch.chdir(tmp_path)
     data = tmp_path / "data"
-    summary = cli.generate(["--task", "word_problems", "--max_prompts", "4", "--num_generations", "4",
-                            "--max_completion_length", "16", "--top_k", "500", "--output_dir", str(data)])
+    summary = cli.run_command("generate", ["--task", "word_problems", "--max_prompts", "4", "--num_generations",
+                                           "4", "--max_completion_length", "16", "--top_k", "500", "--output_dir",
+                                           str(data)])
     assert summary["rows"] == 16
-    trained = cli.train(["--offline_dataset", str(data), "--model_name_or_path", SMOLLM2, "--learning_rate", "0",
-                         "--num_generations", "4",
-                         "--max_steps", "2", "--per_device_train_batch_size", "8", "--max_completion_length", "16",
-                         "--logging_steps", "1", "--report_to", "none", "--output_dir", str(tmp_path / "train")])
+    trained = cli.run_command("train", ["--offline_dataset", str(data), "--model_name_or_path", SMOLLM2,
+                                        "--learning_rate", "0", "--num_generations", "4",
+                                        "--max_steps", "2", "--per_device_train_batch_size", "8",
+                                        "--max_completion_length", "16", "--logging_steps", "1", "--report_to", "none",
+                                        "--output_dir", str(tmp_path / "train")])
     history = json.loads((tmp_path / "train" / "trainer_state.json").read_text())["log_history"]
     ratios = [entry[key] for entry in history for key in ("topr/ratio_positive/min", "topr/ratio_positive/max",
                                                           "topr/ratio_negative/min", "topr/ratio_negative/max")
               if entry.get(key) is not None]
     assert trained["steps"] == 2 and ratios and all(r == pytest.approx(1.0, abs=1e-4) for r in ratios), ratios
-    summaries = cli.iterate(["--task", "word_problems", "--iterations", "1", "--task_train_prompts", "2",
-                             "--task_eval_prompts", "4", "--num_generations", "4", "--max_completion_length", "16",
-                             "--per_device_train_batch_size", "8", "--report_to", "none",
-                             "--output_dir", str(tmp_path / "iterations")])
+    summaries = cli.run_command("iterate", ["--task", "word_problems", "--iterations", "1", "--task_train_prompts",
+                                            "2", "--task_eval_prompts", "4", "--num_generations", "4",
+                                            "--max_completion_length", "16", "--per_device_train_batch_size", "8",
+                                            "--report_to", "none", "--output_dir", str(tmp_path / "iterations")])
     assert len(summaries) == 1 and summaries[0].get("evaluation") and "pass@1" in summaries[0]["evaluation"]
 
 
@@ -480,8 +482,8 @@ def test_the_asynchronous_command_trains_the_real_model(real_model_path, tmp_pat
     trainer (TRL's AsyncGRPOTrainer), every sample is trained (TOPR drops none), the saved model reloads."""
     from topr_trl.commands import cli
 
-    cli.train([*REAL_RUN_FLAGS, "--asynchronous", "--async_lag", "1", "--async_pipeline_steps", "1",
-               "--output_dir", str(tmp_path / "run")])
+    cli.run_command("train", [*REAL_RUN_FLAGS, "--asynchronous", "--async_lag", "1", "--async_pipeline_steps", "1",
+                              "--output_dir", str(tmp_path / "run")])
     summary = trained_from(tmp_path / "run", steps=2)
     assert summary["asynchronous"]["dropped"] == 0
     counts = {int(k): v for k, v in summary["asynchronous"]["staleness_counts"].items()}

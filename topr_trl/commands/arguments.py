@@ -4,6 +4,11 @@ then flags as TRL reads them, and below both the defaults of the run: the built-
 (`topr_trl/commands/recipes/builtin-*.yaml`) on the built-in tiny model, TRL's own defaults (fitted to the hardware)
 otherwise.
 A wrong flag, YAML key or value fails in one line starting with `topr-trl:`.
+
+`parse_command` is the one parse of a command's arguments: it returns the command's dataclasses, which
+`topr_trl.commands.train`, `generate` and `iterate` take as they are (TRL's `main(script_args, training_args,
+model_args)` form). `parse_command_line` returns with them the `Invocation`, what only the command line knows (how the
+user ran the command, which fields they set), which the runs need for their messages.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ CLI_TRAINING_CHECKS = dict(topr_unscored_batch="error", topr_check_finite=True)
 # Every training run on the command line leaves its curves in TensorBoard's files under <output_dir>/runs (installed
 # with topr-trl, offline); GRPOConfig's own default, kept by the Python API, is "none".
 CLI_TRACKING = dict(report_to="tensorboard")
+# What a custom run's defaults set on a machine without a GPU, where GRPOConfig's bf16 cannot run.
+CPU_DEFAULTS = dict(use_cpu=True, bf16=False)
 _OUTPUT_PREFIX = {"train": "topr", "iterate": "topr-iterations", "generate": "data"}
 
 
@@ -223,6 +230,29 @@ class EvaluateArguments:
     no_progress: bool = field(default=False, metadata={"help": "No progress bar."})
 
 
+@dataclass(frozen=True)
+class Invocation:
+    """What only the command line knows about a run, decided when its arguments are parsed (`parse_command_line`):
+    how the user ran the command and which fields they set themselves. The runs word some messages with it (the
+    command that resumes an interrupted run, a flag against a key of the config file, the note that a run was moved
+    to the CPU); a run called from Python has none, and says those in Python's terms."""
+
+    launcher: tuple[str, ...]  # how the user runs the command, before its arguments: ("topr-trl", "train"), ...
+    arguments: tuple[str, ...] = ()  # the command's arguments as the user gave them
+    flags: frozenset[str] = frozenset()  # the fields given as flags (an alias or `--no_X` counts as its field)
+    config_keys: frozenset[str] = frozenset()  # the fields set in the `--config` file
+    hardware_defaults: frozenset[str] = frozenset()  # fields the run's defaults set because no GPU was found
+
+    def set_by_user(self, name: str) -> bool:
+        """Whether the user set the field `name` (a flag or a key of the config file), not the run's defaults."""
+        return name in self.flags or name in self.config_keys
+
+    def moved_to_the_cpu(self) -> bool:
+        """Whether the run's defaults, not the user, put it on the CPU in fp32 (`CPU_DEFAULTS`)."""
+        return "use_cpu" in self.hardware_defaults and not self.set_by_user("use_cpu") \
+            and not self.set_by_user("bf16")
+
+
 # ---------------------------------------------------------------------------------------------- the parser
 class CommandParser(TrlParser):
     """TRL's parser, failing in one line (argparse would print the usage over hundreds of lines), taking negative
@@ -321,8 +351,18 @@ def build_parser() -> tuple[CommandParser, dict[str, CommandParser]]:
 
 
 def parse_command(command: str, argv: list[str]) -> tuple:
-    """The dataclasses of `command` from `argv`: the run's defaults (`run_defaults`), then `--config`, then the
-    flags. `--help` shows the main flags, `--help-all` every one."""
+    """The dataclasses of `command` from `argv` (its arguments, without the command's name): the run's defaults
+    (`run_defaults`), then `--config`, then the flags. `--help` shows the main flags, `--help-all` every one.
+
+        script_args, training_args, model_args = parse_command("train", ["--task", "reasoning", "--max_steps", "5"])
+        train(script_args, training_args, model_args)
+    """
+    return parse_command_line(command, argv)[0]
+
+
+def parse_command_line(command: str, argv: list[str], launcher: list[str] | None = None) -> tuple[tuple, Invocation]:
+    """`parse_command`'s dataclasses, and the `Invocation`: `launcher` (how the user runs `command`, before its
+    arguments; default `topr-trl COMMAND`), `argv` as given, and which fields the flags and the config file set."""
     subparser = build_parser()[1][command]
     if "--help-all" in argv:
         subparser.print_help()
@@ -331,8 +371,10 @@ def parse_command(command: str, argv: list[str]) -> tuple:
         print(short_help(command))
         raise SystemExit(0)
     given = list(argv)
+    hardware: dict = {}
     if command != "evaluate":
         choice = chosen_run(argv)
+        hardware = hardware_defaults(command, choice)
         # a recipe key that is not a field of this command (generate has no learning rate) does not apply to it
         subparser.set_defaults_with_config(**run_defaults(command, choice))
         argv = argv + cpu_validation_flags(command, choice)
@@ -350,7 +392,18 @@ def parse_command(command: str, argv: list[str]) -> tuple:
         raise ValueError(_in_flags(str(error), subparser, given)) from error  # `--debug` shows where
     _refuse_unknown(subparser, from_config, from_flags)
     _refuse_settings_without_effect(parsed)
-    return tuple(parsed)
+    invocation = Invocation(
+        launcher=tuple(launcher or ("topr-trl", command)), arguments=tuple(given),
+        flags=_fields_given(subparser, given), config_keys=frozenset(subparser.config_keys),
+        hardware_defaults=frozenset(hardware))
+    return tuple(parsed), invocation
+
+
+def _fields_given(parser: CommandParser, argv: list[str]) -> frozenset[str]:
+    """The fields `argv` sets as flags, each by its field's name (`--model` is `model_name_or_path`)."""
+    actions = parser._option_string_actions
+    return frozenset(actions[argument.split("=", 1)[0]].dest for argument in argv
+                     if argument.startswith("-") and argument.split("=", 1)[0] in actions)
 
 
 _LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
@@ -461,11 +514,8 @@ def run_defaults(command: str, choice: _RunChoice) -> dict:
             defaults.update(settings)
             if command == "iterate":
                 defaults["max_steps"] = -1  # one pass over each iteration's data
-    elif command != "generate" and not gpu_available():
-        # GRPOConfig asks for bf16 on the GPU, which TrainingArguments refuses on a machine without one
-        defaults = {"use_cpu": True, "bf16": False}
     else:
-        defaults = {}
+        defaults = hardware_defaults(command, choice)
     if command != "generate":
         # the asynchronous trainer has no unscored-batch rule (its rewards arrive sample by sample): a run of it
         # keeps TOPRConfig's default there, which it does not read, rather than a setting it would refuse
@@ -474,6 +524,15 @@ def run_defaults(command: str, choice: _RunChoice) -> dict:
         defaults.update(CLI_TRACKING)
     defaults["output_dir"] = default_output_dir(command, choice)
     return defaults
+
+
+def hardware_defaults(command: str, choice: _RunChoice) -> dict:
+    """What a custom training run's defaults set for this machine: `CPU_DEFAULTS` without a GPU (GRPOConfig asks for
+    bf16 on the GPU, which TrainingArguments refuses on a machine without one), nothing otherwise. A built-in run's
+    recipe is meant for the CPU already."""
+    if is_builtin_run(choice) or command == "generate" or gpu_available():
+        return {}
+    return dict(CPU_DEFAULTS)
 
 
 def cpu_validation_flags(command: str, choice: _RunChoice) -> list[str]:
@@ -551,17 +610,3 @@ def short_help(command: str) -> str:
     lines += ["", "--help-all lists every option (all of GRPOConfig, TrainingArguments and ModelConfig). --debug "
                   "shows the traceback of an error."]
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------- dry-run checks
-def check_reward_weights(reward_funcs: list, reward_weights: list[float] | None, argv: list[str]) -> None:
-    """One weight per reward function, which GRPOTrainer checks only when it is built: a dry run checks it too, in
-    the user's words (`argv`: the command's flags)."""
-    if reward_weights is None or len(reward_weights) == len(reward_funcs):
-        return
-    names = ", ".join(getattr(function, "__name__", "reward") for function in reward_funcs)
-    flags = {argument.split("=", 1)[0] for argument in argv}
-    given = "--reward_weights" if "--reward_weights" in flags else "reward_weights (set in the config file)"
-    raise SystemExit(f"topr-trl: {given} gives {len(reward_weights)} weight(s) for {len(reward_funcs)} reward "
-                     f"function(s) ({names}): give one weight per reward function, in the order of reward_funcs, "
-                     "or no weights (all 1)")

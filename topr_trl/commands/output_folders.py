@@ -1,40 +1,25 @@
-"""What a command-line run does with its output folder and what it reports: an output folder holding a run is not
-trained into by accident, a failed run leaves no empty folder, a resumed run finds its last checkpoint, and the
-summary carries the last logged value of each headline metric. Two runs never write into one folder at once: the
-one that comes second is refused (`output_dir_lock`)."""
+"""A run's output folder: a folder holding a run is not trained into by accident, one that is unusable (a file, a
+folder a live run holds) is refused in one line, a failed run leaves no empty folder, a resumed run finds its last
+checkpoint, and two runs never write into one folder at once: the one that comes second is refused
+(`output_dir_lock`). `shown_path` names a folder as the user can open it."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import logging
 import os
-import shlex
 import shutil
-import signal
 import socket
-import sys
-import threading
 import time
 from pathlib import Path
 
 from accelerate import PartialState
-from huggingface_hub import get_token
-from transformers import TrainerCallback
-from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
 
-from ..distributed import gpu_available, last_checkpoint
-from ..sources import hub_unreachable_reason
-from ..vllm_server import BACKEND
-from ..vllm_server.client import server_url, server_weight_backend
+from ..distributed import last_checkpoint
 
 
 LOCK_FILE = ".topr-trl.lock"
 """The file in an output folder that a run holds an exclusive lock on while it writes there; not a file of the run."""
-
-# The last logged value of each, for the summary of a run (p~ only under topr_signal="reward").
-SUMMARY_METRICS = ("loss", "reward", "reward_std", "topr/effective_positive_proportion", "topr/positive_fraction",
-                   "topr/negative_truncated_fraction", "eval_reward")
 
 
 def refuse_unusable_output_dir(output_dir: str) -> None:
@@ -157,17 +142,6 @@ def output_dir_lock(output_dir: str):
         handle.close()
 
 
-def last_logged(log_history: list[dict], keys) -> dict:
-    """The last value logged under each of `keys` (those never logged are left out)."""
-    found = {}
-    for entry in log_history:
-        for key in keys:
-            value = entry.get(key)
-            if isinstance(value, (int, float)) and value == value:  # NaN is "not measured"
-                found[key] = float(value)
-    return found
-
-
 def shown_path(path: str) -> str:
     """`path` as the user can open it from where they ran the command: relative when it lies below the current
     folder, absolute otherwise."""
@@ -176,180 +150,3 @@ def shown_path(path: str) -> str:
         return str(resolved.relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(resolved)
-
-
-# ---------------------------------------------------------------------------------------------- what a run reaches
-# What to `pip install` for a `--report_to` tracker whose package is not named as the tracker is.
-_TRACKER_PACKAGES = {"comet_ml": "comet-ml", "azure_ml": "azureml-core", "flyte": "flytekit"}
-
-
-def check_trackers(report_to) -> None:
-    """Fail in one line on a `--report_to` tracker that is unknown or not installed (transformers would raise a
-    traceback when the trainer is built, after the model has loaded): checked at configuration, dry runs included.
-    Which trackers exist and which are installed is transformers' own answer."""
-    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
-    for name in names:
-        if name in ("none", "all"):
-            continue
-        if name not in INTEGRATION_TO_CALLBACK:
-            raise SystemExit(f"topr-trl: --report_to {name}: unknown tracker; choose among none, "
-                             f"{', '.join(INTEGRATION_TO_CALLBACK)}")
-        if name not in get_available_reporting_integrations():
-            package = _TRACKER_PACKAGES.get(name, name)
-            raise SystemExit(f"topr-trl: --report_to {name} needs the `{package}` package, which is not installed: "
-                             f"pip install {package} (or choose --report_to tensorboard, installed with topr-trl, or "
-                             "none)")
-
-
-def check_vllm_server_mode(training_args) -> None:
-    """`--use_vllm true --vllm_mode server` fails before anything loads, in one line, when the server cannot follow the
-    policy: unreachable, or without a weight path this machine can drive. TRL pushes weights into a server by NCCL
-    (CUDA only); `topr-trl vllm-serve` runs a gloo path too, the default without a GPU."""
-    if not (training_args.use_vllm and training_args.vllm_mode == "server"):
-        return
-
-    url = server_url(training_args)
-    backend = server_weight_backend(url, training_args.vllm_server_timeout)
-    if backend == BACKEND or (backend == "nccl" and gpu_available()):
-        return
-    if backend == "nccl":
-        raise SystemExit(f"topr-trl: the vLLM server at {url} takes weights by NCCL, which needs a GPU here too: "
-                         "restart it with `topr-trl vllm-serve --model MODEL` (its gloo weight path, the default "
-                         "without a GPU)")
-    raise SystemExit(f"topr-trl: the vLLM server at {url} has no weight path the trainer can use "
-                     f"({backend or 'none'}): start it with `topr-trl vllm-serve --model MODEL`")
-
-
-def check_hub_push(training_args) -> None:
-    """`--push_to_hub` fails before training, in one line, when it cannot succeed: the Hub out of reach or no token
-    (otherwise TRL's trainer dies on a connection traceback when it creates the repository, or the push after hours of
-    training fails)."""
-    if not training_args.push_to_hub:
-        return
-
-    reason = hub_unreachable_reason()
-    if reason is not None:
-        raise SystemExit(f"topr-trl: --push_to_hub needs the Hugging Face Hub, which cannot be reached ({reason}); "
-                         "train without it and push the saved folder later with `hf upload REPO_ID OUTPUT_DIR`")
-    if get_token() is None:
-        raise SystemExit("topr-trl: --push_to_hub needs a Hugging Face token: run `hf auth login` or set HF_TOKEN "
-                         "(or train without --push_to_hub and push the saved folder later)")
-
-
-@contextlib.contextmanager
-def push_failure_reported(output_dir: str, pushing: bool):
-    """Around what pushes a saved run (TrainingArguments' save_model pushes too, under --push_to_hub): a failure of
-    the push (the network gone since the start) says, in one line, that the model is on disk, where, and how to push
-    it later; nothing trained is lost."""
-    try:
-        yield
-    except Exception as error:  # noqa: BLE001 - any failure of the push leaves the same advice
-        saved = any((Path(output_dir) / name).exists() for name in ("config.json", "adapter_config.json"))
-        if not pushing or not saved:
-            raise
-        first_line = (str(error).strip().splitlines() or [""])[0]
-        raise SystemExit(f"topr-trl: the model is saved in {shown_path(output_dir)}, but pushing it to the Hub failed "
-                         f"({type(error).__name__}: {first_line}); push it later with `hf upload REPO_ID "
-                         f"{shown_path(output_dir)}`") from None
-
-
-class LogLastStep(TrainerCallback):
-    """Logs the last step whatever `logging_steps` is, so that a run shorter than the logging interval (or one that
-    ends between two logs) still reports its last loss, reward and TOPR's metrics."""
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.max_steps and state.global_step >= state.max_steps:
-            control.should_log = True
-        return control
-
-
-class InterruptAtStepEnd(TrainerCallback):
-    """Ctrl-C during training stops the run at the end of the current optimizer step, as a KeyboardInterrupt raised
-    there. Python raises KeyboardInterrupt wherever the main thread happens to be, and where that is a finaliser (a
-    `__del__`, a weakref callback: TensorBoard's writer, a released tensor) the exception is printed as "ignored" and
-    lost, and the run goes on to its last step. Here the signal only sets a flag, read at the step's end; a second
-    Ctrl-C interrupts at once (Python's own handler is back after the first). Use as a context manager around
-    `trainer.train()`, with the callback added to the trainer."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = None
-
-    def _request(self, signum, frame):
-        self.requested = True
-        signal.signal(signal.SIGINT, self._previous)
-
-    def __enter__(self):
-        # a process started with SIGINT ignored (a background job of a script) keeps ignoring it
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
-            self._previous = signal.signal(signal.SIGINT, self._request)
-        return self
-
-    def __exit__(self, *exc):
-        if self._previous is not None and signal.getsignal(signal.SIGINT) == self._request:
-            signal.signal(signal.SIGINT, self._previous)
-        return False
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.requested:
-            raise KeyboardInterrupt
-        return control
-
-
-def interrupted(what: str) -> SystemExit:
-    """Ctrl-C's one line, `topr-trl: interrupted; <what>` (what was kept and how to go on), and exit status 130 as a
-    shell gives an interrupted program. It starts on a line of its own: the progress bar it interrupts has none."""
-    print(f"\ntopr-trl: interrupted; {what}", file=sys.stderr, flush=True)  # noqa: T201 - the command's own output
-    return SystemExit(130)
-
-
-def interrupted_run(command: str, argv: list[str], output_dir: str) -> SystemExit:
-    """`interrupted` for a training run: where the last checkpoint is and the command that resumes it, or that none
-    was saved."""
-    checkpoint = last_checkpoint(output_dir)
-    if checkpoint is None:
-        return interrupted(f"no checkpoint was saved yet in {shown_path(output_dir)} (see --save_steps), so a rerun "
-                           "of the same command starts again")
-    kept, skip_value = [], False
-    for argument in argv:  # the earlier --resume_from_checkpoint (and its value) gives way to `true`
-        if skip_value and not argument.startswith("-"):
-            skip_value = False
-            continue
-        skip_value = argument == "--resume_from_checkpoint"
-        if not skip_value and not argument.startswith("--resume_from_checkpoint="):
-            kept.append(argument)
-    return interrupted(f"the last checkpoint is {shown_path(checkpoint)}; resume with: "
-                       f"{shlex.join([*command_line(command), *kept, '--resume_from_checkpoint', 'true'])}")
-
-
-LAUNCHER_ENV = "TOPR_TRL_LAUNCHER"  # set by scripts/train.sh: the command its user typed, before the arguments
-
-
-def command_line(command: str) -> list[str]:
-    """How the user who ran `command` runs it again, as they can paste it: `bash <repo>/scripts/train.sh` for that
-    script's user (`LAUNCHER_ENV`), the console script by its path where `topr-trl` on the PATH is not it (or there
-    is none), else `topr-trl`."""
-    launcher = os.environ.get(LAUNCHER_ENV)
-    if launcher and command == "train":
-        return shlex.split(launcher)
-    script = Path(sys.argv[0])
-    on_path = shutil.which("topr-trl")
-    if script.name == "topr-trl" and (on_path is None or Path(on_path).resolve() != script.resolve()):
-        return [shown_path(str(script)), command]
-    return ["topr-trl", command]
-
-
-class _UnmeasuredMetricFilter(logging.Filter):
-    """TRL logs a metric that no sample measured at a step (TOPR's ratios of a batch without negatives, a reward no
-    completion could be given) as None; TensorBoard's callback then warns once per such key at every log, which says
-    nothing a user can act on and buries the run's own lines. Only those warnings are dropped."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "of type <class 'NoneType'>" not in record.getMessage()
-
-
-def quiet_unmeasured_metrics() -> None:
-    """Drop those warnings (once per process: a second call adds nothing)."""
-    integrations = logging.getLogger("transformers.integrations.integration_utils")
-    if not any(isinstance(existing, _UnmeasuredMetricFilter) for existing in integrations.filters):
-        integrations.addFilter(_UnmeasuredMetricFilter())
