@@ -133,6 +133,21 @@ def async_speed_table() -> str:
     return "\n".join(lines)
 
 
+def rule_speed_table() -> str:
+    """The rule alone, floors against the whole-row sort, on the real model's logits (`experiments.rule_speed`)."""
+    data = evidence("benchmarks/rule-floors-vs-whole-sort")
+    rows = []
+    for row in data["results"]:
+        processing = row["processing"]
+        setting = next(f"{name} {processing[name]}" for name in ("top_p", "top_k", "min_p") if processing.get(name))
+        rows.append([setting, f"{row['median_s']['baseline']:.2f}", f"{row['median_s']['this']:.2f}",
+                     f"**{row['this_over_baseline']:.2f}**", f"{row['max_abs_difference']:.0e}"])
+    return markdown_table(["μ samples with", "whole-row sort s", "floors s", "floors / whole-row sort",
+                           "largest log-prob difference"], rows) + (
+        f"\n\n{data['rows']} rows of {data['vocabulary']:,} logits, {data['repeats']} calls each, interleaved; "
+        f"{data['threads']} thread, {data['machine']['cpu']}.")
+
+
 TABLES = {"candidates": candidates_table, "whole-vocabulary": whole_vocabulary_table, "readme-run": readme_run_table,
           "loss-speed": loss_speed_table, "generation-speed": generation_speed_table,
-          "support-cost": support_cost_table, "async-speed": async_speed_table}
+          "support-cost": support_cost_table, "async-speed": async_speed_table, "rule-speed": rule_speed_table}
