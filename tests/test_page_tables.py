@@ -90,3 +90,10 @@ def test_section_reads_up_to_the_next_heading_of_its_level():
     assert section(text, "Inner") == "inner"
     with pytest.raises(KeyError):
         section(text, "Three")
+
+
+def test_a_comment_in_a_code_block_is_not_a_heading():
+    text = "## One\nbefore\n```bash\n# a shell comment\nrun\n```\nafter\n## Two\nsecond"
+    assert section(text, "One") == "before\n```bash\n# a shell comment\nrun\n```\nafter"
+    with pytest.raises(KeyError):
+        section(text, "a shell comment")

@@ -96,12 +96,20 @@ def section(text: str, heading: str) -> str:
     """The part of a markdown page under `heading` (its text after `#`s), up to the next heading of its level or
     above."""
     lines = text.splitlines()
+    # A "# comment" line in a fenced code block is not a heading.
+    fenced, in_fence = [], False
+    for line in lines:
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
+        fenced.append(in_fence)
+
+    def level(index: int) -> int:
+        mark = lines[index].partition(" ")[0]
+        return len(mark) if mark and set(mark) == {"#"} and not fenced[index] else 0
+
     for index, line in enumerate(lines):
-        hashes, _, title = line.partition(" ")
-        if hashes and set(hashes) == {"#"} and title.strip() == heading:
-            end = next((later for later in range(index + 1, len(lines))
-                        if (mark := lines[later].partition(" ")[0]) and set(mark) == {"#"} and len(mark) <= len(hashes)),
-                       len(lines))
+        if level(index) and line.partition(" ")[2].strip() == heading:
+            end = next((later for later in range(index + 1, len(lines)) if 0 < level(later) <= level(index)), len(lines))
             return "\n".join(lines[index + 1:end])
     raise KeyError(f"no heading {heading!r}")
 

@@ -129,6 +129,42 @@ def gpu_interleaved() -> str:
                           interleaved_rows("gpu-h100-05b-inter", 3, GPU_LABELS))
 
 
+GPU_SUPPORT_RUNS = {"gpu-h200-05b-support-loss": "the cascade before the rule (archive)",
+                    "gpu-h200-05b-floors-support-loss-scale1": "the rule with floors",
+                    "gpu-h200-05b-floors-support-loss-scale4": "the rule with floors",
+                    "gpu-h200-05b-floors-support-loss-scale8": "the rule with floors"}
+"""The H200 runs of pi on mu's support at the Qwen2.5-0.5B shape (`experiments/gpu_support.sh`), oldest first."""
+
+
+def gpu_support() -> str:
+    """Loss + backward with mu's top-k / top-p support against TOPR untruncated on one H200, per logit scale (1: random
+    weights' flat rows; 8: peaked rows); the archived run predates both the rule and the floors."""
+    rows = []
+    for name, design in GPU_SUPPORT_RUNS.items():
+        data = benchmark(name)
+        result, options = data["loss_only"], data["options"]
+        medians = result["median_loss_backward_s"]
+        commit = result.get("library", {}).get("commit", "-")
+        for setting, truncation in (("topr-online-top-k", f"top_k {options.get('top_k', 50)}"),
+                                    ("topr-online-top-p", f"top_p {options.get('top_p', 0.95)}")):
+            memory = result["peak_added_memory_mib"]
+            rows.append([design, f"`{commit}`" if commit != "-" else "-", f"{options.get('logit_scale', 1.0):g}",
+                         truncation, f"{medians[setting] * 1000:.0f} / {medians['topr-online'] * 1000:.0f}",
+                         f"**{medians[setting] / medians['topr-online']:.2f}**",
+                         f"{memory[setting] / memory['topr-online']:.3f}"])
+    return markdown_table(["design", "commit", "logit scale", "μ samples with", "loss + backward ms (truncated / TOPR)",
+                           "time / TOPR untruncated", "memory / TOPR"], rows)
+
+
+def gpu_support_rule() -> str:
+    """The rule alone per 1,000 tokens at Qwen2.5's vocabulary on the H200 (`experiments.benchmark --support_only`)."""
+    data = benchmark("gpu-h200-05b-floors-support-rule")["support_only"]
+    rows = [[case, f"{timing['ms_per_1k_tokens']['rule']:.1f}", f"{timing['ms_per_1k_tokens']['whole vocabulary']:.1f}"]
+            for case, timing in data["timings"].items()]
+    return markdown_table(["rows, μ samples with", "the rule ms / 1k tokens",
+                           f"log-softmax over all {data['vocabulary']:,} tokens ms / 1k tokens"], rows)
+
+
 def short_exponent(value: float, digits: int = 1) -> str:
     """A small number as the pages write it: 3e-8, 1.3e-5 (`digits` significant digits)."""
     mantissa, exponent = f"{value:.{digits - 1}e}".split("e")
@@ -256,6 +292,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "gpu-loss": gpu_loss,
     "gpu-processes": gpu_processes,
     "gpu-interleaved": gpu_interleaved,
+    "gpu-support": gpu_support,
+    "gpu-support-rule": gpu_support_rule,
     "vllm-mismatch": vllm_mismatch,
     "vllm-server-sync": vllm_server_sync,
     "vllm-throughput": vllm_throughput,

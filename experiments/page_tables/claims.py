@@ -521,4 +521,24 @@ REGIME = section_claims(
 )
 
 
-CLAIMS: list[Claim] = README + RESULTS_EXPECT + SIDE_BY_SIDE + REGIME
+def gpu_support_ratios(scale: int) -> tuple[str, str]:
+    """Top-k's and top-p's loss + backward against TOPR untruncated on the H200 at one logit scale."""
+    ratios = benchmark(f"gpu-h200-05b-floors-support-loss-scale{scale}")["loss_only"]["ratios"]
+    return (f"{ratios['topr-online-top-k / topr-online']:.2f}x", f"{ratios['topr-online-top-p / topr-online']:.2f}x")
+
+
+def archived_gpu_support_ratios() -> tuple[str, str]:
+    ratios = benchmark("gpu-h200-05b-support-loss")["loss_only"]["ratios"]
+    return (f"{ratios['topr-online-top-k / topr-online']:.2f}x", f"{ratios['topr-online-top-p / topr-online']:.2f}x")
+
+
+GPU_SUPPORT = section_claims(
+    "docs/benchmarks.md", "π on μ's support: what the exact ratio costs",
+    ("on flat rows (random weights, scale 1) the rule costs {} (top-k) and {} (top-p) of TOPR untruncated, against {} "
+     "and {} for the design it replaced", lambda: gpu_support_ratios(1) + archived_gpu_support_ratios()),
+    ("(scale 4) {} and {}; on peaked rows (scale 8) level with TOPR ({} and {}:",
+     lambda: gpu_support_ratios(4) + gpu_support_ratios(8)),
+)
+
+
+CLAIMS: list[Claim] = README + RESULTS_EXPECT + SIDE_BY_SIDE + REGIME + GPU_SUPPORT
