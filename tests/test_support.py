@@ -23,13 +23,27 @@ from topr_trl.support import (
     captured_outputs,
     completion_processed_log_probs,
     fused_head_parts,
-    head_logits,
     processed_log_probs,
-    sampler_support,
 )
-from topr_trl.support.rule import descending_logits, scaled_logits
+from topr_trl.support.rule import descending_logits, scaled_logits, support_length
+from topr_trl.support.scoring import head_projection
 
 from .conftest import float32_tolerance, logged_values, parity_reward, small_config_kwargs
+
+
+def sampler_support(logits: torch.Tensor, processing: SamplerProcessing) -> torch.Tensor:
+    """The tokens the rule keeps, (N, V) bool: the first `support_length` of each row in the order of one sort (where
+    the cut falls among tied logits, which of them are kept is that sort's order, as in the engines)."""
+    scaled = scaled_logits(logits, processing.temperature)
+    descending, order = scaled.sort(dim=-1, descending=True)
+    kept = torch.arange(scaled.size(-1)) < support_length(descending, processing).unsqueeze(-1)
+    return torch.zeros_like(kept).scatter(-1, order, kept)
+
+
+def head_logits(owner: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The policy's logits as the trainer's scoring projects them (`head_projection`), in float32."""
+    with head_projection(owner) as project:
+        return project(hidden).float()
 
 
 WARPERS = {"top_k": lambda s: TopKLogitsWarper(s.top_k), "top_p": lambda s: TopPLogitsWarper(s.top_p),

@@ -7,17 +7,16 @@ pi/mu was ~1e-20 at learning rate 0; TRL issue #6789). `processing` says how mu 
 row of logits, `scoring` runs it in the trainer's forward."""
 
 from .processing import SUPPORT_FILTERS, SamplerProcessing, history_dependent_sampling
-from .rule import processed_log_probs, sampler_support
+from .rule import processed_log_probs
 from .scoring import (
     captured_outputs,
     chunked_processed_log_probs,
     completion_processed_log_probs,
     fused_head_parts,
-    head_logits,
     on_mus_support,
 )
 
 
 __all__ = ["SUPPORT_FILTERS", "SamplerProcessing", "captured_outputs", "chunked_processed_log_probs",
-           "completion_processed_log_probs", "fused_head_parts", "head_logits", "history_dependent_sampling",
-           "on_mus_support", "processed_log_probs", "sampler_support"]
+           "completion_processed_log_probs", "fused_head_parts", "history_dependent_sampling", "on_mus_support",
+           "processed_log_probs"]

@@ -12,12 +12,10 @@ The sampled token always counts (`with_the_sampled_token`): mu gave it weight, b
 filters may drop it, and pi_S(y) = 0 would give the weight 0 and no gradient. Tied with the smallest kept logit it
 is one of the ties the cut kept (which of them is a sort's order), as the sampler kept it.
 
-The sort is the rule, but the support never reaches far down a row, so no row is sorted whole where it need not be:
-under top-k it holds at most the k largest logits and their ties, which `torch.topk` gives directly; under top-p a
-token of probability at most (1 - p) / (2V) lies below the cut (all such tokens together hold at most (1 - p) / 2, so
-the engines' ascending sum is still at most (1 - p) / 2 when it passes them, far from 1 - p), and under min-p a token
-below min_p times the largest. Only the logits above those floors are sorted; what lies below them enters top-p's
-sum as one term, their logsumexp (`descending_logits`). No gradient: the ratio's value only.
+The support never reaches far down a row, so only its top is sorted: top-k's k largest and their ties (`torch.topk`);
+for top-p the tokens above probability (1 - p) / (2V) (those below hold at most (1 - p) / 2 together, so the engines'
+ascending sum passes them far from 1 - p) and for min-p those above min_p times the largest. What lies below enters
+top-p's sum as one term, its logsumexp (`descending_logits`). No gradient: the ratio's value only.
 """
 
 from __future__ import annotations
@@ -123,12 +121,3 @@ def processed_log_probs(logits: torch.Tensor, tokens: torch.Tensor, processing: 
         smallest_kept = descending.gather(-1, (length - 1).unsqueeze(-1)).squeeze(-1)
         return chosen - with_the_sampled_token(normaliser, chosen, smallest_kept)
 
-
-def sampler_support(logits: torch.Tensor, processing: SamplerProcessing) -> torch.Tensor:
-    """The tokens the sampler keeps, (N, V) bool: the first `support_length` of each row in the order of one sort
-    (where the cut falls among tied logits, which of them are kept is that sort's order, as in the engines)."""
-    scaled = scaled_logits(logits, processing.temperature)
-    descending, order = scaled.sort(dim=-1, descending=True)
-    length = support_length(descending, processing)
-    kept = torch.arange(scaled.size(-1), device=scaled.device) < length.unsqueeze(-1)
-    return torch.zeros_like(kept).scatter(-1, order, kept)

@@ -26,11 +26,9 @@ class CapturedBackbone(NamedTuple):
     autocast_dtypes: list[torch.dtype | None]
 
     def head_dtype(self, cast_lm_head_to_fp32: bool = False) -> torch.dtype:
-        """MIRROR of the dtype TRL 1.16's chunked log-prob kernel computes the head's logits in
-        (`trl/kernels/chunked_logprob.py`, `compute_dtype`; `add_fused_lm_head` disables autocast and casts to
-        float32 under `cast_lm_head_to_fp32`): the autocast dtype where autocast was on, else the hidden states'.
-        Scoring pi's support in another dtype than TRL's log-probs would put the two roundings into pi/mu (a bf16
-        logit of 10 is rounded by up to 0.03). tests/test_support.py holds it to TRL's kernel."""
+        """MIRROR of the dtype of TRL 1.16's head logits (`trl/kernels/chunked_logprob.py`, `compute_dtype`;
+        float32 under `cast_lm_head_to_fp32`): autocast's where on, else the hidden states'. Another dtype would put
+        two roundings into pi/mu (a bf16 logit of 10 rounds by up to 0.03). tests/test_support.py holds it to TRL's."""
         if cast_lm_head_to_fp32:
             return torch.float32
         return self.autocast_dtypes[0] or self.hidden[0].dtype
@@ -75,11 +73,8 @@ def head_transform(owner: torch.nn.Module) -> Callable[[torch.Tensor], torch.Ten
     `logits_scaling`), then final soft-capping; the product as it is where neither applies. Elementwise and
     increasing, so the largest logits of a row are the largest products."""
     config = owner.config.get_text_config()
-    scale = getattr(config, "logit_scale", None)
-    if scale is None:
-        scale = getattr(config, "output_multiplier", None)
-    if scale is None:
-        scale = getattr(config, "lm_head_multiplier", None)
+    scale = next((getattr(config, name) for name in ("logit_scale", "output_multiplier", "lm_head_multiplier")
+                  if getattr(config, name, None) is not None), None)
     if scale is None and getattr(config, "logits_scaling", None) is not None:
         scale = config.logits_scaling if config.model_type == "hyperclovax" else 1 / config.logits_scaling
     softcap = getattr(config, "final_logit_softcapping", None)
@@ -119,12 +114,6 @@ def head_projection(owner: torch.nn.Module, dtype: torch.dtype | None = None) ->
             return transform(product)
 
         yield project
-
-
-def head_logits(owner: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`head_projection` of one block of hidden states, in float32."""
-    with head_projection(owner, dtype) as project:
-        return project(hidden).float()
 
 
 CORRECTION_CHUNK_ELEMENTS = 2**25
