@@ -25,7 +25,7 @@ from topr_trl.support import (
     fused_head_parts,
     processed_log_probs,
 )
-from topr_trl.support.rule import descending_logits, scaled_logits, support_length
+from topr_trl.support.rule import descending_groups, scaled_logits, support_length
 from topr_trl.support.scoring import head_projection
 
 from .conftest import float32_tolerance, logged_values, parity_reward, small_config_kwargs
@@ -556,12 +556,34 @@ def test_the_rule_sorts_only_above_the_floors_and_is_still_the_reference(shape, 
                         SamplerProcessing(temperature=1.3, top_p=0.9, min_p=0.02, engine="vllm")]
     rows = logits.float().double().tolist()
     for processing in processings:
-        window, _ = descending_logits(scaled_logits(logits, processing.temperature), processing)
-        assert (window.size(-1) < 4096 // 10) == (shape is not tail_above_the_floor_rows), processing
+        groups = descending_groups(scaled_logits(logits, processing.temperature), processing)
+        widest = max(group.descending.size(-1) for group in groups)
+        assert (widest < 4096 // 10) == (shape is not tail_above_the_floor_rows), processing
         got = processed_log_probs(logits, tokens, processing)
         expected = torch.tensor([reference_log_prob(row, int(token), processing)
                                  for row, token in zip(rows, tokens.tolist(), strict=True)], dtype=torch.float64)
         assert torch.allclose(got.double(), expected, rtol=1e-6, atol=1e-5), (processing, got, expected)
+
+
+def test_one_flat_row_does_not_make_a_block_sort_whole():
+    """A block of rows shaped like a trained model's with one flat row among them (as a real batch has: one
+    high-entropy step among confident ones): only the flat row is sorted whole, the others only above their floors
+    (grouped by width, each group as wide as its widest row), and every log-prob is the reference's (tolerance as
+    above). Deciding the width for the block at once sorted all 24 rows whole, at 4x the cost on SmolLM2's rows."""
+    generator = torch.Generator().manual_seed(11)
+    logits = trained_rows(24, 4096, generator)
+    logits[7] = torch.randn(4096, generator=generator) * 0.3  # flat: most of it above top-p's floor
+    tokens = logits.argsort(-1, descending=True)[:, 1]
+    processing = SamplerProcessing(top_p=0.95)
+    groups = descending_groups(scaled_logits(logits, 1.0), processing)
+    assert sorted(torch.cat([group.rows for group in groups]).tolist()) == list(range(24))
+    whole = [group for group in groups if group.descending.size(-1) == 4096]
+    assert len(whole) == 1 and whole[0].rows.tolist() == [7] and whole[0].tail is None
+    assert max(group.descending.size(-1) for group in groups if group is not whole[0]) < 4096 // 10
+    expected = torch.tensor([reference_log_prob(row, int(token), processing)
+                             for row, token in zip(logits.double().tolist(), tokens.tolist(), strict=True)],
+                            dtype=torch.float64)
+    assert torch.allclose(processed_log_probs(logits, tokens, processing).double(), expected, rtol=1e-6, atol=1e-5)
 
 
 def test_only_the_sequences_whose_weight_reads_the_ratio_are_scored(truncated_samples, tiny_model_path, tmp_path,

@@ -15,12 +15,13 @@ is one of the ties the cut kept (which of them is a sort's order), as the sample
 The support never reaches far down a row, so only its top is sorted: top-k's k largest and their ties (`torch.topk`);
 for top-p the tokens above probability (1 - p) / (2V) (those below hold at most (1 - p) / 2 together, so the engines'
 ascending sum passes them far from 1 - p) and for min-p those above min_p times the largest. What lies below enters
-top-p's sum as one term, its logsumexp (`descending_logits`). No gradient: the ratio's value only.
+top-p's sum as one term, its logsumexp (`descending_groups`). No gradient: the ratio's value only.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -37,21 +38,32 @@ TAIL_MARGIN = 2.0
 """Tokens of probability at most (1 - p) / (TAIL_MARGIN * V) are left out of top-p's sort: together they hold at most
 (1 - p) / TAIL_MARGIN, so float rounding of the engines' sum cannot carry one of them over the cut."""
 WHOLE_SORT_SHARE = 0.25
-"""Where the logits above the floors are more than this share of a row (flat rows), the whole row is sorted."""
+"""A row whose logits above the floors are more than this share of it (a flat row) is sorted whole."""
 
 
-def descending_logits(scaled: torch.Tensor, processing: SamplerProcessing) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each (N, V) row's largest logits in descending order (N, W), as many as its support can hold, and the
-    logsumexp of the rest of each row (N,), or None when nothing is left out that a filter reads. Under top-k the k
-    largest and every tie at the k-th (of the row that has most): the cut falls inside them in both engines' orders.
-    Otherwise those above the floors of top-p and min-p (the module's docstring), or the whole row when they are most
-    of it."""
-    vocabulary = scaled.size(-1)
+class RowGroup(NamedTuple):
+    """Rows of a block (`rows`: their indices) with their largest logits in descending order (`descending`, as many as
+    the widest row's support can hold) and the logsumexp of the rest of each row (`tail`; None where nothing a filter
+    reads is left out)."""
+
+    rows: torch.Tensor
+    descending: torch.Tensor
+    tail: torch.Tensor | None
+
+
+def descending_groups(scaled: torch.Tensor, processing: SamplerProcessing) -> list[RowGroup]:
+    """The (N, V) rows' largest logits, as many as each support can hold, in groups of rows of similar width (one
+    wide row would otherwise make every row of a block as wide). Under top-k the k largest and every tie at the k-th,
+    in one group: the cut falls inside them in both engines' orders. Otherwise those above the floors of top-p and
+    min-p (the module's docstring), grouped by the power of two above their count, and the rows mostly above the
+    floors sorted whole."""
+    rows, vocabulary = scaled.shape
+    every_row = torch.arange(rows, device=scaled.device)
     k = processing.top_k
     if k and k < vocabulary:
         largest = scaled.topk(k, dim=-1).values
         with_ties = int((scaled >= largest[:, -1:]).sum(dim=-1).max())
-        return (largest if with_ties == k else scaled.topk(with_ties, dim=-1).values), None
+        return [RowGroup(every_row, largest if with_ties == k else scaled.topk(with_ties, dim=-1).values, None)]
     floors = []
     normaliser = scaled.logsumexp(dim=-1, keepdim=True)
     if processing.top_p is not None and processing.top_p < 1:
@@ -59,20 +71,30 @@ def descending_logits(scaled: torch.Tensor, processing: SamplerProcessing) -> tu
     if processing.min_p:
         # a hair below the exact floor: the engines compare probabilities, rounded, not logits
         floors.append(scaled.amax(dim=-1, keepdim=True) + math.log(processing.min_p) - 1e-3)
-    width = vocabulary if not floors else int((scaled >= torch.stack(floors).amin(dim=0)).sum(dim=-1).max())
-    if width > WHOLE_SORT_SHARE * vocabulary:
-        return scaled.sort(dim=-1, descending=True).values, None
-    window = scaled.topk(width, dim=-1).values
-    # the mass below the window, from the window's own (the tail's terms are too small to matter one by one)
-    tail_mass = (1 - (window - normaliser).exp().sum(dim=-1)).clamp_min(0)
-    return window, normaliser.squeeze(-1) + tail_mass.log()
+    if not floors:  # top-k at or above the vocabulary: nothing is cut
+        return [RowGroup(every_row, scaled.sort(dim=-1, descending=True).values, None)]
+    widths = (scaled >= torch.stack(floors).amin(dim=0)).sum(dim=-1)
+    # a group per power of two of the width (at most log2(V) of them); 0 for the rows sorted whole
+    group_of = torch.where(widths > WHOLE_SORT_SHARE * vocabulary, 0, widths.float().log2().ceil().long() + 1)
+    groups = []
+    for group in group_of.unique().tolist():
+        members = every_row[group_of == group]
+        block = scaled[members]
+        if group == 0:
+            groups.append(RowGroup(members, block.sort(dim=-1, descending=True).values, None))
+            continue
+        window = block.topk(int(widths[members].max()), dim=-1).values
+        # the mass below the window, from the window's own (the tail's terms are too small to matter one by one)
+        tail_mass = (1 - (window - normaliser[members]).exp().sum(dim=-1)).clamp_min(0)
+        groups.append(RowGroup(members, window, normaliser[members].squeeze(-1) + tail_mass.log()))
+    return groups
 
 
 def support_length(descending: torch.Tensor, processing: SamplerProcessing, tail: torch.Tensor | None = None
                    ) -> torch.Tensor:
     """(N,) how many of each row's sorted logits (N, W) the sampler keeps: its filters in its engine's order
     (`SUPPORT_FILTERS`), each on the tokens the previous ones kept, each as the engines write it. `tail`, the
-    logsumexp of what lies below the W (`descending_logits`), counts in top-p's sum, as one term, while no filter
+    logsumexp of what lies below the W (`descending_groups`), counts in top-p's sum, as one term, while no filter
     before it has cut; no filter keeps it (top-p and min-p cut above it by construction)."""
     width = descending.size(-1)
     if tail is not None:
@@ -114,10 +136,11 @@ def processed_log_probs(logits: torch.Tensor, tokens: torch.Tensor, processing: 
         chosen = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         if not processing.truncates:  # the whole vocabulary at mu's temperature
             return chosen - scaled.logsumexp(dim=-1)
-        descending, tail = descending_logits(scaled, processing)
-        length = support_length(descending, processing, tail)
-        kept = torch.arange(descending.size(-1), device=descending.device) < length.unsqueeze(-1)
-        normaliser = descending.masked_fill(~kept, -torch.inf).logsumexp(dim=-1)
-        smallest_kept = descending.gather(-1, (length - 1).unsqueeze(-1)).squeeze(-1)
+        normaliser, smallest_kept = torch.empty_like(chosen), torch.empty_like(chosen)
+        for rows, descending, tail in descending_groups(scaled, processing):
+            length = support_length(descending, processing, tail)
+            kept = torch.arange(descending.size(-1), device=descending.device) < length.unsqueeze(-1)
+            normaliser[rows] = descending.masked_fill(~kept, -torch.inf).logsumexp(dim=-1)
+            smallest_kept[rows] = descending.gather(-1, (length - 1).unsqueeze(-1)).squeeze(-1)
         return chosen - with_the_sampled_token(normaliser, chosen, smallest_kept)
 
