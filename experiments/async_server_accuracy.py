@@ -79,26 +79,52 @@ METHODS = {
 }
 SYNCHRONOUS = "sync_topr"
 # logged per step by the trainers, averaged over a run's steps
-DIAGNOSTICS = ("topr/weight_negative/mean", "topr/negative_truncated_fraction", "topr/ratio_negative/p50",
-               "topr/ratio_positive/p50", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")
-SMOKE = dict(seeds=[0], steps=6, batch_size=16, sync_every=[1, 4], eval_prompts=32, eval_samples=2, checkpoints=2,
-             methods=list(METHODS))
+DIAGNOSTICS = (
+    "topr/weight_negative/mean",
+    "topr/negative_truncated_fraction",
+    "topr/ratio_negative/p50",
+    "topr/ratio_positive/p50",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+)
+SMOKE = dict(
+    seeds=[0],
+    steps=6,
+    batch_size=16,
+    sync_every=[1, 4],
+    eval_prompts=32,
+    eval_samples=2,
+    checkpoints=2,
+    methods=list(METHODS),
+)
 
 
 def build_parser():
-    parser = experiment_parser(__doc__, output="docs/evidence/asynchronous/server_accuracy", epochs=None,
-                               eval_prompts=500, methods=METHODS)
+    parser = experiment_parser(
+        __doc__, output="docs/evidence/asynchronous/server_accuracy", epochs=None, eval_prompts=500, methods=METHODS
+    )
     parser.set_defaults(seeds=[0, 1, 2, 3, 4], learning_rate=1e-4)
-    parser.add_argument("--sync_every", type=int, nargs="+", default=[1, 8, 32],
-                        help="weight_sync_steps of the asynchronous runs: the pipeline's depth")
-    parser.add_argument("--in_flight", type=int, default=None,
-                        help="samples the asynchronous worker may have in flight and queued (max_inflight_tasks and "
-                             "queue_maxsize; default: --batch_size, one step's): fewer make the pipeline shallower")
+    parser.add_argument(
+        "--sync_every",
+        type=int,
+        nargs="+",
+        default=[1, 8, 32],
+        help="weight_sync_steps of the asynchronous runs: the pipeline's depth",
+    )
+    parser.add_argument(
+        "--in_flight",
+        type=int,
+        default=None,
+        help="samples the asynchronous worker may have in flight and queued (max_inflight_tasks and "
+        "queue_maxsize; default: --batch_size, one step's): fewer make the pipeline shallower",
+    )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--checkpoints", type=int, default=8, help="evaluations per run, evenly spaced")
-    parser.add_argument("--heartbeat", type=float, default=120.0,
-                        help="seconds without a sample after which TRL's trainer stops a run")
+    parser.add_argument(
+        "--heartbeat", type=float, default=120.0, help="seconds without a sample after which TRL's trainer stops a run"
+    )
     parser.add_argument("--smoke", action="store_true")
     return parser
 
@@ -119,30 +145,57 @@ def build_trainer(method: str, sync_every: int, options, seed: int, base_path, u
     from topr_trl.asynchronous.trainer import gloo_weight_transfer
     from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
 
-    prompts = make_reasoning_dataset(options.steps * options.batch_size // options.num_generations, options.digits,
-                                     "train", seed=seed)
-    common = dict(output_dir=str(output_dir), per_device_train_batch_size=options.batch_size,
-                  num_generations=options.num_generations, max_completion_length=max_completion_tokens(options.digits),
-                  temperature=1.0, learning_rate=options.learning_rate, max_grad_norm=1.0, max_steps=options.steps,
-                  # one schedule for all: AsyncGRPOConfig's default is constant, GRPOConfig's linear decay to 0
-                  lr_scheduler_type="constant",
-                  logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=seed,
-                  disable_tqdm=True, vllm_server_base_url=url)
+    prompts = make_reasoning_dataset(
+        options.steps * options.batch_size // options.num_generations, options.digits, "train", seed=seed
+    )
+    common = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=options.batch_size,
+        num_generations=options.num_generations,
+        max_completion_length=max_completion_tokens(options.digits),
+        temperature=1.0,
+        learning_rate=options.learning_rate,
+        max_grad_norm=1.0,
+        max_steps=options.steps,
+        # one schedule for all: AsyncGRPOConfig's default is constant, GRPOConfig's linear decay to 0
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=seed,
+        disable_tqdm=True,
+        vllm_server_base_url=url,
+    )
     if method == SYNCHRONOUS:
         args = TOPRConfig(**common, use_vllm=True, vllm_mode="server", vllm_group_port=free_port())
         return TOPRTrainer(str(base_path), reasoning_reward, args=args, train_dataset=prompts)
     tokenizer = AutoTokenizer.from_pretrained(base_path)
     tokenizer.response_template = qwen3_template  # ChatML: TRL's worker parses responses as Qwen's
     in_flight = options.in_flight or options.batch_size
-    pipeline = dict(weight_sync_steps=sync_every, queue_maxsize=in_flight, max_inflight_tasks=in_flight, token_budget=0,
-                    heartbeat_stale_after_s=options.heartbeat, max_staleness=10**9)
+    pipeline = dict(
+        weight_sync_steps=sync_every,
+        queue_maxsize=in_flight,
+        max_inflight_tasks=in_flight,
+        token_budget=0,
+        heartbeat_stale_after_s=options.heartbeat,
+        max_staleness=10**9,
+    )
     if method == "async_topr":
         args = AsyncTOPRConfig(**common, **pipeline)
-        return AsyncTOPRTrainer(str(base_path), reasoning_reward, args, train_dataset=prompts,
-                                processing_class=tokenizer)
+        return AsyncTOPRTrainer(
+            str(base_path), reasoning_reward, args, train_dataset=prompts, processing_class=tokenizer
+        )
     args = AsyncGRPOConfig(**common, **pipeline)
-    return cpu_capable(AsyncGRPOTrainer)(str(base_path), reasoning_reward, args, train_dataset=prompts,
-                                         processing_class=tokenizer, weight_transfer=gloo_weight_transfer(args))
+    return cpu_capable(AsyncGRPOTrainer)(
+        str(base_path),
+        reasoning_reward,
+        args,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+        weight_transfer=gloo_weight_transfer(args),
+    )
 
 
 def update_lag(step: int, staleness: float, sync_every: int) -> float:
@@ -168,30 +221,45 @@ def run_one(method: str, sync_every: int, options, seed: int, base_path, held_ou
 
     torch.manual_seed(seed)
     label = f"{method} {pipeline_label(method, sync_every, options.in_flight)}"
-    trainer = build_trainer(method, sync_every, options, seed, base_path, url,
-                            work / f"{label.replace(' ', '-')}-seed{seed}")
+    trainer = build_trainer(
+        method, sync_every, options, seed, base_path, url, work / f"{label.replace(' ', '-')}-seed{seed}"
+    )
     trainer.remove_callback(PrinterCallback)
     # the clock starts once the trainer is built; the evaluator has the policy's architecture with generation's
     # attention (the asynchronous trainer's packed attention serves training only)
-    tracker = Tracker(held_out, options, None, f"async_server_accuracy {label} seed {seed}", seed,
-                      evaluator=AutoModelForCausalLM.from_pretrained(base_path))
+    tracker = Tracker(
+        held_out,
+        options,
+        None,
+        f"async_server_accuracy {label} seed {seed}",
+        seed,
+        evaluator=AutoModelForCausalLM.from_pretrained(base_path),
+    )
     trainer.add_callback(checkpoint_callback(tracker, options.checkpoints))
     trainer.train()
     curve = tracker.curve
     history = trainer.state.log_history
-    read = [(entry["step"], entry["sample/staleness_mean"]) for entry in history
-            if entry.get("sample/staleness_mean") is not None]
+    read = [
+        (entry["step"], entry["sample/staleness_mean"])
+        for entry in history
+        if entry.get("sample/staleness_mean") is not None
+    ]
     staleness = [value for _, value in read]
     outcome = {
-        "steps": trainer.state.global_step, "curve": curve, "final_pass@1": curve[-1]["pass@1"],
+        "steps": trainer.state.global_step,
+        "curve": curve,
+        "final_pass@1": curve[-1]["pass@1"],
         "training_seconds": curve[-1]["seconds"],
         "dropped": sum(entry.get("sample/dropped_stale_total") or 0 for entry in history),
         "staleness_mean": statistics.mean(staleness) if staleness else 0.0,
         "lag_mean": statistics.mean(update_lag(step, value, sync_every) for step, value in read) if read else 0.0,
         "staleness_counts": {str(k): v for k, v in sorted(getattr(trainer, "staleness_counts", {}).items())},
         # how hard each loss pushed on the samples it got: TOPR's negatives' weights, PPO's clipped share
-        "diagnostics": {key: statistics.mean(values) for key in DIAGNOSTICS
-                        if (values := [entry[key] for entry in history if entry.get(key) is not None])},
+        "diagnostics": {
+            key: statistics.mean(values)
+            for key in DIAGNOSTICS
+            if (values := [entry[key] for entry in history if entry.get(key) is not None])
+        },
     }
     del trainer
     return outcome
@@ -208,29 +276,34 @@ def summarise(runs: dict, methods) -> dict:
     summary = {}
     for (method, pipeline), by_seed in late.items():
         chosen = [run for run in runs.values() if run["method"] == method and run["pipeline"] == pipeline]
-        entry = {"late_pass@1": mean_and_ci95(list(by_seed.values())),
-                 "final_pass@1": mean_and_ci95([run["final_pass@1"] for run in chosen]),
-                 "staleness_mean": statistics.mean(run["staleness_mean"] for run in chosen),
-                 "lag_mean": statistics.mean(run["lag_mean"] for run in chosen),
-                 "dropped_mean": statistics.mean(run["dropped"] for run in chosen),
-                 "steps_mean": statistics.mean(run["steps"] for run in chosen),
-                 "training_seconds_mean": statistics.mean(run["training_seconds"] for run in chosen),
-                 "seeds": sorted(by_seed)}
+        entry = {
+            "late_pass@1": mean_and_ci95(list(by_seed.values())),
+            "final_pass@1": mean_and_ci95([run["final_pass@1"] for run in chosen]),
+            "staleness_mean": statistics.mean(run["staleness_mean"] for run in chosen),
+            "lag_mean": statistics.mean(run["lag_mean"] for run in chosen),
+            "dropped_mean": statistics.mean(run["dropped"] for run in chosen),
+            "steps_mean": statistics.mean(run["steps"] for run in chosen),
+            "training_seconds_mean": statistics.mean(run["training_seconds"] for run in chosen),
+            "seeds": sorted(by_seed),
+        }
         if target is not None:
             entry["reaches_sync_final"] = first_checkpoint_reaching(chosen, target)
         summary[f"{method}/{pipeline}"] = entry
-    summary = dict(sorted(summary.items(), key=lambda item: (methods.index(item[0].split("/")[0]),
-                                                             item[1]["lag_mean"])))
+    summary = dict(
+        sorted(summary.items(), key=lambda item: (methods.index(item[0].split("/")[0]), item[1]["lag_mean"]))
+    )
     paired = {}
     pipelines = dict.fromkeys(key.split("/")[1] for key in summary if not key.startswith(SYNCHRONOUS))
     for pipeline in pipelines:
         if ("async_topr", pipeline) in late and ("async_grpo_keep", pipeline) in late:
-            paired[f"async_topr-async_grpo_keep/{pipeline}"] = paired_difference(late["async_topr", pipeline],
-                                                                                 late["async_grpo_keep", pipeline])
+            paired[f"async_topr-async_grpo_keep/{pipeline}"] = paired_difference(
+                late["async_topr", pipeline], late["async_grpo_keep", pipeline]
+            )
         for method in ("async_topr", "async_grpo_keep"):
             if (method, pipeline) in late and synchronous:
-                paired[f"{method}/{pipeline}-{SYNCHRONOUS}"] = paired_difference(late[method, pipeline],
-                                                                                 late[SYNCHRONOUS, "sync"])
+                paired[f"{method}/{pipeline}-{SYNCHRONOUS}"] = paired_difference(
+                    late[method, pipeline], late[SYNCHRONOUS, "sync"]
+                )
     return {"sync_reference_final_pass@1": target, "by_method_and_pipeline": summary, "paired": paired}
 
 
@@ -254,8 +327,14 @@ def plot(results: dict, path: Path) -> None:
                 left.axhspan(late["mean"] - late["ci95"], late["mean"] + late["ci95"], color="black", alpha=0.1)
             continue
         entries = [summary[key] for key in summary if key.startswith(method + "/")]
-        left.errorbar([e["lag_mean"] for e in entries], [e["late_pass@1"]["mean"] for e in entries],
-                      yerr=[e["late_pass@1"]["ci95"] for e in entries], marker="o", capsize=3, label=METHODS[method])
+        left.errorbar(
+            [e["lag_mean"] for e in entries],
+            [e["late_pass@1"]["mean"] for e in entries],
+            yerr=[e["late_pass@1"]["ci95"] for e in entries],
+            marker="o",
+            capsize=3,
+            label=METHODS[method],
+        )
     if results.get("base"):
         left.axhline(results["base"]["pass@1"], color="grey", linestyle=":", label="base model")
     left.set_xscale("log", base=2)
@@ -309,8 +388,10 @@ def run_all(options) -> dict:
     started = time.time()
     model, tokenizer, base_path, held_out, results = prepare_testbed(options)
     results["base"] = base_summary(base_points(model, tokenizer, held_out, options))
-    results["pipeline"] = ("topr-trl vllm-serve (float32, core 0) + TRL's rollout worker; queue_maxsize and "
-                           "max_inflight_tasks = batch_size; weight_sync_steps = W")
+    results["pipeline"] = (
+        "topr-trl vllm-serve (float32, core 0) + TRL's rollout worker; queue_maxsize and "
+        "max_inflight_tasks = batch_size; weight_sync_steps = W"
+    )
     print(f"[async_server_accuracy] base pass@1 {results['base']['pass@1']:.3f}", flush=True)
     work = Path(options.work_dir) / "async-server-accuracy-runs"
     work.mkdir(parents=True, exist_ok=True)
@@ -324,8 +405,13 @@ def run_all(options) -> dict:
                     outcome = run_one(method, depth, options, seed, base_path, held_out, url, work)
                     pipeline = pipeline_label(method, depth, options.in_flight)
                     results["runs"][f"{method}/{pipeline}/seed{seed}"] = {
-                        "method": method, "pipeline": pipeline, "sync_every": depth, "in_flight": options.in_flight,
-                        "seed": seed, **outcome}
+                        "method": method,
+                        "pipeline": pipeline,
+                        "sync_every": depth,
+                        "in_flight": options.in_flight,
+                        "seed": seed,
+                        **outcome,
+                    }
                     output.write_text(json.dumps(results, indent=1))  # progress kept
     finally:
         os.killpg(server.pid, signal.SIGTERM)

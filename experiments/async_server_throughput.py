@@ -58,18 +58,33 @@ def parse(argv):
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--completion_length", type=int, default=32)
-    parser.add_argument("--model", default="tiny", choices=("tiny", *REAL_MODELS),
-                        help="tiny: random weights on the reasoning task; smollm2: the real model on word problems")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        choices=("tiny", *REAL_MODELS),
+        help="tiny: random weights on the reasoning task; smollm2: the real model on word problems",
+    )
     parser.add_argument("--hidden_size", type=int, default=256)
     parser.add_argument("--num_layers", type=int, default=4)
-    parser.add_argument("--token_budget", type=int, default=0,
-                        help="the asynchronous trainer's packing: 0 (default) packs a fixed batch_size samples per "
-                             "step, as the synchronous step trains; N > 0 fills rows of N tokens (TRL's "
-                             "token-budgeted micro-batches, whose steps hold fewer samples)")
-    parser.add_argument("--server_dtype", default="float32", help="the server's dtype (float32: the trainer's; "
-                                                                  "auto: vLLM's bfloat16, slow on CPUs without it)")
-    parser.add_argument("--work_dir", default=None, help="keeps the model, the server's log and the runs there "
-                                                          "(default: a temporary directory, removed at the end)")
+    parser.add_argument(
+        "--token_budget",
+        type=int,
+        default=0,
+        help="the asynchronous trainer's packing: 0 (default) packs a fixed batch_size samples per "
+        "step, as the synchronous step trains; N > 0 fills rows of N tokens (TRL's "
+        "token-budgeted micro-batches, whose steps hold fewer samples)",
+    )
+    parser.add_argument(
+        "--server_dtype",
+        default="float32",
+        help="the server's dtype (float32: the trainer's; auto: vLLM's bfloat16, slow on CPUs without it)",
+    )
+    parser.add_argument(
+        "--work_dir",
+        default=None,
+        help="keeps the model, the server's log and the runs there "
+        "(default: a temporary directory, removed at the end)",
+    )
     parser.add_argument("--output", default="docs/evidence/benchmarks/async_server_throughput.json")
     return parser.parse_args(argv)
 
@@ -88,8 +103,17 @@ def start_server(model_path: str, log: Path, dtype: str) -> tuple[subprocess.Pop
     from topr_trl.vllm_server.command import launch_server
 
     environment = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}
-    return launch_server(model_path, free_port(), log, "--gpu_memory_utilization", "0.5", "--dtype", dtype,
-                         env=environment, prefix=("taskset", "-c", "0"))
+    return launch_server(
+        model_path,
+        free_port(),
+        log,
+        "--gpu_memory_utilization",
+        "0.5",
+        "--dtype",
+        dtype,
+        env=environment,
+        prefix=("taskset", "-c", "0"),
+    )
 
 
 class StepClock(TrainerCallback):
@@ -143,8 +167,13 @@ def model_folder(options, work: str) -> str:
     from topr_trl.tasks.tiny import build_model, build_tokenizer, save_pretrained
 
     tokenizer = build_tokenizer()
-    return str(save_pretrained(build_model(tokenizer, seed=0, hidden_size=options.hidden_size,
-                                           num_layers=options.num_layers), tokenizer, Path(work) / "m"))
+    return str(
+        save_pretrained(
+            build_model(tokenizer, seed=0, hidden_size=options.hidden_size, num_layers=options.num_layers),
+            tokenizer,
+            Path(work) / "m",
+        )
+    )
 
 
 def run(kind: str, model_path: str, url: str, options, output_dir: str) -> dict:
@@ -152,23 +181,39 @@ def run(kind: str, model_path: str, url: str, options, output_dir: str) -> dict:
     from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer, with_response_template
 
     dataset, reward = task(options)
-    common = dict(output_dir=output_dir, use_cpu=True, bf16=False, per_device_train_batch_size=options.batch_size,
-                  num_generations=options.num_generations, max_completion_length=options.completion_length,
-                  max_steps=options.steps, learning_rate=1e-5, logging_steps=1, report_to="none", save_strategy="no",
-                  topr_signal="reward", seed=0)
+    common = dict(
+        output_dir=output_dir,
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=options.batch_size,
+        num_generations=options.num_generations,
+        max_completion_length=options.completion_length,
+        max_steps=options.steps,
+        learning_rate=1e-5,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        topr_signal="reward",
+        seed=0,
+    )
     if kind == "synchronous":
-        args = TOPRConfig(**common, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
-                          vllm_group_port=free_port())
+        args = TOPRConfig(
+            **common, use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_group_port=free_port()
+        )
         trainer = TOPRTrainer(model_path, reward, args=args, train_dataset=dataset)
         timed = Stopwatch(trainer.vllm_generation, ("generate", "sync_weights"))
     else:
         from transformers import AutoTokenizer
 
         tokenizer = with_response_template(AutoTokenizer.from_pretrained(model_path))
-        args = AsyncTOPRConfig(**common, vllm_server_base_url=url, topr_baseline=0.5,
-                               max_inflight_tasks=options.batch_size, token_budget=options.token_budget)
-        trainer = AsyncTOPRTrainer(model_path, reward, args, train_dataset=dataset,
-                                   processing_class=tokenizer)
+        args = AsyncTOPRConfig(
+            **common,
+            vllm_server_base_url=url,
+            topr_baseline=0.5,
+            max_inflight_tasks=options.batch_size,
+            token_budget=options.token_budget,
+        )
+        trainer = AsyncTOPRTrainer(model_path, reward, args, train_dataset=dataset, processing_class=tokenizer)
     clock = StepClock()
     trainer.add_callback(clock)
     trainer.train()
@@ -178,18 +223,25 @@ def run(kind: str, model_path: str, url: str, options, output_dir: str) -> dict:
     # steady state: from the end of the first step (the worker's start, the first push) to the end of the last
     seconds = clock.ends[-1] - clock.ends[0]
     lengths = [entry.get("completions/mean_length") for entry in history if entry.get("completions/mean_length")]
-    result = {"kind": kind, "seconds": seconds, "steps": trainer.state.global_step,
-              "samples_per_second": sum(samples[1:]) / seconds, "samples_per_step": samples,
-              "mean_completion_length": statistics.mean(lengths) if lengths else None,
-              "step_time_mean": statistics.mean(e["step_time"] for e in history if "step_time" in e)
-              if any("step_time" in e for e in history) else None}
+    result = {
+        "kind": kind,
+        "seconds": seconds,
+        "steps": trainer.state.global_step,
+        "samples_per_second": sum(samples[1:]) / seconds,
+        "samples_per_step": samples,
+        "mean_completion_length": statistics.mean(lengths) if lengths else None,
+        "step_time_mean": statistics.mean(e["step_time"] for e in history if "step_time" in e)
+        if any("step_time" in e for e in history)
+        else None,
+    }
     result["seconds_per_step"] = seconds / (len(clock.ends) - 1)
     if kind == "synchronous":  # L: generation and weight push per step, both on the server; T: the rest of a step
         result["generate_seconds_per_step"] = statistics.mean(timed.seconds["generate"][1:])
         result["push_seconds_per_step"] = statistics.mean(timed.seconds["sync_weights"][1:] or [0.0])
     if kind == "asynchronous":  # the trainer's own time per step (T): TRL's forward-backward and optimizer timings
         result["train_seconds_per_step"] = statistics.mean(
-            e["perf/fwd_bwd_s"] + e.get("perf/optimizer_s", 0.0) for e in history[1:] if "perf/fwd_bwd_s" in e)
+            e["perf/fwd_bwd_s"] + e.get("perf/optimizer_s", 0.0) for e in history[1:] if "perf/fwd_bwd_s" in e
+        )
         result["staleness"] = dict(sorted(trainer.staleness_counts.items()))
     del trainer
     return result
@@ -217,20 +269,30 @@ def main(argv=None) -> dict:
     # L and T of the synchronous loop, timed in it: L its generation and weight push (the server's work), T the rest
     # of its step (scoring, the loss, backward, the optimizer); the asynchronous trainer's own T is reported beside
     synchronous = runs[::2]
-    generate = statistics.median(run["generate_seconds_per_step"] + run["push_seconds_per_step"]
-                                 for run in synchronous)
+    generate = statistics.median(run["generate_seconds_per_step"] + run["push_seconds_per_step"] for run in synchronous)
     train = statistics.median(run["seconds_per_step"] for run in synchronous) - generate
-    summary = {"options": vars(options), "threads": torch.get_num_threads(), "runs": runs, "ratios": ratios,
-               "median_ratio": statistics.median(ratios), "T_train_seconds_per_step": train,
-               "T_async_train_seconds_per_step": statistics.median(run["train_seconds_per_step"]
-                                                                   for run in runs[1::2]),
-               "L_generate_seconds_per_step": generate,
-               "ideal_ratio": (generate + train) / max(generate, train)}
-    print(f"L (generation and push per step) {generate:.2f} s, T (the rest of the synchronous step) {train:.2f} s, "
-          f"L/T {generate / train:.2f}; ideal ratio {summary['ideal_ratio']:.2f}; the asynchronous trainer's own "
-          f"training per step {summary['T_async_train_seconds_per_step']:.2f} s", flush=True)
-    print(f"asynchronous / synchronous samples per second: {', '.join(f'{r:.2f}' for r in ratios)} "
-          f"(median {summary['median_ratio']:.2f})", flush=True)
+    summary = {
+        "options": vars(options),
+        "threads": torch.get_num_threads(),
+        "runs": runs,
+        "ratios": ratios,
+        "median_ratio": statistics.median(ratios),
+        "T_train_seconds_per_step": train,
+        "T_async_train_seconds_per_step": statistics.median(run["train_seconds_per_step"] for run in runs[1::2]),
+        "L_generate_seconds_per_step": generate,
+        "ideal_ratio": (generate + train) / max(generate, train),
+    }
+    print(
+        f"L (generation and push per step) {generate:.2f} s, T (the rest of the synchronous step) {train:.2f} s, "
+        f"L/T {generate / train:.2f}; ideal ratio {summary['ideal_ratio']:.2f}; the asynchronous trainer's own "
+        f"training per step {summary['T_async_train_seconds_per_step']:.2f} s",
+        flush=True,
+    )
+    print(
+        f"asynchronous / synchronous samples per second: {', '.join(f'{r:.2f}' for r in ratios)} "
+        f"(median {summary['median_ratio']:.2f})",
+        flush=True,
+    )
     if options.output:
         Path(options.output).write_text(json.dumps(summary, indent=2))
     return summary

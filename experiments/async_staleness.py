@@ -94,20 +94,34 @@ METHOD_SETTINGS = {
     "async_tis": ("topr_trl", {"loss_type": "tis"}),
     "async_sft_positives": ("topr_trl", {"loss_type": "sft"}),
 }
-SMOKE = dict(seeds=[0], steps=6, batch_size=16, lags=[0, 8], eval_prompts=32, eval_samples=2, checkpoints=2,
-             heartbeat=5.0, methods=["async_topr", "async_grpo_drop"])
+SMOKE = dict(
+    seeds=[0],
+    steps=6,
+    batch_size=16,
+    lags=[0, 8],
+    eval_prompts=32,
+    eval_samples=2,
+    checkpoints=2,
+    heartbeat=5.0,
+    methods=["async_topr", "async_grpo_drop"],
+)
 
 
 def build_parser():
-    parser = experiment_parser(__doc__, output="docs/evidence/asynchronous/async_staleness", epochs=None,
-                               eval_prompts=500, methods=METHODS)
+    parser = experiment_parser(
+        __doc__, output="docs/evidence/asynchronous/async_staleness", epochs=None, eval_prompts=500, methods=METHODS
+    )
     parser.set_defaults(seeds=[0, 1, 2, 3, 4])
     parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 4, 16, 64])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--checkpoints", type=int, default=8, help="evaluations per run, evenly spaced")
-    parser.add_argument("--heartbeat", type=float, default=10.0,
-                        help="seconds without a sample after which a run stops (TRL's heartbeat check)")
+    parser.add_argument(
+        "--heartbeat",
+        type=float,
+        default=10.0,
+        help="seconds without a sample after which a run stops (TRL's heartbeat check)",
+    )
     parser.add_argument("--smoke", action="store_true")
     return parser
 
@@ -126,25 +140,54 @@ def run_one(method, lag, options, seed, base_path, held_out, work: Path) -> dict
     from topr_trl.asynchronous.stand_in import WorkerSettings, build_async_trainer
     from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
 
-    prompts = make_reasoning_dataset(options.steps * options.batch_size // options.num_generations, options.digits,
-                                     "train", seed=seed)
-    common = dict(output_dir=str(work / f"{method}-k{lag}-seed{seed}"), per_device_train_batch_size=options.batch_size,
-                  num_generations=options.num_generations, max_completion_length=max_completion_tokens(options.digits),
-                  temperature=1.0, learning_rate=options.learning_rate, max_grad_norm=1.0, max_steps=options.steps,
-                  token_budget=0, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
-                  seed=seed, disable_tqdm=True, heartbeat_stale_after_s=options.heartbeat)
+    prompts = make_reasoning_dataset(
+        options.steps * options.batch_size // options.num_generations, options.digits, "train", seed=seed
+    )
+    common = dict(
+        output_dir=str(work / f"{method}-k{lag}-seed{seed}"),
+        per_device_train_batch_size=options.batch_size,
+        num_generations=options.num_generations,
+        max_completion_length=max_completion_tokens(options.digits),
+        temperature=1.0,
+        learning_rate=options.learning_rate,
+        max_grad_norm=1.0,
+        max_steps=options.steps,
+        token_budget=0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=seed,
+        disable_tqdm=True,
+        heartbeat_stale_after_s=options.heartbeat,
+    )
     package, overrides = METHOD_SETTINGS[method]
-    trainer_class, config_class = {"topr_trl": (AsyncTOPRTrainer, AsyncTOPRConfig),
-                                   "trl": (cpu_capable(AsyncGRPOTrainer), AsyncGRPOConfig)}[package]
+    trainer_class, config_class = {
+        "topr_trl": (AsyncTOPRTrainer, AsyncTOPRConfig),
+        "trl": (cpu_capable(AsyncGRPOTrainer), AsyncGRPOConfig),
+    }[package]
     config = config_class(**common, **overrides)
     torch.manual_seed(seed)
     # the evaluator has the policy's architecture with generation's attention (the trainer's packed attention
     # serves training only)
-    tracker = Tracker(held_out, options, None, f"async_staleness {method} K={lag} seed {seed}", seed,
-                      evaluator=AutoModelForCausalLM.from_pretrained(base_path))
-    trainer = build_async_trainer(trainer_class, str(base_path), reasoning_reward, config, prompts,
-                                  WorkerSettings(lag=lag, lockstep=True),
-                                  callbacks=[checkpoint_callback(tracker, options.checkpoints)])
+    tracker = Tracker(
+        held_out,
+        options,
+        None,
+        f"async_staleness {method} K={lag} seed {seed}",
+        seed,
+        evaluator=AutoModelForCausalLM.from_pretrained(base_path),
+    )
+    trainer = build_async_trainer(
+        trainer_class,
+        str(base_path),
+        reasoning_reward,
+        config,
+        prompts,
+        WorkerSettings(lag=lag, lockstep=True),
+        callbacks=[checkpoint_callback(tracker, options.checkpoints)],
+    )
     trainer.remove_callback(PrinterCallback)
     stalled = None
     try:
@@ -153,18 +196,25 @@ def run_one(method, lag, options, seed, base_path, held_out, work: Path) -> dict
         stalled = str(error)
         trainer.rollout_worker.stop()
         if not tracker.curve or tracker.curve[-1]["step"] != trainer.state.global_step:
-            tracker.checkpoint(trainer.accelerator.unwrap_model(trainer.model), trainer.processing_class,
-                               step=trainer.state.global_step)
+            tracker.checkpoint(
+                trainer.accelerator.unwrap_model(trainer.model),
+                trainer.processing_class,
+                step=trainer.state.global_step,
+            )
     curve = tracker.curve
     history = trainer.state.log_history
     return {
-        "steps": trainer.state.global_step, "stalled": stalled, "curve": curve,
+        "steps": trainer.state.global_step,
+        "stalled": stalled,
+        "curve": curve,
         # logged, plus what TRL's sink holds for the next log (a stalled run stops before logging its drops)
         "dropped": sum(entry.get("sample/dropped_stale_total") or 0 for entry in history)
         + sum(trainer._metrics["train"].get("sample/dropped_stale_total", [])),
         "trained_samples": sum(entry.get("batch/samples_per_step") or 0 for entry in history),
-        "staleness_mean": statistics.mean([entry["sample/staleness_mean"] for entry in history
-                                           if entry.get("sample/staleness_mean") is not None] or [math.nan]),
+        "staleness_mean": statistics.mean(
+            [entry["sample/staleness_mean"] for entry in history if entry.get("sample/staleness_mean") is not None]
+            or [math.nan]
+        ),
         "final_pass@1": curve[-1]["pass@1"],
     }
 
@@ -178,19 +228,24 @@ def summarise(runs: dict, methods, lags) -> dict:
             chosen = [run for run in runs.values() if run["method"] == method and run["lag"] == lag]
             if not chosen:
                 continue
-            entry = {"late_pass@1": mean_and_ci95([late_mean(run["curve"]) for run in chosen]),
-                     "final_pass@1": mean_and_ci95([run["final_pass@1"] for run in chosen]),
-                     "dropped_mean": statistics.mean(run["dropped"] for run in chosen),
-                     "steps_mean": statistics.mean(run["steps"] for run in chosen),
-                     "stalled_runs": sum(run["stalled"] is not None for run in chosen),
-                     "staleness_mean": statistics.mean(run["staleness_mean"] for run in chosen),
-                     "seeds": sorted(run["seed"] for run in chosen)}
+            entry = {
+                "late_pass@1": mean_and_ci95([late_mean(run["curve"]) for run in chosen]),
+                "final_pass@1": mean_and_ci95([run["final_pass@1"] for run in chosen]),
+                "dropped_mean": statistics.mean(run["dropped"] for run in chosen),
+                "steps_mean": statistics.mean(run["steps"] for run in chosen),
+                "stalled_runs": sum(run["stalled"] is not None for run in chosen),
+                "staleness_mean": statistics.mean(run["staleness_mean"] for run in chosen),
+                "seeds": sorted(run["seed"] for run in chosen),
+            }
             if target is not None:
                 entry["reaches_sync_final"] = first_checkpoint_reaching(chosen, target)
             summary[f"{method}/k{lag}"] = entry
-    return {"sync_reference_final_pass@1": target, "by_method_and_lag": summary,
-            # the first method against each other one at every K, each K against K = 0 within a method
-            "paired": paired_by_lag(runs, methods, lags, reference=0)}
+    return {
+        "sync_reference_final_pass@1": target,
+        "by_method_and_lag": summary,
+        # the first method against each other one at every K, each K against K = 0 within a method
+        "paired": paired_by_lag(runs, methods, lags, reference=0),
+    }
 
 
 def update_summary(results: dict) -> None:
@@ -212,8 +267,15 @@ def plot(results: dict, path: Path) -> None:
         positions = [lags.index(lag) for lag, _ in points]
         stalled = [lag for lag, _ in points if summary[f"{method}/k{lag}"]["stalled_runs"]]
         label = METHODS[method] + (f"; stopped after ~5 steps at K = {', '.join(map(str, stalled))}" if stalled else "")
-        axis.errorbar(positions, [p["mean"] for _, p in points], yerr=[p["ci95"] for _, p in points], marker="o",
-                      capsize=3, label=label, linestyle="-" if len(points) == len(lags) else "none")
+        axis.errorbar(
+            positions,
+            [p["mean"] for _, p in points],
+            yerr=[p["ci95"] for _, p in points],
+            marker="o",
+            capsize=3,
+            label=label,
+            linestyle="-" if len(points) == len(lags) else "none",
+        )
     if results.get("base"):
         axis.axhline(results["base"]["pass@1"], color="grey", linestyle=":", label="base model")
     axis.set_xticks(range(len(lags)), [str(lag) for lag in lags])
@@ -253,8 +315,7 @@ def main(argv=None) -> dict:
         for method in options.methods:
             for lag in options.lags:
                 outcome = run_one(method, lag, options, seed, base_path, held_out, work)
-                results["runs"][f"{method}/k{lag}/seed{seed}"] = {"method": method, "lag": lag, "seed": seed,
-                                                                  **outcome}
+                results["runs"][f"{method}/k{lag}/seed{seed}"] = {"method": method, "lag": lag, "seed": seed, **outcome}
                 Path(options.output + ".json").parent.mkdir(parents=True, exist_ok=True)
                 Path(options.output + ".json").write_text(json.dumps(results, indent=1))  # progress kept
     results["summary"] = summarise(results["runs"], options.methods, options.lags)

@@ -67,12 +67,24 @@ def parse(argv):
 
 def one_run(model_path, options, worker: WorkerSettings, output_dir) -> dict:
     args = AsyncTOPRConfig(
-        output_dir=str(output_dir), bf16=False, use_cpu=True, per_device_train_batch_size=options.batch_size,
-        num_generations=options.num_generations, max_completion_length=options.completion_length,
-        max_steps=worker_steps(options, worker), learning_rate=1e-4, token_budget=0, logging_steps=1,
-        report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
-    trainer = build_async_trainer(AsyncTOPRTrainer, model_path, reasoning_reward, args, make_reasoning_dataset(256),
-                                  worker)
+        output_dir=str(output_dir),
+        bf16=False,
+        use_cpu=True,
+        per_device_train_batch_size=options.batch_size,
+        num_generations=options.num_generations,
+        max_completion_length=options.completion_length,
+        max_steps=worker_steps(options, worker),
+        learning_rate=1e-4,
+        token_budget=0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = build_async_trainer(
+        AsyncTOPRTrainer, model_path, reasoning_reward, args, make_reasoning_dataset(256), worker
+    )
     trainer.remove_callback(PrinterCallback)  # the per-step logs stay in trainer.state.log_history
     started = time.perf_counter()
     trainer.train()
@@ -85,7 +97,8 @@ def one_run(model_path, options, worker: WorkerSettings, output_dir) -> dict:
         "trained_samples": sum(entry["batch/samples_per_step"] for entry in steps),
         "train_s_per_step": statistics.median(entry["perf/fwd_bwd_s"] + entry["perf/optimizer_s"] for entry in steps),
         "generation_s_per_step": statistics.median(
-            entry["rollout/generation_s"] * groups for entry in steps if entry.get("rollout/generation_s")),
+            entry["rollout/generation_s"] * groups for entry in steps if entry.get("rollout/generation_s")
+        ),
         "rollout_wait_s_per_step": statistics.median(entry["perf/rollout_wait_s"] for entry in steps),
         "staleness_mean": statistics.mean(entry["sample/staleness_mean"] for entry in steps),
     }
@@ -101,27 +114,39 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     work = Path(tempfile.mkdtemp(prefix="async-throughput-"))
     tokenizer = build_tokenizer()
-    model_path = str(save_pretrained(build_model(tokenizer, hidden_size=options.hidden_size, num_layers=4), tokenizer,
-                                     work / "model"))
+    model_path = str(
+        save_pretrained(
+            build_model(tokenizer, hidden_size=options.hidden_size, num_layers=4), tokenizer, work / "model"
+        )
+    )
     force = options.completion_length
     calibration = one_run(model_path, options, WorkerSettings(lockstep=True, min_new_tokens=force), work / "calibrate")
     samples_per_step = options.batch_size
     seconds_per_sample = calibration["train_s_per_step"] / samples_per_step
-    print(f"calibration: training {calibration['train_s_per_step']:.3f} s/step, real sampling "
-          f"{calibration['generation_s_per_step']:.3f} s/step -> {seconds_per_sample * 1000:.2f} ms per sample",
-          flush=True)
+    print(
+        f"calibration: training {calibration['train_s_per_step']:.3f} s/step, real sampling "
+        f"{calibration['generation_s_per_step']:.3f} s/step -> {seconds_per_sample * 1000:.2f} ms per sample",
+        flush=True,
+    )
     pairs = []
     for index in range(options.pairs):
         pair = {}
         for mode, lockstep in (("synchronous", True), ("asynchronous", False)):
-            worker = WorkerSettings(seconds_per_sample=seconds_per_sample, lockstep=lockstep,
-                                    pipeline_steps=options.pipeline_steps, min_new_tokens=force)
+            worker = WorkerSettings(
+                seconds_per_sample=seconds_per_sample,
+                lockstep=lockstep,
+                pipeline_steps=options.pipeline_steps,
+                min_new_tokens=force,
+            )
             result = one_run(model_path, options, worker, work / f"{mode}-{index}")
             result["samples_per_s"] = result["trained_samples"] / result["wall_s"]
             pair[mode] = result
-            print(f"pair {index} {mode}: {result['samples_per_s']:.1f} samples/s, {result['wall_s']:.1f} s, "
-                  f"generation {result['generation_s_per_step']:.3f} s/step, training "
-                  f"{result['train_s_per_step']:.3f} s/step, staleness {result['staleness_mean']:.2f}", flush=True)
+            print(
+                f"pair {index} {mode}: {result['samples_per_s']:.1f} samples/s, {result['wall_s']:.1f} s, "
+                f"generation {result['generation_s_per_step']:.3f} s/step, training "
+                f"{result['train_s_per_step']:.3f} s/step, staleness {result['staleness_mean']:.2f}",
+                flush=True,
+            )
         pair["ratio"] = pair["asynchronous"]["samples_per_s"] / pair["synchronous"]["samples_per_s"]
         pairs.append(pair)
     ratios = [pair["ratio"] for pair in pairs]
@@ -137,8 +162,10 @@ def main(argv=None) -> dict:
         "ratio_max": max(ratios),
         "ideal_ratio": "(L + T) / max(L, T), 2 at L = T",
     }
-    print(f"asynchronous / synchronous trained samples per second: median {results['ratio_median']:.2f} "
-          f"(range {results['ratio_min']:.2f}-{results['ratio_max']:.2f}, {len(ratios)} pairs)")
+    print(
+        f"asynchronous / synchronous trained samples per second: median {results['ratio_median']:.2f} "
+        f"(range {results['ratio_min']:.2f}-{results['ratio_max']:.2f}, {len(ratios)} pairs)"
+    )
     Path(options.output).parent.mkdir(parents=True, exist_ok=True)
     Path(options.output).write_text(json.dumps(results, indent=1))
     return results

@@ -50,16 +50,33 @@ def run(options) -> dict:
                 for method in options.methods:
                     key = f"p{proportion:g}/pt{target:g}/{method}/seed{seed}"
                     outcome = train_offline(
-                        testbed, data, work / "runs" / f"sweep-{key.replace('/', '-')}", seed=seed,
-                        epochs=options.epochs, batch_size=options.batch_size, learning_rate=options.learning_rate,
-                        topr_baseline=c, eval_every=options.eval_every, **METHODS[method],
+                        testbed,
+                        data,
+                        work / "runs" / f"sweep-{key.replace('/', '-')}",
+                        seed=seed,
+                        epochs=options.epochs,
+                        batch_size=options.batch_size,
+                        learning_rate=options.learning_rate,
+                        topr_baseline=c,
+                        eval_every=options.eval_every,
+                        **METHODS[method],
                     )
-                    results["runs"][key] = {"proportion": proportion, "measured_p": p, "rows": len(data),
-                                            "target": target, "baseline": c, "method": method, "seed": seed,
-                                            **outcome}
-                    print(f"[sweep] seed {seed} p={p:.3f} p~={target:<5g} c={c:+.3f} {method:<4} accuracy "
-                          f"{outcome['curve'][0]['accuracy']:.3f} -> {outcome['curve'][-1]['accuracy']:.3f} "
-                          f"({outcome['seconds']:.0f}s)", flush=True)
+                    results["runs"][key] = {
+                        "proportion": proportion,
+                        "measured_p": p,
+                        "rows": len(data),
+                        "target": target,
+                        "baseline": c,
+                        "method": method,
+                        "seed": seed,
+                        **outcome,
+                    }
+                    print(
+                        f"[sweep] seed {seed} p={p:.3f} p~={target:<5g} c={c:+.3f} {method:<4} accuracy "
+                        f"{outcome['curve'][0]['accuracy']:.3f} -> {outcome['curve'][-1]['accuracy']:.3f} "
+                        f"({outcome['seconds']:.0f}s)",
+                        flush=True,
+                    )
     results["summary"] = summarise(results["runs"])
     results["late"], results["paired"] = summarise_late(results["runs"])
     return results
@@ -100,14 +117,20 @@ def plot(results: dict, path: Path) -> None:
 
     options = results["options"]
     summary = results["summary"]
-    figure, axes = plt.subplots(1, len(options["proportions"]),
-                                figsize=(max(8.0, 5.5 * len(options["proportions"])), 4.5), squeeze=False)
+    figure, axes = plt.subplots(
+        1, len(options["proportions"]), figsize=(max(8.0, 5.5 * len(options["proportions"])), 4.5), squeeze=False
+    )
     for axis, proportion in zip(axes[0], options["proportions"], strict=False):
         for method in options["methods"]:
             rows = [summary[f"p{proportion:g}/pt{t:g}/{method}"] for t in options["targets"]]
-            axis.errorbar(options["targets"], [r["mean"] for r in rows],
-                          yerr=[0 if r["ci95"] != r["ci95"] else r["ci95"] for r in rows], capsize=3, marker="o",
-                          label=method.upper())
+            axis.errorbar(
+                options["targets"],
+                [r["mean"] for r in rows],
+                yerr=[0 if r["ci95"] != r["ci95"] else r["ci95"] for r in rows],
+                capsize=3,
+                marker="o",
+                label=method.upper(),
+            )
         axis.axhline(summary["start_accuracy"], color="grey", linestyle=":", label="start")
         axis.axvspan(0.1, 0.2, color="green", alpha=0.08, label="paper's best p~")
         axis.set_xscale("log")
@@ -123,13 +146,27 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv=None) -> dict:
     parser = experiment_parser(__doc__, output="docs/evidence/figures5-6/baseline_sweep", epochs=3.0, methods=METHODS)
-    parser.add_argument("--proportions", type=float, nargs="+", default=[0.67],
-                        help="proportions of positives p the dataset is subsampled to")
-    parser.add_argument("--targets", type=float, nargs="+", default=[0.01, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0],
-                        help="effective proportions p~ the baseline is solved for")
-    parser.add_argument("--eval_every", type=int, default=0,
-                        help="evaluate every this many steps (0: start and end only); the late accuracy averages "
-                             "the checkpoints in the last quarter of the steps")
+    parser.add_argument(
+        "--proportions",
+        type=float,
+        nargs="+",
+        default=[0.67],
+        help="proportions of positives p the dataset is subsampled to",
+    )
+    parser.add_argument(
+        "--targets",
+        type=float,
+        nargs="+",
+        default=[0.01, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0],
+        help="effective proportions p~ the baseline is solved for",
+    )
+    parser.add_argument(
+        "--eval_every",
+        type=int,
+        default=0,
+        help="evaluate every this many steps (0: start and end only); the late accuracy averages "
+        "the checkpoints in the last quarter of the steps",
+    )
     options = parser.parse_args(argv)
     for target in options.targets:
         if not 0 < target <= 1:
@@ -140,8 +177,10 @@ def main(argv=None) -> dict:
     for key, row in results["summary"].items():
         if key != "start_accuracy":
             late = results["late"][key]
-            print(f"{key:<24} final accuracy {row['mean']:.3f} ± {row['ci95']:.3f}  "
-                  f"late {late['mean']:.3f} ± {late['ci95']:.3f}")
+            print(
+                f"{key:<24} final accuracy {row['mean']:.3f} ± {row['ci95']:.3f}  "
+                f"late {late['mean']:.3f} ± {late['ci95']:.3f}"
+            )
     for setting, difference in results["paired"].items():
         print(f"{setting:<16} TOPR - TIS (late, paired) {difference['mean']:+.3f} ± {difference['ci95']:.3f}")
     return results

@@ -63,16 +63,24 @@ MODEL_SHAPES = {
 # 151,936-entry vocabulary is kept so that the LM head and the logits, the largest activations of an RL step, are
 # the real ones; the project's character tokenizer covers only the first ids, and sampled ids past it decode to "".
 QWEN_SHAPES = {
-    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864, num_attention_heads=14,
-                         num_key_value_heads=2),
-    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960, num_attention_heads=12,
-                         num_key_value_heads=2),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896, num_hidden_layers=24, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536, num_hidden_layers=28, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2
+    ),
 }
 # The packaged pretrained model (`topr_trl.packaged_models`): trained weights, so peaked distributions, its own
 # tokenizer and its 49,152-token vocabulary with tied embeddings. Resolved to its cached trainable folder, not built.
 REAL_MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-QWEN_COMMON = dict(vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6,
-                   rms_norm_eps=1e-6, hidden_act="silu")
+QWEN_COMMON = dict(
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+)
 
 
 def build_trainer(setting: str, options: dict, model_path: str):
@@ -116,10 +124,16 @@ def build_trainer(setting: str, options: dict, model_path: str):
         for index, prompt in enumerate(dataset["prompt"]):
             for sample in range(options["num_generations"]):
                 tokens = torch.randint(len(digits), (options["completion_length"],), generator=generator).tolist()
-                rows.append({"prompt": prompt, "prompt_index": index, "sample_index": sample,
-                             "completion_ids": [digits[t] for t in tokens],
-                             "behaviour_logps": [uniform_logp] * options["completion_length"],
-                             "reward": float((index + sample) % 3)})
+                rows.append(
+                    {
+                        "prompt": prompt,
+                        "prompt_index": index,
+                        "sample_index": sample,
+                        "completion_ids": [digits[t] for t in tokens],
+                        "behaviour_logps": [uniform_logp] * options["completion_length"],
+                        "reward": float((index + sample) % 3),
+                    }
+                )
         from datasets import Dataset
 
         dataset = Dataset.from_list(rows)
@@ -143,11 +157,21 @@ def build_trainer(setting: str, options: dict, model_path: str):
             self.times.append(time.perf_counter() - self.start)
 
     common = dict(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=options["batch_size"],
-        num_generations=options["num_generations"], max_completion_length=options["completion_length"],
-        max_prompt_length=None, generation_kwargs={"min_new_tokens": options["completion_length"]},
-        max_steps=options["steps"] + options["warmup"], learning_rate=1e-6, logging_steps=10**6, report_to="none",
-        save_strategy="no", use_cpu=not cuda, bf16=options["bf16"], gradient_checkpointing=False, seed=0,
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=options["batch_size"],
+        num_generations=options["num_generations"],
+        max_completion_length=options["completion_length"],
+        max_prompt_length=None,
+        generation_kwargs={"min_new_tokens": options["completion_length"]},
+        max_steps=options["steps"] + options["warmup"],
+        learning_rate=1e-6,
+        logging_steps=10**6,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=not cuda,
+        bf16=options["bf16"],
+        gradient_checkpointing=False,
+        seed=0,
     )
     config_class, trainer_class = (TOPRConfig, TOPRTrainer) if trainer_name == "topr" else (GRPOConfig, GRPOTrainer)
     try:
@@ -161,8 +185,9 @@ def build_trainer(setting: str, options: dict, model_path: str):
         mu.to("cuda" if cuda else "cpu")
         extra["rollout_func"] = make_behaviour_rollout(mu, AutoTokenizer.from_pretrained(model_path))
     timer = StepTimer()
-    trainer = trainer_class(model=model_path, reward_funcs=length_reward, args=args, train_dataset=dataset,
-                            callbacks=[timer], **extra)
+    trainer = trainer_class(
+        model=model_path, reward_funcs=length_reward, args=args, train_dataset=dataset, callbacks=[timer], **extra
+    )
     return trainer, timer
 
 
@@ -189,14 +214,21 @@ def worker(options: dict) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
-    times = timer.times[options["warmup"]:]
+    times = timer.times[options["warmup"] :]
     # One generation per optimizer step here (steps_per_generation == gradient_accumulation_steps == 1).
-    update_times = [t - g for t, g in zip(timer.times, generation_seconds, strict=True)][options["warmup"]:]
+    update_times = [t - g for t, g in zip(timer.times, generation_seconds, strict=True)][options["warmup"] :]
     tokens_per_step = options["batch_size"] * (options["prompt_length"] + options["completion_length"])
-    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"setting": options["setting"], "step_seconds": times, "update_seconds": update_times,
-            "tokens_per_step": tokens_per_step, "peak_memory_mib": peak,
-            "flops": step_flops(trainer.model.config, options, options["setting"])}
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    )
+    return {
+        "setting": options["setting"],
+        "step_seconds": times,
+        "update_seconds": update_times,
+        "tokens_per_step": tokens_per_step,
+        "peak_memory_mib": peak,
+        "flops": step_flops(trainer.model.config, options, options["setting"]),
+    }
 
 
 class AddedMemory:
@@ -270,27 +302,39 @@ def loss_only(options, model_path: str) -> dict:
     from topr_trl.tasks.arithmetic import make_arithmetic_dataset
 
     cuda = options.device == "cuda"
-    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=options.batch_size,
-                  num_generations=options.num_generations, max_completion_length=options.completion_length,
-                  generation_kwargs={"min_new_tokens": options.completion_length}, report_to="none",
-                  use_cpu=not cuda, bf16=options.bf16, gradient_checkpointing=False, seed=0)
+    common = dict(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=options.batch_size,
+        num_generations=options.num_generations,
+        max_completion_length=options.completion_length,
+        generation_kwargs={"min_new_tokens": options.completion_length},
+        report_to="none",
+        use_cpu=not cuda,
+        bf16=options.bf16,
+        gradient_checkpointing=False,
+        seed=0,
+    )
 
     def reward(completions, **kwargs):
         return [float(hash(c[0]["content"]) % 3) for c in completions]
 
     dataset = make_arithmetic_dataset(64, digits=2)
     trainers = {
-        "grpo-grpo": GRPOTrainer(model=model_path, reward_funcs=reward, train_dataset=dataset,
-                                 args=GRPOConfig(loss_type="grpo", **common)),
-        "grpo-dapo": GRPOTrainer(model=model_path, reward_funcs=reward, train_dataset=dataset,
-                                 args=GRPOConfig(loss_type="dapo", **common)),
-        "topr-online": TOPRTrainer(model=model_path, reward_funcs=reward, train_dataset=dataset,
-                                   args=TOPRConfig(**common)),
+        "grpo-grpo": GRPOTrainer(
+            model=model_path, reward_funcs=reward, train_dataset=dataset, args=GRPOConfig(loss_type="grpo", **common)
+        ),
+        "grpo-dapo": GRPOTrainer(
+            model=model_path, reward_funcs=reward, train_dataset=dataset, args=GRPOConfig(loss_type="dapo", **common)
+        ),
+        "topr-online": TOPRTrainer(
+            model=model_path, reward_funcs=reward, train_dataset=dataset, args=TOPRConfig(**common)
+        ),
     }
     truncations = {"topr-online-top-k": {"top_k": options.top_k}, "topr-online-top-p": {"top_p": options.top_p}}
     for name, truncation in truncations.items():  # the same batch, pi scored on mu's support
-        trainers[name] = TOPRTrainer(model=model_path, reward_funcs=reward, train_dataset=dataset,
-                                     args=TOPRConfig(**common, **truncation))
+        trainers[name] = TOPRTrainer(
+            model=model_path, reward_funcs=reward, train_dataset=dataset, args=TOPRConfig(**common, **truncation)
+        )
     first = next(iter(trainers.values()))
     on_policy = first._prepare_inputs(next(iter(first.get_train_dataloader())))
     for trainer in trainers.values():  # as training does: with --bf16 the forward runs under the accelerator's autocast
@@ -340,22 +384,36 @@ def loss_only(options, model_path: str) -> dict:
     medians = {name: statistics.median(values) for name, values in times.items()}
     quartiles = {name: statistics.quantiles(values, n=4) for name, values in times.items()}
     ratios = {f"topr-online / {name}": medians["topr-online"] / medians[name] for name in ("grpo-grpo", "grpo-dapo")}
-    ratios.update({f"{name} / {base}": medians[name] / medians[base] for name in ("topr-online-top-k",
-                                                                                   "topr-online-top-p",
-                                                                                   "topr-online-top-k, on-policy batch",
-                                                                                   "topr-online-top-k, every sequence scored")
-                   for base in ("topr-online", "grpo-dapo")})
+    ratios.update(
+        {
+            f"{name} / {base}": medians[name] / medians[base]
+            for name in (
+                "topr-online-top-k",
+                "topr-online-top-p",
+                "topr-online-top-k, on-policy batch",
+                "topr-online-top-k, every sequence scored",
+            )
+            for base in ("topr-online", "grpo-dapo")
+        }
+    )
     ratios["topr-online-top-k / topr-online-top-k, every sequence scored"] = (
-        medians["topr-online-top-k"] / medians["topr-online-top-k, every sequence scored"])
+        medians["topr-online-top-k"] / medians["topr-online-top-k, every sequence scored"]
+    )
     import topr_trl
     from topr_trl.machine import machine_info
 
     library = Path(topr_trl.__file__).resolve().parents[1]
-    commit = subprocess.run(["git", "-C", str(library), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    result = {"library": {"path": str(library), "commit": commit}, "machine": machine_info(),
-              "median_loss_backward_s": medians, "quartiles_s": quartiles, "ratios": ratios,
-              "timed": "the loss's forward alone, without gradient" if options.forward_only else "loss + backward"}
+    commit = subprocess.run(
+        ["git", "-C", str(library), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    result = {
+        "library": {"path": str(library), "commit": commit},
+        "machine": machine_info(),
+        "median_loss_backward_s": medians,
+        "quartiles_s": quartiles,
+        "ratios": ratios,
+        "timed": "the loss's forward alone, without gradient" if options.forward_only else "loss + backward",
+    }
     if watch.available:
         peaks = {name: max(values) for name, values in added_memory.items()}
         result["peak_added_memory_mib"] = peaks
@@ -365,10 +423,11 @@ def loss_only(options, model_path: str) -> dict:
         result["peak_added_memory_ratios"] = {
             f"{name} / {base}": peaks[name] / peaks[base] if peaks[base] > 0 and peaks[name] > 0 else None
             for name in ("topr-online", "topr-online-top-k", "topr-online-top-p")
-            for base in ("grpo-grpo", "grpo-dapo", "topr-online") if name != base}
+            for base in ("grpo-grpo", "grpo-dapo", "topr-online")
+            if name != base
+        }
         # what one trainer holds besides a call's memory: its weights (loss-only builds no optimizer state)
-        result["weights_mib_per_trainer"] = sum(
-            p.numel() * p.element_size() for p in first.model.parameters()) / 2**20
+        result["weights_mib_per_trainer"] = sum(p.numel() * p.element_size() for p in first.model.parameters()) / 2**20
     return result
 
 
@@ -384,9 +443,11 @@ def support_only(options) -> dict:
     vocabulary, tokens = 151_936, options.batch_size * options.completion_length
     generator = torch.Generator().manual_seed(0)
     ranks = torch.arange(1, vocabulary + 1, dtype=torch.float32)
-    shapes = {"flat": torch.randn(tokens, vocabulary, generator=generator) * 0.05,
-              "peaked": (-1.2 * ranks.log()).expand(tokens, -1)[:, torch.randperm(vocabulary, generator=generator)]
-              + torch.randn(tokens, vocabulary, generator=generator) * 0.3}
+    shapes = {
+        "flat": torch.randn(tokens, vocabulary, generator=generator) * 0.05,
+        "peaked": (-1.2 * ranks.log()).expand(tokens, -1)[:, torch.randperm(vocabulary, generator=generator)]
+        + torch.randn(tokens, vocabulary, generator=generator) * 0.3,
+    }
     sampled = torch.randint(0, vocabulary, (tokens,), generator=generator).to(options.device)
     shapes = {shape: logits.to(options.device) for shape, logits in shapes.items()}
     synchronize = torch.cuda.synchronize if options.device == "cuda" else (lambda: None)
@@ -405,8 +466,10 @@ def support_only(options) -> dict:
     result = {}
     for shape, logits in shapes.items():
         whole = timed(lambda logits=logits: logits.log_softmax(-1).gather(-1, sampled.unsqueeze(-1)))
-        for name, processing in {"top_k 50": SamplerProcessing(top_k=50),
-                                 "top_p 0.95": SamplerProcessing(top_p=0.95)}.items():
+        for name, processing in {
+            "top_k 50": SamplerProcessing(top_k=50),
+            "top_p 0.95": SamplerProcessing(top_p=0.95),
+        }.items():
             rule = timed(lambda logits=logits, processing=processing: processed_log_probs(logits, sampled, processing))
             result[f"{shape} {name}"] = {"ms_per_1k_tokens": {"rule": rule, "whole vocabulary": whole}}
     return {"tokens": tokens, "vocabulary": vocabulary, "device": options.device, "timings": result}
@@ -496,20 +559,35 @@ def interleaved_steps(options, model_path: str) -> dict:
             if round_index >= options.warmup:
                 wall[name].append(time.perf_counter() - wall_start)
                 cpu[name].append(time.process_time() - cpu_start)
-    table = {name: {"median_step_s": statistics.median(wall[name]),
-                    "quartiles_step_s": statistics.quantiles(wall[name], n=4),
-                    "median_cpu_s": statistics.median(cpu[name])} for name in trainers}
-    ratios = {label: {"step_time": table[a]["median_step_s"] / table[b]["median_step_s"],
-                      "cpu_time": table[a]["median_cpu_s"] / table[b]["median_cpu_s"]}
-              for label, (a, b) in RATIOS.items() if a in table and b in table}
+    table = {
+        name: {
+            "median_step_s": statistics.median(wall[name]),
+            "quartiles_step_s": statistics.quantiles(wall[name], n=4),
+            "median_cpu_s": statistics.median(cpu[name]),
+        }
+        for name in trainers
+    }
+    ratios = {
+        label: {
+            "step_time": table[a]["median_step_s"] / table[b]["median_step_s"],
+            "cpu_time": table[a]["median_cpu_s"] / table[b]["median_cpu_s"],
+        }
+        for label, (a, b) in RATIOS.items()
+        if a in table and b in table
+    }
     return {"table": table, "ratios": ratios}
 
 
 def qwen_config(shape: str, tokenizer):
     from transformers import Qwen2Config
 
-    return Qwen2Config(**QWEN_SHAPES[shape], **QWEN_COMMON, bos_token_id=tokenizer.bos_token_id,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return Qwen2Config(
+        **QWEN_SHAPES[shape],
+        **QWEN_COMMON,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
 
 def build_model(shape: str, path: str, logit_scale: float = 1.0) -> None:
@@ -552,7 +630,10 @@ def summarise(results: dict[str, list[dict]], matmul_rate: float) -> dict:
             "spread_step_s": [min(per_run), max(per_run)],
             "tokens_per_s": runs[0]["tokens_per_step"] / median,
             "peak_memory_mib": statistics.median(r["peak_memory_mib"] for r in runs),
-            "spread_peak_memory_mib": [min(r["peak_memory_mib"] for r in runs), max(r["peak_memory_mib"] for r in runs)],
+            "spread_peak_memory_mib": [
+                min(r["peak_memory_mib"] for r in runs),
+                max(r["peak_memory_mib"] for r in runs),
+            ],
             "mfu_step": flops["step"] / median / matmul_rate,
             "mfu_update": flops["update"] / median_update / matmul_rate,
         }
@@ -577,9 +658,15 @@ def write_output(options, result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny and short: checks the script runs")
-    parser.add_argument("--model", default="tiny", choices=sorted(MODEL_SHAPES) + sorted(QWEN_SHAPES) + sorted(REAL_MODELS))
-    parser.add_argument("--logit_scale", type=float, default=1.0,
-                        help="multiply a Qwen2.5-shaped model's output embedding: 1 flat rows, 8 peaked (build_model)")
+    parser.add_argument(
+        "--model", default="tiny", choices=sorted(MODEL_SHAPES) + sorted(QWEN_SHAPES) + sorted(REAL_MODELS)
+    )
+    parser.add_argument(
+        "--logit_scale",
+        type=float,
+        default=1.0,
+        help="multiply a Qwen2.5-shaped model's output embedding: 1 flat rows, 8 peaked (build_model)",
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
@@ -590,30 +677,46 @@ def main() -> None:
     parser.add_argument("--prompt_length", type=int, default=32)
     parser.add_argument("--completion_length", type=int, default=32)
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    parser.add_argument("--loss_only", action="store_true",
-                        help="time only loss+backward on one shared batch, all trainers in one process")
-    parser.add_argument("--forward_only", action="store_true",
-                        help="with --loss_only: time the loss's forward alone, without gradient (where the support's "
-                             "cost is a larger share of the call)")
-    parser.add_argument("--interleaved", action="store_true",
-                        help="whole steps of every setting alternated in one process (wall and CPU time; no memory)")
+    parser.add_argument(
+        "--loss_only",
+        action="store_true",
+        help="time only loss+backward on one shared batch, all trainers in one process",
+    )
+    parser.add_argument(
+        "--forward_only",
+        action="store_true",
+        help="with --loss_only: time the loss's forward alone, without gradient (where the support's "
+        "cost is a larger share of the call)",
+    )
+    parser.add_argument(
+        "--interleaved",
+        action="store_true",
+        help="whole steps of every setting alternated in one process (wall and CPU time; no memory)",
+    )
     parser.add_argument("--top_k", type=int, default=50, help="--loss_only: mu's top-k (the paper samples with 500)")
     parser.add_argument("--top_p", type=float, default=0.95, help="--loss_only: mu's top-p")
-    parser.add_argument("--support_only", action="store_true",
-                        help="time the rule alone against the whole-vocabulary log-softmax (flat and peaked logits)")
+    parser.add_argument(
+        "--support_only",
+        action="store_true",
+        help="time the rule alone against the whole-vocabulary log-softmax (flat and peaked logits)",
+    )
     parser.add_argument("--output", help="write the results as JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.logit_scale != 1 and options.model not in QWEN_SHAPES:
-        parser.error(f"--logit_scale applies to the Qwen2.5 shapes ({', '.join(sorted(QWEN_SHAPES))}), not {options.model}")
+        parser.error(
+            f"--logit_scale applies to the Qwen2.5 shapes ({', '.join(sorted(QWEN_SHAPES))}), not {options.model}"
+        )
     if options.worker:
         print("RESULT " + json.dumps(worker(json.loads(options.worker))), flush=True)
         return
     if options.support_only:
         result = support_only(options)
         for name, row in result["timings"].items():
-            print(f"{name:<20} " + "  ".join(f"{path} {value:.1f} ms/1k tokens"
-                                             for path, value in row["ms_per_1k_tokens"].items()))
+            print(
+                f"{name:<20} "
+                + "  ".join(f"{path} {value:.1f} ms/1k tokens" for path, value in row["ms_per_1k_tokens"].items())
+            )
         write_output(options, {"support_only": result})
         return
     if options.smoke:
@@ -631,8 +734,10 @@ def main() -> None:
         result = loss_only(options, model_path)
         timed = "forward" if options.forward_only else "loss+backward"
         for name, median in result["median_loss_backward_s"].items():
-            print(f"{name:<14} {timed} median {median * 1000:.2f} ms  quartiles "
-                  f"{[round(q * 1000, 2) for q in result['quartiles_s'][name]]}")
+            print(
+                f"{name:<14} {timed} median {median * 1000:.2f} ms  quartiles "
+                f"{[round(q * 1000, 2) for q in result['quartiles_s'][name]]}"
+            )
         for name, ratio in result["ratios"].items():
             print(f"{name:<28} {ratio:.3f}")
         for name, peak in result.get("peak_added_memory_mib", {}).items():
@@ -653,36 +758,60 @@ def main() -> None:
         write_output(options, {"interleaved": result})
         return
     matmul_rate = measured_matmul_rate(options.device, options.bf16)
-    print(f"[benchmark] measured matrix-product rate: {matmul_rate / 1e9:.1f} GFLOP/s "
-          f"({'bf16' if options.bf16 else 'fp32'}, {options.device})", flush=True)
+    print(
+        f"[benchmark] measured matrix-product rate: {matmul_rate / 1e9:.1f} GFLOP/s "
+        f"({'bf16' if options.bf16 else 'fp32'}, {options.device})",
+        flush=True,
+    )
     results: dict[str, list[dict]] = {name: [] for name in options.settings}
     for repeat in range(options.repeats):
         for setting in options.settings:  # interleaved: every round runs every setting once
-            spec = {key: getattr(options, key) for key in ("device", "bf16", "steps", "warmup", "batch_size",
-                                                           "num_generations", "prompt_length", "completion_length")}
+            spec = {
+                key: getattr(options, key)
+                for key in (
+                    "device",
+                    "bf16",
+                    "steps",
+                    "warmup",
+                    "batch_size",
+                    "num_generations",
+                    "prompt_length",
+                    "completion_length",
+                )
+            }
             spec.update(setting=setting, model_path=model_path)
-            completed = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
-                                       capture_output=True, text=True)
+            completed = subprocess.run(
+                [sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True
+            )
             lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
             if completed.returncode != 0 or not lines:
                 sys.exit(f"setting {setting} failed:\n{completed.stderr[-3000:]}")
-            results[setting].append(json.loads(lines[-1][len("RESULT "):]))
-            print(f"[benchmark] round {repeat + 1}/{options.repeats} {setting}: "
-                  f"{statistics.median(results[setting][-1]['step_seconds']):.4f} s/step", flush=True)
+            results[setting].append(json.loads(lines[-1][len("RESULT ") :]))
+            print(
+                f"[benchmark] round {repeat + 1}/{options.repeats} {setting}: "
+                f"{statistics.median(results[setting][-1]['step_seconds']):.4f} s/step",
+                flush=True,
+            )
     summary = summarise(results, matmul_rate)
     summary["matmul_flops_per_s"] = matmul_rate
-    print(f"\n{'setting':<16} {'s/step':>8} {'spread of run medians':>22} {'s/update':>9} {'tokens/s':>9} "
-          f"{'peak MiB':>9} {'peak spread':>13} {'MFU step':>9} {'MFU upd.':>9}")
+    print(
+        f"\n{'setting':<16} {'s/step':>8} {'spread of run medians':>22} {'s/update':>9} {'tokens/s':>9} "
+        f"{'peak MiB':>9} {'peak spread':>13} {'MFU step':>9} {'MFU upd.':>9}"
+    )
     for setting, row in summary["table"].items():
         spread = f"{row['spread_step_s'][0]:.4f}-{row['spread_step_s'][1]:.4f}"
         peak_spread = f"{row['spread_peak_memory_mib'][0]:.1f}-{row['spread_peak_memory_mib'][1]:.1f}"
-        print(f"{setting:<16} {row['median_step_s']:>8.4f} {spread:>22} {row['median_update_s']:>9.4f} "
-              f"{row['tokens_per_s']:>9.0f} {row['peak_memory_mib']:>9.1f} {peak_spread:>13} {row['mfu_step']:>9.2%} "
-              f"{row['mfu_update']:>9.2%}")
+        print(
+            f"{setting:<16} {row['median_step_s']:>8.4f} {spread:>22} {row['median_update_s']:>9.4f} "
+            f"{row['tokens_per_s']:>9.0f} {row['peak_memory_mib']:>9.1f} {peak_spread:>13} {row['mfu_step']:>9.2%} "
+            f"{row['mfu_update']:>9.2%}"
+        )
     print("\n(s/update: the step without generation and scoring, i.e. the loss, backward and optimizer work)")
     for name, ratio in summary["ratios"].items():
-        print(f"{name:<28} step time {ratio['step_time']:.3f}   update time {ratio['update_time']:.3f}   "
-              f"peak memory {ratio['peak_memory']:.3f}")
+        print(
+            f"{name:<28} step time {ratio['step_time']:.3f}   update time {ratio['update_time']:.3f}   "
+            f"peak memory {ratio['peak_memory']:.3f}"
+        )
     write_output(options, summary)
 
 

@@ -48,8 +48,13 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as work:
             if key == arithmetic_key:
                 built = Path(work) / key
-                build_warm_model(built, digits=defaults.task_digits, target_accuracy=defaults.warm_start_accuracy,
-                                 seed=0, progress=report)
+                build_warm_model(
+                    built,
+                    digits=defaults.task_digits,
+                    target_accuracy=defaults.warm_start_accuracy,
+                    seed=0,
+                    progress=report,
+                )
             else:
                 _, _, built = build_reasoning_warm_model(work, reasoning, progress=report)
             shutil.copytree(built, target)

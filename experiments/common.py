@@ -127,8 +127,15 @@ def evaluation_seed(eval_draw: str, seed: int) -> int:
     return EVAL_SEED if eval_draw == "fixed" else EVAL_SEED + 1 + seed
 
 
-def experiment_parser(doc: str, *, output: str, epochs: float | None, prompts: int = 128,
-                      eval_prompts: int = 1000, methods: dict | None = None) -> argparse.ArgumentParser:
+def experiment_parser(
+    doc: str,
+    *,
+    output: str,
+    epochs: float | None,
+    prompts: int = 128,
+    eval_prompts: int = 1000,
+    methods: dict | None = None,
+) -> argparse.ArgumentParser:
     """The options every evidence script takes (`--methods` chooses among `methods` when given); each script adds
     its own."""
     from topr_trl.tasks.reasoning import WarmStartSettings
@@ -143,35 +150,53 @@ def experiment_parser(doc: str, *, output: str, epochs: float | None, prompts: i
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--learning_rate", type=float, default=3e-4)
     parser.add_argument("--eval_prompts", type=int, default=eval_prompts, help="held-out problems for accuracy")
-    parser.add_argument("--task", default="reasoning", choices=TASKS,
-                        help="reasoning: the written-addition testbed in the paper's regime (about two thirds of "
-                             "samples correct; accuracy is sampled pass@1 at temperature 1); arithmetic: the "
-                             "built-in 2-digit task with 3-token answers, the low-p stress test (greedy accuracy); "
-                             "word_problems: the real model (SmolLM2-135M-Instruct) on the built-in word problems "
-                             "(sampled pass@1; --eval_prompts, --eval_samples, --eval_split, --eval_draw, --threads)")
+    parser.add_argument(
+        "--task",
+        default="reasoning",
+        choices=TASKS,
+        help="reasoning: the written-addition testbed in the paper's regime (about two thirds of "
+        "samples correct; accuracy is sampled pass@1 at temperature 1); arithmetic: the "
+        "built-in 2-digit task with 3-token answers, the low-p stress test (greedy accuracy); "
+        "word_problems: the real model (SmolLM2-135M-Instruct) on the built-in word problems "
+        "(sampled pass@1; --eval_prompts, --eval_samples, --eval_split, --eval_draw, --threads)",
+    )
     testbed = parser.add_argument_group("reasoning testbed (--task reasoning)")
     testbed.add_argument("--digits", type=int, default=3)
     testbed.add_argument("--error_rate", type=float, default=0.25, help="planted carry-drop rate of the warm start")
-    testbed.add_argument("--spurious_carry_rate", type=float, default=0.0,
-                         help="the second planted error: rate of a carry written where none arrives (0: off)")
+    testbed.add_argument(
+        "--spurious_carry_rate",
+        type=float,
+        default=0.0,
+        help="the second planted error: rate of a carry written where none arrives (0: off)",
+    )
     # the shipped model's recipe (3,000 steps): at the default digits and error rate every machine starts from the
     # same shipped weights; a locally built warm start differs with the CPU's kernels (README, "The two commands")
-    testbed.add_argument("--warm_steps", type=int, default=WarmStartSettings().steps,
-                         help="SFT steps of the warm start")
+    testbed.add_argument(
+        "--warm_steps", type=int, default=WarmStartSettings().steps, help="SFT steps of the warm start"
+    )
     testbed.add_argument("--eval_samples", type=int, default=4, help="samples per held-out problem (temperature 1)")
-    testbed.add_argument("--eval_draw", default="per_seed", choices=EVAL_DRAWS,
-                         help="per_seed (default): each training seed's runs, and the base model for them, are "
-                              "evaluated on a sampling draw of that seed's own, shared by every method, so that the "
-                              "intervals over seeds carry the evaluation draw; fixed: one draw for every run (the "
-                              "results committed before this option)")
-    testbed.add_argument("--eval_split", default="heldout", choices=EVAL_SPLITS,
-                         help="where accuracy is measured: 'validation' to choose settings (learning rate, error "
-                              "rate, p~), 'heldout' (default) to report them; the two are disjoint")
+    testbed.add_argument(
+        "--eval_draw",
+        default="per_seed",
+        choices=EVAL_DRAWS,
+        help="per_seed (default): each training seed's runs, and the base model for them, are "
+        "evaluated on a sampling draw of that seed's own, shared by every method, so that the "
+        "intervals over seeds carry the evaluation draw; fixed: one draw for every run (the "
+        "results committed before this option)",
+    )
+    testbed.add_argument(
+        "--eval_split",
+        default="heldout",
+        choices=EVAL_SPLITS,
+        help="where accuracy is measured: 'validation' to choose settings (learning rate, error "
+        "rate, p~), 'heldout' (default) to report them; the two are disjoint",
+    )
     testbed.add_argument("--threads", type=int, default=1, help="torch threads")
     arithmetic = parser.add_argument_group("built-in task (--task arithmetic)")
     arithmetic.add_argument("--base_accuracy", type=float, default=0.3, help="warm-start target of the base model")
-    parser.add_argument("--work_dir", default="outputs/experiments",
-                        help="base model, sampled datasets and runs (reused by a rerun)")
+    parser.add_argument(
+        "--work_dir", default="outputs/experiments", help="base model, sampled datasets and runs (reused by a rerun)"
+    )
     parser.add_argument("--output", default=output, help="writes OUTPUT.json and OUTPUT.png")
     return parser
 
@@ -218,8 +243,12 @@ def arithmetic_testbed(work: Path, options) -> Testbed:
 
     held_out = make_arithmetic_dataset(options.eval_prompts, 2, seed=2)
     return Testbed(
-        task="arithmetic", base_dir=prepare_base(work, options.base_accuracy), held_out=held_out,
-        reward=arithmetic_reward, max_new_tokens=6, measure=f"greedy accuracy, {len(held_out)} held-out problems",
+        task="arithmetic",
+        base_dir=prepare_base(work, options.base_accuracy),
+        held_out=held_out,
+        reward=arithmetic_reward,
+        max_new_tokens=6,
+        measure=f"greedy accuracy, {len(held_out)} held-out problems",
         metrics=("accuracy", "invalid_rate", "malformed_rate"),
         prompts=lambda count, seed: make_arithmetic_dataset(count, 2, seed=100 + seed),
         evaluate=lambda model, tokenizer, eval_seed: accuracy(model, tokenizer, held_out),  # greedy: no draw
@@ -239,19 +268,27 @@ def reasoning_testbed(work: Path, options):
     )
 
     torch.set_num_threads(options.threads)
-    settings = WarmStartSettings(digits=options.digits, error_rate=options.error_rate, steps=options.warm_steps,
-                                 spurious_carry_rate=options.spurious_carry_rate)
+    settings = WarmStartSettings(
+        digits=options.digits,
+        error_rate=options.error_rate,
+        steps=options.warm_steps,
+        spurious_carry_rate=options.spurious_carry_rate,
+    )
     model, tokenizer, base_path = build_reasoning_warm_model(work / "cache", settings)
     split = options.eval_split
     held_out = make_reasoning_dataset(options.eval_prompts, options.digits, split, seed=0)
     testbed = Testbed(
-        task="reasoning", base_dir=base_path, held_out=held_out, reward=reasoning_reward,
+        task="reasoning",
+        base_dir=base_path,
+        held_out=held_out,
+        reward=reasoning_reward,
         max_new_tokens=max_completion_tokens(options.digits),
         measure=f"sampled pass@1 (T=1, {options.eval_samples} samples x {len(held_out)} {split} problems)",
         metrics=("accuracy", "greedy_accuracy", "invalid_rate", "pass@1_carries>=2"),
         prompts=lambda count, seed: make_reasoning_dataset(count, options.digits, "train", seed=seed),
-        evaluate=lambda model, tokenizer, eval_seed: held_out_pass_at_1(model, tokenizer, held_out, options,
-                                                                        greedy=True, eval_seed=eval_seed),
+        evaluate=lambda model, tokenizer, eval_seed: held_out_pass_at_1(
+            model, tokenizer, held_out, options, greedy=True, eval_seed=eval_seed
+        ),
         eval_draw=options.eval_draw,
     )
     return testbed, model, tokenizer, settings
@@ -265,20 +302,30 @@ def held_out_pass_at_1(model, tokenizer, held_out, options, greedy: bool = False
     from topr_trl.evaluation.runner import evaluate_model
     from topr_trl.tasks.reasoning import count_carries, max_completion_tokens, parse_problem, reasoning_classify
 
-    common = dict(max_new_tokens=max_completion_tokens(options.digits), batch_size=64, seed=eval_seed,
-                  show_progress=False)
-    result = evaluate_model(model, tokenizer, held_out, reasoning_classify, k=1, num_samples=options.eval_samples,
-                            temperature=1.0, **common)
+    common = dict(
+        max_new_tokens=max_completion_tokens(options.digits), batch_size=64, seed=eval_seed, show_progress=False
+    )
+    result = evaluate_model(
+        model, tokenizer, held_out, reasoning_classify, k=1, num_samples=options.eval_samples, temperature=1.0, **common
+    )
     per_problem = [record["num_correct"] / options.eval_samples for record in result.records]
     se = statistics.stdev(per_problem) / len(per_problem) ** 0.5 if len(per_problem) > 1 else float("nan")
-    carried = [score for score, record in zip(per_problem, result.records, strict=True)
-               if count_carries(*parse_problem(record["prompt"])) >= 2]
-    point = {"pass@1": result.pass_at_1, "accuracy": result.pass_at_1, "pass@1_problem_se": se,
-             "invalid_rate": result.invalid_rate,
-             "pass@1_carries>=2": statistics.mean(carried) if carried else float("nan")}
+    carried = [
+        score
+        for score, record in zip(per_problem, result.records, strict=True)
+        if count_carries(*parse_problem(record["prompt"])) >= 2
+    ]
+    point = {
+        "pass@1": result.pass_at_1,
+        "accuracy": result.pass_at_1,
+        "pass@1_problem_se": se,
+        "invalid_rate": result.invalid_rate,
+        "pass@1_carries>=2": statistics.mean(carried) if carried else float("nan"),
+    }
     if greedy:
-        point["greedy_accuracy"] = evaluate_model(model, tokenizer, held_out, reasoning_classify, k=1,
-                                                  temperature=0.0, **common).pass_at_1
+        point["greedy_accuracy"] = evaluate_model(
+            model, tokenizer, held_out, reasoning_classify, k=1, temperature=0.0, **common
+        ).pass_at_1
     return point
 
 
@@ -288,11 +335,15 @@ def results_header(options, testbed: Testbed) -> dict:
 
     from topr_trl.machine import machine_info
 
-    return {"options": vars(options), "task": testbed.task, "base_model": str(testbed.base_dir),
-            "measure": testbed.measure,
-            "threads": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "torch": torch.get_num_threads()},
-            "machine": machine_info(),
-            "runs": {}}
+    return {
+        "options": vars(options),
+        "task": testbed.task,
+        "base_model": str(testbed.base_dir),
+        "measure": testbed.measure,
+        "threads": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "torch": torch.get_num_threads()},
+        "machine": machine_info(),
+        "runs": {},
+    }
 
 
 def save(results: dict, options, plot) -> None:
@@ -346,32 +397,44 @@ def base_points(model, tokenizer, held_out, options) -> dict[int, dict]:
 def base_summary(by_seed: dict) -> dict:
     """`results["base"]`: the mean pass@1 of the base model over the seeds' draws (a plot's base line) and each
     seed's point (JSON keys are strings once written)."""
-    return {"pass@1": statistics.mean(point["pass@1"] for point in by_seed.values()),
-            "by_seed": {str(seed): point for seed, point in by_seed.items()}}
+    return {
+        "pass@1": statistics.mean(point["pass@1"] for point in by_seed.values()),
+        "by_seed": {str(seed): point for seed, point in by_seed.items()},
+    }
 
 
 def resummarise_if_asked(parser, argv: list[str] | None, update: Callable[[dict], None], plot) -> dict | None:
     """Adds the --resummarise option to a script's `parser`; when `argv` (None: the command line) asks for it, runs
     `resummarise` on the files it names and returns their results, else None (the script then trains as usual)."""
-    parser.add_argument("--resummarise", nargs="+", metavar="JSON", default=None,
-                        help="recompute the summaries of finished runs' JSON files (rewritten in place, with their "
-                             "plots) by this script's current rules, training nothing")
+    parser.add_argument(
+        "--resummarise",
+        nargs="+",
+        metavar="JSON",
+        default=None,
+        help="recompute the summaries of finished runs' JSON files (rewritten in place, with their "
+        "plots) by this script's current rules, training nothing",
+    )
     argv = sys.argv[1:] if argv is None else argv
     if "--resummarise" not in argv:
         return None
     return resummarise(parser.parse_args(argv).resummarise, update, plot)
 
 
-def finished_runs_if_asked(parser, argv: list[str], update: Callable[[dict], None], plot,
-                           merge: Callable[[argparse.Namespace], dict]) -> dict | None:
+def finished_runs_if_asked(
+    parser, argv: list[str], update: Callable[[dict], None], plot, merge: Callable[[argparse.Namespace], dict]
+) -> dict | None:
     """Adds --resummarise and --merge to a script's `parser` (--merge: `merge(options)` builds one results dict from
     the files of disjoint runs); when `argv` asks for either, does it, saves the results with their plot and returns
     them, training nothing; else None (the script then trains as usual)."""
     rewritten = resummarise_if_asked(parser, argv, update, plot)
     if rewritten is not None:
         return rewritten
-    parser.add_argument("--merge", nargs="+", metavar="JSON",
-                        help="merge these result files (of disjoint runs: other seeds, methods, lags) and summarise")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="merge these result files (of disjoint runs: other seeds, methods, lags) and summarise",
+    )
     if "--merge" not in argv:
         return None
     options = parser.parse_args(argv)
@@ -390,8 +453,15 @@ def prepare_base(work_dir: Path, base_accuracy: float) -> Path:
     return base_dir
 
 
-def sample_fixed_dataset(testbed: Testbed, num_prompts: int, seed: int, work_dir: Path, behaviour: Path | None = None,
-                         top_k: int = 0, top_p: float = 1.0):
+def sample_fixed_dataset(
+    testbed: Testbed,
+    num_prompts: int,
+    seed: int,
+    work_dir: Path,
+    behaviour: Path | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
+):
     """`num_prompts` x 8 completions sampled once from mu (the testbed's base model, or `behaviour`; at temperature 1,
     truncated by `top_k` / `top_p` when given), seeded and reused when on disk. The folder is named after mu and the
     truncation, so data sampled from another model or another way is never picked up."""
@@ -405,10 +475,20 @@ def sample_fixed_dataset(testbed: Testbed, num_prompts: int, seed: int, work_dir
     mu = AutoModelForCausalLM.from_pretrained(mu_dir)
     tokenizer = AutoTokenizer.from_pretrained(mu_dir)
     truncation = (f"-topk{top_k}" if top_k else "") + (f"-topp{top_p:g}" if top_p < 1 else "")
-    return generate_offline_dataset(mu, tokenizer, testbed.prompts(num_prompts, seed), testbed.reward,
-                                    Path(work_dir) / "data" / f"{mu_dir.name}-{num_prompts}x8-seed{seed}{truncation}",
-                                    num_completions=8, max_new_tokens=testbed.max_new_tokens, show_progress=False,
-                                    backend="transformers", seed=seed, top_k=top_k, top_p=top_p)
+    return generate_offline_dataset(
+        mu,
+        tokenizer,
+        testbed.prompts(num_prompts, seed),
+        testbed.reward,
+        Path(work_dir) / "data" / f"{mu_dir.name}-{num_prompts}x8-seed{seed}{truncation}",
+        num_completions=8,
+        max_new_tokens=testbed.max_new_tokens,
+        show_progress=False,
+        backend="transformers",
+        seed=seed,
+        top_k=top_k,
+        top_p=top_p,
+    )
 
 
 def clipped_token_shares(model, data, epsilon: float = 0.2, batch_size: int = 64) -> dict[str, float]:
@@ -426,19 +506,21 @@ def clipped_token_shares(model, data, epsilon: float = 0.2, batch_size: int = 64
     model.eval()
     with torch.no_grad():
         for start in range(0, len(data), batch_size):
-            rows = data[start:start + batch_size]
+            rows = data[start : start + batch_size]
             sequences = [list(p) + list(c) for p, c in zip(rows["prompt_ids"], rows["completion_ids"], strict=True)]
             width = max(map(len, sequences))
             ids = torch.tensor([sequence + [0] * (width - len(sequence)) for sequence in sequences], device=device)
-            attention = torch.tensor([[1] * len(sequence) + [0] * (width - len(sequence)) for sequence in sequences],
-                                     device=device)
+            attention = torch.tensor(
+                [[1] * len(sequence) + [0] * (width - len(sequence)) for sequence in sequences], device=device
+            )
             logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
             logps = selective_log_softmax(logits, ids[:, 1:])  # position t: log pi of token t + 1
-            for row, (prompt, completion, mu, reward) in enumerate(zip(
-                    rows["prompt_ids"], rows["completion_ids"], rows["behaviour_logps"], rows["reward"], strict=True)):
+            for row, (prompt, completion, mu, reward) in enumerate(
+                zip(rows["prompt_ids"], rows["completion_ids"], rows["behaviour_logps"], rows["reward"], strict=True)
+            ):
                 if not completion or reward == 0:
                     continue
-                pi = logps[row, len(prompt) - 1:len(prompt) + len(completion) - 1]
+                pi = logps[row, len(prompt) - 1 : len(prompt) + len(completion) - 1]
                 ratio = (pi - torch.tensor(mu, device=device, dtype=pi.dtype)).exp()
                 clipped = ratio > 1 + epsilon if reward > 0 else ratio < 1 - epsilon
                 tally = counts["positive" if reward > 0 else "negative"]
@@ -449,16 +531,25 @@ def clipped_token_shares(model, data, epsilon: float = 0.2, batch_size: int = 64
     def share(clipped: int, tokens: int) -> float:
         return clipped / tokens if tokens else float("nan")
 
-    return {"clipped_share": share(*map(sum, zip(*counts.values(), strict=False))),
-            "clipped_share_positive": share(*counts["positive"]), "clipped_share_negative": share(*counts["negative"])}
+    return {
+        "clipped_share": share(*map(sum, zip(*counts.values(), strict=False))),
+        "clipped_share_positive": share(*counts["positive"]),
+        "clipped_share_negative": share(*counts["negative"]),
+    }
 
 
 # TOPRTrainer's per-step metrics kept by `train_offline` beside the gradient norms
 RATIO_MAXIMA = ("topr/ratio_negative/max", "topr/ratio_positive/max")
 
 
-def held_out_curve(testbed: Testbed, seed: int, eval_every: int, curve: list[dict], probe: Callable | None = None,
-                   fractions: tuple[float, ...] = ()):
+def held_out_curve(
+    testbed: Testbed,
+    seed: int,
+    eval_every: int,
+    curve: list[dict],
+    probe: Callable | None = None,
+    fractions: tuple[float, ...] = (),
+):
     """A callback appending the held-out curve to `curve`: `testbed.evaluate` at the start (the base model, measured
     once per evaluation draw: `testbed.start`), every `eval_every` steps when > 0, at the steps these `fractions` of
     the run's steps round to, and at the end; with `probe`, each point also holds `probe(model)`'s values. It
@@ -494,15 +585,36 @@ def negative_weight_log(log_history: list[dict]) -> list[dict]:
     """Per logged step, the negatives' mean truncated weight and the share of negatives whose ratio the truncation
     capped at b- (`topr/negative_truncated_fraction`), where the step logged them: how hard negatives pushed, and what
     scoring pi off mu's support, or a policy far from mu, silences."""
-    return [{"step": entry["step"], "weight_negative": entry["topr/weight_negative/mean"],
-             **({"negative_truncated_fraction": entry["topr/negative_truncated_fraction"]}
-                if entry.get("topr/negative_truncated_fraction") is not None else {})}
-            for entry in log_history if entry.get("topr/weight_negative/mean") is not None]
+    return [
+        {
+            "step": entry["step"],
+            "weight_negative": entry["topr/weight_negative/mean"],
+            **(
+                {"negative_truncated_fraction": entry["topr/negative_truncated_fraction"]}
+                if entry.get("topr/negative_truncated_fraction") is not None
+                else {}
+            ),
+        }
+        for entry in log_history
+        if entry.get("topr/weight_negative/mean") is not None
+    ]
 
 
-def train_offline(testbed: Testbed, data, output_dir: Path, *, seed: int, epochs: float, batch_size: int,
-                  learning_rate: float, max_grad_norm: float = 1.0, eval_every: int = 0,
-                  probe: Callable | None = None, fractions: tuple[float, ...] = (), **overrides) -> dict:
+def train_offline(
+    testbed: Testbed,
+    data,
+    output_dir: Path,
+    *,
+    seed: int,
+    epochs: float,
+    batch_size: int,
+    learning_rate: float,
+    max_grad_norm: float = 1.0,
+    eval_every: int = 0,
+    probe: Callable | None = None,
+    fractions: tuple[float, ...] = (),
+    **overrides,
+) -> dict:
     """One offline run: train the testbed's base model on `data` with TOPRConfig `overrides`; returns the held-out
     curve (`held_out_curve`: at the start, every `eval_every` steps, at `fractions` of the steps, and at the end), the
     logged gradient norms and the run time (evaluation included)."""
@@ -517,27 +629,55 @@ def train_offline(testbed: Testbed, data, output_dir: Path, *, seed: int, epochs
     started = time.time()
     curve: list[dict] = []
     config = dict(
-        output_dir=str(output_dir), per_device_train_batch_size=batch_size, num_generations=8,
-        max_completion_length=testbed.max_new_tokens, topr_offline_epochs=epochs, learning_rate=learning_rate,
-        lr_scheduler_type="constant", max_grad_norm=max_grad_norm, topr_signal="reward", topr_baseline=0.0,
-        logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
-        gradient_checkpointing=False, seed=seed, disable_tqdm=True,
+        output_dir=str(output_dir),
+        per_device_train_batch_size=batch_size,
+        num_generations=8,
+        max_completion_length=testbed.max_new_tokens,
+        topr_offline_epochs=epochs,
+        learning_rate=learning_rate,
+        lr_scheduler_type="constant",
+        max_grad_norm=max_grad_norm,
+        topr_signal="reward",
+        topr_baseline=0.0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        seed=seed,
+        disable_tqdm=True,
     )
     config.update(overrides)
-    trainer = TOPRTrainer(model=str(testbed.base_dir), reward_funcs=stored_reward, args=TOPRConfig(**config),
-                          train_dataset=data, callbacks=[held_out_curve(testbed, seed, eval_every, curve, probe,
-                                                                    fractions)])
+    trainer = TOPRTrainer(
+        model=str(testbed.base_dir),
+        reward_funcs=stored_reward,
+        args=TOPRConfig(**config),
+        train_dataset=data,
+        callbacks=[held_out_curve(testbed, seed, eval_every, curve, probe, fractions)],
+    )
     trainer.remove_callback(PrinterCallback)  # one line per step would drown the script's own summary lines
     trainer.train()
-    grad_norms = [{"step": entry["step"], "grad_norm": entry["grad_norm"]}
-                  for entry in trainer.state.log_history if "grad_norm" in entry]
+    grad_norms = [
+        {"step": entry["step"], "grad_norm": entry["grad_norm"]}
+        for entry in trainer.state.log_history
+        if "grad_norm" in entry
+    ]
     # the largest sequence ratio pi/mu of the step's negatives and positives (before truncation), where logged
-    ratio_maxima = [{"step": entry["step"], **{key: entry[key] for key in RATIO_MAXIMA if key in entry}}
-                    for entry in trainer.state.log_history if any(key in entry for key in RATIO_MAXIMA)]
+    ratio_maxima = [
+        {"step": entry["step"], **{key: entry[key] for key in RATIO_MAXIMA if key in entry}}
+        for entry in trainer.state.log_history
+        if any(key in entry for key in RATIO_MAXIMA)
+    ]
     # the truncated weight applied to negatives, per step: what scoring pi off mu's support silences
     negative_weights = negative_weight_log(trainer.state.log_history)
-    return {"curve": curve, "grad_norms": grad_norms, "ratio_maxima": ratio_maxima,
-            "negative_weights": negative_weights, "seconds": time.time() - started}
+    return {
+        "curve": curve,
+        "grad_norms": grad_norms,
+        "ratio_maxima": ratio_maxima,
+        "negative_weights": negative_weights,
+        "seconds": time.time() - started,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -601,13 +741,20 @@ class Tracker:
             self.evaluator.load_state_dict(model.state_dict(), strict=False)
             model = self.evaluator
         counted = {} if self.completions is None else {"completions": self.completions}
-        point = {**where, **counted, "seconds": seconds,
-                 **held_out_pass_at_1(model, tokenizer, self.held_out, self.options, eval_seed=self.eval_seed)}
+        point = {
+            **where,
+            **counted,
+            "seconds": seconds,
+            **held_out_pass_at_1(model, tokenizer, self.held_out, self.options, eval_seed=self.eval_seed),
+        }
         self.evaluating += time.time() - started
         self.curve.append(point)
         completions = "" if self.completions is None else f" completions {self.completions:>6}"
-        print(f"[{self.label}]   {where}{completions} {seconds:7.1f}s "
-              f"pass@1 {point['pass@1']:.3f} ± {point['pass@1_problem_se']:.3f}", flush=True)
+        print(
+            f"[{self.label}]   {where}{completions} {seconds:7.1f}s "
+            f"pass@1 {point['pass@1']:.3f} ± {point['pass@1_problem_se']:.3f}",
+            flush=True,
+        )
         return point
 
 
@@ -633,19 +780,36 @@ def train_config(options, seed: int, output_dir: Path) -> dict:
     from topr_trl.tasks.reasoning import max_completion_tokens
 
     return dict(
-        output_dir=str(output_dir), per_device_train_batch_size=options.batch_size,
-        num_generations=options.num_generations, max_completion_length=max_completion_tokens(options.digits),
-        temperature=1.0, learning_rate=options.learning_rate, lr_scheduler_type="constant", max_grad_norm=1.0,
-        logging_steps=10**6, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
-        gradient_checkpointing=False, seed=seed, disable_tqdm=True,
+        output_dir=str(output_dir),
+        per_device_train_batch_size=options.batch_size,
+        num_generations=options.num_generations,
+        max_completion_length=max_completion_tokens(options.digits),
+        temperature=1.0,
+        learning_rate=options.learning_rate,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        logging_steps=10**6,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        seed=seed,
+        disable_tqdm=True,
     )
 
 
 def run_trainer(trainer_class, config, base_path, reward, dataset, tracker: Tracker, checkpoints: int, **extra):
     from transformers import PrinterCallback
 
-    trainer = trainer_class(model=str(base_path), reward_funcs=reward, args=config, train_dataset=dataset,
-                            callbacks=[checkpoint_callback(tracker, checkpoints)], **extra)
+    trainer = trainer_class(
+        model=str(base_path),
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        callbacks=[checkpoint_callback(tracker, checkpoints)],
+        **extra,
+    )
     trainer.remove_callback(PrinterCallback)
     trainer.train()
     return trainer.state.global_step
@@ -675,17 +839,24 @@ def word_problems_testbed(work: Path, options) -> Testbed:
         return {"accuracy": point["pass@1"], **point}
 
     return Testbed(
-        task="word_problems", base_dir=Path(resolve_model_source(WORD_PROBLEM_MODEL)), held_out=held_out,
-        reward=word_problem_reward, max_new_tokens=WORD_PROBLEM_TOKENS,
+        task="word_problems",
+        base_dir=Path(resolve_model_source(WORD_PROBLEM_MODEL)),
+        held_out=held_out,
+        reward=word_problem_reward,
+        max_new_tokens=WORD_PROBLEM_TOKENS,
         measure=f"sampled pass@1 (T=1, {options.eval_samples} samples x {len(held_out)} {split} problems)",
         metrics=("accuracy", "greedy_accuracy", "mean_completion_tokens", "truncated_rate"),
         # training problems of another draw per seed than the README run's (seed 1), all from the train split
         prompts=lambda count, seed: make_word_problems(count, "train", seed=100 + seed),
-        evaluate=evaluate, eval_draw=options.eval_draw,
+        evaluate=evaluate,
+        eval_draw=options.eval_draw,
     )
 
 
 # Each --task's testbed, the package's built-in tasks: (work dir, options) -> Testbed.
-TESTBEDS = {"reasoning": lambda work, options: reasoning_testbed(work, options)[0], "arithmetic": arithmetic_testbed,
-            "word_problems": word_problems_testbed}
+TESTBEDS = {
+    "reasoning": lambda work, options: reasoning_testbed(work, options)[0],
+    "arithmetic": arithmetic_testbed,
+    "word_problems": word_problems_testbed,
+}
 TASKS = tuple(TESTBEDS)

@@ -70,8 +70,13 @@ def far_behaviour_model(options, work: Path, testbed) -> tuple:
 
     if testbed.task != "reasoning":
         raise SystemExit("topr_far_off_policy needs --task reasoning (the behaviour model is a testbed warm start)")
-    settings = WarmStartSettings(digits=options.digits, error_rate=options.far_error_rate, steps=options.warm_steps,
-                                 spurious_carry_rate=options.spurious_carry_rate, seed=1)
+    settings = WarmStartSettings(
+        digits=options.digits,
+        error_rate=options.far_error_rate,
+        steps=options.warm_steps,
+        spurious_carry_rate=options.spurious_carry_rate,
+        seed=1,
+    )
     return build_reasoning_warm_model(work / "cache", settings)
 
 
@@ -89,7 +94,9 @@ def run(options) -> dict:
     if "topr_far_off_policy" in options.methods:
         far_model, far_tokenizer, far = far_behaviour_model(options, work, testbed)
         results["far_behaviour_model"] = str(far)
-        results["far_behaviour_start"] = testbed.evaluate(far_model, far_tokenizer, testbed.evaluation_seed(options.seeds[0]))
+        results["far_behaviour_start"] = testbed.evaluate(
+            far_model, far_tokenizer, testbed.evaluation_seed(options.seeds[0])
+        )
     for seed in options.seeds:
         truncation = dict(top_k=options.sampling_top_k, top_p=options.sampling_top_p)
         data = {"base": sample_fixed_dataset(testbed, options.prompts, seed, work, **truncation)}
@@ -102,19 +109,32 @@ def run(options) -> dict:
                 data.setdefault(source, data["base"].remove_columns("behaviour_sampling"))
             positives = sum(r > 0 for r in data[source]["reward"]) / len(data[source])
             run_result = train_offline(
-                testbed, data[source], work / "runs" / f"figure1-{method}-seed{seed}", seed=seed,
-                epochs=options.epochs, batch_size=options.batch_size, learning_rate=options.learning_rate,
-                eval_every=options.eval_every, probe=lambda model, rows=data[source]: clipped_token_shares(model, rows),
+                testbed,
+                data[source],
+                work / "runs" / f"figure1-{method}-seed{seed}",
+                seed=seed,
+                epochs=options.epochs,
+                batch_size=options.batch_size,
+                learning_rate=options.learning_rate,
+                eval_every=options.eval_every,
+                probe=lambda model, rows=data[source]: clipped_token_shares(model, rows),
                 **method_overrides(method, options),
             )
-            results["runs"][f"{method}/seed{seed}"] = {"method": method, "seed": seed,
-                                                       "dataset_positive_fraction": positives, **run_result}
+            results["runs"][f"{method}/seed{seed}"] = {
+                "method": method,
+                "seed": seed,
+                "dataset_positive_fraction": positives,
+                **run_result,
+            }
             curve = run_result["curve"]
             weights = [entry["weight_negative"] for entry in run_result["negative_weights"]]
-            print(f"[figure1] seed {seed} {method:<20} p {positives:.3f} negatives' weight "
-                  f"{statistics.mean(weights) if weights else float('nan'):.3g}  " + "  ".join(
-                f"{metric} {curve[0][metric]:.3f} -> {curve[-1][metric]:.3f}" for metric in testbed.metrics) +
-                f"  ({run_result['seconds']:.0f}s)", flush=True)
+            print(
+                f"[figure1] seed {seed} {method:<20} p {positives:.3f} negatives' weight "
+                f"{statistics.mean(weights) if weights else float('nan'):.3g}  "
+                + "  ".join(f"{metric} {curve[0][metric]:.3f} -> {curve[-1][metric]:.3f}" for metric in testbed.metrics)
+                + f"  ({run_result['seconds']:.0f}s)",
+                flush=True,
+            )
     summarise_all(results, testbed.metrics, options)
     return results
 
@@ -133,8 +153,11 @@ def negative_weight_by_method(runs: dict) -> dict:
     runs logged it): how hard negatives pushed."""
     outcome = {}
     for method in dict.fromkeys(run["method"] for run in runs.values()):
-        means = [statistics.mean(entry["weight_negative"] for entry in run["negative_weights"])
-                 for run in runs.values() if run["method"] == method and run.get("negative_weights")]
+        means = [
+            statistics.mean(entry["weight_negative"] for entry in run["negative_weights"])
+            for run in runs.values()
+            if run["method"] == method and run.get("negative_weights")
+        ]
         if means:
             outcome[method] = mean_and_ci95(means)
     return outcome
@@ -148,10 +171,16 @@ def clipped_share_by_step(runs: dict) -> dict:
         curves = [run["curve"] for run in runs.values() if run["method"] == method]
         if not all("clipped_share" in point for curve in curves for point in curve):
             continue
-        outcome[method] = [{"step": points[0]["step"], **{key: statistics.mean(point[key] for point in points)
-                                                          for key in ("clipped_share", "clipped_share_positive",
-                                                                      "clipped_share_negative")}}
-                           for points in zip(*curves, strict=False)]
+        outcome[method] = [
+            {
+                "step": points[0]["step"],
+                **{
+                    key: statistics.mean(point[key] for point in points)
+                    for key in ("clipped_share", "clipped_share_positive", "clipped_share_negative")
+                },
+            }
+            for points in zip(*curves, strict=False)
+        ]
     return outcome
 
 
@@ -167,15 +196,15 @@ def summarise(runs: dict, metrics) -> dict:
 def late_values(runs: dict, method: str, metric: str, share: float) -> dict[int, float]:
     """Per seed, a method's robust end point of `metric`: its mean over the checkpoints in the last `share` of the
     run's steps (the start excluded)."""
-    return {run["seed"]: late_mean(run["curve"], metric, share)
-            for run in runs.values() if run["method"] == method}
+    return {run["seed"]: late_mean(run["curve"], metric, share) for run in runs.values() if run["method"] == method}
 
 
 def summarise_late(runs: dict, metrics, share: float) -> dict:
     """Per method: mean and 95 % t-interval over seeds of each metric's robust end point (`late_values`)."""
-    return {method: {metric: mean_and_ci95(list(late_values(runs, method, metric, share).values()))
-                     for metric in metrics}
-            for method in dict.fromkeys(run["method"] for run in runs.values())}
+    return {
+        method: {metric: mean_and_ci95(list(late_values(runs, method, metric, share).values())) for metric in metrics}
+        for method in dict.fromkeys(run["method"] for run in runs.values())
+    }
 
 
 def compare(runs: dict, metrics, pairs: list[str], share: float) -> dict:
@@ -185,9 +214,12 @@ def compare(runs: dict, metrics, pairs: list[str], share: float) -> dict:
     for pair in pairs:
         first, second = pair.split("-")
         if first in ran and second in ran:
-            outcome[pair] = {metric: paired_difference(late_values(runs, first, metric, share),
-                                                       late_values(runs, second, metric, share))
-                             for metric in metrics}
+            outcome[pair] = {
+                metric: paired_difference(
+                    late_values(runs, first, metric, share), late_values(runs, second, metric, share)
+                )
+                for metric in metrics
+            }
     return outcome
 
 
@@ -199,9 +231,13 @@ def comparison(text: str) -> str:
     return text
 
 
-TITLES = {"accuracy": "held-out accuracy", "greedy_accuracy": "greedy accuracy", "invalid_rate": "invalid rate",
-          "malformed_rate": "malformed rate (not one integer then EOS)",
-          "pass@1_carries>=2": "pass@1 on problems with >= 2 carries"}
+TITLES = {
+    "accuracy": "held-out accuracy",
+    "greedy_accuracy": "greedy accuracy",
+    "invalid_rate": "invalid rate",
+    "malformed_rate": "malformed rate (not one integer then EOS)",
+    "pass@1_carries>=2": "pass@1 on problems with >= 2 carries",
+}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -228,33 +264,58 @@ def plot(results: dict, path: Path) -> None:
         axis.set_xlabel("optimizer step")
     axes[0].set_ylabel(results["measure"], fontsize=8)
     axes[0].legend(fontsize=8)
-    figure.suptitle(f"Figure 1 in miniature ({results['task']} task): one fixed dataset from mu, trained off-policy "
-                    "(mean, min-max over seeds)")
+    figure.suptitle(
+        f"Figure 1 in miniature ({results['task']} task): one fixed dataset from mu, trained off-policy "
+        "(mean, min-max over seeds)"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
 def main(argv=None) -> dict:
-    parser = experiment_parser(__doc__, output="docs/evidence/figure1/figure1", epochs=4.0, prompts=128,
-                               methods=METHODS)
+    parser = experiment_parser(
+        __doc__, output="docs/evidence/figure1/figure1", epochs=4.0, prompts=128, methods=METHODS
+    )
     parser.add_argument("--eval_every", type=int, default=32)
-    parser.add_argument("--late_share", type=float, default=0.25,
-                        help="the robust end point averages the checkpoints in this last share of the steps")
-    parser.add_argument("--compare", nargs="*", type=comparison,
-                        default=["topr-sft_positives", "topr-tis", "topr-ppo", "topr-naive_reinforce",
-                                 "topr-topr_far_off_policy"],
-                        help="pre-registered paired comparisons A-B of the late values (pairs whose methods ran)")
-    parser.add_argument("--sampling_top_k", type=int, default=0,
-                        help="mu samples the fixed datasets with this top-k (0: off)")
-    parser.add_argument("--sampling_top_p", type=float, default=1.0,
-                        help="mu samples the fixed datasets with this top-p (1: off)")
-    parser.add_argument("--far_error_rate", type=float, default=0.5,
-                        help="topr_far_off_policy: planted carry-drop rate of the other model the data comes from")
-    parser.add_argument("--target_effective_proportion", type=float, default=0.5,
-                        help="topr_target: the p~ (Eq. 12) its baseline c is solved for on each fixed dataset")
-    parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
-                        help="merge these result files of one command run on disjoint seeds (e.g. one per core) into "
-                             "--output, with the late values and comparisons of their own options; trains nothing")
+    parser.add_argument(
+        "--late_share",
+        type=float,
+        default=0.25,
+        help="the robust end point averages the checkpoints in this last share of the steps",
+    )
+    parser.add_argument(
+        "--compare",
+        nargs="*",
+        type=comparison,
+        default=["topr-sft_positives", "topr-tis", "topr-ppo", "topr-naive_reinforce", "topr-topr_far_off_policy"],
+        help="pre-registered paired comparisons A-B of the late values (pairs whose methods ran)",
+    )
+    parser.add_argument(
+        "--sampling_top_k", type=int, default=0, help="mu samples the fixed datasets with this top-k (0: off)"
+    )
+    parser.add_argument(
+        "--sampling_top_p", type=float, default=1.0, help="mu samples the fixed datasets with this top-p (1: off)"
+    )
+    parser.add_argument(
+        "--far_error_rate",
+        type=float,
+        default=0.5,
+        help="topr_far_off_policy: planted carry-drop rate of the other model the data comes from",
+    )
+    parser.add_argument(
+        "--target_effective_proportion",
+        type=float,
+        default=0.5,
+        help="topr_target: the p~ (Eq. 12) its baseline c is solved for on each fixed dataset",
+    )
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        default=None,
+        help="merge these result files of one command run on disjoint seeds (e.g. one per core) into "
+        "--output, with the late values and comparisons of their own options; trains nothing",
+    )
     options = parser.parse_args(argv)
     if options.merge:
         results = merge_results(options.merge)
@@ -267,14 +328,20 @@ def main(argv=None) -> dict:
     save(results, options, plot)
     print(f"measure: {results['measure']}")
     for method, row in results["summary"].items():
-        print(f"{method:<20} final " + "   ".join(f"{metric} {value['mean']:.3f} ± {value['ci95']:.3f}"
-                                                  for metric, value in row.items()))
+        print(
+            f"{method:<20} final "
+            + "   ".join(f"{metric} {value['mean']:.3f} ± {value['ci95']:.3f}" for metric, value in row.items())
+        )
     for method, row in results["late"].items():
-        print(f"{method:<20} late  " + "   ".join(f"{metric} {value['mean']:.3f} ± {value['ci95']:.3f}"
-                                                  for metric, value in row.items()))
+        print(
+            f"{method:<20} late  "
+            + "   ".join(f"{metric} {value['mean']:.3f} ± {value['ci95']:.3f}" for metric, value in row.items())
+        )
     for pair, row in results["paired"].items():
-        print(f"{pair:<32} paired late " + "   ".join(f"{metric} {value['mean']:+.3f} ± {value['ci95']:.3f}"
-                                                      for metric, value in row.items()))
+        print(
+            f"{pair:<32} paired late "
+            + "   ".join(f"{metric} {value['mean']:+.3f} ± {value['ci95']:.3f}" for metric, value in row.items())
+        )
     return results
 
 

@@ -50,17 +50,32 @@ def run(options) -> dict:
         baseline = 0.0 if options.effective_proportion is None else baseline_for(p, options.effective_proportion)
         for method in options.methods:
             outcome = train_offline(
-                testbed, data, work / "runs" / f"figure7-{method}-seed{seed}", seed=seed,
-                epochs=options.epochs, batch_size=options.batch_size, learning_rate=options.learning_rate,
-                max_grad_norm=options.max_grad_norm, eval_every=options.eval_every, topr_baseline=baseline,
+                testbed,
+                data,
+                work / "runs" / f"figure7-{method}-seed{seed}",
+                seed=seed,
+                epochs=options.epochs,
+                batch_size=options.batch_size,
+                learning_rate=options.learning_rate,
+                max_grad_norm=options.max_grad_norm,
+                eval_every=options.eval_every,
+                topr_baseline=baseline,
                 **METHODS[method],
             )
             norms = [entry["grad_norm"] for entry in outcome["grad_norms"]]
-            results["runs"][f"{method}/seed{seed}"] = {"method": method, "seed": seed, "measured_p": p,
-                                                       "baseline": baseline, **outcome}
-            print(f"[figure7] seed {seed} p={p:.3f} {method:<15} accuracy {outcome['curve'][0]['accuracy']:.3f} -> "
-                  f"{outcome['curve'][-1]['accuracy']:.3f}  grad norm median {statistics.median(norms):.3g} "
-                  f"max {max(norms):.3g} ({outcome['seconds']:.0f}s)", flush=True)
+            results["runs"][f"{method}/seed{seed}"] = {
+                "method": method,
+                "seed": seed,
+                "measured_p": p,
+                "baseline": baseline,
+                **outcome,
+            }
+            print(
+                f"[figure7] seed {seed} p={p:.3f} {method:<15} accuracy {outcome['curve'][0]['accuracy']:.3f} -> "
+                f"{outcome['curve'][-1]['accuracy']:.3f}  grad norm median {statistics.median(norms):.3g} "
+                f"max {max(norms):.3g} ({outcome['seconds']:.0f}s)",
+                flush=True,
+            )
     results["summary"] = summarise(results["runs"], options.max_grad_norm, options.collapse_margin)
     return results
 
@@ -79,12 +94,20 @@ def summarise(runs: dict, clip: float, collapse_margin: float = 0.1) -> dict:
         chosen = [run for run in runs.values() if run["method"] == method]
         late[method] = {run["seed"]: late_accuracy(run) for run in chosen}
         norms = [[entry["grad_norm"] for entry in run["grad_norms"]] for run in chosen]
-        largest = [max((entry.get("topr/ratio_negative/max", float("nan")) for entry in run.get("ratio_maxima", [])),
-                       default=float("nan")) for run in chosen]
+        largest = [
+            max(
+                (entry.get("topr/ratio_negative/max", float("nan")) for entry in run.get("ratio_maxima", [])),
+                default=float("nan"),
+            )
+            for run in chosen
+        ]
         summary[method] = {
             "late_accuracy": mean_and_ci95(list(late[method].values())),
-            "collapsed_seeds": [run["seed"] for run in chosen
-                                if late[method][run["seed"]] < run["curve"][0]["accuracy"] - collapse_margin],
+            "collapsed_seeds": [
+                run["seed"]
+                for run in chosen
+                if late[method][run["seed"]] < run["curve"][0]["accuracy"] - collapse_margin
+            ],
             "largest_negative_ratio": largest,
             "accuracy": mean_and_ci95([run["curve"][-1]["accuracy"] for run in chosen]),
             "max_grad_norm": mean_and_ci95([max(n) for n in norms]),
@@ -109,10 +132,21 @@ def plot(results: dict, path: Path) -> None:
     for _key, run in results["runs"].items():
         colour = colours.get(run["method"])
         label = run["method"] if run["seed"] == results["options"]["seeds"][0] else None
-        norm_axis.plot([e["step"] for e in run["grad_norms"]], [e["grad_norm"] for e in run["grad_norms"]],
-                       color=colour, alpha=0.6, label=label)
-        accuracy_axis.plot([point["step"] for point in run["curve"]], [point["accuracy"] for point in run["curve"]],
-                           color=colour, alpha=0.6, marker=".", label=label)
+        norm_axis.plot(
+            [e["step"] for e in run["grad_norms"]],
+            [e["grad_norm"] for e in run["grad_norms"]],
+            color=colour,
+            alpha=0.6,
+            label=label,
+        )
+        accuracy_axis.plot(
+            [point["step"] for point in run["curve"]],
+            [point["accuracy"] for point in run["curve"]],
+            color=colour,
+            alpha=0.6,
+            marker=".",
+            label=label,
+        )
     norm_axis.axhline(results["options"]["max_grad_norm"], color="grey", linestyle=":", label="clip")
     norm_axis.set_yscale("log")
     norm_axis.set_title("gradient norm before clipping")
@@ -120,8 +154,10 @@ def plot(results: dict, path: Path) -> None:
     for axis in (norm_axis, accuracy_axis):
         axis.set_xlabel("optimizer step")
         axis.legend()
-    figure.suptitle(f"Figure 7 in miniature: {results['options']['proportion']:.0%} positives, gradient clipping at "
-                    f"{results['options']['max_grad_norm']:g} (one line per seed)")
+    figure.suptitle(
+        f"Figure 7 in miniature: {results['options']['proportion']:.0%} positives, gradient clipping at "
+        f"{results['options']['max_grad_norm']:g} (one line per seed)"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
@@ -129,20 +165,30 @@ def plot(results: dict, path: Path) -> None:
 def main(argv=None) -> dict:
     parser = experiment_parser(__doc__, output="docs/evidence/figure7/figure7", epochs=15.0, methods=METHODS)
     parser.add_argument("--proportion", type=float, default=0.4, help="share of positives kept in the dataset")
-    parser.add_argument("--effective_proportion", type=float, default=None,
-                        help="set the baseline c so that Eq. 12's p~ equals this (default: c = 0, p~ = p)")
+    parser.add_argument(
+        "--effective_proportion",
+        type=float,
+        default=None,
+        help="set the baseline c so that Eq. 12's p~ equals this (default: c = 0, p~ = p)",
+    )
     parser.add_argument("--max_grad_norm", type=float, default=100.0)
     parser.add_argument("--eval_every", type=int, default=40)
-    parser.add_argument("--collapse_margin", type=float, default=0.1,
-                        help="a run has collapsed when its late accuracy is this far below its start")
+    parser.add_argument(
+        "--collapse_margin",
+        type=float,
+        default=0.1,
+        help="a run has collapsed when its late accuracy is this far below its start",
+    )
     options = parser.parse_args(argv)
     results = run(options)
     save(results, options, plot)
     for method, row in results["summary"].items():
-        print(f"{method:<15} late accuracy {row['late_accuracy']['mean']:.3f} ± {row['late_accuracy']['ci95']:.3f}  "
-              f"collapsed seeds {row['collapsed_seeds']}  "
-              f"final accuracy {row['accuracy']['mean']:.3f} ± {row['accuracy']['ci95']:.3f}  "
-              f"max grad norm {row['max_grad_norm']['mean']:.3g}  median {row['median_grad_norm']['mean']:.3g}")
+        print(
+            f"{method:<15} late accuracy {row['late_accuracy']['mean']:.3f} ± {row['late_accuracy']['ci95']:.3f}  "
+            f"collapsed seeds {row['collapsed_seeds']}  "
+            f"final accuracy {row['accuracy']['mean']:.3f} ± {row['accuracy']['ci95']:.3f}  "
+            f"max grad norm {row['max_grad_norm']['mean']:.3g}  median {row['median_grad_norm']['mean']:.3g}"
+        )
     return results
 
 

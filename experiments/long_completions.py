@@ -44,16 +44,22 @@ PREFIXES = (8, 16, 32, 64, 128, 256, 512)
 
 
 def parse(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--digits", type=int, nargs="+", default=[3, 12], help="reasoning testbeds to measure")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=4, help="completions per prompt")
     parser.add_argument("--drift_steps", type=int, nargs="+", default=[4, 16, 64])
     parser.add_argument("--learning_rate", type=float, default=1e-4)
-    parser.add_argument("--warm_steps", type=int, nargs="+", default=None,
-                        help="SFT steps of each --digits warm start (default: the shipped recipe's, 3,000; longer "
-                             "solutions may need more)")
+    parser.add_argument(
+        "--warm_steps",
+        type=int,
+        nargs="+",
+        default=None,
+        help="SFT steps of each --digits warm start (default: the shipped recipe's, 3,000; longer "
+        "solutions may need more)",
+    )
     parser.add_argument("--random_length", type=int, default=512)
     parser.add_argument("--skip", nargs="*", default=[], choices=["mismatch", "drift", "random"])
     parser.add_argument("--work_dir", default="outputs/long_completions")
@@ -70,8 +76,11 @@ def spread(sums: list[float]) -> dict:
     """Median |S|, the 5 % and 95 % quantiles (linear interpolation between order statistics) of sequence
     log-ratios S."""
     cuts = statistics.quantiles(sums, n=20, method="inclusive")
-    return {"median_abs_log_ratio": statistics.median(abs(s) for s in sums), "log_ratio_q05": cuts[0],
-            "log_ratio_q95": cuts[-1]}
+    return {
+        "median_abs_log_ratio": statistics.median(abs(s) for s in sums),
+        "log_ratio_q05": cuts[0],
+        "log_ratio_q95": cuts[-1],
+    }
 
 
 def negative_weights(negatives: list[tuple[float, int]]) -> dict:
@@ -79,10 +88,11 @@ def negative_weights(negatives: list[tuple[float, int]]) -> dict:
     the share below 0.5, and mean min(1, exp(S / l)) at the length-normalised level; none without negatives."""
     if not negatives:
         return {}
-    return {"negative_weight_mean": statistics.mean(min(1.0, math.exp(s)) for s, _ in negatives),
-            "negative_weight_below_half": sum(math.exp(s) < 0.5 for s, _ in negatives) / len(negatives),
-            "negative_weight_length_normalized_mean": statistics.mean(min(1.0, math.exp(s / n))
-                                                                      for s, n in negatives)}
+    return {
+        "negative_weight_mean": statistics.mean(min(1.0, math.exp(s)) for s, _ in negatives),
+        "negative_weight_below_half": sum(math.exp(s) < 0.5 for s, _ in negatives) / len(negatives),
+        "negative_weight_length_normalized_mean": statistics.mean(min(1.0, math.exp(s / n)) for s, n in negatives),
+    }
 
 
 def prefix_statistics(token_log_ratios: list[torch.Tensor], negative: list[bool]) -> list[dict]:
@@ -92,15 +102,26 @@ def prefix_statistics(token_log_ratios: list[torch.Tensor], negative: list[bool]
     0.5, and the same for the length-normalised ratio exp(S_l / l)."""
     rows = []
     for length in PREFIXES:
-        reaching = [(ratios[:length].sum().item(), is_negative) for ratios, is_negative
-                    in zip(token_log_ratios, negative, strict=True) if ratios.numel() >= length]
+        reaching = [
+            (ratios[:length].sum().item(), is_negative)
+            for ratios, is_negative in zip(token_log_ratios, negative, strict=True)
+            if ratios.numel() >= length
+        ]
         if len(reaching) < 8:
             continue
         sums = [total for total, _ in reaching]
         negatives = [(total, length) for total, is_negative in reaching if is_negative]
-        rows.append({"length": length, "completions": len(sums), "negatives": len(negatives), **spread(sums),
-                     "log_ratio_std": statistics.pstdev(sums), "mean_token_log_ratio": statistics.mean(sums) / length,
-                     **negative_weights(negatives)})
+        rows.append(
+            {
+                "length": length,
+                "completions": len(sums),
+                "negatives": len(negatives),
+                **spread(sums),
+                "log_ratio_std": statistics.pstdev(sums),
+                "mean_token_log_ratio": statistics.mean(sums) / length,
+                **negative_weights(negatives),
+            }
+        )
     return rows
 
 
@@ -109,8 +130,13 @@ def whole_completion_statistics(token_log_ratios: list[torch.Tensor], negative: 
     sums = [ratios.sum().item() for ratios in token_log_ratios]
     lengths = [ratios.numel() for ratios in token_log_ratios]
     negatives = [(s, n) for s, n, is_negative in zip(sums, lengths, negative, strict=True) if is_negative]
-    return {"completions": len(sums), "mean_length": statistics.mean(lengths), **spread(sums),
-            "negatives": len(negatives), **negative_weights(negatives)}
+    return {
+        "completions": len(sums),
+        "mean_length": statistics.mean(lengths),
+        **spread(sums),
+        "negatives": len(negatives),
+        **negative_weights(negatives),
+    }
 
 
 def policy_token_logps(model, rows: list[dict]) -> list[torch.Tensor]:
@@ -119,15 +145,17 @@ def policy_token_logps(model, rows: list[dict]) -> list[torch.Tensor]:
     with torch.no_grad():
         for row in rows:
             sequence = list(row["prompt_ids"]) + list(row["completion_ids"])
-            logits = model(torch.tensor([sequence])).logits[0, len(row["prompt_ids"]) - 1: -1].float()
+            logits = model(torch.tensor([sequence])).logits[0, len(row["prompt_ids"]) - 1 : -1].float()
             out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(row["completion_ids"])[:, None])[:, 0])
     return out
 
 
 def log_ratios(model, rows: list[dict]) -> list[torch.Tensor]:
     """Per-token log pi/mu of `rows` (mu's log-probs stored as `behaviour_logps`), pi = `model`."""
-    return [pi - torch.tensor(row["behaviour_logps"], dtype=torch.float32)
-            for pi, row in zip(policy_token_logps(model, rows), rows, strict=True)]
+    return [
+        pi - torch.tensor(row["behaviour_logps"], dtype=torch.float32)
+        for pi, row in zip(policy_token_logps(model, rows), rows, strict=True)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -135,8 +163,9 @@ def log_ratios(model, rows: list[dict]) -> list[torch.Tensor]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def engine_rows(model_path: Path, prompt_ids: list[list[int]], samples: int, max_tokens: int, ignore_eos: bool,
-                seed: int = 0) -> tuple[list[dict], str]:
+def engine_rows(
+    model_path: Path, prompt_ids: list[list[int]], samples: int, max_tokens: int, ignore_eos: bool, seed: int = 0
+) -> tuple[list[dict], str]:
     """Completions of vLLM's engine at its default dtype (bfloat16 on a CPU for a float32 checkpoint), temperature
     1, whole vocabulary, with the sampled tokens' log-probs."""
     from vllm import SamplingParams
@@ -147,10 +176,17 @@ def engine_rows(model_path: Path, prompt_ids: list[list[int]], samples: int, max
     dtype = str(engine.llm_engine.model_config.dtype)
     params = SamplingParams(n=samples, temperature=1.0, max_tokens=max_tokens, logprobs=0, ignore_eos=ignore_eos)
     outputs = engine.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-    rows = [{"prompt_ids": ids, "completion_ids": list(sample.token_ids),
-             "behaviour_logps": [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids,
-                                                                             strict=True)]}
-            for ids, request in zip(prompt_ids, outputs, strict=True) for sample in request.outputs]
+    rows = [
+        {
+            "prompt_ids": ids,
+            "completion_ids": list(sample.token_ids),
+            "behaviour_logps": [
+                step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids, strict=True)
+            ],
+        }
+        for ids, request in zip(prompt_ids, outputs, strict=True)
+        for sample in request.outputs
+    ]
     del engine
     free_vllm_memory()
     return rows, dtype
@@ -179,13 +215,30 @@ def drifted_policies(base_path: Path, digits: int, steps: list[int], learning_ra
             if state.global_step in steps:
                 kept[state.global_step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    args = TOPRConfig(str(work / f"drift-d{digits}"), per_device_train_batch_size=32, num_generations=8,
-                      max_completion_length=max_completion_tokens(digits), learning_rate=learning_rate,
-                      lr_scheduler_type="constant", max_grad_norm=1.0, max_steps=max(steps), logging_steps=10**6,
-                      report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=0, disable_tqdm=True)
-    trainer = TOPRTrainer(str(base_path), reasoning_reward, args=args,
-                          train_dataset=make_reasoning_dataset(32 * max(steps), digits, "train", seed=0),
-                          callbacks=[Keep()])
+    args = TOPRConfig(
+        str(work / f"drift-d{digits}"),
+        per_device_train_batch_size=32,
+        num_generations=8,
+        max_completion_length=max_completion_tokens(digits),
+        learning_rate=learning_rate,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        max_steps=max(steps),
+        logging_steps=10**6,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        disable_tqdm=True,
+    )
+    trainer = TOPRTrainer(
+        str(base_path),
+        reasoning_reward,
+        args=args,
+        train_dataset=make_reasoning_dataset(32 * max(steps), digits, "train", seed=0),
+        callbacks=[Keep()],
+    )
     trainer.train()
     return kept
 
@@ -196,13 +249,19 @@ def drifted_policies(base_path: Path, digits: int, steps: list[int], learning_ra
 
 
 def measure(name: str, token_log_ratios: list[torch.Tensor], negative: list[bool], **about) -> dict:
-    result = {"name": name, **about, "whole": whole_completion_statistics(token_log_ratios, negative),
-              "prefixes": prefix_statistics(token_log_ratios, negative)}
+    result = {
+        "name": name,
+        **about,
+        "whole": whole_completion_statistics(token_log_ratios, negative),
+        "prefixes": prefix_statistics(token_log_ratios, negative),
+    }
     whole = result["whole"]
-    print(f"{name}: mean length {whole['mean_length']:.0f}, median |log pi/mu| {whole['median_abs_log_ratio']:.4f}, "
-          f"negatives' mean weight {whole.get('negative_weight_mean', float('nan')):.3f} "
-          f"(length-normalised {whole.get('negative_weight_length_normalized_mean', float('nan')):.3f})",
-          flush=True)
+    print(
+        f"{name}: mean length {whole['mean_length']:.0f}, median |log pi/mu| {whole['median_abs_log_ratio']:.4f}, "
+        f"negatives' mean weight {whole.get('negative_weight_mean', float('nan')):.3f} "
+        f"(length-normalised {whole.get('negative_weight_length_normalized_mean', float('nan')):.3f})",
+        flush=True,
+    )
     return result
 
 
@@ -232,11 +291,20 @@ def reasoning_measurements(options, digits: int, warm_steps: int, work: Path) ->
     if "mismatch" not in options.skip:
         prompt_ids = tokenize_prompts(tokenizer, list(prompts["prompt"]), None, None)
         rows, dtype = engine_rows(path, prompt_ids, options.samples, max_completion_tokens(digits), ignore_eos=False)
-        results.append(measure(f"mismatch, {digits} digits", log_ratios(model.eval(), rows), negatives(rows),
-                               source="mismatch", engine_dtype=dtype, **about))
+        results.append(
+            measure(
+                f"mismatch, {digits} digits",
+                log_ratios(model.eval(), rows),
+                negatives(rows),
+                source="mismatch",
+                engine_dtype=dtype,
+                **about,
+            )
+        )
     if "drift" not in options.skip:
-        rows = base_rows(model.eval(), tokenizer, list(prompts["prompt"]), options.samples,
-                         max_completion_tokens(digits))
+        rows = base_rows(
+            model.eval(), tokenizer, list(prompts["prompt"]), options.samples, max_completion_tokens(digits)
+        )
         flags = negatives(rows)
         base_accuracy = 1 - sum(flags) / len(flags)
         if base_accuracy == 0:  # GRPO's group advantage is 0 in every group: TOPRTrainer would not move the policy
@@ -244,12 +312,22 @@ def reasoning_measurements(options, digits: int, warm_steps: int, work: Path) ->
             print(f"drift, {digits} digits: not measured ({reason})", flush=True)
             return [*results, {"name": f"drift, {digits} digits", "source": "drift", "skipped": reason, **about}]
         policy = AutoModelForCausalLM.from_pretrained(path).eval()
-        for steps, state in sorted(drifted_policies(path, digits, options.drift_steps, options.learning_rate,
-                                                    work).items()):
+        for steps, state in sorted(
+            drifted_policies(path, digits, options.drift_steps, options.learning_rate, work).items()
+        ):
             policy.load_state_dict(state)
-            results.append(measure(f"drift of {steps} steps, {digits} digits", log_ratios(policy, rows), flags,
-                                   source="drift", drift_steps=steps, learning_rate=options.learning_rate,
-                                   base_sampled_accuracy=base_accuracy, **about))
+            results.append(
+                measure(
+                    f"drift of {steps} steps, {digits} digits",
+                    log_ratios(policy, rows),
+                    flags,
+                    source="drift",
+                    drift_steps=steps,
+                    learning_rate=options.learning_rate,
+                    base_sampled_accuracy=base_accuracy,
+                    **about,
+                )
+            )
     return results
 
 
@@ -264,9 +342,14 @@ def random_model_measurement(options, work: Path) -> dict:
     prompts = make_reasoning_dataset(options.prompts, 3, "validation", seed=0)
     prompt_ids = tokenize_prompts(tokenizer, list(prompts["prompt"]), None, None)
     rows, dtype = engine_rows(path, prompt_ids, options.samples, options.random_length, ignore_eos=True)
-    return measure(f"mismatch, random model, {options.random_length} tokens", log_ratios(model.eval(), rows),
-                   [True] * len(rows), source="mismatch", engine_dtype=dtype,
-                   model="random-initialised testbed shape (64 x 2), EOS ignored")
+    return measure(
+        f"mismatch, random model, {options.random_length} tokens",
+        log_ratios(model.eval(), rows),
+        [True] * len(rows),
+        source="mismatch",
+        engine_dtype=dtype,
+        model="random-initialised testbed shape (64 x 2), EOS ignored",
+    )
 
 
 def plot(results: list[dict], output: str) -> None:
@@ -278,15 +361,30 @@ def plot(results: list[dict], output: str) -> None:
     figure, (spread, weight) = plt.subplots(1, 2, figsize=(11, 4))
     for result in (result for result in results if "skipped" not in result):
         lengths = [row["length"] for row in result["prefixes"]]
-        spread.plot(lengths, [row["median_abs_log_ratio"] for row in result["prefixes"]], marker="o",
-                    label=result["name"])
+        spread.plot(
+            lengths, [row["median_abs_log_ratio"] for row in result["prefixes"]], marker="o", label=result["name"]
+        )
         with_negatives = [row for row in result["prefixes"] if "negative_weight_mean" in row]
-        weight.plot([row["length"] for row in with_negatives], [row["negative_weight_mean"] for row in with_negatives],
-                    marker="o", label=result["name"])
-    spread.set(xscale="log", yscale="log", xlabel="prefix length (tokens)", ylabel="median |sum of log pi/mu|",
-               title="spread of the sequence log-ratio")
-    weight.set(xscale="log", xlabel="prefix length (tokens)", ylabel="mean min(1, pi/mu) of negatives",
-               title="negatives' weight under the product ratio", ylim=(0, 1.05))
+        weight.plot(
+            [row["length"] for row in with_negatives],
+            [row["negative_weight_mean"] for row in with_negatives],
+            marker="o",
+            label=result["name"],
+        )
+    spread.set(
+        xscale="log",
+        yscale="log",
+        xlabel="prefix length (tokens)",
+        ylabel="median |sum of log pi/mu|",
+        title="spread of the sequence log-ratio",
+    )
+    weight.set(
+        xscale="log",
+        xlabel="prefix length (tokens)",
+        ylabel="mean min(1, pi/mu) of negatives",
+        title="negatives' weight under the product ratio",
+        ylim=(0, 1.05),
+    )
     spread.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(f"{output}.png", dpi=120)
@@ -303,8 +401,12 @@ def main(argv=None) -> dict:
         results.extend(reasoning_measurements(options, digits, steps, work))
     if "random" not in options.skip:
         results.append(random_model_measurement(options, work))
-    summary = {"options": vars(options), "threads": torch.get_num_threads(), "torch": torch.__version__,
-               "results": results}
+    summary = {
+        "options": vars(options),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "results": results,
+    }
     Path(options.output).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{options.output}.json").write_text(json.dumps(summary, indent=2))
     plot(results, options.output)

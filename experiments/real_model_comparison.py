@@ -61,25 +61,42 @@ PARTS = {
 COMPARISONS = {"online": ["topr-grpo", "topr-sft_positives"], "off_policy": ["topr-tis", "topr-ppo"]}
 """The paired comparisons A-B of the late values, fixed before any run."""
 METRICS = ("pass@1", "greedy_accuracy", "mean_completion_tokens", "truncated_rate")
-STEP_LOG = ("reward", "topr/weight_negative/mean", "topr/negative_truncated_fraction", "topr/ratio_negative/min",
-            "topr/ratio_negative/max", "topr/negative_fraction", "completions/mean_length", "grad_norm")
+STEP_LOG = (
+    "reward",
+    "topr/weight_negative/mean",
+    "topr/negative_truncated_fraction",
+    "topr/ratio_negative/min",
+    "topr/ratio_negative/max",
+    "topr/negative_fraction",
+    "completions/mean_length",
+    "grad_norm",
+)
 """What each run keeps of the trainer's per-step log (where the trainer logs it)."""
 SMOKE = dict(seeds=[0], steps=2, prompts=2, epochs=1.0, eval_prompts=4, eval_samples=2, checkpoints=[0.5, 1.0])
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = experiment_parser(__doc__, output="docs/evidence/real-model/comparison", epochs=3.0, prompts=12,
-                               eval_prompts=48)
+    parser = experiment_parser(
+        __doc__, output="docs/evidence/real-model/comparison", epochs=3.0, prompts=12, eval_prompts=48
+    )
     parser.add_argument("--part", choices=list(PARTS), default="online")
     parser.add_argument("--methods", nargs="+", default=None, help="of the part's methods (default: all)")
     parser.add_argument("--steps", type=int, default=32, help="online: optimizer steps")
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--top_k", type=int, default=500, help="mu's top-k at temperature 1 (0: off)")
-    parser.add_argument("--checkpoints", type=float, nargs="+", default=[0.5, 0.875, 1.0],
-                        help="held-out checkpoints at these fractions of the run's steps (and the start); the late "
-                             "value averages those in the last quarter")
-    parser.add_argument("--runs", default="docs/evidence/real-model/comparison",
-                        help="one JSON per run (and the base model's points per draw), skipped when present")
+    parser.add_argument(
+        "--checkpoints",
+        type=float,
+        nargs="+",
+        default=[0.5, 0.875, 1.0],
+        help="held-out checkpoints at these fractions of the run's steps (and the start); the late "
+        "value averages those in the last quarter",
+    )
+    parser.add_argument(
+        "--runs",
+        default="docs/evidence/real-model/comparison",
+        help="one JSON per run (and the base model's points per draw), skipped when present",
+    )
     parser.add_argument("--summarise", action="store_true", help="gather the runs on disk into OUTPUT_<part>.json")
     parser.add_argument("--smoke", action="store_true", help=f"a pipeline check: {SMOKE}")
     parser.set_defaults(task="word_problems", batch_size=8, learning_rate=3e-5)
@@ -103,8 +120,11 @@ def run_file(options, method: str, seed: int) -> Path:
 
 
 def step_log(log_history: list[dict]) -> list[dict]:
-    return [{"step": entry["step"], **{key: entry[key] for key in STEP_LOG if key in entry}}
-            for entry in log_history if any(key in entry for key in STEP_LOG)]
+    return [
+        {"step": entry["step"], **{key: entry[key] for key in STEP_LOG if key in entry}}
+        for entry in log_history
+        if any(key in entry for key in STEP_LOG)
+    ]
 
 
 def online_run(testbed, method: str, seed: int, options, output_dir: Path) -> dict:
@@ -117,27 +137,59 @@ def online_run(testbed, method: str, seed: int, options, output_dir: Path) -> di
     overrides = PARTS["online"][method]
     trainer_class, config_class = (GRPOTrainer, GRPOConfig) if overrides is None else (TOPRTrainer, TOPRConfig)
     config = config_class(
-        output_dir=str(output_dir), per_device_train_batch_size=options.batch_size,
-        num_generations=options.num_generations, max_completion_length=testbed.max_new_tokens, temperature=1.0,
-        top_k=options.top_k, learning_rate=options.learning_rate, lr_scheduler_type="constant", max_grad_norm=1.0,
-        max_steps=options.steps, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
-        gradient_checkpointing=False, seed=seed, disable_tqdm=True, **(overrides or {}))
+        output_dir=str(output_dir),
+        per_device_train_batch_size=options.batch_size,
+        num_generations=options.num_generations,
+        max_completion_length=testbed.max_new_tokens,
+        temperature=1.0,
+        top_k=options.top_k,
+        learning_rate=options.learning_rate,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        max_steps=options.steps,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        seed=seed,
+        disable_tqdm=True,
+        **(overrides or {}),
+    )
     prompts = testbed.prompts(options.steps * options.batch_size // options.num_generations, seed)
     curve: list[dict] = []
     started = time.time()
-    trainer = trainer_class(model=str(testbed.base_dir), reward_funcs=testbed.reward, args=config,
-                            train_dataset=prompts, callbacks=[held_out_curve(testbed, seed, 0, curve, fractions=options.checkpoints)])
+    trainer = trainer_class(
+        model=str(testbed.base_dir),
+        reward_funcs=testbed.reward,
+        args=config,
+        train_dataset=prompts,
+        callbacks=[held_out_curve(testbed, seed, 0, curve, fractions=options.checkpoints)],
+    )
     trainer.remove_callback(PrinterCallback)
     trainer.train()
-    return {"curve": curve, "log": step_log(trainer.state.log_history),
-            "negative_weights": negative_weight_log(trainer.state.log_history), "seconds": time.time() - started}
+    return {
+        "curve": curve,
+        "log": step_log(trainer.state.log_history),
+        "negative_weights": negative_weight_log(trainer.state.log_history),
+        "seconds": time.time() - started,
+    }
 
 
 def off_policy_run(testbed, method: str, seed: int, options, output_dir: Path) -> dict:
     data = sample_fixed_dataset(testbed, options.prompts, seed, Path(options.work_dir), top_k=options.top_k)
-    result = train_offline(testbed, data, output_dir, seed=seed, epochs=options.epochs,
-                           batch_size=options.batch_size, learning_rate=options.learning_rate,
-                           fractions=tuple(options.checkpoints), **PARTS["off_policy"][method])
+    result = train_offline(
+        testbed,
+        data,
+        output_dir,
+        seed=seed,
+        epochs=options.epochs,
+        batch_size=options.batch_size,
+        learning_rate=options.learning_rate,
+        fractions=tuple(options.checkpoints),
+        **PARTS["off_policy"][method],
+    )
     result["dataset_positive_fraction"] = sum(r > 0 for r in data["reward"]) / len(data)
     result["dataset_mean_tokens"] = statistics.mean(map(len, data["completion_ids"]))
     return result
@@ -157,8 +209,9 @@ def with_cached_start(testbed, options, seed: int) -> None:
         return
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    point = testbed.start(AutoModelForCausalLM.from_pretrained(testbed.base_dir),
-                          AutoTokenizer.from_pretrained(testbed.base_dir), seed)
+    point = testbed.start(
+        AutoModelForCausalLM.from_pretrained(testbed.base_dir), AutoTokenizer.from_pretrained(testbed.base_dir), seed
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(point, indent=2))
 
@@ -174,50 +227,87 @@ def train(options) -> None:
             if path.is_file():
                 print(f"[{options.part}] seed {seed} {method}: on disk ({path})", flush=True)
                 continue
-            result = RUNNERS[options.part](testbed, method, seed, options,
-                                           work / "runs" / f"real-{options.part}-{method}-seed{seed}")
-            record = {"part": options.part, "method": method, "seed": seed, "options": vars(options),
-                      "measure": testbed.measure, "base_model": str(testbed.base_dir), "machine": machine_info(),
-                      "threads": os.environ.get("OMP_NUM_THREADS"), **result}
+            result = RUNNERS[options.part](
+                testbed, method, seed, options, work / "runs" / f"real-{options.part}-{method}-seed{seed}"
+            )
+            record = {
+                "part": options.part,
+                "method": method,
+                "seed": seed,
+                "options": vars(options),
+                "measure": testbed.measure,
+                "base_model": str(testbed.base_dir),
+                "machine": machine_info(),
+                "threads": os.environ.get("OMP_NUM_THREADS"),
+                **result,
+            }
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(record, indent=2))
             curve = result["curve"]
-            print(f"[{options.part}] seed {seed} {method:<14} pass@1 {curve[0]['pass@1']:.3f} -> "
-                  f"{curve[-1]['pass@1']:.3f} (late {late_mean(curve):.3f})  {result['seconds']:.0f}s", flush=True)
+            print(
+                f"[{options.part}] seed {seed} {method:<14} pass@1 {curve[0]['pass@1']:.3f} -> "
+                f"{curve[-1]['pass@1']:.3f} (late {late_mean(curve):.3f})  {result['seconds']:.0f}s",
+                flush=True,
+            )
 
 
 def summarise(part: str, runs: list[dict]) -> dict:
     """The part's late values per method (mean and 95 % t-interval over seeds), the pre-registered paired
     comparisons, and the mechanism: the negatives' mean truncated weight and truncated share per method."""
     methods = list(dict.fromkeys(run["method"] for run in runs))
-    late = {method: {metric: {run["seed"]: late_mean(run["curve"], metric) for run in runs
-                              if run["method"] == method} for metric in METRICS} for method in methods}
+    late = {
+        method: {
+            metric: {run["seed"]: late_mean(run["curve"], metric) for run in runs if run["method"] == method}
+            for metric in METRICS
+        }
+        for method in methods
+    }
     starts = {run["seed"]: run["curve"][0] for run in runs}
     summary = {
-        "part": part, "seeds": sorted(starts), "measure": runs[0]["measure"],
-        "options": {key: runs[0]["options"][key] for key in ("steps", "prompts", "epochs", "batch_size",
-                                                              "num_generations", "learning_rate", "top_k",
-                                                              "eval_prompts", "eval_samples", "checkpoints",
-                                                              "eval_split", "eval_draw")},
+        "part": part,
+        "seeds": sorted(starts),
+        "measure": runs[0]["measure"],
+        "options": {
+            key: runs[0]["options"][key]
+            for key in (
+                "steps",
+                "prompts",
+                "epochs",
+                "batch_size",
+                "num_generations",
+                "learning_rate",
+                "top_k",
+                "eval_prompts",
+                "eval_samples",
+                "checkpoints",
+                "eval_split",
+                "eval_draw",
+            )
+        },
         "start": {metric: mean_and_ci95([point[metric] for point in starts.values()]) for metric in METRICS},
-        "late": {method: {metric: mean_and_ci95(list(values.values())) for metric, values in by_metric.items()}
-                 for method, by_metric in late.items()},
+        "late": {
+            method: {metric: mean_and_ci95(list(values.values())) for metric, values in by_metric.items()}
+            for method, by_metric in late.items()
+        },
         "paired": {},
         "negatives": {},
-        "seconds": {method: statistics.mean(run["seconds"] for run in runs if run["method"] == method)
-                    for method in methods},
+        "seconds": {
+            method: statistics.mean(run["seconds"] for run in runs if run["method"] == method) for method in methods
+        },
     }
     for pair in COMPARISONS[part]:
         first, second = pair.split("-")
         if first in late and second in late and set(late[first]["pass@1"]) & set(late[second]["pass@1"]):
-            summary["paired"][pair] = {metric: paired_difference(late[first][metric], late[second][metric])
-                                       for metric in METRICS}
+            summary["paired"][pair] = {
+                metric: paired_difference(late[first][metric], late[second][metric]) for metric in METRICS
+            }
     for method in methods:
         logs = [run["negative_weights"] for run in runs if run["method"] == method and run["negative_weights"]]
         if logs:
             summary["negatives"][method] = {
                 key: mean_and_ci95([statistics.mean(entry[key] for entry in log if key in entry) for log in logs])
-                for key in ("weight_negative", "negative_truncated_fraction")}
+                for key in ("weight_negative", "negative_truncated_fraction")
+            }
     return summary
 
 
@@ -235,9 +325,11 @@ def plot(runs: list[dict], summary: dict, path: Path) -> None:
         axes[0].plot(steps, means, marker="o", label=method)
         weights = [run["negative_weights"] for run in runs if run["method"] == method and run["negative_weights"]]
         if weights:
-            axes[1].plot([entry["step"] for entry in weights[0]],
-                         [statistics.mean(log[i]["weight_negative"] for log in weights)
-                          for i in range(len(weights[0]))], label=method)
+            axes[1].plot(
+                [entry["step"] for entry in weights[0]],
+                [statistics.mean(log[i]["weight_negative"] for log in weights) for i in range(len(weights[0]))],
+                label=method,
+            )
     axes[0].set_title(f"held-out {summary['measure']}", fontsize=8)
     axes[1].set_title("negatives' mean truncated weight per step")
     for axis in axes:

@@ -32,14 +32,28 @@ GSM8K_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" /
 
 def gsm8k_questions(count: int) -> Dataset:
     rows = [json.loads(line) for line in GSM8K_FILE.read_text().splitlines()[:count]]
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": row["question"]}],
-                               "answer": row["ground_truth"].rsplit("A:", 1)[1].strip()} for row in rows])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": row["question"]}],
+                "answer": row["ground_truth"].rsplit("A:", 1)[1].strip(),
+            }
+            for row in rows
+        ]
+    )
 
 
 def single_digit_sums(count: int) -> Dataset:
     pairs = [(a, b) for a in range(1, 10) for b in range(1, 10)][:count]
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {a} plus {b}? Answer with the number."}],
-                               "answer": str(a + b)} for a, b in pairs])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": f"What is {a} plus {b}? Answer with the number."}],
+                "answer": str(a + b),
+            }
+            for a, b in pairs
+        ]
+    )
 
 
 CANDIDATES = {
@@ -48,12 +62,18 @@ CANDIDATES = {
     "word_problems_2_shot": (lambda count: make_word_problems(count, "validation"), 64),
     "word_problems_to_20_2_shot": (lambda count: make_word_problems(count, "validation", max_number=20), 64),
     "word_problems_0_shot": (lambda count: make_word_problems(count, "validation", few_shot=0), 64),
-    "word_problems_0_shot_to_20": (lambda count: make_word_problems(count, "validation", few_shot=0, max_number=20),
-                                   64),
+    "word_problems_0_shot_to_20": (
+        lambda count: make_word_problems(count, "validation", few_shot=0, max_number=20),
+        64,
+    ),
     "word_problems_0_shot_no_instruction": (
-        lambda count: make_word_problems(count, "validation", few_shot=0, instruction=None), 64),
-    "plain_questions": (lambda count: make_word_problems(count, "validation", style="plain", max_number=12,
-                                                         few_shot=0), 64),
+        lambda count: make_word_problems(count, "validation", few_shot=0, instruction=None),
+        64,
+    ),
+    "plain_questions": (
+        lambda count: make_word_problems(count, "validation", style="plain", max_number=12, few_shot=0),
+        64,
+    ),
     "single_digit_sums": (single_digit_sums, 48),
 }
 
@@ -78,25 +98,56 @@ def main() -> None:
     results = []
     for top_k in args.top_k:
         started = time.time()
-        result = evaluate_model(model, None, dataset, k=1, num_samples=args.samples,
-                                temperature=1.0, top_k=top_k, max_new_tokens=budget, batch_size=args.batch_size,
-                                seed=args.seed, show_progress=False, backend=args.backend, num_bootstrap=1000)
+        result = evaluate_model(
+            model,
+            None,
+            dataset,
+            k=1,
+            num_samples=args.samples,
+            temperature=1.0,
+            top_k=top_k,
+            max_new_tokens=budget,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            show_progress=False,
+            backend=args.backend,
+            num_bootstrap=1000,
+        )
         p = [record["num_correct"] / args.samples for record in result.records]
         lengths = [n for record in result.records for n in record["num_tokens"]]
         cut = [t for record in result.records for t in record["truncated"]]
-        row = {"top_k": top_k, "pass@1": result.pass_at_1, "pass@1_se": result.standard_errors.get("pass@1"),
-               "questions_0<p<1": sum(0 < x < 1 for x in p) / len(p), "mean_tokens": sum(lengths) / len(lengths),
-               "truncated": sum(cut) / len(cut), "seconds": round(time.time() - started, 1),
-               "example": result.records[0]["completions"][0][:300]}
+        row = {
+            "top_k": top_k,
+            "pass@1": result.pass_at_1,
+            "pass@1_se": result.standard_errors.get("pass@1"),
+            "questions_0<p<1": sum(0 < x < 1 for x in p) / len(p),
+            "mean_tokens": sum(lengths) / len(lengths),
+            "truncated": sum(cut) / len(cut),
+            "seconds": round(time.time() - started, 1),
+            "example": result.records[0]["completions"][0][:300],
+        }
         results.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "example"}), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "candidate": args.candidate, "model": MODEL, "questions": len(dataset), "samples": args.samples,
-        "temperature": 1.0, "max_new_tokens": budget, "backend": args.backend, "seed": args.seed,
-        "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0), "machine": machine_info(), "results": results,
-    }, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "candidate": args.candidate,
+                "model": MODEL,
+                "questions": len(dataset),
+                "samples": args.samples,
+                "temperature": 1.0,
+                "max_new_tokens": budget,
+                "backend": args.backend,
+                "seed": args.seed,
+                "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0),
+                "machine": machine_info(),
+                "results": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,14 @@ def baseline_rule(checkout: Path) -> types.ModuleType:
     this checkout's `SamplerProcessing`, which both designs share)."""
     source = (checkout / "topr_trl" / "support" / "rule.py").read_text()
     module = types.ModuleType("baseline_rule")
-    exec(compile(source.replace("from .processing import", "from topr_trl.support.processing import"),
-                 str(checkout / "topr_trl/support/rule.py"), "exec"), module.__dict__)
+    exec(
+        compile(
+            source.replace("from .processing import", "from topr_trl.support.processing import"),
+            str(checkout / "topr_trl/support/rule.py"),
+            "exec",
+        ),
+        module.__dict__,
+    )
     return module
 
 
@@ -49,9 +55,15 @@ def real_logits(rows: int, seed: int):
         for row in make_word_problems(8, "validation"):
             ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, return_tensors="pt")
             ids = ids if torch.is_tensor(ids) else ids["input_ids"]
-            out = model.generate(ids.repeat(2, 1), do_sample=True, top_p=0.95, top_k=0, max_new_tokens=64,
-                                 pad_token_id=tokenizer.eos_token_id)
-            states = model.model(out).last_hidden_state[:, ids.size(1) - 1:-1]
+            out = model.generate(
+                ids.repeat(2, 1),
+                do_sample=True,
+                top_p=0.95,
+                top_k=0,
+                max_new_tokens=64,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+            states = model.model(out).last_hidden_state[:, ids.size(1) - 1 : -1]
             hidden.append(states.reshape(-1, states.size(-1)))
         logits = model.lm_head(torch.cat(hidden)[:rows]).float()
     return logits, logits.softmax(-1).multinomial(1).squeeze(-1)
@@ -82,17 +94,35 @@ def main(argv: list[str] | None = None) -> dict:
                 started = time.perf_counter()
                 module.processed_log_probs(logits, tokens, processing)
                 times[name].append(time.perf_counter() - started)
-        difference = (baseline.processed_log_probs(logits, tokens, processing)
-                      - rule.processed_log_probs(logits, tokens, processing)).abs().max()
-        row = {"processing": processing.as_row(), "median_s": {k: statistics.median(v) for k, v in times.items()},
-               "max_abs_difference": float(difference)}
+        difference = (
+            (
+                baseline.processed_log_probs(logits, tokens, processing)
+                - rule.processed_log_probs(logits, tokens, processing)
+            )
+            .abs()
+            .max()
+        )
+        row = {
+            "processing": processing.as_row(),
+            "median_s": {k: statistics.median(v) for k, v in times.items()},
+            "max_abs_difference": float(difference),
+        }
         row["this_over_baseline"] = row["median_s"]["this"] / row["median_s"]["baseline"]
         results.append(row)
-        print(f"{processing}: baseline {row['median_s']['baseline']:.3f} s, this {row['median_s']['this']:.3f} s, "
-              f"ratio {row['this_over_baseline']:.3f}, max |difference| {row['max_abs_difference']:.2e}", flush=True)
-    outcome = {"rows": int(logits.size(0)), "vocabulary": int(logits.size(1)), "repeats": options.repeats,
-               "baseline_checkout": str(options.baseline_checkout), "machine": machine_info(),
-               "threads": torch.get_num_threads(), "results": results}
+        print(
+            f"{processing}: baseline {row['median_s']['baseline']:.3f} s, this {row['median_s']['this']:.3f} s, "
+            f"ratio {row['this_over_baseline']:.3f}, max |difference| {row['max_abs_difference']:.2e}",
+            flush=True,
+        )
+    outcome = {
+        "rows": int(logits.size(0)),
+        "vocabulary": int(logits.size(1)),
+        "repeats": options.repeats,
+        "baseline_checkout": str(options.baseline_checkout),
+        "machine": machine_info(),
+        "threads": torch.get_num_threads(),
+        "results": results,
+    }
     if options.output:
         Path(options.output).parent.mkdir(parents=True, exist_ok=True)
         Path(options.output).write_text(json.dumps(outcome, indent=2))

@@ -66,8 +66,18 @@ from experiments.common import (  # noqa: E402
 
 
 ONLINE = ("grpo", "topr_online")
-SMOKE = dict(seeds=[0], steps=8, batch_size=16, prompts=8, iterations=2, iteration_prompts=8, eval_prompts=64,
-             eval_samples=2, checkpoints=2, offline_epochs=[1, 2, 4])
+SMOKE = dict(
+    seeds=[0],
+    steps=8,
+    batch_size=16,
+    prompts=8,
+    iterations=2,
+    iteration_prompts=8,
+    eval_prompts=64,
+    eval_samples=2,
+    checkpoints=2,
+    offline_epochs=[1, 2, 4],
+)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -82,8 +92,12 @@ OFFLINE_LOSSES = ("topr", "sft", "ppo")
 def method_names(offline_epochs: list[int], controls: list[str] = ()) -> list[str]:
     """Every method a run has: the online ones, offline TOPR at each K, iterated TOPR, and each control loss at the
     largest K."""
-    return [*ONLINE, *(f"topr_offline_k{k}" for k in offline_epochs), "topr_iterated",
-            *(f"{loss}_offline_k{max(offline_epochs)}" for loss in controls)]
+    return [
+        *ONLINE,
+        *(f"topr_offline_k{k}" for k in offline_epochs),
+        "topr_iterated",
+        *(f"{loss}_offline_k{max(offline_epochs)}" for loss in controls),
+    ]
 
 
 def offline_method(method: str) -> tuple[str, int] | None:
@@ -94,8 +108,16 @@ def offline_method(method: str) -> tuple[str, int] | None:
     return loss, int(passes)
 
 
-def expected_completions(method: str, *, steps: int, batch_size: int, num_generations: int, prompts: int,
-                         iterations: int, iteration_prompts: int) -> int:
+def expected_completions(
+    method: str,
+    *,
+    steps: int,
+    batch_size: int,
+    num_generations: int,
+    prompts: int,
+    iterations: int,
+    iteration_prompts: int,
+) -> int:
     """Completions a method generates in all: online, num_generations x (batch_size / num_generations) prompts per
     generation batch x steps (one generation batch per optimizer step); offline, the dataset's rows, prompts x
     num_generations, whatever the passes over it; iterated, iteration_prompts x num_generations per iteration."""
@@ -138,8 +160,9 @@ def summarise(runs: dict, methods: list[str]) -> dict:
     steps, the final pass@1, completions and seconds in all, and those needed to reach each seed's target (None where
     never reached; `reached` counts the seeds that did)."""
     summary = {}
-    late = {method: {run["seed"]: late_point(run) for run in runs.values() if run["method"] == method}
-            for method in methods}
+    late = {
+        method: {run["seed"]: late_point(run) for run in runs.values() if run["method"] == method} for method in methods
+    }
     for method in methods:
         chosen = [run for run in runs.values() if run["method"] == method]
         if not chosen:
@@ -149,8 +172,9 @@ def summarise(runs: dict, methods: list[str]) -> dict:
         steps = [sum(run["steps"]) if isinstance(run["steps"], list) else run["steps"] for run in chosen]
         summary[method] = {
             "late_pass@1": mean_and_ci95([late[method][run["seed"]] for run in chosen]),
-            "late_minus_grpo": (paired_difference(late[method], late["grpo"])
-                                if method != "grpo" and late.get("grpo") else None),
+            "late_minus_grpo": (
+                paired_difference(late[method], late["grpo"]) if method != "grpo" and late.get("grpo") else None
+            ),
             # a reuse control: offline TOPR with the same passes minus the control (what TOPR's weights add)
             "topr_minus_this": topr_minus_control(method, late),
             "steps": mean_and_ci95(steps),
@@ -173,8 +197,10 @@ def summarise(runs: dict, methods: list[str]) -> dict:
 def method_config(method: str, options, seed: int, output_dir: Path) -> dict:
     """The shared training settings (`experiments.train_config`) with the method's own learning rate when
     --method_learning_rates gives one."""
-    return {**train_config(options, seed, output_dir),
-            "learning_rate": options.method_learning_rates.get(method, options.learning_rate)}
+    return {
+        **train_config(options, seed, output_dir),
+        "learning_rate": options.method_learning_rates.get(method, options.learning_rate),
+    }
 
 
 def learning_rate_of_method(text: str) -> tuple[str, float]:
@@ -199,11 +225,17 @@ def run_online(method, options, seed, base_path, held_out, base_point, work: Pat
     tracker = Tracker(held_out, options, reasoning_reward, "sample_efficiency", seed)
     tracker.curve.append(base_point)
     config_class, trainer_class = (GRPOConfig, GRPOTrainer) if method == "grpo" else (TOPRConfig, TOPRTrainer)
-    config = config_class(max_steps=options.steps,
-                          **method_config(method, options, seed, work / f"{method}-seed{seed}"))
+    config = config_class(
+        max_steps=options.steps, **method_config(method, options, seed, work / f"{method}-seed{seed}")
+    )
     steps = run_trainer(trainer_class, config, base_path, tracker.reward, prompts, tracker, options.checkpoints)
-    return {"loss_type": config.loss_type, "steps": steps, "completions": tracker.completions,
-            "seconds": tracker.seconds(), "curve": tracker.curve}
+    return {
+        "loss_type": config.loss_type,
+        "steps": steps,
+        "completions": tracker.completions,
+        "seconds": tracker.seconds(),
+        "curve": tracker.curve,
+    }
 
 
 def generate_once(options, seed, base_path, held_out, work: Path):
@@ -219,10 +251,17 @@ def generate_once(options, seed, base_path, held_out, work: Path):
     tracker = Tracker(held_out, options, reasoning_reward, "sample_efficiency", seed)
     torch.manual_seed(seed)
     data = generate_offline_dataset(
-        AutoModelForCausalLM.from_pretrained(base_path), AutoTokenizer.from_pretrained(base_path),
-        make_reasoning_dataset(options.prompts, options.digits, "train", seed=seed), tracker.reward, folder,
-        num_completions=options.num_generations, max_new_tokens=max_completion_tokens(options.digits),
-        show_progress=False, backend="transformers", seed=seed)
+        AutoModelForCausalLM.from_pretrained(base_path),
+        AutoTokenizer.from_pretrained(base_path),
+        make_reasoning_dataset(options.prompts, options.digits, "train", seed=seed),
+        tracker.reward,
+        folder,
+        num_completions=options.num_generations,
+        max_new_tokens=max_completion_tokens(options.digits),
+        show_progress=False,
+        backend="transformers",
+        seed=seed,
+    )
     return data, tracker.completions, tracker.seconds()
 
 
@@ -239,12 +278,22 @@ def run_offline(loss, epochs, options, seed, base_path, held_out, base_point, wo
     # every completion is generated before the first step: the curve is at the base model's pass@1 until then
     tracker.curve += [base_point, {**base_point, "completions": completions, "seconds": generation_seconds}]
     torch.manual_seed(seed)
-    config = TOPRConfig(topr_offline_epochs=epochs, loss_type=loss,
-                        **method_config(f"{loss}_offline_k{epochs}", options, seed,
-                                        work / f"{loss}_offline_k{epochs}-seed{seed}"))
+    config = TOPRConfig(
+        topr_offline_epochs=epochs,
+        loss_type=loss,
+        **method_config(f"{loss}_offline_k{epochs}", options, seed, work / f"{loss}_offline_k{epochs}-seed{seed}"),
+    )
     steps = run_trainer(TOPRTrainer, config, base_path, stored_reward, data, tracker, options.checkpoints)
-    return {"loss_type": loss, "epochs": epochs, "rows": len(data), "steps": steps, "completions": completions,
-            "generation_seconds": generation_seconds, "seconds": tracker.seconds(), "curve": tracker.curve}
+    return {
+        "loss_type": loss,
+        "epochs": epochs,
+        "rows": len(data),
+        "steps": steps,
+        "completions": completions,
+        "generation_seconds": generation_seconds,
+        "seconds": tracker.seconds(),
+        "curve": tracker.curve,
+    }
 
 
 def run_iterated(options, seed, base_path, held_out, base_point, work: Path) -> dict:
@@ -269,28 +318,51 @@ def run_iterated(options, seed, base_path, held_out, base_point, work: Path) -> 
     for name in ("output_dir", "num_generations", "max_completion_length", "temperature"):
         common.pop(name)  # run_iterations sets these from the iteration settings
     settings = IterationSettings(
-        num_iterations=options.iterations, num_completions=options.num_generations,
-        max_new_tokens=max_completion_tokens(options.digits), composition="uniform", backend="transformers",
-        save_steps=10**6, train_overrides=common)
+        num_iterations=options.iterations,
+        num_completions=options.num_generations,
+        max_new_tokens=max_completion_tokens(options.digits),
+        composition="uniform",
+        backend="transformers",
+        save_steps=10**6,
+        train_overrides=common,
+    )
     torch.manual_seed(seed)
-    summaries = run_iterations(str(base_path), make_reasoning_dataset(options.iteration_prompts, options.digits,
-                                                                      "train", seed=seed),
-                               tracker.reward, folder, settings, evaluate=evaluate)
-    return {"rows": [s["rows"] for s in summaries], "steps": [s["train_steps"] for s in summaries],
-            "completions": tracker.completions, "seconds": tracker.seconds(), "curve": tracker.curve}
+    summaries = run_iterations(
+        str(base_path),
+        make_reasoning_dataset(options.iteration_prompts, options.digits, "train", seed=seed),
+        tracker.reward,
+        folder,
+        settings,
+        evaluate=evaluate,
+    )
+    return {
+        "rows": [s["rows"] for s in summaries],
+        "steps": [s["train_steps"] for s in summaries],
+        "completions": tracker.completions,
+        "seconds": tracker.seconds(),
+        "curve": tracker.curve,
+    }
 
 
 def run(options) -> dict:
     started = time.time()
     model, tokenizer, base_path, held_out, results = prepare_testbed(options)
     work = Path(options.work_dir)
-    counts = dict(steps=options.steps, batch_size=options.batch_size, num_generations=options.num_generations,
-                  prompts=options.prompts, iterations=options.iterations, iteration_prompts=options.iteration_prompts)
+    counts = dict(
+        steps=options.steps,
+        batch_size=options.batch_size,
+        num_generations=options.num_generations,
+        prompts=options.prompts,
+        iterations=options.iterations,
+        iteration_prompts=options.iteration_prompts,
+    )
     bases = base_points(model, tokenizer, held_out, options)
     results["base"] = base_summary(bases)
     for seed, point in bases.items():
-        print(f"[sample_efficiency] base pass@1 on seed {seed}'s draw {point['pass@1']:.3f} ± {point['pass@1_problem_se']:.3f}",
-              flush=True)
+        print(
+            f"[sample_efficiency] base pass@1 on seed {seed}'s draw {point['pass@1']:.3f} ± {point['pass@1_problem_se']:.3f}",
+            flush=True,
+        )
     for seed in options.seeds:
         base_point = {"step": 0, "completions": 0, "seconds": 0.0, **bases[seed]}
         generated = None
@@ -302,8 +374,9 @@ def run(options) -> dict:
             elif offline_method(method) is not None:
                 if generated is None:
                     generated = generate_once(options, seed, base_path, held_out, work / "runs")
-                outcome = run_offline(*offline_method(method), options, seed, base_path, held_out, base_point,
-                                      work / "runs", generated)
+                outcome = run_offline(
+                    *offline_method(method), options, seed, base_path, held_out, base_point, work / "runs", generated
+                )
             else:
                 outcome = run_iterated(options, seed, base_path, held_out, base_point, work / "runs")
             if target is None and method == "grpo":
@@ -320,8 +393,9 @@ def run(options) -> dict:
 
 def update_summary(results: dict) -> None:
     """`results`' summary, from its runs (for --resummarise)."""
-    results["summary"] = summarise(results["runs"], list(dict.fromkeys(run["method"]
-                                                                       for run in results["runs"].values())))
+    results["summary"] = summarise(
+        results["runs"], list(dict.fromkeys(run["method"] for run in results["runs"].values()))
+    )
 
 
 def plot(results: dict, path: Path) -> None:
@@ -337,9 +411,17 @@ def plot(results: dict, path: Path) -> None:
     for run_ in results["runs"].values():
         curve, label = run_["curve"], run_["method"] if run_["seed"] == first_seed else None
         for axis, x in zip(axes, ("completions", "seconds"), strict=False):
-            axis.errorbar([p[x] for p in curve], [p["pass@1"] for p in curve],
-                          yerr=[p["pass@1_problem_se"] for p in curve], color=colours[run_["method"]], marker="o",
-                          markersize=3, capsize=2, alpha=0.8, label=label)
+            axis.errorbar(
+                [p[x] for p in curve],
+                [p["pass@1"] for p in curve],
+                yerr=[p["pass@1_problem_se"] for p in curve],
+                color=colours[run_["method"]],
+                marker="o",
+                markersize=3,
+                capsize=2,
+                alpha=0.8,
+                label=label,
+            )
     targets = {run_["target"] for run_ in results["runs"].values() if run_["target"] == run_["target"]}
     for axis in axes:
         for target in targets:
@@ -348,31 +430,51 @@ def plot(results: dict, path: Path) -> None:
     axes[1].set_xlabel("wall time, s (training + generation, 1 CPU thread)")
     axes[0].set_ylabel("held-out sampled pass@1 (± SE over problems)")
     axes[0].legend(fontsize=8)
-    figure.suptitle("Sample efficiency: TOPR (online, offline with reuse, iterated) vs online GRPO "
-                    "(dotted: GRPO's final pass@1)")
+    figure.suptitle(
+        "Sample efficiency: TOPR (online, offline with reuse, iterated) vs online GRPO (dotted: GRPO's final pass@1)"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
 def main(argv=None) -> dict:
-    parser = experiment_parser(__doc__, output="docs/evidence/sample_efficiency/sample_efficiency", epochs=None,
-                               prompts=60, eval_prompts=500)
+    parser = experiment_parser(
+        __doc__, output="docs/evidence/sample_efficiency/sample_efficiency", epochs=None, prompts=60, eval_prompts=500
+    )
     # 3e-4: 40 GRPO steps take the default model from ~0.71 to ~0.87 pass@1; 1e-3 collapses it to 0 (seed 0)
-    parser.add_argument("--methods", nargs="+", default=None,
-                        help="subset of grpo topr_online topr_offline_k<K> topr_iterated and the controls "
-                             "<loss>_offline_k<K> (default: all)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help="subset of grpo topr_online topr_offline_k<K> topr_iterated and the controls "
+        "<loss>_offline_k<K> (default: all)",
+    )
     parser.add_argument("--steps", type=int, default=60, help="online optimizer steps (one generation batch each)")
     parser.add_argument("--num_generations", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--offline_epochs", type=int, nargs="+", default=[1, 2, 4], help="passes K over the dataset")
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--iteration_prompts", type=int, default=32, help="prompts (x G) sampled per iteration")
-    parser.add_argument("--method_learning_rates", nargs="*", type=learning_rate_of_method, default=[],
-                        help="METHOD=RATE: a method's own learning rate (chosen on --eval_split validation), "
-                             "--learning_rate for the others")
-    parser.add_argument("--controls", nargs="*", default=["sft", "ppo"], choices=OFFLINE_LOSSES[1:],
-                        help="reuse controls: these losses on the same dataset with the largest K of --offline_epochs")
-    parser.add_argument("--checkpoints", type=int, default=12,
-                        help="evaluations per training run (the late pass@1 averages those in the last quarter)")
+    parser.add_argument(
+        "--method_learning_rates",
+        nargs="*",
+        type=learning_rate_of_method,
+        default=[],
+        help="METHOD=RATE: a method's own learning rate (chosen on --eval_split validation), "
+        "--learning_rate for the others",
+    )
+    parser.add_argument(
+        "--controls",
+        nargs="*",
+        default=["sft", "ppo"],
+        choices=OFFLINE_LOSSES[1:],
+        help="reuse controls: these losses on the same dataset with the largest K of --offline_epochs",
+    )
+    parser.add_argument(
+        "--checkpoints",
+        type=int,
+        default=12,
+        help="evaluations per training run (the late pass@1 averages those in the last quarter)",
+    )
     parser.add_argument("--target", type=float, default=None, help="pass@1 to reach (default: GRPO's final)")
     parser.add_argument("--smoke", action="store_true", help=f"a tiny run (overrides: {SMOKE})")
     rewritten = resummarise_if_asked(parser, argv, update_summary, plot)
@@ -387,22 +489,29 @@ def main(argv=None) -> dict:
     rates = dict(options.method_learning_rates)
     wrong = [f"{m}={r}" for m, r in rates.items() if m not in known or not r > 0]
     if wrong:
-        parser.error(f"--method_learning_rates {wrong}: each must be METHOD=RATE with a method among {known} "
-                     "and a positive rate")
+        parser.error(
+            f"--method_learning_rates {wrong}: each must be METHOD=RATE with a method among {known} and a positive rate"
+        )
     options.method_learning_rates = rates
     results = run(options)
     save(results, options, plot)
-    print(f"base pass@1 {results['base']['pass@1']:.3f}; target per seed "
-          f"{[round(t, 3) for t in next(iter(results['summary'].values()))['targets']]}", flush=True)
+    print(
+        f"base pass@1 {results['base']['pass@1']:.3f}; target per seed "
+        f"{[round(t, 3) for t in next(iter(results['summary'].values()))['targets']]}",
+        flush=True,
+    )
     for method, row in results["summary"].items():
         paired = row["late_minus_grpo"]
         versus = f"  - grpo {paired['mean']:+.3f} ± {paired['ci95']:.3f}" if paired else ""
-        print(f"{method:<17} late pass@1 {row['late_pass@1']['mean']:.3f} ± {row['late_pass@1']['ci95']:.3f}{versus}  "
-              f"steps {row['steps']['mean']:.0f}  "
-              f"final {row['final_pass@1']['mean']:.3f} ± {row['final_pass@1']['ci95']:.3f}  "
-              f"completions {row['completions_total']['mean']:>7.0f}  {row['seconds_total']['mean']:6.0f}s  "
-              f"reached target {row['reached']}: completions {row['completions_to_target']} "
-              f"seconds {[None if s is None else round(s) for s in row['seconds_to_target']]}", flush=True)
+        print(
+            f"{method:<17} late pass@1 {row['late_pass@1']['mean']:.3f} ± {row['late_pass@1']['ci95']:.3f}{versus}  "
+            f"steps {row['steps']['mean']:.0f}  "
+            f"final {row['final_pass@1']['mean']:.3f} ± {row['final_pass@1']['ci95']:.3f}  "
+            f"completions {row['completions_total']['mean']:>7.0f}  {row['seconds_total']['mean']:6.0f}s  "
+            f"reached target {row['reached']}: completions {row['completions_to_target']} "
+            f"seconds {[None if s is None else round(s) for s in row['seconds_to_target']]}",
+            flush=True,
+        )
     return results
 
 

@@ -102,15 +102,17 @@ SMOKE = dict(seeds=[0], steps=8, batch_size=16, lags=[1, 4], eval_prompts=64, ev
 # ---------------------------------------------------------------------------------------------------------
 
 
-def expected_completions(lag: int, *, steps: int, batch_size: int, lag_via: str = "num_iterations",
-                         reuse_spacing: int = 1) -> int:
+def expected_completions(
+    lag: int, *, steps: int, batch_size: int, lag_via: str = "num_iterations", reuse_spacing: int = 1
+) -> int:
     """Completions generated in `steps` optimizer steps of `batch_size` completions when mu lags by up to lag - 1
     updates: with num_iterations = lag one batch is generated every `lag` steps (the last one even when the run
     stops before reusing it `lag` times), or with `reuse_spacing` S > 1 (steps_per_generation = S) S batches every
     S x lag steps, each reused every S steps; with steps_per_generation = lag a lag-times larger batch is."""
     if lag < 1 or steps < 1 or reuse_spacing < 1:
-        raise ValueError(f"lag, steps and reuse_spacing must be >= 1, got lag={lag}, steps={steps}, "
-                         f"reuse_spacing={reuse_spacing}")
+        raise ValueError(
+            f"lag, steps and reuse_spacing must be >= 1, got lag={lag}, steps={steps}, reuse_spacing={reuse_spacing}"
+        )
     if lag_via == "num_iterations":
         return math.ceil(steps / (lag * reuse_spacing)) * reuse_spacing * batch_size
     generations = math.ceil(steps / lag)
@@ -170,15 +172,18 @@ def summarise(runs: dict, methods, lags) -> dict:
                 "late_pass@1": mean_and_ci95([late_mean(run["curve"]) for run in chosen]),
                 "completions": mean_and_ci95([run["completions"] for run in chosen]),
                 "seconds": mean_and_ci95([run["seconds"] for run in chosen]),
-                "logged": {key: mean_and_ci95([run["logged"][key] for run in chosen if key in run["logged"]])["mean"]
-                           for key in keys},
+                "logged": {
+                    key: mean_and_ci95([run["logged"][key] for run in chosen if key in run["logged"]])["mean"]
+                    for key in keys
+                },
             }
         if not per_lag:
             continue
         row = {"lags": per_lag}
         if 1 in per_lag:
             row["largest_tolerated_lag"] = largest_tolerated_lag(
-                {lag: entry["final_pass@1"] for lag, entry in per_lag.items()})
+                {lag: entry["final_pass@1"] for lag, entry in per_lag.items()}
+            )
         summary[method] = row
     return summary
 
@@ -202,13 +207,17 @@ def run_lagged(method, lag, options, seed, base_path, held_out, base_point, work
     from topr_trl.tasks.reasoning import make_reasoning_dataset, reasoning_reward
 
     # enough prompts for fresh data every step (steps_per_generation); num_iterations uses the first 1/lag of them
-    prompts = make_reasoning_dataset(options.steps * options.batch_size // options.num_generations, options.digits,
-                                     "train", seed=seed)
+    prompts = make_reasoning_dataset(
+        options.steps * options.batch_size // options.num_generations, options.digits, "train", seed=seed
+    )
     torch.manual_seed(seed)
     tracker = Tracker(held_out, options, reasoning_reward, "staleness", seed)
     tracker.curve.append(base_point)
-    common = {**train_config(options, seed, work / f"{method}-k{lag}-seed{seed}"), "logging_steps": 1,
-              options.lag_via: lag}
+    common = {
+        **train_config(options, seed, work / f"{method}-k{lag}-seed{seed}"),
+        "logging_steps": 1,
+        options.lag_via: lag,
+    }
     if options.reuse_spacing > 1:  # reuse each batch every S steps instead of back to back (num_iterations only)
         common["steps_per_generation"] = options.reuse_spacing
     package, overrides = METHOD_TRAINERS[method]
@@ -222,9 +231,17 @@ def run_lagged(method, lag, options, seed, base_path, held_out, base_point, work
         return built[0]
 
     steps = run_trainer(keep, config, base_path, tracker.reward, prompts, tracker, options.checkpoints)
-    return {"loss_type": config.loss_type, "epsilon": config.epsilon, "num_iterations": config.num_iterations,
-            "steps_per_generation": config.steps_per_generation, "steps": steps, "completions": tracker.completions,
-            "seconds": tracker.seconds(), "curve": tracker.curve, "logged": run_averages(built[0].state.log_history)}
+    return {
+        "loss_type": config.loss_type,
+        "epsilon": config.epsilon,
+        "num_iterations": config.num_iterations,
+        "steps_per_generation": config.steps_per_generation,
+        "steps": steps,
+        "completions": tracker.completions,
+        "seconds": tracker.seconds(),
+        "curve": tracker.curve,
+        "logged": run_averages(built[0].state.log_history),
+    }
 
 
 def run(options) -> dict:
@@ -234,20 +251,26 @@ def run(options) -> dict:
     bases = base_points(model, tokenizer, held_out, options)
     results["base"] = base_summary(bases)
     for seed, point in bases.items():
-        print(f"[staleness] base pass@1 on seed {seed}'s draw {point['pass@1']:.3f} ± {point['pass@1_problem_se']:.3f}",
-              flush=True)
+        print(
+            f"[staleness] base pass@1 on seed {seed}'s draw {point['pass@1']:.3f} ± {point['pass@1_problem_se']:.3f}",
+            flush=True,
+        )
     for seed in options.seeds:
         base_point = {"step": 0, "completions": 0, "seconds": 0.0, **bases[seed]}
         for method in options.methods:
             for lag in options.lags:
                 print(f"[staleness] seed {seed} {method} K={lag}", flush=True)
-                outcome = run_lagged(method, lag, options, seed, base_path, held_out, base_point,
-                                     work / "staleness-runs")
+                outcome = run_lagged(
+                    method, lag, options, seed, base_path, held_out, base_point, work / "staleness-runs"
+                )
                 outcome["expected_completions"] = expected_completions(
-                    lag, steps=options.steps, batch_size=options.batch_size, lag_via=options.lag_via,
-                    reuse_spacing=options.reuse_spacing)
-                results["runs"][f"{method}/k{lag}/seed{seed}"] = {"method": method, "lag": lag, "seed": seed,
-                                                                  **outcome}
+                    lag,
+                    steps=options.steps,
+                    batch_size=options.batch_size,
+                    lag_via=options.lag_via,
+                    reuse_spacing=options.reuse_spacing,
+                )
+                results["runs"][f"{method}/k{lag}/seed{seed}"] = {"method": method, "lag": lag, "seed": seed, **outcome}
     results["summary"] = summarise(results["runs"], options.methods, options.lags)
     results["paired"] = paired_comparisons(results["runs"], options.methods, options.lags)
     results["seconds"] = time.time() - started
@@ -265,20 +288,34 @@ def plot(results: dict, path: Path) -> None:
     for method, row in results["summary"].items():
         lags = sorted(int(lag) for lag in row["lags"])
         finals = [row["lags"][lag]["final_pass@1"] for lag in lags]
-        axes[0].errorbar(lags, [f["mean"] for f in finals], yerr=[f["ci95"] for f in finals], marker="o", capsize=3,
-                         color=colours[method], label=method)
+        axes[0].errorbar(
+            lags,
+            [f["mean"] for f in finals],
+            yerr=[f["ci95"] for f in finals],
+            marker="o",
+            capsize=3,
+            color=colours[method],
+            label=method,
+        )
         if "largest_tolerated_lag" in row:
-            axes[0].axhline(row["largest_tolerated_lag"]["threshold"], color=colours[method], linestyle=":",
-                            linewidth=1)
+            axes[0].axhline(
+                row["largest_tolerated_lag"]["threshold"], color=colours[method], linestyle=":", linewidth=1
+            )
     first_seed = results["options"]["seeds"][0]
     styles = dict(zip(sorted(results["options"]["lags"]), ("-", "--", "-.", ":", "-"), strict=False))
     for run_ in results["runs"].values():
         if run_["seed"] != first_seed:
             continue
         curve = run_["curve"]
-        axes[1].plot([p["step"] for p in curve], [p["pass@1"] for p in curve], marker="o", markersize=3,
-                     linestyle=styles.get(run_["lag"], "-"), color=colours[run_["method"]],
-                     label=f"{run_['method']} K={run_['lag']}")
+        axes[1].plot(
+            [p["step"] for p in curve],
+            [p["pass@1"] for p in curve],
+            marker="o",
+            markersize=3,
+            linestyle=styles.get(run_["lag"], "-"),
+            color=colours[run_["method"]],
+            label=f"{run_['method']} K={run_['lag']}",
+        )
     axes[0].set_xscale("log", base=2)
     axes[0].set_ylim(0, 1)  # a two-seed t-interval spans far beyond [0, 1]
     axes[0].axhline(results["base"]["pass@1"], color="grey", linewidth=1)
@@ -288,8 +325,10 @@ def plot(results: dict, path: Path) -> None:
     axes[1].set_xlabel(f"optimizer step (seed {first_seed})")
     axes[1].set_ylabel("held-out sampled pass@1")
     axes[1].legend(fontsize=7, ncol=2)
-    figure.suptitle("Staleness: TOPR vs GRPO-clip with mu lagging pi by up to K - 1 updates "
-                    "(dotted: K = 1 mean - CI; grey: base model)")
+    figure.suptitle(
+        "Staleness: TOPR vs GRPO-clip with mu lagging pi by up to K - 1 updates "
+        "(dotted: K = 1 mean - CI; grey: base model)"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
@@ -308,15 +347,25 @@ def main(argv=None) -> dict:
     parser = experiment_parser(__doc__, output="docs/evidence/staleness/staleness", epochs=None, eval_prompts=500)
     # the warm model cache is shared with sample_efficiency.py; 3e-4 is its learning rate
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=tuple(METHOD_TRAINERS))
-    parser.add_argument("--lags", type=int, nargs="+", default=[1, 4, 16, 64],
-                        help="K: mu lags pi by up to K - 1 updates (K = 1 must be among them for the summary rule)")
-    parser.add_argument("--lag_via", default="num_iterations", choices=LAG_VIA,
-                        help="the GRPOConfig field set to K (see the docstring)")
-    parser.add_argument("--reuse_spacing", type=int, default=1,
-                        help="with --lag_via num_iterations: steps between two uses of one batch (S, set as "
-                             "steps_per_generation): S = 1 reuses a batch K times back to back, S > 1 generates S "
-                             "batches at once and cycles through them K times (same completions, mu up to S x K - 1 "
-                             "updates behind)")
+    parser.add_argument(
+        "--lags",
+        type=int,
+        nargs="+",
+        default=[1, 4, 16, 64],
+        help="K: mu lags pi by up to K - 1 updates (K = 1 must be among them for the summary rule)",
+    )
+    parser.add_argument(
+        "--lag_via", default="num_iterations", choices=LAG_VIA, help="the GRPOConfig field set to K (see the docstring)"
+    )
+    parser.add_argument(
+        "--reuse_spacing",
+        type=int,
+        default=1,
+        help="with --lag_via num_iterations: steps between two uses of one batch (S, set as "
+        "steps_per_generation): S = 1 reuses a batch K times back to back, S > 1 generates S "
+        "batches at once and cycles through them K times (same completions, mu up to S x K - 1 "
+        "updates behind)",
+    )
     parser.add_argument("--steps", type=int, default=64, help="optimizer steps, the same for every K")
     parser.add_argument("--num_generations", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--checkpoints", type=int, default=4, help="evaluations per training run")
@@ -336,17 +385,23 @@ def main(argv=None) -> dict:
     for method, row in results["summary"].items():
         for lag, entry in row["lags"].items():
             final, logged = entry["final_pass@1"], entry["logged"]
-            shown = {k: round(v, 3) for k, v in logged.items()
-                     if k in ("topr/ratio_negative/min", "topr/negative_truncated_fraction", "clip_ratio/region_mean")}
+            shown = {
+                k: round(v, 3)
+                for k, v in logged.items()
+                if k in ("topr/ratio_negative/min", "topr/negative_truncated_fraction", "clip_ratio/region_mean")
+            }
             late = entry["late_pass@1"]
-            print(f"{method:<10} K={lag:<3} final pass@1 {final['mean']:.3f} ± {final['ci95']:.3f}  "
-                  f"late {late['mean']:.3f} ± {late['ci95']:.3f}  "
-                  f"completions {entry['completions']['mean']:>6.0f}  {entry['seconds']['mean']:5.0f}s  {shown}",
-                  flush=True)
+            print(
+                f"{method:<10} K={lag:<3} final pass@1 {final['mean']:.3f} ± {final['ci95']:.3f}  "
+                f"late {late['mean']:.3f} ± {late['ci95']:.3f}  "
+                f"completions {entry['completions']['mean']:>6.0f}  {entry['seconds']['mean']:5.0f}s  {shown}",
+                flush=True,
+            )
         if "largest_tolerated_lag" in row:
             rule = row["largest_tolerated_lag"]
-            print(f"{method:<10} largest K within one CI of K=1 (>= {rule['threshold']:.3f}): {rule['lag']}",
-                  flush=True)
+            print(
+                f"{method:<10} largest K within one CI of K=1 (>= {rule['threshold']:.3f}): {rule['lag']}", flush=True
+            )
     for name, difference in results["paired"].items():
         print(f"paired late pass@1 {name:<24} {difference['mean']:+.3f} ± {difference['ci95']:.3f}", flush=True)
     return results

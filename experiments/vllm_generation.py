@@ -102,8 +102,9 @@ def throughput(name: str, work: Path, num_completions: int, length: int, repeats
         return sum(len(sample.token_ids) for output in outputs for sample in output.outputs)
 
     def run_hf() -> int:
-        rows = generate_completions(model, tokenizer, prompts, max_new_tokens=length, min_new_tokens=length,
-                                    with_logps=True)
+        rows = generate_completions(
+            model, tokenizer, prompts, max_new_tokens=length, min_new_tokens=length, with_logps=True
+        )
         return sum(len(row["completion_ids"]) for row in rows)
 
     run_vllm(), run_hf()  # warm-up: the engine's first call and transformers' first batch are slower
@@ -116,10 +117,15 @@ def throughput(name: str, work: Path, num_completions: int, length: int, repeats
             seconds[backend].append(time.perf_counter() - started)
     median = {backend: statistics.median(values) for backend, values in seconds.items()}
     result = {
-        "model": name, "parameters": sum(p.numel() for p in model.parameters()), "completions": len(prompts),
-        "completion_length": length, "vllm_dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
-        "transformers_dtype": str(model.dtype).removeprefix("torch."), "engine_load_seconds": load_seconds,
-        "seconds": seconds, "tokens": tokens,
+        "model": name,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "completions": len(prompts),
+        "completion_length": length,
+        "vllm_dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
+        "transformers_dtype": str(model.dtype).removeprefix("torch."),
+        "engine_load_seconds": load_seconds,
+        "seconds": seconds,
+        "tokens": tokens,
         "completions_per_second": {backend: len(prompts) / value for backend, value in median.items()},
         "ratio_vllm_over_transformers": median["transformers"] / median["vllm"],
     }
@@ -132,7 +138,9 @@ def throughput(name: str, work: Path, num_completions: int, length: int, repeats
 
 def quantiles(values: torch.Tensor) -> dict[str, float]:
     points = torch.tensor([0.0, 0.01, 0.1, 0.5, 0.9, 0.99, 1.0], dtype=values.dtype)
-    return {f"q{int(p * 100)}": v for p, v in zip(points.tolist(), torch.quantile(values, points).tolist(), strict=False)}
+    return {
+        f"q{int(p * 100)}": v for p, v in zip(points.tolist(), torch.quantile(values, points).tolist(), strict=False)
+    }
 
 
 def mismatch(work: Path, num_prompts: int, num_generations: int, dtype: str) -> dict:
@@ -149,8 +157,9 @@ def mismatch(work: Path, num_prompts: int, num_generations: int, dtype: str) -> 
     llm = make_vllm_engine(path, seed=0, dtype=dtype)
     engine_dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
     prompts = make_reasoning_dataset(num_prompts, 3, "train", seed=0)
-    rows = sample_with_logps_vllm(llm, tokenizer, prompts["prompt"], num_completions=num_generations,
-                                  max_new_tokens=max_completion_tokens(3))
+    rows = sample_with_logps_vllm(
+        llm, tokenizer, prompts["prompt"], num_completions=num_generations, max_new_tokens=max_completion_tokens(3)
+    )
     del llm
     free_vllm_memory()
     answers = [answer for answer in prompts["answer"] for _ in range(num_generations)]
@@ -171,8 +180,11 @@ def mismatch(work: Path, num_prompts: int, num_generations: int, dtype: str) -> 
     negative = rewards < 0  # the reasoning reward is +1 / -1 and TOPR's default signal is R with c = 0
     weights = tapered_weights(log_ratio, ~negative, PRESETS["topr"])
     return {
-        "engine_dtype": engine_dtype, "policy_dtype": "float32", "sequences": len(rows),
-        "tokens": token_gap.numel(), "positive_share": (~negative).double().mean().item(),
+        "engine_dtype": engine_dtype,
+        "policy_dtype": "float32",
+        "sequences": len(rows),
+        "tokens": token_gap.numel(),
+        "positive_share": (~negative).double().mean().item(),
         "token_abs_log_ratio": {"mean": token_gap.abs().mean().item(), "max": token_gap.abs().max().item()},
         "sequence_ratio": {"mean": ratio.mean().item(), "std": ratio.std().item(), **quantiles(ratio)},
         "sequence_ratio_below_1_share": (ratio < 1).double().mean().item(),
@@ -223,23 +235,40 @@ def server_sync(name: str, work: Path, repeats: int) -> dict:
         os.killpg(server.pid, 15)
         server.wait(timeout=60)
     median = statistics.median(timings)
-    return {"model": name, "parameters": sum(p.numel() for p in model.parameters()), "megabytes": megabytes,
-            "tensors": len(metadata), "push_ms_median": median, "push_ms_min": min(timings),
-            "push_ms_max": max(timings), "ms_per_megabyte": median / megabytes, "server_start_seconds": start_seconds}
+    return {
+        "model": name,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "megabytes": megabytes,
+        "tensors": len(metadata),
+        "push_ms_median": median,
+        "push_ms_min": min(timings),
+        "push_ms_max": max(timings),
+        "ms_per_megabyte": median / megabytes,
+        "server_start_seconds": start_seconds,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--measure", choices=("throughput", "mismatch", "server_sync"), required=True)
-    parser.add_argument("--models", default="reasoning,27m", help="throughput: comma-separated, of reasoning, "
-                                                                    f"{', '.join(MODELS)}")
+    parser.add_argument(
+        "--models", default="reasoning,27m", help=f"throughput: comma-separated, of reasoning, {', '.join(MODELS)}"
+    )
     parser.add_argument("--num_completions", type=int, default=128, help="throughput: completions per round")
     parser.add_argument("--completion_length", type=int, default=64, help="throughput: tokens per completion")
-    parser.add_argument("--repeats", type=int, default=3, help="throughput: timed rounds per backend; server_sync: "
-                                                               "timed pushes (after one warm-up)")
-    parser.add_argument("--vllm_dtype", default="float32", help="throughput: the engine's dtype (float32: the "
-                                                                   "transformers model's; auto: vLLM's default, "
-                                                                   "bfloat16 on a float32 model)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="throughput: timed rounds per backend; server_sync: timed pushes (after one warm-up)",
+    )
+    parser.add_argument(
+        "--vllm_dtype",
+        default="float32",
+        help="throughput: the engine's dtype (float32: the "
+        "transformers model's; auto: vLLM's default, "
+        "bfloat16 on a float32 model)",
+    )
     parser.add_argument("--num_prompts", type=int, default=64, help="mismatch: prompts")
     parser.add_argument("--num_generations", type=int, default=8, help="mismatch: completions per prompt")
     parser.add_argument("--dtypes", default="auto,float32", help="mismatch: the engine dtypes, comma-separated")
@@ -247,37 +276,53 @@ def main() -> None:
     options = parser.parse_args()
     for name in options.models.split(","):
         if name not in ("reasoning", *MODELS, *REAL_MODELS):
-            parser.error(f"--models: unknown model {name!r}; choose from reasoning, {', '.join([*MODELS, *REAL_MODELS])}")
+            parser.error(
+                f"--models: unknown model {name!r}; choose from reasoning, {', '.join([*MODELS, *REAL_MODELS])}"
+            )
     threads = torch.get_num_threads()
     print(f"torch threads {threads} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as work:
         if options.measure == "throughput":
             for name in options.models.split(","):
-                result = throughput(name, Path(work), options.num_completions, options.completion_length,
-                                    options.repeats, options.vllm_dtype)
+                result = throughput(
+                    name,
+                    Path(work),
+                    options.num_completions,
+                    options.completion_length,
+                    options.repeats,
+                    options.vllm_dtype,
+                )
                 results.append(result)
                 rates = result["completions_per_second"]
-                print(f"{name} ({result['parameters'] / 1e6:.2f}M parameters, vLLM {result['vllm_dtype']}, "
-                      f"HF {result['transformers_dtype']}): vLLM {rates['vllm']:.1f} completions/s, HF "
-                      f"{rates['transformers']:.1f}; vLLM/HF {result['ratio_vllm_over_transformers']:.2f}x",
-                      flush=True)
+                print(
+                    f"{name} ({result['parameters'] / 1e6:.2f}M parameters, vLLM {result['vllm_dtype']}, "
+                    f"HF {result['transformers_dtype']}): vLLM {rates['vllm']:.1f} completions/s, HF "
+                    f"{rates['transformers']:.1f}; vLLM/HF {result['ratio_vllm_over_transformers']:.2f}x",
+                    flush=True,
+                )
         elif options.measure == "server_sync":
             for name in options.models.split(","):
                 result = server_sync(name, Path(work), options.repeats)
                 results.append(result)
-                print(f"{name} ({result['parameters'] / 1e6:.2f}M parameters, {result['megabytes']:.1f} MB, "
-                      f"{result['tensors']} tensors): push {result['push_ms_median']:.1f} ms median "
-                      f"({result['push_ms_min']:.1f}-{result['push_ms_max']:.1f}), "
-                      f"{result['ms_per_megabyte']:.2f} ms/MB", flush=True)
+                print(
+                    f"{name} ({result['parameters'] / 1e6:.2f}M parameters, {result['megabytes']:.1f} MB, "
+                    f"{result['tensors']} tensors): push {result['push_ms_median']:.1f} ms median "
+                    f"({result['push_ms_min']:.1f}-{result['push_ms_max']:.1f}), "
+                    f"{result['ms_per_megabyte']:.2f} ms/MB",
+                    flush=True,
+                )
         else:
             for dtype in options.dtypes.split(","):
                 result = mismatch(Path(work), options.num_prompts, options.num_generations, dtype)
                 results.append(result)
                 print(json.dumps(result, indent=2), flush=True)
     if options.output:
-        Path(options.output).write_text(json.dumps({"measure": options.measure, "threads": threads,
-                                                    "options": vars(options), "results": results}, indent=2))
+        Path(options.output).write_text(
+            json.dumps(
+                {"measure": options.measure, "threads": threads, "options": vars(options), "results": results}, indent=2
+            )
+        )
 
 
 if __name__ == "__main__":

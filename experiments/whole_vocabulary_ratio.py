@@ -57,34 +57,62 @@ def main() -> None:
         torch.manual_seed(args.seed)
         log_ratios, lengths = [], []
         for row in problems:
-            prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, return_tensors="pt",
-                                                   return_dict=True)["input_ids"]
+            prompt = tokenizer.apply_chat_template(
+                row["prompt"], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )["input_ids"]
             with torch.no_grad():
-                out = model.generate(prompt, do_sample=True, temperature=1.0, max_new_tokens=WORD_PROBLEM_TOKENS,
-                                     num_return_sequences=args.samples, top_k=truncation.get("top_k", 0),
-                                     top_p=truncation.get("top_p", 1.0), pad_token_id=tokenizer.eos_token_id)
-                logits = model(out).logits[:, prompt.shape[1] - 1:-1]
-            completion = out[:, prompt.shape[1]:]
+                out = model.generate(
+                    prompt,
+                    do_sample=True,
+                    temperature=1.0,
+                    max_new_tokens=WORD_PROBLEM_TOKENS,
+                    num_return_sequences=args.samples,
+                    top_k=truncation.get("top_k", 0),
+                    top_p=truncation.get("top_p", 1.0),
+                    pad_token_id=tokenizer.eos_token_id,
+                )
+                logits = model(out).logits[:, prompt.shape[1] - 1 : -1]
+            completion = out[:, prompt.shape[1] :]
             mask = torch.ones_like(completion, dtype=torch.bool)
             for index, ids in enumerate(completion.tolist()):  # the tokens after the first EOS are padding
                 if tokenizer.eos_token_id in ids:
-                    mask[index, ids.index(tokenizer.eos_token_id) + 1:] = False
+                    mask[index, ids.index(tokenizer.eos_token_id) + 1 :] = False
             per_token = kept_log_mass(logits, truncation.get("top_k"), truncation.get("top_p"))
             log_ratios += (per_token * mask).sum(dim=1).tolist()
             lengths += mask.sum(dim=1).tolist()
         ratios = sorted(torch.tensor(log_ratios).exp().tolist())
-        row = {**truncation, "sequences": len(ratios), "mean_tokens": statistics.mean(lengths),
-               "ratio_median": statistics.median(ratios), "ratio_p10": ratios[len(ratios) // 10],
-               "ratio_p90": ratios[9 * len(ratios) // 10], "ratio_min": ratios[0], "ratio_max": ratios[-1],
-               "per_token_kept_mass_mean": statistics.mean(
-                   torch.tensor(log_ratios).div(torch.tensor(lengths, dtype=torch.float)).exp().tolist())}
+        row = {
+            **truncation,
+            "sequences": len(ratios),
+            "mean_tokens": statistics.mean(lengths),
+            "ratio_median": statistics.median(ratios),
+            "ratio_p10": ratios[len(ratios) // 10],
+            "ratio_p90": ratios[9 * len(ratios) // 10],
+            "ratio_min": ratios[0],
+            "ratio_max": ratios[-1],
+            "per_token_kept_mass_mean": statistics.mean(
+                torch.tensor(log_ratios).div(torch.tensor(lengths, dtype=torch.float)).exp().tolist()
+            ),
+        }
         results.append(row)
         print(json.dumps(row), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": WORD_PROBLEM_MODEL, "prompts": args.prompts, "samples": args.samples,
-                               "few_shot": args.few_shot, "seed": args.seed, "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0),
-                               "machine": machine_info(), "results": results}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "model": WORD_PROBLEM_MODEL,
+                "prompts": args.prompts,
+                "samples": args.samples,
+                "few_shot": args.few_shot,
+                "seed": args.seed,
+                "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0),
+                "machine": machine_info(),
+                "results": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

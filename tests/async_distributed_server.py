@@ -61,15 +61,32 @@ def main(model: str, results_dir: str, port: str) -> None:
         threading.Thread(target=server.serve_forever, daemon=True).start()
     trl_async.AsyncRolloutWorker = RolloutWorker
     state.wait_for_everyone()  # the server is up before any process asks it
-    args = AsyncTOPRConfig(output_dir=os.path.join(results_dir, "out"), use_cpu=True, bf16=False,
-                           per_device_train_batch_size=4, num_generations=4, max_steps=1, report_to="none",
-                           token_budget=0, vllm_server_base_url=f"http://127.0.0.1:{port}")
-    trainer = AsyncTOPRTrainer(model, reasoning_reward, args, train_dataset=make_reasoning_dataset(8),
-                               peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    args = AsyncTOPRConfig(
+        output_dir=os.path.join(results_dir, "out"),
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_steps=1,
+        report_to="none",
+        token_budget=0,
+        vllm_server_base_url=f"http://127.0.0.1:{port}",
+    )
+    trainer = AsyncTOPRTrainer(
+        model,
+        reasoning_reward,
+        args,
+        train_dataset=make_reasoning_dataset(8),
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
     state.wait_for_everyone()  # every process left the constructor at the same collective
-    result = {"rank": state.process_index, "world": state.num_processes, "lora_sync": trainer._lora_sync,
-              "weight_transfer": type(trainer.weight_transfer).__name__,
-              "rollout_worker": type(trainer.rollout_worker).__name__}
+    result = {
+        "rank": state.process_index,
+        "world": state.num_processes,
+        "lora_sync": trainer._lora_sync,
+        "weight_transfer": type(trainer.weight_transfer).__name__,
+        "rollout_worker": type(trainer.rollout_worker).__name__,
+    }
     with open(os.path.join(results_dir, f"rank{state.process_index}.json"), "w") as handle:
         json.dump(result, handle)
     end_process_group()

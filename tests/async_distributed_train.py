@@ -59,7 +59,7 @@ class RecordingTrainer(AsyncTOPRTrainer):
     def _log_staleness_metrics(self, terms, signal, mask, versions, *args, **kwargs) -> None:
         if versions is not None:
             self.record["micro_batch_steps"].append(self.state.global_step)
-            self.record["versions"].append(versions.reshape(-1)[:mask.size(0)].tolist())
+            self.record["versions"].append(versions.reshape(-1)[: mask.size(0)].tolist())
         super()._log_staleness_metrics(terms, signal, mask, versions, *args, **kwargs)
 
 
@@ -68,16 +68,30 @@ def main(model: str, output_dir: str, results_dir: str, lag: str, max_steps: str
     record_staleness_sums(record)
     RecordingTrainer.record = record
     args = AsyncTOPRConfig(
-        output_dir=output_dir, bf16=False, use_cpu=True, per_device_train_batch_size=PER_DEVICE_BATCH,
-        gradient_accumulation_steps=1, num_generations=4, max_completion_length=max_completion_tokens(3),
-        max_steps=int(max_steps), weight_sync_steps=int(sync_steps), learning_rate=1e-3, token_budget=0, logging_steps=1, report_to="none",
-        save_strategy="no", heartbeat_stale_after_s=120, seed=0,
-        topr_signal="reward")  # R - 0 = +-1: every sample is in a branch, so the bins' counts are all samples
+        output_dir=output_dir,
+        bf16=False,
+        use_cpu=True,
+        per_device_train_batch_size=PER_DEVICE_BATCH,
+        gradient_accumulation_steps=1,
+        num_generations=4,
+        max_completion_length=max_completion_tokens(3),
+        max_steps=int(max_steps),
+        weight_sync_steps=int(sync_steps),
+        learning_rate=1e-3,
+        token_budget=0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        heartbeat_stale_after_s=120,
+        seed=0,
+        topr_signal="reward",
+    )  # R - 0 = +-1: every sample is in a branch, so the bins' counts are all samples
     dataset = make_reasoning_dataset(16)
     # lockstep: the worker makes one step's samples per policy version, `lag` versions old, so every trained sample
     # is at least `lag` versions stale and the run is the same whatever the two busy CPUs' timing
-    trainer = build_async_trainer(RecordingTrainer, model, reasoning_reward, args, dataset,
-                                  WorkerSettings(lag=int(lag), lockstep=True))
+    trainer = build_async_trainer(
+        RecordingTrainer, model, reasoning_reward, args, dataset, WorkerSettings(lag=int(lag), lockstep=True)
+    )
     trainer.train()
     parameters = trainer.accelerator.unwrap_model(trainer.model).state_dict()
     initial = AutoModelForCausalLM.from_pretrained(model).state_dict()
@@ -88,15 +102,19 @@ def main(model: str, output_dir: str, results_dir: str, lag: str, max_steps: str
     rank = trainer.accelerator.process_index
     history = trainer.state.log_history
     result = {
-        "rank": rank, "world": trainer.accelerator.num_processes, "steps": trainer.state.global_step,
+        "rank": rank,
+        "world": trainer.accelerator.num_processes,
+        "steps": trainer.state.global_step,
         "model_version": trainer.model_version,
         "worker_on_this_rank": trainer.rollout_worker is not None,
         "staleness_counts": {str(k): v for k, v in trainer.staleness_counts.items()},  # main process only
         "losses": [entry["loss"] for entry in history if "loss" in entry],
-        "samples_per_step": [entry["batch/samples_per_step"] for entry in history
-                             if "batch/samples_per_step" in entry],
-        "staleness_metrics": [{key: value for key, value in entry.items() if key.startswith("topr/staleness_")}
-                              for entry in history if "loss" in entry],
+        "samples_per_step": [entry["batch/samples_per_step"] for entry in history if "batch/samples_per_step" in entry],
+        "staleness_metrics": [
+            {key: value for key, value in entry.items() if key.startswith("topr/staleness_")}
+            for entry in history
+            if "loss" in entry
+        ],
         "parameters_sha256": digest.hexdigest(),
         "parameters_sum": float(sum(p.double().sum() for p in parameters.values())),
         "parameters_moved": max((parameters[n] - initial[n]).abs().max().item() for n in parameters),

@@ -39,8 +39,10 @@ _VLLM_SKIPPED = pytest.StashKey[int]()
 def pytest_terminal_summary(terminalreporter, config):
     skipped = config.stash.get(_VLLM_SKIPPED, 0)
     if skipped:
-        terminalreporter.write_line(f"{skipped} vLLM tests skipped: vLLM is not installed here; run them with "
-                                    f"`{RUN_VLLM_TESTS}` (sets up .venv-vllm with vLLM's CPU build)")
+        terminalreporter.write_line(
+            f"{skipped} vLLM tests skipped: vLLM is not installed here; run them with "
+            f"`{RUN_VLLM_TESTS}` (sets up .venv-vllm with vLLM's CPU build)"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -178,14 +180,14 @@ def reasoning_model(tmp_path_factory) -> str:
 
 # A user's reward module: scores a completion by its first character, and records the prompts it was asked to score
 # so that a test can tell which data a run trained on.
-REWARD_MODULE = '''
+REWARD_MODULE = """
 import json, os
 
 def correctness(prompts, completions, answer, **kwargs):
     with open(os.environ["SEEN_PROMPTS"], "a") as seen:
         seen.write(json.dumps(list(prompts)) + "\\n")
     return [1.0 if c[:1] == str(a)[:1] else -1.0 for c, a in zip(completions, answer)]
-'''
+"""
 
 
 def work_in(folder, monkeypatch):

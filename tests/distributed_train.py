@@ -23,13 +23,26 @@ def main(model_path: str, data_dir: str, output_dir: str, results_dir: str, per_
     # Plain SGD without clipping: a parameter update is linear in the gradient, so a gradient scaled or averaged
     # wrongly across processes shows in the parameters (Adam's normalised step and clipping would hide a scale).
     args = TOPRConfig(
-        output_dir=output_dir, per_device_train_batch_size=int(per_device_batch), num_generations=4,
-        max_completion_length=6, max_steps=-1, learning_rate=0.5, optim="sgd", max_grad_norm=0.0,
-        lr_scheduler_type="constant", logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
-        bf16=False, gradient_checkpointing=False, seed=0,
+        output_dir=output_dir,
+        per_device_train_batch_size=int(per_device_batch),
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=-1,
+        learning_rate=0.5,
+        optim="sgd",
+        max_grad_norm=0.0,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        seed=0,
     )
-    trainer = TOPRTrainer(model=model_path, reward_funcs=stored_reward, args=args,
-                          train_dataset=load_offline_dataset(data_dir))
+    trainer = TOPRTrainer(
+        model=model_path, reward_funcs=stored_reward, args=args, train_dataset=load_offline_dataset(data_dir)
+    )
     # how many times pi was scored on mu's support (data sampled with truncation): the head projected on each rank,
     # gathered under ZeRO-3
     scored = []
@@ -46,8 +59,13 @@ def main(model_path: str, data_dir: str, output_dir: str, results_dir: str, per_
         gathered = {name: p.detach().clone() for name, p in parameters.items()}
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     rank = trainer.accelerator.process_index
-    result = {"rank": rank, "world": trainer.accelerator.num_processes, "losses": losses,
-              "steps": trainer.state.global_step, "support_scored": len(scored)}
+    result = {
+        "rank": rank,
+        "world": trainer.accelerator.num_processes,
+        "losses": losses,
+        "steps": trainer.state.global_step,
+        "support_scored": len(scored),
+    }
     torch.save(gathered, os.path.join(results_dir, f"parameters-rank{rank}.pt"))
     with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as handle:
         json.dump(result, handle)

@@ -92,11 +92,11 @@ class LLM:
                     if token == self.eos_token_id:
                         finish = "stop"
                         break
-                    text = self.tokenizer.decode(ids[len(prompt["prompt_token_ids"]):], skip_special_tokens=True)
+                    text = self.tokenizer.decode(ids[len(prompt["prompt_token_ids"]) :], skip_special_tokens=True)
                     if any(stop in text for stop in sampling_params.stop or ()):
                         finish = "stop"  # vLLM stops on a stop string and leaves it out of `text`
                         break
-                new = ids[len(prompt["prompt_token_ids"]):]
+                new = ids[len(prompt["prompt_token_ids"]) :]
                 text = self.tokenizer.decode(new, skip_special_tokens=sampling_params.skip_special_tokens)
                 for stop in sampling_params.stop or ():
                     text = text.split(stop)[0]

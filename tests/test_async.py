@@ -48,10 +48,23 @@ BACKWARD_ROUNDINGS = 2 * FORWARD_ROUNDINGS
 
 
 def async_kwargs(output_dir, **overrides) -> dict:
-    kwargs = dict(output_dir=str(output_dir), bf16=False, use_cpu=True, per_device_train_batch_size=8,
-                  gradient_accumulation_steps=1, num_generations=4, max_completion_length=COMPLETION, max_steps=3,
-                  learning_rate=1e-3, token_budget=0, logging_steps=1, report_to="none", save_strategy="no",
-                  heartbeat_stale_after_s=60, seed=0)
+    kwargs = dict(
+        output_dir=str(output_dir),
+        bf16=False,
+        use_cpu=True,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+        num_generations=4,
+        max_completion_length=COMPLETION,
+        max_steps=3,
+        learning_rate=1e-3,
+        token_budget=0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        heartbeat_stale_after_s=60,
+        seed=0,
+    )
     kwargs.update(overrides)
     return kwargs
 
@@ -60,15 +73,22 @@ def make_worker(**overrides) -> LaggedRolloutWorker:
     kwargs = dict(num_generations=4, max_completion_length=COMPLETION, lockstep=True, samples_per_version=8)
     kwargs.update(overrides)
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
-    return LaggedRolloutWorker(AutoModelForCausalLM.from_pretrained(MODEL), tokenizer, make_reasoning_dataset(16),
-                               reasoning_reward, **kwargs)
+    return LaggedRolloutWorker(
+        AutoModelForCausalLM.from_pretrained(MODEL), tokenizer, make_reasoning_dataset(16), reasoning_reward, **kwargs
+    )
 
 
 def build(trainer_class, args, worker=None):
     worker = worker or make_worker()
-    return trainer_class(MODEL, reasoning_reward, args, train_dataset=make_reasoning_dataset(16),
-                         processing_class=AutoTokenizer.from_pretrained(MODEL), rollout_worker=worker,
-                         weight_transfer=worker.weight_transfer())
+    return trainer_class(
+        MODEL,
+        reasoning_reward,
+        args,
+        train_dataset=make_reasoning_dataset(16),
+        processing_class=AutoTokenizer.from_pretrained(MODEL),
+        rollout_worker=worker,
+        weight_transfer=worker.weight_transfer(),
+    )
 
 
 def packed_samples(seed: int = 0) -> list[dict]:
@@ -82,15 +102,19 @@ def packed_samples(seed: int = 0) -> list[dict]:
         for index in range(3):
             completion = torch.randint(5, 60, (5 + 2 * index,), generator=generator).tolist()
             ids = prompt_ids + completion
-            samples.append({
-                "input_ids": np.asarray(ids),
-                "completion_mask": np.asarray([0] * len(prompt_ids) + [1] * len(completion)),
-                "old_log_probs": np.asarray([0.0] * len(prompt_ids)
-                                            + (-3 + torch.randn(len(completion), generator=generator)).tolist(),
-                                            dtype=np.float32),
-                "advantage": [1.0, -0.5, -1.5][index] * (1 if group == 0 else -1),
-                "group_id": group, "metrics": {},
-            })
+            samples.append(
+                {
+                    "input_ids": np.asarray(ids),
+                    "completion_mask": np.asarray([0] * len(prompt_ids) + [1] * len(completion)),
+                    "old_log_probs": np.asarray(
+                        [0.0] * len(prompt_ids) + (-3 + torch.randn(len(completion), generator=generator)).tolist(),
+                        dtype=np.float32,
+                    ),
+                    "advantage": [1.0, -0.5, -1.5][index] * (1 if group == 0 else -1),
+                    "group_id": group,
+                    "metrics": {},
+                }
+            )
     return samples
 
 
@@ -131,7 +155,7 @@ def test_tree_attention_mask_matches_the_causal_rule_on_each_path():
     for query in range(3):
         expected[query, : query + 1] = True
     for offset in range(2):  # the branch's queries are positions 3 and 4 of its 5-key path
-        expected[3 + offset, 3: 3 + 3 + offset + 1] = True
+        expected[3 + offset, 3 : 3 + 3 + offset + 1] = True
     assert torch.equal(mask, expected)
     windowed = tree_attention_mask(torch.tensor([0, 3, 5]), torch.tensor([0, 3, 8]), num_keys=8, sliding_window=2)
     assert windowed[4].tolist() == [False] * 6 + [True, True]
@@ -148,8 +172,10 @@ def test_segment_batched_tree_attention_equals_the_dense_mask_in_value_and_gradi
     cu_q = torch.cat([torch.zeros(1, dtype=torch.long), lengths_q.cumsum(0)]).int()
     cu_k = torch.cat([torch.zeros(1, dtype=torch.long), lengths_k.cumsum(0)]).int()
     heads, size = 2, 8
-    inputs = [torch.randn(heads, int(n), size, generator=generator, requires_grad=True)
-              for n in (lengths_q.sum(), lengths_k.sum(), lengths_k.sum())]
+    inputs = [
+        torch.randn(heads, int(n), size, generator=generator, requires_grad=True)
+        for n in (lengths_q.sum(), lengths_k.sum(), lengths_k.sum())
+    ]
     mask = tree_attention_mask(cu_q, cu_k, int(lengths_k.sum()), sliding_window)
     dense = torch.nn.functional.scaled_dot_product_attention(*inputs, attn_mask=mask)
     upstream = torch.randn(dense.shape, generator=generator)
@@ -162,8 +188,16 @@ def test_segment_batched_tree_attention_equals_the_dense_mask_in_value_and_gradi
     segments, longest_q, longest_k = len(lengths_q), int(lengths_q.max()), int(lengths_k.max())
     assert segments * longest_q * longest_k < lengths_q.sum() * lengths_k.sum()
     through_trl_signature, _ = tree_attention_sdpa(
-        None, inputs[0][None], inputs[1][None], inputs[2][None], None, tree_kv_index=torch.arange(int(cu_k[-1])),
-        tree_cu_seqlens_q=cu_q, tree_cu_seqlens_k=cu_k, sliding_window=sliding_window)
+        None,
+        inputs[0][None],
+        inputs[1][None],
+        inputs[2][None],
+        None,
+        tree_kv_index=torch.arange(int(cu_k[-1])),
+        tree_cu_seqlens_q=cu_q,
+        tree_cu_seqlens_k=cu_k,
+        sliding_window=sliding_window,
+    )
     assert torch.equal(through_trl_signature[0].transpose(0, 1), batched)
 
 
@@ -173,13 +207,15 @@ def test_trl_async_trainer_constructs_and_its_packed_forward_matches_plain_log_p
     batch = collate(samples)
     assert batch["input_ids"].shape[1] < sum(len(s["input_ids"]) for s in samples)  # the prompts were shared
     from topr_trl.asynchronous.trainer import AsyncTOPRTrainer as Mirror
+
     log_probs, _, _, _ = Mirror._packed_forward(trainer, trainer.model, batch)
     expected = torch.cat(reference_logps(AutoModelForCausalLM.from_pretrained(MODEL), samples))
     # packed tree attention against a plain forward per completion, both float32: FORWARD_ROUNDINGS eps of the
     # largest |log-prob| (~21 for these random completions, above the logits' ~16): a log-prob near 0 carries the
     # rounding of the logits it came from, not its own size
-    assert torch.allclose(log_probs, expected, **float32_tolerance(expected, FORWARD_ROUNDINGS)), \
+    assert torch.allclose(log_probs, expected, **float32_tolerance(expected, FORWARD_ROUNDINGS)), (
         (log_probs - expected).abs().max()
+    )
 
 
 @pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "global-token-mean"])
@@ -204,11 +240,19 @@ def test_async_topr_loss_equals_the_synchronous_topr_loss_on_the_same_samples(tm
     tolerance = float32_tolerance(expected, FORWARD_ROUNDINGS)
     assert torch.allclose(loss, expected, **tolerance), (loss.item(), expected.item())
     wanted = reference.get_input_embeddings().weight.grad
-    assert torch.allclose(gradient, wanted, **float32_tolerance(wanted, BACKWARD_ROUNDINGS)), \
-        (gradient - wanted).abs().max() / wanted.abs().max()
+    assert torch.allclose(gradient, wanted, **float32_tolerance(wanted, BACKWARD_ROUNDINGS)), (
+        gradient - wanted
+    ).abs().max() / wanted.abs().max()
     # a bug stays far outside it: 1% more weight on one completion moves the loss by > 100x the tolerance
-    heavier, _ = topr_loss(logps.detach(), behaviour, signal * torch.tensor([1.01, 1, 1, 1, 1, 1]), mask,
-                           PolicyLossSpec(), aggregation, **kwargs)
+    heavier, _ = topr_loss(
+        logps.detach(),
+        behaviour,
+        signal * torch.tensor([1.01, 1, 1, 1, 1, 1]),
+        mask,
+        PolicyLossSpec(),
+        aggregation,
+        **kwargs,
+    )
     assert (heavier - expected).abs() > 100 * (tolerance["atol"] + tolerance["rtol"] * expected.abs())
     # the weights are TOPR's: positives 1, negatives pi/mu truncated at 1, and some negatives were truncated
     assert sorted(set(terms.weights[signal >= 0].flatten().tolist())) == [1.0]
@@ -221,10 +265,17 @@ def test_mirrored_forward_and_accounting_equal_trls_compute_loss_under_ppo_clipp
     PPO clipping per token over the micro-batch's tokens, gives TRL's own loss, gradient and accounting."""
     batch = collate(packed_samples(seed=1))
     results = []
-    for trainer_class, config in ((cpu_capable(AsyncGRPOTrainer), AsyncGRPOConfig(**async_kwargs(tmp_path / "g"))),
-                                  (AsyncTOPRTrainer, AsyncTOPRConfig(**async_kwargs(
-                                      tmp_path / "t", loss_type="ppo", topr_ratio_level="token",
-                                      topr_loss_aggregation="global-token-mean")))):
+    for trainer_class, config in (
+        (cpu_capable(AsyncGRPOTrainer), AsyncGRPOConfig(**async_kwargs(tmp_path / "g"))),
+        (
+            AsyncTOPRTrainer,
+            AsyncTOPRConfig(
+                **async_kwargs(
+                    tmp_path / "t", loss_type="ppo", topr_ratio_level="token", topr_loss_aggregation="global-token-mean"
+                )
+            ),
+        ),
+    ):
         trainer = build(trainer_class, config)
         trainer.current_gradient_accumulation_steps = 2
         loss = trainer.compute_loss(trainer.model, dict(batch))
@@ -256,8 +307,9 @@ def test_a_row_with_nothing_to_train_joins_the_metrics_and_trains_nothing(tmp_pa
     empty = PolicyLossSpec()
     from topr_trl.loss import packed_topr_loss
 
-    _, terms, mask = packed_topr_loss(torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.long),
-                                      empty)
+    _, terms, mask = packed_topr_loss(
+        torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.long), empty
+    )
     assert ratio_minima(terms, torch.zeros(0, 1), mask).tolist() == [math.inf] * 4
 
 
@@ -267,9 +319,15 @@ def test_a_row_with_nothing_to_train_joins_the_metrics_and_trains_nothing(tmp_pa
 
 
 def test_group_advantages_and_summed_rewards_follow_trls_rules():
-    assert np.allclose(group_advantages([1.0, 0.0, math.nan, 1.0]),
-                       [(1 - 2 / 3) / (np.std([1, 0, 1]) + 1e-8), (0 - 2 / 3) / (np.std([1, 0, 1]) + 1e-8), 0.0,
-                        (1 - 2 / 3) / (np.std([1, 0, 1]) + 1e-8)])
+    assert np.allclose(
+        group_advantages([1.0, 0.0, math.nan, 1.0]),
+        [
+            (1 - 2 / 3) / (np.std([1, 0, 1]) + 1e-8),
+            (0 - 2 / 3) / (np.std([1, 0, 1]) + 1e-8),
+            0.0,
+            (1 - 2 / 3) / (np.std([1, 0, 1]) + 1e-8),
+        ],
+    )
     assert summed_rewards([[1.0, None, None], [0.5, 2.0, None]])[:2] == [1.5, 2.0]
     assert math.isnan(summed_rewards([[1.0, None, None], [0.5, 2.0, None]])[2])
 
@@ -287,19 +345,33 @@ def test_the_worker_rules_are_trls_scoring_run_on_the_same_rewards():
     def trls_scoring(per_function):
         count = len(per_function[0])
         functions = [lambda column=column, **kwargs: column for column in per_function]
-        worker = SimpleNamespace(reward_funcs=functions, reward_func_names=[f"f{i}" for i in range(len(functions))],
-                                 _env_reward_types=[], _provides_rollout_reward=False)
-        group = RolloutGroup(prompts=["p"] * count, reward_kwargs={}, completions=["c"] * count,
-                             completions_ids=[[1]] * count, tool_call_counts=[0] * count,
-                             tool_failure_counts=[0] * count, model_version=0, group_id=0, env_rewards=[None] * count,
-                             rollout_rewards=[None] * count,
-                             completions_sequences=[[TrainingSequence([1, 2], [0, 1], [0.0, -0.5], None)]] * count)
+        worker = SimpleNamespace(
+            reward_funcs=functions,
+            reward_func_names=[f"f{i}" for i in range(len(functions))],
+            _env_reward_types=[],
+            _provides_rollout_reward=False,
+        )
+        group = RolloutGroup(
+            prompts=["p"] * count,
+            reward_kwargs={},
+            completions=["c"] * count,
+            completions_ids=[[1]] * count,
+            tool_call_counts=[0] * count,
+            tool_failure_counts=[0] * count,
+            model_version=0,
+            group_id=0,
+            env_rewards=[None] * count,
+            rollout_rewards=[None] * count,
+            completions_sequences=[[TrainingSequence([1, 2], [0, 1], [0.0, -0.5], None)]] * count,
+        )
         samples = asyncio.run(_AsyncRolloutLoop._score_group(worker, group))
         return [sample.metrics["reward"] for sample in samples], [sample.advantage for sample in samples]
 
     PartialState()  # TRL's logger asks for it
-    for per_function in ([[1.0, None, 0.0, None, 2.5], [0.5, None, None, -1.0, 0.25]],
-                         [[None, 3.0, None], [None, None, None]]):
+    for per_function in (
+        [[1.0, None, 0.0, None, 2.5], [0.5, None, None, -1.0, 0.25]],
+        [[None, 3.0, None], [None, None, None]],
+    ):
         rewards, advantages = trls_scoring(per_function)
         ours = summed_rewards(per_function)
         assert np.array_equal(np.array(ours), np.array(rewards), equal_nan=True)
@@ -339,8 +411,9 @@ def test_lagged_worker_samples_from_the_policy_k_versions_old():
     for version, sample in taken:
         assert sample.model_version == max(1, version - lag)
         model.load_state_dict(versions[sample.model_version], strict=False)
-        recomputed = reference_logps(model, [{"input_ids": sample.input_ids,
-                                              "completion_mask": sample.completion_mask}])[0]
+        recomputed = reference_logps(
+            model, [{"input_ids": sample.input_ids, "completion_mask": sample.completion_mask}]
+        )[0]
         stored = torch.as_tensor(sample.old_log_probs[sample.completion_mask == 1])
         # generation (KV cache, 4 at a time) against a plain forward, float32: FORWARD_ROUNDINGS eps of the largest
         # |logit| (log-softmax rounds relative to the logits, up to ~40 with the scaled lm_head, not to the log-prob)
@@ -363,8 +436,14 @@ def test_lagged_worker_takes_the_set_time_per_sample_and_reports_a_failing_rewar
     def broken_reward(completions, **kwargs):
         raise ValueError("reward service down")
 
-    worker = LaggedRolloutWorker(AutoModelForCausalLM.from_pretrained(MODEL), AutoTokenizer.from_pretrained(MODEL),
-                                 make_reasoning_dataset(4), broken_reward, num_generations=2, max_completion_length=4)
+    worker = LaggedRolloutWorker(
+        AutoModelForCausalLM.from_pretrained(MODEL),
+        AutoTokenizer.from_pretrained(MODEL),
+        make_reasoning_dataset(4),
+        broken_reward,
+        num_generations=2,
+        max_completion_length=4,
+    )
     worker.receive_weights(dict(worker.model.state_dict()))
     worker.update_model_version(1)
     worker.start()
@@ -394,8 +473,12 @@ def test_async_topr_keeps_every_stale_sample_and_a_cap_drops_them_as_trl_does(tm
     read = sum(trainer.staleness_counts.values())
     assert trained == 4 * 8 and read - trained <= 8  # at most the micro-batch read ahead is not trained
     assert worker.samples_queued == read + worker.rollout_buffer.qsize()  # nothing lost
-    histogram = {key: sum(logged_values(trainer, key)) for entry in trainer.state.log_history for key in entry
-                 if key.startswith("sample/staleness_") and key.endswith("_total")}
+    histogram = {
+        key: sum(logged_values(trainer, key))
+        for entry in trainer.state.log_history
+        for key in entry
+        if key.startswith("sample/staleness_") and key.endswith("_total")
+    }
     assert histogram == {f"sample/staleness_{k}_total": float(v) for k, v in trainer.staleness_counts.items()}
 
     capped, _ = run_ahead(tmp_path / "cap", max_staleness=0)
@@ -426,15 +509,20 @@ def test_the_ratio_is_logged_by_the_staleness_each_sample_trains_at(tmp_path, mo
     for branch in ("positive", "negative"):
         fresh_means = logged_values(trainer, f"{fresh}/ratio_{branch}/mean")
         assert fresh_means and all(abs(mean - 1) < 1e-4 for mean in fresh_means), fresh_means
-    stale_means = [value for branch in ("positive", "negative")
-                   for value in logged_values(trainer, f"{stale}/ratio_{branch}/mean") if not math.isnan(value)]
+    stale_means = [
+        value
+        for branch in ("positive", "negative")
+        for value in logged_values(trainer, f"{stale}/ratio_{branch}/mean")
+        if not math.isnan(value)
+    ]
     assert stale_means and all(abs(mean - 1) > 1e-3 for mean in stale_means), stale_means
     # Kish's ESS fraction is 1 exactly when every ratio is equal: so at the fresh lag, and below 1 a version old
     assert all(value == pytest.approx(1.0, abs=1e-6) for value in logged_values(trainer, f"{fresh}/ratio_ess_fraction"))
     stale_ess = logged_values(trainer, f"{stale}/ratio_ess_fraction")
     assert stale_ess and all(value < 1 - 1e-6 for value in stale_ess), stale_ess
-    assert not any(key == async_trainer.MODEL_VERSION_KEY for entry in trainer.state.log_history
-                   for key in entry)  # taken out before TRL's collator logs the samples' metrics
+    assert not any(
+        key == async_trainer.MODEL_VERSION_KEY for entry in trainer.state.log_history for key in entry
+    )  # taken out before TRL's collator logs the samples' metrics
 
 
 def test_staleness_bins_of_a_tensor_are_the_bins_of_each_value():
@@ -448,8 +536,10 @@ def test_staleness_bins_of_a_tensor_are_the_bins_of_each_value():
 
 
 def test_reward_signal_trains_on_r_minus_c(tmp_path):
-    trainer = build(AsyncTOPRTrainer, AsyncTOPRConfig(**async_kwargs(tmp_path, topr_signal="reward",
-                                                                      topr_baseline=0.25, max_steps=1)))
+    trainer = build(
+        AsyncTOPRTrainer,
+        AsyncTOPRConfig(**async_kwargs(tmp_path, topr_signal="reward", topr_baseline=0.25, max_steps=1)),
+    )
     source = trainer.rollout_queue
 
     @dataclasses.dataclass
@@ -490,8 +580,10 @@ def test_the_trained_model_still_generates_like_the_base_model(tmp_path):
     assert policy.config._attn_implementation == "tree_sdpa"
     with torch.no_grad():
         assert torch.allclose(policy(**batch).logits, plain(**batch).logits, atol=1e-5)
-        assert torch.equal(policy.generate(**batch, max_new_tokens=8, do_sample=False),
-                           plain.generate(**batch, max_new_tokens=8, do_sample=False))
+        assert torch.equal(
+            policy.generate(**batch, max_new_tokens=8, do_sample=False),
+            plain.generate(**batch, max_new_tokens=8, do_sample=False),
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -506,9 +598,30 @@ def test_train_command_runs_asynchronous_topr_and_saves_a_model_that_loads_anywh
     from topr_trl.commands.cli import main
 
     output = tmp_path / "run"
-    main(["train", "--asynchronous", "--async_lag", "1", "--max_steps", "3", "--task_train_prompts", "16",
-          "--task_eval_prompts", "8", "--warm_start_accuracy", "0", "--base_model_dir", str(tmp_path / "base"),
-          "--output_dir", str(output), "--per_device_train_batch_size", "8", "--num_generations", "4"])
+    main(
+        [
+            "train",
+            "--asynchronous",
+            "--async_lag",
+            "1",
+            "--max_steps",
+            "3",
+            "--task_train_prompts",
+            "16",
+            "--task_eval_prompts",
+            "8",
+            "--warm_start_accuracy",
+            "0",
+            "--base_model_dir",
+            str(tmp_path / "base"),
+            "--output_dir",
+            str(output),
+            "--per_device_train_batch_size",
+            "8",
+            "--num_generations",
+            "4",
+        ]
+    )
     summary = json.loads((output / "topr_summary.json").read_text())
     assert summary["steps"] == 3 and summary["asynchronous"]["dropped"] == 0
     counts = {int(k): v for k, v in summary["asynchronous"]["staleness_counts"].items()}
@@ -518,11 +631,14 @@ def test_train_command_runs_asynchronous_topr_and_saves_a_model_that_loads_anywh
     assert summary["after"] == saved_model_accuracy(output, 8)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--beta", "0.1"], "`beta`=0.1 has no effect on the asynchronous trainer"),
-    (["--loss_type", "grpo"], "loss_type"),
-    (["--async_max_staleness", "2.5"], "max_staleness"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--beta", "0.1"], "`beta`=0.1 has no effect on the asynchronous trainer"),
+        (["--loss_type", "grpo"], "loss_type"),
+        (["--async_max_staleness", "2.5"], "max_staleness"),
+    ],
+)
 def test_train_command_refuses_what_the_asynchronous_trainer_cannot_do(tmp_path, flags, message):
     from topr_trl.commands.cli import main
 
@@ -551,10 +667,12 @@ def test_async_throughput_smoke_trains_equal_steps_in_both_modes(tmp_path):
 
 
 @pytest.mark.slow
-def test_async_staleness_smoke_drops_nothing_with_topr_and_stalls_trls_trainer_beyond_its_cap(evidence_work_dir,
-                                                                                               tmp_path):
-    results = _script("async_staleness").main(["--smoke", "--work_dir", str(evidence_work_dir),
-                                               "--output", str(tmp_path / "staleness")])
+def test_async_staleness_smoke_drops_nothing_with_topr_and_stalls_trls_trainer_beyond_its_cap(
+    evidence_work_dir, tmp_path
+):
+    results = _script("async_staleness").main(
+        ["--smoke", "--work_dir", str(evidence_work_dir), "--output", str(tmp_path / "staleness")]
+    )
     runs = results["runs"]
     assert runs["async_topr/k8/seed0"]["dropped"] == 0 and runs["async_topr/k8/seed0"]["steps"] == 6
     assert runs["async_topr/k8/seed0"]["stalled"] is None
@@ -581,8 +699,18 @@ def _other_values(field_, value) -> list:
     if isinstance(value, str) or (value is None and "str" in kind):
         from topr_trl.config import AGGREGATIONS, BEHAVIOUR_SOURCES
 
-        return [f"{value or ''}-set", "sft", "reward", "token", "none", "skip", "error", "steps", *AGGREGATIONS,
-                *BEHAVIOUR_SOURCES]
+        return [
+            f"{value or ''}-set",
+            "sft",
+            "reward",
+            "token",
+            "none",
+            "skip",
+            "error",
+            "steps",
+            *AGGREGATIONS,
+            *BEHAVIOUR_SOURCES,
+        ]
     if isinstance(value, (list, tuple)) or (value is None and "list" in kind):
         return [["set"], [1.0], ["tensorboard"]]
     if isinstance(value, dict) or (value is None and "dict" in kind):
@@ -592,14 +720,33 @@ def _other_values(field_, value) -> list:
 
 # Fields for which no other value builds a TOPRConfig here (they name files or services that do not exist on this
 # machine, or need a GPU): not walked.
-_NOT_WALKED = {"deepspeed", "fsdp", "fsdp_config", "resume_from_checkpoint", "hub_token", "push_to_hub",
-               "use_liger_kernel", "bf16", "fp16", "tf32", "use_vllm"}
+_NOT_WALKED = {
+    "deepspeed",
+    "fsdp",
+    "fsdp_config",
+    "resume_from_checkpoint",
+    "hub_token",
+    "push_to_hub",
+    "use_liger_kernel",
+    "bf16",
+    "fp16",
+    "tf32",
+    "use_vllm",
+}
 # Fields the walk finds no other accepted value for from their type alone (they need other fields set with them, or
 # their value is resolved at run time); a new field that lands here is seen by the assertion below.
-_NO_OTHER_VALUE_HERE = {"auto_find_batch_size", "load_best_model_at_end", "accelerator_config", "parallelism_config",
-                        "dataloader_pin_memory", "dataloader_prefetch_factor", "ddp_backend",
-                        "log_completions_hub_repo", "topr_baseline_scope",
-                        "pad_to_multiple_of"}  # resolved from "auto" by what earlier code set up in the process
+_NO_OTHER_VALUE_HERE = {
+    "auto_find_batch_size",
+    "load_best_model_at_end",
+    "accelerator_config",
+    "parallelism_config",
+    "dataloader_pin_memory",
+    "dataloader_prefetch_factor",
+    "ddp_backend",
+    "log_completions_hub_repo",
+    "topr_baseline_scope",
+    "pad_to_multiple_of",
+}  # resolved from "auto" by what earlier code set up in the process
 
 
 def test_every_topr_config_field_reaches_the_asynchronous_trainer_or_stops_it(tmp_path):
@@ -623,8 +770,11 @@ def test_every_topr_config_field_reaches_the_asynchronous_trainer_or_stops_it(tm
     for field_ in dataclasses.fields(TOPRConfig):
         if not field_.init or field_.name in base or field_.name in _NOT_WALKED:
             continue
-        context = {**base, **({"loss_type": loss_reading[field_.name]} if field_.name in loss_reading else {}),
-                   **({"topr_signal": "reward"} if field_.name == "topr_target_effective_proportion" else {})}
+        context = {
+            **base,
+            **({"loss_type": loss_reading[field_.name]} if field_.name in loss_reading else {}),
+            **({"topr_signal": "reward"} if field_.name == "topr_target_effective_proportion" else {}),
+        }
         default = TOPRConfig(**context)
         args = None
         for candidate in _other_values(field_, getattr(default, field_.name)):
@@ -649,12 +799,25 @@ def test_every_topr_config_field_reaches_the_asynchronous_trainer_or_stops_it(tm
             assert f"`{field_.name}`" in str(error), (field_.name, str(error))
             refused.append(field_.name)
             continue
-        assert getattr(converted, field_.name, None) == value, (field_.name, value,
-                                                                 getattr(converted, field_.name, "absent"))
+        assert getattr(converted, field_.name, None) == value, (
+            field_.name,
+            value,
+            getattr(converted, field_.name, "absent"),
+        )
         reached.append(field_.name)
     assert {"scale_rewards", "beta"} <= set(refused)
-    assert {"topr_check_finite", "learning_rate", "topr_signal", "num_generations", "topr_positive_weight",
-            "topr_negative_weight", "cispo_epsilon_low", "cispo_epsilon_high", "kimi15_tau", "delta"} <= set(reached)
+    assert {
+        "topr_check_finite",
+        "learning_rate",
+        "topr_signal",
+        "num_generations",
+        "topr_positive_weight",
+        "topr_negative_weight",
+        "cispo_epsilon_low",
+        "cispo_epsilon_high",
+        "kimi15_tau",
+        "delta",
+    } <= set(reached)
     print(f"reached {len(reached)}, refused {len(refused)}, not walked {unwalked}")
     assert set(unwalked) <= _NO_OTHER_VALUE_HERE, unwalked
 
@@ -676,9 +839,15 @@ def test_asynchronous_command_line_keeps_its_checks_and_refuses_what_would_be_dr
         main(["train", *argv, "--topr_unscored_batch", "error", "--dry_run", "true"])
 
 
-@pytest.mark.parametrize("knobs", [dict(topr_negative_weight=0.5, topr_positive_weight=2.0),
-                                   dict(loss_type="cispo_two_sided", cispo_epsilon_low=0.3, cispo_epsilon_high=0.05),
-                                   dict(loss_type="kimi15", kimi15_tau=0.7), dict(loss_type="ppo", delta=1.25)])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(topr_negative_weight=0.5, topr_positive_weight=2.0),
+        dict(loss_type="cispo_two_sided", cispo_epsilon_low=0.3, cispo_epsilon_high=0.05),
+        dict(loss_type="kimi15", kimi15_tau=0.7),
+        dict(loss_type="ppo", delta=1.25),
+    ],
+)
 def test_the_loss_knobs_are_declared_once_and_reach_the_asynchronous_loss(knobs, tmp_path):
     """Each loss knob set on the asynchronous config gives the spec the synchronous config gives (one declaration,
     one `policy_loss_spec_of`), and the packed loss the asynchronous trainer computes moves with it: on the same
@@ -693,8 +862,13 @@ def test_the_loss_knobs_are_declared_once_and_reach_the_asynchronous_loss(knobs,
     asynchronous = AsyncTOPRConfig(**common, **knobs).policy_loss_spec
     assert asynchronous == TOPRConfig(**common, **knobs).policy_loss_spec
     default = AsyncTOPRConfig(**common, loss_type=knobs.get("loss_type", "topr")).policy_loss_spec
-    assert asynchronous != default and dataclasses.replace(default, **{
-        f.name: getattr(asynchronous, f.name) for f in dataclasses.fields(asynchronous)}) == asynchronous
+    assert (
+        asynchronous != default
+        and dataclasses.replace(
+            default, **{f.name: getattr(asynchronous, f.name) for f in dataclasses.fields(asynchronous)}
+        )
+        == asynchronous
+    )
     generator = torch.Generator().manual_seed(0)
     logps = (-torch.rand(12, generator=generator)).requires_grad_()
     behaviour = logps.detach() + torch.randn(12, generator=generator)  # ratios on both sides of every clip
@@ -722,17 +896,30 @@ def test_a_worker_sampling_with_truncation_gives_pi_over_mu_of_one_at_learning_r
     within 1e-4."""
     worker = make_worker(generation_kwargs=truncation)
     assert worker.sampling.truncates
-    trainer = build(AsyncTOPRTrainer, AsyncTOPRConfig(**async_kwargs(tmp_path, learning_rate=0.0, max_steps=2,
-                                                                      topr_signal="reward", topr_baseline=0.5)),
-                    worker)
+    trainer = build(
+        AsyncTOPRTrainer,
+        AsyncTOPRConfig(
+            **async_kwargs(tmp_path, learning_rate=0.0, max_steps=2, topr_signal="reward", topr_baseline=0.5)
+        ),
+        worker,
+    )
     trainer.train()
-    ratios = [value for key in ("topr/ratio_positive/min", "topr/ratio_positive/max", "topr/ratio_negative/min",
-                                "topr/ratio_negative/max") for value in logged_values(trainer, key)]
+    ratios = [
+        value
+        for key in (
+            "topr/ratio_positive/min",
+            "topr/ratio_positive/max",
+            "topr/ratio_negative/min",
+            "topr/ratio_negative/max",
+        )
+        for value in logged_values(trainer, key)
+    ]
     assert ratios and all(abs(ratio - 1) < 1e-4 for ratio in ratios), ratios
     assert trainer._sampler_processing == worker.sampling
     assert not logged_values(trainer, "topr/ratio_positive/mean")  # not scored: not reported
     assert logged_values(trainer, "topr/ratio_ess_fraction") and all(
-        value == pytest.approx(1.0, abs=1e-6) for value in logged_values(trainer, "topr/ratio_ess_fraction"))
+        value == pytest.approx(1.0, abs=1e-6) for value in logged_values(trainer, "topr/ratio_ess_fraction")
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -740,8 +927,7 @@ def test_a_worker_sampling_with_truncation_gives_pi_over_mu_of_one_at_learning_r
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_a_stopped_asynchronous_run_resumes_at_the_first_untrained_prompt_and_trains_each_once(tmp_path,
-                                                                                             monkeypatch):
+def test_a_stopped_asynchronous_run_resumes_at_the_first_untrained_prompt_and_trains_each_once(tmp_path, monkeypatch):
     """Stopped after step 3 with a checkpoint at step 2, the run resumes at the first prompt group its first two
     steps did not train, and the two runs together train prompts 0-7 once each (4 samples apiece). TRL's own rule
     (the first group missing from `_trained_groups`, filled when a micro-batch is collated, one ahead of training)
@@ -754,8 +940,7 @@ def test_a_stopped_asynchronous_run_resumes_at_the_first_untrained_prompt_and_tr
     import topr_trl.asynchronous.trainer as async_trainer
 
     config = dict(max_steps=4, save_strategy="steps", save_steps=2)
-    first = build(AsyncTOPRTrainer, AsyncTOPRConfig(**async_kwargs(tmp_path, **config)),
-                  make_worker(samples_ahead=24))
+    first = build(AsyncTOPRTrainer, AsyncTOPRConfig(**async_kwargs(tmp_path, **config)), make_worker(samples_ahead=24))
     at_checkpoint = {}
 
     class AtCheckpoint(TrainerCallback):
@@ -783,8 +968,9 @@ def test_a_stopped_asynchronous_run_resumes_at_the_first_untrained_prompt_and_tr
     assert second.state.global_step == 4 and worker.start_prompt == 4
     resumed = Counter({worker.start_prompt + group: count for group, count in second.rollout_ledger.trained.items()})
     assert resumed == Counter(dict.fromkeys(range(4, 8), 4))  # prompts 4-7, each group whole, once
-    assert [line for line in said if line.startswith("resuming from")] == [async_trainer.describe_resume(
-        tmp_path / "checkpoint-2", state)]
+    assert [line for line in said if line.startswith("resuming from")] == [
+        async_trainer.describe_resume(tmp_path / "checkpoint-2", state)
+    ]
     assert f"{state['samples_left_behind']} samples generated before the stop and not trained" in said[-1]
 
 
@@ -827,8 +1013,7 @@ def test_the_documented_python_path_without_a_server_runs_as_written(tmp_path, m
     section = page.split("## Without a server", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     monkeypatch.chdir(tmp_path)
-    namespace = {"model": MODEL, "prompts": make_reasoning_dataset(8),
-                 "my_reward": reasoning_reward}
+    namespace = {"model": MODEL, "prompts": make_reasoning_dataset(8), "my_reward": reasoning_reward}
     started = time.monotonic()
     exec(compile(block, "docs/asynchronous.md", "exec"), namespace)  # noqa: S102 - the page's own code
     assert namespace["trainer"].state.global_step == 2

@@ -28,8 +28,20 @@ from tests.test_distributed import LAUNCH_ENVIRONMENT
 
 TRAIN_SCRIPT = Path(__file__).with_name("async_distributed_train.py")
 SERVER_SCRIPT = Path(__file__).with_name("async_distributed_server.py")
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-          "1", "--mixed_precision", "no", "--main_process_port", "0"]
+LAUNCH = [
+    sys.executable,
+    "-m",
+    "accelerate.commands.launch",
+    "--multi_gpu",
+    "--num_processes",
+    "2",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--main_process_port",
+    "0",
+]
 STEPS = 4
 SAMPLES_PER_STEP = 8  # 2 processes x 4
 # The staleness each step trains at, in lockstep (one step's samples per policy version, `lag` versions old). The
@@ -42,15 +54,23 @@ EXPECTED_STALENESS = {0: [0, 1, 1, 1], 2: [0, 1, 2, 3]}
 def launch(arguments: list[str], timeout: float) -> subprocess.CompletedProcess:
     """`accelerate launch` in a session of its own, so that a run that hangs is ended with every process it started
     (a rank waiting in a collective outlives its launcher otherwise)."""
-    process = subprocess.Popen([*LAUNCH, *arguments], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=LAUNCH_ENVIRONMENT, start_new_session=True)
+    process = subprocess.Popen(
+        [*LAUNCH, *arguments],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=LAUNCH_ENVIRONMENT,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
-        pytest.fail(f"the two processes did not finish in {timeout:.0f} s (a collective one of them never joined?): "
-                    f"{stderr[-3000:]}")
+        pytest.fail(
+            f"the two processes did not finish in {timeout:.0f} s (a collective one of them never joined?): "
+            f"{stderr[-3000:]}"
+        )
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
@@ -73,8 +93,9 @@ def test_two_processes_train_on_the_main_processs_staleness_and_sum_their_bins(l
     from topr_trl.asynchronous.trainer import STALENESS_BIN_NAMES, staleness_bin_index
     from topr_trl.policy_metrics import STALENESS_BIN_SUMS, staleness_bin_metrics
 
-    completed = launch([str(TRAIN_SCRIPT), MODEL, str(tmp_path / "out"), str(tmp_path), str(lag), str(STEPS)],
-                       timeout=300)
+    completed = launch(
+        [str(TRAIN_SCRIPT), MODEL, str(tmp_path / "out"), str(tmp_path), str(lag), str(STEPS)], timeout=300
+    )
     assert completed.returncode == 0, completed.stderr[-4000:]
     main, other = rank_results(tmp_path)
 
@@ -89,8 +110,10 @@ def test_two_processes_train_on_the_main_processs_staleness_and_sum_their_bins(l
 
     for result in (main, other):  # each process's own row: its samples' versions, as the batch carried them
         assert result["micro_batch_steps"] == list(range(STEPS))
-        staleness = [[step + 1 - version for version in versions]
-                     for step, versions in zip(result["micro_batch_steps"], result["versions"], strict=True)]
+        staleness = [
+            [step + 1 - version for version in versions]
+            for step, versions in zip(result["micro_batch_steps"], result["versions"], strict=True)
+        ]
         assert staleness == [[expected] * (SAMPLES_PER_STEP // 2) for expected in EXPECTED_STALENESS[lag]]
         assert result["bins"] == [[staleness_bin_index(s) for s in row] for row in staleness]
     if lag == 0:  # TRL's read-time staleness (main process): every sample read at the version that generated it
@@ -99,17 +122,22 @@ def test_two_processes_train_on_the_main_processs_staleness_and_sum_their_bins(l
     # the reduction: both processes hold the sum of both rows' sums, and log what it gives
     totals = torch.tensor(main["totals"])
     assert torch.equal(totals, torch.tensor(other["totals"]))
-    torch.testing.assert_close(totals, torch.tensor(main["local_sums"]) + torch.tensor(other["local_sums"]),
-                               rtol=1e-6, atol=1e-6)
-    counts = totals[..., STALENESS_BIN_SUMS.index("count_positive")] + \
-        totals[..., STALENESS_BIN_SUMS.index("count_negative")]  # every sample: the signal R - 0 is +-1
+    torch.testing.assert_close(
+        totals, torch.tensor(main["local_sums"]) + torch.tensor(other["local_sums"]), rtol=1e-6, atol=1e-6
+    )
+    counts = (
+        totals[..., STALENESS_BIN_SUMS.index("count_positive")]
+        + totals[..., STALENESS_BIN_SUMS.index("count_negative")]
+    )  # every sample: the signal R - 0 is +-1
     trained = Counter(index for result in (main, other) for row in result["bins"] for index in row)
     assert counts.sum(0).tolist() == [float(trained[index]) for index in range(len(STALENESS_BIN_NAMES))]
     assert counts.sum().item() == STEPS * SAMPLES_PER_STEP
     assert main["staleness_metrics"] == other["staleness_metrics"]
     for logged, step_totals in zip(main["staleness_metrics"], totals, strict=True):  # one micro-batch per step
-        expected = {key: None if math.isnan(value) else value
-                    for key, value in staleness_bin_metrics(step_totals, STALENESS_BIN_NAMES).items()}
+        expected = {
+            key: None if math.isnan(value) else value
+            for key, value in staleness_bin_metrics(step_totals, STALENESS_BIN_NAMES).items()
+        }
         assert logged.keys() == expected.keys()
         assert logged == pytest.approx(expected, rel=1e-6, abs=1e-9)
 
@@ -139,10 +167,33 @@ def test_train_command_runs_asynchronous_topr_on_two_processes(tmp_path):
     """`accelerate launch ... -m topr_trl train --asynchronous` on 2 CPU processes: the stand-in worker generates on
     the main process for both, the run trains its steps, and the summary counts the samples read once."""
     output = tmp_path / "run"
-    completed = launch(["-m", "topr_trl", "train", "--asynchronous", "--async_lag", "1", "--max_steps", "3",
-                        "--task_train_prompts", "16", "--task_eval_prompts", "8", "--warm_start_accuracy", "0",
-                        "--base_model_dir", str(tmp_path / "base"), "--output_dir", str(output),
-                        "--per_device_train_batch_size", "4", "--num_generations", "4"], timeout=300)
+    completed = launch(
+        [
+            "-m",
+            "topr_trl",
+            "train",
+            "--asynchronous",
+            "--async_lag",
+            "1",
+            "--max_steps",
+            "3",
+            "--task_train_prompts",
+            "16",
+            "--task_eval_prompts",
+            "8",
+            "--warm_start_accuracy",
+            "0",
+            "--base_model_dir",
+            str(tmp_path / "base"),
+            "--output_dir",
+            str(output),
+            "--per_device_train_batch_size",
+            "4",
+            "--num_generations",
+            "4",
+        ],
+        timeout=300,
+    )
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert completed.stdout.count("samples read, staleness mean") == 1  # printed by the main process only
     summary = json.loads((output / "topr_summary.json").read_text())

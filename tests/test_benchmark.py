@@ -16,8 +16,21 @@ SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "benchmark.py"
 def test_benchmark_smoke(tmp_path):
     output = tmp_path / "bench.json"
     completed = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--settings", "grpo-grpo", "topr-online", "topr-offline",
-         "--output", str(output)], capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--smoke",
+            "--settings",
+            "grpo-grpo",
+            "topr-online",
+            "topr-offline",
+            "--output",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     summary = json.loads(output.read_text())
     assert set(summary["table"]) == {"grpo-grpo", "topr-online", "topr-offline"}
@@ -28,8 +41,23 @@ def test_benchmark_smoke(tmp_path):
 def test_benchmark_interleaved_smoke_with_offline_replay(tmp_path):
     output = tmp_path / "bench.json"
     completed = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--interleaved", "--settings", "grpo-grpo", "topr-online",
-         "topr-replay", "topr-replay-recompute", "--output", str(output)], capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--smoke",
+            "--interleaved",
+            "--settings",
+            "grpo-grpo",
+            "topr-online",
+            "topr-replay",
+            "topr-replay-recompute",
+            "--output",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(output.read_text())["interleaved"]
     assert set(result["ratios"]) == {"topr-online / grpo-grpo", "topr-replay-recompute / topr-replay"}
@@ -42,13 +70,23 @@ def test_benchmark_loss_only_smoke_times_the_support_on_an_off_policy_batch(tmp_
     on-policy batch apart, where TOPR has no support to score, and top-k with the support projected a second time
     (the baseline of reading it from TRL's head tiles)."""
     output = tmp_path / "bench.json"
-    completed = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--loss_only", "--output", str(output)],
-                               capture_output=True, text=True, timeout=900)
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--loss_only", "--output", str(output)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(output.read_text())["loss_only"]
-    assert set(result["median_loss_backward_s"]) == {"grpo-grpo", "grpo-dapo", "topr-online", "topr-online-top-k",
-                                                      "topr-online-top-p", "topr-online-top-k, on-policy batch",
-                                                      "topr-online-top-k, every sequence scored"}
+    assert set(result["median_loss_backward_s"]) == {
+        "grpo-grpo",
+        "grpo-dapo",
+        "topr-online",
+        "topr-online-top-k",
+        "topr-online-top-p",
+        "topr-online-top-k, on-policy batch",
+        "topr-online-top-k, every sequence scored",
+    }
     assert all(value > 0 for value in result["ratios"].values())
     if benchmark_memory_is_measured():  # a smoke call may add nothing measurable (under the 1 MiB mmap threshold)
         assert set(result["peak_added_memory_mib"]) == set(result["median_loss_backward_s"])
@@ -92,8 +130,9 @@ def test_the_memory_a_call_adds_is_what_it_holds_at_its_peak_on_a_cpu():
     that holds four 8 MiB tensors adds 32 MiB at its peak, within 3 MiB (the interpreter's own pages come and go),
     although 56 MiB freed just before would have served them with glibc's own threshold (16 MiB measured then); a
     call that allocates nothing adds under 3 MiB."""
-    completed = subprocess.run([sys.executable, "-c", MEMORY_PROBE], capture_output=True, text=True, timeout=300,
-                               cwd=SCRIPT.parents[1])
+    completed = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE], capture_output=True, text=True, timeout=300, cwd=SCRIPT.parents[1]
+    )
     if completed.returncode == 3:
         pytest.skip("no /proc/self/clear_refs or glibc mallopt here")
     assert completed.returncode == 0, completed.stderr[-3000:]
@@ -108,8 +147,14 @@ def test_model_flops_follow_the_palm_convention():
 
     from experiments import benchmark
 
-    config = SimpleNamespace(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                             intermediate_size=16, vocab_size=10)
+    config = SimpleNamespace(
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=16,
+        vocab_size=10,
+    )
     attention = 8 * 4 * (2 + 2) + 2 * 4 * 8  # q, k, v projections + output projection
     parameters = attention + 3 * 8 * 16 + 8 * 10  # + gated MLP + LM head
     flops = benchmark.model_flops_per_token(config, sequence_length=5)
@@ -155,13 +200,24 @@ def test_the_gpu_script_runs_every_step_and_leaves_what_a_lease_brings_back(tmp_
     brings back (no more), the rule's timings cover both shapes and both truncations, and each loss file's ratios are
     its medians' quotients."""
     out = tmp_path / "out"
-    completed = subprocess.run(["bash", str(GPU_SCRIPT), "run", str(out), "--smoke", "--device", "cpu"],
-                               capture_output=True, text=True, timeout=1800, env={**os.environ, "PYTHON": sys.executable})
+    completed = subprocess.run(
+        ["bash", str(GPU_SCRIPT), "run", str(out), "--smoke", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     assert completed.returncode == 0, completed.stdout[-3000:]
     assert "every step passed" in completed.stdout
     names = {path.name for path in out.iterdir()}
-    assert names == {"versions.txt", "log.txt", "support-rule.json", "support-loss-scale1.json",
-                     "support-loss-scale4.json", "support-loss-scale8.json"}
+    assert names == {
+        "versions.txt",
+        "log.txt",
+        "support-rule.json",
+        "support-loss-scale1.json",
+        "support-loss-scale4.json",
+        "support-loss-scale8.json",
+    }
     rule = json.loads((out / "support-rule.json").read_text())["support_only"]["timings"]
     assert set(rule) == {"flat top_k 50", "flat top_p 0.95", "peaked top_k 50", "peaked top_p 0.95"}
     assert all(value > 0 for row in rule.values() for value in row["ms_per_1k_tokens"].values())
@@ -169,4 +225,5 @@ def test_the_gpu_script_runs_every_step_and_leaves_what_a_lease_brings_back(tmp_
         loss = json.loads((out / f"support-loss-scale{scale}.json").read_text())["loss_only"]
         medians = loss["median_loss_backward_s"]
         assert loss["ratios"]["topr-online-top-p / topr-online"] == pytest.approx(
-            medians["topr-online-top-p"] / medians["topr-online"], rel=1e-12)
+            medians["topr-online-top-p"] / medians["topr-online"], rel=1e-12
+        )

@@ -31,12 +31,22 @@ def trained(tiny_model_path, tmp_path_factory):
     train = make_arithmetic_dataset(16, digits=1, seed=0)
     output = tmp_path_factory.mktemp("callbacks")
     trainer = make_trainer(tiny_model_path, train, output / "run")
-    every_two = EvaluationCallback(held_out, arithmetic_classify, trainer=trainer, eval_steps=2, k=4,
-                                   num_prompts=8, at_train_begin=True, output_dir=output / "evaluations")
-    every_three = EvaluationCallback(held_out, arithmetic_classify, trainer=trainer, eval_steps=3, k=2,
-                                     num_prompts=4, prefix="eval3/")
-    detached = EvaluationCallback(held_out, arithmetic_classify, eval_steps=4, k=2, num_prompts=4, prefix="plain/",
-                                  at_train_end=False)
+    every_two = EvaluationCallback(
+        held_out,
+        arithmetic_classify,
+        trainer=trainer,
+        eval_steps=2,
+        k=4,
+        num_prompts=8,
+        at_train_begin=True,
+        output_dir=output / "evaluations",
+    )
+    every_three = EvaluationCallback(
+        held_out, arithmetic_classify, trainer=trainer, eval_steps=3, k=2, num_prompts=4, prefix="eval3/"
+    )
+    detached = EvaluationCallback(
+        held_out, arithmetic_classify, eval_steps=4, k=2, num_prompts=4, prefix="plain/", at_train_end=False
+    )
     for callback in (every_two, every_three, detached):
         trainer.add_callback(callback)
     trainer.train()
@@ -52,10 +62,12 @@ def test_metrics_logged_at_the_right_steps(trained):
         assert [step for step, _ in logged] == [0, 2, 4], name  # no second evaluation at the train end (step 4)
         assert all(0.0 <= value <= 1.0 for _, value in logged), name
     assert [step for step, _ in callback.results] == [0, 2, 4]
-    assert [value for _, value in entries(trainer, "eval/pass@1")] == \
-        [result.pass_at_1 for _, result in callback.results]
-    assert [value for _, value in entries(trainer, "eval/invalid_rate")] == \
-        [result.invalid_rate for _, result in callback.results]
+    assert [value for _, value in entries(trainer, "eval/pass@1")] == [
+        result.pass_at_1 for _, result in callback.results
+    ]
+    assert [value for _, value in entries(trainer, "eval/invalid_rate")] == [
+        result.invalid_rate for _, result in callback.results
+    ]
     assert all(result.num_prompts == 8 and result.k == 4 for _, result in callback.results)
     # Steps 3 and then the end of training (step 4, not a multiple of 3).
     assert [step for step, _ in entries(trainer, "eval3/pass@1")] == [3, 4]

@@ -25,9 +25,27 @@ def main_iterate(argv: list[str]) -> list[dict]:
 
 def test_train_command_runs_the_builtin_job(tmp_path):
     output = tmp_path / "run"
-    main(["train", "--max_steps", "2", "--task_train_prompts", "16", "--task_eval_prompts", "8",
-          "--warm_start_accuracy", "0", "--base_model_dir", str(tmp_path / "base"), "--output_dir", str(output),
-          "--per_device_train_batch_size", "4", "--num_generations", "4"])
+    main(
+        [
+            "train",
+            "--max_steps",
+            "2",
+            "--task_train_prompts",
+            "16",
+            "--task_eval_prompts",
+            "8",
+            "--warm_start_accuracy",
+            "0",
+            "--base_model_dir",
+            str(tmp_path / "base"),
+            "--output_dir",
+            str(output),
+            "--per_device_train_batch_size",
+            "4",
+            "--num_generations",
+            "4",
+        ]
+    )
     summary = json.loads((output / "topr_summary.json").read_text())
     assert {"before", "after"} <= set(summary)
     base = Path(summary["model"])  # the built-in model, keyed under --base_model_dir
@@ -58,10 +76,26 @@ def test_reward_resolution():
 
 
 def test_iterate_command_runs_offline_iterations(tmp_path):
-    summaries = main_iterate(["--iterations", "1", "--task_train_prompts", "4", "--task_eval_prompts", "4",
-                              "--num_generations", "4", "--per_device_train_batch_size", "8",
-                              "--warm_start_accuracy", "0", "--base_model_dir", str(tmp_path / "base"),
-                              "--output_dir", str(tmp_path / "iterations")])
+    summaries = main_iterate(
+        [
+            "--iterations",
+            "1",
+            "--task_train_prompts",
+            "4",
+            "--task_eval_prompts",
+            "4",
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "8",
+            "--warm_start_accuracy",
+            "0",
+            "--base_model_dir",
+            str(tmp_path / "base"),
+            "--output_dir",
+            str(tmp_path / "iterations"),
+        ]
+    )
     assert len(summaries) == 1 and summaries[0]["rows"] == 16 and "evaluation" in summaries[0]
     assert (tmp_path / "iterations" / "iteration-000" / "model" / "model.safetensors").exists()
 
@@ -76,8 +110,21 @@ def test_one_offline_iteration_raises_accuracy_on_the_builtin_task(tmp_path):
 
 
 def test_evaluate_command_is_wired(tiny_model_path, tmp_path):
-    main(["evaluate", "--model", tiny_model_path, "--k", "2", "--limit", "2", "--max_new_tokens", "4",
-          "--output_dir", str(tmp_path / "eval")])
+    main(
+        [
+            "evaluate",
+            "--model",
+            tiny_model_path,
+            "--k",
+            "2",
+            "--limit",
+            "2",
+            "--max_new_tokens",
+            "4",
+            "--output_dir",
+            str(tmp_path / "eval"),
+        ]
+    )
     results = json.loads((tmp_path / "eval" / "results.json").read_text())
     assert "pass@1" in json.dumps(results)
     assert (tmp_path / "eval" / "results.png").exists()
@@ -89,19 +136,62 @@ def test_generate_then_train_offline_with_lora(tmp_path):
     from safetensors.torch import load_file
 
     base = tmp_path / "base"
-    summary = main_generate(["--task_train_prompts", "6", "--max_prompts", "4", "--num_generations", "4",
-                             "--warm_start_accuracy", "0", "--base_model_dir", str(base), "--backend", "transformers",
-                             "--prompts_per_shard", "2", "--output_dir", str(tmp_path / "data")])
+    summary = main_generate(
+        [
+            "--task_train_prompts",
+            "6",
+            "--max_prompts",
+            "4",
+            "--num_generations",
+            "4",
+            "--warm_start_accuracy",
+            "0",
+            "--base_model_dir",
+            str(base),
+            "--backend",
+            "transformers",
+            "--prompts_per_shard",
+            "2",
+            "--output_dir",
+            str(tmp_path / "data"),
+        ]
+    )
     assert summary["rows"] == 16
     data = load_offline_dataset(tmp_path / "data")
     assert summary["proportion_of_positives"] == sum(reward > 0 for reward in data["reward"]) / 16
     assert data["prompt_index"] == [i for i in range(4) for _ in range(4)]
 
     output = tmp_path / "run"
-    main(["train", "--offline_dataset", str(tmp_path / "data"), "--base_model_dir", str(base), "--num_generations",
-          "4", "--per_device_train_batch_size", "8", "--max_steps", "-1", "--task_eval_prompts", "4",
-          "--learning_rate", "1e-2", "--topr_signal", "reward", "--use_peft", "true", "--lora_r", "4",
-          "--lora_target_modules", "q_proj", "v_proj", "--output_dir", str(output)])
+    main(
+        [
+            "train",
+            "--offline_dataset",
+            str(tmp_path / "data"),
+            "--base_model_dir",
+            str(base),
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "8",
+            "--max_steps",
+            "-1",
+            "--task_eval_prompts",
+            "4",
+            "--learning_rate",
+            "1e-2",
+            "--topr_signal",
+            "reward",
+            "--use_peft",
+            "true",
+            "--lora_r",
+            "4",
+            "--lora_target_modules",
+            "q_proj",
+            "v_proj",
+            "--output_dir",
+            str(output),
+        ]
+    )
     adapter = load_file(output / "adapter_model.safetensors")
     assert adapter and all("lora_" in name for name in adapter)
     assert any(tensor.abs().sum() > 0 for name, tensor in adapter.items() if "lora_B" in name)  # B starts at 0
@@ -113,18 +203,36 @@ def test_generate_then_train_offline_with_lora(tmp_path):
 
 def test_iterate_runs_from_the_offline_recipe(tmp_path):
     recipe = Path(__file__).resolve().parents[1] / "examples" / "recipes" / "offline_tiny_cpu.yaml"
-    (summary,) = main_iterate(["--config", str(recipe), "--task_train_prompts", "4", "--task_eval_prompts", "4",
-                               "--warm_start_accuracy", "0", "--base_model_dir", str(tmp_path / "base"),
-                               "--output_dir", str(tmp_path / "it"), "--composition", "anna_karenina"])
+    (summary,) = main_iterate(
+        [
+            "--config",
+            str(recipe),
+            "--task_train_prompts",
+            "4",
+            "--task_eval_prompts",
+            "4",
+            "--warm_start_accuracy",
+            "0",
+            "--base_model_dir",
+            str(tmp_path / "base"),
+            "--output_dir",
+            str(tmp_path / "it"),
+            "--composition",
+            "anna_karenina",
+        ]
+    )
     assert summary["composition"] == "anna_karenina" and summary["rows"] <= 32
     assert (tmp_path / "it" / "iteration-000" / "summary.json").exists()
 
 
-@pytest.mark.parametrize("command, flag, suggestion", [
-    ("generate", "--num_generation", "--num_generations"),
-    ("iterate", "--iteration", "--iterations"),
-    ("iterate", "--compositon", "--composition"),
-])
+@pytest.mark.parametrize(
+    "command, flag, suggestion",
+    [
+        ("generate", "--num_generation", "--num_generations"),
+        ("iterate", "--iteration", "--iterations"),
+        ("iterate", "--compositon", "--composition"),
+    ],
+)
 def test_subcommands_reject_misspelt_flags(command, flag, suggestion, tmp_path):
     with pytest.raises(SystemExit, match=f"Did you mean {suggestion}"):
         main([command, flag, "2", "--output_dir", str(tmp_path)])
@@ -142,10 +250,27 @@ def test_subcommands_dry_run_and_validate_choices(tmp_path, capsys):
 
 
 def test_train_resumes_from_the_last_checkpoint(tmp_path):
-    common = ["train", "--task_train_prompts", "16", "--task_eval_prompts", "4", "--warm_start_accuracy", "0",
-              "--base_model_dir", str(tmp_path / "base"), "--output_dir", str(tmp_path / "run"),
-              "--per_device_train_batch_size", "4", "--num_generations", "4", "--save_strategy", "steps",
-              "--save_steps", "1"]
+    common = [
+        "train",
+        "--task_train_prompts",
+        "16",
+        "--task_eval_prompts",
+        "4",
+        "--warm_start_accuracy",
+        "0",
+        "--base_model_dir",
+        str(tmp_path / "base"),
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--per_device_train_batch_size",
+        "4",
+        "--num_generations",
+        "4",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "1",
+    ]
     main(common + ["--max_steps", "2"])
     second = tmp_path / "run" / "checkpoint-2" / "model.safetensors"
     written = second.stat().st_mtime_ns
@@ -157,9 +282,23 @@ def test_train_resumes_from_the_last_checkpoint(tmp_path):
 
 def test_missing_offline_dataset_is_reported(tmp_path):
     with pytest.raises(SystemExit, match="--offline_dataset .*nothing: no such file or folder"):
-        main(["train", "--offline_dataset", str(tmp_path / "nothing"), "--warm_start_accuracy", "0",
-              "--task_train_prompts", "4", "--task_eval_prompts", "4", "--base_model_dir", str(tmp_path / "base"),
-              "--output_dir", str(tmp_path / "run")])
+        main(
+            [
+                "train",
+                "--offline_dataset",
+                str(tmp_path / "nothing"),
+                "--warm_start_accuracy",
+                "0",
+                "--task_train_prompts",
+                "4",
+                "--task_eval_prompts",
+                "4",
+                "--base_model_dir",
+                str(tmp_path / "base"),
+                "--output_dir",
+                str(tmp_path / "run"),
+            ]
+        )
 
 
 def test_every_builtin_recipe_key_is_a_field_of_its_command():
@@ -175,11 +314,14 @@ def test_every_builtin_recipe_key_is_a_field_of_its_command():
     assert set(arguments.recipe("builtin-reasoning")) <= train_fields
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["train", "--max_steps", "1", "2"], "topr-trl: unexpected value '2'"),
-    (["train", "--learning_rat", "1"], "topr-trl: unknown option --learning_rat. Did you mean --learning_rate?"),
-    (["evaluate", "--model_name_or_path", "m", "--kk", "2"], "topr-trl: unknown option --kk. Did you mean --k?"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--max_steps", "1", "2"], "topr-trl: unexpected value '2'"),
+        (["train", "--learning_rat", "1"], "topr-trl: unknown option --learning_rat. Did you mean --learning_rate?"),
+        (["evaluate", "--model_name_or_path", "m", "--kk", "2"], "topr-trl: unknown option --kk. Did you mean --k?"),
+    ],
+)
 def test_what_trls_parser_leaves_over_fails_in_one_line(argv, message):
     with pytest.raises(SystemExit) as stop:
         main(argv)

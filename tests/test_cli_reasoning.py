@@ -31,10 +31,33 @@ def test_reasoning_task_has_its_own_builtin_settings():
 
 
 def test_reasoning_task_trains_a_users_model_and_reports_sampled_pass_at_1(tiny_model_path, tmp_path, capsys):
-    main(["train", "--task", "reasoning", "--model_name_or_path", tiny_model_path, "--max_steps", "1",
-          "--per_device_train_batch_size", "8", "--num_generations", "8", "--max_completion_length", "8",
-          "--task_eval_prompts", "4", "--output_dir", str(tmp_path / "run"), "--use_cpu", "true", "--bf16", "false",
-          "--report_to", "none"])
+    main(
+        [
+            "train",
+            "--task",
+            "reasoning",
+            "--model_name_or_path",
+            tiny_model_path,
+            "--max_steps",
+            "1",
+            "--per_device_train_batch_size",
+            "8",
+            "--num_generations",
+            "8",
+            "--max_completion_length",
+            "8",
+            "--task_eval_prompts",
+            "4",
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--use_cpu",
+            "true",
+            "--bf16",
+            "false",
+            "--report_to",
+            "none",
+        ]
+    )
     summary = json.loads((tmp_path / "run" / "topr_summary.json").read_text())
     assert summary["held_out_problems"] == 4
     assert summary["before"]["num_samples"] == 4 and summary["before"]["temperature"] == 1.0
@@ -51,14 +74,28 @@ def test_an_unknown_task_names_the_reasoning_one():
 def test_builtin_reasoning_job_raises_sampled_pass_at_1(evidence_work_dir, tmp_path):
     # the warm model is shared with the evidence scripts' slow tests (same settings, same cache key)
     output = tmp_path / "run"
-    main(["train", "--task", "reasoning", "--base_model_dir", str(evidence_work_dir / "cache"), "--max_steps", "30",
-          "--task_eval_prompts", "200", "--output_dir", str(output)])
+    main(
+        [
+            "train",
+            "--task",
+            "reasoning",
+            "--base_model_dir",
+            str(evidence_work_dir / "cache"),
+            "--max_steps",
+            "30",
+            "--task_eval_prompts",
+            "200",
+            "--output_dir",
+            str(output),
+        ]
+    )
     summary = json.loads((output / "topr_summary.json").read_text())
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     held_out = make_reasoning_dataset(200, 3, "heldout", seed=0)
-    again = measure_base_model(AutoModelForCausalLM.from_pretrained(output), AutoTokenizer.from_pretrained(output),
-                               held_out)
+    again = measure_base_model(
+        AutoModelForCausalLM.from_pretrained(output), AutoTokenizer.from_pretrained(output), held_out
+    )
     assert again["pass@1"] == pytest.approx(summary["after"]["pass@1"], abs=1e-9)
     assert 0.55 < summary["before"]["pass@1"] < 0.8  # the paper's regime: about two thirds correct
     assert summary["after"]["pass@1"] > summary["before"]["pass@1"] + 0.05

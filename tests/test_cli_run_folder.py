@@ -29,13 +29,21 @@ from .conftest import SHARED
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [f"{a}+{b}=" for a in range(4) for b in range(4)]
-REWARD_MODULE = '''
+REWARD_MODULE = """
 def correctness(completions, answer, **kwargs):
     return [1.0 if c.strip()[:1] == str(a)[:1] else -1.0 for c, a in zip(completions, answer)]
-'''
+"""
 # A random model's completions are mostly unscorable (the reward returns None): go on through them.
-SMALL = ["--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
-         "--topr_unscored_batch", "train"]
+SMALL = [
+    "--per_device_train_batch_size",
+    "4",
+    "--num_generations",
+    "4",
+    "--max_completion_length",
+    "8",
+    "--topr_unscored_batch",
+    "train",
+]
 
 
 @pytest.fixture(scope="module")
@@ -50,23 +58,40 @@ def user_folder(tmp_path_factory, tiny_model_path) -> Path:
         os.symlink(tiny_model_path, folder / "my-model")
         (folder / "data").mkdir()
         Dataset.from_dict({"prompt": PROMPTS, "answer": [str(eval(p[:-1])) for p in PROMPTS]}).to_json(
-            folder / "data" / "prompts.jsonl")
+            folder / "data" / "prompts.jsonl"
+        )
         (folder / "my_rewards.py").write_text(REWARD_MODULE)
     return folder
 
 
 def user_run(folder: Path, output: str, *extra: str) -> list[str]:
-    return ["train", "--model_name_or_path", "my-model", "--dataset_name", "data/prompts.jsonl", "--reward_funcs",
-            "my_rewards:correctness", "--output_dir", output, *SMALL, *extra]
+    return [
+        "train",
+        "--model_name_or_path",
+        "my-model",
+        "--dataset_name",
+        "data/prompts.jsonl",
+        "--reward_funcs",
+        "my_rewards:correctness",
+        "--output_dir",
+        output,
+        *SMALL,
+        *extra,
+    ]
 
 
 def topr_trl(argv: list[str], cwd: Path, **env) -> subprocess.Popen:
     # with SIGINT at its default in the child, as a command typed in a terminal has it (a test run started as a
     # background job of a script would pass on SIGINT ignored, and the Ctrl-C tests would test nothing)
-    return subprocess.Popen([sys.executable, "-m", "topr_trl", *argv], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(cwd), "OMP_NUM_THREADS": "1", **env},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [sys.executable, "-m", "topr_trl", *argv],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(cwd), "OMP_NUM_THREADS": "1", **env},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def wait_for(condition, process: subprocess.Popen, timeout: float = 300) -> None:
@@ -89,10 +114,14 @@ def test_a_run_leaves_its_curves_tensorboard_files_state_and_last_loss(user_fold
     """Two steps at TRL's logging interval of 10: the last step is logged anyway, so the summary has the loss; the
     curves' picture is written and its path printed; TensorBoard's files (the default tracker) hold the same logged
     values as the trainer's state."""
-    completed = subprocess.run([sys.executable, "-m", "topr_trl", *user_run(user_folder, "outputs/leaves",
-                                                                             "--max_steps", "2")],
-                               cwd=user_folder, capture_output=True, text=True, timeout=600,
-                               env={**os.environ, "PYTHONPATH": str(user_folder)})
+    completed = subprocess.run(
+        [sys.executable, "-m", "topr_trl", *user_run(user_folder, "outputs/leaves", "--max_steps", "2")],
+        cwd=user_folder,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(user_folder)},
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     run = user_folder / "outputs" / "leaves"
     summary = json.loads((run / "topr_summary.json").read_text())
@@ -111,14 +140,17 @@ def test_a_run_leaves_its_curves_tensorboard_files_state_and_last_loss(user_fold
     events = EventAccumulator(str(events_dir))
     events.Reload()
     rewards = [(event.step, event.value) for event in events.Scalars("train/reward")]
-    assert rewards == [(entry["step"], pytest.approx(entry["reward"], rel=1e-6)) for entry in history
-                       if "reward" in entry]
+    assert rewards == [
+        (entry["step"], pytest.approx(entry["reward"], rel=1e-6)) for entry in history if "reward" in entry
+    ]
 
 
 def test_logged_curves_keep_every_logged_number_and_skip_nan():
-    history = [{"step": 1, "loss": 0.5, "reward": -1.0, "topr/ratio_negative/mean": float("nan")},
-               {"step": 2, "loss": 0.25, "eval_reward": 0.75, "learning_rate": 1e-4},
-               {"step": 2, "train_runtime": 3.0, "train_loss": 0.375}]
+    history = [
+        {"step": 1, "loss": 0.5, "reward": -1.0, "topr/ratio_negative/mean": float("nan")},
+        {"step": 2, "loss": 0.25, "eval_reward": 0.75, "learning_rate": 1e-4},
+        {"step": 2, "train_runtime": 3.0, "train_loss": 0.375},
+    ]
     curves = logged_curves(history, step_offset=10)
     assert curves == {"loss": ([11, 12], [0.5, 0.25]), "reward": ([11], [-1.0]), "eval_reward": ([12], [0.75])}
 
@@ -128,8 +160,17 @@ def test_each_reward_function_is_drawn_beside_the_sum_on_whole_steps(tmp_path):
     is not drawn), and the steps axis has whole-number ticks only."""
     from topr_trl.curves import drawn_panels
 
-    history = [{"step": s, "reward": 0.5 * s, "rewards/correctness/mean": s, "rewards/format/mean": -s,
-                "rewards/format/std": 0.1, "loss": 1.0} for s in (1, 2, 3)]
+    history = [
+        {
+            "step": s,
+            "reward": 0.5 * s,
+            "rewards/correctness/mean": s,
+            "rewards/format/mean": -s,
+            "rewards/format/std": 0.1,
+            "loss": 1.0,
+        }
+        for s in (1, 2, 3)
+    ]
     curves = logged_curves(history)
     panels = dict(drawn_panels(curves))
     assert panels["reward (training batches)"] == ["reward", "rewards/correctness/mean", "rewards/format/mean"]
@@ -141,18 +182,23 @@ def test_each_reward_function_is_drawn_beside_the_sum_on_whole_steps(tmp_path):
 
     figures = []  # the figure drawn, kept open to read its axes
     original = plt.subplots
-    with mock.patch.object(plt, "subplots", lambda *a, **k: figures.append(original(*a, **k)) or figures[-1]), \
-            mock.patch.object(plt, "close", lambda figure: None):
+    with (
+        mock.patch.object(plt, "subplots", lambda *a, **k: figures.append(original(*a, **k)) or figures[-1]),
+        mock.patch.object(plt, "close", lambda figure: None),
+    ):
         plot_curves(curves, tmp_path / "curves.png", "a run")
-    ticks = [tick for axis in figures[0][1].flat if axis.get_visible() for tick in axis.get_xticks()
-             if 1 <= tick <= 3]
+    ticks = [tick for axis in figures[0][1].flat if axis.get_visible() for tick in axis.get_xticks() if 1 <= tick <= 3]
     assert ticks and all(float(tick).is_integer() for tick in ticks)
 
 
 def test_plot_curves_writes_a_png_or_nothing(tmp_path):
     assert plot_curves({}, tmp_path / "none.png", "empty") is None and not (tmp_path / "none.png").exists()
-    path = plot_curves(logged_curves([{"step": s, "loss": 1 / s, "reward": s} for s in range(1, 5)]),
-                       tmp_path / "sub" / "curves.png", "a run", boundaries=[2])
+    path = plot_curves(
+        logged_curves([{"step": s, "loss": 1 / s, "reward": s} for s in range(1, 5)]),
+        tmp_path / "sub" / "curves.png",
+        "a run",
+        boundaries=[2],
+    )
     assert path == tmp_path / "sub" / "curves.png" and path.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -162,10 +208,14 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_it
     lock = user_folder / "outputs" / "shared" / LOCK_FILE
     try:
         wait_for(lambda: lock.is_file() and "pid" in lock.read_text(), first)
-        second = subprocess.run([sys.executable, "-m", "topr_trl",
-                                 *user_run(user_folder, "outputs/shared", "--max_steps", "1")],
-                                cwd=user_folder, capture_output=True, text=True, timeout=600,
-                                env={**os.environ, "PYTHONPATH": str(user_folder)})
+        second = subprocess.run(
+            [sys.executable, "-m", "topr_trl", *user_run(user_folder, "outputs/shared", "--max_steps", "1")],
+            cwd=user_folder,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "PYTHONPATH": str(user_folder)},
+        )
         assert second.returncode == 1
         line = one_error_line(second.stderr)
         assert f"outputs/shared is in use by another run (pid {first.pid} " in line and "--output_dir" in line
@@ -174,11 +224,19 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_it
         first.kill()  # SIGKILL: no Python code of the run's runs, as in a crash or an out-of-memory kill
         first.wait()
     # The kernel released the dead run's lock: the folder is free (here overwritten, since it holds the dead run).
-    third = subprocess.run([sys.executable, "-m", "topr_trl",
-                            *user_run(user_folder, "outputs/shared", "--max_steps", "1", "--overwrite_output_dir",
-                                      "true")],
-                           cwd=user_folder, capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "PYTHONPATH": str(user_folder)})
+    third = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "topr_trl",
+            *user_run(user_folder, "outputs/shared", "--max_steps", "1", "--overwrite_output_dir", "true"),
+        ],
+        cwd=user_folder,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(user_folder)},
+    )
     assert third.returncode == 0, third.stderr[-3000:]
 
 
@@ -186,9 +244,17 @@ def test_the_lock_is_held_by_one_holder_at_a_time(tmp_path):
     with output_dir_lock(str(tmp_path / "run")):
         holder = (tmp_path / "run" / LOCK_FILE).read_text()
         assert f"pid {os.getpid()} " in holder
-        other = subprocess.run([sys.executable, "-c", "import sys; from topr_trl.commands.output_folders import output_dir_lock\n"
-                                f"with output_dir_lock({str(tmp_path / 'run')!r}): pass"],
-                               capture_output=True, text=True, timeout=300)
+        other = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from topr_trl.commands.output_folders import output_dir_lock\n"
+                f"with output_dir_lock({str(tmp_path / 'run')!r}): pass",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert other.returncode == 1 and f"in use by another run (pid {os.getpid()} " in other.stderr
     with output_dir_lock(str(tmp_path / "run")):  # released on exit
         pass
@@ -221,7 +287,7 @@ def test_ctrl_c_says_where_the_last_checkpoint_is_and_the_command_that_resumes_i
     argv = user_run(user_folder, output, "--max_steps", "500", "--save_strategy", "steps", "--save_steps", "1", *mode)
     if mode:  # the asynchronous trainer has no unscored-batch rule (its rewards arrive sample by sample)
         at = argv.index("--topr_unscored_batch")
-        del argv[at:at + 2]
+        del argv[at : at + 2]
     run = topr_trl(argv, user_folder)
     state = user_folder / output / "checkpoint-2" / "trainer_state.json"
     try:
@@ -239,9 +305,14 @@ def test_ctrl_c_says_where_the_last_checkpoint_is_and_the_command_that_resumes_i
     assert command == ["topr-trl", *argv, "--resume_from_checkpoint", "true"]
     # The printed command resumes the run (one more step than the checkpoint's, to be quick).
     step = int(checkpoint.rsplit("-", 1)[1])
-    resumed = subprocess.run([sys.executable, "-m", "topr_trl", *command[1:], "--max_steps", str(step + 1)],
-                             cwd=user_folder, capture_output=True, text=True, timeout=600,
-                             env={**os.environ, "PYTHONPATH": str(user_folder)})
+    resumed = subprocess.run(
+        [sys.executable, "-m", "topr_trl", *command[1:], "--max_steps", str(step + 1)],
+        cwd=user_folder,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(user_folder)},
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads((user_folder / output / "topr_summary.json").read_text())
     assert summary["steps"] == step + 1
@@ -288,10 +359,19 @@ def _interrupt_twice(before) -> None:
 # ----------------------------------------------------------------------------------------- the Hub, trackers
 def test_push_to_hub_without_the_hub_fails_before_training_in_one_line(user_folder):
     env = {key: value for key, value in os.environ.items() if key != "HF_HUB_OFFLINE"}
-    completed = subprocess.run([sys.executable, "-m", "topr_trl",
-                                *user_run(user_folder, "outputs/pushed", "--max_steps", "1", "--push_to_hub", "true")],
-                               cwd=user_folder, capture_output=True, text=True, timeout=600,
-                               env={**env, "PYTHONPATH": str(user_folder), "HF_ENDPOINT": "http://127.0.0.1:9"})
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "topr_trl",
+            *user_run(user_folder, "outputs/pushed", "--max_steps", "1", "--push_to_hub", "true"),
+        ],
+        cwd=user_folder,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**env, "PYTHONPATH": str(user_folder), "HF_ENDPOINT": "http://127.0.0.1:9"},
+    )
     assert completed.returncode == 1
     line = one_error_line(completed.stderr)
     assert "--push_to_hub needs the Hugging Face Hub" in line and "127.0.0.1 cannot be reached" in line
@@ -320,10 +400,13 @@ def test_a_push_that_fails_after_training_says_where_the_model_is(user_folder, m
     assert (output / "model.safetensors").is_file() and (output / "topr_summary.json").is_file()
 
 
-@pytest.mark.parametrize("tracker, message", [
-    ("wandb", "--report_to wandb needs the `wandb` package, which is not installed: pip install wandb"),
-    ("tensorbord", "--report_to tensorbord: unknown tracker"),
-])
+@pytest.mark.parametrize(
+    "tracker, message",
+    [
+        ("wandb", "--report_to wandb needs the `wandb` package, which is not installed: pip install wandb"),
+        ("tensorbord", "--report_to tensorbord: unknown tracker"),
+    ],
+)
 def test_a_tracker_that_cannot_run_fails_in_one_line_even_in_a_dry_run(tracker, message, user_folder, monkeypatch):
     import importlib.util
 
@@ -334,8 +417,11 @@ def test_a_tracker_that_cannot_run_fails_in_one_line_even_in_a_dry_run(tracker, 
     monkeypatch.delitem(sys.modules, "my_rewards", raising=False)  # another test's module of that name
     for dry_run in ("true", "false"):
         with pytest.raises(SystemExit) as stop:
-            main(user_run(user_folder, "outputs/tracked", "--max_steps", "1", "--report_to", tracker,
-                          "--dry_run", dry_run))
+            main(
+                user_run(
+                    user_folder, "outputs/tracked", "--max_steps", "1", "--report_to", tracker, "--dry_run", dry_run
+                )
+            )
         text = str(stop.value.code)
         assert text.startswith("topr-trl: ") and "\n" not in text and message in text
     assert not (user_folder / "outputs" / "tracked").exists()
@@ -351,9 +437,11 @@ def test_every_library_the_package_imports_is_installed_with_it():
     package (at the top or inside a function) comes from a distribution in install_requires, or is an extra's."""
     config = configparser.ConfigParser()
     config.read(ROOT / "setup.cfg")
-    required = {re.split(r"[<>=!~;\[ ]", line.strip())[0].lower().replace("_", "-")
-                for line in config["options"]["install_requires"].splitlines()
-                if line.strip() and not line.strip().startswith("#")}
+    required = {
+        re.split(r"[<>=!~;\[ ]", line.strip())[0].lower().replace("_", "-")
+        for line in config["options"]["install_requires"].splitlines()
+        if line.strip() and not line.strip().startswith("#")
+    }
     imported = set()
     for path in (ROOT / "topr_trl").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -381,15 +469,20 @@ def test_the_readme_states_grpo_defaults_as_grpo_has_them():
     from topr_trl.commands.arguments import GenerateScriptArguments
 
     readme = " ".join((ROOT / "README.md").read_text().split())
-    stated = re.search(r"`GRPOConfig` defaults \(learning rate ([\d.e-]+), (\d+)-token completions, (\d+) epochs, "
-                       r"checkpoints every (\d+) steps", readme)
+    stated = re.search(
+        r"`GRPOConfig` defaults \(learning rate ([\d.e-]+), (\d+)-token completions, (\d+) epochs, "
+        r"checkpoints every (\d+) steps",
+        readme,
+    )
     defaults = GRPOConfig.__dataclass_fields__
     assert stated and float(stated.group(1)) == defaults["learning_rate"].default
     assert int(stated.group(2)) == defaults["max_completion_length"].default
     assert float(stated.group(3)) == defaults["num_train_epochs"].default
     assert int(stated.group(4)) == defaults["save_steps"].default
-    assert GenerateScriptArguments.__dataclass_fields__["max_completion_length"].default == \
-        defaults["max_completion_length"].default
+    assert (
+        GenerateScriptArguments.__dataclass_fields__["max_completion_length"].default
+        == defaults["max_completion_length"].default
+    )
     assert "`use_cpu=True, bf16=False`" in readme  # what a Python user on a CPU needs, said at the swap
 
 
@@ -411,10 +504,32 @@ def test_a_folder_that_cannot_be_locked_runs_unlocked_and_says_so(tmp_path, monk
 def test_vllm_server_mode_without_a_server_fails_in_one_line_naming_it_before_anything_loads(user_folder):
     """Server mode with no server at the address: the run stops before the model loads, in one line naming the
     address and the command that starts one, after waiting `--vllm_server_timeout` for it (TRL's own wait)."""
-    completed = subprocess.run([sys.executable, "-m", "topr_trl", *user_run(
-        user_folder, "outputs/server", "--max_steps", "1", "--use_vllm", "true", "--vllm_mode", "server",
-        "--vllm_server_base_url", "http://127.0.0.1:9", "--vllm_server_timeout", "3")],
-        cwd=user_folder, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(user_folder)})
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "topr_trl",
+            *user_run(
+                user_folder,
+                "outputs/server",
+                "--max_steps",
+                "1",
+                "--use_vllm",
+                "true",
+                "--vllm_mode",
+                "server",
+                "--vllm_server_base_url",
+                "http://127.0.0.1:9",
+                "--vllm_server_timeout",
+                "3",
+            ),
+        ],
+        cwd=user_folder,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(user_folder)},
+    )
     assert completed.returncode == 1
     line = one_error_line(completed.stderr)
     assert "the vLLM server at http://127.0.0.1:9 cannot be reached" in line and "topr-trl vllm-serve" in line

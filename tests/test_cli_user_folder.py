@@ -19,18 +19,24 @@ from .test_cli_user_path import PROMPTS, QUICK, generate_builtin, prompt_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 # Raises on one prompt only, so that the one-line report must name the right one.
-FAILING_REWARD = '''
+FAILING_REWARD = """
 def fragile(prompts, completions, **kwargs):
     for prompt in prompts:
         if prompt == "2+1=":
             raise KeyError("no grader for " + prompt)
     return [0.0 for _ in completions]
-'''
+"""
 
 
 def run_cli(argv: list[str], cwd: Path, timeout: int = 600, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "topr_trl", *argv], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(cwd), **env})
+    return subprocess.run(
+        [sys.executable, "-m", "topr_trl", *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(cwd), **env},
+    )
 
 
 def one_line_error(stop: pytest.ExceptionInfo) -> str:
@@ -56,19 +62,45 @@ def offline_folder(tmp_path_factory):
 
 def test_offline_folder_trains_on_train_and_evaluates_on_test(offline_folder, user_dir):
     """The test split's prompts reach the reward function only as the evaluation set."""
+
     def prompts_of(split: str) -> set[str]:
         rows = [json.loads(line) for line in (offline_folder / "data" / f"{split}.jsonl").read_text().splitlines()]
         return {row["prompt"][-1]["content"] if isinstance(row["prompt"], list) else row["prompt"] for row in rows}
 
-    common = ["train", "--offline_dataset", str(offline_folder / "data"), "--reward_funcs", "my_rewards:correctness",
-              "--base_model_dir", str(offline_folder / "base"), "--num_generations", "4",
-              "--per_device_train_batch_size", "16", "--max_steps", "1", "--task_eval_prompts", "4"]
+    common = [
+        "train",
+        "--offline_dataset",
+        str(offline_folder / "data"),
+        "--reward_funcs",
+        "my_rewards:correctness",
+        "--base_model_dir",
+        str(offline_folder / "base"),
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        "16",
+        "--max_steps",
+        "1",
+        "--task_eval_prompts",
+        "4",
+    ]
     main(common + ["--output_dir", "train-only"])
     seen = {p[-1]["content"] if isinstance(p, list) else p for p in _seen_raw(user_dir)}
     assert seen == prompts_of("train")
     (user_dir / "seen.jsonl").unlink()
-    main(common + ["--output_dir", "with-eval", "--eval_strategy", "steps", "--eval_steps", "1",
-                   "--per_device_eval_batch_size", "16"])
+    main(
+        common
+        + [
+            "--output_dir",
+            "with-eval",
+            "--eval_strategy",
+            "steps",
+            "--eval_steps",
+            "1",
+            "--per_device_eval_batch_size",
+            "16",
+        ]
+    )
     seen = {p[-1]["content"] if isinstance(p, list) else p for p in _seen_raw(user_dir)}
     assert seen == prompts_of("train") | prompts_of("test")
     history = json.loads((user_dir / "with-eval" / "topr_summary.json").read_text())
@@ -81,17 +113,39 @@ def _seen_raw(directory: Path) -> list:
 
 def test_offline_folder_without_the_split_asked_for_fails_in_one_line(offline_folder, user_dir):
     with pytest.raises(SystemExit) as stop:
-        main(["train", "--offline_dataset", str(offline_folder / "data"), "--dataset_train_split", "validation",
-              "--base_model_dir", str(offline_folder / "base")])
+        main(
+            [
+                "train",
+                "--offline_dataset",
+                str(offline_folder / "data"),
+                "--dataset_train_split",
+                "validation",
+                "--base_model_dir",
+                str(offline_folder / "base"),
+            ]
+        )
     assert "has no 'validation' split" in one_line_error(stop) and "['test', 'train']" in str(stop.value.code)
 
 
 # ----------------------------------------------------------------------------------------- interrupted runs
 def test_an_interrupted_run_is_not_restarted_over_its_checkpoints(user_dir, tiny_model_path):
     prompt_dataset().to_json(user_dir / "prompts.jsonl")
-    command = ["train", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl",
-               "--reward_funcs", "my_rewards:correctness", "--output_dir", "run", *QUICK, "--save_strategy",
-               "steps", "--save_steps", "1"]
+    command = [
+        "train",
+        "--model_name_or_path",
+        tiny_model_path,
+        "--dataset_name",
+        "prompts.jsonl",
+        "--reward_funcs",
+        "my_rewards:correctness",
+        "--output_dir",
+        "run",
+        *QUICK,
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "1",
+    ]
     main(command)
     for finished in ("model.safetensors", "topr_summary.json"):  # as if stopped after the checkpoint
         (user_dir / "run" / finished).unlink()
@@ -107,21 +161,28 @@ def test_an_interrupted_run_is_not_restarted_over_its_checkpoints(user_dir, tiny
 
 
 # ----------------------------------------------------------------------------------------- wrong inputs
-@pytest.mark.parametrize("argv, message", [
-    (["--model_name_or_path", "./nosuch-model"], "model folder ./nosuch-model does not exist"),
-    (["--model_name_or_path", "no/such/model-dir"], "model folder no/such/model-dir does not exist"),
-    (["--model_name_or_path", "no/such-model-dir"],
-     "no/such-model-dir is not a local folder, and the Hub cannot be asked for it (HF_HUB_OFFLINE is set)"),
-    (["--model_name_or_path", "MODEL", "--dataset_name", "data/missing.jsonl"],
-     "--dataset_name data/missing.jsonl: no such file or folder"),
-    (["--learning_rate", "abc"], "--learning_rate: invalid float value: 'abc'"),
-    (["--max_steps", "two"], "--max_steps: invalid int value: 'two'"),
-    (["--bf16", "maybe"], "--bf16: Truthy value expected: got maybe"),
-    (["--topr_unscored_batch", "stop"], "topr_unscored_batch"),
-    (["--lora_r", "8"], "--lora_r sets the LoRA adapter, which only --use_peft true trains"),
-    (["--use_dora", "true"], "--use_dora sets the LoRA adapter"),
-    (["--max_steps", "0"], "--max_steps 0 would not stop training at step 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model_name_or_path", "./nosuch-model"], "model folder ./nosuch-model does not exist"),
+        (["--model_name_or_path", "no/such/model-dir"], "model folder no/such/model-dir does not exist"),
+        (
+            ["--model_name_or_path", "no/such-model-dir"],
+            "no/such-model-dir is not a local folder, and the Hub cannot be asked for it (HF_HUB_OFFLINE is set)",
+        ),
+        (
+            ["--model_name_or_path", "MODEL", "--dataset_name", "data/missing.jsonl"],
+            "--dataset_name data/missing.jsonl: no such file or folder",
+        ),
+        (["--learning_rate", "abc"], "--learning_rate: invalid float value: 'abc'"),
+        (["--max_steps", "two"], "--max_steps: invalid int value: 'two'"),
+        (["--bf16", "maybe"], "--bf16: Truthy value expected: got maybe"),
+        (["--topr_unscored_batch", "stop"], "topr_unscored_batch"),
+        (["--lora_r", "8"], "--lora_r sets the LoRA adapter, which only --use_peft true trains"),
+        (["--use_dora", "true"], "--use_dora sets the LoRA adapter"),
+        (["--max_steps", "0"], "--max_steps 0 would not stop training at step 0"),
+    ],
+)
 @pytest.mark.parametrize("dry_run", [False, True])
 def test_wrong_input_fails_at_once_in_one_line(argv, message, dry_run, user_dir, tiny_model_path):
     prompt_dataset().to_json(user_dir / "prompts.jsonl")
@@ -166,9 +227,25 @@ def test_a_model_name_the_hub_cannot_be_asked_for_fails_at_once(monkeypatch):
 def test_a_raising_reward_function_is_reported_in_one_line(user_dir, tiny_model_path):
     (user_dir / "graders.py").write_text(FAILING_REWARD)
     prompt_dataset().to_json(user_dir / "prompts.jsonl")
-    argv = ["train", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl", "--reward_funcs",
-            "graders:fragile", "--per_device_train_batch_size", "16", "--num_generations", "2", "--max_steps", "1",
-            "--max_completion_length", "4", "--output_dir", "run"]
+    argv = [
+        "train",
+        "--model_name_or_path",
+        tiny_model_path,
+        "--dataset_name",
+        "prompts.jsonl",
+        "--reward_funcs",
+        "graders:fragile",
+        "--per_device_train_batch_size",
+        "16",
+        "--num_generations",
+        "2",
+        "--max_steps",
+        "1",
+        "--max_completion_length",
+        "4",
+        "--output_dir",
+        "run",
+    ]
     completed = run_cli(argv, user_dir)
     errors = [line for line in completed.stderr.splitlines() if line.startswith("topr-trl:")]
     assert completed.returncode == 1 and "Traceback" not in completed.stderr, completed.stderr[-2000:]
@@ -187,12 +264,39 @@ def test_evaluate_scores_the_users_prompts_with_the_users_reward(user_dir, tiny_
         main(["evaluate", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl"])
     assert "needs --dataset_name" in one_line_error(stop) and "--reward_funcs" in str(stop.value.code)
     with pytest.raises(SystemExit) as stop:
-        main(["evaluate", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl", "--task",
-              "arithmetic"])
+        main(
+            [
+                "evaluate",
+                "--model_name_or_path",
+                tiny_model_path,
+                "--dataset_name",
+                "prompts.jsonl",
+                "--task",
+                "arithmetic",
+            ]
+        )
     assert "drop --dataset_name" in one_line_error(stop)
-    main(["evaluate", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl",
-          "--dataset_test_split", "train", "--reward_funcs", "my_rewards:correctness", "--k", "2",
-          "--max_completion_length", "3", "--output_dir", "eval", "--no_plot", "--no_progress"])
+    main(
+        [
+            "evaluate",
+            "--model_name_or_path",
+            tiny_model_path,
+            "--dataset_name",
+            "prompts.jsonl",
+            "--dataset_test_split",
+            "train",
+            "--reward_funcs",
+            "my_rewards:correctness",
+            "--k",
+            "2",
+            "--max_completion_length",
+            "3",
+            "--output_dir",
+            "eval",
+            "--no_plot",
+            "--no_progress",
+        ]
+    )
     results = json.loads((user_dir / "eval" / "results.json").read_text())
     assert [record["prompt"] for record in results["records"]] == PROMPTS
     # the user's reward, recomputed: the completion's first character against the answer's
@@ -218,8 +322,20 @@ def test_summary_model_card_and_output_folders_of_a_custom_run(user_dir, tiny_mo
     prompt_dataset().to_json(user_dir / "prompts.jsonl")
     prompt_dataset().to_parquet(user_dir / "prompts.parquet")
     for source in ("prompts.jsonl", "prompts.parquet"):
-        main(["train", "--model_name_or_path", tiny_model_path, "--dataset_name", source, "--reward_funcs",
-              "my_rewards:correctness", *QUICK, "--logging_steps", "1"])
+        main(
+            [
+                "train",
+                "--model_name_or_path",
+                tiny_model_path,
+                "--dataset_name",
+                source,
+                "--reward_funcs",
+                "my_rewards:correctness",
+                *QUICK,
+                "--logging_steps",
+                "1",
+            ]
+        )
     name = Path(tiny_model_path).name
     jsonl, parquet = (user_dir / "outputs" / f"topr-{name}-prompts-{kind}" for kind in ("jsonl", "parquet"))
     assert (jsonl / "model.safetensors").is_file() and (parquet / "model.safetensors").is_file()
@@ -241,7 +357,7 @@ def test_help_texts_say_what_the_flags_do(capsys):
         main(["train", "--help-all"])
     assert stop.value.code == 0
     text = capsys.readouterr().out
-    block = text[text.index("--no_gradient_checkpointing, "):].split("\n  --")[0]
+    block = text[text.index("--no_gradient_checkpointing, ") :].split("\n  --")[0]
     assert "Turn off gradient_checkpointing" in block and "Enable" not in block
     assert "outputs/topr-<model>-<data>" in cli.__doc__ and "outputs/<command>" not in cli.__doc__
 
@@ -271,6 +387,8 @@ def test_a_locally_built_model_shows_its_progress_and_is_keyed_on_the_machine(tm
 
 # ----------------------------------------------------------------------------------------- evaluation rows
 QUICK_SAMPLES = 4  # one step of QUICK: per_device_train_batch_size completions
+
+
 def test_evaluation_reads_the_held_out_split_and_never_the_training_rows(user_dir, tiny_model_path):
     """`--eval_strategy steps` on a single data file (which holds the training split only) or on a folder whose test
     split repeats the training prompts is refused in one line before any model loads: it would report training rows
@@ -285,10 +403,25 @@ def test_evaluation_reads_the_held_out_split_and_never_the_training_rows(user_di
     train_rows, test_rows = data.select(range(4)), data.select(range(4, len(data)))
     train_rows.to_json(user_dir / "split" / "train.jsonl")
     test_rows.to_json(user_dir / "split" / "test.jsonl")
-    common = ["train", "--model_name_or_path", tiny_model_path, "--reward_funcs", "my_rewards:correctness",
-              *QUICK, "--eval_strategy", "steps", "--eval_steps", "1", "--per_device_eval_batch_size", "4"]
-    for source, why, dry in (("prompts.jsonl", "holds one split", ["--dry_run", "true"]), ("prompts.jsonl",
-                             "holds one split", []), ("same", "holds the training prompts themselves", [])):
+    common = [
+        "train",
+        "--model_name_or_path",
+        tiny_model_path,
+        "--reward_funcs",
+        "my_rewards:correctness",
+        *QUICK,
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        "1",
+        "--per_device_eval_batch_size",
+        "4",
+    ]
+    for source, why, dry in (
+        ("prompts.jsonl", "holds one split", ["--dry_run", "true"]),
+        ("prompts.jsonl", "holds one split", []),
+        ("same", "holds the training prompts themselves", []),
+    ):
         with pytest.raises(SystemExit) as stop:
             main(common + ["--dataset_name", source, "--output_dir", f"out-{source}", *dry])
         message = one_line_error(stop)
@@ -322,10 +455,19 @@ def test_what_would_fail_far_into_a_run_is_refused_in_one_line_before_it(user_di
 
     (user_dir / "roleless.jsonl").write_text(json.dumps({"prompt": [{"content": "1+1="}], "answer": "2"}) + "\n")
     with pytest.raises(SystemExit) as stop:
-        main(["train", "--model_name_or_path", tiny_model_path, *common[2:], "--dataset_name", "roleless.jsonl",
-              "--output_dir", "b"])
-    assert "prompt row 0: every message of a conversational prompt needs `role` and `content`" in \
-        one_line_error(stop)
+        main(
+            [
+                "train",
+                "--model_name_or_path",
+                tiny_model_path,
+                *common[2:],
+                "--dataset_name",
+                "roleless.jsonl",
+                "--output_dir",
+                "b",
+            ]
+        )
+    assert "prompt row 0: every message of a conversational prompt needs `role` and `content`" in one_line_error(stop)
 
     (user_dir / "a-file").write_text("")
     for output_dir, says in (("a-file", "is a file"), ("a-file/run", "lies under a-file, which is a file")):
@@ -333,8 +475,21 @@ def test_what_would_fail_far_into_a_run_is_refused_in_one_line_before_it(user_di
             main(["train", "--model_name_or_path", tiny_model_path, *common, "--output_dir", output_dir])
         assert f"--output_dir {output_dir} {says}" in one_line_error(stop)
     with pytest.raises(SystemExit) as stop:
-        main(["generate", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl",
-              "--reward_funcs", "my_rewards:correctness", "--max_completion_length", "4", "--output_dir", "a-file"])
+        main(
+            [
+                "generate",
+                "--model_name_or_path",
+                tiny_model_path,
+                "--dataset_name",
+                "prompts.jsonl",
+                "--reward_funcs",
+                "my_rewards:correctness",
+                "--max_completion_length",
+                "4",
+                "--output_dir",
+                "a-file",
+            ]
+        )
     assert "--output_dir a-file is a file" in one_line_error(stop)
 
     other = user_dir / "wider"  # the same architecture (Qwen2), another size
@@ -342,8 +497,18 @@ def test_what_would_fail_far_into_a_run_is_refused_in_one_line_before_it(user_di
 
     save_pretrained(build_model(build_tokenizer(), seed=1, hidden_size=48), build_tokenizer(), other)
     with pytest.raises(SystemExit) as stop:
-        main(["train", "--model_name_or_path", tiny_model_path, *common, "--output_dir", "c",
-              "--resume_from_checkpoint", str(other)])
+        main(
+            [
+                "train",
+                "--model_name_or_path",
+                tiny_model_path,
+                *common,
+                "--output_dir",
+                "c",
+                "--resume_from_checkpoint",
+                str(other),
+            ]
+        )
     message = one_line_error(stop)
     assert "does not fit this model" in message and "there and" in message
 
@@ -363,8 +528,20 @@ def test_a_folder_a_live_run_holds_says_so_before_anything_else(user_dir, tiny_m
         held.flush()
         fcntl.flock(held, fcntl.LOCK_EX)
         with pytest.raises(SystemExit) as stop:
-            main(["train", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl",
-                  "--reward_funcs", "my_rewards:correctness", *QUICK, "--output_dir", "live"])
+            main(
+                [
+                    "train",
+                    "--model_name_or_path",
+                    tiny_model_path,
+                    "--dataset_name",
+                    "prompts.jsonl",
+                    "--reward_funcs",
+                    "my_rewards:correctness",
+                    *QUICK,
+                    "--output_dir",
+                    "live",
+                ]
+            )
     message = one_line_error(stop)
     assert "is in use by another run (pid 12345 on this machine)" in message and "resume" not in message
 
@@ -394,23 +571,67 @@ def test_weighted_rewards_work_the_same_in_generate_and_asynchronous_train(user_
     holds a trained model, not a generation, is refused in one line instead of writing shards beside it."""
     prompt_dataset().to_json(user_dir / "prompts.jsonl")
     rewards = ["--reward_funcs", "my_rewards:correctness", "my_rewards:correctness", "--reward_weights", "1", "0.5"]
-    main(["generate", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl", *rewards,
-          "--num_generations", "4", "--max_prompts", "2", "--max_completion_length", "4", "--output_dir", "data"])
+    main(
+        [
+            "generate",
+            "--model_name_or_path",
+            tiny_model_path,
+            "--dataset_name",
+            "prompts.jsonl",
+            *rewards,
+            "--num_generations",
+            "4",
+            "--max_prompts",
+            "2",
+            "--max_completion_length",
+            "4",
+            "--output_dir",
+            "data",
+        ]
+    )
     manifest = json.loads((user_dir / "data" / "manifest.json").read_text())
     assert manifest["settings"]["reward_weights"] == [1.0, 0.5]
     from topr_trl.offline import load_offline_dataset
 
     assert set(load_offline_dataset(user_dir / "data")["reward"]) <= {1.5, -1.5}
 
-    main(["train", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl", *rewards, *QUICK,
-          "--asynchronous", "true", "--output_dir", "asynchronous"])
+    main(
+        [
+            "train",
+            "--model_name_or_path",
+            tiny_model_path,
+            "--dataset_name",
+            "prompts.jsonl",
+            *rewards,
+            *QUICK,
+            "--asynchronous",
+            "true",
+            "--output_dir",
+            "asynchronous",
+        ]
+    )
     assert json.loads((user_dir / "asynchronous" / "topr_summary.json").read_text())["steps"] == 1
     state = json.loads((user_dir / "asynchronous" / "trainer_state.json").read_text())
     logged = [entry["reward"] for entry in state["log_history"] if "reward" in entry]
     assert logged and all(abs(value) == 1.5 for value in logged)
 
     with pytest.raises(SystemExit) as stop:
-        main(["generate", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl", *rewards,
-              "--num_generations", "4", "--max_prompts", "2", "--max_completion_length", "4",
-              "--output_dir", "asynchronous"])
+        main(
+            [
+                "generate",
+                "--model_name_or_path",
+                tiny_model_path,
+                "--dataset_name",
+                "prompts.jsonl",
+                *rewards,
+                "--num_generations",
+                "4",
+                "--max_prompts",
+                "2",
+                "--max_completion_length",
+                "4",
+                "--output_dir",
+                "asynchronous",
+            ]
+        )
     assert "holds other files" in one_line_error(stop) and not any((user_dir / "asynchronous").glob("shard-*"))

@@ -18,8 +18,18 @@ from .conftest import REWARD_MODULE
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [f"{a}+{b}=" for a in range(4) for b in range(2)]
 # Small enough for a few seconds per run on a 2-core CPU; everything else is the run's own default.
-QUICK = ["--max_steps", "1", "--per_device_train_batch_size", "4", "--num_generations", "4",
-         "--max_completion_length", "8", "--report_to", "none"]
+QUICK = [
+    "--max_steps",
+    "1",
+    "--per_device_train_batch_size",
+    "4",
+    "--num_generations",
+    "4",
+    "--max_completion_length",
+    "8",
+    "--report_to",
+    "none",
+]
 
 
 def prompt_dataset() -> Dataset:
@@ -49,8 +59,18 @@ def write_prompts(directory: Path, form: str) -> str:
 @pytest.mark.parametrize("form", ["jsonl", "save_to_disk", "parquet", "csv"])
 def test_custom_run_trains_on_the_users_data_with_trl_defaults(form, user_dir, tiny_model_path):
     source = write_prompts(user_dir, form)
-    main(["train", "--model_name_or_path", tiny_model_path, "--dataset_name", source,
-          "--reward_funcs", "my_rewards:correctness", *QUICK])
+    main(
+        [
+            "train",
+            "--model_name_or_path",
+            tiny_model_path,
+            "--dataset_name",
+            source,
+            "--reward_funcs",
+            "my_rewards:correctness",
+            *QUICK,
+        ]
+    )
     seen = seen_prompts(user_dir)
     assert seen and seen <= set(PROMPTS)  # the user's prompts (and only those), not the built-in task's
     data = "prompts_saved" if form == "save_to_disk" else f"prompts-{form}"  # each format a folder of its own
@@ -61,14 +81,21 @@ def test_custom_run_trains_on_the_users_data_with_trl_defaults(form, user_dir, t
 def test_custom_runs_start_from_grpo_defaults_and_builtin_runs_from_the_small_model_settings(tiny_model_path):
     from trl import GRPOConfig
 
-
     def parsed(argv):
         return arguments.parse_command("train", argv)[1]
 
     custom = parsed(["--model_name_or_path", tiny_model_path, "--dataset_name", "x.jsonl"])
     reference = GRPOConfig(output_dir="x", use_cpu=True, bf16=False)
-    for name in ("learning_rate", "lr_scheduler_type", "max_completion_length", "max_steps", "save_strategy",
-                 "per_device_train_batch_size", "num_generations", "logging_steps"):
+    for name in (
+        "learning_rate",
+        "lr_scheduler_type",
+        "max_completion_length",
+        "max_steps",
+        "save_strategy",
+        "per_device_train_batch_size",
+        "num_generations",
+        "logging_steps",
+    ):
         assert getattr(custom, name) == getattr(reference, name), name
     assert custom.output_dir == f"outputs/topr-{Path(tiny_model_path).name}-x-jsonl"
     builtin = parsed([])
@@ -84,13 +111,25 @@ def test_a_model_in_the_config_file_makes_a_custom_run(tmp_path, tiny_model_path
     recipe.write_text(f"model_name_or_path: {tiny_model_path}\ndataset_name: data.jsonl\n")
     choice = arguments.chosen_run(["--config", str(recipe)])
     assert not arguments.is_builtin_run(choice)
-    assert arguments.run_defaults("train", choice)["output_dir"] == f"outputs/topr-{Path(tiny_model_path).name}-data-jsonl"
+    assert (
+        arguments.run_defaults("train", choice)["output_dir"] == f"outputs/topr-{Path(tiny_model_path).name}-data-jsonl"
+    )
 
 
 def test_a_finished_run_is_not_overwritten_unless_asked(user_dir, tiny_model_path):
     write_prompts(user_dir, "jsonl")
-    command = ["train", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl",
-               "--reward_funcs", "my_rewards:correctness", "--output_dir", "run", *QUICK]
+    command = [
+        "train",
+        "--model_name_or_path",
+        tiny_model_path,
+        "--dataset_name",
+        "prompts.jsonl",
+        "--reward_funcs",
+        "my_rewards:correctness",
+        "--output_dir",
+        "run",
+        *QUICK,
+    ]
     main(command)
     weights = (user_dir / "run" / "model.safetensors").stat().st_mtime_ns
     with pytest.raises(SystemExit, match="run holds a finished run .*--overwrite_output_dir true"):
@@ -103,9 +142,23 @@ def test_a_finished_run_is_not_overwritten_unless_asked(user_dir, tiny_model_pat
 def generate_builtin(root: Path, prompts: int, folder: str) -> None:
     """`topr-trl generate` on the built-in task: `prompts` prompts x 4 completions into root/folder, its base model
     under root/base."""
-    cli.run_command("generate", ["--task_train_prompts", str(prompts), "--num_generations", "4",
-                                 "--warm_start_accuracy", "0", "--base_model_dir", str(root / "base"), "--backend",
-                                 "transformers", "--output_dir", str(root / folder)])
+    cli.run_command(
+        "generate",
+        [
+            "--task_train_prompts",
+            str(prompts),
+            "--num_generations",
+            "4",
+            "--warm_start_accuracy",
+            "0",
+            "--base_model_dir",
+            str(root / "base"),
+            "--backend",
+            "transformers",
+            "--output_dir",
+            str(root / folder),
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +174,12 @@ def test_offline_dataset_in_each_form_trains_on_its_stored_rewards(form, generat
     from topr_trl.offline import load_offline_dataset
 
     data = load_offline_dataset(generated / "data")
-    source = {"generate": generated / "data", "save_to_disk": tmp_path / "saved",
-              "jsonl": tmp_path / "rows.jsonl", "parquet": tmp_path / "rows.parquet"}[form]
+    source = {
+        "generate": generated / "data",
+        "save_to_disk": tmp_path / "saved",
+        "jsonl": tmp_path / "rows.jsonl",
+        "parquet": tmp_path / "rows.parquet",
+    }[form]
     if form == "save_to_disk":
         data.save_to_disk(str(source))
     elif form == "jsonl":
@@ -130,30 +187,85 @@ def test_offline_dataset_in_each_form_trains_on_its_stored_rewards(form, generat
     elif form == "parquet":
         data.to_parquet(source)
     output = tmp_path / "run"
-    main(["train", "--offline_dataset", str(source), "--base_model_dir", str(generated / "base"),
-          "--num_generations", "4", "--per_device_train_batch_size", "16", "--max_steps", "1", "--logging_steps", "1",
-          "--task_eval_prompts", "4", "--save_strategy", "steps", "--save_steps", "1", "--output_dir", str(output)])
+    main(
+        [
+            "train",
+            "--offline_dataset",
+            str(source),
+            "--base_model_dir",
+            str(generated / "base"),
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "16",
+            "--max_steps",
+            "1",
+            "--logging_steps",
+            "1",
+            "--task_eval_prompts",
+            "4",
+            "--save_strategy",
+            "steps",
+            "--save_steps",
+            "1",
+            "--output_dir",
+            str(output),
+        ]
+    )
     logged = json.loads((output / "checkpoint-1" / "trainer_state.json").read_text())["log_history"][0]
     # One step over the whole dataset (16 rows): the logged reward is the mean of the stored rewards.
     assert logged["reward"] == pytest.approx(sum(data["reward"]) / len(data), abs=1e-6)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["train", "--dataset_name", "/nonexistent/ds", "--max_steps", "1"], "needs --model_name_or_path"),
-    (["train", "--loss_type", "toprr"], "Did you mean 'topr'"),
-    (["train", "--config", "missing.yaml"], "config file 'missing.yaml' not found"),
-    (["train", "--model_name_or_path", "MODEL", "--dataset_name", "prompts.jsonl", "--reward_funcs", "nosuchmod:fn"],
-     "cannot load the reward function 'nosuchmod:fn'"),
-    (["train", "--model_name_or_path", "MODEL", "--dataset_name", "prompts.jsonl", "--reward_funcs",
-      "my_rewards:correctnes"], "did you mean 'correctness'"),
-    (["train", "--model_name_or_path", "MODEL", "--dataset_name", "missing.jsonl", "--reward_funcs",
-      "my_rewards:correctness"], "--dataset_name missing.jsonl: no such file or folder"),
-    (["train", "--model_name_or_path", "MODEL", "--dataset_name", "prompts.jsonl"], "needs --reward_funcs"),
-    (["train", "--model_name_or_path", "MODEL"], "needs something to train on"),
-    (["train", "--offline_dataset", "nothing_here"], "offline dataset 'nothing_here' not found"),
-    (["generate", "--backend", "vlm", "--dry_run", "true"], "Did you mean 'vllm'"),
-    (["iterate", "--composition", "anna_karenin", "--dry_run", "true"], "Did you mean 'anna_karenina'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--dataset_name", "/nonexistent/ds", "--max_steps", "1"], "needs --model_name_or_path"),
+        (["train", "--loss_type", "toprr"], "Did you mean 'topr'"),
+        (["train", "--config", "missing.yaml"], "config file 'missing.yaml' not found"),
+        (
+            [
+                "train",
+                "--model_name_or_path",
+                "MODEL",
+                "--dataset_name",
+                "prompts.jsonl",
+                "--reward_funcs",
+                "nosuchmod:fn",
+            ],
+            "cannot load the reward function 'nosuchmod:fn'",
+        ),
+        (
+            [
+                "train",
+                "--model_name_or_path",
+                "MODEL",
+                "--dataset_name",
+                "prompts.jsonl",
+                "--reward_funcs",
+                "my_rewards:correctnes",
+            ],
+            "did you mean 'correctness'",
+        ),
+        (
+            [
+                "train",
+                "--model_name_or_path",
+                "MODEL",
+                "--dataset_name",
+                "missing.jsonl",
+                "--reward_funcs",
+                "my_rewards:correctness",
+            ],
+            "--dataset_name missing.jsonl: no such file or folder",
+        ),
+        (["train", "--model_name_or_path", "MODEL", "--dataset_name", "prompts.jsonl"], "needs --reward_funcs"),
+        (["train", "--model_name_or_path", "MODEL"], "needs something to train on"),
+        (["train", "--offline_dataset", "nothing_here"], "offline dataset 'nothing_here' not found"),
+        (["generate", "--backend", "vlm", "--dry_run", "true"], "Did you mean 'vllm'"),
+        (["iterate", "--composition", "anna_karenin", "--dry_run", "true"], "Did you mean 'anna_karenina'"),
+    ],
+)
 def test_bad_input_fails_in_one_line(argv, message, user_dir, tiny_model_path, capsys):
     write_prompts(user_dir, "jsonl")
     argv = [tiny_model_path if a == "MODEL" else a for a in argv]
@@ -164,13 +276,23 @@ def test_bad_input_fails_in_one_line(argv, message, user_dir, tiny_model_path, c
 
 
 def test_bad_input_exits_nonzero_with_one_line_and_no_traceback(tmp_path):
-    completed = subprocess.run([sys.executable, "-m", "topr_trl", "train", "--loss_type", "toprr"], cwd=tmp_path,
-                               capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(
+        [sys.executable, "-m", "topr_trl", "train", "--loss_type", "toprr"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     errors = [line for line in completed.stderr.splitlines() if line.startswith("topr-trl:")]
     assert completed.returncode == 1 and "Traceback" not in completed.stderr
     assert len(errors) == 1 and "Did you mean 'topr'" in errors[0]
-    debug = subprocess.run([sys.executable, "-m", "topr_trl", "train", "--loss_type", "toprr", "--debug"],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    debug = subprocess.run(
+        [sys.executable, "-m", "topr_trl", "train", "--loss_type", "toprr", "--debug"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert debug.returncode == 1 and "Traceback" in debug.stderr
 
 
@@ -189,8 +311,14 @@ def test_readme_real_run_command_runs_as_written(tmp_path, tiny_model_path):
     (user / "my_rewards.py").write_text(REWARD_MODULE)
     Dataset.from_dict({"prompt": PROMPTS[:2], "answer": ["1", "2"]}).to_json(user / dataset)
     argv = [tiny_model_path if a == model else a for a in argv]
-    completed = subprocess.run(["bash", str(script), *argv], cwd=user, capture_output=True, text=True, timeout=900,
-                               env={**__import__("os").environ, "SEEN_PROMPTS": str(user / "seen.jsonl")})
+    completed = subprocess.run(
+        ["bash", str(script), *argv],
+        cwd=user,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**__import__("os").environ, "SEEN_PROMPTS": str(user / "seen.jsonl")},
+    )
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert seen_prompts(user) == set(PROMPTS[:2])
     printed = completed.stdout.split("model and summary saved to ")[1].split()[0]
@@ -210,8 +338,12 @@ def test_gpu_recipe_keeps_vllm_on_a_cpu_with_vllms_cpu_build(capsys, monkeypatch
     from topr_trl.commands import arguments
 
     monkeypatch.setattr(sampling, "vllm_cpu_build_installed", lambda: True)
-    flags = arguments.cpu_validation_flags("train", arguments.chosen_run(
-        ["--config", str(ROOT / "examples" / "recipes" / "gsm8k_paper.yaml"), "--dry_run", "true"]))
+    flags = arguments.cpu_validation_flags(
+        "train",
+        arguments.chosen_run(
+            ["--config", str(ROOT / "examples" / "recipes" / "gsm8k_paper.yaml"), "--dry_run", "true"]
+        ),
+    )
     out = capsys.readouterr().out
     assert "needs a GPU (bf16=True);" in out
     assert "--use_vllm" not in flags and flags[flags.index("--bf16") + 1] == "false"
@@ -233,8 +365,23 @@ def test_help_shows_topr_and_task_flags_first_and_help_all_shows_everything(caps
 
 
 def test_evaluate_takes_the_same_flag_names_and_says_how_it_measured(tiny_model_path, tmp_path, capsys):
-    main(["evaluate", "--model_name_or_path", tiny_model_path, "--k", "2", "--task_eval_prompts", "3",
-          "--max_completion_length", "3", "--output_dir", str(tmp_path / "eval"), "--no_plot", "--no_progress"])
+    main(
+        [
+            "evaluate",
+            "--model_name_or_path",
+            tiny_model_path,
+            "--k",
+            "2",
+            "--task_eval_prompts",
+            "3",
+            "--max_completion_length",
+            "3",
+            "--output_dir",
+            str(tmp_path / "eval"),
+            "--no_plot",
+            "--no_progress",
+        ]
+    )
     summary = json.loads((tmp_path / "eval" / "results.json").read_text())["settings"]
     assert summary["max_new_tokens"] == 3
     assert "(sampled at temperature 1, 2 samples per problem, correct answer) on 3 problems" in capsys.readouterr().out

@@ -34,8 +34,20 @@ RUN_SPECIFIC = ("output_dir", "machine", "seconds", "behaviour_model")
 
 def builtin_flags(base: Path) -> list[str]:
     """The built-in task on the tiny model, small enough for seconds (no warm start)."""
-    return ["--task_train_prompts", "16", "--task_eval_prompts", "8", "--warm_start_accuracy", "0",
-            "--base_model_dir", str(base), "--per_device_train_batch_size", "4", "--num_generations", "4"]
+    return [
+        "--task_train_prompts",
+        "16",
+        "--task_eval_prompts",
+        "8",
+        "--warm_start_accuracy",
+        "0",
+        "--base_model_dir",
+        str(base),
+        "--per_device_train_batch_size",
+        "4",
+        "--num_generations",
+        "4",
+    ]
 
 
 def same_run(summary: dict) -> dict:
@@ -44,8 +56,11 @@ def same_run(summary: dict) -> dict:
 
 def files_of(folder: Path) -> set[str]:
     """The run's files by path (TensorBoard's event files carry the host and time in their names: only their folder)."""
-    return {str(path.relative_to(folder)) for path in folder.rglob("*")
-            if path.is_file() and "events.out.tfevents" not in path.name}
+    return {
+        str(path.relative_to(folder))
+        for path in folder.rglob("*")
+        if path.is_file() and "events.out.tfevents" not in path.name
+    }
 
 
 def test_train_from_python_gives_what_the_command_line_gives_and_reads_no_sys_argv(tmp_path, monkeypatch):
@@ -67,11 +82,21 @@ def test_train_from_python_gives_what_the_command_line_gives_and_reads_no_sys_ar
 def test_train_takes_dataclasses_built_by_hand(tmp_path):
     """No parser: TRL's ScriptArguments-based arguments, a TOPRConfig and a ModelConfig as a Python user writes them
     (the built-in recipe's sizes, nothing reported)."""
-    script_args = TrainScriptArguments(task_train_prompts=16, task_eval_prompts=8, warm_start_accuracy=0,
-                                       base_model_dir=str(tmp_path / "base"))
-    training_args = TOPRConfig(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4,
-                               num_generations=4, max_completion_length=6, learning_rate=2e-4, use_cpu=True,
-                               bf16=False, save_strategy="no", report_to="none")
+    script_args = TrainScriptArguments(
+        task_train_prompts=16, task_eval_prompts=8, warm_start_accuracy=0, base_model_dir=str(tmp_path / "base")
+    )
+    training_args = TOPRConfig(
+        output_dir=str(tmp_path / "run"),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        learning_rate=2e-4,
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        report_to="none",
+    )
     summary = train(script_args, training_args, ModelConfig())
     assert summary["steps"] == 2 and summary["task"] == "arithmetic" and {"before", "after"} <= set(summary)
     assert json.loads((tmp_path / "run" / "topr_summary.json").read_text()) == summary
@@ -80,8 +105,22 @@ def test_train_takes_dataclasses_built_by_hand(tmp_path):
 
 def test_generate_and_iterate_from_python_give_what_the_command_line_gives(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["garbage", "--iterations", "7"])
-    flags = ["--task_train_prompts", "6", "--max_prompts", "4", "--num_generations", "4", "--warm_start_accuracy", "0",
-             "--base_model_dir", str(tmp_path / "base"), "--backend", "transformers", "--prompts_per_shard", "2"]
+    flags = [
+        "--task_train_prompts",
+        "6",
+        "--max_prompts",
+        "4",
+        "--num_generations",
+        "4",
+        "--warm_start_accuracy",
+        "0",
+        "--base_model_dir",
+        str(tmp_path / "base"),
+        "--backend",
+        "transformers",
+        "--prompts_per_shard",
+        "2",
+    ]
     main(["generate", *flags, "--output_dir", str(tmp_path / "data-cli")])
     summary = generate(*parse_command("generate", [*flags, "--output_dir", str(tmp_path / "data-python")]))
     assert summary["rows"] == 16 and summary["prompts"] == 4
@@ -90,9 +129,22 @@ def test_generate_and_iterate_from_python_give_what_the_command_line_gives(tmp_p
     assert summary["proportion_of_positives"] == sum(reward > 0 for reward in from_cli["reward"]) / 16
     assert files_of(tmp_path / "data-python") == files_of(tmp_path / "data-cli")
 
-    flags = ["--iterations", "1", "--task_train_prompts", "4", "--task_eval_prompts", "4", "--num_generations", "4",
-             "--per_device_train_batch_size", "8", "--warm_start_accuracy", "0",
-             "--base_model_dir", str(tmp_path / "base")]
+    flags = [
+        "--iterations",
+        "1",
+        "--task_train_prompts",
+        "4",
+        "--task_eval_prompts",
+        "4",
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        "8",
+        "--warm_start_accuracy",
+        "0",
+        "--base_model_dir",
+        str(tmp_path / "base"),
+    ]
     main(["iterate", *flags, "--output_dir", str(tmp_path / "it-cli")])
     (summary,) = iterate(*parse_command("iterate", [*flags, "--output_dir", str(tmp_path / "it-python")]))
     (from_cli,) = [json.loads(path.read_text()) for path in (tmp_path / "it-cli").glob("iteration-*/summary.json")]
@@ -114,8 +166,17 @@ def test_an_interrupted_train_from_python_names_the_argument_that_resumes_it(tmp
     original = InterruptAtStepEnd.on_step_end
     monkeypatch.setattr(InterruptAtStepEnd, "on_step_end", ctrl_c_at_step_2)
     output = tmp_path / "run"
-    flags = [*builtin_flags(tmp_path / "base"), "--max_steps", "3", "--save_strategy", "steps", "--save_steps", "1",
-             "--output_dir", str(output)]
+    flags = [
+        *builtin_flags(tmp_path / "base"),
+        "--max_steps",
+        "3",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "1",
+        "--output_dir",
+        str(output),
+    ]
     script_args, training_args, model_args = parse_command("train", flags)
     with pytest.raises(SystemExit) as stop:
         train(script_args, training_args, model_args)
@@ -144,8 +205,11 @@ def test_what_only_the_command_line_knows_is_said_in_python_terms_from_python(tm
     (folder / "checkpoint-4").mkdir()
     (folder / "checkpoint-4" / "trainer_state.json").write_text("{}")
     interrupted_run(str(folder), invocation)
-    assert capsys.readouterr().err.strip().endswith(
-        "resume with: topr-trl train --max_steps 9 --resume_from_checkpoint true")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("resume with: topr-trl train --max_steps 9 --resume_from_checkpoint true")
+    )
 
     flags = ["--reward_weights", "1", "2", "--dry_run", "true", "--output_dir", str(tmp_path / "dry")]
     with pytest.raises(SystemExit, match=r"^topr-trl: --reward_weights gives 2 weight\(s\) for 1 reward"):
@@ -164,8 +228,10 @@ def test_the_parse_records_what_the_user_set():
     from topr_trl.distributed import gpu_available
 
     (script_args, training_args, _), invocation = parse_command_line(
-        "train", ["--model_name_or_path", "some/model", "--reward_weights=1", "--no_shuffle_dataset",
-                  "--dry_run", "true"], launcher=["bash", "scripts/train.sh"])
+        "train",
+        ["--model_name_or_path", "some/model", "--reward_weights=1", "--no_shuffle_dataset", "--dry_run", "true"],
+        launcher=["bash", "scripts/train.sh"],
+    )
     assert invocation.flags >= {"model_name_or_path", "reward_weights", "shuffle_dataset", "dry_run"}
     assert invocation.launcher == ("bash", "scripts/train.sh") and invocation.arguments[0] == "--model_name_or_path"
     assert training_args.reward_weights == [1.0] and not training_args.shuffle_dataset and script_args.dry_run

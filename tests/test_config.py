@@ -174,42 +174,66 @@ def test_config_parses_from_command_line_strings():
     from transformers import HfArgumentParser
 
     (args,) = HfArgumentParser(TOPRConfig).parse_args_into_dataclasses(
-        ["--output_dir", "/tmp/x", "--report_to", "none", "--use_cpu", "true", "--topr_negative_upper", "inf",
-         "--topr_baseline", "group_mean", "--topr_signal", "reward"]
+        [
+            "--output_dir",
+            "/tmp/x",
+            "--report_to",
+            "none",
+            "--use_cpu",
+            "true",
+            "--topr_negative_upper",
+            "inf",
+            "--topr_baseline",
+            "group_mean",
+            "--topr_signal",
+            "reward",
+        ]
     )
     assert math.isinf(args.topr_limits.negative_upper) and args.topr_baseline == "group_mean"
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(loss_type="cispo", cispo_epsilon_high=0.3), "cispo_epsilon_high"),
-    (dict(loss_type="grpo", topr_signal="reward"), "topr_signal"),
-    (dict(loss_type="dapo", topr_negative_upper=2.0), "topr_negative_upper"),
-    (dict(loss_type="cispo_two_sided", topr_negative_upper=2.0), "topr_negative_upper"),
-    (dict(loss_type="ppo", kimi15_tau=0.5), "kimi15_tau"),
-    (dict(loss_type="topr", cispo_epsilon_low=0.3), "cispo_epsilon_low"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(loss_type="cispo", cispo_epsilon_high=0.3), "cispo_epsilon_high"),
+        (dict(loss_type="grpo", topr_signal="reward"), "topr_signal"),
+        (dict(loss_type="dapo", topr_negative_upper=2.0), "topr_negative_upper"),
+        (dict(loss_type="cispo_two_sided", topr_negative_upper=2.0), "topr_negative_upper"),
+        (dict(loss_type="ppo", kimi15_tau=0.5), "kimi15_tau"),
+        (dict(loss_type="topr", cispo_epsilon_low=0.3), "cispo_epsilon_low"),
+    ],
+)
 def test_a_field_the_selected_loss_does_not_read_is_refused(kwargs, field):
     with pytest.raises(ValueError, match=f"`{field}` has no effect .*drop it"):
         config(**kwargs)
 
 
 def test_fields_the_selected_loss_reads_are_accepted():
-    assert config(loss_type="cispo_two_sided", cispo_epsilon_high=0.3).policy_loss_spec.knob("cispo_epsilon_high") == 0.3
+    assert (
+        config(loss_type="cispo_two_sided", cispo_epsilon_high=0.3).policy_loss_spec.knob("cispo_epsilon_high") == 0.3
+    )
     assert config(loss_type="ppo", delta=1.5).policy_loss_spec.ppo_delta == 1.5
     # fields about the data, not the loss, apply to TRL's loss types too
     assert config(loss_type="dapo", topr_offline_epochs=2.0, topr_unscored_batch="skip").loss_type == "dapo"
     assert config(loss_type="grpo", topr_baseline="0.0").loss_type == "grpo"  # the default, spelt out
 
 
-@pytest.mark.parametrize(("kwargs", "counterpart"), [
-    ({"epsilon": 0.3}, "topr_positive_lower"), ({"epsilon_high": 0.28}, "topr_negative_lower/upper"),
-    ({"delta": 2.0}, "truncation"), ({"importance_sampling_level": "sequence"}, 'topr_ratio_level="length_normalized"'),
-    ({"sapo_temperature_pos": 2.0}, "truncation"), ({"sapo_temperature_neg": 2.0}, "truncation")])
+@pytest.mark.parametrize(
+    ("kwargs", "counterpart"),
+    [
+        ({"epsilon": 0.3}, "topr_positive_lower"),
+        ({"epsilon_high": 0.28}, "topr_negative_lower/upper"),
+        ({"delta": 2.0}, "truncation"),
+        ({"importance_sampling_level": "sequence"}, 'topr_ratio_level="length_normalized"'),
+        ({"sapo_temperature_pos": 2.0}, "truncation"),
+        ({"sapo_temperature_neg": 2.0}, "truncation"),
+    ],
+)
 def test_trls_loss_fields_set_under_topr_say_they_are_not_read_and_name_the_counterpart(kwargs, counterpart):
     """A DAPO or GSPO user who swaps the names is told their clipping or sequence-level ratio is off, once per field;
     PPO's clipping here reads epsilon/epsilon_high/delta, and TRL's own losses (computed by GRPOTrainer) read them
     all, so neither warns; nor do the defaults."""
-    (name, value), = kwargs.items()
+    ((name, value),) = kwargs.items()
     with pytest.warns(UserWarning, match=rf"`{name}`={value!r} has no effect with loss_type='topr'") as caught:
         config(**kwargs)
     said = [str(w.message) for w in caught if "has no effect" in str(w.message)]
@@ -231,8 +255,9 @@ def test_the_asynchronous_config_says_the_same_of_trls_clipping():
         AsyncTOPRConfig(output_dir="/tmp/topr-config-test", report_to="none", use_cpu=True, epsilon_high=0.3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        AsyncTOPRConfig(output_dir="/tmp/topr-config-test", report_to="none", use_cpu=True, epsilon_high=0.3,
-                        loss_type="ppo")
+        AsyncTOPRConfig(
+            output_dir="/tmp/topr-config-test", report_to="none", use_cpu=True, epsilon_high=0.3, loss_type="ppo"
+        )
     assert not [w for w in caught if "has no effect" in str(w.message)]
 
 
@@ -278,11 +303,22 @@ def both_configs(**kwargs) -> list:
     return [cls(**common, **kwargs) for cls in (TOPRConfig, AsyncTOPRConfig)]
 
 
-@pytest.mark.parametrize("setting", [
-    {"topr_signal": "rewards"}, {"topr_ratio_level": "seq"}, {"topr_baseline": "abc"}, {"topr_baseline": math.inf},
-    {"topr_check_finite": "yes"}, {"topr_negative_weight": -1.0}, {"kimi15_tau": 0.5},
-    {"loss_type": "kimi15", "kimi15_tau": -1.0}, {"topr_positive_lower": 2.0, "topr_positive_upper": 1.0},
-    {"learning_rate": -1.0}, {"max_completion_length": 0}])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"topr_signal": "rewards"},
+        {"topr_ratio_level": "seq"},
+        {"topr_baseline": "abc"},
+        {"topr_baseline": math.inf},
+        {"topr_check_finite": "yes"},
+        {"topr_negative_weight": -1.0},
+        {"kimi15_tau": 0.5},
+        {"loss_type": "kimi15", "kimi15_tau": -1.0},
+        {"topr_positive_lower": 2.0, "topr_positive_upper": 1.0},
+        {"learning_rate": -1.0},
+        {"max_completion_length": 0},
+    ],
+)
 def test_both_configs_refuse_a_setting_in_the_same_line(setting):
     """One check of each TOPR field, run by both configs: the same one-line ValueError."""
     from topr_trl.asynchronous import AsyncTOPRConfig
@@ -301,8 +337,15 @@ def test_both_configs_take_a_topr_field_alike():
     and the same warnings, each pointing at the line that built the config."""
     from topr_trl.config import TOPRFields
 
-    setting = dict(loss_type="tis", topr_signal="reward", topr_baseline="0.25", topr_negative_lower=0.5,
-                   topr_positive_weight=2.0, topr_check_finite=True, epsilon_high=0.3)
+    setting = dict(
+        loss_type="tis",
+        topr_signal="reward",
+        topr_baseline="0.25",
+        topr_negative_lower=0.5,
+        topr_positive_weight=2.0,
+        topr_check_finite=True,
+        epsilon_high=0.3,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         synchronous, asynchronous = both_configs(**setting)

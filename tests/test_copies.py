@@ -39,14 +39,16 @@ def mirror_labels(path: Path) -> list[str]:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 name = f"{parent.name}.{node.name}" if isinstance(parent, ast.ClassDef) else node.name
                 first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-                definitions.append((first, name, ast.get_docstring(node) or "", node.end_lineno,
-                                    not isinstance(node, ast.ClassDef)))
+                definitions.append(
+                    (first, name, ast.get_docstring(node) or "", node.end_lineno, not isinstance(node, ast.ClassDef))
+                )
     definitions.sort()
     labels += [name for _, name, docstring, *_ in definitions if "MIRROR" in docstring]
     for number, line in enumerate(source.splitlines(), 1):
         if line.strip().startswith("#") and "MIRROR" in line:
-            inside = [(first, name) for first, name, _, last, function in definitions
-                      if function and first < number <= last]
+            inside = [
+                (first, name) for first, name, _, last, function in definitions if function and first < number <= last
+            ]
             labels.append(max(inside)[1] if inside else next(name for first, name, *_ in definitions if first > number))
     return labels
 
@@ -71,8 +73,11 @@ def test_every_holding_test_exists():
     absent = []
     for _, held_by in rows().values():
         for file, name in re.findall(r"`(tests/\w+\.py)::(\w+)`", held_by):
-            defined = {node.name for node in ast.walk(ast.parse((ROOT / file).read_text()))
-                       if isinstance(node, ast.FunctionDef)}
+            defined = {
+                node.name
+                for node in ast.walk(ast.parse((ROOT / file).read_text()))
+                if isinstance(node, ast.FunctionDef)
+            }
             if name not in defined:
                 absent.append(f"{file}::{name}")
         assert re.search(r"`tests/\w+\.py::\w+`", held_by), held_by
@@ -80,8 +85,10 @@ def test_every_holding_test_exists():
 
 
 def test_the_label_reader_finds_each_kind_of_label(tmp_path):
-    source = ('"""MIRROR of a module."""\n\n\ndef f():\n    """MIRROR of f."""\n\n\nclass C:\n'
-              '    # ---- MIRROR of a method\n    def g(self):\n        pass\n\n    def h(self):\n        pass\n\n'
-              'def k():\n    # MIRROR of what k hands TRL\n    return 1\n')
+    source = (
+        '"""MIRROR of a module."""\n\n\ndef f():\n    """MIRROR of f."""\n\n\nclass C:\n'
+        "    # ---- MIRROR of a method\n    def g(self):\n        pass\n\n    def h(self):\n        pass\n\n"
+        "def k():\n    # MIRROR of what k hands TRL\n    return 1\n"
+    )
     (tmp_path / "m.py").write_text(source)
     assert mirror_labels(tmp_path / "m.py") == ["<module>", "f", "C.g", "k"]

@@ -26,12 +26,24 @@ GSM8K_ROWS = [
     {"question": "It is 2 degrees and drops by 5. Temperature?", "answer": "2 - 5 = -3\n#### -3"},
 ]
 MATH_ROWS = [
-    {"problem": "Compute $\\frac{1}{4} + \\frac{1}{4}$.", "solution": "It is $\\boxed{\\frac{1}{2}}$.",
-     "level": "Level 1", "type": "Prealgebra"},
-    {"problem": "What is $2^3$?", "solution": "First $\\boxed{4}$ is wrong; $2^3 = \\boxed{8}$.",
-     "level": "Level 2", "type": "Algebra"},
-    {"problem": "Describe a circle.", "solution": "A set of points at a fixed distance.",
-     "level": "Level 1", "type": "Geometry"},
+    {
+        "problem": "Compute $\\frac{1}{4} + \\frac{1}{4}$.",
+        "solution": "It is $\\boxed{\\frac{1}{2}}$.",
+        "level": "Level 1",
+        "type": "Prealgebra",
+    },
+    {
+        "problem": "What is $2^3$?",
+        "solution": "First $\\boxed{4}$ is wrong; $2^3 = \\boxed{8}$.",
+        "level": "Level 2",
+        "type": "Algebra",
+    },
+    {
+        "problem": "Describe a circle.",
+        "solution": "A set of points at a fixed distance.",
+        "level": "Level 1",
+        "type": "Geometry",
+    },
 ]
 
 
@@ -99,8 +111,12 @@ def test_gsm8k_few_shot_examples_are_right():
         steps = _STEP.findall(solution)
         assert steps, solution
         for a, op, b, result in steps:
-            value = {"+": Fraction(a) + int(b), "-": Fraction(a) - int(b), "*": Fraction(a) * int(b),
-                     "/": Fraction(a) / int(b)}[op]
+            value = {
+                "+": Fraction(a) + int(b),
+                "-": Fraction(a) - int(b),
+                "*": Fraction(a) * int(b),
+                "/": Fraction(a) / int(b),
+            }[op]
             assert value == int(result), (solution, a, op, b, result)
         assert solution.endswith(f"The answer is {steps[-1][3]}.")
         assert classify_gsm8k(solution, steps[-1][3]) == CORRECT
@@ -108,8 +124,11 @@ def test_gsm8k_few_shot_examples_are_right():
 
 def test_gsm8k_parquet_directory_and_mapping_sources(tmp_path, cache):
     Dataset.from_list(GSM8K_ROWS).to_parquet(str(tmp_path / "rows.parquet"))
-    assert load_gsm8k(split="train", source=str(tmp_path / "rows.parquet"), cache_dir=cache)["answer"] == \
-        ["72", "1200", "-3"]
+    assert load_gsm8k(split="train", source=str(tmp_path / "rows.parquet"), cache_dir=cache)["answer"] == [
+        "72",
+        "1200",
+        "-3",
+    ]
     folder = tmp_path / "copy" / "main"
     folder.mkdir(parents=True)
     Dataset.from_list(GSM8K_ROWS[:1]).to_parquet(str(folder / "train-00000-of-00001.parquet"))
@@ -186,10 +205,22 @@ def test_math_few_shot(tmp_path, cache):
 
 def test_math500_answer_column(tmp_path, cache):
     rows = [
-        {"problem": "What is 1+2?", "solution": "$1+2=\\boxed{3}$", "answer": "3", "subject": "Algebra",
-         "level": 1, "unique_id": "a/1.json"},
-        {"problem": "Half of 1?", "solution": "$\\boxed{\\frac12}$", "answer": "", "subject": "Algebra",
-         "level": 1, "unique_id": "a/2.json"},
+        {
+            "problem": "What is 1+2?",
+            "solution": "$1+2=\\boxed{3}$",
+            "answer": "3",
+            "subject": "Algebra",
+            "level": 1,
+            "unique_id": "a/1.json",
+        },
+        {
+            "problem": "Half of 1?",
+            "solution": "$\\boxed{\\frac12}$",
+            "answer": "",
+            "subject": "Algebra",
+            "level": 1,
+            "unique_id": "a/2.json",
+        },
     ]
     data = load_math500(source=write_jsonl(tmp_path / "test.jsonl", rows), cache_dir=cache)
     assert data["answer"] == ["3", "\\frac12"]  # an empty answer falls back to the solution's box

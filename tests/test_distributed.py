@@ -23,9 +23,15 @@ LAUNCHES = {
 # ranks would import topr_trl from wherever it is installed (the editable install of another checkout) instead of
 # this one
 REPOSITORY = Path(__file__).resolve().parents[1]
-LAUNCH_ENVIRONMENT = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                      "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONUNBUFFERED": "1",
-                      "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
+LAUNCH_ENVIRONMENT = {
+    **os.environ,
+    "DS_ACCELERATOR": "cpu",
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRL_EXPERIMENTAL_SILENCE": "1",
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")])),
+}
 
 
 def run_training(results_dir: Path, data_dir: Path, model_path: str, launch: str | None) -> tuple[dict, dict]:
@@ -38,12 +44,27 @@ def run_training(results_dir: Path, data_dir: Path, model_path: str, launch: str
     if launch is None:
         command = [sys.executable, *script, "8"]
     else:
-        command = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCHES[launch], "--num_processes", "2",
-                   "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", "0", *script, "4"]
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            *LAUNCHES[launch],
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--main_process_port",
+            "0",
+            *script,
+            "4",
+        ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=LAUNCH_ENVIRONMENT)
     assert completed.returncode == 0, completed.stderr[-4000:]
-    results = {json.loads(path.read_text())["rank"]: json.loads(path.read_text())
-               for path in results_dir.glob("rank*.json")}
+    results = {
+        json.loads(path.read_text())["rank"]: json.loads(path.read_text()) for path in results_dir.glob("rank*.json")
+    }
     world = 1 if launch is None else 2
     assert sorted(results) == list(range(world)) and all(r["world"] == world for r in results.values())
     return results[0], torch.load(results_dir / "parameters-rank0.pt")
@@ -63,10 +84,16 @@ def offline_data(tiny_model_path, tmp_path_factory) -> Path:
 
     directory = tmp_path_factory.mktemp("offline-data")
     torch.manual_seed(0)
-    generate_offline_dataset(AutoModelForCausalLM.from_pretrained(tiny_model_path),
-                             AutoTokenizer.from_pretrained(tiny_model_path),
-                             make_arithmetic_dataset(8, digits=1, seed=0), parity_reward, directory,
-                             num_completions=4, max_new_tokens=6, show_progress=False)
+    generate_offline_dataset(
+        AutoModelForCausalLM.from_pretrained(tiny_model_path),
+        AutoTokenizer.from_pretrained(tiny_model_path),
+        make_arithmetic_dataset(8, digits=1, seed=0),
+        parity_reward,
+        directory,
+        num_completions=4,
+        max_new_tokens=6,
+        show_progress=False,
+    )
     return directory
 
 
@@ -88,10 +115,17 @@ def top_k_data(tiny_model_path, tmp_path_factory) -> Path:
 
     directory = tmp_path_factory.mktemp("top-k-data")
     torch.manual_seed(0)
-    generate_offline_dataset(AutoModelForCausalLM.from_pretrained(tiny_model_path),
-                             AutoTokenizer.from_pretrained(tiny_model_path),
-                             make_arithmetic_dataset(8, digits=1, seed=0), parity_reward, directory,
-                             num_completions=4, max_new_tokens=6, show_progress=False, top_k=3)
+    generate_offline_dataset(
+        AutoModelForCausalLM.from_pretrained(tiny_model_path),
+        AutoTokenizer.from_pretrained(tiny_model_path),
+        make_arithmetic_dataset(8, digits=1, seed=0),
+        parity_reward,
+        directory,
+        num_completions=4,
+        max_new_tokens=6,
+        show_progress=False,
+        top_k=3,
+    )
     return directory
 
 
@@ -114,8 +148,9 @@ def test_under_two_processes_each_rank_scores_pi_on_mus_support(launch, top_k_da
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launch", list(LAUNCHES))
-def test_two_processes_compute_what_one_process_computes(launch, one_process_run, offline_data, tiny_model_path,
-                                                         tmp_path):
+def test_two_processes_compute_what_one_process_computes(
+    launch, one_process_run, offline_data, tiny_model_path, tmp_path
+):
     """The same 4 steps of 8 rows on 1 process and on 2 processes of 4 rows each: the per-step losses and the final
     parameters agree up to float summation order. A gradient averaged or normalised wrongly across processes, rows
     sharded or grouped differently, or a group statistic taken per rank would move them apart (plain SGD, so a
@@ -123,8 +158,10 @@ def test_two_processes_compute_what_one_process_computes(launch, one_process_run
     import torch
     from transformers import AutoModelForCausalLM
 
-    (reference, reference_parameters), (result, parameters) = one_process_run, run_training(
-        tmp_path / "run", offline_data, tiny_model_path, launch)
+    (reference, reference_parameters), (result, parameters) = (
+        one_process_run,
+        run_training(tmp_path / "run", offline_data, tiny_model_path, launch),
+    )
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
     assert reference["steps"] == result["steps"] == 4
     assert len(reference["losses"]) == len(result["losses"]) == 4
@@ -132,8 +169,10 @@ def test_two_processes_compute_what_one_process_computes(launch, one_process_run
     assert sorted(parameters) == sorted(reference_parameters)
     parameter_difference = max((parameters[n] - reference_parameters[n]).abs().max().item() for n in parameters)
     moved = max((reference_parameters[n] - initial[n]).abs().max().item() for n in reference_parameters)
-    print(f"{launch}: 1 vs 2 processes, max |loss diff| {loss_difference:.2e}, max |parameter diff| "
-          f"{parameter_difference:.2e}; parameters moved by up to {moved:.2e}")
+    print(
+        f"{launch}: 1 vs 2 processes, max |loss diff| {loss_difference:.2e}, max |parameter diff| "
+        f"{parameter_difference:.2e}; parameters moved by up to {moved:.2e}"
+    )
     assert moved > 1e-2  # training did something the comparison can see
     torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
     for name, value in parameters.items():
@@ -143,9 +182,24 @@ def test_two_processes_compute_what_one_process_computes(launch, one_process_run
 def launch_cli(launch: str, arguments: list[str]) -> subprocess.CompletedProcess:
     # ZeRO-3 saves full weights only with zero3_save_16bit_model (set in examples/accelerate/zero3*.yaml)
     saving = ["--zero3_save_16bit_model", "true"] if launch == "zero3" else []
-    command = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCHES[launch], *saving, "--num_processes",
-               "2", "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", "0", "-m", "topr_trl",
-               *arguments]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *LAUNCHES[launch],
+        *saving,
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--main_process_port",
+        "0",
+        "-m",
+        "topr_trl",
+        *arguments,
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=LAUNCH_ENVIRONMENT)
 
 
@@ -160,11 +214,36 @@ def test_cli_train_under_accelerate_launch_saves_a_checkpoint_that_loads_back(la
     from transformers import AutoModelForCausalLM
 
     output = tmp_path / "run"
-    completed = launch_cli(launch, [
-        "train", "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2", "--task_train_prompts", "16",
-        "--task_eval_prompts", "8", "--warm_start_accuracy", "0.1", "--base_model_dir", str(tmp_path / "base"),
-        "--per_device_train_batch_size", "4", "--num_generations", "4", "--learning_rate", "1e-2",
-        "--topr_signal", "reward", "--output_dir", str(output)])
+    completed = launch_cli(
+        launch,
+        [
+            "train",
+            "--max_steps",
+            "2",
+            "--save_strategy",
+            "steps",
+            "--save_steps",
+            "2",
+            "--task_train_prompts",
+            "16",
+            "--task_eval_prompts",
+            "8",
+            "--warm_start_accuracy",
+            "0.1",
+            "--base_model_dir",
+            str(tmp_path / "base"),
+            "--per_device_train_batch_size",
+            "4",
+            "--num_generations",
+            "4",
+            "--learning_rate",
+            "1e-2",
+            "--topr_signal",
+            "reward",
+            "--output_dir",
+            str(output),
+        ],
+    )
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert completed.stdout.count("after training:") == 1  # printed by the main process only
     summary = json.loads((output / "topr_summary.json").read_text())
@@ -173,10 +252,13 @@ def test_cli_train_under_accelerate_launch_saves_a_checkpoint_that_loads_back(la
     final = AutoModelForCausalLM.from_pretrained(output)
     checkpoint = AutoModelForCausalLM.from_pretrained(output / "checkpoint-2")
     base = AutoModelForCausalLM.from_pretrained(base_folder)
-    for (name, trained), saved, _initial in zip(final.state_dict().items(), checkpoint.state_dict().values(),
-                                               base.state_dict().values(), strict=True):
+    for (name, trained), saved, _initial in zip(
+        final.state_dict().items(), checkpoint.state_dict().values(), base.state_dict().values(), strict=True
+    ):
         assert torch.equal(trained, saved), name
-    assert any(not torch.equal(a, b) for a, b in zip(final.state_dict().values(), base.state_dict().values(), strict=False))
+    assert any(
+        not torch.equal(a, b) for a, b in zip(final.state_dict().values(), base.state_dict().values(), strict=False)
+    )
     print(f"{launch}: held-out before {summary['before']}, after {summary['after']}")
     assert summary["before"] == saved_model_accuracy(base_folder, 8)
     assert summary["after"] == saved_model_accuracy(output, 8)  # evaluated on all the weights, gathered under ZeRO-3
@@ -187,10 +269,28 @@ def test_cli_train_under_accelerate_launch_saves_a_checkpoint_that_loads_back(la
 def test_cli_iterate_under_accelerate_launch(launch, tmp_path):
     """Two processes, two iterations: the main process generates each iteration's data, both train on it, and the
     first iteration's trainer (a DeepSpeed engine under ZeRO) is released before the second one starts."""
-    completed = launch_cli(launch, [
-        "iterate", "--iterations", "2", "--task_train_prompts", "8", "--task_eval_prompts", "8",
-        "--warm_start_accuracy", "0", "--base_model_dir", str(tmp_path / "base"), "--num_generations", "4",
-        "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "it")])
+    completed = launch_cli(
+        launch,
+        [
+            "iterate",
+            "--iterations",
+            "2",
+            "--task_train_prompts",
+            "8",
+            "--task_eval_prompts",
+            "8",
+            "--warm_start_accuracy",
+            "0",
+            "--base_model_dir",
+            str(tmp_path / "base"),
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "4",
+            "--output_dir",
+            str(tmp_path / "it"),
+        ],
+    )
     assert completed.returncode == 0, completed.stderr[-4000:]
     for iteration in (0, 1):
         folder = tmp_path / "it" / f"iteration-{iteration:03d}"
@@ -222,14 +322,59 @@ def test_two_nodes_on_one_machine_train_and_save_one_model(tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     environment = {**LAUNCH_ENVIRONMENT, "PYTHONPATH": os.pathsep.join([str(folder), LAUNCH_ENVIRONMENT["PYTHONPATH"]])}
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2", "--machine_rank",
-         str(rank), "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-         "--mixed_precision", "no", "-m", "topr_trl", "train", "--model_name_or_path", "my-model", "--dataset_name",
-         "data/prompts.jsonl", "--reward_funcs", "my_rewards:correctness", "--per_device_train_batch_size", "4",
-         "--num_generations", "4", "--max_completion_length", "8", "--topr_unscored_batch", "train",
-         "--topr_signal", "reward", "--learning_rate", "1e-2", "--max_steps", "2", "--output_dir", "two-nodes"],
-        cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment) for rank in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                "--multi_gpu",
+                "--num_machines",
+                "2",
+                "--machine_rank",
+                str(rank),
+                "--num_processes",
+                "2",
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                str(port),
+                "--mixed_precision",
+                "no",
+                "-m",
+                "topr_trl",
+                "train",
+                "--model_name_or_path",
+                "my-model",
+                "--dataset_name",
+                "data/prompts.jsonl",
+                "--reward_funcs",
+                "my_rewards:correctness",
+                "--per_device_train_batch_size",
+                "4",
+                "--num_generations",
+                "4",
+                "--max_completion_length",
+                "8",
+                "--topr_unscored_batch",
+                "train",
+                "--topr_signal",
+                "reward",
+                "--learning_rate",
+                "1e-2",
+                "--max_steps",
+                "2",
+                "--output_dir",
+                "two-nodes",
+            ],
+            cwd=folder,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environment,
+        )
+        for rank in (0, 1)
+    ]
     outputs = [node.communicate(timeout=600) for node in nodes]
     for node, (_, stderr) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, stderr[-3000:]
@@ -237,5 +382,6 @@ def test_two_nodes_on_one_machine_train_and_save_one_model(tmp_path):
     assert json.loads((folder / "two-nodes" / "topr_summary.json").read_text())["steps"] == 2
     trained = AutoModelForCausalLM.from_pretrained(folder / "two-nodes")
     base = AutoModelForCausalLM.from_pretrained(folder / "my-model")
-    assert any(not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), base.state_dict().values(),
-                                                     strict=True))
+    assert any(
+        not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), base.state_dict().values(), strict=True)
+    )

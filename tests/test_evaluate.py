@@ -43,8 +43,11 @@ def test_result_structure(arithmetic_result, arithmetic_dataset):
     # The random tiny model writes garbage: some invalid answers, some numbers.
     assert 0 < result.invalid_rate < 1
     counts = [record["num_correct"] for record in result.records]
-    assert result.pass_at_k == {1: result.pass_at_1, 2: pytest.approx(mean_pass_at_k(4, counts, 2)),
-                                4: pytest.approx(sum(c > 0 for c in counts) / 16)}
+    assert result.pass_at_k == {
+        1: result.pass_at_1,
+        2: pytest.approx(mean_pass_at_k(4, counts, 2)),
+        4: pytest.approx(sum(c > 0 for c in counts) / 16),
+    }
     assert result.pass_at_k[4] >= result.pass_at_k[2] >= result.pass_at_k[1]
     assert len(result.histogram) == 5 and sum(result.histogram) == 16
     assert result.histogram == [counts.count(c) for c in range(5)]
@@ -75,8 +78,9 @@ def test_reproducible_under_seed_and_leaves_rng_alone(model_and_tokenizer, arith
 
 def test_more_samples_than_k_gives_standard_errors_at_k(model_and_tokenizer, arithmetic_dataset):
     model, tokenizer = model_and_tokenizer
-    result = evaluate_model(model, tokenizer, arithmetic_dataset.select(range(6)), arithmetic_classify,
-                            num_samples=8, **FAST)
+    result = evaluate_model(
+        model, tokenizer, arithmetic_dataset.select(range(6)), arithmetic_classify, num_samples=8, **FAST
+    )
     assert result.num_samples == 8 and all(len(r["completions"]) == 8 for r in result.records)
     assert set(result.pass_at_k) == {1, 2, 4}
     assert result.standard_errors["pass@4"] is not None and result.standard_errors["maj@4"] is not None
@@ -109,22 +113,26 @@ def scripted(classes, answers, equivalent=None):
     return classify
 
 
-@pytest.mark.parametrize("classes,answers,equivalent,expected", [
-    # The wrong answer B has the majority: maj@4 = 0, although a sample is right.
-    ([CORRECT, INCORRECT, INCORRECT, INVALID], ["A", "B", "B"], None, 0.0),
-    # The right answer has the majority.
-    ([CORRECT, CORRECT, INCORRECT, INVALID], ["A", "A", "B"], None, 1.0),
-    # A one-to-one tie counts one half; invalid samples do not vote.
-    ([CORRECT, INCORRECT, INVALID, INVALID], ["A", "B"], None, 0.5),
-    # "18" and "18.00" vote together only when numerically equivalent answers are grouped.
-    ([CORRECT, CORRECT, INCORRECT, INCORRECT], ["18", "18.00", "7", "7"], None, 0.0),
-    ([CORRECT, CORRECT, INCORRECT, INCORRECT], ["18", "18.00", "7", "7"], gsm8k_numbers_equal, 0.5),
-    ([CORRECT, CORRECT, CORRECT, INCORRECT], ["18", "18.00", "18.0", "7"], gsm8k_numbers_equal, 1.0),
-])
+@pytest.mark.parametrize(
+    "classes,answers,equivalent,expected",
+    [
+        # The wrong answer B has the majority: maj@4 = 0, although a sample is right.
+        ([CORRECT, INCORRECT, INCORRECT, INVALID], ["A", "B", "B"], None, 0.0),
+        # The right answer has the majority.
+        ([CORRECT, CORRECT, INCORRECT, INVALID], ["A", "A", "B"], None, 1.0),
+        # A one-to-one tie counts one half; invalid samples do not vote.
+        ([CORRECT, INCORRECT, INVALID, INVALID], ["A", "B"], None, 0.5),
+        # "18" and "18.00" vote together only when numerically equivalent answers are grouped.
+        ([CORRECT, CORRECT, INCORRECT, INCORRECT], ["18", "18.00", "7", "7"], None, 0.0),
+        ([CORRECT, CORRECT, INCORRECT, INCORRECT], ["18", "18.00", "7", "7"], gsm8k_numbers_equal, 0.5),
+        ([CORRECT, CORRECT, CORRECT, INCORRECT], ["18", "18.00", "18.0", "7"], gsm8k_numbers_equal, 1.0),
+    ],
+)
 def test_majority_vote(model_and_tokenizer, arithmetic_dataset, classes, answers, equivalent, expected):
     model, tokenizer = model_and_tokenizer
-    result = evaluate_model(model, tokenizer, arithmetic_dataset.select(range(3)),
-                            scripted(classes, answers, equivalent), **FAST)
+    result = evaluate_model(
+        model, tokenizer, arithmetic_dataset.select(range(3)), scripted(classes, answers, equivalent), **FAST
+    )
     assert result.maj_at_k == pytest.approx(expected)
     assert result.pass_at_1 == pytest.approx(classes.count(CORRECT) / 4)
     assert result.invalid_rate == pytest.approx(classes.count(INVALID) / 4)
@@ -175,8 +183,21 @@ def test_ready_made_classifiers():
 
 
 def test_command_line_on_the_tiny_model(tiny_model_path, tmp_path, capsys):
-    summary = main(["--model", tiny_model_path, "--k", "2", "--limit", "5", "--max_new_tokens", "4",
-                    "--output_dir", str(tmp_path / "cli"), "--no_progress"])
+    summary = main(
+        [
+            "--model",
+            tiny_model_path,
+            "--k",
+            "2",
+            "--limit",
+            "5",
+            "--max_new_tokens",
+            "4",
+            "--output_dir",
+            str(tmp_path / "cli"),
+            "--no_progress",
+        ]
+    )
     assert summary["num_prompts"] == 5 and summary["k"] == 2 and 0 <= summary["pass@1"] <= summary["pass@2"] <= 1
     document = json.loads((tmp_path / "cli" / "results.json").read_text())
     assert document["settings"]["task"] == "arithmetic" and len(document["records"]) == 5
@@ -192,9 +213,27 @@ def test_command_line_gsm8k_from_a_local_file(tiny_model_path, tmp_path):
     rows = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(3)]
     source = tmp_path / "gsm8k.jsonl"
     source.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    summary = main(["--model", tiny_model_path, "--task", "gsm8k", "--dataset_source", str(source),
-                    "--few_shot", "1", "--plain_prompts", "--k", "2", "--max_new_tokens", "3", "--no_plot",
-                    "--output_dir", str(tmp_path / "cli"), "--no_progress"])
+    summary = main(
+        [
+            "--model",
+            tiny_model_path,
+            "--task",
+            "gsm8k",
+            "--dataset_source",
+            str(source),
+            "--few_shot",
+            "1",
+            "--plain_prompts",
+            "--k",
+            "2",
+            "--max_new_tokens",
+            "3",
+            "--no_plot",
+            "--output_dir",
+            str(tmp_path / "cli"),
+            "--no_progress",
+        ]
+    )
     assert summary["num_prompts"] == 3
     document = json.loads((tmp_path / "cli" / "results.json").read_text())
     assert [r["reference"] for r in document["records"]] == ["0", "2", "4"]
@@ -214,8 +253,16 @@ def test_vllm_backend_samples_from_the_trainers_prompt_ids(tiny_model_path, arit
     fake_vllm.install(monkeypatch)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     data = arithmetic_dataset.select(range(3))
-    result = evaluate_model(tiny_model_path, tokenizer, data, arithmetic_classify, k=2, max_new_tokens=4,
-                            backend="vllm", show_progress=False)
+    result = evaluate_model(
+        tiny_model_path,
+        tokenizer,
+        data,
+        arithmetic_classify,
+        k=2,
+        max_new_tokens=4,
+        backend="vllm",
+        show_progress=False,
+    )
     engine = fake_vllm.LLM.instances[-1]
     assert engine.requests == tokenize_prompts(tokenizer, data["prompt"])
     assert result.settings["backend"] == "vllm" and result.num_samples == 2
@@ -229,8 +276,22 @@ def test_command_line_evaluates_the_reasoning_task_on_its_held_out_split(tiny_mo
     written-solution checker; the default length is the written solution's."""
     from topr_trl.tasks.reasoning import max_completion_tokens, parse_problem, split_of
 
-    main(["--model_name_or_path", tiny_model_path, "--task", "reasoning", "--task_eval_prompts", "3", "--k", "1",
-          "--output_dir", str(tmp_path), "--no_plot", "--no_progress"])
+    main(
+        [
+            "--model_name_or_path",
+            tiny_model_path,
+            "--task",
+            "reasoning",
+            "--task_eval_prompts",
+            "3",
+            "--k",
+            "1",
+            "--output_dir",
+            str(tmp_path),
+            "--no_plot",
+            "--no_progress",
+        ]
+    )
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["settings"]["max_new_tokens"] == max_completion_tokens(3)
     problems = [parse_problem(record["prompt"]) for record in results["records"]]
@@ -256,12 +317,33 @@ def test_a_registered_task_reaches_evaluate_and_the_training_commands(tiny_model
         return CORRECT
 
     classify.extract = lambda text: text
-    monkeypatch.setitem(registry.TASKS, "doubles", registry.Task(
-        "doubles", trains=True, evaluation_data=lambda options: problems, max_new_tokens=lambda digits: 3,
-        training_data=lambda options, eval_split: registry.TrainingData(train=problems),
-        reward_funcs=("arithmetic",), classifier=lambda: classify))
-    summary = main(["--model", tiny_model_path, "--task", "doubles", "--k", "1", "--no_plot", "--no_progress",
-                    "--output_dir", str(tmp_path / "eval")])
+    monkeypatch.setitem(
+        registry.TASKS,
+        "doubles",
+        registry.Task(
+            "doubles",
+            trains=True,
+            evaluation_data=lambda options: problems,
+            max_new_tokens=lambda digits: 3,
+            training_data=lambda options, eval_split: registry.TrainingData(train=problems),
+            reward_funcs=("arithmetic",),
+            classifier=lambda: classify,
+        ),
+    )
+    summary = main(
+        [
+            "--model",
+            tiny_model_path,
+            "--task",
+            "doubles",
+            "--k",
+            "1",
+            "--no_plot",
+            "--no_progress",
+            "--output_dir",
+            str(tmp_path / "eval"),
+        ]
+    )
     document = json.loads((tmp_path / "eval" / "results.json").read_text())
     assert summary["num_prompts"] == 3 and sorted(checked) == ["2", "4", "6"]
     assert document["settings"]["max_new_tokens"] == 3 and document["settings"]["task"] == "doubles"
@@ -269,7 +351,9 @@ def test_a_registered_task_reaches_evaluate_and_the_training_commands(tiny_model
     assert resolve_task(options, tiny_model_path) == "doubles"
     _, task, train, held_out, _, rewards = load_task(options, tiny_model_path, seed=0)
     assert (task, train, held_out, len(rewards)) == ("doubles", problems, None, 1)
-    for refuse in (lambda: main(["--model", tiny_model_path, "--task", "triples"]),
-                   lambda: resolve_task(SimpleNamespace(**{**vars(options), "task": "triples"}), tiny_model_path)):
+    for refuse in (
+        lambda: main(["--model", tiny_model_path, "--task", "triples"]),
+        lambda: resolve_task(SimpleNamespace(**{**vars(options), "task": "triples"}), tiny_model_path),
+    ):
         with pytest.raises((SystemExit, ValueError), match=r"'triples' is not supported; choose one of .*doubles"):
             refuse()

@@ -15,8 +15,9 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 def documented_command(recipe: Path) -> str:
     """The subcommand in the recipe's own usage line (`... -m topr_trl iterate --config ...`)."""
-    match = re.search(r"(?:-m topr_trl|topr-trl) (\w+) --config " + re.escape(f"examples/recipes/{recipe.name}"),
-                      recipe.read_text())
+    match = re.search(
+        r"(?:-m topr_trl|topr-trl) (\w+) --config " + re.escape(f"examples/recipes/{recipe.name}"), recipe.read_text()
+    )
     assert match, f"{recipe.name} has no usage line naming its subcommand"
     return match.group(1)
 

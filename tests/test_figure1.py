@@ -15,9 +15,29 @@ def test_naive_reinforce_collapses_and_topr_improves(evidence_work_dir, tmp_path
     from experiments import figure1
 
     # 96 steps: in the full runs naive REINFORCE is below its start from step 64 on in every seed, not yet at 32
-    results = figure1.main(["--seeds", "0", "--methods", "naive_reinforce", "topr", "--prompts", "64", "--epochs", "6",
-                            "--eval_prompts", "200", "--eval_samples", "2", "--eval_every", "1000",
-                            "--work_dir", str(evidence_work_dir), "--output", str(tmp_path / "figure1")])
+    results = figure1.main(
+        [
+            "--seeds",
+            "0",
+            "--methods",
+            "naive_reinforce",
+            "topr",
+            "--prompts",
+            "64",
+            "--epochs",
+            "6",
+            "--eval_prompts",
+            "200",
+            "--eval_samples",
+            "2",
+            "--eval_every",
+            "1000",
+            "--work_dir",
+            str(evidence_work_dir),
+            "--output",
+            str(tmp_path / "figure1"),
+        ]
+    )
     assert results["task"] == "reasoning" and results["measure"].startswith("sampled pass@1")
     naive = results["runs"]["naive_reinforce/seed0"]["curve"]
     topr = results["runs"]["topr/seed0"]["curve"]
@@ -28,10 +48,13 @@ def test_naive_reinforce_collapses_and_topr_improves(evidence_work_dir, tmp_path
     from experiments import common
 
     options = SimpleNamespace(digits=3, eval_samples=2)
-    base = common.held_out_pass_at_1(AutoModelForCausalLM.from_pretrained(results["base_model"]),
-                                          AutoTokenizer.from_pretrained(results["base_model"]),
-                                          make_reasoning_dataset(200, 3, "heldout", seed=0), options,
-                                          eval_seed=common.evaluation_seed(results["options"]["eval_draw"], 0))
+    base = common.held_out_pass_at_1(
+        AutoModelForCausalLM.from_pretrained(results["base_model"]),
+        AutoTokenizer.from_pretrained(results["base_model"]),
+        make_reasoning_dataset(200, 3, "heldout", seed=0),
+        options,
+        eval_seed=common.evaluation_seed(results["options"]["eval_draw"], 0),
+    )
     assert naive[0]["accuracy"] == topr[0]["accuracy"] == pytest.approx(base["pass@1"], abs=0.01)
     assert topr[-1]["accuracy"] > topr[0]["accuracy"] + 0.05
     assert naive[-1]["accuracy"] < naive[0]["accuracy"]
@@ -46,9 +69,15 @@ def test_late_values_and_preregistered_comparisons():
         curve = [{"step": step, "accuracy": value} for step, value in zip((0, 32, 64, 96, 128), values, strict=False)]
         return {"method": method, "seed": seed, "curve": curve}
 
-    runs = {f"{m}/seed{s}": run(m, s, v) for m, s, v in [
-        ("topr", 0, (0.7, 0.8, 0.9, 0.92, 0.96)), ("topr", 1, (0.7, 0.85, 0.9, 0.94, 0.90)),
-        ("sft_positives", 0, (0.7, 0.8, 0.9, 0.90, 0.92)), ("sft_positives", 1, (0.7, 0.8, 0.9, 0.95, 0.93))]}
+    runs = {
+        f"{m}/seed{s}": run(m, s, v)
+        for m, s, v in [
+            ("topr", 0, (0.7, 0.8, 0.9, 0.92, 0.96)),
+            ("topr", 1, (0.7, 0.85, 0.9, 0.94, 0.90)),
+            ("sft_positives", 0, (0.7, 0.8, 0.9, 0.90, 0.92)),
+            ("sft_positives", 1, (0.7, 0.8, 0.9, 0.95, 0.93)),
+        ]
+    }
     # last quarter of 128 steps: step > 96, the final checkpoint; with share 0.5: steps 96 and 128
     assert figure1.late_values(runs, "topr", "accuracy", 0.25) == {0: 0.96, 1: 0.90}
     assert figure1.late_values(runs, "topr", "accuracy", 0.5) == pytest.approx({0: 0.94, 1: 0.92})
@@ -68,12 +97,22 @@ def test_merging_runs_of_disjoint_seeds_recomputes_the_comparisons(tmp_path):
     from experiments import figure1
 
     def part(seed, topr, sft):
-        runs = {f"{m}/seed{seed}": {"method": m, "seed": seed,
-                                    "curve": [{"step": 0, "accuracy": 0.6}, {"step": 128, "accuracy": late}]}
-                for m, late in (("topr", topr), ("sft_positives", sft))}
+        runs = {
+            f"{m}/seed{seed}": {
+                "method": m,
+                "seed": seed,
+                "curve": [{"step": 0, "accuracy": 0.6}, {"step": 128, "accuracy": late}],
+            }
+            for m, late in (("topr", topr), ("sft_positives", sft))
+        }
         summary = figure1.summarise(runs, ["accuracy"])
-        return {"runs": runs, "summary": summary, "measure": "m", "task": "reasoning",
-                "options": {"seeds": [seed], "late_share": 0.25, "compare": ["topr-sft_positives"], "output": "x"}}
+        return {
+            "runs": runs,
+            "summary": summary,
+            "measure": "m",
+            "task": "reasoning",
+            "options": {"seeds": [seed], "late_share": 0.25, "compare": ["topr-sft_positives"], "output": "x"},
+        }
 
     paths = []
     for seed, topr, sft in ((0, 0.9, 0.8), (1, 0.85, 0.9)):
@@ -92,19 +131,29 @@ def test_topr_target_sets_its_p_tilde_and_clipped_shares_are_averaged_per_checkp
 
     options = SimpleNamespace(target_effective_proportion=0.35)
     overrides = figure1.method_overrides("topr_target", options)
-    assert overrides == {"loss_type": "topr", "topr_baseline_scope": "dataset",
-                         "topr_target_effective_proportion": 0.35}
+    assert overrides == {
+        "loss_type": "topr",
+        "topr_baseline_scope": "dataset",
+        "topr_target_effective_proportion": 0.35,
+    }
     assert "topr_target_effective_proportion" not in figure1.METHODS["topr_target"]  # the option, not a constant
     assert figure1.method_overrides("topr", options) == {"loss_type": "topr"}
 
     def point(step, share, positive, negative):
-        return {"step": step, "clipped_share": share, "clipped_share_positive": positive,
-                "clipped_share_negative": negative}
+        return {
+            "step": step,
+            "clipped_share": share,
+            "clipped_share_positive": positive,
+            "clipped_share_negative": negative,
+        }
 
-    runs = {"ppo/seed0": {"method": "ppo", "seed": 0, "curve": [point(0, 0, 0, 0), point(16, 0.02, 0.01, 0.04)]},
-            "ppo/seed1": {"method": "ppo", "seed": 1, "curve": [point(0, 0, 0, 0), point(16, 0.04, 0.03, 0.06)]},
-            "tis/seed0": {"method": "tis", "seed": 0, "curve": [{"step": 0}, {"step": 16}]}}  # an older run: no probe
+    runs = {
+        "ppo/seed0": {"method": "ppo", "seed": 0, "curve": [point(0, 0, 0, 0), point(16, 0.02, 0.01, 0.04)]},
+        "ppo/seed1": {"method": "ppo", "seed": 1, "curve": [point(0, 0, 0, 0), point(16, 0.04, 0.03, 0.06)]},
+        "tis/seed0": {"method": "tis", "seed": 0, "curve": [{"step": 0}, {"step": 16}]},
+    }  # an older run: no probe
     shares = figure1.clipped_share_by_step(runs)
     assert set(shares) == {"ppo"}
-    assert shares["ppo"][1] == pytest.approx({"step": 16, "clipped_share": 0.03, "clipped_share_positive": 0.02,
-                                              "clipped_share_negative": 0.05})
+    assert shares["ppo"][1] == pytest.approx(
+        {"step": 16, "clipped_share": 0.03, "clipped_share_positive": 0.02, "clipped_share_negative": 0.05}
+    )

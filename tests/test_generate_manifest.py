@@ -28,8 +28,9 @@ OTHER_REWARDS = '''def length_parity(completions, **kwargs):
 
 
 def make_user_folder(folder: Path, seed: int = 0) -> Path:
-    subprocess.run([sys.executable, str(MAKE_USER_FOLDER), str(folder), "--seed", str(seed)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, str(MAKE_USER_FOLDER), str(folder), "--seed", str(seed)], check=True, capture_output=True
+    )
     return folder
 
 
@@ -49,12 +50,28 @@ def user(tmp_path_factory) -> Path:
 def generate_argv(user: Path, output_dir: Path, *changes: str) -> list[str]:
     """`topr-trl generate` on the user's model, prompts and reward: 4 prompts x 2 completions of 4 tokens, in 2
     shards; `changes` are flags given on top (a later flag wins)."""
-    return ["generate", "--model_name_or_path", str(user / "my-model"), "--dataset_name",
-            str(user / "data" / "prompts.jsonl"), "--reward_funcs", f"{user / 'my_rewards.py'}:correctness",
-            "--max_prompts", "4", "--num_generations", "2", "--max_completion_length", "4", "--prompts_per_shard", "2",
-            "--backend", "transformers", "--output_dir", str(output_dir), *changes]
-
-
+    return [
+        "generate",
+        "--model_name_or_path",
+        str(user / "my-model"),
+        "--dataset_name",
+        str(user / "data" / "prompts.jsonl"),
+        "--reward_funcs",
+        f"{user / 'my_rewards.py'}:correctness",
+        "--max_prompts",
+        "4",
+        "--num_generations",
+        "2",
+        "--max_completion_length",
+        "4",
+        "--prompts_per_shard",
+        "2",
+        "--backend",
+        "transformers",
+        "--output_dir",
+        str(output_dir),
+        *changes,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -81,32 +98,63 @@ def test_the_manifest_records_what_defines_the_data(user, generated):
     assert settings["dataset"]["name"] == str((user / "data" / "prompts.jsonl").resolve())
     assert settings["dataset"]["num_prompts"] == 4 and len(settings["dataset"]["rows_sha256"]) == 64
     assert settings["reward_funcs"] == ["correctness"] and settings["reward_weights"] == [1.0]
-    assert {key: settings[key] for key in ("num_completions", "temperature", "top_p", "top_k", "max_new_tokens",
-                                           "backend", "seed", "chat_template_kwargs", "prompts_per_shard")} == dict(
-        num_completions=2, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, backend="transformers", seed=0,
-        chat_template_kwargs={}, prompts_per_shard=2)
+    assert {
+        key: settings[key]
+        for key in (
+            "num_completions",
+            "temperature",
+            "top_p",
+            "top_k",
+            "max_new_tokens",
+            "backend",
+            "seed",
+            "chat_template_kwargs",
+            "prompts_per_shard",
+        )
+    } == dict(
+        num_completions=2,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=4,
+        backend="transformers",
+        seed=0,
+        chat_template_kwargs={},
+        prompts_per_shard=2,
+    )
 
 
-@pytest.mark.parametrize("changes, named", [
-    (["--model_name_or_path", "{user}/other-model"], "--model_name_or_path {user}/my-model -> {user}/other-model"),
-    (["--dataset_name", "{user}/data/chat.jsonl"],
-     "--dataset_name {user}/data/prompts.jsonl -> {user}/data/chat.jsonl"),
-    (["--max_prompts", "3"], "the number of prompts (--max_prompts) 4 -> 3"),
-    (["--reward_funcs", "{user}/other_rewards.py:length_parity"],
-     '--reward_funcs ["correctness"] -> ["length_parity"]'),
-    (["--reward_funcs", "{user}/my_rewards.py:correctness", "{user}/other_rewards.py:length_parity"],
-     '--reward_funcs ["correctness"] -> ["correctness", "length_parity"]'),
-    (["--temperature", "0.7"], "--temperature 1.0 -> 0.7"),
-    (["--top_p", "0.9"], "--top_p 1.0 -> 0.9"),
-    (["--top_k", "5"], "--top_k 0 -> 5"),
-    (["--max_completion_length", "5"], "--max_completion_length 4 -> 5"),
-    (["--num_generations", "3"], "--num_generations 2 -> 3"),
-    (["--backend", "vllm"], "--backend transformers -> vllm"),
-    (["--seed", "1"], "--seed 0 -> 1"),
-    (["--chat_template_kwargs", '{"enable_thinking": false}'],
-     '--chat_template_kwargs {} -> {"enable_thinking": false}'),
-    (["--prompts_per_shard", "4"], "--prompts_per_shard 2 -> 4"),
-])
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        (["--model_name_or_path", "{user}/other-model"], "--model_name_or_path {user}/my-model -> {user}/other-model"),
+        (
+            ["--dataset_name", "{user}/data/chat.jsonl"],
+            "--dataset_name {user}/data/prompts.jsonl -> {user}/data/chat.jsonl",
+        ),
+        (["--max_prompts", "3"], "the number of prompts (--max_prompts) 4 -> 3"),
+        (
+            ["--reward_funcs", "{user}/other_rewards.py:length_parity"],
+            '--reward_funcs ["correctness"] -> ["length_parity"]',
+        ),
+        (
+            ["--reward_funcs", "{user}/my_rewards.py:correctness", "{user}/other_rewards.py:length_parity"],
+            '--reward_funcs ["correctness"] -> ["correctness", "length_parity"]',
+        ),
+        (["--temperature", "0.7"], "--temperature 1.0 -> 0.7"),
+        (["--top_p", "0.9"], "--top_p 1.0 -> 0.9"),
+        (["--top_k", "5"], "--top_k 0 -> 5"),
+        (["--max_completion_length", "5"], "--max_completion_length 4 -> 5"),
+        (["--num_generations", "3"], "--num_generations 2 -> 3"),
+        (["--backend", "vllm"], "--backend transformers -> vllm"),
+        (["--seed", "1"], "--seed 0 -> 1"),
+        (
+            ["--chat_template_kwargs", '{"enable_thinking": false}'],
+            '--chat_template_kwargs {} -> {"enable_thinking": false}',
+        ),
+        (["--prompts_per_shard", "4"], "--prompts_per_shard 2 -> 4"),
+    ],
+)
 def test_a_rerun_with_anything_changed_is_refused_naming_it(changes, named, user, generated, tmp_path):
     folder = tmp_path / "data"
     shutil.copytree(generated, folder)
@@ -117,7 +165,8 @@ def test_a_rerun_with_anything_changed_is_refused_naming_it(changes, named, user
     assert "other settings" in message and message.count(" -> ") == 1  # the change, and nothing else
     assert "another --output_dir" in message and "--overwrite_output_dir true" in message
     assert shard_times(folder) == before and json.loads((folder / "manifest.json").read_text()) == json.loads(
-        (generated / "manifest.json").read_text())  # nothing touched
+        (generated / "manifest.json").read_text()
+    )  # nothing touched
 
 
 def test_changed_weights_or_prompts_under_the_same_names_are_refused(user, tmp_path):
@@ -153,14 +202,17 @@ def test_an_identical_rerun_resumes_and_keeps_the_rows(user, generated, tmp_path
     assert shard_times(folder)["shard-00000"] == kept["shard-00000"]
     resumed = load_offline_dataset(folder)
     assert same_rows(resumed.select(range(4)), rows.select(range(4)))  # the first shard kept
-    assert sorted(zip(resumed["prompt_index"], resumed["sample_index"], strict=False)) == [(p, s) for p in range(4) for s in (0, 1)]
+    assert sorted(zip(resumed["prompt_index"], resumed["sample_index"], strict=False)) == [
+        (p, s) for p in range(4) for s in (0, 1)
+    ]
 
 
 def test_overwrite_output_dir_regenerates_with_the_new_model(user, generated, tmp_path):
     folder = tmp_path / "data"
     shutil.copytree(generated, folder)
-    main(generate_argv(user, folder, "--model_name_or_path", str(user / "other-model"), "--overwrite_output_dir",
-                       "true"))
+    main(
+        generate_argv(user, folder, "--model_name_or_path", str(user / "other-model"), "--overwrite_output_dir", "true")
+    )
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["settings"]["model"]["name_or_path"] == str((user / "other-model").resolve())
     fresh = tmp_path / "fresh"
@@ -178,8 +230,16 @@ def test_the_same_model_and_prompts_moved_elsewhere_resume(user, generated, tmp_
     shutil.copytree(generated, folder)
     shutil.copytree(user / "my-model", tmp_path / "moved-model")
     shutil.copy(user / "data" / "prompts.jsonl", tmp_path / "moved.jsonl")
-    main(generate_argv(user, folder, "--model_name_or_path", str(tmp_path / "moved-model"), "--dataset_name",
-                       str(tmp_path / "moved.jsonl")))
+    main(
+        generate_argv(
+            user,
+            folder,
+            "--model_name_or_path",
+            str(tmp_path / "moved-model"),
+            "--dataset_name",
+            str(tmp_path / "moved.jsonl"),
+        )
+    )
     assert "generated 8 completions for 4 prompts" in capsys.readouterr().out
     assert load_offline_dataset(folder)["completion_ids"] == load_offline_dataset(generated)["completion_ids"]
 
@@ -190,9 +250,22 @@ def test_a_generation_whose_manifest_cannot_be_checked_is_refused(state, user, g
     shutil.copytree(generated, folder)
     manifest = folder / "manifest.json"
     if state == "older manifest":  # what topr-trl wrote before it recorded the model and the prompts
-        manifest.write_text(json.dumps({"settings": {"num_prompts": 4, "num_completions": 2, "temperature": 1.0,
-                                                     "top_p": 1.0, "top_k": 0, "max_new_tokens": 4,
-                                                     "prompts_per_shard": 2, "reward_funcs": ["correctness"]}}))
+        manifest.write_text(
+            json.dumps(
+                {
+                    "settings": {
+                        "num_prompts": 4,
+                        "num_completions": 2,
+                        "temperature": 1.0,
+                        "top_p": 1.0,
+                        "top_k": 0,
+                        "max_new_tokens": 4,
+                        "prompts_per_shard": 2,
+                        "reward_funcs": ["correctness"],
+                    }
+                }
+            )
+        )
     elif state == "no manifest":
         manifest.unlink()
     else:
@@ -206,10 +279,28 @@ def test_a_generation_whose_manifest_cannot_be_checked_is_refused(state, user, g
 def test_a_user_running_from_their_folder_gets_one_line(user, tmp_path):
     """As a user runs it: `python -m topr_trl` from their own folder, their model, data and reward module by
     relative names; then the same command with another model."""
-    command = [sys.executable, "-m", "topr_trl", "generate", "--model_name_or_path", "my-model", "--dataset_name",
-               "data/prompts.jsonl", "--reward_funcs", "my_rewards:correctness", "--max_prompts", "2",
-               "--num_generations", "2", "--max_completion_length", "3", "--backend", "transformers",
-               "--output_dir", str(tmp_path / "data")]
+    command = [
+        sys.executable,
+        "-m",
+        "topr_trl",
+        "generate",
+        "--model_name_or_path",
+        "my-model",
+        "--dataset_name",
+        "data/prompts.jsonl",
+        "--reward_funcs",
+        "my_rewards:correctness",
+        "--max_prompts",
+        "2",
+        "--num_generations",
+        "2",
+        "--max_completion_length",
+        "3",
+        "--backend",
+        "transformers",
+        "--output_dir",
+        str(tmp_path / "data"),
+    ]
     first = subprocess.run(command, cwd=user, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
     assert "generated 4 completions for 2 prompts" in first.stdout
@@ -232,10 +323,19 @@ def test_python_api_names_its_arguments_and_sees_weights_changed_in_memory(tiny,
     prompts = arithmetic_dataset.select(range(2))
     settings = dict(num_completions=2, max_new_tokens=3, show_progress=False)
     generate_offline_dataset(model, tokenizer, prompts, parity_reward, tmp_path, **settings)
-    with pytest.raises(GeneratedWithOtherSettings, match=r"num_completions 2 -> 3; max_new_tokens 3 -> 2\).*"
-                                                         r"overwrite=True"):
-        generate_offline_dataset(model, tokenizer, prompts, parity_reward, tmp_path,
-                                 **{**settings, "num_completions": 3, "max_new_tokens": 2})
+    with pytest.raises(
+        GeneratedWithOtherSettings,
+        match=r"num_completions 2 -> 3; max_new_tokens 3 -> 2\).*"
+        r"overwrite=True",
+    ):
+        generate_offline_dataset(
+            model,
+            tokenizer,
+            prompts,
+            parity_reward,
+            tmp_path,
+            **{**settings, "num_completions": 3, "max_new_tokens": 2},
+        )
     changed = AutoModelForCausalLM.from_pretrained(model.name_or_path)
     with torch.no_grad():
         changed.lm_head.weight.mul_(2)  # trained in memory, never saved: its files are those of `model`
@@ -249,13 +349,23 @@ def test_iterate_refuses_an_iteration_generated_with_other_settings(tiny_model_p
     from topr_trl.commands.iterations import IterationSettings, run_iterations
 
     prompts = arithmetic_dataset.select(range(2))
-    generate_offline_dataset(tiny_model_path, AutoTokenizer.from_pretrained(tiny_model_path), prompts, parity_reward,
-                             tmp_path / "iteration-000" / "data", num_completions=2, max_new_tokens=3,
-                             temperature=0.5, backend="transformers", show_progress=False)
+    generate_offline_dataset(
+        tiny_model_path,
+        AutoTokenizer.from_pretrained(tiny_model_path),
+        prompts,
+        parity_reward,
+        tmp_path / "iteration-000" / "data",
+        num_completions=2,
+        max_new_tokens=3,
+        temperature=0.5,
+        backend="transformers",
+        show_progress=False,
+    )
     settings = IterationSettings(num_iterations=1, num_completions=2, max_new_tokens=3, backend="transformers")
     folder = re.escape(str(tmp_path / "iteration-000"))
-    with pytest.raises(GeneratedWithOtherSettings,
-                       match=rf"temperature 0.5 -> 1.0\).*delete {folder} to redo iteration 0"):
+    with pytest.raises(
+        GeneratedWithOtherSettings, match=rf"temperature 0.5 -> 1.0\).*delete {folder} to redo iteration 0"
+    ):
         run_iterations(tiny_model_path, prompts, parity_reward, tmp_path, settings)
 
 

@@ -102,8 +102,9 @@ REWARD_METRIC_PREFIXES = ("reward", "rewards/", "frac_reward_zero_std", "complet
 
 
 # ----------------------------------------------------------------------------------------- the two runs
-def outcome(trainer_class, config_class, model_path, output_dir, trainer_kwargs, config_overrides, caplog,
-            generate=None) -> dict:
+def outcome(
+    trainer_class, config_class, model_path, output_dir, trainer_kwargs, config_overrides, caplog, generate=None
+) -> dict:
     """What a user of `trainer_class` sees from one short run: finished or the exception (class and first line),
     steps, TRL's warnings, and the reward/completion metrics of the first logged step."""
     kwargs = small_config_kwargs(output_dir, **{"max_steps": 1, **config_overrides})
@@ -121,8 +122,9 @@ def outcome(trainer_class, config_class, model_path, output_dir, trainer_kwargs,
         except Exception as error:  # noqa: BLE001 - the outcome is what is compared
             result["raised"] = error
             trainer = None
-    result["warnings"] = sorted({record.getMessage().splitlines()[0] for record in caplog.records
-                                 if record.name.startswith("trl")})
+    result["warnings"] = sorted(
+        {record.getMessage().splitlines()[0] for record in caplog.records if record.name.startswith("trl")}
+    )
     if trainer is not None:
         result["steps"] = trainer.state.global_step
         first = next(entry for entry in trainer.state.log_history if "loss" in entry)
@@ -148,10 +150,12 @@ def assert_same_outcome(grpo: dict, topr: dict) -> None:
 
 
 def run_both(model_path, tmp_path, caplog, trainer_kwargs, generate=None, **config_overrides):
-    grpo = outcome(GRPOTrainer, GRPOConfig, model_path, tmp_path / "grpo", trainer_kwargs, config_overrides, caplog,
-                   generate)
-    topr = outcome(TOPRTrainer, TOPRConfig, model_path, tmp_path / "topr", trainer_kwargs, config_overrides, caplog,
-                   generate)
+    grpo = outcome(
+        GRPOTrainer, GRPOConfig, model_path, tmp_path / "grpo", trainer_kwargs, config_overrides, caplog, generate
+    )
+    topr = outcome(
+        TOPRTrainer, TOPRConfig, model_path, tmp_path / "topr", trainer_kwargs, config_overrides, caplog, generate
+    )
     assert_same_outcome(grpo, topr)
     return grpo, topr
 
@@ -213,8 +217,9 @@ REWARD_PATHS = {
 
 @pytest.mark.parametrize("path", list(REWARD_PATHS))
 def test_reward_path_outcome_equals_grpo(path, tiny_model_path, arithmetic_dataset, tmp_path, caplog):
-    grpo, topr = run_both(tiny_model_path, tmp_path, caplog,
-                          dict(reward_funcs=REWARD_PATHS[path], train_dataset=arithmetic_dataset))
+    grpo, topr = run_both(
+        tiny_model_path, tmp_path, caplog, dict(reward_funcs=REWARD_PATHS[path], train_dataset=arithmetic_dataset)
+    )
     if "(fails)" in path:
         assert grpo["raised"] is not None
         if path in ("a string (fails)", "too few values (fails)"):
@@ -231,8 +236,12 @@ def test_reward_model_outcome_equals_grpo(tiny_model_path, arithmetic_dataset, t
     config.num_labels = 1
     torch.manual_seed(0)
     reward_model = MistralForSequenceClassification(config)
-    run_both(tiny_model_path, tmp_path, caplog, dict(reward_funcs=reward_model, train_dataset=arithmetic_dataset,
-                                                     reward_processing_classes=tokenizer))
+    run_both(
+        tiny_model_path,
+        tmp_path,
+        caplog,
+        dict(reward_funcs=reward_model, train_dataset=arithmetic_dataset, reward_processing_classes=tokenizer),
+    )
 
 
 def test_rollout_func_fields_reach_the_reward_as_in_grpo(tiny_model_path, arithmetic_dataset, tmp_path, caplog):
@@ -240,19 +249,30 @@ def test_rollout_func_fields_reach_the_reward_as_in_grpo(tiny_model_path, arithm
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
 
     def rollout(prompts, trainer):
-        prompt_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
-                      for p in prompts]
-        completion_ids = [tokenizer(str(i % 10), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                          for i in range(len(prompts))]
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids,
-                "logprobs": [[-1.0] * len(ids) for ids in completion_ids],
-                "judge_score": [float(i % 3) - 1.0 for i in range(len(prompts))]}
+        prompt_ids = [
+            tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for p in prompts
+        ]
+        completion_ids = [
+            tokenizer(str(i % 10), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            for i in range(len(prompts))
+        ]
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": completion_ids,
+            "logprobs": [[-1.0] * len(ids) for ids in completion_ids],
+            "judge_score": [float(i % 3) - 1.0 for i in range(len(prompts))],
+        }
 
     def judged(completions, judge_score, **kwargs):
         return list(judge_score)
 
-    grpo, _ = run_both(tiny_model_path, tmp_path, caplog,
-                       dict(reward_funcs=judged, train_dataset=arithmetic_dataset, rollout_func=rollout))
+    grpo, _ = run_both(
+        tiny_model_path,
+        tmp_path,
+        caplog,
+        dict(reward_funcs=judged, train_dataset=arithmetic_dataset, rollout_func=rollout),
+    )
     assert grpo["raised"] is None and grpo["metrics"]["reward"] == pytest.approx(-1 / 4)  # scores -1, 0, 1, -1
 
 
@@ -353,18 +373,28 @@ def tool_prompts(n: int = 3, **columns) -> Dataset:
 
 
 def test_tools_multi_turn_outcome_equals_grpo(tool_model_path, tmp_path, caplog):
-    grpo, topr = run_both(tool_model_path, tmp_path, caplog,
-                          dict(reward_funcs=parity_reward, train_dataset=tool_prompts(), tools=[increment]),
-                          generate=scripted_generation(TOOL_TURNS), **TOOL_SETTINGS)
+    grpo, topr = run_both(
+        tool_model_path,
+        tmp_path,
+        caplog,
+        dict(reward_funcs=parity_reward, train_dataset=tool_prompts(), tools=[increment]),
+        generate=scripted_generation(TOOL_TURNS),
+        **TOOL_SETTINGS,
+    )
     assert grpo["raised"] is None
     assert grpo["metrics"]["tools/call_frequency"] > 0  # the script's tool calls were made
 
 
 def test_environment_owned_reward_outcome_equals_grpo(tool_model_path, tmp_path, caplog):
     """No reward_funcs: the environment scores each rollout from its state (counters 1, 0, 0)."""
-    grpo, topr = run_both(tool_model_path, tmp_path, caplog,
-                          dict(train_dataset=tool_prompts(), environment_factory=CounterEnvironment),
-                          generate=scripted_generation(TOOL_TURNS), **TOOL_SETTINGS)
+    grpo, topr = run_both(
+        tool_model_path,
+        tmp_path,
+        caplog,
+        dict(train_dataset=tool_prompts(), environment_factory=CounterEnvironment),
+        generate=scripted_generation(TOOL_TURNS),
+        **TOOL_SETTINGS,
+    )
     assert grpo["raised"] is None
     assert topr["metrics"]["rewards/CounterEnvironment/mean"] == pytest.approx(1 / 3)
 
@@ -374,9 +404,14 @@ def test_mixed_environments_outcome_equals_grpo(tool_model_path, tmp_path, caplo
     `completions` keyword broke): the env reward scores only its own class's rollouts, the others are None."""
     factories = {"scored": CounterEnvironment, "scored2": CounterEnvironment, "plain": PlainEnvironment}
     dataset = tool_prompts(environment=["scored", "scored2", "plain"])
-    grpo, topr = run_both(tool_model_path, tmp_path, caplog,
-                          dict(reward_funcs=parity_reward, train_dataset=dataset, environment_factory=factories),
-                          generate=scripted_generation([[CALL, CALL, CALL], ["done<|im_end|>"] * 3]), **TOOL_SETTINGS)
+    grpo, topr = run_both(
+        tool_model_path,
+        tmp_path,
+        caplog,
+        dict(reward_funcs=parity_reward, train_dataset=dataset, environment_factory=factories),
+        generate=scripted_generation([[CALL, CALL, CALL], ["done<|im_end|>"] * 3]),
+        **TOOL_SETTINGS,
+    )
     assert grpo["raised"] is None
     for result in (grpo, topr):
         trainer = result["trainer"]
@@ -390,8 +425,9 @@ def test_mixed_environments_outcome_equals_grpo(tool_model_path, tmp_path, caplo
 # ----------------------------------------------------------------------------------------- the listed differences
 def test_only_the_policy_loss_differs(tiny_model_path, arithmetic_dataset, tmp_path, caplog):
     """The same run: reward metrics equal, the loss metrics differ (GRPO's clip_ratio/*, TOPR's topr/*)."""
-    grpo, topr = run_both(tiny_model_path, tmp_path, caplog,
-                          dict(reward_funcs=parity_reward, train_dataset=arithmetic_dataset))
+    grpo, topr = run_both(
+        tiny_model_path, tmp_path, caplog, dict(reward_funcs=parity_reward, train_dataset=arithmetic_dataset)
+    )
     grpo_keys = set(grpo["trainer"].state.log_history[0])
     topr_keys = set(topr["trainer"].state.log_history[0])
     assert set(grpo_keys - topr_keys) == {key for key in grpo_keys if key.startswith("clip_ratio/")}
@@ -418,10 +454,24 @@ def test_default_output_dir_and_card_name_topr(tiny_model_path, arithmetic_datas
 
 def test_a_grpo_config_works_with_the_topr_trainer(tiny_model_path, arithmetic_dataset, tmp_path, caplog):
     """Only the trainer's name swapped: a GRPOConfig with TRL's loss gives GRPOTrainer's run, outcome for outcome."""
-    grpo = outcome(GRPOTrainer, GRPOConfig, tiny_model_path, tmp_path / "grpo",
-                   dict(reward_funcs=[none_for_odd, parity_reward], train_dataset=arithmetic_dataset), {}, caplog)
-    topr = outcome(TOPRTrainer, GRPOConfig, tiny_model_path, tmp_path / "topr",
-                   dict(reward_funcs=[none_for_odd, parity_reward], train_dataset=arithmetic_dataset), {}, caplog)
+    grpo = outcome(
+        GRPOTrainer,
+        GRPOConfig,
+        tiny_model_path,
+        tmp_path / "grpo",
+        dict(reward_funcs=[none_for_odd, parity_reward], train_dataset=arithmetic_dataset),
+        {},
+        caplog,
+    )
+    topr = outcome(
+        TOPRTrainer,
+        GRPOConfig,
+        tiny_model_path,
+        tmp_path / "topr",
+        dict(reward_funcs=[none_for_odd, parity_reward], train_dataset=arithmetic_dataset),
+        {},
+        caplog,
+    )
     warned = [record.getMessage() for record in caplog.records if record.name.startswith("topr_trl")]
     assert len(warned) == 1 and "trains TRL's loss_type='dapo'" in warned[0] and "not TOPR" in warned[0]
     assert_same_outcome(grpo, topr)

@@ -41,7 +41,10 @@ AGGREGATION = {
 
 # Metrics GRPOTrainer logs from `_compute_loss` that TOPRTrainer's own loss does not (it logs topr/* instead).
 NOT_LOGGED_BY_TOPR = {
-    "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_min",
     "clip_ratio/high_max",
 }
 # Metrics that do not depend on the policy term: equal under TOPR's own loss too.
@@ -62,9 +65,18 @@ def moe_model_path(tmp_path_factory) -> str:
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
     config = MixtralConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
-        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=0.02,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     return str(save_pretrained(MixtralForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-moe")))
@@ -87,8 +99,13 @@ class Bench:
         if key in self.trainers:
             return self.trainers[key]
         config = dict(config)
-        shared = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=MAX_COMPLETION_LENGTH,
-                      epsilon=0.2, epsilon_high=0.28)
+        shared = dict(
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=MAX_COMPLETION_LENGTH,
+            epsilon=0.2,
+            epsilon_high=0.28,
+        )
         topr_only = {name: config.pop(name) for name in list(config) if name.startswith("topr_")}
         kwargs = small_config_kwargs(self.root / f"run{len(self.trainers)}", **shared, **config)
         if kind == "grpo":
@@ -96,19 +113,34 @@ class Bench:
             trainer_class = GRPOTrainer
         else:
             variant = {"loss_type": "ppo", "topr_ratio_level": "token"} if kind == "ppo" else {"loss_type": "topr"}
-            args = TOPRConfig(topr_signal="advantage", topr_loss_aggregation=AGGREGATION[loss_type],
-                              **{**variant, **topr_only}, **kwargs)
+            args = TOPRConfig(
+                topr_signal="advantage",
+                topr_loss_aggregation=AGGREGATION[loss_type],
+                **{**variant, **topr_only},
+                **kwargs,
+            )
             trainer_class = TOPRTrainer
-        trainer = trainer_class(model=self.model_paths[model], reward_funcs=parity_reward, args=args,
-                                train_dataset=self.dataset)
+        trainer = trainer_class(
+            model=self.model_paths[model], reward_funcs=parity_reward, args=args, train_dataset=self.dataset
+        )
         # identical weights in every trainer of a model, whatever was loaded
         reference = self.weights.setdefault(model, {k: v.clone() for k, v in trainer.model.state_dict().items()})
         trainer.model.load_state_dict(reference)
         self.trainers[key] = trainer
         return trainer
 
-    def make_inputs(self, model: str = "dense", seed: int = 0, *, old=True, ref=False, sampling=False,
-                    tool_mask=False, importance_sampling_ratio=False, steps_per_generation=1) -> dict:
+    def make_inputs(
+        self,
+        model: str = "dense",
+        seed: int = 0,
+        *,
+        old=True,
+        ref=False,
+        sampling=False,
+        tool_mask=False,
+        importance_sampling_ratio=False,
+        steps_per_generation=1,
+    ) -> dict:
         """One micro-batch as GRPOTrainer's `_generate_and_score_completions` hands it to `_compute_loss`; the
         stored log-probs are the model's own, shifted, so that pi differs from pi_old, pi_ref and the sampler."""
         key = (model, seed, old, ref, sampling, tool_mask, importance_sampling_ratio, steps_per_generation)
@@ -126,8 +158,10 @@ class Bench:
         completion_ids = torch.randint(3, vocab, (batch, completion_width), generator=generator)
         completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)
         inputs = {
-            "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
-            "completion_ids": completion_ids, "completion_mask": completion_mask,
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "completion_ids": completion_ids,
+            "completion_mask": completion_mask,
             "advantages": torch.tensor(ADVANTAGES).roll(seed),
         }
         loss_mask = completion_mask
@@ -139,7 +173,9 @@ class Bench:
         inputs["num_items_in_batch"] = loss_mask.sum() * steps_per_generation
         with torch.no_grad():
             logps, _, _ = trainer._get_per_token_logps_and_entropies(
-                trainer.model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1),
+                trainer.model,
+                torch.cat([prompt_ids, completion_ids], 1),
+                torch.cat([prompt_mask, completion_mask], 1),
                 completion_width,
             )
 
@@ -166,12 +202,17 @@ class Bench:
         trainer.current_gradient_accumulation_steps = ga
         trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats = (
-            trainer.args.entropy_coef, math.inf, None)
+            trainer.args.entropy_coef,
+            math.inf,
+            None,
+        )
         trainer.model.zero_grad(set_to_none=True)
         loss = trainer._compute_loss(trainer.model, {k: v for k, v in inputs.items() if not k.startswith("_")})
         loss.backward()
-        grads = {name: (torch.zeros_like(p) if p.grad is None else p.grad.detach().clone())
-                 for name, p in trainer.model.named_parameters()}
+        grads = {
+            name: (torch.zeros_like(p) if p.grad is None else p.grad.detach().clone())
+            for name, p in trainer.model.named_parameters()
+        }
         metrics = {name: list(values) for name, values in trainer._metrics[mode].items()}
         return loss.detach(), grads, metrics
 
@@ -190,8 +231,9 @@ def assert_loss_change_close(actual, expected, losses, what=""):
     """A difference of two losses: what rounding leaves in it is that of the per-token terms, which are
     O(max |advantage|) whatever the aggregate, so that is added to the scale of the tolerance."""
     rounding = max(loss.abs().item() for loss in losses) + max(abs(a) for a in ADVANTAGES)
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=RTOL * rounding,
-                               msg=lambda m: f"{what} change of loss: {m}")
+    torch.testing.assert_close(
+        actual, expected, rtol=RTOL, atol=RTOL * rounding, msg=lambda m: f"{what} change of loss: {m}"
+    )
 
 
 def assert_grads_close(actual: dict, expected: dict, scale: dict | None = None, rtol=RTOL, what=""):
@@ -199,8 +241,13 @@ def assert_grads_close(actual: dict, expected: dict, scale: dict | None = None, 
     assert any(g.abs().max() > 0 for g in expected.values()), "no gradient reached the model"
     for name, wanted in expected.items():
         reference = (scale or expected)[name].abs().max().item()
-        torch.testing.assert_close(actual[name], wanted, rtol=rtol, atol=rtol * reference + 1e-12,
-                                   msg=lambda m, name=name: f"{what} gradient of {name}: {m}")
+        torch.testing.assert_close(
+            actual[name],
+            wanted,
+            rtol=rtol,
+            atol=rtol * reference + 1e-12,
+            msg=lambda m, name=name: f"{what} gradient of {name}: {m}",
+        )
 
 
 def assert_metrics_close(actual: dict, expected: dict, keys=None, what=""):
@@ -209,17 +256,38 @@ def assert_metrics_close(actual: dict, expected: dict, keys=None, what=""):
     keys = expected.keys() if keys is None else [k for k in keys if k in expected]
     for key in sorted(keys, key=lambda k: (k == "policy_loss", k)):
         assert key in actual, f"{what}: GRPO logs {key!r}, TOPR does not"
-        assert actual[key] == pytest.approx(expected[key], rel=RTOL, abs=1e-9, nan_ok=True), \
+        assert actual[key] == pytest.approx(expected[key], rel=RTOL, abs=1e-9, nan_ok=True), (
             f"{what} metric {key!r}: TOPR {actual[key]} vs GRPO {expected[key]}"
+        )
 
 
 # ----------------------------------------------------------------------------------------- (a) reduction to GRPO
-def row(id_, loss_type="grpo", config=None, inputs=None, ga=1, mode="train", model="dense", vllm_is=False,
-        xfail_loss=None, xfail_metrics=None):
+def row(
+    id_,
+    loss_type="grpo",
+    config=None,
+    inputs=None,
+    ga=1,
+    mode="train",
+    model="dense",
+    vllm_is=False,
+    xfail_loss=None,
+    xfail_metrics=None,
+):
     """One feature: the TRL `loss_type`, config fields for both trainers (`topr_*` ones for TOPR only), the
     `make_inputs` options, the accumulation steps, train/eval, the model, and the known drifts (xfail reasons)."""
-    return dict(id=id_, loss_type=loss_type, config=config or {}, inputs=inputs or {}, ga=ga, mode=mode, model=model,
-                vllm_is=vllm_is, xfail_loss=xfail_loss, xfail_metrics=xfail_metrics)
+    return dict(
+        id=id_,
+        loss_type=loss_type,
+        config=config or {},
+        inputs=inputs or {},
+        ga=ga,
+        mode=mode,
+        model=model,
+        vllm_is=vllm_is,
+        xfail_loss=xfail_loss,
+        xfail_metrics=xfail_metrics,
+    )
 
 
 KL = {"beta": 0.1, "use_bias_correction_kl": False}
@@ -240,32 +308,71 @@ ROWS = [
     *[row(f"beta-{lt}", lt, {**KL, **OLD}, {"ref": True}) for lt in ("grpo", "dapo")],
     *[row(f"beta-bias_kl-{lt}", lt, {**BIAS_KL, **OLD}, {"ref": True}) for lt in AGGREGATION],
     row("beta-bias_kl-on_policy", "grpo", BIAS_KL, {"ref": True, "old": False}),
-    row("is_level_sequence", "grpo", {**OLD, "importance_sampling_level": "sequence",
-                                      "topr_ratio_level": "length_normalized"}),
-    row("beta-bias_kl-is_level_sequence", "grpo",
+    row(
+        "is_level_sequence",
+        "grpo",
+        {**OLD, "importance_sampling_level": "sequence", "topr_ratio_level": "length_normalized"},
+    ),
+    row(
+        "beta-bias_kl-is_level_sequence",
+        "grpo",
         {**BIAS_KL, **OLD, "importance_sampling_level": "sequence", "topr_ratio_level": "length_normalized"},
-        {"ref": True}),
+        {"ref": True},
+    ),
     row("ppo_two_sided_clip_delta", "grpo", {**OLD, "delta": PPO_DELTA}),
     *[row(f"entropy_static-{lt}", lt, {**ENTROPY, **OLD}) for lt in AGGREGATION],
     row("top_entropy_quantile", "grpo", {**OLD, "top_entropy_quantile": 0.5}),
     row("top_entropy_quantile-entropy_static", "bnpo", {**OLD, **ENTROPY, "top_entropy_quantile": 0.5}),
     row("off_policy_mask", "grpo", {**OLD, **OFF_POLICY}),
-    row("off_policy_mask-sampling_logps", "grpo",
-        {**OLD, **OFF_POLICY, "topr_behaviour_source": "policy"}, {"sampling": True}),
+    row(
+        "off_policy_mask-sampling_logps",
+        "grpo",
+        {**OLD, **OFF_POLICY, "topr_behaviour_source": "policy"},
+        {"sampling": True},
+    ),
     row("tool_mask", "grpo", OLD, {"tool_mask": True}),
     row("tool_mask-dapo", "dapo", OLD, {"tool_mask": True}),
-    row("vllm_importance_sampling_correction", "grpo", {**OLD, "topr_behaviour_source": "policy"},
-        {"sampling": True, "importance_sampling_ratio": True}, vllm_is=True),
-    *[row(f"grad_accumulation-{lt}", lt, {**GA2, **OLD, **ENTROPY}, {"steps_per_generation": 2}, ga=2)
-      for lt in AGGREGATION],
-    *[row(f"eval-{lt}", lt, {**GA2, **OLD, **ENTROPY, **BIAS_KL}, {"ref": True, "steps_per_generation": 2}, ga=2,
-          mode="eval") for lt in ("grpo", "dapo")],
+    row(
+        "vllm_importance_sampling_correction",
+        "grpo",
+        {**OLD, "topr_behaviour_source": "policy"},
+        {"sampling": True, "importance_sampling_ratio": True},
+        vllm_is=True,
+    ),
+    *[
+        row(f"grad_accumulation-{lt}", lt, {**GA2, **OLD, **ENTROPY}, {"steps_per_generation": 2}, ga=2)
+        for lt in AGGREGATION
+    ],
+    *[
+        row(
+            f"eval-{lt}",
+            lt,
+            {**GA2, **OLD, **ENTROPY, **BIAS_KL},
+            {"ref": True, "steps_per_generation": 2},
+            ga=2,
+            mode="eval",
+        )
+        for lt in ("grpo", "dapo")
+    ],
     row("aux_loss", "grpo", {**OLD, "router_aux_loss_coef": 0.02}, model="moe"),
-    row("aux_loss-grad_accumulation", "bnpo", {**OLD, **GA2, **ENTROPY, "router_aux_loss_coef": 0.02},
-        {"steps_per_generation": 2}, ga=2, model="moe"),
-    *[row(f"everything-{lt}", lt,
-          {**BIAS_KL, **GA2, **OLD, **ENTROPY, **OFF_POLICY, "top_entropy_quantile": 0.5},
-          {"ref": True, "tool_mask": True, "steps_per_generation": 2}, ga=2) for lt in ("grpo", "dapo")],
+    row(
+        "aux_loss-grad_accumulation",
+        "bnpo",
+        {**OLD, **GA2, **ENTROPY, "router_aux_loss_coef": 0.02},
+        {"steps_per_generation": 2},
+        ga=2,
+        model="moe",
+    ),
+    *[
+        row(
+            f"everything-{lt}",
+            lt,
+            {**BIAS_KL, **GA2, **OLD, **ENTROPY, **OFF_POLICY, "top_entropy_quantile": 0.5},
+            {"ref": True, "tool_mask": True, "steps_per_generation": 2},
+            ga=2,
+        )
+        for lt in ("grpo", "dapo")
+    ],
 ]
 
 
@@ -337,8 +444,9 @@ def test_inputs_exercise_the_features(tool_mask, bench):
 def feature(id_, base, on, loss_type="grpo", inputs=None, ga=1, model="dense", xfail=None):
     """A feature switched from the `base` config to the `on` config, on both trainers."""
     marks = [pytest.mark.xfail(strict=True, raises=AssertionError, reason=xfail)] if xfail else []
-    return pytest.param(dict(base=base, on=on, loss_type=loss_type, inputs=inputs or {}, ga=ga, model=model),
-                        id=id_, marks=marks)
+    return pytest.param(
+        dict(base=base, on=on, loss_type=loss_type, inputs=inputs or {}, ga=ga, model=model), id=id_, marks=marks
+    )
 
 
 FEATURES = [
@@ -346,17 +454,40 @@ FEATURES = [
     *[feature(f"beta-bias_kl-{lt}", OLD, {**OLD, **BIAS_KL}, lt, {"ref": True}) for lt in AGGREGATION],
     feature("beta-bias_kl-on_policy", {}, BIAS_KL, "grpo", {"ref": True, "old": False}),
     feature("beta-bias_kl-tool_mask", OLD, {**OLD, **BIAS_KL}, "bnpo", {"ref": True, "tool_mask": True}),
-    feature("beta-bias_kl-is_level_sequence", {**OLD, "importance_sampling_level": "sequence"},
-            {**OLD, **BIAS_KL, "importance_sampling_level": "sequence"}, "grpo", {"ref": True}),
+    feature(
+        "beta-bias_kl-is_level_sequence",
+        {**OLD, "importance_sampling_level": "sequence"},
+        {**OLD, **BIAS_KL, "importance_sampling_level": "sequence"},
+        "grpo",
+        {"ref": True},
+    ),
     *[feature(f"entropy_static-{lt}", OLD, {**OLD, **ENTROPY}, lt) for lt in AGGREGATION],
-    feature("entropy_static-top_entropy_quantile", {**OLD, "top_entropy_quantile": 0.5},
-            {**OLD, **ENTROPY, "top_entropy_quantile": 0.5}, "grpo"),
-    feature("entropy_static-grad_accumulation", {**OLD, **GA2}, {**OLD, **GA2, **ENTROPY}, "grpo",
-            {"steps_per_generation": 2}, ga=2),
-    feature("aux_loss", {**OLD, "router_aux_loss_coef": 0.0}, {**OLD, "router_aux_loss_coef": 0.02}, "grpo",
-            model="moe"),
-    feature("aux_loss-grad_accumulation", {**OLD, **GA2, "router_aux_loss_coef": 0.0},
-            {**OLD, **GA2, "router_aux_loss_coef": 0.02}, "dapo", {"steps_per_generation": 2}, ga=2, model="moe"),
+    feature(
+        "entropy_static-top_entropy_quantile",
+        {**OLD, "top_entropy_quantile": 0.5},
+        {**OLD, **ENTROPY, "top_entropy_quantile": 0.5},
+        "grpo",
+    ),
+    feature(
+        "entropy_static-grad_accumulation",
+        {**OLD, **GA2},
+        {**OLD, **GA2, **ENTROPY},
+        "grpo",
+        {"steps_per_generation": 2},
+        ga=2,
+    ),
+    feature(
+        "aux_loss", {**OLD, "router_aux_loss_coef": 0.0}, {**OLD, "router_aux_loss_coef": 0.02}, "grpo", model="moe"
+    ),
+    feature(
+        "aux_loss-grad_accumulation",
+        {**OLD, **GA2, "router_aux_loss_coef": 0.0},
+        {**OLD, **GA2, "router_aux_loss_coef": 0.02},
+        "dapo",
+        {"steps_per_generation": 2},
+        ga=2,
+        model="moe",
+    ),
 ]
 
 
@@ -373,8 +504,10 @@ def test_topr_loss_feature_matches_grpo(f, bench):
     loss_delta = {kind: results[kind, "on"][0] - results[kind, "base"][0] for kind in ("grpo", "topr")}
     assert loss_delta["grpo"].abs() > 1e-4, "the feature does not change GRPO's loss: the row tests nothing"
     assert_loss_change_close(loss_delta["topr"], loss_delta["grpo"], [result[0] for result in results.values()])
-    grad_delta = {kind: {name: results[kind, "on"][1][name] - results[kind, "base"][1][name]
-                         for name in results[kind, "on"][1]} for kind in ("grpo", "topr")}
+    grad_delta = {
+        kind: {name: results[kind, "on"][1][name] - results[kind, "base"][1][name] for name in results[kind, "on"][1]}
+        for kind in ("grpo", "topr")
+    }
     scale = {name: torch.stack([results[key][1][name].abs().max() for key in results]) for name in grad_delta["grpo"]}
     assert_grads_close(grad_delta["topr"], grad_delta["grpo"], scale=scale, rtol=RTOL_CHANGE, what="change of")
     assert_metrics_close(results["topr", "on"][2], results["grpo", "on"][2], keys=POLICY_FREE_METRICS)
@@ -386,13 +519,24 @@ def test_adaptive_entropy_over_optimizer_steps(bench):
     TOPR reduced to GRPO, and TOPR's own loss move the coefficient identically, gate the bonus identically (the
     reduced TOPR's losses and window gradients are GRPO's; TOPR's own loss changes by GRPO's bonus), and log
     the same entropy_coef and entropy."""
-    adaptive = {**OLD, **GA2, "use_adaptive_entropy": True, "entropy_coef": 0.01, "entropy_coef_delta": 0.02,
-                "entropy_coef_min": 0.0, "entropy_coef_max": 0.03}
+    adaptive = {
+        **OLD,
+        **GA2,
+        "use_adaptive_entropy": True,
+        "entropy_coef": 0.01,
+        "entropy_coef_delta": 0.02,
+        "entropy_coef_min": 0.0,
+        "entropy_coef_max": 0.03,
+    }
     plain = {**OLD, **GA2}
-    trainers = {(kind, name): bench.trainer(kind, "grpo", config) for kind in ("grpo", "ppo", "topr")
-                for name, config in (("adaptive", adaptive), ("plain", plain))}
-    windows = [[bench.make_inputs(seed=10 + 2 * step + micro, steps_per_generation=2)
-                for micro in (0, 1)] for step in range(4)]
+    trainers = {
+        (kind, name): bench.trainer(kind, "grpo", config)
+        for kind in ("grpo", "ppo", "topr")
+        for name, config in (("adaptive", adaptive), ("plain", plain))
+    }
+    windows = [
+        [bench.make_inputs(seed=10 + 2 * step + micro, steps_per_generation=2) for micro in (0, 1)] for step in range(4)
+    ]
 
     # The controller compares each window's entropy with entropy_target: put the target between the windows'
     # entropies so that the coefficient moves both up and down (and hits its bounds).
@@ -404,7 +548,8 @@ def test_adaptive_entropy_over_optimizer_steps(bench):
             attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
             with torch.no_grad():
                 _, entropies, _ = trainer._get_per_token_logps_and_entropies(
-                    trainer.model, ids, attention, inputs["completion_ids"].size(1), compute_entropy=True)
+                    trainer.model, ids, attention, inputs["completion_ids"].size(1), compute_entropy=True
+                )
             sums += torch.stack([(entropies * inputs["completion_mask"]).sum(), inputs["completion_mask"].sum()])
         return (sums[0] / sums[1]).item()
 
@@ -418,7 +563,10 @@ def test_adaptive_entropy_over_optimizer_steps(bench):
         trainer.args.entropy_target = target
         trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats = (
-            trainer.args.entropy_coef, math.inf, None)
+            trainer.args.entropy_coef,
+            math.inf,
+            None,
+        )
     coefficients, bonuses = [], []
     accelerator = trainers["grpo", "plain"].accelerator  # its GradientState is process-wide: every trainer's
     try:
@@ -437,15 +585,19 @@ def test_adaptive_entropy_over_optimizer_steps(bench):
                 bonus = {kind: state[kind, "adaptive"] - state[kind, "plain"] for kind in ("grpo", "topr")}
                 bonuses.append(bonus["grpo"].item())
                 assert_loss_change_close(bonus["topr"], bonus["grpo"], list(state.values()), what)
-            grads = {key: {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
-                     for key, trainer in trainers.items()}
+            grads = {
+                key: {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+                for key, trainer in trainers.items()
+            }
             assert_grads_close(grads["ppo", "adaptive"], grads["grpo", "adaptive"], what=f"step {step}")
             coefficients.append(trainers["grpo", "adaptive"].entropy_coef)
             for kind in ("ppo", "topr"):
                 trainer, reference = trainers[kind, "adaptive"], trainers["grpo", "adaptive"]
                 assert trainer.entropy_coef == pytest.approx(reference.entropy_coef, abs=1e-12), (kind, step)
-                assert trainer._last_world_entropy == pytest.approx(reference._last_world_entropy, rel=RTOL), \
-                    (kind, step)
+                assert trainer._last_world_entropy == pytest.approx(reference._last_world_entropy, rel=RTOL), (
+                    kind,
+                    step,
+                )
     finally:
         accelerator.sync_gradients = True
     # the controller went both ways, and gated the bonus off (first window: no measurement yet) and on
@@ -456,5 +608,6 @@ def test_adaptive_entropy_over_optimizer_steps(bench):
     reference = trainers["grpo", "adaptive"]._metrics["train"]
     assert len(reference["entropy_coef"]) == len(windows)  # one per optimizer step
     for kind in ("ppo", "topr"):
-        assert_metrics_close(trainers[kind, "adaptive"]._metrics["train"], reference, keys=("entropy_coef", "entropy"),
-                             what=kind)
+        assert_metrics_close(
+            trainers[kind, "adaptive"]._metrics["train"], reference, keys=("entropy_coef", "entropy"), what=kind
+        )

@@ -11,9 +11,22 @@ from .conftest import parity_reward
 
 
 def settings(**overrides):
-    base = dict(num_iterations=1, num_completions=4, max_new_tokens=6, prompts_per_shard=4, save_steps=2,
-                train_overrides=dict(per_device_train_batch_size=8, learning_rate=1e-2, use_cpu=True, bf16=False,
-                                     gradient_checkpointing=False, logging_steps=1, seed=0))
+    base = dict(
+        num_iterations=1,
+        num_completions=4,
+        max_new_tokens=6,
+        prompts_per_shard=4,
+        save_steps=2,
+        train_overrides=dict(
+            per_device_train_batch_size=8,
+            learning_rate=1e-2,
+            use_cpu=True,
+            bf16=False,
+            gradient_checkpointing=False,
+            logging_steps=1,
+            seed=0,
+        ),
+    )
     base.update(overrides)
     return IterationSettings(**base)
 
@@ -39,8 +52,9 @@ def test_iterations_chain_models_and_skip_finished_ones(tiny_model_path, arithme
     assert len(first) == 1 and first[0]["behaviour_model"] == tiny_model_path and first[0]["rows"] == 32
     assert "evaluation_before" in first[0] and first[0]["train_steps"] == 4  # 32 rows / 8 per step, one pass
     shard_time = (tmp_path / "iteration-000" / "data" / "shard-00000").stat().st_mtime
-    both = run_iterations(tiny_model_path, prompts, parity_reward, tmp_path, settings(num_iterations=2,
-                                                                                   composition="anna_karenina"))
+    both = run_iterations(
+        tiny_model_path, prompts, parity_reward, tmp_path, settings(num_iterations=2, composition="anna_karenina")
+    )
     assert both[0] == first[0]  # finished iteration read back, not redone
     assert (tmp_path / "iteration-000" / "data" / "shard-00000").stat().st_mtime == shard_time
     assert both[1]["behaviour_model"] == str(tmp_path / "iteration-000" / "model")
@@ -68,8 +82,9 @@ def test_killed_training_resumes_from_its_checkpoint(tiny_model_path, arithmetic
     assert resumed_from[1] == 3  # the first step run after resuming is step 3: steps 1-2 came from the checkpoint
 
 
-def test_a_finished_iterations_model_is_freed_before_the_next_generation(tiny_model_path, arithmetic_dataset,
-                                                                         tmp_path, monkeypatch):
+def test_a_finished_iterations_model_is_freed_before_the_next_generation(
+    tiny_model_path, arithmetic_dataset, tmp_path, monkeypatch
+):
     """The next iteration may start a vLLM engine on the same GPU: by then the previous policy must be gone."""
     import weakref
 
@@ -88,8 +103,14 @@ def test_a_finished_iterations_model_is_freed_before_the_next_generation(tiny_mo
         return real_generate(*args, **kwargs)
 
     monkeypatch.setattr(topr_trl.offline.generation, "generate_offline_dataset", generate)
-    run_iterations(tiny_model_path, arithmetic_dataset.select(range(4)), parity_reward, tmp_path,
-                   settings(num_iterations=2), callbacks=[RememberModel()])
+    run_iterations(
+        tiny_model_path,
+        arithmetic_dataset.select(range(4)),
+        parity_reward,
+        tmp_path,
+        settings(num_iterations=2),
+        callbacks=[RememberModel()],
+    )
     assert alive_at_generation == [[], [False]]
 
 
@@ -104,15 +125,29 @@ def test_last_checkpoint_of_a_folder_another_process_has_not_created_yet_is_none
 
 @pytest.mark.parametrize("truncation", [{"top_k": 3}, {"top_p": 0.9}])
 def test_an_iteration_sampled_with_truncation_trains_on_a_ratio_of_one_at_learning_rate_zero(
-        truncation, tiny_model_path, arithmetic_dataset, tmp_path):
+    truncation, tiny_model_path, arithmetic_dataset, tmp_path
+):
     """An iteration generates with the user's top-k or top-p and trains on what it generated: the rows carry how mu
     sampled, so pi is scored on mu's support and at learning rate 0 every ratio is 1 within 1e-4 (on the tiny
     random-initialised model, near uniform, the whole-vocabulary score gives the kept mass: far below 1)."""
     overrides = dict(settings().train_overrides, learning_rate=0.0)
-    run_iterations(tiny_model_path, arithmetic_dataset.select(range(4)), parity_reward, tmp_path,
-                   settings(train_overrides=overrides, **truncation))
+    run_iterations(
+        tiny_model_path,
+        arithmetic_dataset.select(range(4)),
+        parity_reward,
+        tmp_path,
+        settings(train_overrides=overrides, **truncation),
+    )
     history = json.loads((tmp_path / "iteration-000" / "train" / "trainer_state.json").read_text())["log_history"]
-    ratios = [entry[key] for entry in history for key in ("topr/ratio_positive/min", "topr/ratio_positive/max",
-                                                          "topr/ratio_negative/min", "topr/ratio_negative/max")
-              if entry.get(key) is not None]
+    ratios = [
+        entry[key]
+        for entry in history
+        for key in (
+            "topr/ratio_positive/min",
+            "topr/ratio_positive/max",
+            "topr/ratio_negative/min",
+            "topr/ratio_negative/max",
+        )
+        if entry.get(key) is not None
+    ]
     assert ratios and all(ratio == pytest.approx(1.0, abs=1e-4) for ratio in ratios), ratios

@@ -33,8 +33,7 @@ def user(tmp_path_factory) -> Path:
     if not maker.is_file():
         pytest.skip(f"{maker} is absent (../shared is not beside the checkout)")
     folder = tmp_path_factory.mktemp("user")
-    subprocess.run([sys.executable, str(maker), str(folder)],
-                   check=True, capture_output=True)
+    subprocess.run([sys.executable, str(maker), str(folder)], check=True, capture_output=True)
     rows = (folder / "data" / "prompts.jsonl").read_text().splitlines(keepends=True)
     (folder / "data" / "small").mkdir()
     (folder / "data" / "small" / "train.jsonl").write_text("".join(rows[:8]))
@@ -47,10 +46,36 @@ def user(tmp_path_factory) -> Path:
 def iterate(user: Path, dataset: str, output_dir: Path, monkeypatch, capsys, *extra: str) -> list[str]:
     """One iteration of `topr-trl iterate` run from the user's folder (`extra` flags on top); its `[topr-trl]` lines."""
     monkeypatch.chdir(user)
-    main(["iterate", "--model_name_or_path", "my-model", "--dataset_name", dataset, "--reward_funcs",
-          "scores.py:length_parity", "--num_generations", "2", "--max_completion_length", "4",
-          "--per_device_train_batch_size", "8", "--iterations", "1", "--task_eval_prompts", "2", "--seed", "3",
-          "--backend", "transformers", "--report_to", "none", "--output_dir", str(output_dir), *extra])
+    main(
+        [
+            "iterate",
+            "--model_name_or_path",
+            "my-model",
+            "--dataset_name",
+            dataset,
+            "--reward_funcs",
+            "scores.py:length_parity",
+            "--num_generations",
+            "2",
+            "--max_completion_length",
+            "4",
+            "--per_device_train_batch_size",
+            "8",
+            "--iterations",
+            "1",
+            "--task_eval_prompts",
+            "2",
+            "--seed",
+            "3",
+            "--backend",
+            "transformers",
+            "--report_to",
+            "none",
+            "--output_dir",
+            str(output_dir),
+            *extra,
+        ]
+    )
     return [line for line in capsys.readouterr().out.splitlines() if line.startswith("[topr-trl]")]
 
 
@@ -59,24 +84,34 @@ def test_iterations_draw_their_curves_one_after_another(user, tmp_path, monkeypa
     boundary where each later iteration starts; the values are those each iteration's trainer logged."""
     from topr_trl.commands.iterations import iteration_curves
 
-    lines = iterate(user, "data/small.jsonl", tmp_path / "run", monkeypatch, capsys, "--iterations", "2",
-                    "--logging_steps", "1")
+    lines = iterate(
+        user, "data/small.jsonl", tmp_path / "run", monkeypatch, capsys, "--iterations", "2", "--logging_steps", "1"
+    )
     assert "[topr-trl] curves of every iteration drawn to " + str(tmp_path / "run" / "curves.png") in lines
     assert (tmp_path / "run" / "curves.png").read_bytes()[:4] == b"\x89PNG"
-    states = [json.loads((tmp_path / "run" / f"iteration-00{i}" / "train" / "trainer_state.json").read_text())
-              for i in (0, 1)]
+    states = [
+        json.loads((tmp_path / "run" / f"iteration-00{i}" / "train" / "trainer_state.json").read_text()) for i in (0, 1)
+    ]
     curves, boundaries = iteration_curves(tmp_path / "run")
     first_steps = states[0]["global_step"]
     assert first_steps > 0 and boundaries == [first_steps]
-    expected = [(entry["step"] + offset, entry["loss"]) for state, offset in zip(states, (0, first_steps), strict=False)
-                for entry in state["log_history"] if "loss" in entry]
-    assert list(zip(*curves["loss"], strict=False)) == expected and len(expected) == first_steps + states[1]["global_step"]
+    expected = [
+        (entry["step"] + offset, entry["loss"])
+        for state, offset in zip(states, (0, first_steps), strict=False)
+        for entry in state["log_history"]
+        if "loss" in entry
+    ]
+    assert (
+        list(zip(*curves["loss"], strict=False)) == expected and len(expected) == first_steps + states[1]["global_step"]
+    )
 
 
 def test_iterations_on_data_with_a_test_split_are_measured_on_it(user, tmp_path, monkeypatch, capsys):
     lines = iterate(user, "data/small", tmp_path / "run", monkeypatch, capsys)
-    assert "[topr-trl] held-out measure: the first 2 prompts (--task_eval_prompts) of the 'test' split, scored by " \
-           "--reward_funcs" in lines
+    assert (
+        "[topr-trl] held-out measure: the first 2 prompts (--task_eval_prompts) of the 'test' split, scored by "
+        "--reward_funcs" in lines
+    )
     line = next(line for line in lines if line.startswith("[topr-trl] iteration 0: p="))
     how = "(sampled at temperature 1, 4 samples per prompt, at most 4 new tokens), on 2 held-out prompts"
     assert "; before: mean reward " in line and "; after: mean reward " in line and line.count(how) == 2, line
@@ -85,8 +120,10 @@ def test_iterations_on_data_with_a_test_split_are_measured_on_it(user, tmp_path,
     # recomputed apart from the run: the base model before, the saved policy after, on the first 2 test prompts
     test = Dataset.from_json(str(user / "data" / "small" / "test.jsonl")).select(range(2))
     reward = _user_reward(user)
-    for model_dir, key in ((user / "my-model", "evaluation_before"),
-                           (tmp_path / "run" / "iteration-000" / "model", "evaluation")):
+    for model_dir, key in (
+        (user / "my-model", "evaluation_before"),
+        (tmp_path / "run" / "iteration-000" / "model", "evaluation"),
+    ):
         evaluate = reward_evaluator(test, [reward], max_new_tokens=4, seed=3)
         expected = evaluate(AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir))
         assert summary[key] == expected, key
@@ -107,8 +144,10 @@ def test_iterations_on_data_without_a_test_split_say_so_once(user, tmp_path, mon
 
 
 def test_reward_evaluator_reports_the_mean_reward_and_leaves_the_random_state_alone(tiny_model_path):
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model_path), AutoTokenizer.from_pretrained(
-        tiny_model_path)
+    model, tokenizer = (
+        AutoModelForCausalLM.from_pretrained(tiny_model_path),
+        AutoTokenizer.from_pretrained(tiny_model_path),
+    )
     prompts = Dataset.from_list([{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(3)])
     calls = []
 
@@ -125,8 +164,10 @@ def test_reward_evaluator_reports_the_mean_reward_and_leaves_the_random_state_al
     assert result["mean_reward"] == 0.5 and result["positive_share"] == 1.0 and result["unscored_share"] == 0.0
     assert result["mean_reward_se"] == 0.0 and result["num_samples"] == 4 and result["num_problems"] == 3
     assert calls == [["0"] * 4 + ["2"] * 4 + ["4"] * 4]  # one call over all completions, each with its row
-    assert describe_accuracy(result, 3) == ("mean reward 0.500 ± 0.000, reward > 0 on 1.000 (sampled at temperature "
-                                            "1, 4 samples per prompt, at most 3 new tokens), on 3 held-out prompts")
+    assert describe_accuracy(result, 3) == (
+        "mean reward 0.500 ± 0.000, reward > 0 on 1.000 (sampled at temperature "
+        "1, 4 samples per prompt, at most 3 new tokens), on 3 held-out prompts"
+    )
     nothing = reward_evaluator(prompts, [unscorable], max_new_tokens=3)(model, tokenizer)
     assert math.isnan(nothing["mean_reward"]) and nothing["unscored_share"] == 1.0
     weighted = reward_evaluator(prompts, [half, unscorable], reward_weights=[-2.0, 1.0], max_new_tokens=3)
@@ -137,7 +178,8 @@ def test_a_test_split_is_only_a_held_out_one(user, tmp_path):
     train = Dataset.from_list([{"prompt": "a"}, {"prompt": "b"}])
     train.save_to_disk(str(tmp_path / "saved"))  # one dataset: every split asked for is the training data
     assert load_test_prompts(str(tmp_path / "saved"), "test", "train", None, train)[1].endswith(
-        "holds the training prompts themselves")
+        "holds the training prompts themselves"
+    )
     (tmp_path / "named").mkdir()
     (tmp_path / "named" / "train.jsonl").write_text('{"prompt": "a"}\n')
     held_out, why = load_test_prompts(str(tmp_path / "named"), "test", "train", None, train)

@@ -15,12 +15,21 @@ PACKAGE = Path(__file__).resolve().parents[1] / "topr_trl"
 COMMAND_LAYER = ("topr_trl.commands", "topr_trl.tasks", "topr_trl.__main__")
 # (the modules a rule constrains, the modules they must not import, why)
 RULES = [
-    (lambda module: not module.startswith(COMMAND_LAYER) and module != "topr_trl", COMMAND_LAYER,
-     "the library imports nothing from the command layer"),
-    (lambda module: module.startswith(("topr_trl.offline", "topr_trl.evaluation")),
-     ("topr_trl.trainer", "topr_trl.asynchronous"), "offline/ and evaluation/ stay below the trainers"),
-    (lambda module: module.startswith("topr_trl.asynchronous"), ("topr_trl.trainer",),
-     "the asynchronous trainer shares code with TOPRTrainer through trainer_shared, not by importing it"),
+    (
+        lambda module: not module.startswith(COMMAND_LAYER) and module != "topr_trl",
+        COMMAND_LAYER,
+        "the library imports nothing from the command layer",
+    ),
+    (
+        lambda module: module.startswith(("topr_trl.offline", "topr_trl.evaluation")),
+        ("topr_trl.trainer", "topr_trl.asynchronous"),
+        "offline/ and evaluation/ stay below the trainers",
+    ),
+    (
+        lambda module: module.startswith("topr_trl.asynchronous"),
+        ("topr_trl.trainer",),
+        "the asynchronous trainer shares code with TOPRTrainer through trainer_shared, not by importing it",
+    ),
 ]
 
 
@@ -36,7 +45,7 @@ def imported(source: str, module: str, is_package: bool = False) -> set[str]:
     targets = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else []
+            base = package[: len(package) - node.level + 1] if node.level else []
             target = ".".join(base + ([node.module] if node.module else []))
             targets |= {target, *(f"{target}.{alias.name}" for alias in node.names)}
         elif isinstance(node, ast.Import):
@@ -61,7 +70,8 @@ def test_no_module_imports_above_its_floor(applies, forbidden, why):
     for path in sorted(PACKAGE.rglob("*.py")):
         module = module_name(path)
         if applies(module):
-            upward = sorted(t for t in imported(path.read_text(), module, path.name == "__init__.py")
-                            if within(t, forbidden))
+            upward = sorted(
+                t for t in imported(path.read_text(), module, path.name == "__init__.py") if within(t, forbidden)
+            )
             violations += [f"{module} -> {target}" for target in upward]
     assert not violations, f"{why}: {violations}"

@@ -51,7 +51,9 @@ def batch(seed=0, B=6, T=5):
 
 
 def hand_weight(log_ratio, s, limits):
-    lower, upper = (limits.positive_lower, limits.positive_upper) if s >= 0 else (limits.negative_lower, limits.negative_upper)
+    lower, upper = (
+        (limits.positive_lower, limits.positive_upper) if s >= 0 else (limits.negative_lower, limits.negative_upper)
+    )
     return min(max(math.exp(min(log_ratio, MAX_LOG_RATIO)), lower), min(upper, math.exp(MAX_LOG_RATIO)))
 
 
@@ -96,11 +98,13 @@ def test_loss_and_gradient_match_hand_computation(preset, level, aggregation):
     logps, behaviour, mask, signal = batch()
     logps.requires_grad_(True)
     spec = PolicyLossSpec(limits=PRESETS[preset], ratio_level=level)
-    loss, _ = topr_loss(logps, behaviour, signal, mask, spec, aggregation, max_completion_length=7,
-                        num_tokens=mask.sum())
+    loss, _ = topr_loss(
+        logps, behaviour, signal, mask, spec, aggregation, max_completion_length=7, num_tokens=mask.sum()
+    )
     loss.backward()
-    expected_loss, expected_grad = hand_loss_and_grad(logps.detach(), behaviour, mask, signal, PRESETS[preset], level,
-                                                      aggregation)
+    expected_loss, expected_grad = hand_loss_and_grad(
+        logps.detach(), behaviour, mask, signal, PRESETS[preset], level, aggregation
+    )
     assert loss.item() == pytest.approx(expected_loss, rel=1e-9, abs=1e-12)
     torch.testing.assert_close(logps.grad, expected_grad)
 
@@ -156,8 +160,12 @@ def test_truncated_ratio_hand_values():
 def test_sequence_ratio_is_the_product_of_token_ratios():
     logps, behaviour, mask, _ = batch()
     product = torch.exp(log_importance_ratio(logps, behaviour, mask, "sequence")).squeeze(1)
-    expected = torch.tensor([math.prod(math.exp(float(logps[i, t] - behaviour[i, t]))
-                                       for t in range(logps.size(1)) if mask[i, t]) for i in range(logps.size(0))])
+    expected = torch.tensor(
+        [
+            math.prod(math.exp(float(logps[i, t] - behaviour[i, t])) for t in range(logps.size(1)) if mask[i, t])
+            for i in range(logps.size(0))
+        ]
+    )
     torch.testing.assert_close(product, expected)
     geometric = torch.exp(log_importance_ratio(logps, behaviour, mask, "length_normalized")).squeeze(1)
     torch.testing.assert_close(geometric, expected ** (1 / mask.sum(1)))
@@ -184,18 +192,28 @@ def test_no_inf_or_nan_on_extreme_inputs(preset, level, variant):
     spec = PolicyLossSpec(loss_type=variant, limits=PRESETS[preset], ratio_level=level, knobs=KNOBS)
     for signal in (torch.tensor([1.0, -1, 1, -1, 1, -1]), torch.ones(B), -torch.ones(B), torch.zeros(B)):
         for aggregation in AGGREGATIONS:
-            loss, terms = topr_loss(logps, behaviour, signal, mask, spec, aggregation, max_completion_length=T,
-                                    num_tokens=mask.sum())
+            loss, terms = topr_loss(
+                logps, behaviour, signal, mask, spec, aggregation, max_completion_length=T, num_tokens=mask.sum()
+            )
             (grad,) = torch.autograd.grad(loss, logps)
             assert torch.isfinite(loss) and torch.isfinite(grad).all() and torch.isfinite(terms.weights).all()
 
 
 def test_zero_length_completions_and_empty_masks():
-    for logps, mask in ((torch.zeros(3, 0, requires_grad=True), torch.zeros(3, 0)),
-                        (torch.zeros(3, 4, requires_grad=True), torch.zeros(3, 4))):
+    for logps, mask in (
+        (torch.zeros(3, 0, requires_grad=True), torch.zeros(3, 0)),
+        (torch.zeros(3, 4, requires_grad=True), torch.zeros(3, 4)),
+    ):
         for aggregation in AGGREGATIONS:
-            loss, _ = topr_loss(logps, logps.detach(), torch.tensor([1.0, -1.0, 0.0]), mask, aggregation=aggregation,
-                                max_completion_length=4, num_tokens=mask.sum())
+            loss, _ = topr_loss(
+                logps,
+                logps.detach(),
+                torch.tensor([1.0, -1.0, 0.0]),
+                mask,
+                aggregation=aggregation,
+                max_completion_length=4,
+                num_tokens=mask.sum(),
+            )
             (grad,) = torch.autograd.grad(loss, logps)
             assert loss.item() == 0.0 and torch.all(grad == 0)
 
@@ -213,7 +231,9 @@ def test_branch_losses_add_up_to_the_loss(aggregation):
 def test_branch_weights_scale_each_branch():
     logps, behaviour, mask, signal = batch()
     base = policy_per_token_loss(logps, behaviour, signal, mask)
-    scaled = policy_per_token_loss(logps, behaviour, signal, mask, PolicyLossSpec(positive_weight=2.0, negative_weight=0.5))
+    scaled = policy_per_token_loss(
+        logps, behaviour, signal, mask, PolicyLossSpec(positive_weight=2.0, negative_weight=0.5)
+    )
     factor = torch.where(base.is_positive, 2.0, 0.5)
     torch.testing.assert_close(scaled.per_token_loss, base.per_token_loss * factor)
 
@@ -229,9 +249,13 @@ def test_ppo_cispo_kimi15_hand_values():
     torch.testing.assert_close(ppo.per_token_loss.detach(), torch.tensor([[-1.2], [2.0]]))
     (grad,) = torch.autograd.grad(ppo.per_token_loss.sum(), logps)
     torch.testing.assert_close(grad, torch.tensor([[0.0], [2.0]]))  # d(-r*A)/dlogp = -r*A = 2 on the negative
-    cispo = policy_per_token_loss(logps, behaviour, signal, mask, PolicyLossSpec(loss_type="cispo_two_sided", knobs=KNOBS, **token))
+    cispo = policy_per_token_loss(
+        logps, behaviour, signal, mask, PolicyLossSpec(loss_type="cispo_two_sided", knobs=KNOBS, **token)
+    )
     torch.testing.assert_close(cispo.weights, torch.tensor([[1.1], [1.1]]))
-    kimi = policy_per_token_loss(logps, behaviour, signal, mask, PolicyLossSpec(loss_type="kimi15", knobs=KNOBS, **token))
+    kimi = policy_per_token_loss(
+        logps, behaviour, signal, mask, PolicyLossSpec(loss_type="kimi15", knobs=KNOBS, **token)
+    )
     log2 = math.log(2)
     expected = torch.tensor([[-math.log(0.5) + 0.05 * log2**2], [math.log(0.5) + 0.05 * log2**2]])
     torch.testing.assert_close(kimi.per_token_loss.detach(), expected)
@@ -297,7 +321,9 @@ def test_general_baseline_solver_hits_target_share(rewards, target):
         share = signal_share_of_positives(rewards - c).item()
         below = signal_share_of_positives(rewards - (c - 1e-6)).item()
         above = signal_share_of_positives(rewards - (c + 1e-6)).item()
-        assert min(below, above) - 1e-4 <= target <= max(below, above) + 1e-4 or share == pytest.approx(target, abs=1e-4)
+        assert min(below, above) - 1e-4 <= target <= max(below, above) + 1e-4 or share == pytest.approx(
+            target, abs=1e-4
+        )
 
 
 def test_registry_holds_one_entry_per_loss_type_and_dispatches_once():
@@ -306,8 +332,16 @@ def test_registry_holds_one_entry_per_loss_type_and_dispatches_once():
     (ratio 0.5 on both rows, so that the limits of Table 1's rows all differ)."""
     from topr_trl.loss import POLICY_LOSSES
 
-    assert tuple(POLICY_LOSSES) == ("tis", "off_policy_reinforce", "naive_reinforce", "sft", "topr", "ppo",
-                                    "cispo_two_sided", "kimi15")
+    assert tuple(POLICY_LOSSES) == (
+        "tis",
+        "off_policy_reinforce",
+        "naive_reinforce",
+        "sft",
+        "topr",
+        "ppo",
+        "cispo_two_sided",
+        "kimi15",
+    )
     assert {name: entry.limits for name, entry in POLICY_LOSSES.items() if entry.limits is not None} == PRESETS
     log_half = math.log(0.5)
     logps = torch.tensor([[log_half], [log_half]])
@@ -354,8 +388,9 @@ def test_ppo_two_sided_clip_caps_the_ratio_at_delta():
     torch.testing.assert_close(terms.per_token_loss.detach(), torch.tensor([[2.5]]))
     (grad,) = torch.autograd.grad(terms.per_token_loss.sum(), logps)
     assert grad.item() == 0.0 and terms.weights.item() == 0.0
-    free = policy_per_token_loss(logps, behaviour, torch.tensor([-1.0]), torch.ones(1, 1),
-                                 PolicyLossSpec(loss_type="ppo", ratio_level="token"))
+    free = policy_per_token_loss(
+        logps, behaviour, torch.tensor([-1.0]), torch.ones(1, 1), PolicyLossSpec(loss_type="ppo", ratio_level="token")
+    )
     torch.testing.assert_close(free.per_token_loss.detach(), torch.tensor([[3.0]]))
 
 
@@ -393,7 +428,11 @@ def test_packed_loss_equals_the_padded_loss_with_its_gradient(aggregation):
     # another packing of the same completions (segments in another order) gives the same loss
     other = [(s, t) for s in (1, 3, 0, 2) for t in range(lengths[s])]
     other_ids = torch.tensor([s for s, _ in other])
-    repacked, _, _ = packed_topr_loss(torch.stack([padded_logps[s, t] for s, t in other]),
-                                      torch.stack([padded_behaviour[s, t] for s, t in other]), signal[other_ids],
-                                      other_ids, aggregation=aggregation)
+    repacked, _, _ = packed_topr_loss(
+        torch.stack([padded_logps[s, t] for s, t in other]),
+        torch.stack([padded_behaviour[s, t] for s, t in other]),
+        signal[other_ids],
+        other_ids,
+        aggregation=aggregation,
+    )
     assert repacked.item() == pytest.approx(reference.item(), abs=1e-7)

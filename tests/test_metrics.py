@@ -36,8 +36,16 @@ def truncated_fraction_logged(trainer) -> float:
     mask = torch.ones_like(per_token_logps)
     terms = policy_per_token_loss(per_token_logps, behaviour_logps, signal, mask, trainer._loss_spec)
     loss = (terms.per_token_loss * mask).sum(1).div(3).mean()
-    trainer._log_policy_metrics("train", terms, signal, mask, torch.ones_like(mask), terms.per_token_loss,
-                                {"aggregation": "seq-mean-token-mean"}, loss)
+    trainer._log_policy_metrics(
+        "train",
+        terms,
+        signal,
+        mask,
+        torch.ones_like(mask),
+        terms.per_token_loss,
+        {"aggregation": "seq-mean-token-mean"},
+        loss,
+    )
     return trainer._metrics["train"]["topr/negative_truncated_fraction"][-1]
 
 
@@ -49,20 +57,25 @@ def outside_limits_fraction(lower: float, upper: float, relative_tolerance: floa
     return sum(outside) / len(ratios)
 
 
-@pytest.mark.parametrize("overrides,expected", [
-    ({}, outside_limits_fraction(PRESETS["topr"].negative_lower, PRESETS["topr"].negative_upper)),  # 1/6
-    ({"loss_type": "naive_reinforce"}, outside_limits_fraction(1.0, 1.0)),  # 2/6
-    ({"loss_type": "tis"}, outside_limits_fraction(0.0, 1.0)),
-    ({"loss_type": "off_policy_reinforce"}, 0.0),
-    ({"topr_negative_weight": 0.5}, outside_limits_fraction(0.0, 1.0)),  # lambda- is not truncation
-    ({"loss_type": "cispo_two_sided"}, outside_limits_fraction(0.9, 1.1)),  # CISPO clips to [1 - 0.1, 1 + 0.1]
-    # PPO with A < 0 clips (weight 0) where r < 1 - 0.2: only exp(-0.3) = 0.74
-    ({"loss_type": "ppo"}, 1 / 6),
-], ids=["topr", "naive_reinforce", "tis", "off_policy_reinforce", "negative_weight", "cispo", "ppo"])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        ({}, outside_limits_fraction(PRESETS["topr"].negative_lower, PRESETS["topr"].negative_upper)),  # 1/6
+        ({"loss_type": "naive_reinforce"}, outside_limits_fraction(1.0, 1.0)),  # 2/6
+        ({"loss_type": "tis"}, outside_limits_fraction(0.0, 1.0)),
+        ({"loss_type": "off_policy_reinforce"}, 0.0),
+        ({"topr_negative_weight": 0.5}, outside_limits_fraction(0.0, 1.0)),  # lambda- is not truncation
+        ({"loss_type": "cispo_two_sided"}, outside_limits_fraction(0.9, 1.1)),  # CISPO clips to [1 - 0.1, 1 + 0.1]
+        # PPO with A < 0 clips (weight 0) where r < 1 - 0.2: only exp(-0.3) = 0.74
+        ({"loss_type": "ppo"}, 1 / 6),
+    ],
+    ids=["topr", "naive_reinforce", "tis", "off_policy_reinforce", "negative_weight", "cispo", "ppo"],
+)
 def test_truncation_is_counted_with_a_tolerance(overrides, expected, tiny_model_path, arithmetic_dataset, tmp_path):
     args = TOPRConfig(**small_config_kwargs(tmp_path, **overrides))
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
-                          train_dataset=arithmetic_dataset)
+    trainer = TOPRTrainer(
+        model=tiny_model_path, reward_funcs=parity_reward, args=args, train_dataset=arithmetic_dataset
+    )
     assert truncated_fraction_logged(trainer) == pytest.approx(expected)
 
 
@@ -73,36 +86,54 @@ def data_from_the_policy(tiny_model_path, arithmetic_dataset, tmp_path_factory):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     torch.manual_seed(0)
-    return generate_offline_dataset(model, tokenizer, arithmetic_dataset.select(range(8)), parity_reward,
-                                    tmp_path_factory.mktemp("mu-is-pi"), num_completions=4, max_new_tokens=6,
-                                    prompts_per_shard=2, prompts_per_batch=2, show_progress=False)
+    return generate_offline_dataset(
+        model,
+        tokenizer,
+        arithmetic_dataset.select(range(8)),
+        parity_reward,
+        tmp_path_factory.mktemp("mu-is-pi"),
+        num_completions=4,
+        max_new_tokens=6,
+        prompts_per_shard=2,
+        prompts_per_batch=2,
+        show_progress=False,
+    )
 
 
 @pytest.mark.parametrize("preset", ["topr", "naive_reinforce"])
 def test_replay_of_the_policy_own_samples_truncates_nothing(preset, data_from_the_policy, tiny_model_path, tmp_path):
-    args = TOPRConfig(**small_config_kwargs(tmp_path, max_steps=-1, per_device_train_batch_size=8, learning_rate=0.0,
-                                            loss_type=preset))
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args,
-                          train_dataset=data_from_the_policy)
+    args = TOPRConfig(
+        **small_config_kwargs(
+            tmp_path, max_steps=-1, per_device_train_batch_size=8, learning_rate=0.0, loss_type=preset
+        )
+    )
+    trainer = TOPRTrainer(
+        model=tiny_model_path, reward_funcs=stored_reward, args=args, train_dataset=data_from_the_policy
+    )
     trainer.train()
     ratios = logged_values(trainer, "topr/ratio_negative/min") + logged_values(trainer, "topr/ratio_negative/max")
     assert len(ratios) == 8 and all(r == pytest.approx(1.0, abs=1e-4) for r in ratios)  # pi = mu throughout
     assert logged_values(trainer, "topr/negative_truncated_fraction") == [0.0] * 4
 
 
-@pytest.mark.parametrize("mu_shift,preset,expected", [
-    (-0.05, "topr", 1.0),  # mu's stored log-probs lowered: every pi/mu > 1, cut to b- = 1
-    (-0.05, "off_policy_reinforce", 0.0),  # [0, inf] truncates nothing
-    (0.05, "topr", 0.0),  # every pi/mu < 1: inside [0, 1]
-    (0.05, "naive_reinforce", 1.0),  # [1, 1] truncates every ratio that is not 1
-])
-def test_replay_with_mu_clearly_off_pi_is_truncated(mu_shift, preset, expected, data_from_the_policy,
-                                                    tiny_model_path, tmp_path):
+@pytest.mark.parametrize(
+    "mu_shift,preset,expected",
+    [
+        (-0.05, "topr", 1.0),  # mu's stored log-probs lowered: every pi/mu > 1, cut to b- = 1
+        (-0.05, "off_policy_reinforce", 0.0),  # [0, inf] truncates nothing
+        (0.05, "topr", 0.0),  # every pi/mu < 1: inside [0, 1]
+        (0.05, "naive_reinforce", 1.0),  # [1, 1] truncates every ratio that is not 1
+    ],
+)
+def test_replay_with_mu_clearly_off_pi_is_truncated(
+    mu_shift, preset, expected, data_from_the_policy, tiny_model_path, tmp_path
+):
     """The policy's own samples with mu's stored log-probs moved by 0.05 per token: every ratio is at least
     exp(0.05) away from 1, on the side the shift sets."""
     data = data_from_the_policy.map(lambda row: {"behaviour_logps": [x + mu_shift for x in row["behaviour_logps"]]})
-    args = TOPRConfig(**small_config_kwargs(tmp_path, max_steps=2, per_device_train_batch_size=8, learning_rate=0.0,
-                                            loss_type=preset))
+    args = TOPRConfig(
+        **small_config_kwargs(tmp_path, max_steps=2, per_device_train_batch_size=8, learning_rate=0.0, loss_type=preset)
+    )
     trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args, train_dataset=data)
     trainer.train()
     ratios = logged_values(trainer, "topr/ratio_negative/min") + logged_values(trainer, "topr/ratio_negative/max")
@@ -111,11 +142,13 @@ def test_replay_with_mu_clearly_off_pi_is_truncated(mu_shift, preset, expected, 
 
 
 @pytest.mark.parametrize("signal", ["advantage", "reward"])
-def test_effective_positive_proportion_is_logged_only_where_it_is_a_choice(signal, tiny_model_path, arithmetic_dataset,
-                                                                          tmp_path):
+def test_effective_positive_proportion_is_logged_only_where_it_is_a_choice(
+    signal, tiny_model_path, arithmetic_dataset, tmp_path
+):
     args = TOPRConfig(**small_config_kwargs(tmp_path, topr_signal=signal))
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
-                          train_dataset=arithmetic_dataset)
+    trainer = TOPRTrainer(
+        model=tiny_model_path, reward_funcs=parity_reward, args=args, train_dataset=arithmetic_dataset
+    )
     trainer.train()
     shares = logged_values(trainer, "topr/effective_positive_proportion")
     if signal == "advantage":
@@ -127,8 +160,9 @@ def test_effective_positive_proportion_is_logged_only_where_it_is_a_choice(signa
 
 def test_branch_losses_have_the_stated_signs(tiny_model_path, arithmetic_dataset, tmp_path):
     args = TOPRConfig(**small_config_kwargs(tmp_path, max_steps=3))
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
-                          train_dataset=arithmetic_dataset)
+    trainer = TOPRTrainer(
+        model=tiny_model_path, reward_funcs=parity_reward, args=args, train_dataset=arithmetic_dataset
+    )
     trainer.train()
     positive, negative = (logged_values(trainer, f"topr/loss_{b}") for b in ("positive", "negative"))
     assert len(positive) == len(negative) == 3
@@ -146,8 +180,9 @@ def test_effective_sample_size_fraction_and_ratio_quantiles_by_hand():
     assert math.isnan(effective_sample_size_fraction(0.0, 0.0, 0))
     log_ratios = torch.log(torch.tensor([[0.5], [1.0], [2.0], [3.0], [4.0]]))
     signal = torch.tensor([-1.0, -1.0, -1.0, -1.0, -1.0])
-    terms = policy_per_token_loss(torch.zeros(5, 2), -log_ratios.expand(5, 2) / 2, signal.view(-1, 1),
-                                  torch.ones(5, 2), PolicyLossSpec())
+    terms = policy_per_token_loss(
+        torch.zeros(5, 2), -log_ratios.expand(5, 2) / 2, signal.view(-1, 1), torch.ones(5, 2), PolicyLossSpec()
+    )
     quantiles = ratio_quantiles(branch_ratios(terms, signal, torch.ones(5, 2)))
     assert math.isnan(quantiles["topr/ratio_positive/p50"])
     # negatives 0.5, 1, 2, 3, 4: p10 = 0.5 + 0.4 * 0.5, p50 = 2, p90 = 3 + 0.6 * 1
@@ -178,8 +213,9 @@ def test_ratios_by_staleness_bin_by_hand():
     signal = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, -1.0])
     bins = torch.tensor([0, 0, 2, 2, 2, -1])
     log_ratios = torch.log(ratios).view(-1, 1)
-    terms = policy_per_token_loss(torch.zeros(6, 2), -log_ratios.expand(6, 2) / 2, signal.view(-1, 1),
-                                  torch.ones(6, 2), PolicyLossSpec())
+    terms = policy_per_token_loss(
+        torch.zeros(6, 2), -log_ratios.expand(6, 2) / 2, signal.view(-1, 1), torch.ones(6, 2), PolicyLossSpec()
+    )
     sums = staleness_bin_sums(terms, signal, torch.ones(6, 2), bins, 4, negative_weight=1.0)
     metrics = staleness_bin_metrics(sums, ("a", "b", "c", "d"))
     assert {key.split("/")[1] for key in metrics} == {"staleness_a", "staleness_c"}  # empty bins are not logged

@@ -22,7 +22,9 @@ from .conftest import parity_reward, small_config_kwargs
 
 @pytest.fixture(scope="module")
 def behaviour(behaviour_model_path):
-    return AutoModelForCausalLM.from_pretrained(behaviour_model_path), AutoTokenizer.from_pretrained(behaviour_model_path)
+    return AutoModelForCausalLM.from_pretrained(behaviour_model_path), AutoTokenizer.from_pretrained(
+        behaviour_model_path
+    )
 
 
 def generate(behaviour, prompts, directory, **kwargs):
@@ -37,8 +39,18 @@ def test_schema_round_trip_and_eos_kept(behaviour, arithmetic_dataset, tmp_path)
     prompts = arithmetic_dataset.select(range(5))
     dataset = generate(behaviour, prompts, tmp_path)
     assert len(dataset) == 20 and load_offline_dataset(tmp_path)["completion_ids"] == dataset["completion_ids"]
-    for column in ("prompt", "answer", "prompt_index", "sample_index", "completion", "completion_ids",
-                   "behaviour_logps", "truncated", "reward", "rewards/parity_reward"):
+    for column in (
+        "prompt",
+        "answer",
+        "prompt_index",
+        "sample_index",
+        "completion",
+        "completion_ids",
+        "behaviour_logps",
+        "truncated",
+        "reward",
+        "rewards/parity_reward",
+    ):
         assert column in dataset.column_names, column
     eos = behaviour[1].eos_token_id
     assert any(dataset["truncated"]) and not all(dataset["truncated"])  # both kinds, so the check below sees both
@@ -67,9 +79,18 @@ def test_interrupted_generation_resumes_without_loss_or_duplicates(behaviour, ar
 
     reward_that_dies_on_the_second_shard.__name__ = "parity_reward"
     with pytest.raises(KeyboardInterrupt):
-        generate_offline_dataset(behaviour[0], behaviour[1], prompts, reward_that_dies_on_the_second_shard, tmp_path,
-                                 num_completions=4, max_new_tokens=6, prompts_per_shard=2, prompts_per_batch=2,
-                                 show_progress=False)
+        generate_offline_dataset(
+            behaviour[0],
+            behaviour[1],
+            prompts,
+            reward_that_dies_on_the_second_shard,
+            tmp_path,
+            num_completions=4,
+            max_new_tokens=6,
+            prompts_per_shard=2,
+            prompts_per_batch=2,
+            show_progress=False,
+        )
     first_shard = load_offline_dataset(tmp_path)
     assert len(first_shard) == 8
     dataset = generate(behaviour, prompts, tmp_path)
@@ -85,8 +106,11 @@ def test_resuming_with_other_settings_is_refused(behaviour, arithmetic_dataset, 
 
 
 def labelled(rewards_per_prompt):
-    rows = [{"prompt_index": p, "sample_index": s, "reward": r}
-            for p, rewards in enumerate(rewards_per_prompt) for s, r in enumerate(rewards)]
+    rows = [
+        {"prompt_index": p, "sample_index": s, "reward": r}
+        for p, rewards in enumerate(rewards_per_prompt)
+        for s, r in enumerate(rewards)
+    ]
     return Dataset.from_list(rows)
 
 
@@ -128,32 +152,45 @@ def test_offline_training_uses_stored_completions_and_mu(behaviour, tiny_model_p
     history = [entry for entry in trainer.state.log_history if "topr/ratio_positive/mean" in entry]
     ratios = [entry["topr/ratio_positive/mean"] for entry in history if entry["topr/ratio_positive/mean"] is not None]
     assert ratios and all(abs(r - 1) > 1e-3 for r in ratios)  # mu is the behaviour model, not the policy
-    weights = [entry["topr/weight_negative/mean"] for entry in history if entry["topr/weight_negative/mean"] is not None]
+    weights = [
+        entry["topr/weight_negative/mean"] for entry in history if entry["topr/weight_negative/mean"] is not None
+    ]
     assert weights and all(0 <= w <= 1 for w in weights)
     assert all(math.isfinite(entry["loss"]) for entry in history)
 
 
-def test_offline_dataset_with_uneven_groups_needs_the_reward_signal(behaviour, tiny_model_path, arithmetic_dataset,
-                                                                   tmp_path):
+def test_offline_dataset_with_uneven_groups_needs_the_reward_signal(
+    behaviour, tiny_model_path, arithmetic_dataset, tmp_path
+):
     dataset = generate(behaviour, arithmetic_dataset.select(range(4)), tmp_path / "data")
     dataset = dataset.select([i for i in range(len(dataset)) if i != 3])
     with pytest.raises(ValueError, match="num_generations"):
-        TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, train_dataset=dataset,
-                    args=TOPRConfig(**small_config_kwargs(tmp_path / "run")))
+        TOPRTrainer(
+            model=tiny_model_path,
+            reward_funcs=stored_reward,
+            train_dataset=dataset,
+            args=TOPRConfig(**small_config_kwargs(tmp_path / "run")),
+        )
     args = TOPRConfig(**small_config_kwargs(tmp_path / "run2", topr_signal="reward", topr_baseline=0.0, max_steps=1))
     TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, train_dataset=dataset, args=args).train()
 
 
 def test_dataset_without_behaviour_logps_is_rejected(behaviour, tiny_model_path, arithmetic_dataset, tmp_path):
     dataset = generate(behaviour, arithmetic_dataset.select(range(2)), tmp_path / "data").remove_columns(
-        "behaviour_logps")
+        "behaviour_logps"
+    )
     with pytest.raises(ValueError, match="behaviour_logps"):
-        TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, train_dataset=dataset,
-                    args=TOPRConfig(**small_config_kwargs(tmp_path / "run")))
+        TOPRTrainer(
+            model=tiny_model_path,
+            reward_funcs=stored_reward,
+            train_dataset=dataset,
+            args=TOPRConfig(**small_config_kwargs(tmp_path / "run")),
+        )
 
 
-def test_dataset_smaller_than_one_batch_is_rejected_with_the_fix(behaviour, tiny_model_path, arithmetic_dataset,
-                                                                  tmp_path):
+def test_dataset_smaller_than_one_batch_is_rejected_with_the_fix(
+    behaviour, tiny_model_path, arithmetic_dataset, tmp_path
+):
     """A curated composition can leave fewer rows than one generation batch; Trainer would then fail on an
     unrelated `max_steps` message."""
     dataset = generate(behaviour, arithmetic_dataset.select(range(1)), tmp_path / "data")  # 4 rows
@@ -172,13 +209,21 @@ def test_left_padded_prompts_get_the_same_log_probs(tiny_model_path):
     torch.testing.assert_close(plain, shifted, atol=1e-4, rtol=1e-4)
 
 
-def test_dataset_scope_baseline_is_solved_once_from_the_dataset(behaviour, tiny_model_path, arithmetic_dataset,
-                                                                tmp_path):
+def test_dataset_scope_baseline_is_solved_once_from_the_dataset(
+    behaviour, tiny_model_path, arithmetic_dataset, tmp_path
+):
     from topr_trl.loss import baseline_for_target_share
 
     dataset = generate(behaviour, arithmetic_dataset.select(range(8)), tmp_path / "data")
-    args = TOPRConfig(**small_config_kwargs(tmp_path / "run", topr_signal="reward", max_steps=3,
-                                            topr_target_effective_proportion=0.2, topr_baseline_scope="dataset"))
+    args = TOPRConfig(
+        **small_config_kwargs(
+            tmp_path / "run",
+            topr_signal="reward",
+            max_steps=3,
+            topr_target_effective_proportion=0.2,
+            topr_baseline_scope="dataset",
+        )
+    )
     trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args, train_dataset=dataset)
     trainer.train()
     expected = baseline_for_target_share(torch.tensor(dataset["reward"]), 0.2)
@@ -188,31 +233,40 @@ def test_dataset_scope_baseline_is_solved_once_from_the_dataset(behaviour, tiny_
         TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset, args=args)
 
 
-def test_missing_behaviour_logps_are_recomputed_by_a_frozen_mu(behaviour, behaviour_model_path, tiny_model_path,
-                                                               arithmetic_dataset, tmp_path):
+def test_missing_behaviour_logps_are_recomputed_by_a_frozen_mu(
+    behaviour, behaviour_model_path, tiny_model_path, arithmetic_dataset, tmp_path
+):
     stored = generate(behaviour, arithmetic_dataset.select(range(2)), tmp_path / "data")
-    args = TOPRConfig(**small_config_kwargs(tmp_path / "run", per_device_train_batch_size=8,
-                                            topr_behaviour_model=behaviour_model_path))
+    args = TOPRConfig(
+        **small_config_kwargs(
+            tmp_path / "run", per_device_train_batch_size=8, topr_behaviour_model=behaviour_model_path
+        )
+    )
     with_column = TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, train_dataset=stored, args=args)
-    without = TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args,
-                          train_dataset=stored.remove_columns("behaviour_logps"))
+    without = TOPRTrainer(
+        model=tiny_model_path,
+        reward_funcs=stored_reward,
+        args=args,
+        train_dataset=stored.remove_columns("behaviour_logps"),
+    )
     assert with_column._behaviour_model is None and without._behaviour_model is not None
     rows = [stored[i] for i in range(8)]
     with_column.model.train()
     without.model.train()
     reference = with_column._generate_and_score_completions([dict(r) for r in rows])
     recomputed = without._generate_and_score_completions(
-        [{k: v for k, v in r.items() if k != "behaviour_logps"} for r in rows])
+        [{k: v for k, v in r.items() if k != "behaviour_logps"} for r in rows]
+    )
     mask = reference["completion_mask"].bool()
-    torch.testing.assert_close(recomputed["sampling_per_token_logps"][mask],
-                               reference["sampling_per_token_logps"][mask], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        recomputed["sampling_per_token_logps"][mask], reference["sampling_per_token_logps"][mask], atol=1e-4, rtol=1e-4
+    )
     without.train()
     assert all(math.isfinite(entry["loss"]) for entry in without.state.log_history if "loss" in entry)
 
 
 @pytest.mark.parametrize("epochs,steps", [(None, 4), (2.0, 8)])
-def test_offline_data_gets_one_pass_by_default(epochs, steps, behaviour, tiny_model_path, arithmetic_dataset,
-                                               tmp_path):
+def test_offline_data_gets_one_pass_by_default(epochs, steps, behaviour, tiny_model_path, arithmetic_dataset, tmp_path):
     dataset = generate(behaviour, arithmetic_dataset.select(range(8)), tmp_path / "data")  # 32 rows
     extra = {} if epochs is None else {"topr_offline_epochs": epochs}
     args = TOPRConfig(**small_config_kwargs(tmp_path / "run", max_steps=-1, per_device_train_batch_size=8, **extra))
@@ -225,14 +279,17 @@ def test_offline_data_gets_one_pass_by_default(epochs, steps, behaviour, tiny_mo
 
 def test_generated_dataset_can_be_pushed(behaviour, arithmetic_dataset, tmp_path, monkeypatch):
     pushed = []
-    monkeypatch.setattr(Dataset, "push_to_hub", lambda self, repo, private=True: pushed.append((repo, len(self), private)))
+    monkeypatch.setattr(
+        Dataset, "push_to_hub", lambda self, repo, private=True: pushed.append((repo, len(self), private))
+    )
     generate(behaviour, arithmetic_dataset.select(range(2)), tmp_path, push_to_hub="me/topr-data")
     assert pushed == [("me/topr-data", 8, True)]
 
 
 # ---------------------------------------------------------------------------------------------- vLLM backend
-def test_vllm_backend_writes_the_same_schema_with_processed_logps(behaviour_model_path, behaviour, arithmetic_dataset,
-                                                                   tmp_path, monkeypatch):
+def test_vllm_backend_writes_the_same_schema_with_processed_logps(
+    behaviour_model_path, behaviour, arithmetic_dataset, tmp_path, monkeypatch
+):
     """Through a stand-in with vLLM's API (tests/fake_vllm.py): the engine is asked for processed log-probs, prompts
     go in as the same token ids the transformers path uses, and the rows match that path's schema, with EOS kept and
     log mu equal to log softmax(logits / T) of the model at every sampled token."""
@@ -241,22 +298,37 @@ def test_vllm_backend_writes_the_same_schema_with_processed_logps(behaviour_mode
     fake_vllm.install(monkeypatch)
     model, tokenizer = behaviour
     prompts = arithmetic_dataset.select(range(3))
-    through_vllm = generate_offline_dataset(behaviour_model_path, tokenizer, prompts, parity_reward, tmp_path / "v",
-                                            num_completions=4, max_new_tokens=6, temperature=0.7, prompts_per_shard=2,
-                                            show_progress=False, backend="vllm", seed=3)
+    through_vllm = generate_offline_dataset(
+        behaviour_model_path,
+        tokenizer,
+        prompts,
+        parity_reward,
+        tmp_path / "v",
+        num_completions=4,
+        max_new_tokens=6,
+        temperature=0.7,
+        prompts_per_shard=2,
+        show_progress=False,
+        backend="vllm",
+        seed=3,
+    )
     through_transformers = generate(behaviour, prompts, tmp_path / "t", temperature=0.7)
     assert through_vllm.column_names == through_transformers.column_names
     assert len(through_vllm) == len(through_transformers) == 12
     engine = fake_vllm.LLM.instances[-1]
     assert engine.logprobs_mode == "processed_logprobs"
-    expected_prompt = tokenizer(tokenizer.apply_chat_template(prompts[0]["prompt"], add_generation_prompt=True,
-                                                              tokenize=False), add_special_tokens=False)["input_ids"]
+    expected_prompt = tokenizer(
+        tokenizer.apply_chat_template(prompts[0]["prompt"], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )["input_ids"]
     assert engine.requests[0] == expected_prompt
     assert through_vllm["prompt_index"] == [0] * 4 + [1] * 4 + [2] * 4
     for row in through_vllm:
         assert (row["completion_ids"][-1] == tokenizer.eos_token_id) == (not row["truncated"])
-        prompt_ids = tokenizer(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False),
-                               add_special_tokens=False)["input_ids"]
+        prompt_ids = tokenizer(
+            tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )["input_ids"]
         with torch.no_grad():
             logits = model(torch.tensor([prompt_ids + row["completion_ids"]])).logits[0].float()
         steps = torch.log_softmax(logits[len(prompt_ids) - 1 : -1] / 0.7, -1)
@@ -270,14 +342,24 @@ def test_vllm_backend_maps_top_k(behaviour_model_path, behaviour, arithmetic_dat
     from . import fake_vllm
 
     fake_vllm.install(monkeypatch)
-    dataset = generate_offline_dataset(behaviour_model_path, behaviour[1], arithmetic_dataset.select(range(2)),
-                                       parity_reward, tmp_path, num_completions=2, max_new_tokens=4, top_k=1,
-                                       show_progress=False, backend="vllm")
+    dataset = generate_offline_dataset(
+        behaviour_model_path,
+        behaviour[1],
+        arithmetic_dataset.select(range(2)),
+        parity_reward,
+        tmp_path,
+        num_completions=2,
+        max_new_tokens=4,
+        top_k=1,
+        show_progress=False,
+        backend="vllm",
+    )
     assert all(lp == pytest.approx(0.0, abs=1e-6) for row in dataset["behaviour_logps"] for lp in row)
 
 
 def test_vllm_engine_built_here_is_released_and_a_finished_generation_builds_none(
-        behaviour_model_path, behaviour, arithmetic_dataset, tmp_path, monkeypatch):
+    behaviour_model_path, behaviour, arithmetic_dataset, tmp_path, monkeypatch
+):
     """The engine built from a model path frees its memory (vLLM's cleanup) before training needs it; rerunning a
     finished generation, as the other ranks of `accelerate launch` do, builds no engine; an engine passed in is the
     caller's and is not released; under an initialized process group vLLM's cleanup, which would destroy it, is
@@ -315,8 +397,9 @@ def test_auto_backend_uses_transformers_without_a_gpu(behaviour, arithmetic_data
         generate(behaviour, arithmetic_dataset.select(range(1)), tmp_path / "x", backend="vlm")
 
 
-@pytest.mark.parametrize("loss_type, whole", [("topr", False), ("off_policy_reinforce", False), ("kimi15", False),
-                                              ("grpo", True)])
+@pytest.mark.parametrize(
+    "loss_type, whole", [("topr", False), ("off_policy_reinforce", False), ("kimi15", False), ("grpo", True)]
+)
 def test_only_losses_that_read_groups_need_whole_groups(loss_type, whole):
     """Every loss of TOPR's registry on R - c with a numeric baseline reads no prompt group; TRL's losses do."""
     from topr_trl.offline.schema import needs_whole_groups

@@ -22,8 +22,18 @@ from .conftest import SHARED, work_in
 
 
 MAKER = SHARED / "tools" / "user_folder" / "make_user_folder.py"
-TRAIN = ["--per_device_train_batch_size", "4", "--num_generations", "4", "--max_steps", "1",
-         "--topr_unscored_batch", "train", "--topr_signal", "reward"]
+TRAIN = [
+    "--per_device_train_batch_size",
+    "4",
+    "--num_generations",
+    "4",
+    "--max_steps",
+    "1",
+    "--topr_unscored_batch",
+    "train",
+    "--topr_signal",
+    "reward",
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +45,32 @@ def generated(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("offline-user")
     subprocess.run([sys.executable, str(MAKER), str(folder)], check=True, capture_output=True, timeout=600)
     completed = subprocess.run(
-        [sys.executable, "-m", "topr_trl", "generate", "--model_name_or_path", "my-model", "--dataset_name",
-         "data/prompts.jsonl", "--reward_funcs", "my_rewards:correctness", "--num_generations", "4", "--max_prompts",
-         "2", "--max_completion_length", "8", "--output_dir", "data-mu"],
-        cwd=folder, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(folder)})
+        [
+            sys.executable,
+            "-m",
+            "topr_trl",
+            "generate",
+            "--model_name_or_path",
+            "my-model",
+            "--dataset_name",
+            "data/prompts.jsonl",
+            "--reward_funcs",
+            "my_rewards:correctness",
+            "--num_generations",
+            "4",
+            "--max_prompts",
+            "2",
+            "--max_completion_length",
+            "8",
+            "--output_dir",
+            "data-mu",
+        ],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(folder)},
+    )
     assert completed.returncode == 0, completed.stderr[-2000:]
     from transformers import AutoModelForCausalLM
 
@@ -77,16 +109,27 @@ def test_without_a_model_the_command_asks_for_the_one_that_sampled_the_data(in_g
 def test_a_policy_with_another_tokenizer_is_refused_before_training(in_generated, tiny_model_path):
     """Before, another tokenizer trained on the stored ids with exit 0 (pi/mu about 0.007)."""
     with pytest.raises(SystemExit) as stop:
-        main(["train", "--offline_dataset", "data-mu", "--model_name_or_path", tiny_model_path, "--output_dir",
-              "other-tokenizer", *TRAIN])
+        main(
+            [
+                "train",
+                "--offline_dataset",
+                "data-mu",
+                "--model_name_or_path",
+                tiny_model_path,
+                "--output_dir",
+                "other-tokenizer",
+                *TRAIN,
+            ]
+        )
     message = one_line(stop)
     assert "completion_ids" in message and "another tokenizer" in message
     assert not (in_generated / "other-tokenizer").exists()
 
 
 def test_another_model_with_mus_tokenizer_trains_and_is_said(in_generated, capsys):
-    main(["train", "--offline_dataset", "data-mu", "--model_name_or_path", "fine-tuned", "--output_dir", "other",
-          *TRAIN])
+    main(
+        ["train", "--offline_dataset", "data-mu", "--model_name_or_path", "fine-tuned", "--output_dir", "other", *TRAIN]
+    )
     said = capsys.readouterr().out
     assert "another model than mu" in said and "my-model" in said
     main(["train", "--offline_dataset", "data-mu", "--model_name_or_path", "my-model", "--output_dir", "same", *TRAIN])

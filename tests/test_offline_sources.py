@@ -50,8 +50,16 @@ def generated(behaviour_model_path, arithmetic_dataset, tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(behaviour_model_path)
     directory = tmp_path_factory.mktemp("generated")
     torch.manual_seed(0)
-    generate_offline_dataset(model, tokenizer, arithmetic_dataset.select(range(2)), parity_reward, directory,
-                             num_completions=4, max_new_tokens=6, show_progress=False)
+    generate_offline_dataset(
+        model,
+        tokenizer,
+        arithmetic_dataset.select(range(2)),
+        parity_reward,
+        directory,
+        num_completions=4,
+        max_new_tokens=6,
+        show_progress=False,
+    )
     return directory
 
 
@@ -66,8 +74,12 @@ def offline_trainer(model_path, dataset, output_dir, reward_funcs=stored_reward,
 @pytest.mark.parametrize("form", ["shards", "save_to_disk", "jsonl", "parquet"])
 def test_offline_dataset_from_any_source_trains_on_what_was_stored(form, generated, tiny_model_path, tmp_path):
     stored = load_offline_dataset(generated)
-    source = {"shards": generated, "save_to_disk": tmp_path / "saved", "jsonl": tmp_path / "data.jsonl",
-              "parquet": tmp_path / "parquet"}[form]
+    source = {
+        "shards": generated,
+        "save_to_disk": tmp_path / "saved",
+        "jsonl": tmp_path / "data.jsonl",
+        "parquet": tmp_path / "parquet",
+    }[form]
     if form == "save_to_disk":
         stored.save_to_disk(str(source))
     elif form == "jsonl":
@@ -91,8 +103,11 @@ def test_csv_offline_dataset_with_completion_text(behaviour_model_path, tiny_mod
     """CSV holds no lists: completions are text, tokenized once at construction (EOS appended unless truncated);
     mu's log-probs come from the behaviour model."""
     labelled = [("3", 1.0), ("7", -1.0), ("12", -1.0), ("99", -1.0)]
-    rows = [{"prompt": f"{a}+{b}=", "completion": completion, "truncated": completion == "99", "reward": reward}
-            for a, b in [(1, 2), (3, 4)] for completion, reward in labelled]
+    rows = [
+        {"prompt": f"{a}+{b}=", "completion": completion, "truncated": completion == "99", "reward": reward}
+        for a, b in [(1, 2), (3, 4)]
+        for completion, reward in labelled
+    ]
     Dataset.from_list(rows).to_csv(str(tmp_path / "data.csv"))
     dataset = load_offline_source(str(tmp_path / "data.csv"))
     trainer = offline_trainer(tiny_model_path, dataset, tmp_path / "run", topr_behaviour_model=behaviour_model_path)
@@ -111,7 +126,10 @@ def test_completion_text_is_tokenized_with_eos_unless_truncated():
     tokenizer = build_tokenizer()
     eos, one, two = tokenizer.eos_token_id, *tokenizer("12", add_special_tokens=False)["input_ids"]
     assert completion_token_ids(tokenizer, ["12", "12", "12" + tokenizer.eos_token], [False, True, False]) == [
-        [one, two, eos], [one, two], [one, two, eos]]
+        [one, two, eos],
+        [one, two],
+        [one, two, eos],
+    ]
     assert completion_token_ids(tokenizer, [[{"role": "assistant", "content": "12"}]]) == [[one, two, eos]]
 
 
@@ -136,8 +154,11 @@ def test_missing_or_empty_sources_fail_with_the_fix(tmp_path):
 def test_stored_rewards_without_completions_are_refused(generated, tiny_model_path, tmp_path):
     rewards_only = load_offline_dataset(generated).remove_columns(["completion_ids", "completion"])
     for reward_funcs in (stored_reward, parity_reward):
-        with pytest.raises(ValueError, match=r"stored rewards \['reward', 'rewards/parity_reward'\] but no "
-                                             r"completions.*topr-trl generate.*`completion` column"):
+        with pytest.raises(
+            ValueError,
+            match=r"stored rewards \['reward', 'rewards/parity_reward'\] but no "
+            r"completions.*topr-trl generate.*`completion` column",
+        ):
             offline_trainer(tiny_model_path, rewards_only, tmp_path, reward_funcs=reward_funcs)
 
 
@@ -150,26 +171,38 @@ def test_stored_reward_without_a_reward_column_is_refused(generated, tiny_model_
         offline_trainer(tiny_model_path, arithmetic_dataset, tmp_path)  # a prompt dataset with stored_reward
 
 
-def test_offline_eval_dataset_is_checked_like_the_train_dataset(generated, tiny_model_path, arithmetic_dataset,
-                                                                 tmp_path):
+def test_offline_eval_dataset_is_checked_like_the_train_dataset(
+    generated, tiny_model_path, arithmetic_dataset, tmp_path
+):
     stored = load_offline_dataset(generated)
     for eval_dataset, signal, message in [
         (stored.remove_columns("reward"), "advantage", "offline eval_dataset has no `reward` column"),
         (arithmetic_dataset, "advantage", "eval_dataset has no `reward` column for topr_trl.offline.stored_reward"),
-        (stored.select(range(6)), "advantage", r"prompt group\(s\) of offline eval_dataset do not have "
-                                               "num_generations_eval=4 rows"),
+        (
+            stored.select(range(6)),
+            "advantage",
+            r"prompt group\(s\) of offline eval_dataset do not have "
+            "num_generations_eval=4 rows",
+        ),
         (stored.select(range(6)), "reward", "eval_dataset has 6 rows, not a multiple of num_generations_eval=4"),
     ]:
         args = TOPRConfig(**small_config_kwargs(tmp_path, per_device_train_batch_size=8, topr_signal=signal))
         with pytest.raises(ValueError, match=message):
-            TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args, train_dataset=stored,
-                        eval_dataset=eval_dataset)
+            TOPRTrainer(
+                model=tiny_model_path,
+                reward_funcs=stored_reward,
+                args=args,
+                train_dataset=stored,
+                eval_dataset=eval_dataset,
+            )
 
 
 def test_behaviour_logps_that_do_not_match_the_completion_are_refused(generated, tiny_model_path, tmp_path):
     stored = load_offline_dataset(generated)
-    shortened = stored.map(lambda row, i: {"behaviour_logps": row["behaviour_logps"][:-1] if i == 5 else
-                                           row["behaviour_logps"]}, with_indices=True)
+    shortened = stored.map(
+        lambda row, i: {"behaviour_logps": row["behaviour_logps"][:-1] if i == 5 else row["behaviour_logps"]},
+        with_indices=True,
+    )
     with pytest.raises(ValueError, match="row 5 has .* behaviour_logps for .* completion tokens"):
         offline_trainer(tiny_model_path, shortened, tmp_path)
 
@@ -177,15 +210,17 @@ def test_behaviour_logps_that_do_not_match_the_completion_are_refused(generated,
 def test_prompt_index_is_derived_from_identical_prompts(generated, tiny_model_path, tmp_path):
     stored = load_offline_dataset(generated)
     interleaved = stored.select([0, 4, 1, 5, 2, 6, 3, 7]).remove_columns("prompt_index")
-    trainer = offline_trainer(tiny_model_path, interleaved, tmp_path / "run", per_device_train_batch_size=4,
-                              max_steps=2)  # the group advantage needs whole groups: checked on the derived index
+    trainer = offline_trainer(
+        tiny_model_path, interleaved, tmp_path / "run", per_device_train_batch_size=4, max_steps=2
+    )  # the group advantage needs whole groups: checked on the derived index
     assert list(trainer.train_dataset["prompt_index"]) == [0, 1, 0, 1, 0, 1, 0, 1]
     order = list(trainer._get_train_sampler())
     assert [interleaved[i]["prompt"] for i in order[:4]] == [interleaved[order[0]]["prompt"]] * 4
     trainer.train()
     with pytest.raises(ValueError, match="do not have num_generations=4 rows"):
-        offline_trainer(tiny_model_path, interleaved.select(range(7)), tmp_path / "uneven",
-                        per_device_train_batch_size=4)
+        offline_trainer(
+            tiny_model_path, interleaved.select(range(7)), tmp_path / "uneven", per_device_train_batch_size=4
+        )
 
 
 # ---------------------------------------------------------------------------------------------- replay (BOS bug)
@@ -195,10 +230,12 @@ def bos_model_path(tmp_path_factory) -> str:
     `style` kwarg (as Qwen3's takes `enable_thinking`)."""
     tokenizer = build_tokenizer()
     tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)])
+        single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)]
+    )
     tokenizer.chat_template = CHAT_TEMPLATE.replace(
-        "{{ '<|im_start|>assistant\n' }}", "{{ '<|im_start|>assistant\n' }}{% if style == 'brief' %}{{ 'Brief: ' }}"
-                                           "{% endif %}")
+        "{{ '<|im_start|>assistant\n' }}",
+        "{{ '<|im_start|>assistant\n' }}{% if style == 'brief' %}{{ 'Brief: ' }}{% endif %}",
+    )
     return str(save_pretrained(build_model(tokenizer, seed=5), tokenizer, tmp_path_factory.mktemp("bos-model")))
 
 
@@ -206,8 +243,17 @@ def generate_from(model_path, prompts, directory, **kwargs):
     """mu = the policy's own weights: with learning_rate 0, pi/mu must be 1 on every stored completion."""
     model, tokenizer = AutoModelForCausalLM.from_pretrained(model_path), AutoTokenizer.from_pretrained(model_path)
     torch.manual_seed(0)
-    return generate_offline_dataset(model, tokenizer, prompts, parity_reward, directory, num_completions=4,
-                                    max_new_tokens=6, show_progress=False, **kwargs)
+    return generate_offline_dataset(
+        model,
+        tokenizer,
+        prompts,
+        parity_reward,
+        directory,
+        num_completions=4,
+        max_new_tokens=6,
+        show_progress=False,
+        **kwargs,
+    )
 
 
 def test_bos_plain_prompts_replay_with_ratio_one(bos_model_path, tmp_path):
@@ -216,10 +262,13 @@ def test_bos_plain_prompts_replay_with_ratio_one(bos_model_path, tmp_path):
     assert tokenizer("1+2=")["input_ids"][0] == tokenizer.bos_token_id  # the setting the bug needs
     assert all(ids[0] == tokenizer.bos_token_id for ids in data["prompt_ids"])
     assert list(data["prompt_ids"]) == tokenize_prompts(tokenizer, list(data["prompt"]))
-    for name, dataset in [("stored prompt_ids", data),
-                          ("tokenized at construction", data.remove_columns("prompt_ids"))]:
-        trainer = offline_trainer(bos_model_path, dataset, tmp_path / name, learning_rate=0.0,
-                                  per_device_train_batch_size=16)
+    for name, dataset in [
+        ("stored prompt_ids", data),
+        ("tokenized at construction", data.remove_columns("prompt_ids")),
+    ]:
+        trainer = offline_trainer(
+            bos_model_path, dataset, tmp_path / name, learning_rate=0.0, per_device_train_batch_size=16
+        )
         assert list(trainer.train_dataset["prompt_ids"]) == list(data["prompt_ids"]), name
         trainer.train()
         low, high = first_step_ratio_range(trainer)
@@ -232,17 +281,30 @@ def test_chat_template_kwargs_reach_generation_and_replay(bos_model_path, tmp_pa
     data = generate_from(bos_model_path, conversational, tmp_path / "data", chat_template_kwargs=brief)
     tokenizer = AutoTokenizer.from_pretrained(bos_model_path)
     assert tokenizer.decode(data["prompt_ids"][0]).endswith("assistant\nBrief: ")
-    for name, dataset in [("stored prompt_ids", data),
-                          ("tokenized at construction", data.remove_columns("prompt_ids"))]:
-        trainer = offline_trainer(bos_model_path, dataset, tmp_path / name, learning_rate=0.0,
-                                  per_device_train_batch_size=16, chat_template_kwargs=brief)
+    for name, dataset in [
+        ("stored prompt_ids", data),
+        ("tokenized at construction", data.remove_columns("prompt_ids")),
+    ]:
+        trainer = offline_trainer(
+            bos_model_path,
+            dataset,
+            tmp_path / name,
+            learning_rate=0.0,
+            per_device_train_batch_size=16,
+            chat_template_kwargs=brief,
+        )
         assert list(trainer.train_dataset["prompt_ids"]) == list(data["prompt_ids"]), name
         trainer.train()
         low, high = first_step_ratio_range(trainer)
         assert low == pytest.approx(1.0, abs=1e-5) and high == pytest.approx(1.0, abs=1e-5), (name, low, high)
     # the check can fail: conditioning pi on another prompt than mu's (no kwarg here) moves the ratios off 1
-    mismatched = offline_trainer(bos_model_path, data.remove_columns("prompt_ids"), tmp_path / "mismatch",
-                                 learning_rate=0.0, per_device_train_batch_size=16)
+    mismatched = offline_trainer(
+        bos_model_path,
+        data.remove_columns("prompt_ids"),
+        tmp_path / "mismatch",
+        learning_rate=0.0,
+        per_device_train_batch_size=16,
+    )
     mismatched.train()
     low, high = first_step_ratio_range(mismatched)
     assert high - low > 1e-3
@@ -253,19 +315,25 @@ def test_shared_prompt_tokenization_is_grpo_trainers(bos_model_path, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(bos_model_path)
     conversational = [[{"role": "user", "content": "1+2="}], [{"role": "user", "content": "30+4="}]]
     for kwargs in ({}, {"style": "brief"}):
-        trainer = TOPRTrainer(model=bos_model_path, reward_funcs=parity_reward, train_dataset=PLAIN_PROMPTS,
-                              args=TOPRConfig(**small_config_kwargs(tmp_path, chat_template_kwargs=kwargs)))
+        trainer = TOPRTrainer(
+            model=bos_model_path,
+            reward_funcs=parity_reward,
+            train_dataset=PLAIN_PROMPTS,
+            args=TOPRConfig(**small_config_kwargs(tmp_path, chat_template_kwargs=kwargs)),
+        )
         for prompts in (list(PLAIN_PROMPTS["prompt"]), conversational):
-            assert tokenize_prompts(tokenizer, prompts, kwargs) == [list(ids) for ids in
-                                                                    trainer._tokenize_prompts(prompts)[0]]
+            assert tokenize_prompts(tokenizer, prompts, kwargs) == [
+                list(ids) for ids in trainer._tokenize_prompts(prompts)[0]
+            ]
 
 
 def test_behaviour_rollout_of_the_policy_itself_gives_ratio_one(bos_model_path, tmp_path):
     behaviour = AutoModelForCausalLM.from_pretrained(bos_model_path)
     rollout = make_behaviour_rollout(behaviour, AutoTokenizer.from_pretrained(bos_model_path))
     args = TOPRConfig(**small_config_kwargs(tmp_path, learning_rate=0.0, max_steps=1, per_device_train_batch_size=16))
-    trainer = TOPRTrainer(model=bos_model_path, reward_funcs=parity_reward, args=args, train_dataset=PLAIN_PROMPTS,
-                          rollout_func=rollout)
+    trainer = TOPRTrainer(
+        model=bos_model_path, reward_funcs=parity_reward, args=args, train_dataset=PLAIN_PROMPTS, rollout_func=rollout
+    )
     prompts = list(PLAIN_PROMPTS["prompt"])
     assert rollout(prompts, trainer)["prompt_ids"] == [list(ids) for ids in trainer._tokenize_prompts(prompts)[0]]
     trainer.train()
@@ -278,23 +346,46 @@ def test_offline_eval_dataset_replays_its_stored_completions(generated, tiny_mod
     stored = load_offline_dataset(generated)
     labels = [1.0, -1.0, -1.0, 0.5, 1.0, 1.0, -1.0, 0.0]
     eval_data = stored.remove_columns("reward").add_column("reward", labels)
-    args = TOPRConfig(**small_config_kwargs(tmp_path, per_device_train_batch_size=8, per_device_eval_batch_size=4,
-                                            max_steps=2, eval_strategy="steps", eval_steps=1))
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args, train_dataset=stored,
-                          eval_dataset=eval_data)
+    args = TOPRConfig(
+        **small_config_kwargs(
+            tmp_path,
+            per_device_train_batch_size=8,
+            per_device_eval_batch_size=4,
+            max_steps=2,
+            eval_strategy="steps",
+            eval_steps=1,
+        )
+    )
+    trainer = TOPRTrainer(
+        model=tiny_model_path, reward_funcs=stored_reward, args=args, train_dataset=stored, eval_dataset=eval_data
+    )
     trainer.model.generate = None  # neither training nor evaluation generates
     trainer.train()
     assert logged(trainer, "eval_reward") == [pytest.approx(sum(labels) / len(labels))] * 2
     assert len(logged(trainer, "eval_loss")) == 2 and len(logged(trainer, "eval_topr/ratio_negative/mean")) == 2
 
 
-def test_prompt_eval_dataset_during_offline_training_generates_from_the_policy(generated, tiny_model_path,
-                                                                                arithmetic_dataset, tmp_path):
+def test_prompt_eval_dataset_during_offline_training_generates_from_the_policy(
+    generated, tiny_model_path, arithmetic_dataset, tmp_path
+):
     stored = load_offline_dataset(generated)
-    args = TOPRConfig(**small_config_kwargs(tmp_path, per_device_train_batch_size=8, per_device_eval_batch_size=8,
-                                            max_steps=2, eval_strategy="steps", eval_steps=1))
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args, train_dataset=stored,
-                          eval_dataset=arithmetic_dataset.select(range(4)))
+    args = TOPRConfig(
+        **small_config_kwargs(
+            tmp_path,
+            per_device_train_batch_size=8,
+            per_device_eval_batch_size=8,
+            max_steps=2,
+            eval_strategy="steps",
+            eval_steps=1,
+        )
+    )
+    trainer = TOPRTrainer(
+        model=tiny_model_path,
+        reward_funcs=parity_reward,
+        args=args,
+        train_dataset=stored,
+        eval_dataset=arithmetic_dataset.select(range(4)),
+    )
     generate, modes = trainer.model.generate, []
     trainer.model.generate = lambda *a, **k: modes.append(trainer.model.training) or generate(*a, **k)
     trainer.train()
@@ -305,19 +396,30 @@ def test_prompt_eval_dataset_during_offline_training_generates_from_the_policy(g
 
 
 # ---------------------------------------------------------------------------------------------- reward functions
-@pytest.mark.parametrize("returned,message", [
-    (1.0, "Reward function 'bad_reward' returned float 1.0; it must return a list of floats"),
-    ("good", "Reward function 'bad_reward' returned str 'good'; it must return a list of floats"),
-    (["good"] * 8, "Reward function 'bad_reward' returned a list holding str 'good'; it must return a list of floats"),
-    ([1.0], "The reward function 'bad_reward' returned 1 rewards, but 8 were expected"),  # TRL's own check
-])
-def test_reward_function_with_a_wrong_return_type_fails_at_its_first_call(returned, message, tiny_model_path,
-                                                                          arithmetic_dataset, tmp_path):
+@pytest.mark.parametrize(
+    "returned,message",
+    [
+        (1.0, "Reward function 'bad_reward' returned float 1.0; it must return a list of floats"),
+        ("good", "Reward function 'bad_reward' returned str 'good'; it must return a list of floats"),
+        (
+            ["good"] * 8,
+            "Reward function 'bad_reward' returned a list holding str 'good'; it must return a list of floats",
+        ),
+        ([1.0], "The reward function 'bad_reward' returned 1 rewards, but 8 were expected"),  # TRL's own check
+    ],
+)
+def test_reward_function_with_a_wrong_return_type_fails_at_its_first_call(
+    returned, message, tiny_model_path, arithmetic_dataset, tmp_path
+):
     def bad_reward(completions, **kwargs):
         return returned
 
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=bad_reward, train_dataset=arithmetic_dataset,
-                          args=TOPRConfig(**small_config_kwargs(tmp_path, per_device_train_batch_size=8)))
+    trainer = TOPRTrainer(
+        model=tiny_model_path,
+        reward_funcs=bad_reward,
+        train_dataset=arithmetic_dataset,
+        args=TOPRConfig(**small_config_kwargs(tmp_path, per_device_train_batch_size=8)),
+    )
     with pytest.raises((TypeError, ValueError), match=re.escape(message)) as raised:
         trainer.train()
     assert trainer.state.global_step == 0
@@ -332,12 +434,20 @@ def test_async_reward_function_keeps_working_and_is_checked(tiny_model_path, ari
     async def async_scalar(completions, **kwargs):
         return 1.0
 
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=async_parity, train_dataset=arithmetic_dataset,
-                          args=TOPRConfig(**small_config_kwargs(tmp_path / "ok")))
+    trainer = TOPRTrainer(
+        model=tiny_model_path,
+        reward_funcs=async_parity,
+        train_dataset=arithmetic_dataset,
+        args=TOPRConfig(**small_config_kwargs(tmp_path / "ok")),
+    )
     trainer.train()
     assert len(logged(trainer, "rewards/async_parity/mean")) == 2  # TRL's name, from __name__
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=async_scalar, train_dataset=arithmetic_dataset,
-                          args=TOPRConfig(**small_config_kwargs(tmp_path / "bad")))
+    trainer = TOPRTrainer(
+        model=tiny_model_path,
+        reward_funcs=async_scalar,
+        train_dataset=arithmetic_dataset,
+        args=TOPRConfig(**small_config_kwargs(tmp_path / "bad")),
+    )
     with pytest.raises(TypeError, match="Reward function 'async_scalar' returned float"):
         trainer.train()
 
@@ -346,17 +456,28 @@ def none_reward(completions, **kwargs):
     return [None] * len(completions)
 
 
-def test_unscored_steps_stop_training_online_and_offline_when_asked(generated, tiny_model_path, arithmetic_dataset,
-                                                                    tmp_path):
+def test_unscored_steps_stop_training_online_and_offline_when_asked(
+    generated, tiny_model_path, arithmetic_dataset, tmp_path
+):
     stop = dict(topr_unscored_batch="error")
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=[none_reward, parity_reward],
-                          train_dataset=arithmetic_dataset,
-                          args=TOPRConfig(**small_config_kwargs(tmp_path / "mixed", **stop)))
+    trainer = TOPRTrainer(
+        model=tiny_model_path,
+        reward_funcs=[none_reward, parity_reward],
+        train_dataset=arithmetic_dataset,
+        args=TOPRConfig(**small_config_kwargs(tmp_path / "mixed", **stop)),
+    )
     trainer.train()  # one function scores: nothing to refuse
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=none_reward, train_dataset=arithmetic_dataset,
-                          args=TOPRConfig(**small_config_kwargs(tmp_path / "online", **stop)))
-    with pytest.raises(ValueError, match=r"got None/NaN from every reward function \('none_reward'\).*"
-                                         "topr_unscored_batch='skip'"):
+    trainer = TOPRTrainer(
+        model=tiny_model_path,
+        reward_funcs=none_reward,
+        train_dataset=arithmetic_dataset,
+        args=TOPRConfig(**small_config_kwargs(tmp_path / "online", **stop)),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"got None/NaN from every reward function \('none_reward'\).*"
+        "topr_unscored_batch='skip'",
+    ):
         trainer.train()
     unscored = load_offline_dataset(generated).map(lambda row: {"reward": float("nan")})
     with pytest.raises(ValueError, match=r"every reward function \('stored_reward'\)"):
@@ -366,8 +487,7 @@ def test_unscored_steps_stop_training_online_and_offline_when_asked(generated, t
 def test_unscored_steps_train_on_by_default_as_grpo_does(tiny_model_path, arithmetic_dataset, tmp_path, caplog):
     """GRPOTrainer warns and trains on; with a KL term the step still moves the model, as in GRPO."""
     args = TOPRConfig(**small_config_kwargs(tmp_path, max_steps=2, beta=0.04))
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=none_reward, train_dataset=arithmetic_dataset,
-                          args=args)
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=none_reward, train_dataset=arithmetic_dataset, args=args)
     with caplog.at_level(logging.WARNING):
         trainer.train()
     assert trainer.state.global_step == 2
@@ -378,10 +498,10 @@ def test_unscored_steps_train_on_by_default_as_grpo_does(tiny_model_path, arithm
 
 def test_unscored_steps_can_be_skipped_with_one_warning(tiny_model_path, arithmetic_dataset, tmp_path, caplog):
     """Skipped means skipped: with an entropy bonus and a KL term the step would otherwise still move the model."""
-    args = TOPRConfig(**small_config_kwargs(tmp_path, topr_unscored_batch="skip", max_steps=3, beta=0.04,
-                                            entropy_coef=0.05))
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=none_reward, train_dataset=arithmetic_dataset,
-                          args=args)
+    args = TOPRConfig(
+        **small_config_kwargs(tmp_path, topr_unscored_batch="skip", max_steps=3, beta=0.04, entropy_coef=0.05)
+    )
+    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=none_reward, train_dataset=arithmetic_dataset, args=args)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     with caplog.at_level(logging.WARNING, logger="topr_trl.trainer"):
         trainer.train()
@@ -393,13 +513,23 @@ def test_unscored_steps_can_be_skipped_with_one_warning(tiny_model_path, arithme
 
 
 def test_generation_refuses_a_reward_function_returning_a_scalar(behaviour_model_path, arithmetic_dataset, tmp_path):
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(behaviour_model_path), AutoTokenizer.from_pretrained(
-        behaviour_model_path)
+    model, tokenizer = (
+        AutoModelForCausalLM.from_pretrained(behaviour_model_path),
+        AutoTokenizer.from_pretrained(behaviour_model_path),
+    )
 
     def scalar_reward(completions, **kwargs):
         return 0.0
 
     with pytest.raises(TypeError, match="Reward function 'scalar_reward' returned float"):
-        generate_offline_dataset(model, tokenizer, arithmetic_dataset.select(range(1)), scalar_reward, tmp_path,
-                                 num_completions=2, max_new_tokens=2, show_progress=False)
+        generate_offline_dataset(
+            model,
+            tokenizer,
+            arithmetic_dataset.select(range(1)),
+            scalar_reward,
+            tmp_path,
+            num_completions=2,
+            max_new_tokens=2,
+            show_progress=False,
+        )
     assert not list(tmp_path.glob("shard-*"))

@@ -42,7 +42,7 @@ def test_every_generated_table_and_claim_is_on_a_page():
 def altered(text: str) -> str:
     """`text` with its last digit changed (a number misquoted by one in its last place)."""
     index = max(match.start() for match in re.finditer(r"\d", text))
-    return text[:index] + str((int(text[index]) + 1) % 10) + text[index + 1:]
+    return text[:index] + str((int(text[index]) + 1) % 10) + text[index + 1 :]
 
 
 @pytest.mark.parametrize("name", ["sample-efficiency", "figure7", "async-server", "loss-speed"])

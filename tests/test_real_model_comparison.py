@@ -14,21 +14,52 @@ from experiments import real_model_comparison as comparison
 def run(part: str, method: str, seed: int, late: tuple[float, float], weights: list[float] | None = None) -> dict:
     """A run whose curve has a start, a mid checkpoint and two late checkpoints (steps 28 and 32 of 32)."""
     points = [(0, 0.25), (16, 0.9), (28, late[0]), (32, late[1])]
-    curve = [{"step": step, "pass@1": value, "greedy_accuracy": value / 2, "mean_completion_tokens": 30.0,
-              "truncated_rate": 0.1} for step, value in points]
-    return {"part": part, "method": method, "seed": seed, "measure": "sampled pass@1", "seconds": 100.0 + seed,
-            "options": {"steps": 32, "prompts": 12, "epochs": 3.0, "batch_size": 8, "num_generations": 8,
-                        "learning_rate": 3e-5, "top_k": 500, "eval_prompts": 48, "eval_samples": 4,
-                        "checkpoints": [0.5, 0.875, 1.0], "eval_split": "heldout", "eval_draw": "per_seed"},
-            "curve": curve,
-            "negative_weights": [{"step": i + 1, "weight_negative": w, "negative_truncated_fraction": 0.0}
-                                 for i, w in enumerate(weights or [])]}
+    curve = [
+        {
+            "step": step,
+            "pass@1": value,
+            "greedy_accuracy": value / 2,
+            "mean_completion_tokens": 30.0,
+            "truncated_rate": 0.1,
+        }
+        for step, value in points
+    ]
+    return {
+        "part": part,
+        "method": method,
+        "seed": seed,
+        "measure": "sampled pass@1",
+        "seconds": 100.0 + seed,
+        "options": {
+            "steps": 32,
+            "prompts": 12,
+            "epochs": 3.0,
+            "batch_size": 8,
+            "num_generations": 8,
+            "learning_rate": 3e-5,
+            "top_k": 500,
+            "eval_prompts": 48,
+            "eval_samples": 4,
+            "checkpoints": [0.5, 0.875, 1.0],
+            "eval_split": "heldout",
+            "eval_draw": "per_seed",
+        },
+        "curve": curve,
+        "negative_weights": [
+            {"step": i + 1, "weight_negative": w, "negative_truncated_fraction": 0.0}
+            for i, w in enumerate(weights or [])
+        ],
+    }
 
 
 def test_the_summary_is_the_late_mean_and_the_paired_difference_by_seed():
-    runs = [run("off_policy", "topr", 0, (0.5, 0.7), [1.0, 0.5]), run("off_policy", "topr", 1, (0.4, 0.4), [0.2, 0.4]),
-            run("off_policy", "tis", 0, (0.3, 0.3), [1.0, 1.0]), run("off_policy", "tis", 1, (0.6, 0.4)),
-            run("off_policy", "ppo", 0, (0.1, 0.1))]
+    runs = [
+        run("off_policy", "topr", 0, (0.5, 0.7), [1.0, 0.5]),
+        run("off_policy", "topr", 1, (0.4, 0.4), [0.2, 0.4]),
+        run("off_policy", "tis", 0, (0.3, 0.3), [1.0, 1.0]),
+        run("off_policy", "tis", 1, (0.6, 0.4)),
+        run("off_policy", "ppo", 0, (0.1, 0.1)),
+    ]
     summary = comparison.summarise("off_policy", runs)
     # the late value averages the checkpoints after 3/4 of the steps (28 and 32), not the mid one (16)
     assert summary["late"]["topr"]["pass@1"]["values"] == pytest.approx([0.6, 0.4])
@@ -37,7 +68,7 @@ def test_the_summary_is_the_late_mean_and_the_paired_difference_by_seed():
     differences = [0.3, -0.1]
     paired = summary["paired"]["topr-tis"]["pass@1"]
     assert paired["mean"] == pytest.approx(0.1)
-    assert paired["ci95"] == pytest.approx(12.71 * statistics.stdev(differences) / 2 ** 0.5)
+    assert paired["ci95"] == pytest.approx(12.71 * statistics.stdev(differences) / 2**0.5)
     # TOPR - PPO has one shared seed only
     assert summary["paired"]["topr-ppo"]["pass@1"]["seeds"] == [0]
     assert summary["paired"]["topr-ppo"]["pass@1"]["mean"] == pytest.approx(0.5)
@@ -52,8 +83,20 @@ def test_the_summary_is_the_late_mean_and_the_paired_difference_by_seed():
 def test_a_rerun_skips_the_runs_on_disk(tmp_path, capsys, monkeypatch):
     runs = tmp_path / "runs"
     runs.mkdir()
-    options = comparison.parse(["--part", "online", "--seeds", "3", "--runs", str(runs), "--methods", "topr",
-                                "--work_dir", str(tmp_path / "work")])
+    options = comparison.parse(
+        [
+            "--part",
+            "online",
+            "--seeds",
+            "3",
+            "--runs",
+            str(runs),
+            "--methods",
+            "topr",
+            "--work_dir",
+            str(tmp_path / "work"),
+        ]
+    )
     record = run("online", "topr", 3, (0.5, 0.5))
     comparison.run_file(options, "topr", 3).write_text(json.dumps(record))
     (runs / "start-seed3.json").write_text(json.dumps(record["curve"][0]))

@@ -71,8 +71,16 @@ def test_round_trip_correct_dropped_carry_and_broken_format():
             assert diagnose(wrong, a, b) == {"class": INCORRECT, "errors": {"dropped_carry"}, "kind": PLANTED}
 
     right, dropped = write_solution(4587, 2896), write_solution(4587, 2896, dropped=[2])
-    broken = [right[:-1] + "x", right.split("|=")[0], right + " 7", "7483", "", right.replace("+1=", "+2="),
-              right.replace("=13", "=3"), "=7483"]
+    broken = [
+        right[:-1] + "x",
+        right.split("|=")[0],
+        right + " 7",
+        "7483",
+        "",
+        right.replace("+1=", "+2="),
+        right.replace("=13", "=3"),
+        "=7483",
+    ]
     completions = [right, _as_message(right), dropped, *broken]
     assert reasoning_reward(completions, ["7483"] * len(completions)) == [1.0, 1.0] + [-1.0] * (1 + len(broken))
     assert [reasoning_classify(text, "7483") for text in broken] == [INVALID] * len(broken)
@@ -94,14 +102,18 @@ def test_diagnose_tells_other_errors_from_the_planted_one():
 def test_planted_error_rate_at_one_position(error_rate):
     """Position 1 receives a carry exactly when the units digits sum to 10 or more, whatever else happens."""
     data = make_warm_start_dataset(3000, digits=3, error_rate=error_rate, error_positions=(1,), seed=1)
-    carried = [(int(p[0]["content"].split("+")[0]) % 10 + int(p[0]["content"].split("+")[1][:-1]) % 10) >= 10
-               for p in data["prompt"]]
+    carried = [
+        (int(p[0]["content"].split("+")[0]) % 10 + int(p[0]["content"].split("+")[1][:-1]) % 10) >= 10
+        for p in data["prompt"]
+    ]
     dropped = [bool(d) for d in data["dropped"]]
     assert all(d == [1] for d in data["dropped"] if d)
     assert not any(d and not c for d, c in zip(dropped, carried, strict=False))
     rate = sum(dropped) / sum(carried)
     assert abs(rate - error_rate) < 0.05, rate
-    for text, answer, positions, prompt in zip(data["solution"], data["answer"], data["dropped"], data["prompt"], strict=False):
+    for text, answer, positions, prompt in zip(
+        data["solution"], data["answer"], data["dropped"], data["prompt"], strict=False
+    ):
         assert (parse_solution(text).answer == answer) == (not positions)
         assert diagnose(text, *parse_problem(prompt))["kind"] == (PLANTED if positions else "correct")
 
@@ -161,8 +173,20 @@ def test_split_sizes_and_errors():
 
 def test_cache_path_changes_with_every_setting():
     base = WarmStartSettings()
-    changed = dict(digits=4, error_rate=0.5, error_positions=(1,), num_examples=1000, steps=10, batch_size=8,
-                   learning_rate=1e-3, hidden_size=32, num_layers=3, seed=1, device="cuda", spurious_carry_rate=0.1)
+    changed = dict(
+        digits=4,
+        error_rate=0.5,
+        error_positions=(1,),
+        num_examples=1000,
+        steps=10,
+        batch_size=8,
+        learning_rate=1e-3,
+        hidden_size=32,
+        num_layers=3,
+        seed=1,
+        device="cuda",
+        spurious_carry_rate=0.1,
+    )
     assert set(changed) == {f.name for f in dataclasses.fields(WarmStartSettings)}
     paths = {warm_model_path("cache", base)}
     for name, value in changed.items():
@@ -172,14 +196,22 @@ def test_cache_path_changes_with_every_setting():
     # the format version is part of the key
     assert base.to_dict()["format_version"] == reasoning.FORMAT_VERSION
     # positions are normalised, so the same setting gives the same path
-    assert warm_model_path("c", WarmStartSettings(error_positions=[2, 1, 2])) == \
-        warm_model_path("c", WarmStartSettings(error_positions=(1, 2)))
+    assert warm_model_path("c", WarmStartSettings(error_positions=[2, 1, 2])) == warm_model_path(
+        "c", WarmStartSettings(error_positions=(1, 2))
+    )
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(digits=1), "digits"), (dict(error_rate=-0.1), "error_rate"), (dict(error_positions=(0,)), "error_positions"),
-    (dict(error_positions=(4,)), "error_positions"), (dict(steps=0), "steps"), (dict(learning_rate=0.0), "learning"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(digits=1), "digits"),
+        (dict(error_rate=-0.1), "error_rate"),
+        (dict(error_positions=(0,)), "error_positions"),
+        (dict(error_positions=(4,)), "error_positions"),
+        (dict(steps=0), "steps"),
+        (dict(learning_rate=0.0), "learning"),
+    ],
+)
 def test_settings_are_validated(bad, message):
     with pytest.raises(ValueError, match=message):
         WarmStartSettings(**bad)
@@ -209,8 +241,9 @@ def test_evaluate_model_and_measure_score_the_task(tmp_path):
     """The project's evaluation scores the task; a 2-step warm start writes no valid solution yet."""
     model, tokenizer, _ = build_reasoning_warm_model(tmp_path, **TINY)
     held_out = make_reasoning_dataset(6, digits=2, split="heldout")
-    result = evaluate_model(model, tokenizer, held_out, reasoning_classify, k=2, max_new_tokens=8,
-                            show_progress=False, num_bootstrap=5)
+    result = evaluate_model(
+        model, tokenizer, held_out, reasoning_classify, k=2, max_new_tokens=8, show_progress=False, num_bootstrap=5
+    )
     assert result.num_prompts == 6 and result.invalid_rate == 1.0 and result.pass_at_1 == 0.0
     report = measure_base_model(model, tokenizer, held_out, num_samples=2)
     assert report["pass@1"] == 0.0 and report["invalid_rate"] == 1.0 and report["greedy_accuracy"] == 0.0
@@ -257,8 +290,10 @@ def test_default_built_in_models_are_the_shipped_weights_on_every_machine(tmp_pa
     from topr_trl.tasks.loading import builtin_model
     from topr_trl.tasks.tiny import PREBUILT_DIR, machine_key
 
-    for task, options in (("reasoning", TaskArguments(task_digits=3, base_model_dir=str(tmp_path / "r"))),
-                          ("arithmetic", TaskArguments(base_model_dir=str(tmp_path / "a")))):
+    for task, options in (
+        ("reasoning", TaskArguments(task_digits=3, base_model_dir=str(tmp_path / "r"))),
+        ("arithmetic", TaskArguments(base_model_dir=str(tmp_path / "a"))),
+    ):
         folder = Path(builtin_model(task, options, seed=0))
         shipped = PREBUILT_DIR / folder.name
         assert machine_key() not in folder.name
@@ -272,8 +307,9 @@ def test_the_second_planted_error_writes_a_carry_where_none_arrives():
     spurious_rate = 0.3
     data = make_warm_start_dataset(2000, digits=3, error_rate=0.0, seed=3, spurious_carry_rate=spurious_rate)
     arrivals = added_total = 0
-    for text, prompt, added, dropped in zip(data["solution"], data["prompt"], data["added"], data["dropped"],
-                                            strict=True):
+    for text, prompt, added, dropped in zip(
+        data["solution"], data["prompt"], data["added"], data["dropped"], strict=True
+    ):
         a, b = parse_problem(prompt)
         assert dropped == [] and text == write_solution(a, b, added=added)
         # each added carry makes the answer too large by that power of ten (the steps after follow from it)

@@ -344,5 +344,3 @@ def test_math_verify_works_outside_the_main_thread():
     with ThreadPoolExecutor(max_workers=1) as pool:
         assert pool.submit(math_answers_equal, "2\\sqrt{2}", "\\sqrt{8}").result()
         assert not pool.submit(math_answers_equal, "\\sqrt{2}", "2").result()
-
-

@@ -15,8 +15,12 @@ COUNTS = dict(steps=5, batch_size=32, num_generations=8, prompts=10, iterations=
 
 
 def point(completions, seconds, pass_at_1, step=None):
-    return {"completions": completions, "seconds": seconds, "pass@1": pass_at_1,
-            **({} if step is None else {"step": step})}
+    return {
+        "completions": completions,
+        "seconds": seconds,
+        "pass@1": pass_at_1,
+        **({} if step is None else {"step": step}),
+    }
 
 
 def test_first_reaching_takes_the_first_point_at_or_above_the_target():
@@ -29,23 +33,56 @@ def test_first_reaching_takes_the_first_point_at_or_above_the_target():
 
 def test_summary_reports_per_seed_reach_and_never():
     runs = {
-        "grpo/seed0": {"method": "grpo", "seed": 0, "target": 0.7, "completions": 300, "seconds": 6.0, "steps": 4,
-                       "curve": [point(0, 0, 0.6, 0), point(150, 3, 0.65, 2), point(300, 6, 0.7, 4)]},
-        "grpo/seed1": {"method": "grpo", "seed": 1, "target": 0.8, "completions": 300, "seconds": 7.0, "steps": 4,
-                       "curve": [point(0, 0, 0.6, 0), point(150, 3, 0.85, 2), point(300, 7, 0.8, 4)]},
+        "grpo/seed0": {
+            "method": "grpo",
+            "seed": 0,
+            "target": 0.7,
+            "completions": 300,
+            "seconds": 6.0,
+            "steps": 4,
+            "curve": [point(0, 0, 0.6, 0), point(150, 3, 0.65, 2), point(300, 6, 0.7, 4)],
+        },
+        "grpo/seed1": {
+            "method": "grpo",
+            "seed": 1,
+            "target": 0.8,
+            "completions": 300,
+            "seconds": 7.0,
+            "steps": 4,
+            "curve": [point(0, 0, 0.6, 0), point(150, 3, 0.85, 2), point(300, 7, 0.8, 4)],
+        },
         # an offline run's curve: the base model, the base model after the generation (no step yet), then steps
-        "topr_offline_k2/seed0": {"method": "topr_offline_k2", "seed": 0, "target": 0.7, "completions": 80,
-                                  "seconds": 2.0, "steps": 2,
-                                  "curve": [point(0, 0, 0.6), point(80, 0.5, 0.6), point(80, 1, 0.72, 1),
-                                            point(80, 2, 0.74, 2)]},
-        "topr_offline_k2/seed1": {"method": "topr_offline_k2", "seed": 1, "target": 0.8, "completions": 80,
-                                  "seconds": 2.0, "steps": 2,
-                                  "curve": [point(0, 0, 0.6), point(80, 0.5, 0.6), point(80, 1, 0.7, 1),
-                                            point(80, 2, 0.75, 2)]},
-        "topr_iterated/seed0": {"method": "topr_iterated", "seed": 0, "target": 0.7, "completions": 160,
-                                "seconds": 3.0, "steps": [1, 2],
-                                "curve": [point(0, 0, 0.6, 0), {**point(80, 2, 0.7), "iteration": 1},
-                                          {**point(160, 3, 0.9), "iteration": 2}]},
+        "topr_offline_k2/seed0": {
+            "method": "topr_offline_k2",
+            "seed": 0,
+            "target": 0.7,
+            "completions": 80,
+            "seconds": 2.0,
+            "steps": 2,
+            "curve": [point(0, 0, 0.6), point(80, 0.5, 0.6), point(80, 1, 0.72, 1), point(80, 2, 0.74, 2)],
+        },
+        "topr_offline_k2/seed1": {
+            "method": "topr_offline_k2",
+            "seed": 1,
+            "target": 0.8,
+            "completions": 80,
+            "seconds": 2.0,
+            "steps": 2,
+            "curve": [point(0, 0, 0.6), point(80, 0.5, 0.6), point(80, 1, 0.7, 1), point(80, 2, 0.75, 2)],
+        },
+        "topr_iterated/seed0": {
+            "method": "topr_iterated",
+            "seed": 0,
+            "target": 0.7,
+            "completions": 160,
+            "seconds": 3.0,
+            "steps": [1, 2],
+            "curve": [
+                point(0, 0, 0.6, 0),
+                {**point(80, 2, 0.7), "iteration": 1},
+                {**point(160, 3, 0.9), "iteration": 2},
+            ],
+        },
     }
     summary = sample_efficiency.summarise(runs, ["grpo", "topr_offline_k2", "topr_iterated", "sft_offline_k2"])
     assert summary["grpo"]["completions_to_target"] == [300, 150]
@@ -70,12 +107,26 @@ def test_summary_reports_per_seed_reach_and_never():
 
 def test_a_reuse_control_is_compared_with_topr_at_the_same_passes():
     def offline(method, seed, late):
-        return {"method": method, "seed": seed, "target": 0.5, "completions": 80, "seconds": 1.0, "steps": 4,
-                "curve": [point(0, 0, 0.6, 0), point(80, 1, late, 4)]}
+        return {
+            "method": method,
+            "seed": seed,
+            "target": 0.5,
+            "completions": 80,
+            "seconds": 1.0,
+            "steps": 4,
+            "curve": [point(0, 0, 0.6, 0), point(80, 1, late, 4)],
+        }
 
-    runs = {f"{m}/seed{s}": offline(m, s, late) for m, s, late in [
-        ("topr_offline_k4", 0, 0.9), ("topr_offline_k4", 1, 0.8), ("sft_offline_k4", 0, 0.85),
-        ("sft_offline_k4", 1, 0.82), ("ppo_offline_k2", 0, 0.5)]}
+    runs = {
+        f"{m}/seed{s}": offline(m, s, late)
+        for m, s, late in [
+            ("topr_offline_k4", 0, 0.9),
+            ("topr_offline_k4", 1, 0.8),
+            ("sft_offline_k4", 0, 0.85),
+            ("sft_offline_k4", 1, 0.82),
+            ("ppo_offline_k2", 0, 0.5),
+        ]
+    }
     summary = sample_efficiency.summarise(runs, ["topr_offline_k4", "sft_offline_k4", "ppo_offline_k2"])
     assert summary["sft_offline_k4"]["topr_minus_this"]["values"] == pytest.approx([0.05, -0.02])
     assert summary["ppo_offline_k2"]["topr_minus_this"] is None  # no TOPR run with 2 passes
@@ -104,19 +155,24 @@ def test_method_names_add_each_control_at_the_largest_number_of_passes():
 
 def test_options_are_checked(capsys):
     assert "unknown methods ['topr_offline_k3']" in script_refusal(
-        sample_efficiency.main, ["--methods", "topr_offline_k3", "--offline_epochs", "1", "2"], capsys)
+        sample_efficiency.main, ["--methods", "topr_offline_k3", "--offline_epochs", "1", "2"], capsys
+    )
     assert "--batch_size must be a multiple of --num_generations" in script_refusal(
-        sample_efficiency.main, ["--batch_size", "12", "--num_generations", "8"], capsys)
+        sample_efficiency.main, ["--batch_size", "12", "--num_generations", "8"], capsys
+    )
     for rates in (["grpo"], ["gpro=1e-4"], ["grpo=-1"]):
         assert "each must be METHOD=RATE" in script_refusal(
-            sample_efficiency.main, ["--method_learning_rates", *rates], capsys)
+            sample_efficiency.main, ["--method_learning_rates", *rates], capsys
+        )
     assert "expected METHOD=RATE" in script_refusal(
-        sample_efficiency.main, ["--method_learning_rates", "grpo=fast"], capsys)
+        sample_efficiency.main, ["--method_learning_rates", "grpo=fast"], capsys
+    )
 
 
 def test_a_method_trains_at_its_own_learning_rate(tmp_path):
-    options = SimpleNamespace(batch_size=32, num_generations=8, digits=3, learning_rate=3e-4,
-                              method_learning_rates={"grpo": 1e-4})
+    options = SimpleNamespace(
+        batch_size=32, num_generations=8, digits=3, learning_rate=3e-4, method_learning_rates={"grpo": 1e-4}
+    )
     assert sample_efficiency.method_config("grpo", options, 0, tmp_path)["learning_rate"] == 1e-4
     assert sample_efficiency.method_config("topr_online", options, 0, tmp_path)["learning_rate"] == 3e-4
 
@@ -130,10 +186,14 @@ def test_smoke_run_counts_completions_and_beats_the_base_model(evidence_work_dir
     options = results["options"]
     counts = {name: options[name] for name in COUNTS}
     assert results["threads"]["torch"] == 1
-    assert set(results["summary"]) == set(sample_efficiency.method_names(options["offline_epochs"],
-                                                                          options["controls"]))
-    assert {run["loss_type"] for run in results["runs"].values() if run["method"].endswith("_offline_k4")} == \
-        {"topr", "sft", "ppo"}
+    assert set(results["summary"]) == set(
+        sample_efficiency.method_names(options["offline_epochs"], options["controls"])
+    )
+    assert {run["loss_type"] for run in results["runs"].values() if run["method"].endswith("_offline_k4")} == {
+        "topr",
+        "sft",
+        "ppo",
+    }
     for run in results["runs"].values():
         curve = run["curve"]
         completions = [p["completions"] for p in curve]
@@ -157,10 +217,26 @@ def test_smoke_run_counts_completions_and_beats_the_base_model(evidence_work_dir
 
 
 def test_resummarise_adds_the_current_summary_to_a_finished_run(tmp_path):
-    runs = {"topr_offline_k4/seed0": {"method": "topr_offline_k4", "seed": 0, "target": 0.5, "completions": 80,
-                                      "seconds": 1.0, "steps": 4, "curve": [point(0, 0, 0.6, 0), point(80, 1, 0.9, 4)]},
-            "sft_offline_k4/seed0": {"method": "sft_offline_k4", "seed": 0, "target": 0.5, "completions": 80,
-                                     "seconds": 1.0, "steps": 4, "curve": [point(0, 0, 0.6, 0), point(80, 1, 0.8, 4)]}}
+    runs = {
+        "topr_offline_k4/seed0": {
+            "method": "topr_offline_k4",
+            "seed": 0,
+            "target": 0.5,
+            "completions": 80,
+            "seconds": 1.0,
+            "steps": 4,
+            "curve": [point(0, 0, 0.6, 0), point(80, 1, 0.9, 4)],
+        },
+        "sft_offline_k4/seed0": {
+            "method": "sft_offline_k4",
+            "seed": 0,
+            "target": 0.5,
+            "completions": 80,
+            "seconds": 1.0,
+            "steps": 4,
+            "curve": [point(0, 0, 0.6, 0), point(80, 1, 0.8, 4)],
+        },
+    }
     path = tmp_path / "old.json"
     for run in runs.values():
         for checkpoint in run["curve"]:

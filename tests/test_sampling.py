@@ -37,6 +37,7 @@ def test_stop_token_is_kept_and_what_follows_is_dropped(tiny_model_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     prompt_ids = tokenize_prompts(tokenizer, ["1+1=", "22+3="])
-    rows = generate_completions(model, tokenizer, prompt_ids, max_new_tokens=4, do_sample=True,
-                                stop_token_ids=list(range(len(tokenizer))))
+    rows = generate_completions(
+        model, tokenizer, prompt_ids, max_new_tokens=4, do_sample=True, stop_token_ids=list(range(len(tokenizer)))
+    )
     assert all(len(row["completion_ids"]) == 1 and row["stopped"] for row in rows)

@@ -52,26 +52,48 @@ def test_largest_tolerated_lag_stops_at_the_first_degradation():
 def test_run_averages_take_the_logged_statistics_over_steps_leaving_out_nan():
     history = [
         {"step": 1, "loss": 0.3, "topr/ratio_negative/min": 1.0, "topr/negative_truncated_fraction": 0.0},
-        {"step": 2, "loss": 0.2, "topr/ratio_negative/min": 0.5, "topr/negative_truncated_fraction": 0.2,
-         "clip_ratio/region_mean": 0.1},
+        {
+            "step": 2,
+            "loss": 0.2,
+            "topr/ratio_negative/min": 0.5,
+            "topr/negative_truncated_fraction": 0.2,
+            "clip_ratio/region_mean": 0.1,
+        },
         {"step": 3, "topr/ratio_negative/min": float("nan"), "topr/negative_truncated_fraction": 0.4},
         {"train_runtime": 9.0, "train_loss": 0.25},  # the final summary entry has none of them
     ]
     averages = staleness.run_averages(history)
-    assert averages == {"clip_ratio/region_mean": pytest.approx(0.1), "topr/negative_truncated_fraction":
-                        pytest.approx(0.2), "topr/ratio_negative/min": pytest.approx(0.75)}
+    assert averages == {
+        "clip_ratio/region_mean": pytest.approx(0.1),
+        "topr/negative_truncated_fraction": pytest.approx(0.2),
+        "topr/ratio_negative/min": pytest.approx(0.75),
+    }
 
 
 def run(method, lag, seed, pass_at_1, se=0.02):
-    return {"method": method, "lag": lag, "seed": seed, "completions": 32 // lag, "seconds": 1.0,
-            "logged": {"topr/ratio_negative/min": 1.0 / lag}, "curve": [{"pass@1": pass_at_1,
-                                                                            "pass@1_problem_se": se}]}
+    return {
+        "method": method,
+        "lag": lag,
+        "seed": seed,
+        "completions": 32 // lag,
+        "seconds": 1.0,
+        "logged": {"topr/ratio_negative/min": 1.0 / lag},
+        "curve": [{"pass@1": pass_at_1, "pass@1_problem_se": se}],
+    }
 
 
 def test_summary_uses_seed_cis_or_the_problem_se_for_one_seed():
-    runs = {f"{m}/k{k}/seed{s}": run(m, k, s, p) for m, k, s, p in [
-        ("topr", 1, 0, 0.70), ("topr", 1, 1, 0.74), ("topr", 4, 0, 0.40), ("topr", 4, 1, 0.42),
-        ("grpo_clip", 1, 0, 0.70), ("grpo_clip", 4, 0, 0.67)]}
+    runs = {
+        f"{m}/k{k}/seed{s}": run(m, k, s, p)
+        for m, k, s, p in [
+            ("topr", 1, 0, 0.70),
+            ("topr", 1, 1, 0.74),
+            ("topr", 4, 0, 0.40),
+            ("topr", 4, 1, 0.42),
+            ("grpo_clip", 1, 0, 0.70),
+            ("grpo_clip", 4, 0, 0.67),
+        ]
+    }
     summary = staleness.summarise(runs, staleness.METHODS, [1, 4, 16])
     topr = summary["topr"]
     assert set(topr["lags"]) == {1, 4}  # K = 16 not run: no row
@@ -85,18 +107,23 @@ def test_summary_uses_seed_cis_or_the_problem_se_for_one_seed():
 
 
 def test_options_are_checked(capsys):
-    refused = [script_refusal(staleness.main, argv, capsys) for argv in (
-        ["--lags", "4", "16"],  # no on-policy reference
-        ["--batch_size", "12", "--num_generations", "8"],
-        ["--methods", "ppo"],
-        ["--lag_via", "steps_per_generation", "--reuse_spacing", "4"],
-        ["--reuse_spacing", "0"],
-    )]
+    refused = [
+        script_refusal(staleness.main, argv, capsys)
+        for argv in (
+            ["--lags", "4", "16"],  # no on-policy reference
+            ["--batch_size", "12", "--num_generations", "8"],
+            ["--methods", "ppo"],
+            ["--lag_via", "steps_per_generation", "--reuse_spacing", "4"],
+            ["--reuse_spacing", "0"],
+        )
+    ]
     assert "--lags must be >= 1 and include 1" in refused[0]
     assert "--batch_size must be a multiple of --num_generations" in refused[1]
     assert "argument --methods: invalid choice: 'ppo'" in refused[2]
-    assert all("--reuse_spacing must be >= 1, and above 1 only with --lag_via num_iterations" in message
-               for message in refused[3:])
+    assert all(
+        "--reuse_spacing must be >= 1, and above 1 only with --lag_via num_iterations" in message
+        for message in refused[3:]
+    )
 
 
 @pytest.mark.slow
@@ -108,12 +135,17 @@ def test_smoke_run_has_every_method_and_lag_with_the_formulas_completions(eviden
     options = results["options"]
     assert results["threads"]["torch"] == 1
     runs = results["runs"]
-    assert {(r["method"], r["lag"]) for r in runs.values()} == {(m, k) for m in staleness.METHODS
-                                                                for k in options["lags"]}
+    assert {(r["method"], r["lag"]) for r in runs.values()} == {
+        (m, k) for m in staleness.METHODS for k in options["lags"]
+    }
     for run_ in runs.values():
-        expected = staleness.expected_completions(run_["lag"], steps=options["steps"],
-                                                  batch_size=options["batch_size"], lag_via=options["lag_via"],
-                                                  reuse_spacing=options["reuse_spacing"])
+        expected = staleness.expected_completions(
+            run_["lag"],
+            steps=options["steps"],
+            batch_size=options["batch_size"],
+            lag_via=options["lag_via"],
+            reuse_spacing=options["reuse_spacing"],
+        )
         assert run_["completions"] == run_["expected_completions"] == expected
         assert run_["steps"] == options["steps"]
         assert run_["num_iterations"] == run_["lag"]
@@ -121,7 +153,8 @@ def test_smoke_run_has_every_method_and_lag_with_the_formulas_completions(eviden
     # on-policy (K = 1) TOPR's and PPO-clip's gradients coincide: the same final pass@1 (equal to the last digit in
     # every full run so far)
     assert runs["topr/k1/seed0"]["curve"][-1]["pass@1"] == pytest.approx(
-        runs["grpo_clip/k1/seed0"]["curve"][-1]["pass@1"], abs=0.02)
+        runs["grpo_clip/k1/seed0"]["curve"][-1]["pass@1"], abs=0.02
+    )
     assert "topr/negative_truncated_fraction" in runs["topr/k4/seed0"]["logged"]
     assert set(results["summary"]) == set(staleness.METHODS)
     assert output.with_suffix(".png").exists()
@@ -129,12 +162,25 @@ def test_smoke_run_has_every_method_and_lag_with_the_formulas_completions(eviden
 
 def test_paired_comparisons_take_the_late_pass_at_1_per_seed():
     def curved(method, lag, seed, late):
-        return {"method": method, "lag": lag, "seed": seed,
-                "curve": [{"step": 0, "pass@1": 0.6}, {"step": 32, "pass@1": 0.1}, {"step": 64, "pass@1": late}]}
+        return {
+            "method": method,
+            "lag": lag,
+            "seed": seed,
+            "curve": [{"step": 0, "pass@1": 0.6}, {"step": 32, "pass@1": 0.1}, {"step": 64, "pass@1": late}],
+        }
 
-    runs = {f"{m}/k{k}/seed{s}": curved(m, k, s, late) for m, k, s, late in [
-        ("topr", 1, 0, 0.80), ("topr", 1, 1, 0.82), ("topr", 4, 0, 0.70), ("topr", 4, 1, 0.76),
-        ("grpo_clip", 1, 0, 0.80), ("grpo_clip", 4, 0, 0.50), ("grpo_clip", 4, 1, 0.56)]}
+    runs = {
+        f"{m}/k{k}/seed{s}": curved(m, k, s, late)
+        for m, k, s, late in [
+            ("topr", 1, 0, 0.80),
+            ("topr", 1, 1, 0.82),
+            ("topr", 4, 0, 0.70),
+            ("topr", 4, 1, 0.76),
+            ("grpo_clip", 1, 0, 0.80),
+            ("grpo_clip", 4, 0, 0.50),
+            ("grpo_clip", 4, 1, 0.56),
+        ]
+    }
     paired = staleness.paired_comparisons(runs, staleness.METHODS, [1, 4, 16])
     # the last quarter of 64 steps is the final checkpoint: the dip at step 32 does not count
     assert paired["topr/k4-k1"]["values"] == pytest.approx([-0.10, -0.06])
@@ -145,12 +191,27 @@ def test_paired_comparisons_take_the_late_pass_at_1_per_seed():
 
 
 def test_resummarise_recomputes_a_finished_runs_json(tmp_path):
-    runs = {f"{m}/k{k}/seed{s}": {**run(m, k, s, p), "curve": [{"step": 0, "pass@1": 0.6, "pass@1_problem_se": 0.02},
-                                                              {"step": 64, "pass@1": p, "pass@1_problem_se": 0.02}]}
-            for m, k, s, p in [("topr", 1, 0, 0.8), ("topr", 4, 0, 0.7), ("topr", 1, 1, 0.9), ("topr", 4, 1, 0.6)]}
+    runs = {
+        f"{m}/k{k}/seed{s}": {
+            **run(m, k, s, p),
+            "curve": [
+                {"step": 0, "pass@1": 0.6, "pass@1_problem_se": 0.02},
+                {"step": 64, "pass@1": p, "pass@1_problem_se": 0.02},
+            ],
+        }
+        for m, k, s, p in [("topr", 1, 0, 0.8), ("topr", 4, 0, 0.7), ("topr", 1, 1, 0.9), ("topr", 4, 1, 0.6)]
+    }
     path = tmp_path / "old.json"
-    path.write_text(json.dumps({"runs": runs, "base": {"pass@1": 0.6}, "summary": {},
-                                "options": {"seeds": [0, 1], "lags": [1, 4], "lag_via": "num_iterations"}}))
+    path.write_text(
+        json.dumps(
+            {
+                "runs": runs,
+                "base": {"pass@1": 0.6},
+                "summary": {},
+                "options": {"seeds": [0, 1], "lags": [1, 4], "lag_via": "num_iterations"},
+            }
+        )
+    )
     staleness.main(["--resummarise", str(path)])
     rewritten = json.loads(path.read_text())
     assert rewritten["paired"]["topr/k4-k1"]["values"] == pytest.approx([-0.1, -0.3])

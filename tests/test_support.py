@@ -46,8 +46,11 @@ def head_logits(owner: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return project(hidden).float()
 
 
-WARPERS = {"top_k": lambda s: TopKLogitsWarper(s.top_k), "top_p": lambda s: TopPLogitsWarper(s.top_p),
-           "min_p": lambda s: MinPLogitsWarper(s.min_p)}
+WARPERS = {
+    "top_k": lambda s: TopKLogitsWarper(s.top_k),
+    "top_p": lambda s: TopPLogitsWarper(s.top_p),
+    "min_p": lambda s: MinPLogitsWarper(s.min_p),
+}
 
 
 def transformers_support(logits: torch.Tensor, processing: SamplerProcessing) -> torch.Tensor:
@@ -60,9 +63,17 @@ def transformers_support(logits: torch.Tensor, processing: SamplerProcessing) ->
     return torch.isfinite(scores)
 
 
-@pytest.mark.parametrize("processing", [
-    SamplerProcessing(top_k=3), SamplerProcessing(top_p=0.9), SamplerProcessing(temperature=0.7, top_k=5, top_p=0.8),
-    SamplerProcessing(min_p=0.2), SamplerProcessing(top_k=10, top_p=0.5, min_p=0.1), SamplerProcessing(top_k=1)])
+@pytest.mark.parametrize(
+    "processing",
+    [
+        SamplerProcessing(top_k=3),
+        SamplerProcessing(top_p=0.9),
+        SamplerProcessing(temperature=0.7, top_k=5, top_p=0.8),
+        SamplerProcessing(min_p=0.2),
+        SamplerProcessing(top_k=10, top_p=0.5, min_p=0.1),
+        SamplerProcessing(top_k=1),
+    ],
+)
 def test_the_support_is_the_one_transformers_generation_samples_from(processing):
     """Random logits over 50 tokens (rows of wide and of peaked distributions), plus a row of ties at the k-th value,
     which both engines keep."""
@@ -137,8 +148,9 @@ def test_the_correction_is_the_kept_mass_and_zero_without_truncation():
     # at another temperature T, the correction also carries log softmax(z / T) - log softmax(z)
     warm = SamplerProcessing(temperature=0.5)
     exact = (logits / 0.5).log_softmax(-1) - logits.log_softmax(-1)
-    assert torch.allclose(support_correction(logits, tokens, warm, 1.0), exact.gather(1, tokens.unsqueeze(1))
-                          .squeeze(1), atol=1e-5)
+    assert torch.allclose(
+        support_correction(logits, tokens, warm, 1.0), exact.gather(1, tokens.unsqueeze(1)).squeeze(1), atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen2_tied", "gemma2_softcapped"])
@@ -155,12 +167,30 @@ def test_the_head_is_the_one_trls_fused_log_probs_use(family):
 
     torch.manual_seed(0)
     if family == "qwen2_tied":
-        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+        model = Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=97,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                tie_word_embeddings=True,
+            )
+        )
     else:
-        model = Gemma2ForCausalLM(Gemma2Config(vocab_size=97, hidden_size=32, intermediate_size=64,
-                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                               head_dim=8, final_logit_softcapping=3.0))
+        model = Gemma2ForCausalLM(
+            Gemma2Config(
+                vocab_size=97,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                final_logit_softcapping=3.0,
+            )
+        )
         assert model.config.final_logit_softcapping == 3.0
     add_fused_lm_head(model, temperature=0.7)
     input_ids = torch.randint(0, 97, (3, 9))
@@ -173,8 +203,9 @@ def test_the_head_is_the_one_trls_fused_log_probs_use(family):
     ours = (logits / 0.7).log_softmax(-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(ours, fused, rtol=1e-5, atol=1e-6), (ours - fused).abs().max()
     # and without truncation at the same temperature the processed log-probs are TRL's on every completion token
-    processed = completion_processed_log_probs(owner, hidden[0], input_ids, torch.ones_like(input_ids), 4,
-                                               SamplerProcessing(temperature=0.7))
+    processed = completion_processed_log_probs(
+        owner, hidden[0], input_ids, torch.ones_like(input_ids), 4, SamplerProcessing(temperature=0.7)
+    )
     assert torch.allclose(processed, fused[:, -4:], rtol=1e-5, atol=1e-6)
 
 
@@ -188,8 +219,17 @@ def test_under_autocast_the_head_projects_in_trls_dtype():
     from trl.trainer.utils import add_fused_lm_head
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
+    )
     with torch.no_grad():  # logits of a few units, as a trained model's: bf16 rounds them by up to 2^-8 of that
         model.get_output_embeddings().weight.mul_(50)
     add_fused_lm_head(model, temperature=1.0)
@@ -200,8 +240,9 @@ def test_under_autocast_the_head_projects_in_trls_dtype():
             fused = model(input_ids=input_ids, labels=input_ids.clone(), fused_lm_head=True).log_probs[:, -4:]
     assert captured.head_dtype() == torch.bfloat16 and captured.head_dtype(cast_lm_head_to_fp32=True) == torch.float32
     ones = torch.ones_like(input_ids)
-    ours = completion_processed_log_probs(owner, captured.hidden[0], input_ids, ones, 4, SamplerProcessing(),
-                                          captured.head_dtype())
+    ours = completion_processed_log_probs(
+        owner, captured.hidden[0], input_ids, ones, 4, SamplerProcessing(), captured.head_dtype()
+    )
     float32 = completion_processed_log_probs(owner, captured.hidden[0], input_ids, ones, 4, SamplerProcessing())
     scale = fused.abs().max().item()
     torch.testing.assert_close(ours, fused, **float32_tolerance(fused, roundings=16, scale=scale))
@@ -218,34 +259,53 @@ def truncated_samples(tiny_model_path, arithmetic_dataset, tmp_path_factory):
     for name, sampling in {"top_k": dict(top_k=3), "top_p": dict(top_p=0.9)}.items():
         torch.manual_seed(0)
         datasets[name] = generate_offline_dataset(
-            model, tokenizer, arithmetic_dataset.select(range(4)), parity_reward, tmp_path_factory.mktemp(name),
-            num_completions=4, max_new_tokens=6, prompts_per_shard=4, prompts_per_batch=4, show_progress=False,
-            **sampling)
+            model,
+            tokenizer,
+            arithmetic_dataset.select(range(4)),
+            parity_reward,
+            tmp_path_factory.mktemp(name),
+            num_completions=4,
+            max_new_tokens=6,
+            prompts_per_shard=4,
+            prompts_per_batch=4,
+            show_progress=False,
+            **sampling,
+        )
     return datasets
 
 
 def ratios_at_learning_rate_zero(trainer) -> list[float]:
     trainer.train()
-    return [value for key in ("topr/ratio_positive/min", "topr/ratio_positive/max", "topr/ratio_negative/min",
-                              "topr/ratio_negative/max") for value in logged_values(trainer, key)]
+    return [
+        value
+        for key in (
+            "topr/ratio_positive/min",
+            "topr/ratio_positive/max",
+            "topr/ratio_negative/min",
+            "topr/ratio_negative/max",
+        )
+        for value in logged_values(trainer, key)
+    ]
 
 
 @pytest.mark.parametrize("truncation", ["top_k", "top_p"])
-def test_replayed_truncated_samples_give_a_ratio_of_one_at_learning_rate_zero(truncation, truncated_samples,
-                                                                              tiny_model_path, tmp_path):
+def test_replayed_truncated_samples_give_a_ratio_of_one_at_learning_rate_zero(
+    truncation, truncated_samples, tiny_model_path, tmp_path
+):
     """The rows store how mu sampled (`behaviour_sampling`): pi is scored on that support, so pi/mu = 1 (1e-4) with
     the trainer's own settings left at TRL's defaults (top_k 0, top_p 1). Without it the ratio is the kept mass
     multiplied over the completion's tokens (checked: far below 1)."""
     data = truncated_samples[truncation]
     assert data[0]["behaviour_sampling"][truncation] == {"top_k": 3, "top_p": 0.9}[truncation]
-    args = TOPRConfig(**small_config_kwargs(tmp_path, max_steps=-1, per_device_train_batch_size=8,
-                                            learning_rate=0.0))
-    ratios = ratios_at_learning_rate_zero(TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args,
-                                                      train_dataset=data))
+    args = TOPRConfig(**small_config_kwargs(tmp_path, max_steps=-1, per_device_train_batch_size=8, learning_rate=0.0))
+    ratios = ratios_at_learning_rate_zero(
+        TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args, train_dataset=data)
+    )
     assert ratios and all(r == pytest.approx(1.0, abs=1e-4) for r in ratios), ratios
     unsaid = data.remove_columns("behaviour_sampling")  # the trainer then assumes its own (untruncated) settings
-    ratios = ratios_at_learning_rate_zero(TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args,
-                                                      train_dataset=unsaid))
+    ratios = ratios_at_learning_rate_zero(
+        TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args, train_dataset=unsaid)
+    )
     assert max(ratios) < 0.9, ratios
 
 
@@ -263,17 +323,18 @@ def test_online_generation_with_top_k_scores_pi_on_its_support(tiny_model_path, 
     """Online (transformers generation) with top_k 3 and two optimiser steps per generation, so mu is the policy's
     log-probs at generation time: both are scored on the top-3 support (the processing is transformers'), and at
     learning rate 0 the ratio is 1."""
-    args = TOPRConfig(**small_config_kwargs(tmp_path, learning_rate=0.0, top_k=3, steps_per_generation=2,
-                                            max_steps=2))
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
-                          train_dataset=arithmetic_dataset)
+    args = TOPRConfig(**small_config_kwargs(tmp_path, learning_rate=0.0, top_k=3, steps_per_generation=2, max_steps=2))
+    trainer = TOPRTrainer(
+        model=tiny_model_path, reward_funcs=parity_reward, args=args, train_dataset=arithmetic_dataset
+    )
     assert trainer._sampler_processing == SamplerProcessing(top_k=3, top_p=1.0, engine="transformers")
     ratios = ratios_at_learning_rate_zero(trainer)
     assert ratios and all(r == pytest.approx(1.0, abs=1e-4) for r in ratios), ratios
 
 
-def test_on_policy_without_kl_the_support_is_not_scored_and_training_is_the_same(tiny_model_path, arithmetic_dataset,
-                                                                                  tmp_path, monkeypatch):
+def test_on_policy_without_kl_the_support_is_not_scored_and_training_is_the_same(
+    tiny_model_path, arithmetic_dataset, tmp_path, monkeypatch
+):
     """On-policy (GRPO keeps no log-probs from generation time, mu is this forward's own) and without KL, pi/mu is 1
     whatever the support: the trainer skips the extra pass through the output layer, and two optimiser steps give
     bitwise the parameters of the same run forced to score every sequence (a constant added to log pi moves no
@@ -282,22 +343,27 @@ def test_on_policy_without_kl_the_support_is_not_scored_and_training_is_the_same
 
     calls = []
     scored = trainer_module.completion_processed_log_probs
-    monkeypatch.setattr(trainer_module, "completion_processed_log_probs",
-                        lambda *a, **k: calls.append(1) or scored(*a, **k))
+    monkeypatch.setattr(
+        trainer_module, "completion_processed_log_probs", lambda *a, **k: calls.append(1) or scored(*a, **k)
+    )
 
     def trained(name, **overrides):
         torch.manual_seed(0)
         args = TOPRConfig(**small_config_kwargs(tmp_path / name, **{"top_k": 3, "max_steps": 2, **overrides}))
-        trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
-                              train_dataset=arithmetic_dataset)
+        trainer = TOPRTrainer(
+            model=tiny_model_path, reward_funcs=parity_reward, args=args, train_dataset=arithmetic_dataset
+        )
         trainer.train()
         return [parameter.detach().clone() for parameter in trainer.model.parameters()]
 
     skipped = trained("skipped")
     assert calls == []
     with monkeypatch.context() as forced:
-        forced.setattr(TOPRTrainer, "_rows_reading_the_ratio",
-                       lambda self, signal, on_policy: torch.ones(signal.numel(), dtype=torch.bool))
+        forced.setattr(
+            TOPRTrainer,
+            "_rows_reading_the_ratio",
+            lambda self, signal, on_policy: torch.ones(signal.numel(), dtype=torch.bool),
+        )
         scored_run = trained("scored")
     assert len(calls) == 2  # one loss call per step
     assert all(torch.equal(a, b) for a, b in zip(skipped, scored_run, strict=True))
@@ -316,8 +382,16 @@ def test_the_log_probs_in_chunks_equal_the_log_probs_at_once(monkeypatch):
     import topr_trl.support.scoring as support
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2))
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     hidden, tokens = torch.randn(11, 32), torch.randint(0, 97, (11,))
     processing = SamplerProcessing(top_k=4, top_p=0.8)
     at_once = support.chunked_processed_log_probs(model, hidden, tokens, processing)
@@ -334,14 +408,14 @@ def test_the_log_probs_in_chunks_equal_the_log_probs_at_once(monkeypatch):
     assert (at_once <= 0).all() and (at_once > full + 0.1).all()  # over a few kept tokens, not 97
 
 
-def test_the_trainer_adds_a_constant_to_log_pi_and_keeps_grpos_gradient(tiny_model_path, arithmetic_dataset,
-                                                                        tmp_path):
+def test_the_trainer_adds_a_constant_to_log_pi_and_keeps_grpos_gradient(tiny_model_path, arithmetic_dataset, tmp_path):
     """TOPRTrainer at top_k 3: its log-probs are TRL's plus the correction, recomputed here independently from the
     model's plain logits (no fused head, no hook), and the gradient of their sum is TRL's (the correction carries
     none)."""
     args = TOPRConfig(**small_config_kwargs(tmp_path, top_k=3))
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
-                          train_dataset=arithmetic_dataset)
+    trainer = TOPRTrainer(
+        model=tiny_model_path, reward_funcs=parity_reward, args=args, train_dataset=arithmetic_dataset
+    )
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(3, trainer.model.config.vocab_size, (3, 10), generator=generator)
     attention_mask = torch.ones_like(input_ids)
@@ -361,8 +435,9 @@ def test_the_trainer_adds_a_constant_to_log_pi_and_keeps_grpos_gradient(tiny_mod
     with torch.no_grad():
         logits = trainer.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -5:-1].float()
     tokens = input_ids[:, -4:]
-    expected = (processed_log_probs(logits, tokens, processing)
-                - (logits / args.temperature).log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+    expected = processed_log_probs(logits, tokens, processing) - (logits / args.temperature).log_softmax(-1).gather(
+        -1, tokens.unsqueeze(-1)
+    ).squeeze(-1)
     expected = expected * attention_mask[:, -4:]
     assert torch.allclose(corrected - plain, expected, atol=1e-5), (corrected - plain, expected)
     assert (expected[attention_mask[:, -4:].bool()] > 0.1).all()  # the kept mass of 3 tokens is well below 1
@@ -378,22 +453,35 @@ def test_behaviour_sampling_travels_through_the_files_a_user_keeps(suffix, trunc
     from topr_trl.offline import load_offline_source
     from topr_trl.offline.schema import stored_processing
 
-    data = truncated_samples["top_k"].select_columns(["prompt", "completion_ids", "behaviour_logps",
-                                                      "behaviour_sampling", "reward"])
+    data = truncated_samples["top_k"].select_columns(
+        ["prompt", "completion_ids", "behaviour_logps", "behaviour_sampling", "reward"]
+    )
     path = tmp_path / f"data.{suffix}"
     if suffix == "csv":
-        data.map(lambda row: {key: json.dumps(row[key]) for key in ("completion_ids", "behaviour_logps",
-                                                                     "behaviour_sampling")}).to_csv(str(path))
+        data.map(
+            lambda row: {
+                key: json.dumps(row[key]) for key in ("completion_ids", "behaviour_logps", "behaviour_sampling")
+            }
+        ).to_csv(str(path))
     else:
         getattr(data, "to_json" if suffix == "jsonl" else "to_parquet")(str(path))
     loaded = load_offline_source(str(path))
     assert stored_processing([loaded], SamplerProcessing()) == SamplerProcessing(top_k=3, top_p=1.0)
 
 
-@pytest.mark.parametrize("processing", [
-    SamplerProcessing(top_k=3), SamplerProcessing(top_k=50), SamplerProcessing(top_p=0.9), SamplerProcessing(top_p=0.3),
-    SamplerProcessing(min_p=0.05), SamplerProcessing(temperature=0.7, top_k=40, top_p=0.8),
-    SamplerProcessing(top_k=20, min_p=0.2), SamplerProcessing(top_p=0.95, min_p=0.01, engine="vllm")])
+@pytest.mark.parametrize(
+    "processing",
+    [
+        SamplerProcessing(top_k=3),
+        SamplerProcessing(top_k=50),
+        SamplerProcessing(top_p=0.9),
+        SamplerProcessing(top_p=0.3),
+        SamplerProcessing(min_p=0.05),
+        SamplerProcessing(temperature=0.7, top_k=40, top_p=0.8),
+        SamplerProcessing(top_k=20, min_p=0.2),
+        SamplerProcessing(top_p=0.95, min_p=0.01, engine="vllm"),
+    ],
+)
 def test_the_log_probs_are_the_log_softmax_over_transformers_support(processing):
     """`processed_log_probs` (top-k on the k largest logits, the other filters on the sorted row) against log-softmax
     over transformers' own support (plus the sampled token) on a 2,000-token vocabulary, with flat rows, peaked rows,
@@ -402,8 +490,12 @@ def test_the_log_probs_are_the_log_softmax_over_transformers_support(processing)
     generator = torch.Generator().manual_seed(3)
     logits = torch.randn(48, 2000, generator=generator) * torch.linspace(0.05, 8, 48).unsqueeze(1)
     logits[:4, :60] = 5.0  # 60 ties at the top
-    tokens = torch.cat([logits[:24].argsort(-1, descending=True)[:, 1],  # inside most supports
-                        torch.randint(0, 2000, (24,), generator=generator)])  # mostly outside
+    tokens = torch.cat(
+        [
+            logits[:24].argsort(-1, descending=True)[:, 1],  # inside most supports
+            torch.randint(0, 2000, (24,), generator=generator),
+        ]
+    )  # mostly outside
     if processing.engine == "transformers":
         keep = transformers_support(logits, processing)
     else:
@@ -421,17 +513,25 @@ def log_softmax_on_support(scaled: torch.Tensor, keep: torch.Tensor, tokens: tor
     return chosen - scaled.masked_fill(~keep, -math.inf).logsumexp(-1)
 
 
-@pytest.mark.parametrize("processing", [
-    SamplerProcessing(top_k=3), SamplerProcessing(top_p=0.9), SamplerProcessing(min_p=0.05),
-    SamplerProcessing(temperature=0.7, top_k=40, top_p=0.8), SamplerProcessing(top_p=0.95, min_p=0.01, engine="vllm")])
+@pytest.mark.parametrize(
+    "processing",
+    [
+        SamplerProcessing(top_k=3),
+        SamplerProcessing(top_p=0.9),
+        SamplerProcessing(min_p=0.05),
+        SamplerProcessing(temperature=0.7, top_k=40, top_p=0.8),
+        SamplerProcessing(top_p=0.95, min_p=0.01, engine="vllm"),
+    ],
+)
 def test_bf16_logits_give_bitwise_the_log_probs_of_their_float32_copy(processing):
     """Under mixed precision the head's logits arrive in bf16: every value is converted before any arithmetic, so
     the log-probs are bit for bit those of the float32 copy (bf16 makes ties common)."""
     generator = torch.Generator().manual_seed(5)
     logits = (torch.randn(48, 2000, generator=generator) * torch.linspace(0.05, 8, 48).unsqueeze(1)).bfloat16()
     tokens = torch.randint(0, 2000, (48,), generator=generator)
-    assert torch.equal(processed_log_probs(logits, tokens, processing),
-                       processed_log_probs(logits.float(), tokens, processing))
+    assert torch.equal(
+        processed_log_probs(logits, tokens, processing), processed_log_probs(logits.float(), tokens, processing)
+    )
 
 
 def reference_log_prob(row: list[float], token: int, processing: SamplerProcessing) -> float:
@@ -483,10 +583,16 @@ def property_rows(kind: str, rows: int, vocabulary: int, generator: torch.Genera
 
 
 PROPERTY_PROCESSINGS = [
-    SamplerProcessing(top_k=5), SamplerProcessing(top_k=50), SamplerProcessing(top_p=0.5), SamplerProcessing(top_p=0.95),
-    SamplerProcessing(min_p=0.1), SamplerProcessing(temperature=0.7, top_k=40, top_p=0.9),
-    SamplerProcessing(top_k=30, top_p=0.8, min_p=0.05), SamplerProcessing(top_k=30, top_p=0.8, min_p=0.05, engine="vllm"),
-    SamplerProcessing(temperature=1.3, top_p=0.9, min_p=0.02, engine="vllm")]
+    SamplerProcessing(top_k=5),
+    SamplerProcessing(top_k=50),
+    SamplerProcessing(top_p=0.5),
+    SamplerProcessing(top_p=0.95),
+    SamplerProcessing(min_p=0.1),
+    SamplerProcessing(temperature=0.7, top_k=40, top_p=0.9),
+    SamplerProcessing(top_k=30, top_p=0.8, min_p=0.05),
+    SamplerProcessing(top_k=30, top_p=0.8, min_p=0.05, engine="vllm"),
+    SamplerProcessing(temperature=1.3, top_p=0.9, min_p=0.02, engine="vllm"),
+]
 
 
 @pytest.mark.parametrize("kind", ["flat", "zipf", "peaked", "tied"])
@@ -505,8 +611,9 @@ def test_the_rule_is_the_independent_sorted_reference_on_every_shape_of_row(kind
     for processing in PROPERTY_PROCESSINGS:
         got = processed_log_probs(logits, tokens, processing)
         rows = logits.float().double().tolist()
-        expected = torch.tensor([reference_log_prob(row, int(token), processing)
-                                 for row, token in zip(rows, tokens.tolist(), strict=True)])
+        expected = torch.tensor(
+            [reference_log_prob(row, int(token), processing) for row, token in zip(rows, tokens.tolist(), strict=True)]
+        )
         off = ((got.double() - expected).abs() > 1e-5 + 1e-6 * expected.abs()).sum()
         assert int(off) <= len(rows) // 50, (processing, kind, dtype, got, expected)
 
@@ -519,8 +626,9 @@ def trained_rows(rows: int, vocabulary: int, generator: torch.Generator) -> torc
     return torch.stack([row[torch.randperm(vocabulary, generator=generator)] for row in logits])
 
 
-def heavy_tail_rows(rows: int, vocabulary: int, generator: torch.Generator, top_p: float = 0.95,
-                    share_of_floor: float = 0.9) -> torch.Tensor:
+def heavy_tail_rows(
+    rows: int, vocabulary: int, generator: torch.Generator, top_p: float = 0.95, share_of_floor: float = 0.9
+) -> torch.Tensor:
     """Rows whose tail is as heavy as top-p's floor allows: 48 tokens share most of the mass, and every other token has
     `share_of_floor` of the floor's probability (1 - p) / (2V), so the tail holds almost (1 - p) / 2, enough to move
     the cut when it is left out of the sum."""
@@ -551,17 +659,22 @@ def test_the_rule_sorts_only_above_the_floors_and_is_still_the_reference(shape, 
     tokens = torch.cat([order[:8, 0], order[8:16, 2], torch.randint(0, 4096, (8,), generator=generator)])
     processings = [SamplerProcessing(top_p=0.95), SamplerProcessing(top_p=0.95, min_p=0.01, engine="vllm")]
     if shape is trained_rows:  # a heavy tail rises above the floors at another temperature or p: sorted whole
-        processings += [SamplerProcessing(top_p=0.5), SamplerProcessing(min_p=0.01),
-                        SamplerProcessing(temperature=0.8, top_p=0.9, min_p=0.02),
-                        SamplerProcessing(temperature=1.3, top_p=0.9, min_p=0.02, engine="vllm")]
+        processings += [
+            SamplerProcessing(top_p=0.5),
+            SamplerProcessing(min_p=0.01),
+            SamplerProcessing(temperature=0.8, top_p=0.9, min_p=0.02),
+            SamplerProcessing(temperature=1.3, top_p=0.9, min_p=0.02, engine="vllm"),
+        ]
     rows = logits.float().double().tolist()
     for processing in processings:
         groups = descending_groups(scaled_logits(logits, processing.temperature), processing)
         widest = max(group.descending.size(-1) for group in groups)
         assert (widest < 4096 // 10) == (shape is not tail_above_the_floor_rows), processing
         got = processed_log_probs(logits, tokens, processing)
-        expected = torch.tensor([reference_log_prob(row, int(token), processing)
-                                 for row, token in zip(rows, tokens.tolist(), strict=True)], dtype=torch.float64)
+        expected = torch.tensor(
+            [reference_log_prob(row, int(token), processing) for row, token in zip(rows, tokens.tolist(), strict=True)],
+            dtype=torch.float64,
+        )
         assert torch.allclose(got.double(), expected, rtol=1e-6, atol=1e-5), (processing, got, expected)
 
 
@@ -580,14 +693,19 @@ def test_one_flat_row_does_not_make_a_block_sort_whole():
     whole = [group for group in groups if group.descending.size(-1) == 4096]
     assert len(whole) == 1 and whole[0].rows.tolist() == [7] and whole[0].tail is None
     assert max(group.descending.size(-1) for group in groups if group is not whole[0]) < 4096 // 10
-    expected = torch.tensor([reference_log_prob(row, int(token), processing)
-                             for row, token in zip(logits.double().tolist(), tokens.tolist(), strict=True)],
-                            dtype=torch.float64)
+    expected = torch.tensor(
+        [
+            reference_log_prob(row, int(token), processing)
+            for row, token in zip(logits.double().tolist(), tokens.tolist(), strict=True)
+        ],
+        dtype=torch.float64,
+    )
     assert torch.allclose(processed_log_probs(logits, tokens, processing).double(), expected, rtol=1e-6, atol=1e-5)
 
 
-def test_only_the_sequences_whose_weight_reads_the_ratio_are_scored(truncated_samples, tiny_model_path, tmp_path,
-                                                                     monkeypatch):
+def test_only_the_sequences_whose_weight_reads_the_ratio_are_scored(
+    truncated_samples, tiny_model_path, tmp_path, monkeypatch
+):
     """Canonical TOPR pins the positives' weight at 1 ([1, 1]): on stored top-k rows (off-policy, so pi is scored on
     mu's support), the trainer projects only the negatives' tokens, and every gradient is bitwise that of the same
     step forced to score every sequence. The positives' pi/mu, not scored, is not reported (NaN); the negatives'
@@ -606,8 +724,11 @@ def test_only_the_sequences_whose_weight_reads_the_ratio_are_scored(truncated_sa
 
     def one_step(name, **overrides):
         torch.manual_seed(0)
-        args = TOPRConfig(**small_config_kwargs(tmp_path / name, max_steps=1, per_device_train_batch_size=16,
-                                                learning_rate=0.0, **overrides))
+        args = TOPRConfig(
+            **small_config_kwargs(
+                tmp_path / name, max_steps=1, per_device_train_batch_size=16, learning_rate=0.0, **overrides
+            )
+        )
         trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, args=args, train_dataset=data)
         batch = next(iter(trainer.get_train_dataloader()))
         inputs = trainer._prepare_inputs(batch)
@@ -626,7 +747,9 @@ def test_only_the_sequences_whose_weight_reads_the_ratio_are_scored(truncated_sa
     assert 0 < negatives < signal.numel()
     assert scored == [negatives]
     with monkeypatch.context() as forced:
-        forced.setattr(trainer_module, "reads_the_ratio", lambda signal, spec: torch.ones(signal.numel(), dtype=torch.bool))
+        forced.setattr(
+            trainer_module, "reads_the_ratio", lambda signal, spec: torch.ones(signal.numel(), dtype=torch.bool)
+        )
         all_loss, all_grads, all_scored, _, _ = one_step("all")
     assert all_scored == [signal.numel()]
     # the gradient is bitwise the same; the loss's value is not: a positive's -s * log pi reads log pi over the whole

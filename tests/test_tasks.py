@@ -37,7 +37,7 @@ def test_accuracy_counts_invalid_and_malformed_answers(tiny_model_path):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "1+1="}]] * 5, "answer": ["2"] * 5})
-    answers = ["2", "2", "2 3", "x", "3"]      # right; right but never stopped; right first integer with junk
+    answers = ["2", "2", "2 3", "x", "3"]  # right; right but never stopped; right first integer with junk
     stops = [True, False, True, True, True]  # after it; no integer at all; wrong but well formed
     result = accuracy(ScriptedModel(tokenizer, answers, stops), tokenizer, dataset, max_new_tokens=6)
     assert result == {"accuracy": 3 / 5, "invalid_rate": 1 / 5, "malformed_rate": 3 / 5}

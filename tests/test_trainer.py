@@ -31,8 +31,15 @@ def test_drop_in_swap_trains(trainer_class, config_class, tiny_model_path, arith
     logged = trainer.state.log_history[0]
     assert math.isfinite(logged["loss"])
     if trainer_class is TOPRTrainer:
-        for key in ("topr/positive_fraction", "topr/ratio_negative/mean", "topr/weight_positive/mean",
-                    "topr/negative_truncated_fraction", "topr/loss_positive", "topr/loss_negative", "entropy"):
+        for key in (
+            "topr/positive_fraction",
+            "topr/ratio_negative/mean",
+            "topr/weight_positive/mean",
+            "topr/negative_truncated_fraction",
+            "topr/loss_positive",
+            "topr/loss_negative",
+            "entropy",
+        ):
             assert key in logged, key
         assert "topr/effective_positive_proportion" not in logged  # 0.5 by construction under the advantage signal
 
@@ -55,10 +62,18 @@ def make_inputs(trainer, seed=0):
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo", "dr_grpo", "cispo"])
 def test_trl_loss_types_compute_exactly_what_grpo_computes(loss_type, tiny_model_path, arithmetic_dataset, tmp_path):
     overrides = dict(loss_type=loss_type, num_iterations=2, beta=0.04, per_device_train_batch_size=8)
-    grpo = GRPOTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
-                       args=GRPOConfig(**small_config_kwargs(tmp_path / "g", **overrides)))
-    topr = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
-                       args=TOPRConfig(**small_config_kwargs(tmp_path / "t", **overrides)))
+    grpo = GRPOTrainer(
+        model=tiny_model_path,
+        reward_funcs=parity_reward,
+        train_dataset=arithmetic_dataset,
+        args=GRPOConfig(**small_config_kwargs(tmp_path / "g", **overrides)),
+    )
+    topr = TOPRTrainer(
+        model=tiny_model_path,
+        reward_funcs=parity_reward,
+        train_dataset=arithmetic_dataset,
+        args=TOPRConfig(**small_config_kwargs(tmp_path / "t", **overrides)),
+    )
     inputs = make_inputs(grpo)
     with torch.no_grad():  # move the policy away from mu so that ratios and clipping are exercised
         for p in list(grpo.model.parameters()) + list(topr.model.parameters()):
@@ -79,11 +94,18 @@ def test_ppo_variant_reproduces_grpo_loss(tiny_model_path, arithmetic_dataset, t
     """loss_type='ppo' with token ratios, the advantage signal and per-sequence aggregation is GRPO's own
     `loss_type='grpo'`: an independent check of the TOPR code path against TRL."""
     common = dict(num_iterations=2, per_device_train_batch_size=8)
-    grpo = GRPOTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
-                       args=GRPOConfig(**small_config_kwargs(tmp_path / "g", loss_type="grpo", **common)))
-    topr = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
-                       args=TOPRConfig(**small_config_kwargs(tmp_path / "t", loss_type="ppo", topr_ratio_level="token",
-                                                             **common)))
+    grpo = GRPOTrainer(
+        model=tiny_model_path,
+        reward_funcs=parity_reward,
+        train_dataset=arithmetic_dataset,
+        args=GRPOConfig(**small_config_kwargs(tmp_path / "g", loss_type="grpo", **common)),
+    )
+    topr = TOPRTrainer(
+        model=tiny_model_path,
+        reward_funcs=parity_reward,
+        train_dataset=arithmetic_dataset,
+        args=TOPRConfig(**small_config_kwargs(tmp_path / "t", loss_type="ppo", topr_ratio_level="token", **common)),
+    )
     inputs = make_inputs(grpo)
     with torch.no_grad():
         for p in list(grpo.model.parameters()) + list(topr.model.parameters()):
@@ -92,12 +114,19 @@ def test_ppo_variant_reproduces_grpo_loss(tiny_model_path, arithmetic_dataset, t
     torch.testing.assert_close(losses[0], losses[1])
 
 
-def test_off_policy_behaviour_model_tapers_negatives(tiny_model_path, behaviour_model_path, arithmetic_dataset, tmp_path):
+def test_off_policy_behaviour_model_tapers_negatives(
+    tiny_model_path, behaviour_model_path, arithmetic_dataset, tmp_path
+):
     behaviour = AutoModelForCausalLM.from_pretrained(behaviour_model_path)
     tokenizer = AutoTokenizer.from_pretrained(behaviour_model_path)
     args = TOPRConfig(**small_config_kwargs(tmp_path, max_steps=4, per_device_train_batch_size=8))
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
-                          train_dataset=arithmetic_dataset, rollout_func=make_behaviour_rollout(behaviour, tokenizer))
+    trainer = TOPRTrainer(
+        model=tiny_model_path,
+        reward_funcs=parity_reward,
+        args=args,
+        train_dataset=arithmetic_dataset,
+        rollout_func=make_behaviour_rollout(behaviour, tokenizer),
+    )
     trainer.train()
     negative_weights = logged_values(trainer, "topr/weight_negative/mean")
     positive_weights = logged_values(trainer, "topr/weight_positive/mean")
@@ -112,7 +141,8 @@ def test_off_policy_behaviour_model_tapers_negatives(tiny_model_path, behaviour_
 
 @pytest.mark.parametrize("mu_is_the_policy", [True, False])
 def test_a_rollout_funcs_logprobs_are_said_to_be_mu_once_with_their_distance(
-        mu_is_the_policy, tiny_model_path, behaviour_model_path, arithmetic_dataset, tmp_path, caplog):
+    mu_is_the_policy, tiny_model_path, behaviour_model_path, arithmetic_dataset, tmp_path, caplog
+):
     """GRPOTrainer ignores a rollout_func's `logprobs` without vLLM; TOPR reads them as mu's. Said once, at the first
     batch, with pi/mu's span there: 1 (to float error) when they are the policy's own sampling log-probs, far from
     1 when they are another model's."""
@@ -121,8 +151,13 @@ def test_a_rollout_funcs_logprobs_are_said_to_be_mu_once_with_their_distance(
     sampler = AutoModelForCausalLM.from_pretrained(tiny_model_path if mu_is_the_policy else behaviour_model_path)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     args = TOPRConfig(**small_config_kwargs(tmp_path, max_steps=2, per_device_train_batch_size=8))
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
-                          train_dataset=arithmetic_dataset, rollout_func=make_behaviour_rollout(sampler, tokenizer))
+    trainer = TOPRTrainer(
+        model=tiny_model_path,
+        reward_funcs=parity_reward,
+        args=args,
+        train_dataset=arithmetic_dataset,
+        rollout_func=make_behaviour_rollout(sampler, tokenizer),
+    )
     with caplog.at_level(logging.WARNING, logger="topr_trl"):
         trainer.train()
     said = [r.getMessage() for r in caplog.records if "rollout_func returns `logprobs`" in r.getMessage()]
@@ -137,10 +172,12 @@ def test_a_rollout_funcs_logprobs_are_said_to_be_mu_once_with_their_distance(
 def test_reward_signal_with_baseline(tiny_model_path, arithmetic_dataset, tmp_path):
     """topr_signal='reward': the signal is R - c, so with +1/-1 rewards and c=0.5 every positive carries 0.5 and
     every negative -1.5, and the logged p~ follows Eq. 12."""
-    args = TOPRConfig(**small_config_kwargs(tmp_path, topr_signal="reward", topr_baseline=0.5,
-                                            per_device_train_batch_size=8))
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
-                          train_dataset=arithmetic_dataset)
+    args = TOPRConfig(
+        **small_config_kwargs(tmp_path, topr_signal="reward", topr_baseline=0.5, per_device_train_batch_size=8)
+    )
+    trainer = TOPRTrainer(
+        model=tiny_model_path, reward_funcs=parity_reward, args=args, train_dataset=arithmetic_dataset
+    )
     inputs = make_inputs(trainer)
     texts = trainer.processing_class.batch_decode(inputs["completion_ids"], skip_special_tokens=True)
     expected = torch.tensor(parity_reward(texts)) - 0.5
@@ -151,9 +188,12 @@ def test_reward_signal_with_baseline(tiny_model_path, arithmetic_dataset, tmp_pa
 @pytest.mark.parametrize("baseline", ["group_mean", "batch_mean"])
 def test_mean_baselines_centre_the_signal(baseline, tiny_model_path, arithmetic_dataset, tmp_path):
     args = TOPRConfig(**small_config_kwargs(tmp_path, topr_signal="reward", topr_baseline=baseline))
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=lambda completions, **kw: [float(len(c[0]["content"]))
-                                                                                         for c in completions],
-                          args=args, train_dataset=arithmetic_dataset)
+    trainer = TOPRTrainer(
+        model=tiny_model_path,
+        reward_funcs=lambda completions, **kw: [float(len(c[0]["content"])) for c in completions],
+        args=args,
+        train_dataset=arithmetic_dataset,
+    )
     trainer.train()  # fills the metrics through the full path
     batch = next(iter(trainer.get_train_dataloader()))
     output = trainer._generate_and_score_completions(batch)
@@ -169,8 +209,9 @@ def test_reward_function_returning_none_or_nan_is_left_out(tiny_model_path, arit
 
     for signal in ("advantage", "reward"):
         args = TOPRConfig(**small_config_kwargs(tmp_path / signal, topr_signal=signal, max_steps=2))
-        trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=flaky_reward, args=args,
-                              train_dataset=arithmetic_dataset)
+        trainer = TOPRTrainer(
+            model=tiny_model_path, reward_funcs=flaky_reward, args=args, train_dataset=arithmetic_dataset
+        )
         trainer.train()
         assert all(math.isfinite(loss) for loss in logged_values(trainer, "loss"))
 
@@ -179,16 +220,28 @@ def test_infinite_reward_raises_a_clear_error_when_checked(tiny_model_path, arit
     def broken_reward(completions, **kwargs):
         return [math.inf] * len(completions)
 
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=broken_reward, train_dataset=arithmetic_dataset,
-                          args=TOPRConfig(**small_config_kwargs(tmp_path, topr_check_finite=True)))
+    trainer = TOPRTrainer(
+        model=tiny_model_path,
+        reward_funcs=broken_reward,
+        train_dataset=arithmetic_dataset,
+        args=TOPRConfig(**small_config_kwargs(tmp_path, topr_check_finite=True)),
+    )
     with pytest.raises(ValueError, match="broken_reward.*infinite"):
         trainer.train()
     # GRPOTrainer's behaviour by default: it trains on (the loss is NaN), and TOPRTrainer warns
-    grpo = GRPOTrainer(model=tiny_model_path, reward_funcs=broken_reward, train_dataset=arithmetic_dataset,
-                       args=GRPOConfig(**small_config_kwargs(tmp_path / "grpo")))
+    grpo = GRPOTrainer(
+        model=tiny_model_path,
+        reward_funcs=broken_reward,
+        train_dataset=arithmetic_dataset,
+        args=GRPOConfig(**small_config_kwargs(tmp_path / "grpo")),
+    )
     grpo.train()
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=broken_reward, train_dataset=arithmetic_dataset,
-                          args=TOPRConfig(**small_config_kwargs(tmp_path / "default")))
+    trainer = TOPRTrainer(
+        model=tiny_model_path,
+        reward_funcs=broken_reward,
+        train_dataset=arithmetic_dataset,
+        args=TOPRConfig(**small_config_kwargs(tmp_path / "default")),
+    )
     trainer.train()
     assert trainer.state.global_step == grpo.state.global_step == 2
 
@@ -201,10 +254,14 @@ def test_sampler_source_without_sampler_is_rejected(tiny_model_path, arithmetic_
 
 def test_num_iterations_makes_ratios_depart_from_one(tiny_model_path, arithmetic_dataset, tmp_path):
     """With several updates per generation batch, mu is the policy at generation time: as pi moves, pi/mu != 1."""
-    args = TOPRConfig(**small_config_kwargs(tmp_path, num_iterations=4, max_steps=4, learning_rate=5e-2,
-                                            per_device_train_batch_size=8))
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
-                          train_dataset=arithmetic_dataset)
+    args = TOPRConfig(
+        **small_config_kwargs(
+            tmp_path, num_iterations=4, max_steps=4, learning_rate=5e-2, per_device_train_batch_size=8
+        )
+    )
+    trainer = TOPRTrainer(
+        model=tiny_model_path, reward_funcs=parity_reward, args=args, train_dataset=arithmetic_dataset
+    )
     trainer.train()
     ratios = logged_values(trainer, "topr/ratio_negative/mean") + logged_values(trainer, "topr/ratio_positive/mean")
     assert any(abs(r - 1) > 1e-3 for r in ratios)
@@ -212,8 +269,9 @@ def test_num_iterations_makes_ratios_depart_from_one(tiny_model_path, arithmetic
 
 def test_kl_entropy_bonus_and_accumulation(tiny_model_path, arithmetic_dataset, tmp_path):
     args = TOPRConfig(**small_config_kwargs(tmp_path, beta=0.04, entropy_coef=0.01, gradient_accumulation_steps=2))
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
-                          train_dataset=arithmetic_dataset)
+    trainer = TOPRTrainer(
+        model=tiny_model_path, reward_funcs=parity_reward, args=args, train_dataset=arithmetic_dataset
+    )
     trainer.train()
     logged = trainer.state.log_history[0]
     assert "kl" in logged and "policy_loss" in logged and "entropy_coef" in logged
@@ -224,8 +282,13 @@ def test_lora_training_changes_only_adapter_weights(tiny_model_path, arithmetic_
     from peft import LoraConfig
 
     args = TOPRConfig(**small_config_kwargs(tmp_path, learning_rate=5e-2))
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args, train_dataset=arithmetic_dataset,
-                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    trainer = TOPRTrainer(
+        model=tiny_model_path,
+        reward_funcs=parity_reward,
+        args=args,
+        train_dataset=arithmetic_dataset,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
     changed = {name for name, p in trainer.model.named_parameters() if not torch.equal(before[name], p)}
@@ -233,8 +296,12 @@ def test_lora_training_changes_only_adapter_weights(tiny_model_path, arithmetic_
 
 
 def test_nan_loss_stops_training_with_a_clear_error_when_checked(tiny_model_path, arithmetic_dataset, tmp_path, caplog):
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
-                          args=TOPRConfig(**small_config_kwargs(tmp_path, per_device_train_batch_size=8)))
+    trainer = TOPRTrainer(
+        model=tiny_model_path,
+        reward_funcs=parity_reward,
+        train_dataset=arithmetic_dataset,
+        args=TOPRConfig(**small_config_kwargs(tmp_path, per_device_train_batch_size=8)),
+    )
     batch = next(iter(trainer.get_train_dataloader()))
     inputs = trainer._prepare_inputs(batch)
     with torch.no_grad():
@@ -250,10 +317,18 @@ def test_nan_loss_stops_training_with_a_clear_error_when_checked(tiny_model_path
 
 
 def test_target_effective_proportion_per_batch(tiny_model_path, arithmetic_dataset, tmp_path):
-    args = TOPRConfig(**small_config_kwargs(tmp_path, topr_signal="reward", topr_target_effective_proportion=0.15,
-                                            per_device_train_batch_size=8, max_steps=3))
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
-                          train_dataset=arithmetic_dataset)
+    args = TOPRConfig(
+        **small_config_kwargs(
+            tmp_path,
+            topr_signal="reward",
+            topr_target_effective_proportion=0.15,
+            per_device_train_batch_size=8,
+            max_steps=3,
+        )
+    )
+    trainer = TOPRTrainer(
+        model=tiny_model_path, reward_funcs=parity_reward, args=args, train_dataset=arithmetic_dataset
+    )
     trainer.train()
     baselines = logged_values(trainer, "topr/baseline")
     shares = logged_values(trainer, "topr/effective_positive_proportion")
@@ -269,27 +344,39 @@ def test_target_effective_proportion_needs_the_reward_signal(tmp_path):
 
 
 def test_model_card_cites_topr(tiny_model_path, arithmetic_dataset, tmp_path):
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
-                          args=TOPRConfig(**small_config_kwargs(tmp_path)))
+    trainer = TOPRTrainer(
+        model=tiny_model_path,
+        reward_funcs=parity_reward,
+        train_dataset=arithmetic_dataset,
+        args=TOPRConfig(**small_config_kwargs(tmp_path)),
+    )
     trainer.create_model_card(model_name="tiny-topr")
     card = (tmp_path / "README.md").read_text()
     assert "2503.14286" in card and "Tapered Off-Policy REINFORCE" in card
     assert "## TOPR configuration" in card and "| 1.0, 1.0, 0.0, 1.0 |" in card and "`topr_signal` | advantage" in card
 
 
-@pytest.mark.parametrize("config_class, loss_type, says", [
-    (GRPOConfig, None, "This model was trained with GRPO"),  # GRPOConfig's own default loss ("dapo")
-    (TOPRConfig, "dapo", "This model was trained with GRPO"),
-    (TOPRConfig, "sft", "This model was trained with the `sft` policy loss of topr-trl"),
-])
+@pytest.mark.parametrize(
+    "config_class, loss_type, says",
+    [
+        (GRPOConfig, None, "This model was trained with GRPO"),  # GRPOConfig's own default loss ("dapo")
+        (TOPRConfig, "dapo", "This model was trained with GRPO"),
+        (TOPRConfig, "sft", "This model was trained with the `sft` policy loss of topr-trl"),
+    ],
+)
 def test_the_card_and_tags_name_the_loss_that_trained_never_topr_for_another(
-        config_class, loss_type, says, tiny_model_path, arithmetic_dataset, tmp_path, caplog):
+    config_class, loss_type, says, tiny_model_path, arithmetic_dataset, tmp_path, caplog
+):
     """Never claim TOPR where another loss trained: a GRPOConfig (which carries TRL's loss) warns that the run is
     GRPO's, and the card, the model's tags and the run cite TOPR only for loss_type='topr'."""
     overrides = {} if loss_type is None else {"loss_type": loss_type}
     with caplog.at_level(logging.WARNING, logger="topr_trl"):
-        trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
-                              args=config_class(**small_config_kwargs(tmp_path, **overrides)))
+        trainer = TOPRTrainer(
+            model=tiny_model_path,
+            reward_funcs=parity_reward,
+            train_dataset=arithmetic_dataset,
+            args=config_class(**small_config_kwargs(tmp_path, **overrides)),
+        )
     warned = [record.getMessage() for record in caplog.records if "not TOPR" in record.getMessage()]
     if config_class is GRPOConfig:
         assert len(warned) == 1 and "loss_type='dapo'" in warned[0] and "TOPRConfig" in warned[0]
@@ -306,20 +393,28 @@ def test_the_card_and_tags_name_the_loss_that_trained_never_topr_for_another(
 
 def test_a_topr_config_gives_no_warning_and_a_topr_card(tiny_model_path, arithmetic_dataset, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="topr_trl"):
-        trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
-                              args=TOPRConfig(**small_config_kwargs(tmp_path)))
+        trainer = TOPRTrainer(
+            model=tiny_model_path,
+            reward_funcs=parity_reward,
+            train_dataset=arithmetic_dataset,
+            args=TOPRConfig(**small_config_kwargs(tmp_path)),
+        )
     assert not [record for record in caplog.records if "not TOPR" in record.getMessage()]
     assert "topr" in trainer.model.model_tags
 
 
 @pytest.mark.parametrize("signal", ["advantage", "reward"])
-def test_training_leaves_no_state_beyond_what_grpo_trainer_keeps(signal, tiny_model_path, arithmetic_dataset,
-                                                                 tmp_path):
+def test_training_leaves_no_state_beyond_what_grpo_trainer_keeps(signal, tiny_model_path, arithmetic_dataset, tmp_path):
     """Data flows one way: the attributes a TOPRTrainer gains or changes the type of while training are those a
     GRPOTrainer gains on the same run (TRL's own state), and the batch's rows carry nothing of TOPR's afterwards."""
+
     def attributes_gained(trainer_class, config_class, extra):
-        trainer = trainer_class(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
-                                args=config_class(**small_config_kwargs(tmp_path / trainer_class.__name__, **extra)))
+        trainer = trainer_class(
+            model=tiny_model_path,
+            reward_funcs=parity_reward,
+            train_dataset=arithmetic_dataset,
+            args=config_class(**small_config_kwargs(tmp_path / trainer_class.__name__, **extra)),
+        )
         before = {name: type(value) for name, value in vars(trainer).items()}
         rollout = trainer.rollout_func
         trainer.train()
@@ -330,8 +425,12 @@ def test_training_leaves_no_state_beyond_what_grpo_trainer_keeps(signal, tiny_mo
     grpo = attributes_gained(GRPOTrainer, GRPOConfig, {})
     assert topr == grpo and grpo  # GRPOTrainer does gain some (its buffers), TOPR none of its own
     rows = [dict(row) for row in arithmetic_dataset.select(range(8))]
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
-                          args=TOPRConfig(**small_config_kwargs(tmp_path / "rows", topr_signal=signal)))
+    trainer = TOPRTrainer(
+        model=tiny_model_path,
+        reward_funcs=parity_reward,
+        train_dataset=arithmetic_dataset,
+        args=TOPRConfig(**small_config_kwargs(tmp_path / "rows", topr_signal=signal)),
+    )
     output = trainer._generate_and_score_completions(rows)
     assert not any(key.startswith("topr_") for row in rows for key in row)
     assert ("topr_signal" in output) == (signal == "reward")
@@ -354,10 +453,19 @@ def test_a_registered_loss_reads_its_own_knob_from_a_config_subclass(tiny_model_
         return -spec.knob("reinforce_scale") * signal * per_token_logps, torch.ones_like(log_ratio)
 
     try:
-        trainers = [TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
-                                args=ScaledConfig(**small_config_kwargs(tmp_path / str(scale), reinforce_scale=scale,
-                                                                        loss_type="test_scaled_reinforce")))
-                    for scale in (1.0, 2.0, 0.0)]
+        trainers = [
+            TOPRTrainer(
+                model=tiny_model_path,
+                reward_funcs=parity_reward,
+                train_dataset=arithmetic_dataset,
+                args=ScaledConfig(
+                    **small_config_kwargs(
+                        tmp_path / str(scale), reinforce_scale=scale, loss_type="test_scaled_reinforce"
+                    )
+                ),
+            )
+            for scale in (1.0, 2.0, 0.0)
+        ]
         inputs = make_inputs(trainers[0])
         one, two, zero = [trainer.compute_loss(trainer.model, inputs).detach() for trainer in trainers]
         assert one.abs() > 1e-3 and torch.equal(two, 2 * one) and zero == 0
@@ -366,13 +474,18 @@ def test_a_registered_loss_reads_its_own_knob_from_a_config_subclass(tiny_model_
 
 
 @pytest.mark.parametrize("penalty, warned", [(1.0, False), (1.2, True)])
-def test_a_repetition_penalty_is_said_to_bias_pi_over_mu(penalty, warned, tiny_model_path, arithmetic_dataset,
-                                                         tmp_path, caplog):
+def test_a_repetition_penalty_is_said_to_bias_pi_over_mu(
+    penalty, warned, tiny_model_path, arithmetic_dataset, tmp_path, caplog
+):
     """mu sampled with a repetition penalty depends on the tokens already seen, which pi's scoring does not replay:
     the run says once that pi/mu carries the penalty (GRPOTrainer accepts the setting, so TOPRTrainer trains on)."""
     with caplog.at_level(logging.WARNING, logger="topr_trl"):
-        TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, train_dataset=arithmetic_dataset,
-                    args=TOPRConfig(**small_config_kwargs(tmp_path, repetition_penalty=penalty)))
+        TOPRTrainer(
+            model=tiny_model_path,
+            reward_funcs=parity_reward,
+            train_dataset=arithmetic_dataset,
+            args=TOPRConfig(**small_config_kwargs(tmp_path, repetition_penalty=penalty)),
+        )
     said = [record.getMessage() for record in caplog.records if "repetition_penalty" in record.getMessage()]
     assert len(said) == int(warned)
     assert not said or "repetition_penalty=1.2" in said[0] and "pi/mu" in said[0]

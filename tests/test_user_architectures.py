@@ -20,10 +20,28 @@ MAKER = SHARED / "tools" / "user_folder" / "make_user_folder.py"
 ARCHITECTURES = {"gptneox": ["--arch", "gptneox", "--untied"], "opt": ["--arch", "opt"]}
 # a reward of -1 for every completion and the signal R - 0: every sample pushes its tokens down, so one step moves
 # every layer the completions reach, the output layer included
-ONE_STEP = ["--dataset_name", "data/prompts.jsonl", "--reward_funcs", "my_rewards:correctness",
-            "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
-            "--topr_unscored_batch", "train", "--topr_signal", "reward", "--learning_rate", "1e-2",
-            "--max_steps", "1", "--save_steps", "1"]
+ONE_STEP = [
+    "--dataset_name",
+    "data/prompts.jsonl",
+    "--reward_funcs",
+    "my_rewards:correctness",
+    "--per_device_train_batch_size",
+    "4",
+    "--num_generations",
+    "4",
+    "--max_completion_length",
+    "8",
+    "--topr_unscored_batch",
+    "train",
+    "--topr_signal",
+    "reward",
+    "--learning_rate",
+    "1e-2",
+    "--max_steps",
+    "1",
+    "--save_steps",
+    "1",
+]
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
@@ -31,8 +49,12 @@ def architecture_folder(request, tmp_path_factory) -> Path:
     if not MAKER.is_file():
         pytest.skip(f"the shared user-folder tool is not beside the repository ({MAKER})")
     folder = tmp_path_factory.mktemp(request.param)
-    subprocess.run([sys.executable, str(MAKER), str(folder), *ARCHITECTURES[request.param]], check=True,
-                   capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, str(MAKER), str(folder), *ARCHITECTURES[request.param]],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     return folder
 
 
@@ -54,8 +76,10 @@ def test_resuming_restores_every_trained_weight(in_folder):
     checkpoint = stored(in_folder / "resumed" / "checkpoint-1")
     base = stored(in_folder / "my-model")
     output_layer = "embed_out.weight" if "embed_out.weight" in checkpoint else "lm_head.weight"
-    assert (checkpoint.get(output_layer, checkpoint.get("model.decoder.embed_tokens.weight")) -
-            base.get(output_layer, base.get("model.decoder.embed_tokens.weight"))).abs().max() > 1e-3
+    assert (
+        checkpoint.get(output_layer, checkpoint.get("model.decoder.embed_tokens.weight"))
+        - base.get(output_layer, base.get("model.decoder.embed_tokens.weight"))
+    ).abs().max() > 1e-3
     main(run + ["--resume_from_checkpoint", "true"])
     final = stored(in_folder / "resumed")
     assert final.keys() == checkpoint.keys()
@@ -68,11 +92,22 @@ def test_a_checkpoint_of_another_architecture_is_refused_in_one_line(in_folder, 
     nothing is trained."""
     other = "opt" if architecture_folder.name.startswith("gptneox") else "gptneox"
     foreign = tmp_path / "foreign"
-    subprocess.run([sys.executable, str(MAKER), str(foreign), *ARCHITECTURES[other]], check=True, capture_output=True,
-                   timeout=600)
+    subprocess.run(
+        [sys.executable, str(MAKER), str(foreign), *ARCHITECTURES[other]], check=True, capture_output=True, timeout=600
+    )
     with pytest.raises(SystemExit) as stop:
-        main(["train", "--model_name_or_path", "my-model", "--output_dir", "refused", *ONE_STEP,
-              "--resume_from_checkpoint", str(foreign / "my-model")])
+        main(
+            [
+                "train",
+                "--model_name_or_path",
+                "my-model",
+                "--output_dir",
+                "refused",
+                *ONE_STEP,
+                "--resume_from_checkpoint",
+                str(foreign / "my-model"),
+            ]
+        )
     message = str(stop.value.code)
     assert message.startswith("topr-trl: the checkpoint") and "\n" not in message, message
     assert "does not" in message
@@ -84,8 +119,20 @@ def test_the_asynchronous_trainer_trains_each_architecture_and_saves_its_config_
     config has the fields the model came with, no more."""
     import json
 
-    main(["train", "--model_name_or_path", "my-model", "--output_dir", "asynchronous", *ONE_STEP[:-4],
-          "--max_steps", "2", "--asynchronous", "true"])
+    main(
+        [
+            "train",
+            "--model_name_or_path",
+            "my-model",
+            "--output_dir",
+            "asynchronous",
+            *ONE_STEP[:-4],
+            "--max_steps",
+            "2",
+            "--asynchronous",
+            "true",
+        ]
+    )
     summary = json.loads((in_folder / "asynchronous" / "topr_summary.json").read_text())
     assert summary["steps"] == 2
     state = json.loads((in_folder / "asynchronous" / "trainer_state.json").read_text())
@@ -112,8 +159,10 @@ def test_a_completion_length_beyond_the_models_positions_is_refused_in_one_line(
     assert positions == 256
     run = ["train", "--model_name_or_path", "my-model", "--output_dir", "too-long", *ONE_STEP]
     at = run.index("--max_completion_length")
-    for length, says in ((positions, f"leaves no room for a prompt in the model's {positions} positions"),
-                         (positions - 2, f"and the model has {positions} (max_position_embeddings)")):
+    for length, says in (
+        (positions, f"leaves no room for a prompt in the model's {positions} positions"),
+        (positions - 2, f"and the model has {positions} (max_position_embeddings)"),
+    ):
         run[at + 1] = str(length)
         with pytest.raises(SystemExit) as stop:
             main(run)

@@ -58,8 +58,19 @@ def test_generate_with_vllm_writes_the_transformers_schema_with_the_samplers_log
     from topr_trl.commands import cli
     from topr_trl.offline import load_offline_dataset
 
-    common = ["generate", "--task", "reasoning", "--model_name_or_path", reasoning_model, "--max_prompts", "6",
-              "--num_generations", "4", "--temperature", "1.5"]
+    common = [
+        "generate",
+        "--task",
+        "reasoning",
+        "--model_name_or_path",
+        reasoning_model,
+        "--max_prompts",
+        "6",
+        "--num_generations",
+        "4",
+        "--temperature",
+        "1.5",
+    ]
     cli.main([*common, "--backend", "vllm", "--output_dir", str(tmp_path / "vllm")])
     cli.main([*common, "--backend", "transformers", "--output_dir", str(tmp_path / "hf")])
     through_vllm, through_hf = load_offline_dataset(tmp_path / "vllm"), load_offline_dataset(tmp_path / "hf")
@@ -85,9 +96,26 @@ def test_evaluate_with_vllm_gives_the_transformers_pass_at_1(reasoning_model, tm
 
     results = {}
     for backend in ("vllm", "transformers"):
-        main(["--model_name_or_path", reasoning_model, "--task", "reasoning", "--limit", "200", "--k", "1",
-              "--num_samples", "4", "--backend", backend, "--no_plot", "--no_progress",
-              "--output_dir", str(tmp_path / backend)])
+        main(
+            [
+                "--model_name_or_path",
+                reasoning_model,
+                "--task",
+                "reasoning",
+                "--limit",
+                "200",
+                "--k",
+                "1",
+                "--num_samples",
+                "4",
+                "--backend",
+                backend,
+                "--no_plot",
+                "--no_progress",
+                "--output_dir",
+                str(tmp_path / backend),
+            ]
+        )
         results[backend] = json.loads((tmp_path / backend / "results.json").read_text())
     assert results["vllm"]["settings"]["backend"] == "vllm"
     assert results["transformers"]["settings"]["backend"] == "transformers"
@@ -116,8 +144,12 @@ def user_model(tmp_path_factory, tied: bool) -> tuple[str, object, object, int]:
     if not maker.is_file():
         pytest.skip(f"{maker} is absent (../shared is not beside the checkout)")
     folder = tmp_path_factory.mktemp("tied" if tied else "untied")
-    subprocess.run([sys.executable, str(maker), str(folder), *([] if tied else ["--untied"])], check=True,
-                   capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, str(maker), str(folder), *([] if tied else ["--untied"])],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     rows = [json.loads(line) for line in (folder / "data" / "prompts.jsonl").read_text().splitlines()][:48]
 
     def contains_answer(completions, answer, **kwargs):
@@ -134,8 +166,11 @@ beyond their bfloat16 rounding (the tiny models' 3e-2 would wreck a pretrained m
 def batch_of(which: str) -> dict:
     """The sync tests' batch: 16 completions in groups of 8, or 8 in groups of 4 on the real model (a step of a 135M
     model on a CPU takes minutes at 16)."""
-    return dict(per_device_train_batch_size=8, num_generations=4) if which.startswith("packaged") else \
-        dict(per_device_train_batch_size=16, num_generations=8)
+    return (
+        dict(per_device_train_batch_size=8, num_generations=4)
+        if which.startswith("packaged")
+        else dict(per_device_train_batch_size=16, num_generations=8)
+    )
 
 
 def packaged_real_model() -> tuple[str, object, object, int]:
@@ -170,13 +205,16 @@ model on a CPU without native bfloat16; their wrong weights must then sit `WRONG
 SYNCED_WITHIN_FLOORS` (15) times further from the engine than the synced ones (measured: 42-210 times)."""
 
 
-def assert_the_engine_holds_the_synced_weights(which: str, synced: float, stale: float, initial: float,
-                                               floor: float | None) -> None:
+def assert_the_engine_holds_the_synced_weights(
+    which: str, synced: float, stale: float, initial: float, floor: float | None
+) -> None:
     """The engine's gap to the weights of the last sync against its gaps to the weights one step older and to the
     initial ones: within twice their bf16 `floor` and 30 floors away; on the real model (`floor` None) within
     `REAL_MODEL_ENGINE_MISMATCH` and 15 times further, the same separation."""
-    print(f"{which}: gap to the synced weights {synced:.3g}, one step stale {stale:.3g}, initial {initial:.3g}; "
-          f"floor {floor}")
+    print(
+        f"{which}: gap to the synced weights {synced:.3g}, one step stale {stale:.3g}, initial {initial:.3g}; "
+        f"floor {floor}"
+    )
     if floor is None:
         assert synced < REAL_MODEL_ENGINE_MISMATCH, f"synced weights {synced:.3g} from the engine"
         assert min(stale, initial) > WRONG_BEYOND_FLOORS / SYNCED_WITHIN_FLOORS * synced, (synced, stale, initial)
@@ -192,8 +230,7 @@ SYNCED_WITHIN_FLOORS = 2.0
 WRONG_BEYOND_FLOORS = 30.0
 
 
-def test_colocated_vllm_sampling_with_top_k_gives_pi_over_mu_of_one_up_to_the_bf16_mismatch(tmp_path,
-                                                                                          tmp_path_factory):
+def test_colocated_vllm_sampling_with_top_k_gives_pi_over_mu_of_one_up_to_the_bf16_mismatch(tmp_path, tmp_path_factory):
     """The user's tied Qwen2, random-initialised (near uniform over its vocabulary), on the colocated engine with
     top_k 3 at learning rate 0: pi is scored on mu's top-3 support, so every ratio is 1 up to the engine's bfloat16
     mismatch, where the whole-vocabulary score gives ratios below 1e-3 (the kept mass of 3 tokens, multiplied over
@@ -204,17 +241,36 @@ def test_colocated_vllm_sampling_with_top_k_gives_pi_over_mu_of_one_up_to_the_bf
     from topr_trl import TOPRConfig, TOPRTrainer
 
     model_dir, dataset, reward, length = user_model(tmp_path_factory, tied=True)
-    args = TOPRConfig(str(tmp_path), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="colocate",
-                      vllm_gpu_memory_utilization=0.3, per_device_train_batch_size=16, num_generations=8,
-                      max_completion_length=length, max_steps=2, learning_rate=0.0, top_k=3, steps_per_generation=2,
-                      topr_signal="reward",
-                      topr_behaviour_source="sampler", topr_unscored_batch="train", logging_steps=1,
-                      report_to="none", save_strategy="no")
+    args = TOPRConfig(
+        str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.3,
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=length,
+        max_steps=2,
+        learning_rate=0.0,
+        top_k=3,
+        steps_per_generation=2,
+        topr_signal="reward",
+        topr_behaviour_source="sampler",
+        topr_unscored_batch="train",
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+    )
     trainer = TOPRTrainer(model_dir, reward, args=args, train_dataset=dataset)
     trainer.train()
-    ratios = [entry[f"topr/ratio_{sign}/{stat}"] for entry in trainer.state.log_history
-              for sign in ("positive", "negative") for stat in ("min", "max")
-              if entry.get(f"topr/ratio_{sign}/{stat}") is not None]
+    ratios = [
+        entry[f"topr/ratio_{sign}/{stat}"]
+        for entry in trainer.state.log_history
+        for sign in ("positive", "negative")
+        for stat in ("min", "max")
+        if entry.get(f"topr/ratio_{sign}/{stat}") is not None
+    ]
     assert ratios and all(0.5 < ratio < 2.0 for ratio in ratios), ratios
     # two steps per generation: the policy's log-probs at generation time exist beside the engine's, and the log-ratio
     # splits into drift (none at learning rate 0: the same weights, another batch layout) and the engine's mismatch
@@ -230,10 +286,18 @@ def test_colocated_vllm_sampling_with_top_k_gives_pi_over_mu_of_one_up_to_the_bf
     gc.collect()
 
 
-@pytest.mark.parametrize("which", ["built-in reasoning model (tied)", "user's Qwen2 (tied)", "user's Qwen2 (untied)",
-                                   pytest.param("packaged SmolLM2-135M-Instruct (tied)", marks=pytest.mark.slow)])
-def test_colocated_vllm_samples_from_the_policys_current_weights_and_mu_is_its_sampler(which, reasoning_model,
-                                                                                       tmp_path, tmp_path_factory):
+@pytest.mark.parametrize(
+    "which",
+    [
+        "built-in reasoning model (tied)",
+        "user's Qwen2 (tied)",
+        "user's Qwen2 (untied)",
+        pytest.param("packaged SmolLM2-135M-Instruct (tied)", marks=pytest.mark.slow),
+    ],
+)
+def test_colocated_vllm_samples_from_the_policys_current_weights_and_mu_is_its_sampler(
+    which, reasoning_model, tmp_path, tmp_path_factory
+):
     """Online TOPR with `use_vllm=True, vllm_mode="colocate"` on a CPU, where TRL's per-tensor weight load fails
     (`topr_trl.vllm_colocate`), for tied and untied output layers. After 3 steps at a learning rate that moves the
     policy, the engine's log-probs of fixed completions equal those of the weights the last generation was synced
@@ -268,40 +332,73 @@ def check_colocated_sync(which: str, reasoning_model, tmp_path, tmp_path_factory
     from topr_trl.vllm_colocate import repack_tied_weights
 
     if which.startswith("built-in"):
-        model_dir, dataset, reward, length = (reasoning_model, make_reasoning_dataset(48, 3), reasoning_reward,
-                                              max_completion_tokens(3))
+        model_dir, dataset, reward, length = (
+            reasoning_model,
+            make_reasoning_dataset(48, 3),
+            reasoning_reward,
+            max_completion_tokens(3),
+        )
     elif which.startswith("packaged"):
         model_dir, dataset, reward, length = packaged_real_model()
     else:
         model_dir, dataset, reward, length = user_model(tmp_path_factory, tied="(tied)" in which)
     snapshots = WeightSnapshots()
-    args = TOPRConfig(str(tmp_path), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="colocate",
-                      vllm_gpu_memory_utilization=0.3, **batch_of(which),
-                      max_completion_length=length, max_steps=3,
-                      learning_rate=REAL_MODEL_RATE if which.startswith("packaged") else 3e-2, topr_signal="reward",
-                      topr_behaviour_source="sampler", topr_unscored_batch="train", logging_steps=1,
-                      report_to="none", save_strategy="no")
+    args = TOPRConfig(
+        str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.3,
+        **batch_of(which),
+        max_completion_length=length,
+        max_steps=3,
+        learning_rate=REAL_MODEL_RATE if which.startswith("packaged") else 3e-2,
+        topr_signal="reward",
+        topr_behaviour_source="sampler",
+        topr_unscored_batch="train",
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+    )
     trainer = TOPRTrainer(model_dir, reward, args=args, train_dataset=dataset, callbacks=[snapshots])
     llm, tokenizer = trainer.vllm_generation.llm, trainer.processing_class
     if not repacked and llm.collective_rpc(output_layer_reads_its_weight)[0]:
-        pytest.skip("on this CPU vLLM's output layer computes from its weight itself, not from a copy packed at load: "
-                    "a tied output layer cannot go stale, so there is nothing for the re-pack to fix")
+        pytest.skip(
+            "on this CPU vLLM's output layer computes from its weight itself, not from a copy packed at load: "
+            "a tied output layer cannot go stale, so there is nothing for the re-pack to fix"
+        )
     if which.startswith("built-in"):
-        prompt = tokenizer.apply_chat_template(make_reasoning_dataset(1, 3, "heldout")[0]["prompt"],
-                                               add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        prompt = tokenizer.apply_chat_template(
+            make_reasoning_dataset(1, 3, "heldout")[0]["prompt"],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
     else:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 3 plus 4?"}],
-                                               add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"] \
-            if which.startswith("packaged") else tokenizer("What is 3 plus 4?")["input_ids"]
+        prompt = (
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": "What is 3 plus 4?"}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+            if which.startswith("packaged")
+            else tokenizer("What is 3 plus 4?")["input_ids"]
+        )
     sampled = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=4, max_tokens=20, seed=0), use_tqdm=False)
     sequences = [prompt + list(sample.token_ids) for sample in sampled[0].outputs]
 
     def engine_logps() -> list[torch.Tensor]:
-        scored = llm.generate([{"prompt_token_ids": sequence} for sequence in sequences],
-                              SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-        return [torch.tensor([output.prompt_logprobs[i][sequence[i]].logprob
-                              for i in range(len(prompt), len(sequence))])
-                for output, sequence in zip(scored, sequences, strict=True)]
+        scored = llm.generate(
+            [{"prompt_token_ids": sequence} for sequence in sequences],
+            SamplingParams(max_tokens=1, prompt_logprobs=0),
+            use_tqdm=False,
+        )
+        return [
+            torch.tensor([output.prompt_logprobs[i][sequence[i]].logprob for i in range(len(prompt), len(sequence))])
+            for output, sequence in zip(scored, sequences, strict=True)
+        ]
 
     def gap_to(state, engine) -> float:
         model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -311,13 +408,20 @@ def check_colocated_sync(which: str, reasoning_model, tmp_path, tmp_path_factory
     initial_state = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
     # before training the engine holds the weights it loaded from disk: the floor's scale on this machine
     gap_at_load = gap_to(initial_state, engine_logps())
-    assert gap_at_load < (REAL_MODEL_ENGINE_MISMATCH if which.startswith("packaged") else
-                          SYNCED_WITHIN_FLOORS * bf16_floor(model_dir, initial_state, sequences, len(prompt)))
+    assert gap_at_load < (
+        REAL_MODEL_ENGINE_MISMATCH
+        if which.startswith("packaged")
+        else SYNCED_WITHIN_FLOORS * bf16_floor(model_dir, initial_state, sequences, len(prompt))
+    )
     trainer.train()
 
     first = trainer.state.log_history[0]
-    ratios = [first[f"topr/ratio_{sign}/{stat}"] for sign in ("positive", "negative") for stat in ("min", "max")
-              if first.get(f"topr/ratio_{sign}/{stat}") is not None]
+    ratios = [
+        first[f"topr/ratio_{sign}/{stat}"]
+        for sign in ("positive", "negative")
+        for stat in ("min", "max")
+        if first.get(f"topr/ratio_{sign}/{stat}") is not None
+    ]
     # the engine's bfloat16 mismatch, multiplied over the completion: on the real model 0.07-0.11 per token
     # (measured), so its band is wider (measured 0.66-1.54 over 16 tokens)
     band = (0.5, 2.0) if which.startswith("packaged") else (0.8, 1.25)
@@ -329,13 +433,14 @@ def check_colocated_sync(which: str, reasoning_model, tmp_path, tmp_path_factory
     floor = None if which.startswith("packaged") else bf16_floor(model_dir, snapshots.states[2], sequences, len(prompt))
     assert_the_engine_holds_the_synced_weights(which, *(gap_to(snapshots.states[i], engine) for i in (2, 1, 0)), floor)
     tied = trainer.model.config.tie_word_embeddings
-    assert not repacked or sorted(llm.collective_rpc(repack_tied_weights)[0]) == (["lm_head", "model.embed_tokens"] if tied else [])
+    assert not repacked or sorted(llm.collective_rpc(repack_tied_weights)[0]) == (
+        ["lm_head", "model.embed_tokens"] if tied else []
+    )
     trainer = llm = None  # the engine's memory, before the next test builds one
     gc.collect()
 
 
-def test_a_tied_output_layer_left_at_its_first_load_is_caught(reasoning_model, tmp_path, tmp_path_factory,
-                                                               monkeypatch):
+def test_a_tied_output_layer_left_at_its_first_load_is_caught(reasoning_model, tmp_path, tmp_path_factory, monkeypatch):
     """The check above fails on the bug it guards against: without the re-pack, the engine samples through the output
     layer of the first load, and its log-probs are far from the synced weights'."""
     import topr_trl.vllm_colocate as colocate
@@ -365,9 +470,22 @@ def test_server_mode_on_a_cpu_generates_but_trls_weight_sync_needs_cuda(reasonin
     from topr_trl import TOPRConfig, TOPRTrainer
 
     environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    trl_command = subprocess.run([str(Path(sys.executable).parent / "trl"), "vllm-serve", "--model", reasoning_model,
-                                  "--port", str(free_port()), "--gpu_memory_utilization", "0.5"], env=environment, capture_output=True, text=True,
-                                 timeout=300)
+    trl_command = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "trl"),
+            "vllm-serve",
+            "--model",
+            reasoning_model,
+            "--port",
+            str(free_port()),
+            "--gpu_memory_utilization",
+            "0.5",
+        ],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert trl_command.returncode != 0
     assert "No package metadata was found for vllm" in trl_command.stdout + trl_command.stderr
 
@@ -377,9 +495,19 @@ def test_server_mode_on_a_cpu_generates_but_trls_weight_sync_needs_cuda(reasonin
         assert len(output["completion_ids"]) == 2
         assert [len(logps) for logps in output["logprobs"]] == [len(ids) for ids in output["completion_ids"]]
 
-        args = TOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="server",
-                          vllm_server_base_url=url, per_device_train_batch_size=8,
-                          num_generations=8, max_steps=1, report_to="none", save_strategy="no")
+        args = TOPRConfig(
+            str(tmp_path / "out"),
+            use_cpu=True,
+            bf16=False,
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_base_url=url,
+            per_device_train_batch_size=8,
+            num_generations=8,
+            max_steps=1,
+            report_to="none",
+            save_strategy="no",
+        )
         with pytest.raises(NotImplementedError, match="needs a CUDA device"):
             TOPRTrainer(reasoning_model, reasoning_reward, args=args, train_dataset=make_reasoning_dataset(8, 3))
 
@@ -392,10 +520,28 @@ def vllm_server(model: str, tmp_path):
     port = free_port()
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-         "--enforce-eager", "--gpu-memory-utilization", "0.5", "--weight-transfer-config", '{"backend": "nccl"}',
-         "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"],
-        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, stdout=log, stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--enforce-eager",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--weight-transfer-config",
+            '{"backend": "nccl"}',
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--max-logprobs",
+            "-1",
+        ],
+        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.time() + 300
         while True:
@@ -448,22 +594,40 @@ def test_async_topr_trains_on_trls_own_vllm_worker_against_the_cpu_engine(reason
     tokenizer = AutoTokenizer.from_pretrained(reasoning_model)
     tokenizer.response_template = qwen3_template
     with vllm_server(reasoning_model, tmp_path) as url:
-        args = AsyncTOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, vllm_server_base_url=url,
-                               per_device_train_batch_size=16, num_generations=8, learning_rate=1e-3,
-                               # at 4 steps' worth of requests in flight vLLM's CPU engine can crash on TRL's seeded
-                               # requests ("CPU Generator does not use offset") when it splits a prefill: keep one
-                               # step's (this plain vLLM server keeps chunked prefill; `topr-trl vllm-serve` turns it
-                               # off on a CPU, NO_CHUNKED_PREFILL)
-                               max_inflight_tasks=16,
-                               max_completion_length=max_completion_tokens(3), max_steps=4, logging_steps=1,
-                               report_to="none", save_strategy="no")
-        trainer = AsyncTOPRTrainer(reasoning_model, reasoning_reward, args, train_dataset=make_reasoning_dataset(64, 3),
-                                   processing_class=tokenizer, weight_transfer=NoWeightSync())
+        args = AsyncTOPRConfig(
+            str(tmp_path / "out"),
+            use_cpu=True,
+            bf16=False,
+            vllm_server_base_url=url,
+            per_device_train_batch_size=16,
+            num_generations=8,
+            learning_rate=1e-3,
+            # at 4 steps' worth of requests in flight vLLM's CPU engine can crash on TRL's seeded
+            # requests ("CPU Generator does not use offset") when it splits a prefill: keep one
+            # step's (this plain vLLM server keeps chunked prefill; `topr-trl vllm-serve` turns it
+            # off on a CPU, NO_CHUNKED_PREFILL)
+            max_inflight_tasks=16,
+            max_completion_length=max_completion_tokens(3),
+            max_steps=4,
+            logging_steps=1,
+            report_to="none",
+            save_strategy="no",
+        )
+        trainer = AsyncTOPRTrainer(
+            reasoning_model,
+            reasoning_reward,
+            args,
+            train_dataset=make_reasoning_dataset(64, 3),
+            processing_class=tokenizer,
+            weight_transfer=NoWeightSync(),
+        )
         trainer.train()
     history = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert trainer.state.global_step == 4 and len(history) == 4
-    assert not any(entry.get("sample/dropped_stale_total") or entry.get("batch/dropped_oversize_total")
-                   for entry in trainer.state.log_history)
+    assert not any(
+        entry.get("sample/dropped_stale_total") or entry.get("batch/dropped_oversize_total")
+        for entry in trainer.state.log_history
+    )
     assert sum(trainer.staleness_counts.values()) >= 4 * 8
     # while the policy is still the base model (no update yet), pi/mu is the mismatch only: mu is vLLM's log-probs of
     # the same weights. (A step whose groups all have equal rewards has no signal and moves nothing.)

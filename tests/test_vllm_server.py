@@ -60,8 +60,9 @@ def served(model: str, log: Path, *flags: str, port: int | None = None, env: dic
     yields (url, process) once /health answers."""
     from topr_trl.vllm_server.command import launch_server
 
-    server, url = launch_server(model, port or free_port(), log, "--gpu_memory_utilization", "0.5",
-                                *flags, env=child_environment(**(env or {})))
+    server, url = launch_server(
+        model, port or free_port(), log, "--gpu_memory_utilization", "0.5", *flags, env=child_environment(**(env or {}))
+    )
     try:
         yield url, server
     finally:
@@ -84,8 +85,12 @@ def server_logps(url: str, sequences: list[list[int]], prompt_length: int, heade
     name = requests.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     rows = []
     for sequence in sequences:
-        reply = requests.post(f"{url}/v1/completions", headers=headers, timeout=60, json={
-            "model": name, "prompt": sequence, "max_tokens": 1, "prompt_logprobs": 0}).json()
+        reply = requests.post(
+            f"{url}/v1/completions",
+            headers=headers,
+            timeout=60,
+            json={"model": name, "prompt": sequence, "max_tokens": 1, "prompt_logprobs": 0},
+        ).json()
         scored = reply["choices"][0]["prompt_logprobs"]
         rows.append(torch.tensor([scored[i][str(sequence[i])]["logprob"] for i in range(prompt_length, len(sequence))]))
     return rows
@@ -93,13 +98,17 @@ def server_logps(url: str, sequences: list[list[int]], prompt_length: int, heade
 
 def sampled_sequences(url: str, prompt: list[int], n: int = 4, length: int = 20) -> list[list[int]]:
     name = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    reply = requests.post(f"{url}/v1/completions", timeout=60, json={
-        "model": name, "prompt": prompt, "n": n, "max_tokens": length, "seed": 0, "return_token_ids": True}).json()
+    reply = requests.post(
+        f"{url}/v1/completions",
+        timeout=60,
+        json={"model": name, "prompt": prompt, "n": n, "max_tokens": length, "seed": 0, "return_token_ids": True},
+    ).json()
     return [prompt + choice["token_ids"] for choice in reply["choices"]]
 
 
 def test_a_float32_server_sampling_with_top_k_or_top_p_gives_pi_over_mu_of_one_at_learning_rate_zero(
-        tmp_path, tmp_path_factory):
+    tmp_path, tmp_path_factory
+):
     """The user's tied Qwen2, random-initialised (near uniform over its vocabulary, as a base model on a hard task),
     served in float32 so that no bf16 mismatch enters: mu is the server's processed log-probs, pi is scored on the
     same support, and at learning rate 0 every ratio is 1 within 1e-4 for top_k 3 and for top_p 0.9. Scored over the
@@ -110,17 +119,37 @@ def test_a_float32_server_sampling_with_top_k_or_top_p_gives_pi_over_mu_of_one_a
     model_dir, dataset, reward, length = user_model(tmp_path_factory, tied=True)
     with served(model_dir, tmp_path / "server.log", "--dtype", "float32") as (url, _):
         for sampling in ({"top_k": 3}, {"top_p": 0.9}):
-            args = TOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="server",
-                              vllm_server_base_url=url, vllm_group_port=free_port(), per_device_train_batch_size=16,
-                              num_generations=8, max_completion_length=length, max_steps=2, learning_rate=0.0,
-                              topr_signal="reward", topr_behaviour_source="sampler", topr_unscored_batch="train",
-                              logging_steps=1, report_to="none", save_strategy="no", **sampling)
+            args = TOPRConfig(
+                str(tmp_path / "out"),
+                use_cpu=True,
+                bf16=False,
+                use_vllm=True,
+                vllm_mode="server",
+                vllm_server_base_url=url,
+                vllm_group_port=free_port(),
+                per_device_train_batch_size=16,
+                num_generations=8,
+                max_completion_length=length,
+                max_steps=2,
+                learning_rate=0.0,
+                topr_signal="reward",
+                topr_behaviour_source="sampler",
+                topr_unscored_batch="train",
+                logging_steps=1,
+                report_to="none",
+                save_strategy="no",
+                **sampling,
+            )
             trainer = TOPRTrainer(model_dir, reward, args=args, train_dataset=dataset)
             assert trainer._sampler_processing.engine == "vllm"
             trainer.train()
-            ratios = [entry[f"topr/ratio_{sign}/{stat}"] for entry in trainer.state.log_history
-                      for sign in ("positive", "negative") for stat in ("min", "max")
-                      if entry.get(f"topr/ratio_{sign}/{stat}") is not None]
+            ratios = [
+                entry[f"topr/ratio_{sign}/{stat}"]
+                for entry in trainer.state.log_history
+                for sign in ("positive", "negative")
+                for stat in ("min", "max")
+                if entry.get(f"topr/ratio_{sign}/{stat}") is not None
+            ]
             assert ratios and all(abs(ratio - 1) < 1e-4 for ratio in ratios), (sampling, ratios)
             trainer._sampler_processing = None  # scored over the whole vocabulary, as TRL does
             batch = trainer._generate_and_score_completions(list(dataset.select(range(8))))
@@ -132,10 +161,18 @@ def test_a_float32_server_sampling_with_top_k_or_top_p_gives_pi_over_mu_of_one_a
             assert log_ratio.max().exp() < bound, (sampling, log_ratio)
 
 
-@pytest.mark.parametrize("which", ["built-in reasoning model (tied)", "user's Qwen2 (tied)", "user's Qwen2 (untied)",
-                                   pytest.param("packaged SmolLM2-135M-Instruct (tied)", marks=pytest.mark.slow)])
-def test_server_mode_trains_on_a_cpu_and_the_server_holds_the_weights_of_the_last_sync(which, reasoning_model,
-                                                                                       tmp_path, tmp_path_factory):
+@pytest.mark.parametrize(
+    "which",
+    [
+        "built-in reasoning model (tied)",
+        "user's Qwen2 (tied)",
+        "user's Qwen2 (untied)",
+        pytest.param("packaged SmolLM2-135M-Instruct (tied)", marks=pytest.mark.slow),
+    ],
+)
+def test_server_mode_trains_on_a_cpu_and_the_server_holds_the_weights_of_the_last_sync(
+    which, reasoning_model, tmp_path, tmp_path_factory
+):
     """TOPRTrainer with `use_vllm=True, vllm_mode="server"` against `topr-trl vllm-serve`, on a CPU. After 3 steps at
     a learning rate that moves the policy, the server's log-probs of fixed completions equal those of the weights the
     last generation was synced from within twice their bf16 floor (the server computes in bfloat16), and sit far from
@@ -146,32 +183,59 @@ def test_server_mode_trains_on_a_cpu_and_the_server_holds_the_weights_of_the_las
     from topr_trl.vllm_server.client import GlooServerGeneration
 
     if which.startswith("built-in"):
-        model_dir, dataset, reward, length = (reasoning_model, make_reasoning_dataset(48, 3), reasoning_reward,
-                                              max_completion_tokens(3))
+        model_dir, dataset, reward, length = (
+            reasoning_model,
+            make_reasoning_dataset(48, 3),
+            reasoning_reward,
+            max_completion_tokens(3),
+        )
     elif which.startswith("packaged"):
         model_dir, dataset, reward, length = packaged_real_model()
     else:
         model_dir, dataset, reward, length = user_model(tmp_path_factory, tied="(tied)" in which)
     with served(model_dir, tmp_path / "server.log") as (url, _):
         snapshots = WeightSnapshots()
-        args = TOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="server",
-                          vllm_server_base_url=url, vllm_group_port=free_port(), **batch_of(which),
-                          max_completion_length=length, max_steps=3,
-                          learning_rate=REAL_MODEL_RATE if which.startswith("packaged") else 3e-2,
-                          topr_signal="reward", topr_behaviour_source="sampler", topr_unscored_batch="train",
-                          logging_steps=1, report_to="none", save_strategy="no")
+        args = TOPRConfig(
+            str(tmp_path / "out"),
+            use_cpu=True,
+            bf16=False,
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_base_url=url,
+            vllm_group_port=free_port(),
+            **batch_of(which),
+            max_completion_length=length,
+            max_steps=3,
+            learning_rate=REAL_MODEL_RATE if which.startswith("packaged") else 3e-2,
+            topr_signal="reward",
+            topr_behaviour_source="sampler",
+            topr_unscored_batch="train",
+            logging_steps=1,
+            report_to="none",
+            save_strategy="no",
+        )
         trainer = TOPRTrainer(model_dir, reward, args=args, train_dataset=dataset, callbacks=[snapshots])
         assert isinstance(trainer.vllm_generation, GlooServerGeneration)
         assert not trainer.vllm_importance_sampling_correction
         tokenizer = trainer.processing_class
         if which.startswith("built-in"):
-            prompt = tokenizer.apply_chat_template(make_reasoning_dataset(1, 3, "heldout")[0]["prompt"],
-                                                   add_generation_prompt=True, tokenize=True,
-                                                   return_dict=True)["input_ids"]
+            prompt = tokenizer.apply_chat_template(
+                make_reasoning_dataset(1, 3, "heldout")[0]["prompt"],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
         else:
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 3 plus 4?"}],
-                                               add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"] \
-            if which.startswith("packaged") else tokenizer("What is 3 plus 4?")["input_ids"]
+            prompt = (
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": "What is 3 plus 4?"}],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=True,
+                )["input_ids"]
+                if which.startswith("packaged")
+                else tokenizer("What is 3 plus 4?")["input_ids"]
+            )
         sequences = sampled_sequences(url, prompt)
 
         def gap_to(state, served_logps) -> float:
@@ -181,14 +245,21 @@ def test_server_mode_trains_on_a_cpu_and_the_server_holds_the_weights_of_the_las
 
         initial_state = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
         gap_at_load = gap_to(initial_state, server_logps(url, sequences, len(prompt)))
-        assert gap_at_load < (REAL_MODEL_ENGINE_MISMATCH if which.startswith("packaged") else
-                              SYNCED_WITHIN_FLOORS * bf16_floor(model_dir, initial_state, sequences, len(prompt)))
+        assert gap_at_load < (
+            REAL_MODEL_ENGINE_MISMATCH
+            if which.startswith("packaged")
+            else SYNCED_WITHIN_FLOORS * bf16_floor(model_dir, initial_state, sequences, len(prompt))
+        )
         trainer.train()
         held = server_logps(url, sequences, len(prompt))
 
     first = trainer.state.log_history[0]
-    ratios = [first[f"topr/ratio_{sign}/{stat}"] for sign in ("positive", "negative") for stat in ("min", "max")
-              if first.get(f"topr/ratio_{sign}/{stat}") is not None]
+    ratios = [
+        first[f"topr/ratio_{sign}/{stat}"]
+        for sign in ("positive", "negative")
+        for stat in ("min", "max")
+        if first.get(f"topr/ratio_{sign}/{stat}") is not None
+    ]
     # the engine's bfloat16 mismatch, multiplied over the completion: on the real model 0.07-0.11 per token
     # (measured), so its band is wider (measured 0.66-1.54 over 16 tokens)
     band = (0.5, 2.0) if which.startswith("packaged") else (0.8, 1.25)
@@ -210,11 +281,20 @@ def test_seeded_requests_whose_prompts_overflow_one_step_are_served_on_a_cpu(rea
 
     log = tmp_path / "server.log"
     with served(reasoning_model, log, "--dtype", "float32") as (url, _):
+
         def seeded(index: int) -> int:
             prompt = [5 + (index + position) % 40 for position in range(400)]
-            return requests.post(f"{url}/v1/completions", timeout=120, json={
-                "model": reasoning_model, "prompt": prompt, "max_tokens": 4, "seed": 1000 + index,
-                "temperature": 1.0}).status_code
+            return requests.post(
+                f"{url}/v1/completions",
+                timeout=120,
+                json={
+                    "model": reasoning_model,
+                    "prompt": prompt,
+                    "max_tokens": 4,
+                    "seed": 1000 + index,
+                    "temperature": 1.0,
+                },
+            ).status_code
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             statuses = list(pool.map(seeded, range(8)))
@@ -223,7 +303,8 @@ def test_seeded_requests_whose_prompts_overflow_one_step_are_served_on_a_cpu(rea
 
 
 def test_the_secret_guards_every_route_but_health_and_a_server_of_another_model_is_refused(
-        reasoning_model, tmp_path, tmp_path_factory, monkeypatch):
+    reasoning_model, tmp_path, tmp_path_factory, monkeypatch
+):
     """A server started with the secret refuses, with 401 and a log line naming the route and the caller (never the
     secret), any request without it; /health stays open; a trainer without it is told in one line. A trainer holding
     it reaches the server, which serves another model than the trainer's (the user's Qwen2, not the built-in
@@ -236,17 +317,31 @@ def test_the_secret_guards_every_route_but_health_and_a_server_of_another_model_
     log = tmp_path / "server.log"
     with served(user_dir, log, env={SECRET_ENV: secret}) as (url, _):
         assert requests.get(f"{url}/health", timeout=10).status_code == 200
-        for route, headers in (("/collective_rpc", {}), ("/update_weights", {"Authorization": "Bearer wrong"}),
-                               ("/v1/completions", {})):
+        for route, headers in (
+            ("/collective_rpc", {}),
+            ("/update_weights", {"Authorization": "Bearer wrong"}),
+            ("/v1/completions", {}),
+        ):
             assert requests.post(f"{url}{route}", json={}, headers=headers, timeout=10).status_code == 401
         monkeypatch.delenv(SECRET_ENV, raising=False)
         with pytest.raises(ServerLost, match=f"{url} refused this trainer: it requires a secret; set {SECRET_ENV}"):
             server_weight_backend(url, 10)
 
         monkeypatch.setenv(SECRET_ENV, secret)
-        args = TOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="server",
-                          vllm_server_base_url=url, vllm_group_port=free_port(), per_device_train_batch_size=8,
-                          num_generations=8, max_steps=1, report_to="none", save_strategy="no")
+        args = TOPRConfig(
+            str(tmp_path / "out"),
+            use_cpu=True,
+            bf16=False,
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_base_url=url,
+            vllm_group_port=free_port(),
+            per_device_train_batch_size=8,
+            num_generations=8,
+            max_steps=1,
+            report_to="none",
+            save_strategy="no",
+        )
         with pytest.raises(ValueError, match=f"{url} serves {user_dir}, not the model being trained") as refusal:
             TOPRTrainer(reasoning_model, reasoning_reward, args=args, train_dataset=make_reasoning_dataset(8, 3))
         assert "(server) vs" in str(refusal.value) and "(trainer)" in str(refusal.value)
@@ -276,10 +371,16 @@ def test_a_push_broken_half_way_stops_the_server_and_the_trainer_is_not_left_wai
         "for _, p in named[:2]:\n"
         "    broadcast_bytes(client.group, p.detach())\n"
         "print('sent 2 of', len(named), flush=True)\n"
-        "os._exit(3)\n")
+        "os._exit(3)\n"
+    )
     with served(reasoning_model, log) as (url, server):
-        pushed = subprocess.run([sys.executable, "-c", pusher, url, reasoning_model, str(free_port())],
-                                capture_output=True, text=True, timeout=300, env=child_environment())
+        pushed = subprocess.run(
+            [sys.executable, "-c", pusher, url, reasoning_model, str(free_port())],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=child_environment(),
+        )
         assert pushed.returncode == 3 and "sent 2 of" in pushed.stdout, pushed.stderr[-3000:]
         server.wait(timeout=120)  # it stops by itself; `served` would otherwise stop it
     assert "the weight transfer broke after 2 of" in log.read_text()
@@ -299,13 +400,19 @@ def user_folder_for_server(tmp_path_factory) -> Path:
 
 
 def cli(folder: Path, argv: list[str], **env) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "topr_trl", *argv], cwd=folder, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env=child_environment(PYTHONPATH=str(folder), OMP_NUM_THREADS="1", **env))
+    return subprocess.Popen(
+        [sys.executable, "-m", "topr_trl", *argv],
+        cwd=folder,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_environment(PYTHONPATH=str(folder), OMP_NUM_THREADS="1", **env),
+    )
 
 
-def test_a_server_killed_under_a_run_stops_it_in_one_line_and_the_run_resumes_on_a_new_one(user_folder_for_server,
-                                                                                           tmp_path):
+def test_a_server_killed_under_a_run_stops_it_in_one_line_and_the_run_resumes_on_a_new_one(
+    user_folder_for_server, tmp_path
+):
     """The README's user path in server mode (`topr-trl train` on the user's model, data and reward, against
     `topr-trl vllm-serve`): the server is killed (every process, SIGKILL) after the second checkpoint. The run
     stops within a bounded time (TRL's client retries a refused connection for about a minute), in one line naming
@@ -314,9 +421,26 @@ def test_a_server_killed_under_a_run_stops_it_in_one_line_and_the_run_resumes_on
     folder = user_folder_for_server
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = user_run(folder, "outputs/served", "--use_vllm", "true", "--vllm_mode", "server",
-                       "--vllm_server_base_url", url, "--vllm_group_port", str(free_port()), "--max_steps", "12",
-                       "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1")
+    command = user_run(
+        folder,
+        "outputs/served",
+        "--use_vllm",
+        "true",
+        "--vllm_mode",
+        "server",
+        "--vllm_server_base_url",
+        url,
+        "--vllm_group_port",
+        str(free_port()),
+        "--max_steps",
+        "12",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "2",
+        "--logging_steps",
+        "1",
+    )
     checkpoint = folder / "outputs" / "served" / "checkpoint-2"
     with served(str(folder / "my-model"), tmp_path / "server.log", port=port) as (_, server):
         run = cli(folder, command)
@@ -347,46 +471,104 @@ def test_two_trainer_processes_train_against_one_server(user_folder_for_server, 
     folder = user_folder_for_server
     with served(str(folder / "my-model"), tmp_path / "server.log") as (url, _):
         launched = subprocess.run(
-            [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-             "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", "0", "-m", "topr_trl",
-             *user_run(folder, "outputs/two", "--use_vllm", "true", "--vllm_mode", "server",
-                       "--vllm_server_base_url", url, "--vllm_group_port", str(free_port()), "--max_steps", "3",
-                       # the reward itself as the signal (a random model's completions all score -1: no advantage)
-                       "--topr_signal", "reward", "--learning_rate", "1e-2", "--logging_steps", "1")],
-            cwd=folder, capture_output=True, text=True, timeout=600,
-            env=child_environment(PYTHONPATH=str(folder), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu"))
+            [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                "--multi_gpu",
+                "--num_processes",
+                "2",
+                "--num_machines",
+                "1",
+                "--mixed_precision",
+                "no",
+                "--main_process_port",
+                "0",
+                "-m",
+                "topr_trl",
+                *user_run(
+                    folder,
+                    "outputs/two",
+                    "--use_vllm",
+                    "true",
+                    "--vllm_mode",
+                    "server",
+                    "--vllm_server_base_url",
+                    url,
+                    "--vllm_group_port",
+                    str(free_port()),
+                    "--max_steps",
+                    "3",
+                    # the reward itself as the signal (a random model's completions all score -1: no advantage)
+                    "--topr_signal",
+                    "reward",
+                    "--learning_rate",
+                    "1e-2",
+                    "--logging_steps",
+                    "1",
+                ),
+            ],
+            cwd=folder,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=child_environment(PYTHONPATH=str(folder), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu"),
+        )
         pushes = (tmp_path / "server.log").read_text().count('"POST /update_weights HTTP/1.1" 200')
     assert launched.returncode == 0, launched.stderr[-4000:]
     assert pushes == 3  # before each of the 3 steps' generation, once (by the main process), not once per process
     trained = AutoModelForCausalLM.from_pretrained(folder / "outputs" / "two")
     base = AutoModelForCausalLM.from_pretrained(folder / "my-model")
-    assert any(not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), base.state_dict().values(), strict=False))
+    assert any(
+        not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), base.state_dict().values(), strict=False)
+    )
 
 
 def test_a_second_trainer_trains_against_the_server_while_the_first_still_holds_the_default_port(
-        user_folder_for_server, tmp_path):
+    user_folder_for_server, tmp_path
+):
     """A first trainer's weight path still open (a notebook that trained once) holds GRPOConfig's default group port
     on this machine; a second trainer process, left at the default, hosts its rendezvous on a free port instead of
     failing at its first push with EADDRINUSE, and trains."""
     from topr_trl.vllm_server.client import DEFAULT_GROUP_PORT
 
     folder = user_folder_for_server
-    holder = ("import sys, time\n"
-              "from topr_trl.vllm_server.client import GlooVLLMClient\n"
-              "client = GlooVLLMClient(base_url=sys.argv[1], group_port=int(sys.argv[2]), connection_timeout=60)\n"
-              "client.init_communicator()\n"
-              "print('holding', client.group_port, flush=True)\n"
-              "time.sleep(600)\n")
+    holder = (
+        "import sys, time\n"
+        "from topr_trl.vllm_server.client import GlooVLLMClient\n"
+        "client = GlooVLLMClient(base_url=sys.argv[1], group_port=int(sys.argv[2]), connection_timeout=60)\n"
+        "client.init_communicator()\n"
+        "print('holding', client.group_port, flush=True)\n"
+        "time.sleep(600)\n"
+    )
     with served(str(folder / "my-model"), tmp_path / "server.log") as (url, _):
-        first = subprocess.Popen([sys.executable, "-c", holder, url, str(DEFAULT_GROUP_PORT)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=child_environment())
+        first = subprocess.Popen(
+            [sys.executable, "-c", holder, url, str(DEFAULT_GROUP_PORT)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_environment(),
+        )
         try:
             said = first.stdout.readline().split()
             assert said[:1] == ["holding"], first.stderr.read()[-3000:] if first.poll() is not None else said
             if int(said[1]) != DEFAULT_GROUP_PORT:
                 pytest.skip(f"port {DEFAULT_GROUP_PORT} is taken on this machine by something else")
-            second = cli(folder, user_run(folder, "outputs/second", "--use_vllm", "true", "--vllm_mode", "server",
-                                          "--vllm_server_base_url", url, "--max_steps", "2"))
+            second = cli(
+                folder,
+                user_run(
+                    folder,
+                    "outputs/second",
+                    "--use_vllm",
+                    "true",
+                    "--vllm_mode",
+                    "server",
+                    "--vllm_server_base_url",
+                    url,
+                    "--max_steps",
+                    "2",
+                ),
+            )
             _, stderr = second.communicate(timeout=600)
         finally:
             first.kill()
@@ -410,18 +592,38 @@ def test_async_topr_on_trls_rollout_worker_keeps_the_server_on_the_policy(reason
 
     tokenizer = AutoTokenizer.from_pretrained(reasoning_model)
     tokenizer.response_template = qwen3_template  # TRL's worker parses responses of the chat templates it knows
-    prompt = tokenizer.apply_chat_template(make_reasoning_dataset(1, 3, "heldout")[0]["prompt"],
-                                           add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    prompt = tokenizer.apply_chat_template(
+        make_reasoning_dataset(1, 3, "heldout")[0]["prompt"],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )["input_ids"]
     with served(reasoning_model, tmp_path / "server.log") as (url, _):
         sequences = sampled_sequences(url, prompt)
-        args = AsyncTOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, vllm_server_base_url=url,
-                               per_device_train_batch_size=16, num_generations=8, learning_rate=3e-2,
-                               topr_signal="reward", topr_baseline=0.5,
-                               max_inflight_tasks=16,  # one step's requests in flight: a shorter test
-                               max_completion_length=max_completion_tokens(3), max_steps=4, logging_steps=1,
-                               report_to="none", save_strategy="no")
-        trainer = AsyncTOPRTrainer(reasoning_model, reasoning_reward, args, train_dataset=make_reasoning_dataset(64, 3),
-                                   processing_class=tokenizer)
+        args = AsyncTOPRConfig(
+            str(tmp_path / "out"),
+            use_cpu=True,
+            bf16=False,
+            vllm_server_base_url=url,
+            per_device_train_batch_size=16,
+            num_generations=8,
+            learning_rate=3e-2,
+            topr_signal="reward",
+            topr_baseline=0.5,
+            max_inflight_tasks=16,  # one step's requests in flight: a shorter test
+            max_completion_length=max_completion_tokens(3),
+            max_steps=4,
+            logging_steps=1,
+            report_to="none",
+            save_strategy="no",
+        )
+        trainer = AsyncTOPRTrainer(
+            reasoning_model,
+            reasoning_reward,
+            args,
+            train_dataset=make_reasoning_dataset(64, 3),
+            processing_class=tokenizer,
+        )
         assert isinstance(trainer.weight_transfer, GlooWeightTransfer)
         initial = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
         trainer.train()
@@ -445,7 +647,8 @@ def test_async_topr_on_trls_rollout_worker_keeps_the_server_on_the_policy(reason
 
 @pytest.mark.parametrize("truncation", [{"top_k": 2}, {"top_p": 0.8}], ids=["top_k", "top_p"])
 def test_async_topr_on_trls_worker_sampling_with_top_k_or_top_p_gives_pi_over_mu_of_one_at_learning_rate_zero(
-        truncation, reasoning_model, tmp_path):
+    truncation, reasoning_model, tmp_path
+):
     """AsyncTOPRTrainer with TRL's own rollout worker sampling at top_k 2 or top_p 0.8 from a float32 server, at
     learning rate 0: the worker's settings reach vLLM's sampler, the trainer scores pi on that support in vLLM's filter
     order, and every ratio is 1 within 1e-4 (scored over the whole vocabulary instead, the top-k run's ratios were
@@ -459,19 +662,42 @@ def test_async_topr_on_trls_worker_sampling_with_top_k_or_top_p_gives_pi_over_mu
     tokenizer = AutoTokenizer.from_pretrained(reasoning_model)
     tokenizer.response_template = qwen3_template
     with served(reasoning_model, tmp_path / "server.log", "--dtype", "float32") as (url, _):
-        args = AsyncTOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, vllm_server_base_url=url,
-                               per_device_train_batch_size=16, num_generations=8, learning_rate=0.0, **truncation,
-                               topr_signal="reward", topr_baseline=0.5, max_inflight_tasks=16,
-                               max_completion_length=max_completion_tokens(3), max_steps=2, logging_steps=1,
-                               report_to="none", save_strategy="no")
-        trainer = AsyncTOPRTrainer(reasoning_model, reasoning_reward, args, train_dataset=make_reasoning_dataset(64, 3),
-                                   processing_class=tokenizer)
-        assert trainer._sampler_processing == SamplerProcessing(**{"top_k": None, "top_p": 1.0, **truncation},
-                                                                engine="vllm")
+        args = AsyncTOPRConfig(
+            str(tmp_path / "out"),
+            use_cpu=True,
+            bf16=False,
+            vllm_server_base_url=url,
+            per_device_train_batch_size=16,
+            num_generations=8,
+            learning_rate=0.0,
+            **truncation,
+            topr_signal="reward",
+            topr_baseline=0.5,
+            max_inflight_tasks=16,
+            max_completion_length=max_completion_tokens(3),
+            max_steps=2,
+            logging_steps=1,
+            report_to="none",
+            save_strategy="no",
+        )
+        trainer = AsyncTOPRTrainer(
+            reasoning_model,
+            reasoning_reward,
+            args,
+            train_dataset=make_reasoning_dataset(64, 3),
+            processing_class=tokenizer,
+        )
+        assert trainer._sampler_processing == SamplerProcessing(
+            **{"top_k": None, "top_p": 1.0, **truncation}, engine="vllm"
+        )
         trainer.train()
-    ratios = [entry[f"topr/ratio_{sign}/{stat}"] for entry in trainer.state.log_history
-              for sign in ("positive", "negative") for stat in ("min", "max")
-              if entry.get(f"topr/ratio_{sign}/{stat}") is not None]
+    ratios = [
+        entry[f"topr/ratio_{sign}/{stat}"]
+        for entry in trainer.state.log_history
+        for sign in ("positive", "negative")
+        for stat in ("min", "max")
+        if entry.get(f"topr/ratio_{sign}/{stat}") is not None
+    ]
     assert ratios and all(abs(ratio - 1) < 1e-4 for ratio in ratios), ratios
 
 
@@ -480,15 +706,55 @@ def test_the_command_lines_asynchronous_run_generates_on_the_server(reasoning_mo
     the in-process stand-in), with the server's weights following the policy through its gloo path; a stand-in-only
     flag beside it is refused in one line."""
     log = tmp_path / "server.log"
-    base = ["train", "--task", "reasoning", "--base_model_dir", str(Path(reasoning_model).parent), "--asynchronous",
-            "--max_steps", "3", "--task_eval_prompts", "16", "--save_strategy", "no"]
+    base = [
+        "train",
+        "--task",
+        "reasoning",
+        "--base_model_dir",
+        str(Path(reasoning_model).parent),
+        "--asynchronous",
+        "--max_steps",
+        "3",
+        "--task_eval_prompts",
+        "16",
+        "--save_strategy",
+        "no",
+    ]
     with served(reasoning_model, log) as (url, _):
-        refused = subprocess.run([sys.executable, "-m", "topr_trl", *base, "--vllm_server_base_url", url,
-                                  "--async_lag", "2", "--output_dir", str(tmp_path / "refused")],
-                                 capture_output=True, text=True, timeout=600, env=child_environment())
-        completed = subprocess.run([sys.executable, "-m", "topr_trl", *base, "--vllm_server_base_url", url,
-                                    "--output_dir", str(tmp_path / "run")],
-                                   capture_output=True, text=True, timeout=600, env=child_environment())
+        refused = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "topr_trl",
+                *base,
+                "--vllm_server_base_url",
+                url,
+                "--async_lag",
+                "2",
+                "--output_dir",
+                str(tmp_path / "refused"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=child_environment(),
+        )
+        completed = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "topr_trl",
+                *base,
+                "--vllm_server_base_url",
+                url,
+                "--output_dir",
+                str(tmp_path / "run"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=child_environment(),
+        )
     assert refused.returncode == 1 and "--async_lag set(s) the in-process stand-in worker only" in refused.stderr
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert f"TRL's rollout worker on the vLLM server at {url}" in completed.stdout
@@ -514,14 +780,39 @@ def test_two_training_processes_of_async_topr_follow_one_real_server(reasoning_m
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(reasoning_model)
-        prompt = tokenizer.apply_chat_template(prompt_messages, add_generation_prompt=True, tokenize=True,
-                                               return_dict=True)["input_ids"]
+        prompt = tokenizer.apply_chat_template(
+            prompt_messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         sequences = sampled_sequences(url, prompt)
-        completed = launch(["-m", "topr_trl", "train", "--task", "reasoning", "--base_model_dir",
-                            str(Path(reasoning_model).parent), "--asynchronous", "--vllm_server_base_url", url,
-                            "--max_steps", "3", "--learning_rate", "3e-2", "--per_device_train_batch_size", "8",
-                            "--num_generations", "8", "--task_eval_prompts", "16", "--save_strategy", "no",
-                            "--output_dir", str(output)], timeout=900)
+        completed = launch(
+            [
+                "-m",
+                "topr_trl",
+                "train",
+                "--task",
+                "reasoning",
+                "--base_model_dir",
+                str(Path(reasoning_model).parent),
+                "--asynchronous",
+                "--vllm_server_base_url",
+                url,
+                "--max_steps",
+                "3",
+                "--learning_rate",
+                "3e-2",
+                "--per_device_train_batch_size",
+                "8",
+                "--num_generations",
+                "8",
+                "--task_eval_prompts",
+                "16",
+                "--save_strategy",
+                "no",
+                "--output_dir",
+                str(output),
+            ],
+            timeout=900,
+        )
         held = server_logps(url, sequences, len(prompt))
     assert completed.returncode == 0, completed.stderr[-4000:]
     summary = json.loads((output / "topr_summary.json").read_text())
@@ -537,9 +828,9 @@ def test_two_training_processes_of_async_topr_follow_one_real_server(reasoning_m
     assert gap_to(AutoModelForCausalLM.from_pretrained(reasoning_model)) > WRONG_BEYOND_FLOORS * floor
 
 
-
 def test_an_async_run_on_trls_worker_stopped_mid_way_resumes_on_the_server_and_trains_each_group_once(
-        reasoning_model, tmp_path, monkeypatch):
+    reasoning_model, tmp_path, monkeypatch
+):
     """AsyncTOPRTrainer with TRL's own rollout worker on a real server, checkpointed at step 2 and stopped at step 3
     (a KeyboardInterrupt between checkpoints). The checkpoint's resume position is the first prompt group its two
     steps did not train wholly, from the steps themselves (TRL's own count takes the micro-batch read ahead as trained,
@@ -558,12 +849,25 @@ def test_an_async_run_on_trls_worker_stopped_mid_way_resumes_on_the_server_and_t
     dataset = make_reasoning_dataset(64, 3)
 
     def trainer_on(url: str) -> AsyncTOPRTrainer:
-        args = AsyncTOPRConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, vllm_server_base_url=url,
-                               per_device_train_batch_size=16, num_generations=group, learning_rate=1e-3,
-                               token_budget=0, max_completion_length=max_completion_tokens(3), max_steps=4,
-                               save_strategy="steps", save_steps=2, logging_steps=1, report_to="none")
-        return AsyncTOPRTrainer(reasoning_model, reasoning_reward, args, train_dataset=dataset,
-                                processing_class=tokenizer)
+        args = AsyncTOPRConfig(
+            str(tmp_path / "out"),
+            use_cpu=True,
+            bf16=False,
+            vllm_server_base_url=url,
+            per_device_train_batch_size=16,
+            num_generations=group,
+            learning_rate=1e-3,
+            token_budget=0,
+            max_completion_length=max_completion_tokens(3),
+            max_steps=4,
+            save_strategy="steps",
+            save_steps=2,
+            logging_steps=1,
+            report_to="none",
+        )
+        return AsyncTOPRTrainer(
+            reasoning_model, reasoning_reward, args, train_dataset=dataset, processing_class=tokenizer
+        )
 
     with served(reasoning_model, tmp_path / "server.log") as (url, _):
         first = trainer_on(url)
@@ -596,12 +900,14 @@ def test_an_async_run_on_trls_worker_stopped_mid_way_resumes_on_the_server_and_t
     trained_second = Counter({position + g: n for g, n in second.rollout_ledger.trained.items()})
     assert sum(trained_second.values()) == 2 * 16 and min(trained_second) >= position
     assert all(n == group for n in trained_second.values())  # whole groups; samples ahead were read whole
-    assert [line for line in said if line.startswith("resuming from")] == [async_trainer.describe_resume(
-        tmp_path / "out" / "checkpoint-2", state)]
+    assert [line for line in said if line.startswith("resuming from")] == [
+        async_trainer.describe_resume(tmp_path / "out" / "checkpoint-2", state)
+    ]
 
 
 def test_the_real_pipeline_accuracy_script_trains_every_method_on_one_server_and_measures_the_lag(
-        evidence_work_dir, tmp_path, monkeypatch):
+    evidence_work_dir, tmp_path, monkeypatch
+):
     """experiments/async_server_accuracy.py reduced: synchronous TOPRTrainer in server mode and TRL's own
     AsyncGRPOTrainer (made CPU-capable, on this package's gloo weight path) against one `topr-trl vllm-serve`, one
     after the other from the same warm model. Every run trains its steps and drops nothing; the lag is counted in
@@ -611,10 +917,28 @@ def test_the_real_pipeline_accuracy_script_trains_every_method_on_one_server_and
     for name in DISTRIBUTED_VARIABLES:  # the script's server inherits this process's environment
         monkeypatch.delenv(name, raising=False)
     cores = os.sched_getaffinity(0)
-    reduced = ["--seeds", "0", "--steps", "6", "--batch_size", "16", "--eval_prompts", "32", "--eval_samples", "2",
-               "--checkpoints", "2", "--methods", "sync_topr", "async_grpo_keep", "--sync_every", "4"]
-    results = async_server_accuracy.main([*reduced, "--work_dir", str(evidence_work_dir),
-                                          "--output", str(tmp_path / "acc")])
+    reduced = [
+        "--seeds",
+        "0",
+        "--steps",
+        "6",
+        "--batch_size",
+        "16",
+        "--eval_prompts",
+        "32",
+        "--eval_samples",
+        "2",
+        "--checkpoints",
+        "2",
+        "--methods",
+        "sync_topr",
+        "async_grpo_keep",
+        "--sync_every",
+        "4",
+    ]
+    results = async_server_accuracy.main(
+        [*reduced, "--work_dir", str(evidence_work_dir), "--output", str(tmp_path / "acc")]
+    )
     assert os.sched_getaffinity(0) == cores  # the trainer's pinning is undone
     runs = results["runs"]
     assert set(runs) == {"sync_topr/sync/seed0", "async_grpo_keep/w4/seed0"}

@@ -32,16 +32,26 @@ def test_tensors_of_every_dtype_and_shape_cross_the_gloo_group_bit_for_bit():
     from topr_trl.vllm_server.transport import broadcast_bytes, open_group, received
 
     generator = torch.Generator().manual_seed(0)
-    sent = {"embed": torch.randn(7, 5, generator=generator).to(torch.bfloat16),
-            "scale": torch.tensor(3.25), "transposed": torch.randn(4, 6, generator=generator).t(),
-            "ids": torch.arange(-5, 5, dtype=torch.int64), "half": torch.randn(3, generator=generator).half()}
+    sent = {
+        "embed": torch.randn(7, 5, generator=generator).to(torch.bfloat16),
+        "scale": torch.tensor(3.25),
+        "transposed": torch.randn(4, 6, generator=generator).t(),
+        "ids": torch.arange(-5, 5, dtype=torch.int64),
+        "half": torch.randn(3, generator=generator).half(),
+    }
     port, got, errors = free_port(), {}, []
 
     def receiver():
         try:
             group = open_group("127.0.0.1", port, 2, 1, 30)
-            got.update(received(group, list(sent), [str(t.dtype).removeprefix("torch.") for t in sent.values()],
-                                [list(t.shape) for t in sent.values()]))
+            got.update(
+                received(
+                    group,
+                    list(sent),
+                    [str(t.dtype).removeprefix("torch.") for t in sent.values()],
+                    [list(t.shape) for t in sent.values()],
+                )
+            )
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
@@ -54,8 +64,10 @@ def test_tensors_of_every_dtype_and_shape_cross_the_gloo_group_bit_for_bit():
     assert not errors and list(got) == list(sent)
     for name, tensor in sent.items():
         assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape
-        assert torch.equal(got[name].view(-1).view(torch.uint8) if tensor.dim() else got[name].reshape(1),
-                           tensor.contiguous().view(-1).view(torch.uint8) if tensor.dim() else tensor.reshape(1))
+        assert torch.equal(
+            got[name].view(-1).view(torch.uint8) if tensor.dim() else got[name].reshape(1),
+            tensor.contiguous().view(-1).view(torch.uint8) if tensor.dim() else tensor.reshape(1),
+        )
 
 
 def test_a_peer_that_never_joins_fails_the_rendezvous_after_the_timeout():
@@ -75,8 +87,13 @@ def asgi_call(middleware, path: str, headers: dict[str, str] | None = None, meth
     async def receive():
         return {"type": "http.request", "body": b""}
 
-    scope = {"type": "http", "method": method, "path": path, "client": ("10.1.2.3", 5555),
-             "headers": [(key.lower().encode(), value.encode()) for key, value in (headers or {}).items()]}
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "client": ("10.1.2.3", 5555),
+        "headers": [(key.lower().encode(), value.encode()) for key, value in (headers or {}).items()],
+    }
     asyncio.run(middleware(scope, receive, send))
     return sent[0]["status"]
 
@@ -92,8 +109,13 @@ def test_the_secret_is_required_on_every_route_but_health_and_the_log_line_never
     monkeypatch.setenv(SECRET_ENV, "right-secret")
     guarded = WeightPathSecret(app)
     assert asgi_call(guarded, "/health", method="GET") == 200
-    for path in ("/update_weights", "/init_weight_transfer_engine", "/collective_rpc", "/v1/completions",
-                 "/server_info"):
+    for path in (
+        "/update_weights",
+        "/init_weight_transfer_engine",
+        "/collective_rpc",
+        "/v1/completions",
+        "/server_info",
+    ):
         assert asgi_call(guarded, path) == 401
         assert asgi_call(guarded, path, {"Authorization": "Bearer wrong-secret"}) == 401
         assert asgi_call(guarded, path, {"Authorization": "Basic right-secret"}) == 401
@@ -144,8 +166,9 @@ def test_vllm_serve_beyond_this_machine_needs_the_secret_and_takes_it_from_a_fil
     with pytest.raises(ValueError, match=f"--host 0.0.0.0 lets other machines reach the server.*set {SECRET_ENV}"):
         command.server_command(serve_arguments(host="0.0.0.0"), [])
     (tmp_path / "secret").write_text("from-a-file\n")
-    argv, environment = command.server_command(serve_arguments(host="0.0.0.0", secret_file=str(tmp_path / "secret")),
-                                               [])
+    argv, environment = command.server_command(
+        serve_arguments(host="0.0.0.0", secret_file=str(tmp_path / "secret")), []
+    )
     assert environment[SECRET_ENV] == "from-a-file" and "from-a-file" not in " ".join(argv)
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="is empty"):
@@ -157,9 +180,13 @@ def test_vllm_serve_beyond_this_machine_needs_the_secret_and_takes_it_from_a_fil
 
 
 def test_vllm_serve_on_the_command_line_refuses_in_one_line():
-    completed = subprocess.run([sys.executable, "-m", "topr_trl", "vllm-serve", "--model", "my-model", "--host",
-                                "0.0.0.0"], capture_output=True, text=True, timeout=300,
-                               env={k: v for k, v in os.environ.items() if k != SECRET_ENV})
+    completed = subprocess.run(
+        [sys.executable, "-m", "topr_trl", "vllm-serve", "--model", "my-model", "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != SECRET_ENV},
+    )
     assert completed.returncode == 1
     lines = [line for line in completed.stderr.splitlines() if line.startswith("topr-trl:")]
     assert len(lines) == 1 and "Traceback" not in completed.stderr and SECRET_ENV in lines[0], completed.stderr
@@ -173,8 +200,11 @@ def test_the_vllm_generation_arguments_are_those_grpo_trainer_passes():
 
     from topr_trl.vllm_server.client import GRPO_VLLM_GENERATION_ARGUMENTS
 
-    calls = [node for node in ast.walk(ast.parse(inspect.getsource(grpo_trainer)))
-             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "VLLMGeneration"]
+    calls = [
+        node
+        for node in ast.walk(ast.parse(inspect.getsource(grpo_trainer)))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "VLLMGeneration"
+    ]
     assert len(calls) == 1
     assert tuple(keyword.arg for keyword in calls[0].keywords) == GRPO_VLLM_GENERATION_ARGUMENTS
     accepted = set(inspect.signature(VLLMGeneration.__init__).parameters) - {"self"}
@@ -233,7 +263,8 @@ def test_the_rendezvous_port_gives_way_only_when_it_is_the_default():
 
 
 def test_against_a_gloo_server_trl_never_connects_by_nccl_and_the_users_config_is_left_as_given(
-        tiny_model_path, arithmetic_dataset, tmp_path, monkeypatch):
+    tiny_model_path, arithmetic_dataset, tmp_path, monkeypatch
+):
     """TOPRTrainer against a server running this package's gloo weight path (the server stood in: the backend it
     reports and the client it would connect): GRPOTrainer's constructor never builds its NCCL client, the trainer
     generates through the gloo client, and it holds the user's own config object, still saying use_vllm=True, at
@@ -245,8 +276,9 @@ def test_against_a_gloo_server_trl_never_connects_by_nccl_and_the_users_config_i
 
     from .conftest import parity_reward, small_config_kwargs
 
-    args = TOPRConfig(**small_config_kwargs(tmp_path, use_vllm=True, vllm_mode="server",
-                                            vllm_server_base_url="http://127.0.0.1:1"))
+    args = TOPRConfig(
+        **small_config_kwargs(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url="http://127.0.0.1:1")
+    )
     seen = []
 
     class NoNCCL:
@@ -267,8 +299,9 @@ def test_against_a_gloo_server_trl_never_connects_by_nccl_and_the_users_config_i
         original_init(self, *init_args, **init_kwargs)
 
     monkeypatch.setattr(grpo_trainer.GRPOTrainer, "__init__", watched_init)
-    trainer = TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=args,
-                          train_dataset=arithmetic_dataset)
+    trainer = TOPRTrainer(
+        model=tiny_model_path, reward_funcs=parity_reward, args=args, train_dataset=arithmetic_dataset
+    )
     assert trainer.args is args and args.use_vllm is True
     assert trainer.use_vllm is True and isinstance(trainer.vllm_generation, StandInGlooClient)
     assert seen == [("TRL's constructor", True), ("client", True)]

@@ -51,23 +51,29 @@ def load_renamed_checkpoint(model: torch.nn.Module, folder: str) -> bool:
     own = {name: list(tensor.shape) for name, tensor in model.state_dict().items()}
     misshapen = [name for name, shape in stored.items() if name in own and own[name] != shape]
     if misshapen:  # another size of the same architecture: load_state_dict would stop on the first, in PyTorch's words
-        raise CheckpointNotLoadable(f"the checkpoint {folder} does not fit this model ({type(model).__name__}): "
-                                    f"{misshapen[0]} is {stored[misshapen[0]]} there and {own[misshapen[0]]} here"
-                                    + (f", and {len(misshapen) - 1} more differ" if len(misshapen) > 1 else "")
-                                    + "; resume from a checkpoint of the same model")
+        raise CheckpointNotLoadable(
+            f"the checkpoint {folder} does not fit this model ({type(model).__name__}): "
+            f"{misshapen[0]} is {stored[misshapen[0]]} there and {own[misshapen[0]]} here"
+            + (f", and {len(misshapen) - 1} more differ" if len(misshapen) > 1 else "")
+            + "; resume from a checkpoint of the same model"
+        )
     if set(stored) <= set(own):
         return False
     try:
-        reloaded, info = type(model).from_pretrained(folder, config=model.config, dtype=model.dtype,
-                                                     output_loading_info=True)
+        reloaded, info = type(model).from_pretrained(
+            folder, config=model.config, dtype=model.dtype, output_loading_info=True
+        )
     except (RuntimeError, ValueError, OSError) as error:  # shapes that do not fit the model, an unreadable file
-        raise CheckpointNotLoadable(f"the checkpoint {folder} does not fit this model "
-                                    f"({type(model).__name__}): {str(error).splitlines()[0]}") from None
+        raise CheckpointNotLoadable(
+            f"the checkpoint {folder} does not fit this model ({type(model).__name__}): {str(error).splitlines()[0]}"
+        ) from None
     lost = sorted(info["missing_keys"] | info["unexpected_keys"] | set(info["mismatched_keys"]))
     if lost:
         shown = ", ".join(map(str, lost[:3])) + (f" and {len(lost) - 3} more" if len(lost) > 3 else "")
-        raise CheckpointNotLoadable(f"the checkpoint {folder} does not hold every weight of this model "
-                                    f"({type(model).__name__}): {shown}; resume from a checkpoint of the same model")
+        raise CheckpointNotLoadable(
+            f"the checkpoint {folder} does not hold every weight of this model "
+            f"({type(model).__name__}): {shown}; resume from a checkpoint of the same model"
+        )
     model.load_state_dict(reloaded.state_dict(), strict=True)
     return True
 

@@ -34,9 +34,18 @@ UNSCORED_BATCH_ACTIONS: tuple[str, ...] = ("train", "skip", "error")
 # topr_behaviour_model, topr_unscored_batch and topr_check_finite concern the data and the run, not the loss, and
 # apply to every loss type.
 _FAMILY_FIELDS: tuple[str, ...] = (
-    "topr_ratio_level", "topr_signal", "topr_baseline", "topr_target_effective_proportion", "topr_baseline_scope",
-    "topr_positive_weight", "topr_negative_weight", "topr_loss_aggregation", "topr_behaviour_source",
+    "topr_ratio_level",
+    "topr_signal",
+    "topr_baseline",
+    "topr_target_effective_proportion",
+    "topr_baseline_scope",
+    "topr_positive_weight",
+    "topr_negative_weight",
+    "topr_loss_aggregation",
+    "topr_behaviour_source",
 )
+
+
 def check_flag(field_name: str, value: object) -> None:
     """Raise a ValueError naming the field unless `value` is True or False."""
     if not isinstance(value, bool):
@@ -80,17 +89,17 @@ class TOPRFields:
 
     loss_type: str = field(
         default="topr",
-        metadata={"help": f"The loss: TOPR's {list(POLICY_LOSSES)} or TRL's {list(TRL_LOSS_TYPES)} (computed by "
-                          "GRPOTrainer)."},
+        metadata={
+            "help": f"The loss: TOPR's {list(POLICY_LOSSES)} or TRL's {list(TRL_LOSS_TYPES)} (computed by GRPOTrainer)."
+        },
     )
     topr_positive_lower: float | None = field(default=None, metadata={"help": "a+ (None: the loss type's)."})
     topr_positive_upper: float | None = field(default=None, metadata={"help": "b+, may be inf (None: loss type's)."})
-    topr_negative_lower: float | None = field(default=None,
-                                              metadata={"help": "a- (None: the loss type's); > 0 is unbounded."})
-    topr_negative_upper: float | None = field(default=None, metadata={"help": "b-, may be inf (None: loss type's)."})
-    topr_ratio_level: str = field(
-        default="sequence", metadata={"help": f"How pi/mu is formed: {list(RATIO_LEVELS)}."}
+    topr_negative_lower: float | None = field(
+        default=None, metadata={"help": "a- (None: the loss type's); > 0 is unbounded."}
     )
+    topr_negative_upper: float | None = field(default=None, metadata={"help": "b-, may be inf (None: loss type's)."})
+    topr_ratio_level: str = field(default="sequence", metadata={"help": f"How pi/mu is formed: {list(RATIO_LEVELS)}."})
     topr_signal: str = field(
         default="advantage",
         metadata={"help": "'advantage' (GRPO's group advantage) or 'reward' (R - topr_baseline, the paper)."},
@@ -109,8 +118,10 @@ class TOPRFields:
     )
     topr_check_finite: bool = field(
         default=False,
-        metadata={"help": "Stop on an infinite reward (ValueError) or a non-finite TOPR loss (FloatingPointError) "
-                          "instead of training on it, as GRPOTrainer does (the CLI: True)."},
+        metadata={
+            "help": "Stop on an infinite reward (ValueError) or a non-finite TOPR loss (FloatingPointError) "
+            "instead of training on it, as GRPOTrainer does (the CLI: True)."
+        },
     )
     cispo_epsilon_low: float = field(default=0.1, metadata={"help": "cispo_two_sided: 1 - eps lower clip."})
     cispo_epsilon_high: float = field(default=0.1, metadata={"help": "cispo_two_sided: 1 + eps upper clip."})
@@ -141,11 +152,14 @@ class TOPRFields:
         generate: `max_new_tokens`), refused here, naming the field."""
         check_choice("loss_type", self.loss_type, loss_types)
         if isinstance(self.learning_rate, (int, float)) and self.learning_rate < 0:
-            raise ValueError(f"`learning_rate` must be >= 0, got {self.learning_rate!r}; the optimizer refuses a "
-                             "negative one.")
+            raise ValueError(
+                f"`learning_rate` must be >= 0, got {self.learning_rate!r}; the optimizer refuses a negative one."
+            )
         if isinstance(self.max_completion_length, int) and self.max_completion_length < 1:
-            raise ValueError(f"`max_completion_length` must be at least 1 (new tokens per completion), got "
-                             f"{self.max_completion_length!r}.")
+            raise ValueError(
+                f"`max_completion_length` must be at least 1 (new tokens per completion), got "
+                f"{self.max_completion_length!r}."
+            )
 
     def _check_topr_values(self, loss_aggregations: tuple[str, ...]) -> None:
         """Each TOPR field's own value, the loss's knobs included (after TRL's `__post_init__`); `topr_baseline`
@@ -283,7 +297,7 @@ class TOPRConfig(TOPRFields, GRPOConfig):
 
     topr_target_effective_proportion: float | None = field(
         default=None,
-        metadata={"help": "Solve the baseline so that p~ (Eq. 12) hits this target (topr_signal='reward')."}
+        metadata={"help": "Solve the baseline so that p~ (Eq. 12) hits this target (topr_signal='reward')."},
     )
     topr_baseline_scope: str = field(
         default="batch", metadata={"help": "Where the target baseline is solved: 'batch' or 'dataset' (offline)."}
@@ -299,8 +313,10 @@ class TOPRConfig(TOPRFields, GRPOConfig):
     )
     topr_unscored_batch: str = field(
         default="train",
-        metadata={"help": f"A training batch no reward function could score (all None/NaN): "
-                          f"{list(UNSCORED_BATCH_ACTIONS)} ('train': GRPOTrainer's behaviour; the CLI: 'error')."},
+        metadata={
+            "help": f"A training batch no reward function could score (all None/NaN): "
+            f"{list(UNSCORED_BATCH_ACTIONS)} ('train': GRPOTrainer's behaviour; the CLI: 'error')."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -319,8 +335,9 @@ class TOPRConfig(TOPRFields, GRPOConfig):
             if not (isinstance(target, (int, float)) and 0 < target < 1):
                 raise ValueError(f"`topr_target_effective_proportion` must be in (0, 1), got {target!r}.")
             if self.topr_signal != "reward":
-                raise ValueError("`topr_target_effective_proportion` sets the baseline of R - c: it needs "
-                                 "topr_signal='reward'.")
+                raise ValueError(
+                    "`topr_target_effective_proportion` sets the baseline of R - c: it needs topr_signal='reward'."
+                )
         if not (isinstance(self.topr_offline_epochs, (int, float)) and self.topr_offline_epochs > 0):
             raise ValueError(f"`topr_offline_epochs` must be > 0, got {self.topr_offline_epochs!r}.")
         check_choice("topr_unscored_batch", self.topr_unscored_batch, UNSCORED_BATCH_ACTIONS)
@@ -332,8 +349,13 @@ class TOPRConfig(TOPRFields, GRPOConfig):
         `generation_batch_size`; when the user set neither it nor `steps_per_generation`, the batch is theirs by
         other names: say it in those (GRPOConfig has set the batch before refusing it)."""
         batch, groups = self.generation_batch_size, self.num_generations
-        if generation_batch_set or not isinstance(batch, int) or not isinstance(groups, int) or groups < 1 \
-                or batch % groups == 0:
+        if (
+            generation_batch_set
+            or not isinstance(batch, int)
+            or not isinstance(groups, int)
+            or groups < 1
+            or batch % groups == 0
+        ):
             return
         processes = batch // (self.per_device_train_batch_size * self.steps_per_generation)
         raise ValueError(
@@ -341,7 +363,8 @@ class TOPRConfig(TOPRFields, GRPOConfig):
             f"`per_device_train_batch_size` ({self.per_device_train_batch_size}) x processes ({processes}) x "
             f"`gradient_accumulation_steps` ({self.gradient_accumulation_steps}) = {batch}: change "
             f"`num_generations` to a divisor of {batch}, or `per_device_train_batch_size` to a multiple of "
-            f"{groups}.") from None
+            f"{groups}."
+        ) from None
 
     def _refuse_topr_fields_with_trls_loss(self) -> None:
         """One field selects the loss: `loss_type`. A TOPR-family field (or a field only registered losses read) with
@@ -352,8 +375,10 @@ class TOPRConfig(TOPRFields, GRPOConfig):
                 value = getattr(self, name)
                 if value == defaults[name] or (name == "topr_baseline" and value == _parse_number(defaults[name])):
                     continue
-                raise ValueError(f"`{name}` has no effect with loss_type={self.loss_type!r} (TRL's own loss, computed "
-                                 f"by GRPOTrainer): drop it, or set a TOPR loss type ({', '.join(POLICY_LOSSES)}).")
+                raise ValueError(
+                    f"`{name}` has no effect with loss_type={self.loss_type!r} (TRL's own loss, computed "
+                    f"by GRPOTrainer): drop it, or set a TOPR loss type ({', '.join(POLICY_LOSSES)})."
+                )
 
 
 def parse_baseline(value: float | str) -> float | str:
@@ -370,9 +395,7 @@ def parse_baseline(value: float | str) -> float | str:
             return parse_baseline(float(value))
         except ValueError:
             pass
-    raise ValueError(
-        f"`topr_baseline`={value!r} is not supported; give a number or one of {list(BASELINE_MODES)}."
-    )
+    raise ValueError(f"`topr_baseline`={value!r} is not supported; give a number or one of {list(BASELINE_MODES)}.")
 
 
 def resolve_limits(args) -> TruncationLimits | None:
@@ -383,8 +406,9 @@ def resolve_limits(args) -> TruncationLimits | None:
     if entry is None or entry.limits is None:
         return None
     explicit = {name.removeprefix("topr_"): getattr(args, name) for name in LIMIT_FIELDS}
-    resolved = {name: (getattr(entry.limits, name) if value is None else float(value))
-                for name, value in explicit.items()}
+    resolved = {
+        name: (getattr(entry.limits, name) if value is None else float(value)) for name, value in explicit.items()
+    }
     try:
         return TruncationLimits(**resolved)
     except ValueError as error:
@@ -421,8 +445,10 @@ def check_loss_knobs(args) -> None:
     entry = POLICY_LOSSES.get(args.loss_type)
     for name in entry.knobs if entry else ():
         if not hasattr(args, name):
-            raise ValueError(f"loss_type={args.loss_type!r} reads `{name}`, which {type(args).__name__} does not "
-                             "declare: add it as a field of a subclass of the config.")
+            raise ValueError(
+                f"loss_type={args.loss_type!r} reads `{name}`, which {type(args).__name__} does not "
+                "declare: add it as a field of a subclass of the config."
+            )
         entry.check(name, getattr(args, name))
 
 
@@ -435,8 +461,11 @@ TRL_LOSS_FIELDS: dict[str, tuple[tuple[str, ...], str]] = {
     "epsilon": (("ppo",), _TRUNCATION),
     "epsilon_high": (("ppo",), _TRUNCATION),
     "delta": (("ppo",), _TRUNCATION),
-    "importance_sampling_level": ((), 'topr_ratio_level="length_normalized" (GSPO\'s sequence-level ratio, the '
-                                      'geometric mean of token ratios; "sequence" is the paper\'s product)'),
+    "importance_sampling_level": (
+        (),
+        'topr_ratio_level="length_normalized" (GSPO\'s sequence-level ratio, the '
+        'geometric mean of token ratios; "sequence" is the paper\'s product)',
+    ),
     "sapo_temperature_pos": ((), _TRUNCATION),
     "sapo_temperature_neg": ((), _TRUNCATION),
 }
@@ -447,18 +476,23 @@ def say_trl_loss_fields_unread(args) -> None:
     registered loss of `args.loss_type` does not read it, naming what the loss has instead."""
     defaults = {f.name: f.default for f in dataclasses.fields(args)}  # GRPOConfig's, or AsyncGRPOConfig's
     for name, (readers, counterpart) in TRL_LOSS_FIELDS.items():
-        if name in defaults and getattr(args, name, defaults[name]) != defaults[name] \
-                and args.loss_type not in readers:
-            warnings.warn(f"`{name}`={getattr(args, name)!r} has no effect with loss_type={args.loss_type!r} (it is "
-                          f"read by TRL's own losses{' and ' + '/'.join(readers) if readers else ''}); its "
-                          f"counterpart is {counterpart}.", UserWarning,
-                          stacklevel=5)  # the caller of the config, past TOPRFields' check, __post_init__, __init__
+        if name in defaults and getattr(args, name, defaults[name]) != defaults[name] and args.loss_type not in readers:
+            warnings.warn(
+                f"`{name}`={getattr(args, name)!r} has no effect with loss_type={args.loss_type!r} (it is "
+                f"read by TRL's own losses{' and ' + '/'.join(readers) if readers else ''}); its "
+                f"counterpart is {counterpart}.",
+                UserWarning,
+                stacklevel=5,
+            )  # the caller of the config, past TOPRFields' check, __post_init__, __init__
 
 
 def knob_readers() -> dict[str, list[str]]:
     """Each field a registered loss reads (`reads=`), and the losses that read it."""
-    return {name: [loss for loss, entry in POLICY_LOSSES.items() if name in entry.reads]
-            for entry in POLICY_LOSSES.values() for name in entry.reads}
+    return {
+        name: [loss for loss, entry in POLICY_LOSSES.items() if name in entry.reads]
+        for entry in POLICY_LOSSES.values()
+        for name in entry.reads
+    }
 
 
 def refuse_unread_knobs(args) -> None:
@@ -467,8 +501,10 @@ def refuse_unread_knobs(args) -> None:
     defaults = {f.name: f.default for f in dataclasses.fields(args)}
     for name, readers in knob_readers().items():
         if name in defaults and getattr(args, name) != defaults[name] and args.loss_type not in readers:
-            raise ValueError(f"`{name}` has no effect with loss_type={args.loss_type!r} (it is read by loss_type "
-                             f"{' / '.join(repr(r) for r in readers)}): drop it.")
+            raise ValueError(
+                f"`{name}` has no effect with loss_type={args.loss_type!r} (it is read by loss_type "
+                f"{' / '.join(repr(r) for r in readers)}): drop it."
+            )
 
 
 # TOPRTrainer also takes a plain GRPOConfig (only the trainer's name swapped): TOPR's run-level fields then keep their

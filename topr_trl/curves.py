@@ -44,13 +44,16 @@ def _matches(key: str, drawn: str) -> bool:
 
 def drawn_panels(curves: dict) -> list[tuple[str, list[str]]]:
     """The panels `plot_curves` draws for `curves`: (title, the keys in it), those with no key left out."""
-    panels = [(name, [key for drawn in keys for key in sorted(curves) if _matches(key, drawn)])
-              for name, keys in PANELS.items()]
+    panels = [
+        (name, [key for drawn in keys for key in sorted(curves) if _matches(key, drawn)])
+        for name, keys in PANELS.items()
+    ]
     return [(name, keys) for name, keys in panels if keys]
 
 
-def plot_curves(curves: dict[str, tuple[list[int], list[float]]], path: str | Path, title: str,
-                boundaries: list[int] = ()) -> Path | None:
+def plot_curves(
+    curves: dict[str, tuple[list[int], list[float]]], path: str | Path, title: str, boundaries: list[int] = ()
+) -> Path | None:
     """Draw `curves` (from `logged_curves`) to the PNG `path`, one panel per `PANELS` entry that has data, dashed
     vertical lines at `boundaries` (where iterations start); None, and no file, when nothing was logged."""
     panels = drawn_panels(curves)
@@ -76,7 +79,7 @@ def plot_curves(curves: dict[str, tuple[list[int], list[float]]], path: str | Pa
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # optimizer steps are whole
         if len(keys) > 1:
             axis.legend(fontsize=7)
-    for axis in list(axes.flat)[len(panels):]:
+    for axis in list(axes.flat)[len(panels) :]:
         axis.set_visible(False)
     figure.suptitle(title, fontsize=11)
     figure.tight_layout()

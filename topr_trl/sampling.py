@@ -49,17 +49,23 @@ def generate_completions(
     `synced_gpus=False`: the model generating here is a plain local one (mu, or the gathered policy), also under
     ZeRO-3, where transformers would otherwise wait for every rank at every step."""
     stop_ids = list(stop_token_ids) if stop_token_ids is not None else [tokenizer.eos_token_id]
-    encoded = tokenizer.pad({"input_ids": [list(ids) for ids in prompt_ids]}, padding_side="left",
-                            return_tensors="pt")
+    encoded = tokenizer.pad({"input_ids": [list(ids) for ids in prompt_ids]}, padding_side="left", return_tensors="pt")
     encoded = {key: value.to(model.device) for key, value in encoded.items()}
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else \
-        dict(do_sample=False)
-    output = model.generate(
-        **encoded, **sampling, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
-        pad_token_id=tokenizer.pad_token_id, synced_gpus=False, output_scores=with_logps,
-        return_dict_in_generate=True, **generate_kwargs,
+    sampling = (
+        dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else dict(do_sample=False)
     )
-    new_tokens = output.sequences[:, encoded["input_ids"].size(1):]
+    output = model.generate(
+        **encoded,
+        **sampling,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=stop_ids,
+        pad_token_id=tokenizer.pad_token_id,
+        synced_gpus=False,
+        output_scores=with_logps,
+        return_dict_in_generate=True,
+        **generate_kwargs,
+    )
+    new_tokens = output.sequences[:, encoded["input_ids"].size(1) :]
     if with_logps:
         # `scores` are the processed logits (masked tokens at -inf): their log-softmax is the sampling distribution
         step_logps = torch.stack([torch.log_softmax(score.float(), dim=-1) for score in output.scores], dim=1)

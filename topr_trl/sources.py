@@ -57,12 +57,20 @@ def hub_unreachable_reason() -> str | None:
 
 
 # the files one of transformers' tokenizers loads from (fast, BPE, WordPiece, SentencePiece)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
-                   "spiece.model", "sentencepiece.bpe.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
 
 
-def resolve_model_source(name: str | None, what: str = "model", convert: bool = True,
-                         ask_hub: bool = True) -> str | None:
+def resolve_model_source(
+    name: str | None, what: str = "model", convert: bool = True, ask_hub: bool = True
+) -> str | None:
     """What to load for the model `name`, failing at once, in one line, on one that cannot load:
 
     - a local model folder: itself (one without config.json fails);
@@ -86,12 +94,16 @@ def resolve_model_source(name: str | None, what: str = "model", convert: bool = 
         return str(_converted(path, f"{path.stem}-{key}"))
     if path.exists():
         if not path.is_dir() or not any((path / f).is_file() for f in ("config.json", "adapter_config.json")):
-            raise SystemExit(f"topr-trl: {name} is not a model folder (no config.json in it): give the folder a "
-                             "model was saved to with save_pretrained, a .gguf file, or a Hub id")
+            raise SystemExit(
+                f"topr-trl: {name} is not a model folder (no config.json in it): give the folder a "
+                "model was saved to with save_pretrained, a .gguf file, or a Hub id"
+            )
         if (path / "config.json").is_file() and not any((path / f).is_file() for f in TOKENIZER_FILES):
             # transformers would build a one-token tokenizer from the config alone, and generation would fail later
-            raise SystemExit(f"topr-trl: {what} folder {name} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
-                             "save the tokenizer beside the model (tokenizer.save_pretrained(folder))")
+            raise SystemExit(
+                f"topr-trl: {what} folder {name} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+                "save the tokenizer beside the model (tokenizer.save_pretrained(folder))"
+            )
         return name
     if looks_like_local_path(name):
         raise SystemExit(f"topr-trl: {what} folder {name} does not exist")
@@ -109,10 +121,11 @@ def resolve_model_source(name: str | None, what: str = "model", convert: bool = 
         folder = _converted(packaged_file(name), name.replace("/", "--"), packaged.sha256)
         say(f"the Hub cannot be reached ({reason}): using {packaged.what} of {name}, cached at {folder}")
         return str(folder)
-    raise SystemExit(f"topr-trl: {name} is not a local folder, and the Hub cannot be asked for it ({reason}); "
-                     f"give the path of a {what} folder or .gguf file, or a Hub id with the Hub reachable"
-                     + (f" (packaged for use without the Hub: {', '.join(PACKAGED_MODELS)})" if PACKAGED_MODELS
-                        else ""))
+    raise SystemExit(
+        f"topr-trl: {name} is not a local folder, and the Hub cannot be asked for it ({reason}); "
+        f"give the path of a {what} folder or .gguf file, or a Hub id with the Hub reachable"
+        + (f" (packaged for use without the Hub: {', '.join(PACKAGED_MODELS)})" if PACKAGED_MODELS else "")
+    )
 
 
 def needs_resolving(model) -> bool:
@@ -151,8 +164,15 @@ def is_saved_dataset(path: Path) -> bool:
     return any((Path(path) / marker).is_file() for marker in ("dataset_info.json", "state.json", "dataset_dict.json"))
 
 
-def load_data_source(source, split: str, config: str | None = None, cache_dir: str | None = None, *,
-                     what: str = "dataset", one_split: str | None = None):
+def load_data_source(
+    source,
+    split: str,
+    config: str | None = None,
+    cache_dir: str | None = None,
+    *,
+    what: str = "dataset",
+    one_split: str | None = None,
+):
     """The `split` of `source`, as a `datasets.Dataset`:
 
     - a `{split: file or files}` mapping;
@@ -180,8 +200,9 @@ def load_data_source(source, split: str, config: str | None = None, cache_dir: s
     return _load_files(files, split, cache_dir, label, what)
 
 
-def check_local_data(source, split: str, config: str | None = None, *, what: str = "dataset",
-                     one_split: str | None = None) -> None:
+def check_local_data(
+    source, split: str, config: str | None = None, *, what: str = "dataset", one_split: str | None = None
+) -> None:
     """What `load_data_source` would refuse about local data files, found without loading them (for a dry run):
     a missing split, a file that is empty, holds no rows, is not UTF-8 or not JSON. A Hub id and a save_to_disk
     folder are not looked into."""
@@ -195,8 +216,9 @@ def check_local_data(source, split: str, config: str | None = None, *, what: str
         check_data_file(path, what)
 
 
-def local_data_files(source, split: str, config: str | None = None, *, what: str = "dataset",
-                     one_split: str | None = None) -> tuple[list[Path], str]:
+def local_data_files(
+    source, split: str, config: str | None = None, *, what: str = "dataset", one_split: str | None = None
+) -> tuple[list[Path], str]:
     """The local data files `load_data_source` reads for the `split` of `source` (a `{split: files}` mapping, a data
     file or a folder of them), and how to name them in messages; the errors are `load_data_source`'s."""
     if isinstance(source, Mapping):
@@ -214,25 +236,32 @@ def local_data_files(source, split: str, config: str | None = None, *, what: str
         raise FileNotFoundError(f"no such data file or folder: {text!r}")
     if path.is_file():
         if path.suffix.lower() not in LOCAL_FORMATS:
-            raise ValueError(f"{text!r} holds no {what}: unsupported local data file (use a "
-                             f"{'/'.join(LOCAL_FORMATS)} file, a folder of them, a save_to_disk folder or a Hub id)")
+            raise ValueError(
+                f"{text!r} holds no {what}: unsupported local data file (use a "
+                f"{'/'.join(LOCAL_FORMATS)} file, a folder of them, a save_to_disk folder or a Hub id)"
+            )
         files, single = [path], "one file"
     else:
         root = path / config if config and (path / config).is_dir() else path
         files = sorted(file for file in root.rglob("*") if file.is_file() and file.suffix.lower() in LOCAL_FORMATS)
         if not files:
-            raise ValueError(f"{text!r} holds no {what}: no {'/'.join(LOCAL_FORMATS)} files in it, and it is no "
-                             "save_to_disk folder")
+            raise ValueError(
+                f"{text!r} holds no {what}: no {'/'.join(LOCAL_FORMATS)} files in it, and it is no save_to_disk folder"
+            )
         named = {split_of_file(file) for file in files} & {*SPLIT_NAMES, split}
         single = None if named else "a folder of files not named after splits"
         if named:
             files = [file for file in files if split_of_file(file) == split]
             if not files:
-                raise ValueError(f"unknown split {split!r}: {what} {text!r} has no {split!r} split; its files are "
-                                 f"named after the splits {sorted(named)}")
+                raise ValueError(
+                    f"unknown split {split!r}: {what} {text!r} has no {split!r} split; its files are "
+                    f"named after the splits {sorted(named)}"
+                )
     if single and one_split is not None and split != one_split:
-        raise ValueError(f"{what} {text!r} is {single}, which holds one split, {one_split!r}: it has no {split!r} "
-                         f"split (name files after their split, e.g. {one_split}.jsonl and {split}.jsonl)")
+        raise ValueError(
+            f"{what} {text!r} is {single}, which holds one split, {one_split!r}: it has no {split!r} "
+            f"split (name files after their split, e.g. {one_split}.jsonl and {split}.jsonl)"
+        )
     return files, text
 
 
@@ -253,11 +282,14 @@ def _load_files(files: Sequence[Path], split: str, cache_dir: str | None, source
     formats = {LOCAL_FORMATS.get(path.suffix.lower()) for path in files}
     if None in formats:
         unsupported = next(path for path in files if path.suffix.lower() not in LOCAL_FORMATS)
-        raise ValueError(f"unsupported local data file {str(unsupported)!r}: use one of {sorted(LOCAL_FORMATS)} "
-                         "(or a Hub dataset id)")
+        raise ValueError(
+            f"unsupported local data file {str(unsupported)!r}: use one of {sorted(LOCAL_FORMATS)} "
+            "(or a Hub dataset id)"
+        )
     if len(formats) > 1:
-        raise ValueError(f"{source!r} mixes data file formats {sorted(formats)} in split {split!r}: keep one format "
-                         "per split")
+        raise ValueError(
+            f"{source!r} mixes data file formats {sorted(formats)} in split {split!r}: keep one format per split"
+        )
     # `datasets` names neither the file nor the line of what it cannot read, and reads bytes that are not UTF-8
     # into strings that fail only when a row is used, steps into training: checked here first.
     for path in files:
@@ -265,8 +297,9 @@ def _load_files(files: Sequence[Path], split: str, cache_dir: str | None, source
     builder = formats.pop()
     options = {"converters": dict.fromkeys(TEXT_COLUMNS, str)} if builder == "csv" else {}
     try:
-        dataset = load_dataset(builder, data_files={split: [str(path) for path in files]}, split=split,
-                               cache_dir=cache_dir, **options)
+        dataset = load_dataset(
+            builder, data_files={split: [str(path) for path in files]}, split=split, cache_dir=cache_dir, **options
+        )
     except Exception as error:  # what the checks above do not catch; the cause holds the reason, in many lines
         cause = error
         while cause.__cause__ is not None or cause.__context__ is not None:
@@ -315,8 +348,10 @@ def _utf8(path: Path, data: bytes, first_line: int = 1) -> str:
     except UnicodeDecodeError as error:
         line = first_line + data.count(b"\n", 0, error.start)
         column = error.start - data.rfind(b"\n", 0, error.start)
-        raise ValueError(f"{path} line {line}: byte 0x{data[error.start]:02x} at column {column} is not UTF-8; "
-                         "save the file as UTF-8") from None
+        raise ValueError(
+            f"{path} line {line}: byte 0x{data[error.start]:02x} at column {column} is not UTF-8; "
+            "save the file as UTF-8"
+        ) from None
 
 
 def _text_lines(path: Path):
@@ -346,25 +381,33 @@ def _json_rows(path: Path) -> int:
         except json.JSONDecodeError as error:
             if rows == 0:  # not JSON lines: one document over several lines
                 break
-            raise ValueError(f"{path} line {number}: not valid JSON ({error.msg} at column {error.colno}); write "
-                             "one JSON object per line") from None
+            raise ValueError(
+                f"{path} line {number}: not valid JSON ({error.msg} at column {error.colno}); write "
+                "one JSON object per line"
+            ) from None
         if not isinstance(row, dict):
             if rows == 0 and isinstance(row, list):  # a document that is a list on one line
                 break
-            raise ValueError(f"{path} line {number}: not a JSON object ({type(row).__name__}); write one object "
-                             'per line, e.g. {"prompt": "..."}') from None
+            raise ValueError(
+                f"{path} line {number}: not a JSON object ({type(row).__name__}); write one object "
+                'per line, e.g. {"prompt": "..."}'
+            ) from None
         rows += 1
     else:
         return rows
     try:
         document = json.loads(_utf8(path, path.read_bytes()).removeprefix("\ufeff"))
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path} line {error.lineno}: not valid JSON ({error.msg} at column {error.colno}); "
-                         "write one JSON object per line, or one list of objects") from None
+        raise ValueError(
+            f"{path} line {error.lineno}: not valid JSON ({error.msg} at column {error.colno}); "
+            "write one JSON object per line, or one list of objects"
+        ) from None
     if isinstance(document, list):
         if any(not isinstance(row, dict) for row in document):
-            raise ValueError(f"{path}: a list whose items are not all JSON objects; write one object per row, "
-                             'e.g. [{"prompt": "..."}]')
+            raise ValueError(
+                f"{path}: a list whose items are not all JSON objects; write one object per row, "
+                'e.g. [{"prompt": "..."}]'
+            )
         return len(document)
     if isinstance(document, dict):  # columns: {"prompt": [...], ...}
         return max((len(column) for column in document.values() if isinstance(column, list)), default=1)

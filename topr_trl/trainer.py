@@ -54,8 +54,7 @@ def without_vllm(args: TOPRConfig) -> TOPRConfig:
     return unconnected
 
 
-class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, OfflineReplay, GRPOLossMirror,
-                  GRPOTrainer):
+class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrainer):
     """
     Trainer for Tapered Off-Policy REINFORCE (TOPR, [arXiv:2503.14286](https://huggingface.co/papers/2503.14286)).
 
@@ -81,15 +80,17 @@ class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, Offli
         if needs_resolving(model):  # a .gguf file, or a packaged Hub id where the Hub cannot be reached
             model = resolve_model_source(model)
         if args.loss_type in POLICY_LOSSES and not hasattr(args, "policy_loss_spec"):
-            raise ValueError(f"loss_type={args.loss_type!r} is TOPR's: pass a TOPRConfig (a GRPOConfig has no TOPR "
-                             "fields).")
+            raise ValueError(
+                f"loss_type={args.loss_type!r} is TOPR's: pass a TOPRConfig (a GRPOConfig has no TOPR fields)."
+            )
         if not hasattr(args, "policy_loss_spec"):  # a GRPOConfig, or another config without TOPR's fields
             # A GRPOConfig carries TRL's loss_type (default "dapo"): the run is GRPOTrainer's, and a user who swapped
             # only the trainer's name must not believe it trained TOPR.
             logger.warning(
                 f"TOPRTrainer was given a {type(args).__name__}, so it trains TRL's loss_type={args.loss_type!r} "
                 "exactly as GRPOTrainer would, not TOPR (no topr/* metrics; the model card names that loss). To "
-                "train TOPR, pass a topr_trl.TOPRConfig (loss_type='topr' by default) with the same fields.")
+                "train TOPR, pass a topr_trl.TOPRConfig (loss_type='topr' by default) with the same fields."
+            )
         self._name, self._paper, self._tag_names = trained_method(args.loss_type)
         self._offline = prepare_replayed_datasets(args, reward_funcs, kwargs)
         self._dataset_baseline = self._baseline_of_dataset(args, kwargs.get("train_dataset"))
@@ -103,8 +104,10 @@ class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, Offli
             self.args = args
             self._connect_gloo_server(args)
         self._prepare_replay()
-        self.reward_funcs = [checked_reward_function(function, name)
-                             for function, name in zip(self.reward_funcs, self.reward_func_names, strict=True)]
+        self.reward_funcs = [
+            checked_reward_function(function, name)
+            for function, name in zip(self.reward_funcs, self.reward_func_names, strict=True)
+        ]
         if self.use_vllm and args.vllm_mode == "colocate":
             use_cpu_weight_reload(self.vllm_generation)
         self._said_rollout_logprobs = False  # `_say_rollout_logprobs_are_mu` speaks once
@@ -117,8 +120,9 @@ class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, Offli
                 "topr_behaviour_source='sampler' needs a generator that returns sampling log-probs: set "
                 "use_vllm=True or pass a rollout_func that returns `logprobs`; or use 'auto' or 'policy'."
             )
-        self._sampler_processing = self._mu_processing(args, "vllm" if self.use_vllm else "transformers",
-                                                       replayed=self._replayed_datasets())
+        self._sampler_processing = self._mu_processing(
+            args, "vllm" if self.use_vllm else "transformers", replayed=self._replayed_datasets()
+        )
         history = history_dependent_sampling(self.repetition_penalty)
         if history and args.loss_type in POLICY_LOSSES and not self._offline:  # offline, mu is the stored rows' sampler
             logger.warning(history)
@@ -134,16 +138,24 @@ class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, Offli
         replayed += list(self.eval_dataset.values()) if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
         return [dataset for dataset in replayed if is_offline_dataset(dataset)]
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args,
-                                           scored_rows: torch.Tensor | None = None, **kwargs):
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, *args, scored_rows: torch.Tensor | None = None, **kwargs
+    ):
         """GRPOTrainer's log-probs (its fused head: the whole vocabulary at the trainer's temperature), plus, for
         TOPR's losses when mu's sampling truncated or used another temperature, the constant that scores pi on mu's
         support (`SupportScoring._forward_on_mus_support`): pi/mu is then exact at learning rate 0, and the gradient
         stays GRPO's. The backbone's hidden states of the same forward are projected again for the sequences
         `scored_rows` (B,) names (every one by default; none where nothing reads the log-probs' values, see
         `_rows_reading_the_ratio`)."""
-        forward = functools.partial(super()._get_per_token_logps_and_entropies, model, input_ids, attention_mask,
-                                    logits_to_keep, *args, **kwargs)
+        forward = functools.partial(
+            super()._get_per_token_logps_and_entropies,
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            *args,
+            **kwargs,
+        )
         if self._sampler_processing is None or (scored_rows is not None and not bool(scored_rows.any())):
             return forward()
         scored = attention_mask
@@ -153,8 +165,14 @@ class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, Offli
         def completion_tokens(outputs, owner, captured):
             """pi's log-probs on mu's support of the completion tokens of the scored sequences (B, logits_to_keep)."""
             processed = completion_processed_log_probs(
-                owner, torch.cat(captured.hidden), input_ids, scored, logits_to_keep, self._sampler_processing,
-                captured.head_dtype(self.args.cast_lm_head_to_fp32))
+                owner,
+                torch.cat(captured.hidden),
+                input_ids,
+                scored,
+                logits_to_keep,
+                self._sampler_processing,
+                captured.head_dtype(self.args.cast_lm_head_to_fp32),
+            )
             return processed, scored[:, -logits_to_keep:]
 
         return self._forward_on_mus_support(model, forward, completion_tokens)
@@ -178,12 +196,17 @@ class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, Offli
     def _baseline_of_dataset(self, args, train_dataset) -> float | None:
         """c solved once from an offline dataset's `reward` column (topr_baseline_scope='dataset', the paper's
         setting), or None."""
-        if (args.loss_type not in POLICY_LOSSES or args.topr_target_effective_proportion is None
-                or args.topr_baseline_scope != "dataset"):
+        if (
+            args.loss_type not in POLICY_LOSSES
+            or args.topr_target_effective_proportion is None
+            or args.topr_baseline_scope != "dataset"
+        ):
             return None
         if not self._offline or "reward" not in train_dataset.column_names:
-            raise ValueError("topr_baseline_scope='dataset' solves the baseline from an offline dataset's `reward` "
-                             "column; online, use topr_baseline_scope='batch'.")
+            raise ValueError(
+                "topr_baseline_scope='dataset' solves the baseline from an offline dataset's `reward` "
+                "column; online, use topr_baseline_scope='batch'."
+            )
         rewards = torch.tensor([float("nan") if r is None else r for r in train_dataset["reward"]])
         return baseline_for_target_share(rewards, args.topr_target_effective_proportion)
 
@@ -198,32 +221,57 @@ class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, Offli
             return
         text = card.read_text().replace('model="None"', f'model="{self.args.output_dir}"')
         weights = self.reward_weights.tolist()
-        text += "\n## Training data and rewards\n\n" + (f"Trained on the local dataset `{dataset_name}`.\n\n"
-                                                        if local_data else "")
+        text += "\n## Training data and rewards\n\n" + (
+            f"Trained on the local dataset `{dataset_name}`.\n\n" if local_data else ""
+        )
         text += "| reward function | weight |\n|---|---|\n" + "".join(
-            f"| `{name}` | {weight:g} |\n" for name, weight in zip(self.reward_func_names, weights, strict=True))
+            f"| `{name}` | {weight:g} |\n" for name, weight in zip(self.reward_func_names, weights, strict=True)
+        )
         card.write_text(text)
         # TRL names no base model for one loaded from a local folder, which its template renders as "[None]"; a
         # folder converted from a GGUF file (a packaged Hub id without the Hub) is named by what it came from
         local = get_config_model_id(self.model.config)
         source = converted_source(local) if local else None
-        card.write_text(card.read_text().replace(
-            "fine-tuned version of [None](https://huggingface.co/None)",
-            f"fine-tuned version of {source}" if source else
-            f"fine-tuned version of a local model (`{Path(str(local)).name or local}`)"))
+        card.write_text(
+            card.read_text().replace(
+                "fine-tuned version of [None](https://huggingface.co/None)",
+                f"fine-tuned version of {source}"
+                if source
+                else f"fine-tuned version of a local model (`{Path(str(local)).name or local}`)",
+            )
+        )
         if self._loss_spec is None:
-            card.write_text(card.read_text() + f"\n## Loss\n\nTrained with TRL's `loss_type={self.args.loss_type!r}`, "
-                            "computed exactly as GRPOTrainer computes it (through topr-trl's TOPRTrainer), not with "
-                            "TOPR.\n")
+            card.write_text(
+                card.read_text() + f"\n## Loss\n\nTrained with TRL's `loss_type={self.args.loss_type!r}`, "
+                "computed exactly as GRPOTrainer computes it (through topr-trl's TOPRTrainer), not with "
+                "TOPR.\n"
+            )
             return
         limits = self._loss_spec.limits
-        fields = ["loss_type", "topr_ratio_level", "topr_signal", "topr_baseline",
-                  "topr_target_effective_proportion", "topr_loss_aggregation", "topr_behaviour_source",
-                  "topr_positive_weight", "topr_negative_weight", "learning_rate", "beta", "num_generations",
-                  "temperature", "max_completion_length"]
-        rows = [] if limits is None else [
-            f"| truncation limits (a+, b+, a-, b-) | {limits.positive_lower}, {limits.positive_upper}, "
-            f"{limits.negative_lower}, {limits.negative_upper} |"]
+        fields = [
+            "loss_type",
+            "topr_ratio_level",
+            "topr_signal",
+            "topr_baseline",
+            "topr_target_effective_proportion",
+            "topr_loss_aggregation",
+            "topr_behaviour_source",
+            "topr_positive_weight",
+            "topr_negative_weight",
+            "learning_rate",
+            "beta",
+            "num_generations",
+            "temperature",
+            "max_completion_length",
+        ]
+        rows = (
+            []
+            if limits is None
+            else [
+                f"| truncation limits (a+, b+, a-, b-) | {limits.positive_lower}, {limits.positive_upper}, "
+                f"{limits.negative_lower}, {limits.negative_upper} |"
+            ]
+        )
         rows += [f"| `{name}` | {getattr(self.args, name)} |" for name in fields]
         section = "\n## TOPR configuration\n\n| setting | value |\n|---|---|\n" + "\n".join(rows) + "\n"
         card.write_text(card.read_text() + section)
@@ -265,8 +313,10 @@ class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, Offli
                 "columns they read), or set topr_unscored_batch='skip' (or 'train') to go on."
             )
         if action == "skip":
-            logger.warning_once(f"Skipping steps whose completions no reward function ({names}) could score "
-                                "(topr_unscored_batch='skip'); this is said once.")
+            logger.warning_once(
+                f"Skipping steps whose completions no reward function ({names}) could score "
+                "(topr_unscored_batch='skip'); this is said once."
+            )
         return action == "skip"
 
     def _reward_signal(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
@@ -298,8 +348,12 @@ class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, Offli
             values = [row.pop(key) for row in inputs if key in row]
             if values:
                 output[key] = torch.tensor(values, device=device)
-        if not replay and self.rollout_func is not None and output.get("sampling_per_token_logps") is not None \
-                and not self.use_vllm:  # the user's rollout_func returned `logprobs`: pi/mu reads them as mu's
+        if (
+            not replay
+            and self.rollout_func is not None
+            and output.get("sampling_per_token_logps") is not None
+            and not self.use_vllm
+        ):  # the user's rollout_func returned `logprobs`: pi/mu reads them as mu's
             output["topr_rollout_logprobs"] = torch.ones(len(inputs), dtype=torch.bool, device=device)
         return output
 
@@ -337,7 +391,8 @@ class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, Offli
             "the rollout_func returns `logprobs`: TOPR uses them as mu's (GRPOTrainer ignores them without vLLM). At "
             f"this first batch, before any update, pi/mu per completion spans [{values.exp().min().item():.3g}, "
             f"{values.exp().max().item():.3g}] (1 where they are the sampler's and the policy sampled); if they are "
-            "not the sampler's log-probs, set topr_behaviour_source='policy'.")
+            "not the sampler's log-probs, set topr_behaviour_source='policy'."
+        )
 
     def _topr_loss(self, model, inputs):
         """TOPR's contribution: the per-token policy loss of the configured loss type (`topr_trl.loss.POLICY_LOSSES`)
@@ -364,17 +419,20 @@ class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, Offli
         policy_at_generation, sampler_logps = inputs.get("old_per_token_logps"), inputs.get("sampling_per_token_logps")
         if policy_at_generation is not None and sampler_logps is not None:
             compared = mask if ratio_read is None else mask * ratio_read.to(mask).unsqueeze(-1)
-            totals = self.accelerator.reduce(drift_and_mismatch_sums(per_token_logps, policy_at_generation,
-                                                                     sampler_logps, compared), reduction="sum")
+            totals = self.accelerator.reduce(
+                drift_and_mismatch_sums(per_token_logps, policy_at_generation, sampler_logps, compared), reduction="sum"
+            )
             for name, value in drift_and_mismatch(totals.tolist()).items():
                 self._metrics[mode][name].append(value)
         if "topr_rollout_logprobs" in inputs and behaviour_logps is inputs.get("sampling_per_token_logps"):
             self._say_rollout_logprobs_are_mu(per_token_logps, behaviour_logps, mask)
         terms = policy_per_token_loss(per_token_logps, behaviour_logps, signal, mask, self._loss_spec)
         loss, policy_per_token, aggregate_kwargs = self._grpo_loss_around_policy_term(
-            inputs, mode, mask, terms.per_token_loss, per_token_logps, entropies, aux_loss, signal, behaviour_logps)
-        nonfinite, ratio_ranges = self._log_policy_metrics(mode, terms, signal, mask, entropies, policy_per_token,
-                                                           aggregate_kwargs, loss, ratio_read)
+            inputs, mode, mask, terms.per_token_loss, per_token_logps, entropies, aux_loss, signal, behaviour_logps
+        )
+        nonfinite, ratio_ranges = self._log_policy_metrics(
+            mode, terms, signal, mask, entropies, policy_per_token, aggregate_kwargs, loss, ratio_read
+        )
         if nonfinite:
             self._on_nonfinite_loss(nonfinite, ratio_ranges)
         return loss

@@ -52,8 +52,9 @@ class SupportScoring:
     and which tokens of its forward are scored). Both have TRL's `temperature` and keep `_mu_processing`'s answer as
     `_sampler_processing`."""
 
-    def _mu_processing(self, args, engine: str, replayed: Sequence[Dataset] = (),
-                       rollout_worker: object | None = None) -> SamplerProcessing | None:
+    def _mu_processing(
+        self, args, engine: str, replayed: Sequence[Dataset] = (), rollout_worker: object | None = None
+    ) -> SamplerProcessing | None:
         """How mu turned logits into its sampling distribution, when it differs from what TRL scores the policy with
         (the whole vocabulary at the trainer's temperature): then pi is scored on mu's support; else None. By default
         the config's generation settings (temperature, top_k, top_p, min_p) in `engine`'s filter order (the
@@ -61,8 +62,9 @@ class SupportScoring:
         stored `behaviour_sampling` (one processing for them all; rows that do not say take the config's, said
         once). A `rollout_worker` that says how it samples (`sampling`, as the CPU stand-in `LaggedRolloutWorker`
         does), as it says."""
-        processing = SamplerProcessing(temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
-                                       min_p=args.min_p, engine=engine)
+        processing = SamplerProcessing(
+            temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p, min_p=args.min_p, engine=engine
+        )
         if replayed:
             processing = stored_processing(replayed, processing)
         if isinstance(getattr(rollout_worker, "sampling", None), SamplerProcessing):
@@ -89,8 +91,9 @@ class PolicyMetricsLogging:
     """TOPR's metrics and the non-finite-loss check, shared by `TOPRTrainer` and the asynchronous trainer
     (`topr_trl.asynchronous`): both have `accelerator`, `args.topr_signal`, `_loss_spec`, `_metrics` and `state`."""
 
-    def _log_policy_metrics(self, mode, terms, signal, mask, entropies, policy_per_token, aggregate_kwargs, loss,
-                            ratio_read=None):
+    def _log_policy_metrics(
+        self, mode, terms, signal, mask, entropies, policy_per_token, aggregate_kwargs, loss, ratio_read=None
+    ):
         """TOPR's metrics (`topr_trl.policy_metrics`), reduced over processes with two collectives, so every rank logs
         every key; returns what `_on_nonfinite_loss` needs (the number of processes whose loss is not finite, and the
         ratio ranges), which every rank agrees on. `ratio_read` (B,) leaves out of the ratio statistics the sequences
@@ -104,8 +107,12 @@ class PolicyMetricsLogging:
         gathered = self.accelerator.gather(torch.cat([minima, losses]).unsqueeze(0))
         all_minima, all_losses = gathered.split([minima.numel(), losses.numel()], dim=1)
         # a process that trained no trajectory (an empty packed row) has NaN branch losses and joins the mean as none
-        values = policy_metrics(totals, all_minima.amin(dim=0).tolist(), all_losses.nanmean(dim=0).tolist(),
-                                reward_signal=self.args.topr_signal == "reward")
+        values = policy_metrics(
+            totals,
+            all_minima.amin(dim=0).tolist(),
+            all_losses.nanmean(dim=0).tolist(),
+            reward_signal=self.args.topr_signal == "reward",
+        )
         ratios = branch_ratios(terms, signal, mask, ratio_read)
         if self.accelerator.num_processes > 1:  # every process's ratios, NaN-padded to one length
             ratios = self.accelerator.pad_across_processes(ratios, dim=1, pad_index=float("nan"))
@@ -113,8 +120,10 @@ class PolicyMetricsLogging:
         values.update(ratio_quantiles(ratios))
         for name, value in values.items():
             self._metrics[mode][name].append(value)
-        ratio_ranges = (f"positives [{values['topr/ratio_positive/min']}, {values['topr/ratio_positive/max']}], "
-                        f"negatives [{values['topr/ratio_negative/min']}, {values['topr/ratio_negative/max']}]")
+        ratio_ranges = (
+            f"positives [{values['topr/ratio_positive/min']}, {values['topr/ratio_positive/max']}], "
+            f"negatives [{values['topr/ratio_negative/min']}, {values['topr/ratio_negative/max']}]"
+        )
         return int(totals["nonfinite_loss"]), ratio_ranges
 
     def _on_nonfinite_loss(self, processes: int, ratio_ranges: str) -> None:
@@ -124,11 +133,13 @@ class PolicyMetricsLogging:
             raise FloatingPointError(
                 f"TOPR loss is not finite on {processes} process(es) at step {self.state.global_step}. Ratio ranges: "
                 f"{ratio_ranges}. Check the reward functions and, in bf16/fp16, the model's logits; rerun with "
-                "bf16=False to rule out overflow.")
+                "bf16=False to rule out overflow."
+            )
         logger.warning_once(
             "TOPR loss is not finite on some steps (logged as NaN; the ratio ranges are logged as topr/ratio_*). "
             "Check the reward functions and, in bf16/fp16, the model's logits. Training goes on, as in GRPOTrainer "
-            "(topr_check_finite=True stops at the first such step); this is said once.")
+            "(topr_check_finite=True stops at the first such step); this is said once."
+        )
 
 
 def trained_method(loss_type: str) -> tuple[str, dict, list[str]]:

@@ -66,8 +66,9 @@ def reload_colocated_weights(generation) -> None:
     """Put the policy's current weights into `generation`'s colocated engine (a TRL `VLLMGeneration`) through vLLM's
     layerwise reload, re-pack what the reload leaves behind (a tied output layer: `repack_tied_weights`), then drop
     the engine's prefix cache, whose keys and values the old weights computed."""
-    generation.llm.collective_rpc("reload_weights", kwargs={
-        "weights_iterator": generation._iter_named_params(), "is_checkpoint_format": True})
+    generation.llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": generation._iter_named_params(), "is_checkpoint_format": True}
+    )
     generation.llm.collective_rpc(repack_tied_weights)
     generation.llm.reset_prefix_cache()
 

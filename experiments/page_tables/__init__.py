@@ -31,22 +31,21 @@ from experiments.page_tables.evidence import ROOT, files_read
 TABLES: dict[str, Callable[[], str]] = {**real_model.TABLES, **results.TABLES, **benchmarks.TABLES}
 """Every generated table by its marker name."""
 
-PAGES = tuple(ROOT / name for name in ("README.md", "docs/results.md", "docs/benchmarks.md", "docs/real-model.md",
-                                       "docs/off-policy.md"))
+PAGES = tuple(
+    ROOT / name
+    for name in ("README.md", "docs/results.md", "docs/benchmarks.md", "docs/real-model.md", "docs/off-policy.md")
+)
 """The pages whose markers are filled and whose claims are checked."""
 
 UNGENERATED = {
     # page: {a table's header line: why its numbers are not generated}
     "docs/results.md": {
-        "| the paper's claim | what this project found | regime | where |":
-            "its cells are prose: the numbers they quote are claims (claims.py)",
+        "| the paper's claim | what this project found | regime | where |": "its cells are prose: the numbers they quote are claims (claims.py)",
         "| script (command above) | runs | wall time |": "wall times noted by hand beside other jobs, in no evidence file",
     },
     "docs/benchmarks.md": {
-        "| generation | pass@1 before | pass@1 after | greedy after | 60 steps | whole run |":
-            "single `topr-trl train` runs of 2026-11-24/25 whose outputs were not kept under docs/evidence/",
-        "| generation | seed 0 | seed 1 | seed 2 | mean | truncated share of negatives (last step) | 60 steps |":
-            "`topr-trl train` runs in server mode of 2026-11-25 whose outputs were not kept under docs/evidence/",
+        "| generation | pass@1 before | pass@1 after | greedy after | 60 steps | whole run |": "single `topr-trl train` runs of 2026-11-24/25 whose outputs were not kept under docs/evidence/",
+        "| generation | seed 0 | seed 1 | seed 2 | mean | truncated share of negatives (last step) | 60 steps |": "`topr-trl train` runs in server mode of 2026-11-25 whose outputs were not kept under docs/evidence/",
     },
 }
 """The tables of the pages this script answers for that it does not generate, and why: any other table there must sit
@@ -78,17 +77,22 @@ def table_differences(page: str, text: str) -> list[str]:
         with files_read() as sources:
             expected = TABLES[name]()
         if match["body"] != expected:
-            diff = difflib.unified_diff(match["body"].splitlines(), expected.splitlines(), "page", "evidence",
-                                        lineterm="", n=0)
-            differences.append(f"{page}: table {name!r} differs from {', '.join(sources)} ({COMMAND}):\n" +
-                               "\n".join(line for line in diff if not line.startswith(("---", "+++", "@@"))))
+            diff = difflib.unified_diff(
+                match["body"].splitlines(), expected.splitlines(), "page", "evidence", lineterm="", n=0
+            )
+            differences.append(
+                f"{page}: table {name!r} differs from {', '.join(sources)} ({COMMAND}):\n"
+                + "\n".join(line for line in diff if not line.startswith(("---", "+++", "@@")))
+            )
     if page in UNGENERATED:
         unmarked = MARKED.sub("", text).splitlines()
         for index, line in enumerate(unmarked):
             starts_table = line.startswith("|") and (index == 0 or not unmarked[index - 1].startswith("|"))
             if starts_table and line not in UNGENERATED[page]:
-                differences.append(f"{page}: the table {line[:80]!r}... is written by hand: give it a generator "
-                                   f"and markers, or say in UNGENERATED why its numbers cannot be generated")
+                differences.append(
+                    f"{page}: the table {line[:80]!r}... is written by hand: give it a generator "
+                    f"and markers, or say in UNGENERATED why its numbers cannot be generated"
+                )
     return differences
 
 
@@ -109,8 +113,10 @@ def section(text: str, heading: str) -> str:
 
     for index, line in enumerate(lines):
         if level(index) and line.partition(" ")[2].strip() == heading:
-            end = next((later for later in range(index + 1, len(lines)) if 0 < level(later) <= level(index)), len(lines))
-            return "\n".join(lines[index + 1:end])
+            end = next(
+                (later for later in range(index + 1, len(lines)) if 0 < level(later) <= level(index)), len(lines)
+            )
+            return "\n".join(lines[index + 1 : end])
     raise KeyError(f"no heading {heading!r}")
 
 
@@ -128,8 +134,10 @@ def claim_differences(page: str, text: str, claims: list[Claim] | None = None) -
             differences.append(f"{page}: no section {claim.section!r} for the claim {expected!r}")
             continue
         if expected not in " ".join(where.split()):
-            differences.append(f"{page}, section {claim.section!r}: the evidence ({', '.join(sources)}) gives "
-                               f"{expected!r}, which the section does not say")
+            differences.append(
+                f"{page}, section {claim.section!r}: the evidence ({', '.join(sources)}) gives "
+                f"{expected!r}, which the section does not say"
+            )
     return differences
 
 

@@ -9,8 +9,10 @@ from experiments.page_tables import TABLES, differences, marked, relative, write
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.page_tables",
-                                     description="The pages' tables and quoted numbers, from their evidence files.")
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.page_tables",
+        description="The pages' tables and quoted numbers, from their evidence files.",
+    )
     action = parser.add_mutually_exclusive_group()
     action.add_argument("--write", action="store_true", help="regenerate every marked table in the pages")
     action.add_argument("--check", action="store_true", help="list what differs from the evidence; exit 1 if any")

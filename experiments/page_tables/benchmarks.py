@@ -24,8 +24,11 @@ SETTINGS = {
     "topr-replay": "TOPRTrainer, offline dataset, μ's log-probs stored",
     "topr-replay-recompute": "TOPRTrainer, offline dataset, μ's log-probs recomputed",
 }
-LOSS_TRAINERS = {"grpo-grpo": "GRPOTrainer `loss_type=\"grpo\"`", "grpo-dapo": "GRPOTrainer `loss_type=\"dapo\"`",
-                 "topr-online": "TOPRTrainer (canonical TOPR)"}
+LOSS_TRAINERS = {
+    "grpo-grpo": 'GRPOTrainer `loss_type="grpo"`',
+    "grpo-dapo": 'GRPOTrainer `loss_type="dapo"`',
+    "topr-online": "TOPRTrainer (canonical TOPR)",
+}
 
 
 def quartiles(values: list[float], scale: float, digits: int) -> str:
@@ -35,21 +38,30 @@ def quartiles(values: list[float], scale: float, digits: int) -> str:
 def cpu_loss() -> str:
     """Loss + backward on one shared batch of the tiny model (`benchmark.py --loss_only`)."""
     result = benchmark("cpu-tiny-loss")["loss_only"]
-    rows = [[label, f"{result['median_loss_backward_s'][name] * 1000:.2f}",
-             quartiles(result["quartiles_s"][name], 1000, 2)] for name, label in LOSS_TRAINERS.items()]
+    rows = [
+        [label, f"{result['median_loss_backward_s'][name] * 1000:.2f}", quartiles(result["quartiles_s"][name], 1000, 2)]
+        for name, label in LOSS_TRAINERS.items()
+    ]
     return markdown_table(["trainer", "median ms", "quartiles ms"], rows)
 
 
 def interleaved_rows(name: str, digits: int, labels: dict[str, str]) -> list[list[str]]:
     table = benchmark(name)["interleaved"]["table"]
-    return [[labels.get(setting, SETTINGS[setting]), f"{row['median_step_s']:.{digits}f}",
-             quartiles(row["quartiles_step_s"], 1, digits), f"{row['median_cpu_s']:.{digits}f}"]
-            for setting, row in table.items()]
+    return [
+        [
+            labels.get(setting, SETTINGS[setting]),
+            f"{row['median_step_s']:.{digits}f}",
+            quartiles(row["quartiles_step_s"], 1, digits),
+            f"{row['median_cpu_s']:.{digits}f}",
+        ]
+        for setting, row in table.items()
+    ]
 
 
 def cpu_interleaved() -> str:
-    return markdown_table(["setting", "wall s/step (median)", "quartiles", "CPU s/step"],
-                          interleaved_rows("cpu-tiny-interleaved", 4, {}))
+    return markdown_table(
+        ["setting", "wall s/step (median)", "quartiles", "CPU s/step"], interleaved_rows("cpu-tiny-interleaved", 4, {})
+    )
 
 
 STEP_TARGET = 1.02
@@ -59,22 +71,31 @@ STEP_TARGET = 1.02
 def cpu_interleaved_ratios() -> str:
     ratios = benchmark("cpu-tiny-interleaved")["interleaved"]["ratios"]
     rows = []
-    for key, label, target in (("topr-online / grpo-grpo", "TOPR online / GRPO `grpo`", True),
-                               ("topr-online / grpo-dapo", "TOPR online / GRPO `dapo`", True),
-                               ("topr-online / grpo-grpo-kl", "TOPR online / GRPO `grpo` + KL", False),
-                               ("topr-replay-recompute / topr-replay", "offline, μ recomputed / μ stored", None)):
+    for key, label, target in (
+        ("topr-online / grpo-grpo", "TOPR online / GRPO `grpo`", True),
+        ("topr-online / grpo-dapo", "TOPR online / GRPO `dapo`", True),
+        ("topr-online / grpo-grpo-kl", "TOPR online / GRPO `grpo` + KL", False),
+        ("topr-replay-recompute / topr-replay", "offline, μ recomputed / μ stored", None),
+    ):
         ratio = ratios[key]
         if target is None:
             rows.append([label, f"{ratio['step_time']:.3f}", f"{ratio['cpu_time']:.3f}", "extra work, reported apart"])
             continue
-        verdict = (f"≤ {STEP_TARGET}: {'met' if ratio['step_time'] <= STEP_TARGET else 'not met'}" if target
-                   else "(TOPR needs no reference model)")
+        verdict = (
+            f"≤ {STEP_TARGET}: {'met' if ratio['step_time'] <= STEP_TARGET else 'not met'}"
+            if target
+            else "(TOPR needs no reference model)"
+        )
         rows.append([label, bold(f"{ratio['step_time']:.3f}"), f"{ratio['cpu_time']:.3f}", verdict])
     return markdown_table(["ratio (same work)", "step time", "CPU time", "target"], rows)
 
 
-PROCESS_LABELS = {"grpo-dapo": "GRPOTrainer `dapo`", "topr-offline": "TOPRTrainer, frozen μ generates",
-                  "topr-replay": "TOPRTrainer, offline, μ stored", "topr-replay-recompute": "TOPRTrainer, offline, μ recomputed"}
+PROCESS_LABELS = {
+    "grpo-dapo": "GRPOTrainer `dapo`",
+    "topr-offline": "TOPRTrainer, frozen μ generates",
+    "topr-replay": "TOPRTrainer, offline, μ stored",
+    "topr-replay-recompute": "TOPRTrainer, offline, μ recomputed",
+}
 
 
 def percent(value: float) -> str:
@@ -86,12 +107,20 @@ def cpu_processes() -> str:
     rows = []
     for setting, row in benchmark("cpu-tiny")["table"].items():
         low, high = row["spread_peak_memory_mib"]
-        rows.append([PROCESS_LABELS.get(setting, SETTINGS[setting]), f"{row['median_step_s']:.4f}",
-                     f"{row['median_update_s']:.4f}", f"{row['tokens_per_s']:.0f}",
-                     f"{row['peak_memory_mib']:.1f} ({low:.1f}-{high:.1f})", percent(row["mfu_step"]),
-                     percent(row["mfu_update"])])
-    return markdown_table(["setting", "s/step", "s/update", "tokens/s", "peak MiB (runs' min-max)", "MFU step",
-                           "MFU update"], rows)
+        rows.append(
+            [
+                PROCESS_LABELS.get(setting, SETTINGS[setting]),
+                f"{row['median_step_s']:.4f}",
+                f"{row['median_update_s']:.4f}",
+                f"{row['tokens_per_s']:.0f}",
+                f"{row['peak_memory_mib']:.1f} ({low:.1f}-{high:.1f})",
+                percent(row["mfu_step"]),
+                percent(row["mfu_update"]),
+            ]
+        )
+    return markdown_table(
+        ["setting", "s/step", "s/update", "tokens/s", "peak MiB (runs' min-max)", "MFU step", "MFU update"], rows
+    )
 
 
 GPU_LOSS_TRAINERS = {"grpo-grpo": "GRPOTrainer `grpo`", "grpo-dapo": "GRPOTrainer `dapo`", "topr-online": "TOPRTrainer"}
@@ -102,13 +131,23 @@ def gpu_loss() -> str:
     rows = []
     for name, model in (("gpu-h100-05b-loss", "Qwen2.5-0.5B shape"), ("gpu-h100-15b-loss", "Qwen2.5-1.5B shape")):
         result = benchmark(name)["loss_only"]
-        rows += [[model, label, f"{result['median_loss_backward_s'][setting] * 1000:.1f}",
-                  quartiles(result["quartiles_s"][setting], 1000, 1)] for setting, label in GPU_LOSS_TRAINERS.items()]
+        rows += [
+            [
+                model,
+                label,
+                f"{result['median_loss_backward_s'][setting] * 1000:.1f}",
+                quartiles(result["quartiles_s"][setting], 1000, 1),
+            ]
+            for setting, label in GPU_LOSS_TRAINERS.items()
+        ]
     return markdown_table(["model", "trainer", "median ms", "quartiles ms"], rows)
 
 
-GPU_LABELS = {"grpo-dapo": "GRPOTrainer `dapo`", "topr-replay": "TOPRTrainer, offline, μ stored",
-              "topr-replay-recompute": "TOPRTrainer, offline, μ recomputed"}
+GPU_LABELS = {
+    "grpo-dapo": "GRPOTrainer `dapo`",
+    "topr-replay": "TOPRTrainer, offline, μ stored",
+    "topr-replay-recompute": "TOPRTrainer, offline, μ recomputed",
+}
 """The H100 tables' shorter labels."""
 
 
@@ -116,23 +155,36 @@ def gpu_processes() -> str:
     """One process per setting on the H100; the generation share is the part of a step outside the update."""
     rows = []
     for setting, row in benchmark("gpu-h100-05b-proc")["table"].items():
-        rows.append([GPU_LABELS.get(setting, SETTINGS[setting]), f"{row['median_step_s']:.3f}",
-                     f"{row['median_update_s']:.3f}", f"{100 * (1 - row['median_update_s'] / row['median_step_s']):.1f} %",
-                     f"{row['tokens_per_s']:,.0f}", f"{row['peak_memory_mib']:,.1f}", percent(row["mfu_step"]),
-                     percent(row["mfu_update"])])
-    return markdown_table(["setting", "s/step", "s/update", "gen. share", "tokens/s", "peak MiB", "MFU step",
-                           "MFU update"], rows)
+        rows.append(
+            [
+                GPU_LABELS.get(setting, SETTINGS[setting]),
+                f"{row['median_step_s']:.3f}",
+                f"{row['median_update_s']:.3f}",
+                f"{100 * (1 - row['median_update_s'] / row['median_step_s']):.1f} %",
+                f"{row['tokens_per_s']:,.0f}",
+                f"{row['peak_memory_mib']:,.1f}",
+                percent(row["mfu_step"]),
+                percent(row["mfu_update"]),
+            ]
+        )
+    return markdown_table(
+        ["setting", "s/step", "s/update", "gen. share", "tokens/s", "peak MiB", "MFU step", "MFU update"], rows
+    )
 
 
 def gpu_interleaved() -> str:
-    return markdown_table(["setting", "wall s/step (median)", "quartiles", "CPU s/step"],
-                          interleaved_rows("gpu-h100-05b-inter", 3, GPU_LABELS))
+    return markdown_table(
+        ["setting", "wall s/step (median)", "quartiles", "CPU s/step"],
+        interleaved_rows("gpu-h100-05b-inter", 3, GPU_LABELS),
+    )
 
 
-GPU_SUPPORT_RUNS = {"gpu-h200-05b-support-loss": "the cascade before the rule (archive)",
-                    "gpu-h200-05b-floors-support-loss-scale1": "the rule with floors",
-                    "gpu-h200-05b-floors-support-loss-scale4": "the rule with floors",
-                    "gpu-h200-05b-floors-support-loss-scale8": "the rule with floors"}
+GPU_SUPPORT_RUNS = {
+    "gpu-h200-05b-support-loss": "the cascade before the rule (archive)",
+    "gpu-h200-05b-floors-support-loss-scale1": "the rule with floors",
+    "gpu-h200-05b-floors-support-loss-scale4": "the rule with floors",
+    "gpu-h200-05b-floors-support-loss-scale8": "the rule with floors",
+}
 """The H200 runs of pi on mu's support at the Qwen2.5-0.5B shape (`experiments/gpu_support.sh`), oldest first."""
 
 
@@ -145,24 +197,51 @@ def gpu_support() -> str:
         result, options = data["loss_only"], data["options"]
         medians = result["median_loss_backward_s"]
         commit = result.get("library", {}).get("commit", "-")
-        for setting, truncation in (("topr-online-top-k", f"top_k {options.get('top_k', 50)}"),
-                                    ("topr-online-top-p", f"top_p {options.get('top_p', 0.95)}")):
+        for setting, truncation in (
+            ("topr-online-top-k", f"top_k {options.get('top_k', 50)}"),
+            ("topr-online-top-p", f"top_p {options.get('top_p', 0.95)}"),
+        ):
             memory = result["peak_added_memory_mib"]
-            rows.append([design, f"`{commit}`" if commit != "-" else "-", f"{options.get('logit_scale', 1.0):g}",
-                         truncation, f"{medians[setting] * 1000:.0f} / {medians['topr-online'] * 1000:.0f}",
-                         f"**{medians[setting] / medians['topr-online']:.2f}**",
-                         f"{memory[setting] / memory['topr-online']:.3f}"])
-    return markdown_table(["design", "commit", "logit scale", "μ samples with", "loss + backward ms (truncated / TOPR)",
-                           "time / TOPR untruncated", "memory / TOPR"], rows)
+            rows.append(
+                [
+                    design,
+                    f"`{commit}`" if commit != "-" else "-",
+                    f"{options.get('logit_scale', 1.0):g}",
+                    truncation,
+                    f"{medians[setting] * 1000:.0f} / {medians['topr-online'] * 1000:.0f}",
+                    f"**{medians[setting] / medians['topr-online']:.2f}**",
+                    f"{memory[setting] / memory['topr-online']:.3f}",
+                ]
+            )
+    return markdown_table(
+        [
+            "design",
+            "commit",
+            "logit scale",
+            "μ samples with",
+            "loss + backward ms (truncated / TOPR)",
+            "time / TOPR untruncated",
+            "memory / TOPR",
+        ],
+        rows,
+    )
 
 
 def gpu_support_rule() -> str:
     """The rule alone per 1,000 tokens at Qwen2.5's vocabulary on the H200 (`experiments.benchmark --support_only`)."""
     data = benchmark("gpu-h200-05b-floors-support-rule")["support_only"]
-    rows = [[case, f"{timing['ms_per_1k_tokens']['rule']:.1f}", f"{timing['ms_per_1k_tokens']['whole vocabulary']:.1f}"]
-            for case, timing in data["timings"].items()]
-    return markdown_table(["rows, μ samples with", "the rule ms / 1k tokens",
-                           f"log-softmax over all {data['vocabulary']:,} tokens ms / 1k tokens"], rows)
+    rows = [
+        [case, f"{timing['ms_per_1k_tokens']['rule']:.1f}", f"{timing['ms_per_1k_tokens']['whole vocabulary']:.1f}"]
+        for case, timing in data["timings"].items()
+    ]
+    return markdown_table(
+        [
+            "rows, μ samples with",
+            "the rule ms / 1k tokens",
+            f"log-softmax over all {data['vocabulary']:,} tokens ms / 1k tokens",
+        ],
+        rows,
+    )
 
 
 def short_exponent(value: float, digits: int = 1) -> str:
@@ -179,19 +258,37 @@ def vllm_mismatch() -> str:
         tokens, ratio, negatives = result["token_abs_log_ratio"], result["sequence_ratio"], result["negatives"]
         if result["engine_dtype"] == "bfloat16":
             quantiles = " / ".join(f"{ratio[q]:.3f}" for q in ("q1", "q10", "q50", "q90", "q99"))
-            rows.append([labels["bfloat16"], f"{tokens['mean']:.4f} / {tokens['max']:.2f}",
-                         f"{quantiles} ({ratio['q0']:.3f}, {ratio['q100']:.3f})",
-                         f"{100 * negatives['truncated_share']:.0f} % of {negatives['count']}",
-                         f"{negatives['mean_weight']:.3f} ({negatives['min_weight']:.3f})"])
+            rows.append(
+                [
+                    labels["bfloat16"],
+                    f"{tokens['mean']:.4f} / {tokens['max']:.2f}",
+                    f"{quantiles} ({ratio['q0']:.3f}, {ratio['q100']:.3f})",
+                    f"{100 * negatives['truncated_share']:.0f} % of {negatives['count']}",
+                    f"{negatives['mean_weight']:.3f} ({negatives['min_weight']:.3f})",
+                ]
+            )
         else:
             spread = max(abs(ratio[q] - 1) for q in ("q0", "q100"))
             lightest = 1 - negatives["min_weight"]
-            rows.append([labels["float32"], f"{short_exponent(tokens['mean'])} / {short_exponent(tokens['max'], 2)}",
-                         f"1 within {short_exponent(spread, 2)}", f"(all within {short_exponent(lightest)} of 1)",
-                         f"{negatives['mean_weight']:.3f} ({negatives['min_weight']:.5f})"])
-    return markdown_table(["engine dtype", "mean / max per-token \\|log π − log μ\\|",
-                           "sequence ratio π/μ: 1 % / 10 % / 50 % / 90 % / 99 % quantiles (min, max)",
-                           "negatives with weight < 1", "mean (min) weight of negatives"], rows)
+            rows.append(
+                [
+                    labels["float32"],
+                    f"{short_exponent(tokens['mean'])} / {short_exponent(tokens['max'], 2)}",
+                    f"1 within {short_exponent(spread, 2)}",
+                    f"(all within {short_exponent(lightest)} of 1)",
+                    f"{negatives['mean_weight']:.3f} ({negatives['min_weight']:.5f})",
+                ]
+            )
+    return markdown_table(
+        [
+            "engine dtype",
+            "mean / max per-token \\|log π − log μ\\|",
+            "sequence ratio π/μ: 1 % / 10 % / 50 % / 90 % / 99 % quantiles (min, max)",
+            "negatives with weight < 1",
+            "mean (min) weight of negatives",
+        ],
+        rows,
+    )
 
 
 def parameters(count: int) -> str:
@@ -203,9 +300,11 @@ def rate(value: float) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
 
 
-SERVER_MODELS = {"reasoning": "built-in reasoning model ({parameters} parameters, tied)",
-                 "small": "random weights, hidden 256 x 4 layers ({parameters}, tied)",
-                 "27m": "random weights, hidden 512 x 8 layers ({parameters}, tied)"}
+SERVER_MODELS = {
+    "reasoning": "built-in reasoning model ({parameters} parameters, tied)",
+    "small": "random weights, hidden 256 x 4 layers ({parameters}, tied)",
+    "27m": "random weights, hidden 512 x 8 layers ({parameters}, tied)",
+}
 
 
 def vllm_server_sync() -> str:
@@ -214,9 +313,15 @@ def vllm_server_sync() -> str:
     for result in benchmark("vllm_server_sync")["results"]:
         label = SERVER_MODELS[result["model"]].format(parameters=parameters(result["parameters"]))
         per_megabyte = result["ms_per_megabyte"]
-        rows.append([label, f"{result['megabytes']:.{2 if result['megabytes'] < 1 else 1}f} MB", str(result["tensors"]),
-                     f"{result['push_ms_median']:.1f} ms ({result['push_ms_min']:.1f}-{result['push_ms_max']:.1f})",
-                     f"{per_megabyte:.0f}" if per_megabyte >= 10 else f"{per_megabyte:.1f}"])
+        rows.append(
+            [
+                label,
+                f"{result['megabytes']:.{2 if result['megabytes'] < 1 else 1}f} MB",
+                str(result["tensors"]),
+                f"{result['push_ms_median']:.1f} ms ({result['push_ms_min']:.1f}-{result['push_ms_max']:.1f})",
+                f"{per_megabyte:.0f}" if per_megabyte >= 10 else f"{per_megabyte:.1f}",
+            ]
+        )
     return markdown_table(["model", "weights sent (float32)", "tensors", "push, median (min-max)", "ms per MB"], rows)
 
 
@@ -228,24 +333,47 @@ def vllm_throughput() -> str:
             float32 = result["vllm_dtype"] == "float32"
             first = result["model"] == "reasoning"
             if float32:
-                model = ("built-in reasoning model" if first else "random weights, hidden 512 x 8 layers") + \
-                        f" ({parameters(result['parameters'])}" + (" parameters)" if first else ")")
+                model = (
+                    ("built-in reasoning model" if first else "random weights, hidden 512 x 8 layers")
+                    + f" ({parameters(result['parameters'])}"
+                    + (" parameters)" if first else ")")
+                )
                 dtype = "float32"
             else:
                 model = "built-in reasoning model" if first else "hidden 512 x 8 layers"
                 dtype = "bfloat16 (vLLM's `auto`)" if first else "bfloat16"
             rates = result["completions_per_second"]
-            rows.append([model, dtype, rate(rates["vllm"]), rate(rates["transformers"]),
-                         bold(f"{result['ratio_vllm_over_transformers']:.2f}x", float32),
-                         f"{result['engine_load_seconds']:.0f} s"])
-    return markdown_table(["model", "engine dtype", "vLLM completions/s", "transformers completions/s (float32)",
-                           "vLLM / transformers", "engine start"], rows)
+            rows.append(
+                [
+                    model,
+                    dtype,
+                    rate(rates["vllm"]),
+                    rate(rates["transformers"]),
+                    bold(f"{result['ratio_vllm_over_transformers']:.2f}x", float32),
+                    f"{result['engine_load_seconds']:.0f} s",
+                ]
+            )
+    return markdown_table(
+        [
+            "model",
+            "engine dtype",
+            "vLLM completions/s",
+            "transformers completions/s (float32)",
+            "vLLM / transformers",
+            "engine start",
+        ],
+        rows,
+    )
 
 
 ASYNC_SERVER = [
     # file, how the page names the setting, decimals of the mean completion length
     ("async_server_throughput", "hidden {hidden} x {layers} layers, {tokens} ({length})", 1),
-    ("async_server_throughput_generation_heavy", "hidden {hidden} x {layers}, {tokens} ({length}), generation-heavy", 0),
+    (
+        "async_server_throughput_generation_heavy",
+        "hidden {hidden} x {layers}, {tokens} ({length}), generation-heavy",
+        0,
+    ),
     ("async_server_throughput_training_heavy", "hidden {hidden} x {layers}, {tokens} ({length}), training-heavy", 0),
 ]
 
@@ -260,16 +388,40 @@ def async_server() -> str:
         asynchronous = [run for run in runs if run["kind"] == "asynchronous"]
         length = statistics.mean(run["mean_completion_length"] for run in synchronous)
         generation, training = data["L_generate_seconds_per_step"], data["T_train_seconds_per_step"]
-        rows.append([label.format(hidden=options["hidden_size"], layers=options["num_layers"],
-                                  tokens=options["completion_length"], length=f"{length:.{length_digits}f}"),
-                     f"{generation:.2f} s", f"{training:.2f} s", f"{generation / training:.2f}",
-                     f"{data['ideal_ratio']:.2f}", f"{data['T_async_train_seconds_per_step']:.2f} s",
-                     ", ".join(f"{run['samples_per_second']:.1f}" for run in synchronous),
-                     ", ".join(f"{run['samples_per_second']:.1f}" for run in asynchronous),
-                     ", ".join(f"{ratio:.2f}" for ratio in data["ratios"]), bold(f"{data['median_ratio']:.2f}")])
-    return markdown_table(["setting (model, completion tokens, mean length)", "L", "T", "L/T", "ideal (L+T)/max(L,T)",
-                           "async T", "synchronous samples/s (3 pairs)", "asynchronous samples/s", "ratio per pair",
-                           "**median ratio**"], rows)
+        rows.append(
+            [
+                label.format(
+                    hidden=options["hidden_size"],
+                    layers=options["num_layers"],
+                    tokens=options["completion_length"],
+                    length=f"{length:.{length_digits}f}",
+                ),
+                f"{generation:.2f} s",
+                f"{training:.2f} s",
+                f"{generation / training:.2f}",
+                f"{data['ideal_ratio']:.2f}",
+                f"{data['T_async_train_seconds_per_step']:.2f} s",
+                ", ".join(f"{run['samples_per_second']:.1f}" for run in synchronous),
+                ", ".join(f"{run['samples_per_second']:.1f}" for run in asynchronous),
+                ", ".join(f"{ratio:.2f}" for ratio in data["ratios"]),
+                bold(f"{data['median_ratio']:.2f}"),
+            ]
+        )
+    return markdown_table(
+        [
+            "setting (model, completion tokens, mean length)",
+            "L",
+            "T",
+            "L/T",
+            "ideal (L+T)/max(L,T)",
+            "async T",
+            "synchronous samples/s (3 pairs)",
+            "asynchronous samples/s",
+            "ratio per pair",
+            "**median ratio**",
+        ],
+        rows,
+    )
 
 
 def async_stand_in() -> str:
@@ -277,11 +429,27 @@ def async_stand_in() -> str:
     rows = []
     for index, pair in enumerate(benchmark("async_throughput")["pairs"]):
         synchronous, asynchronous = pair["synchronous"], pair["asynchronous"]
-        rows.append([str(index), f"{synchronous['samples_per_s']:.2f} ({synchronous['wall_s']:.1f})",
-                     f"{asynchronous['samples_per_s']:.2f} ({asynchronous['wall_s']:.1f})", f"{pair['ratio']:.2f}",
-                     f"{asynchronous['train_s_per_step']:.2f} s", f"{asynchronous['staleness_mean']:.2f}"])
-    return markdown_table(["pair", "synchronous samples/s (wall s)", "asynchronous samples/s (wall s)", "ratio",
-                           "async T per step", "async staleness (mean)"], rows)
+        rows.append(
+            [
+                str(index),
+                f"{synchronous['samples_per_s']:.2f} ({synchronous['wall_s']:.1f})",
+                f"{asynchronous['samples_per_s']:.2f} ({asynchronous['wall_s']:.1f})",
+                f"{pair['ratio']:.2f}",
+                f"{asynchronous['train_s_per_step']:.2f} s",
+                f"{asynchronous['staleness_mean']:.2f}",
+            ]
+        )
+    return markdown_table(
+        [
+            "pair",
+            "synchronous samples/s (wall s)",
+            "asynchronous samples/s (wall s)",
+            "ratio",
+            "async T per step",
+            "async staleness (mean)",
+        ],
+        rows,
+    )
 
 
 TABLES: dict[str, Callable[[], str]] = {

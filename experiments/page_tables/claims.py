@@ -58,6 +58,7 @@ def section_claims(page: str, section: str, *claims: tuple[str, Callable[[], str
 
 # --- what the claims read --------------------------------------------------------------------------------------------
 
+
 def sample_efficiency(method: str, key: str = "late_minus_grpo", name: str = SAMPLE_EFFICIENCY) -> dict:
     return evidence(name)["summary"][method][key]
 
@@ -82,7 +83,7 @@ def every_seed(statistic: dict) -> str:
 
 def ceiling(value: float, digits: int = 1) -> str:
     """The bound a "below X" claim may state: `value` rounded up."""
-    return f"{math.ceil(value * 10 ** digits) / 10 ** digits:.{digits}f}"
+    return f"{math.ceil(value * 10**digits) / 10**digits:.{digits}f}"
 
 
 def cost(statistic: dict) -> str:
@@ -97,9 +98,11 @@ def staleness_costs(method: str) -> str:
 
 def chosen_rate(prefix: str, methods: list[str], rates: list[str]) -> str:
     """The learning rate a validation sweep chose: the highest mean late pass@1 over `methods`."""
+
     def mean(rate: str) -> float:
         summary = evidence(f"{prefix}{rate}")["summary"]
         return statistics.mean(summary[method]["late_pass@1"]["mean"] for method in methods)
+
     return max(rates, key=mean)
 
 
@@ -114,8 +117,11 @@ def coinciding_spikes() -> list[tuple[float, float]]:
         if not key.startswith("untruncated_is/"):
             continue
         norms = {entry["step"]: entry["grad_norm"] for entry in run["grad_norms"]}
-        ratios = {entry["step"]: entry["topr/ratio_negative/max"] for entry in run["ratio_maxima"]
-                  if "topr/ratio_negative/max" in entry}
+        ratios = {
+            entry["step"]: entry["topr/ratio_negative/max"]
+            for entry in run["ratio_maxima"]
+            if "topr/ratio_negative/max" in entry
+        }
         norm_step, ratio_step = max(norms, key=norms.get), max(ratios, key=ratios.get)
         if norm_step == ratio_step:
             found.append((norms[norm_step], ratios[ratio_step]))
@@ -156,7 +162,9 @@ def low_target_gains() -> str:
 
 def low_targets_every_seed() -> str:
     """Whether TOPR is above TIS in every seed at every p̃ up to 20 %."""
-    values = [value for target in TARGETS[:4] for value in evidence(sweep(target))["paired"][f"p0.67/pt{target}"]["values"]]
+    values = [
+        value for target in TARGETS[:4] for value in evidence(sweep(target))["paired"][f"p0.67/pt{target}"]["values"]
+    ]
     return "every seed" if all(value > 0 for value in values) else "not every seed"
 
 
@@ -180,7 +188,8 @@ def baseline_gain(first: str, second: str) -> str:
     gain = pooled(first, second, "topr_target-topr")
     agreeing = sum(value > 0 for value in gain["values"])
     return f"{interval(gain)} over c = 0 ({seeds(gain)} seeds, " + (
-        "every one)" if agreeing == seeds(gain) else f"{agreeing} of them)")
+        "every one)" if agreeing == seeds(gain) else f"{agreeing} of them)"
+    )
 
 
 def tis_collapsed(name: str) -> int:
@@ -228,27 +237,45 @@ def async_server_ratio(name: str, digits: int = 2) -> str:
 # --- README.md: What to expect --------------------------------------------------------------------------------------
 
 README = section_claims(
-    "README.md", "What to expect",
-    ("**On-policy, TOPR and GRPO are level** ({} sampled pass@1)",
-     lambda: signed_interval(sample_efficiency("topr_online"))),
-    ("epochs: {} over PPO-clip; μ up to 63 updates behind: {})",
-     lambda: (signed(paired(FIGURE1, "topr-ppo")["mean"]),
-              signed(stale_paired("fresh_b", "topr-grpo_clip/k64")["mean"]))),
-    ("(samples {} updates behind: {} over TRL's loss, level with synchronous TOPR)",
-     lambda: (server_lag("w32"), signed(server("w32", "async_topr-async_grpo_keep/{pipeline}")["mean"]))),
-    ("only AsyncTOPR at {} updates is decided below synchronous training ({})",
-     lambda: (server_lag("w1-f8"), signed_interval(server("w1-f8", "async_topr/{pipeline}-sync_topr")))),
-    ("pushing every 8 steps puts TRL's loss below it ({})",
-     lambda: signed_interval(server("w8", "async_grpo_keep/{pipeline}-sync_topr"))),
+    "README.md",
+    "What to expect",
+    (
+        "**On-policy, TOPR and GRPO are level** ({} sampled pass@1)",
+        lambda: signed_interval(sample_efficiency("topr_online")),
+    ),
+    (
+        "epochs: {} over PPO-clip; μ up to 63 updates behind: {})",
+        lambda: (
+            signed(paired(FIGURE1, "topr-ppo")["mean"]),
+            signed(stale_paired("fresh_b", "topr-grpo_clip/k64")["mean"]),
+        ),
+    ),
+    (
+        "(samples {} updates behind: {} over TRL's loss, level with synchronous TOPR)",
+        lambda: (server_lag("w32"), signed(server("w32", "async_topr-async_grpo_keep/{pipeline}")["mean"])),
+    ),
+    (
+        "only AsyncTOPR at {} updates is decided below synchronous training ({})",
+        lambda: (server_lag("w1-f8"), signed_interval(server("w1-f8", "async_topr/{pipeline}-sync_topr"))),
+    ),
+    (
+        "pushing every 8 steps puts TRL's loss below it ({})",
+        lambda: signed_interval(server("w8", "async_grpo_keep/{pipeline}-sync_topr")),
+    ),
     ("(the best p̃ here was {}; sweep it on a validation split)", near_best_targets),
     ("({} on one H100 at 1.5B, same peak memory)", h100_loss_ratio),
     ("an offline replay step with μ's log-probs stored is about {} faster than an online one", replay_speedup),
     ("costs nothing measurable under top_k 500 and {} of loss + backward under top_p 0.95", top_p_cost),
-    ("TOPR trains {} the samples per second of synchronous TOPR when generation and training take about as long "
-     "({} when generation dominates, {} when training does); with the real model and its two-shot prompts, {},",
-     lambda: (async_server_ratio("async_server_throughput"), async_server_ratio("async_server_throughput_generation_heavy"),
-              async_server_ratio("async_server_throughput_training_heavy"),
-              async_server_ratio("async_server_throughput_smollm2", 1))),
+    (
+        "TOPR trains {} the samples per second of synchronous TOPR when generation and training take about as long "
+        "({} when generation dominates, {} when training does); with the real model and its two-shot prompts, {},",
+        lambda: (
+            async_server_ratio("async_server_throughput"),
+            async_server_ratio("async_server_throughput_generation_heavy"),
+            async_server_ratio("async_server_throughput_training_heavy"),
+            async_server_ratio("async_server_throughput_smollm2", 1),
+        ),
+    ),
 )
 
 
@@ -258,113 +285,206 @@ RESULTS = "docs/results.md"
 EXPECT = "What to expect (for users)"
 
 RESULTS_EXPECT = section_claims(
-    RESULTS, EXPECT,
+    RESULTS,
+    EXPECT,
     ("a harder 5-digit setting ({} correct)", lambda: percent(statistics.mean(base_pass_at_1(D5)))),
     # reuse
-    ("Offline TOPR, 4 passes over {} generated completions, ends level with online GRPO on {} (paired {}, {} seeds)",
-     lambda: (f"{sample_efficiency('topr_offline_k4', 'completions_total')['mean']:,.0f}",
-              f"{sample_efficiency('grpo', 'completions_total')['mean']:,.0f}",
-              signed_interval(sample_efficiency("topr_offline_k4")), str(seeds(sample_efficiency("topr_offline_k4"))))),
-    ("above PPO-clip with the same reuse ({}) and below positives-only SFT with the same reuse ({})",
-     lambda: (signed_interval(sample_efficiency("ppo_offline_k4", "topr_minus_this")),
-              signed_interval(sample_efficiency("sft_offline_k4", "topr_minus_this")))),
-    ("In the 5-digit setting it is below online GRPO ({}, undecided; on a warm start built on another CPU {}, {}), "
-     "level with SFT reuse ({}; {}), above PPO-clip reuse ({}; {})",
-     lambda: (signed_interval(d5_sample_efficiency("topr_offline_k4")),
-              signed_interval(d5_sample_efficiency("topr_offline_k4", draw="_draw_per_seed")),
-              every_seed(d5_sample_efficiency("topr_offline_k4", draw="_draw_per_seed")),
-              *(signed_interval(d5_sample_efficiency(method, "topr_minus_this", draw))
-                for method in ("sft_offline_k4", "ppo_offline_k4") for draw in ("", "_draw_per_seed")))),
+    (
+        "Offline TOPR, 4 passes over {} generated completions, ends level with online GRPO on {} (paired {}, {} seeds)",
+        lambda: (
+            f"{sample_efficiency('topr_offline_k4', 'completions_total')['mean']:,.0f}",
+            f"{sample_efficiency('grpo', 'completions_total')['mean']:,.0f}",
+            signed_interval(sample_efficiency("topr_offline_k4")),
+            str(seeds(sample_efficiency("topr_offline_k4"))),
+        ),
+    ),
+    (
+        "above PPO-clip with the same reuse ({}) and below positives-only SFT with the same reuse ({})",
+        lambda: (
+            signed_interval(sample_efficiency("ppo_offline_k4", "topr_minus_this")),
+            signed_interval(sample_efficiency("sft_offline_k4", "topr_minus_this")),
+        ),
+    ),
+    (
+        "In the 5-digit setting it is below online GRPO ({}, undecided; on a warm start built on another CPU {}, {}), "
+        "level with SFT reuse ({}; {}), above PPO-clip reuse ({}; {})",
+        lambda: (
+            signed_interval(d5_sample_efficiency("topr_offline_k4")),
+            signed_interval(d5_sample_efficiency("topr_offline_k4", draw="_draw_per_seed")),
+            every_seed(d5_sample_efficiency("topr_offline_k4", draw="_draw_per_seed")),
+            *(
+                signed_interval(d5_sample_efficiency(method, "topr_minus_this", draw))
+                for method in ("sft_offline_k4", "ppo_offline_k4")
+                for draw in ("", "_draw_per_seed")
+            ),
+        ),
+    ),
     # reuse order
-    ("`num_iterations` = 4, 16, 64 still cost TOPR {} against K = 1 and GRPO-clip {};",
-     lambda: (staleness_costs("topr"), staleness_costs("grpo_clip"))),
+    (
+        "`num_iterations` = 4, 16, 64 still cost TOPR {} against K = 1 and GRPO-clip {};",
+        lambda: (staleness_costs("topr"), staleness_costs("grpo_clip")),
+    ),
     # stale data
-    ("(K = 64), TIS is level with TOPR ({}) and SFT on the positives is above it in every seed ({})",
-     lambda: (signed_interval(stale_paired("controls", "topr-tis/k64")),
-              signed_interval(stale_paired("controls", "topr-sft_positives/k64")))),
-    ("TOPR ended above GRPO-clip (paired {} and {} on two base models",
-     lambda: (signed_interval(stale_paired("reuse_shipped_s16", "topr-grpo_clip/k4")),
-              signed_interval(stale_paired("reuse_local2000_s16", "topr-grpo_clip/k4")))),
-    ("above GRPO-clip in every seed ({}) and above its own on-policy result",
-     lambda: signed_interval(stale_paired("fresh_b", "topr-grpo_clip/k64"))),
+    (
+        "(K = 64), TIS is level with TOPR ({}) and SFT on the positives is above it in every seed ({})",
+        lambda: (
+            signed_interval(stale_paired("controls", "topr-tis/k64")),
+            signed_interval(stale_paired("controls", "topr-sft_positives/k64")),
+        ),
+    ),
+    (
+        "TOPR ended above GRPO-clip (paired {} and {} on two base models",
+        lambda: (
+            signed_interval(stale_paired("reuse_shipped_s16", "topr-grpo_clip/k4")),
+            signed_interval(stale_paired("reuse_local2000_s16", "topr-grpo_clip/k4")),
+        ),
+    ),
+    (
+        "above GRPO-clip in every seed ({}) and above its own on-policy result",
+        lambda: signed_interval(stale_paired("fresh_b", "topr-grpo_clip/k64")),
+    ),
     ("PPO-clip in every seed ({}, Figure 1)", lambda: signed_interval(paired(FIGURE1, "topr-ppo"))),
-    ("AsyncGRPOTrainer keeping every sample in every seed ({}, {}), level with its own TIS ({}) and below its "
-     "positives-only SFT ({}) at K = 64",
-     lambda: (signed_interval(async_paired(ASYNC, "async_topr-async_grpo_keep/k16")),
-              signed_interval(async_paired(ASYNC, "async_topr-async_grpo_keep/k64")),
-              signed_interval(async_paired("asynchronous/controls", "async_topr-async_tis/k64")),
-              signed_interval(async_paired("asynchronous/controls", "async_topr-async_sft_positives/k64")))),
-    ("is level or slightly ahead ({} at K = 4)",
-     lambda: signed_interval(async_paired(ASYNC, "async_topr-async_grpo_keep/k4"))),
+    (
+        "AsyncGRPOTrainer keeping every sample in every seed ({}, {}), level with its own TIS ({}) and below its "
+        "positives-only SFT ({}) at K = 64",
+        lambda: (
+            signed_interval(async_paired(ASYNC, "async_topr-async_grpo_keep/k16")),
+            signed_interval(async_paired(ASYNC, "async_topr-async_grpo_keep/k64")),
+            signed_interval(async_paired("asynchronous/controls", "async_topr-async_tis/k64")),
+            signed_interval(async_paired("asynchronous/controls", "async_topr-async_sft_positives/k64")),
+        ),
+    ),
+    (
+        "is level or slightly ahead ({} at K = 4)",
+        lambda: signed_interval(async_paired(ASYNC, "async_topr-async_grpo_keep/k4")),
+    ),
     # on-policy
-    ("**Online and on-policy, expect parity with GRPO. [robust]** {} ({} seeds; at 5 digits {})",
-     lambda: (signed_interval(sample_efficiency("topr_online")), str(seeds(sample_efficiency("topr_online"))),
-              signed_interval(d5_sample_efficiency("topr_online")))),
+    (
+        "**Online and on-policy, expect parity with GRPO. [robust]** {} ({} seeds; at 5 digits {})",
+        lambda: (
+            signed_interval(sample_efficiency("topr_online")),
+            str(seeds(sample_efficiency("topr_online"))),
+            signed_interval(d5_sample_efficiency("topr_online")),
+        ),
+    ),
     # learning rate
-    ("On the shipped model {} was best for GRPO and TOPR alike",
-     lambda: chosen_rate("sample_efficiency/val_lr", ["grpo", "topr_online", "topr_offline_k4"],
-                         ["3e-5", "1e-4", "3e-4", "1e-3"])),
-    ("At 5 digits {} was again the validation choice",
-     lambda: chosen_rate("harder/d5_sample_efficiency_val_lr", ["grpo", "topr_online", "topr_offline_k4"],
-                         ["1e-4", "3e-4"])),
+    (
+        "On the shipped model {} was best for GRPO and TOPR alike",
+        lambda: chosen_rate(
+            "sample_efficiency/val_lr", ["grpo", "topr_online", "topr_offline_k4"], ["3e-5", "1e-4", "3e-4", "1e-3"]
+        ),
+    ),
+    (
+        "At 5 digits {} was again the validation choice",
+        lambda: chosen_rate(
+            "harder/d5_sample_efficiency_val_lr", ["grpo", "topr_online", "topr_offline_k4"], ["1e-4", "3e-4"]
+        ),
+    ),
     # truncation
     ("TOPR − untruncated IS {}]**", lambda: signed_interval(figure7_summary("topr")["late_minus_untruncated_is"])),
-    ("At {} negatives untruncated importance weights reached {} (per-seed maxima; {} over the {} seeds where the "
-     "largest ratio and the largest spike coincide) and put the run's largest gradient spikes (up to {}) where they "
-     "occurred; TOPR, seeing the same ratios, kept every gradient norm below {} (Figure 7, {} seeds)",
-     lambda: (percent(1 - evidence("figure7/figure7")["options"]["proportion"]),
-              ratio_range(figure7_summary("untruncated_is")["largest_negative_ratio"]),
-              ratio_range([ratio for _, ratio in coinciding_spikes()]), str(len(coinciding_spikes())),
-              f"{max(figure7_summary('untruncated_is')['max_grad_norm']['values']):.1f}",
-              ceiling(max(figure7_summary("topr")["max_grad_norm"]["values"])),
-              str(seeds(figure7_summary("topr")["late_accuracy"])))),
-    ("collapsed every run (Figure 1, {} seeds: {} from {})",
-     lambda: (str(seeds(late(FIGURE1, "naive_reinforce"))), interval(late(FIGURE1, "naive_reinforce")),
-              fixed(statistics.mean(base_pass_at_1(FIGURE1))))),
+    (
+        "At {} negatives untruncated importance weights reached {} (per-seed maxima; {} over the {} seeds where the "
+        "largest ratio and the largest spike coincide) and put the run's largest gradient spikes (up to {}) where they "
+        "occurred; TOPR, seeing the same ratios, kept every gradient norm below {} (Figure 7, {} seeds)",
+        lambda: (
+            percent(1 - evidence("figure7/figure7")["options"]["proportion"]),
+            ratio_range(figure7_summary("untruncated_is")["largest_negative_ratio"]),
+            ratio_range([ratio for _, ratio in coinciding_spikes()]),
+            str(len(coinciding_spikes())),
+            f"{max(figure7_summary('untruncated_is')['max_grad_norm']['values']):.1f}",
+            ceiling(max(figure7_summary("topr")["max_grad_norm"]["values"])),
+            str(seeds(figure7_summary("topr")["late_accuracy"])),
+        ),
+    ),
+    (
+        "collapsed every run (Figure 1, {} seeds: {} from {})",
+        lambda: (
+            str(seeds(late(FIGURE1, "naive_reinforce"))),
+            interval(late(FIGURE1, "naive_reinforce")),
+            fixed(statistics.mean(base_pass_at_1(FIGURE1))),
+        ),
+    ),
     # the baseline
-    ("At 5 digits (p = {}) c set for p̃ = 0.5 added {};",
-     lambda: (f"{positive_share(D5, 'topr'):.2f}", baseline_gain(PT05, REPLICATION))),
-    ("start whose data are {} positive it added {} (c = 0 already near p̃ = 0.5)",
-     lambda: (percent(positive_share(D5_AMD, "topr")), signed_interval(pooled(PT05_AMD, REPLICATION_AMD,
-                                                                             "topr_target-topr")))),
-    ("TOPR's late pass@1 rose with p̃ up to {} ({}) and was level at 1;",
-     lambda: (best_target(), fixed(sweep_late(best_target())["mean"]))),
-    ("at 20 % at {} (Figures 5-6, {} seeds)",
-     lambda: (fixed(sweep_late("0.2")["mean"]), str(seeds(sweep_late("0.2"))))),
-    ("(uniform {}, Anna Karenina {})",
-     lambda: (signed_interval(pt015_against_c0("uniform")), signed_interval(pt015_against_c0("anna_karenina")))),
+    (
+        "At 5 digits (p = {}) c set for p̃ = 0.5 added {};",
+        lambda: (f"{positive_share(D5, 'topr'):.2f}", baseline_gain(PT05, REPLICATION)),
+    ),
+    (
+        "start whose data are {} positive it added {} (c = 0 already near p̃ = 0.5)",
+        lambda: (
+            percent(positive_share(D5_AMD, "topr")),
+            signed_interval(pooled(PT05_AMD, REPLICATION_AMD, "topr_target-topr")),
+        ),
+    ),
+    (
+        "TOPR's late pass@1 rose with p̃ up to {} ({}) and was level at 1;",
+        lambda: (best_target(), fixed(sweep_late(best_target())["mean"])),
+    ),
+    (
+        "at 20 % at {} (Figures 5-6, {} seeds)",
+        lambda: (fixed(sweep_late("0.2")["mean"]), str(seeds(sweep_late("0.2")))),
+    ),
+    (
+        "(uniform {}, Anna Karenina {})",
+        lambda: (signed_interval(pt015_against_c0("uniform")), signed_interval(pt015_against_c0("anna_karenina"))),
+    ),
     ("(paired {} at p̃ = 1-20 %, {})", lambda: (low_target_gains(), low_targets_every_seed())),
     # Figure 4
     ("positives was as good as TOPR (Figure 1: {})", lambda: signed_interval(paired(FIGURE1, "topr-sft_positives"))),
-    ("at 4 digits ({} positive data, 3e-4 not chosen on validation) the pre-registered 8-seed rerun is undecided "
-     "(TOPR − SFT on positives {}; {} on a warm start built on another CPU)",
-     lambda: (percent(positive_share(FIGURE4_D4, "topr")), signed_interval(paired(FIGURE4_D4, "topr-sft_positives")),
-              signed_interval(paired(f"{FIGURE4_D4}_draw_per_seed", "topr-sft_positives")))),
-    ("at 5 digits ({} positive data) with c = 0 the pre-registered run fails, SFT on positives ahead in every seed ({})",
-     lambda: (percent(positive_share(D5, "topr")), signed_interval(paired(D5, "topr-sft_positives")))),
-    ("({} positive data) TOPR leans above SFT instead ({}; pooled over {} seeds {})",
-     lambda: (percent(positive_share(D5_AMD, "topr")), signed_interval(paired(D5_AMD, "topr-sft_positives")),
-              str(seeds(pooled(PT05_AMD, REPLICATION_AMD, "topr-sft_positives"))),
-              signed_interval(pooled(PT05_AMD, REPLICATION_AMD, "topr-sft_positives")))),
-    ("SFT on positives in every seed ({}, pre-registered for that follow-up), but its replication on 5 new seeds is "
-     "undecided ({}; 10 seeds pooled after the fact: {}; on the other warm start {} over 10 seeds)",
-     lambda: (signed_interval(paired(PT05, "topr_target-sft_positives")),
-              signed_interval(paired(REPLICATION, "topr_target-sft_positives")),
-              signed_interval(pooled(PT05, REPLICATION, "topr_target-sft_positives")),
-              signed_interval(pooled(PT05_AMD, REPLICATION_AMD, "topr_target-sft_positives")))),
-    ("positives only beat uniform data ({}) and Anna Karenina ({})",
-     lambda: (signed_interval(iterations_paired("positives_only", "uniform")),
-              signed_interval(iterations_paired("positives_only", "anna_karenina")))),
-    ("at 5 digits it ends above PPO-clip ({}; {} on the other warm start)",
-     lambda: (signed_interval(paired(D5, "topr-ppo")), signed_interval(paired(D5_AMD, "topr-ppo")))),
-    ("and above TIS ({}, which collapses; on the other warm start TIS collapses in {})",
-     lambda: (signed_interval(paired(D5, "topr-tis")), tis_collapses(D5_AMD))),
+    (
+        "at 4 digits ({} positive data, 3e-4 not chosen on validation) the pre-registered 8-seed rerun is undecided "
+        "(TOPR − SFT on positives {}; {} on a warm start built on another CPU)",
+        lambda: (
+            percent(positive_share(FIGURE4_D4, "topr")),
+            signed_interval(paired(FIGURE4_D4, "topr-sft_positives")),
+            signed_interval(paired(f"{FIGURE4_D4}_draw_per_seed", "topr-sft_positives")),
+        ),
+    ),
+    (
+        "at 5 digits ({} positive data) with c = 0 the pre-registered run fails, SFT on positives ahead in every seed ({})",
+        lambda: (percent(positive_share(D5, "topr")), signed_interval(paired(D5, "topr-sft_positives"))),
+    ),
+    (
+        "({} positive data) TOPR leans above SFT instead ({}; pooled over {} seeds {})",
+        lambda: (
+            percent(positive_share(D5_AMD, "topr")),
+            signed_interval(paired(D5_AMD, "topr-sft_positives")),
+            str(seeds(pooled(PT05_AMD, REPLICATION_AMD, "topr-sft_positives"))),
+            signed_interval(pooled(PT05_AMD, REPLICATION_AMD, "topr-sft_positives")),
+        ),
+    ),
+    (
+        "SFT on positives in every seed ({}, pre-registered for that follow-up), but its replication on 5 new seeds is "
+        "undecided ({}; 10 seeds pooled after the fact: {}; on the other warm start {} over 10 seeds)",
+        lambda: (
+            signed_interval(paired(PT05, "topr_target-sft_positives")),
+            signed_interval(paired(REPLICATION, "topr_target-sft_positives")),
+            signed_interval(pooled(PT05, REPLICATION, "topr_target-sft_positives")),
+            signed_interval(pooled(PT05_AMD, REPLICATION_AMD, "topr_target-sft_positives")),
+        ),
+    ),
+    (
+        "positives only beat uniform data ({}) and Anna Karenina ({})",
+        lambda: (
+            signed_interval(iterations_paired("positives_only", "uniform")),
+            signed_interval(iterations_paired("positives_only", "anna_karenina")),
+        ),
+    ),
+    (
+        "at 5 digits it ends above PPO-clip ({}; {} on the other warm start)",
+        lambda: (signed_interval(paired(D5, "topr-ppo")), signed_interval(paired(D5_AMD, "topr-ppo"))),
+    ),
+    (
+        "and above TIS ({}, which collapses; on the other warm start TIS collapses in {})",
+        lambda: (signed_interval(paired(D5, "topr-tis")), tis_collapses(D5_AMD)),
+    ),
     # measure
     ("greedy decoding hid a {} error rate here", lambda: percent(1 - statistics.mean(base_pass_at_1(FIGURE1)))),
 )
 
 
 # --- docs/results.md: the paper side by side (a table whose cells are prose) --------------------------------------
+
 
 def drawn(name: str) -> str:
     return f"{name}_draw_per_seed"
@@ -375,128 +495,249 @@ def sweep_topr(target: str, draw: str = "") -> str:
 
 
 SIDE_BY_SIDE = section_claims(
-    RESULTS, "The paper side by side",
+    RESULTS,
+    "The paper side by side",
     # Figure 1
-    ("TOPR {}; TOPR − PPO-clip {} ({}), − naive REINFORCE {}: **reproduced**",
-     lambda: (interval(late(FIGURE1, "topr")), signed_interval(paired(FIGURE1, "topr-ppo")),
-              every_seed(paired(FIGURE1, "topr-ppo")), signed_interval(paired(FIGURE1, "topr-naive_reinforce")))),
+    (
+        "TOPR {}; TOPR − PPO-clip {} ({}), − naive REINFORCE {}: **reproduced**",
+        lambda: (
+            interval(late(FIGURE1, "topr")),
+            signed_interval(paired(FIGURE1, "topr-ppo")),
+            every_seed(paired(FIGURE1, "topr-ppo")),
+            signed_interval(paired(FIGURE1, "topr-naive_reinforce")),
+        ),
+    ),
     ("− TIS {}, which agrees with the paper", lambda: signed_interval(paired(FIGURE1, "topr-tis"))),
-    ("p ≈ {} here), − SFT on positives {} (Figure 4's claim, its row below)",
-     lambda: (f"{positive_share(FIGURE1, 'topr'):.2f}", signed_interval(paired(FIGURE1, "topr-sft_positives")))),
-    ("3 digits (p ≈ {}), shipped model, {} seeds",
-     lambda: (f"{positive_share(FIGURE1, 'topr'):.2f}", str(seeds(late(FIGURE1, "topr"))))),
-    ("With an evaluation draw per seed in the intervals: {}, {}, {}, {}, the same conclusions",
-     lambda: tuple(signed_interval(paired(drawn(FIGURE1), f"topr-{method}"))
-                   for method in ("ppo", "naive_reinforce", "tis", "sft_positives"))),
+    (
+        "p ≈ {} here), − SFT on positives {} (Figure 4's claim, its row below)",
+        lambda: (f"{positive_share(FIGURE1, 'topr'):.2f}", signed_interval(paired(FIGURE1, "topr-sft_positives"))),
+    ),
+    (
+        "3 digits (p ≈ {}), shipped model, {} seeds",
+        lambda: (f"{positive_share(FIGURE1, 'topr'):.2f}", str(seeds(late(FIGURE1, "topr")))),
+    ),
+    (
+        "With an evaluation draw per seed in the intervals: {}, {}, {}, {}, the same conclusions",
+        lambda: tuple(
+            signed_interval(paired(drawn(FIGURE1), f"topr-{method}"))
+            for method in ("ppo", "naive_reinforce", "tis", "sft_positives")
+        ),
+    ),
     # Figure 1, harder data
-    ("TOPR − PPO-clip {}, − naive REINFORCE {}, every seed: **reproduced**; − TIS {}, every seed",
-     lambda: tuple(signed_interval(paired(D5, f"topr-{method}")) for method in ("ppo", "naive_reinforce", "tis"))),
-    ("(on a warm start built on another CPU: {} and {}, every seed; − TIS {}, above in {} of {} seeds with TIS "
-     "collapsing in {}: undecided there)",
-     lambda: (signed(paired(D5_AMD, "topr-ppo")["mean"]), signed(paired(D5_AMD, "topr-naive_reinforce")["mean"]),
-              signed_interval(paired(D5_AMD, "topr-tis")), str(sum(v > 0 for v in paired(D5_AMD, "topr-tis")["values"])),
-              str(seeds(paired(D5_AMD, "topr-tis"))), str(tis_collapsed(D5_AMD)))),
-    ("− SFT on positives (Figure 4's claim) {}, on the other warm start {}: **not reproduced**",
-     lambda: (signed_interval(paired(D5, "topr-sft_positives")), signed_interval(paired(D5_AMD, "topr-sft_positives")))),
+    (
+        "TOPR − PPO-clip {}, − naive REINFORCE {}, every seed: **reproduced**; − TIS {}, every seed",
+        lambda: tuple(signed_interval(paired(D5, f"topr-{method}")) for method in ("ppo", "naive_reinforce", "tis")),
+    ),
+    (
+        "(on a warm start built on another CPU: {} and {}, every seed; − TIS {}, above in {} of {} seeds with TIS "
+        "collapsing in {}: undecided there)",
+        lambda: (
+            signed(paired(D5_AMD, "topr-ppo")["mean"]),
+            signed(paired(D5_AMD, "topr-naive_reinforce")["mean"]),
+            signed_interval(paired(D5_AMD, "topr-tis")),
+            str(sum(v > 0 for v in paired(D5_AMD, "topr-tis")["values"])),
+            str(seeds(paired(D5_AMD, "topr-tis"))),
+            str(tis_collapsed(D5_AMD)),
+        ),
+    ),
+    (
+        "− SFT on positives (Figure 4's claim) {}, on the other warm start {}: **not reproduced**",
+        lambda: (
+            signed_interval(paired(D5, "topr-sft_positives")),
+            signed_interval(paired(D5_AMD, "topr-sft_positives")),
+        ),
+    ),
     ("5 digits, two planted errors ({} positive data), 5 seeds", lambda: percent(positive_share(D5, "topr"))),
     # Figure 4
-    ("TOPR − SFT on positives at c = 0: {} (3 digits); {} (4 digits, pre-registered, undecided; {} on a warm start "
-     "built on another CPU); {} (5 digits, pre-registered, fails; {} on the other warm start, whose data are {} positive)",
-     lambda: (signed_interval(paired(FIGURE1, "topr-sft_positives")), signed_interval(paired(FIGURE4_D4, "topr-sft_positives")),
-              signed_interval(paired(drawn(FIGURE4_D4), "topr-sft_positives")), signed_interval(paired(D5, "topr-sft_positives")),
-              signed_interval(paired(D5_AMD, "topr-sft_positives")), percent(positive_share(D5_AMD, "topr")))),
-    ("4 digits: {} positive data, local warm start, {} seeds",
-     lambda: (percent(positive_share(FIGURE4_D4, "topr")), str(seeds(paired(FIGURE4_D4, "topr-sft_positives"))))),
+    (
+        "TOPR − SFT on positives at c = 0: {} (3 digits); {} (4 digits, pre-registered, undecided; {} on a warm start "
+        "built on another CPU); {} (5 digits, pre-registered, fails; {} on the other warm start, whose data are {} positive)",
+        lambda: (
+            signed_interval(paired(FIGURE1, "topr-sft_positives")),
+            signed_interval(paired(FIGURE4_D4, "topr-sft_positives")),
+            signed_interval(paired(drawn(FIGURE4_D4), "topr-sft_positives")),
+            signed_interval(paired(D5, "topr-sft_positives")),
+            signed_interval(paired(D5_AMD, "topr-sft_positives")),
+            percent(positive_share(D5_AMD, "topr")),
+        ),
+    ),
+    (
+        "4 digits: {} positive data, local warm start, {} seeds",
+        lambda: (percent(positive_share(FIGURE4_D4, "topr")), str(seeds(paired(FIGURE4_D4, "topr-sft_positives")))),
+    ),
     # Figure 4 with the baseline
-    ("c for p̃ = 0.5: {} (seeds 0-4, pre-registered); replication {} (seeds 5-9): **undecided**; pooled afterwards {}, "
-     "about 0.01; on the other warm start {} and {}, pooled {}",
-     lambda: (signed_interval(paired(PT05, "topr_target-sft_positives")),
-              signed_interval(paired(REPLICATION, "topr_target-sft_positives")),
-              signed_interval(pooled(PT05, REPLICATION, "topr_target-sft_positives")),
-              signed_interval(paired(PT05_AMD, "topr_target-sft_positives")),
-              signed_interval(paired(REPLICATION_AMD, "topr_target-sft_positives")),
-              signed_interval(pooled(PT05_AMD, REPLICATION_AMD, "topr_target-sft_positives")))),
+    (
+        "c for p̃ = 0.5: {} (seeds 0-4, pre-registered); replication {} (seeds 5-9): **undecided**; pooled afterwards {}, "
+        "about 0.01; on the other warm start {} and {}, pooled {}",
+        lambda: (
+            signed_interval(paired(PT05, "topr_target-sft_positives")),
+            signed_interval(paired(REPLICATION, "topr_target-sft_positives")),
+            signed_interval(pooled(PT05, REPLICATION, "topr_target-sft_positives")),
+            signed_interval(paired(PT05_AMD, "topr_target-sft_positives")),
+            signed_interval(paired(REPLICATION_AMD, "topr_target-sft_positives")),
+            signed_interval(pooled(PT05_AMD, REPLICATION_AMD, "topr_target-sft_positives")),
+        ),
+    ),
     # Figures 5-6
-    ("best p̃ {} ({}), level at 1 ({}); p̃ = 10 % ends below the start ({} from {}; with a draw per seed {}, {}, {} from {})",
-     lambda: (best_target(), interval(sweep_late(best_target())), interval(sweep_late("1")), interval(sweep_late("0.1")),
-              fixed(evidence(sweep("0.1"))["summary"]["start_accuracy"]), sweep_topr("0.6", "_draw_per_seed"),
-              sweep_topr("1", "_draw_per_seed"), sweep_topr("0.1", "_draw_per_seed"),
-              fixed(sweep_start(sweep("0.1", "_draw_per_seed"))))),
-    ("p̃ = 0.5 − (c = 0) {} (5 digits, {} positive data, {} seeds); on the other warm start ({} positive) {} ({} seeds)",
-     lambda: (signed_interval(pooled(PT05, REPLICATION, "topr_target-topr")), percent(positive_share(D5, "topr")),
-              str(seeds(pooled(PT05, REPLICATION, "topr_target-topr"))), percent(positive_share(D5_AMD, "topr")),
-              signed_interval(pooled(PT05_AMD, REPLICATION_AMD, "topr_target-topr")),
-              str(seeds(pooled(PT05_AMD, REPLICATION_AMD, "topr_target-topr"))))),
-    ("TOPR − TIS {} at p̃ = 20 %, above in {} at p̃ = 1-20 %",
-     lambda: (signed_interval(evidence(sweep("0.2"))["paired"]["p0.67/pt0.2"]), low_targets_every_seed())),
-    ("level at p̃ ≥ 0.6 ({} at 0.6): **reproduced** (with a draw per seed: {} at 20 %, the same pattern)",
-     lambda: (signed_interval(evidence(sweep("0.6"))["paired"]["p0.67/pt0.6"]),
-              signed_interval(evidence(sweep("0.2", "_draw_per_seed"))["paired"]["p0.67/pt0.2"]))),
+    (
+        "best p̃ {} ({}), level at 1 ({}); p̃ = 10 % ends below the start ({} from {}; with a draw per seed {}, {}, {} from {})",
+        lambda: (
+            best_target(),
+            interval(sweep_late(best_target())),
+            interval(sweep_late("1")),
+            interval(sweep_late("0.1")),
+            fixed(evidence(sweep("0.1"))["summary"]["start_accuracy"]),
+            sweep_topr("0.6", "_draw_per_seed"),
+            sweep_topr("1", "_draw_per_seed"),
+            sweep_topr("0.1", "_draw_per_seed"),
+            fixed(sweep_start(sweep("0.1", "_draw_per_seed"))),
+        ),
+    ),
+    (
+        "p̃ = 0.5 − (c = 0) {} (5 digits, {} positive data, {} seeds); on the other warm start ({} positive) {} ({} seeds)",
+        lambda: (
+            signed_interval(pooled(PT05, REPLICATION, "topr_target-topr")),
+            percent(positive_share(D5, "topr")),
+            str(seeds(pooled(PT05, REPLICATION, "topr_target-topr"))),
+            percent(positive_share(D5_AMD, "topr")),
+            signed_interval(pooled(PT05_AMD, REPLICATION_AMD, "topr_target-topr")),
+            str(seeds(pooled(PT05_AMD, REPLICATION_AMD, "topr_target-topr"))),
+        ),
+    ),
+    (
+        "TOPR − TIS {} at p̃ = 20 %, above in {} at p̃ = 1-20 %",
+        lambda: (signed_interval(evidence(sweep("0.2"))["paired"]["p0.67/pt0.2"]), low_targets_every_seed()),
+    ),
+    (
+        "level at p̃ ≥ 0.6 ({} at 0.6): **reproduced** (with a draw per seed: {} at 20 %, the same pattern)",
+        lambda: (
+            signed_interval(evidence(sweep("0.6"))["paired"]["p0.67/pt0.6"]),
+            signed_interval(evidence(sweep("0.2", "_draw_per_seed"))["paired"]["p0.67/pt0.2"]),
+        ),
+    ),
     # Figure 7
-    ("IS's largest gradient norms up to {}, at negative ratios up to {}; TOPR's at most {}: **reproduced** (the spikes). "
-     "Collapse: {} of {} runs of either; TOPR − IS {} ({} with a draw per seed): **undecided**",
-     lambda: (f"{max(figure7_summary('untruncated_is')['max_grad_norm']['values']):.1f}",
-              f"{max(figure7_summary('untruncated_is')['largest_negative_ratio']):.0f}",
-              ceiling(max(figure7_summary("topr")["max_grad_norm"]["values"])),
-              str(len(figure7_summary("untruncated_is")["collapsed_seeds"]) + len(figure7_summary("topr")["collapsed_seeds"])),
-              str(seeds(figure7_summary("topr")["late_accuracy"])),
-              signed_interval(figure7_summary("topr")["late_minus_untruncated_is"]),
-              signed_interval(evidence("figure7/figure7_draw_per_seed")["summary"]["topr"]["late_minus_untruncated_is"]))),
-    ("3 digits, fixed data {} positive, shipped model, {} seeds",
-     lambda: (percent(evidence("figure7/figure7")["options"]["proportion"]),
-              str(seeds(figure7_summary("topr")["late_accuracy"])))),
+    (
+        "IS's largest gradient norms up to {}, at negative ratios up to {}; TOPR's at most {}: **reproduced** (the spikes). "
+        "Collapse: {} of {} runs of either; TOPR − IS {} ({} with a draw per seed): **undecided**",
+        lambda: (
+            f"{max(figure7_summary('untruncated_is')['max_grad_norm']['values']):.1f}",
+            f"{max(figure7_summary('untruncated_is')['largest_negative_ratio']):.0f}",
+            ceiling(max(figure7_summary("topr")["max_grad_norm"]["values"])),
+            str(
+                len(figure7_summary("untruncated_is")["collapsed_seeds"])
+                + len(figure7_summary("topr")["collapsed_seeds"])
+            ),
+            str(seeds(figure7_summary("topr")["late_accuracy"])),
+            signed_interval(figure7_summary("topr")["late_minus_untruncated_is"]),
+            signed_interval(evidence("figure7/figure7_draw_per_seed")["summary"]["topr"]["late_minus_untruncated_is"]),
+        ),
+    ),
+    (
+        "3 digits, fixed data {} positive, shipped model, {} seeds",
+        lambda: (
+            percent(evidence("figure7/figure7")["options"]["proportion"]),
+            str(seeds(figure7_summary("topr")["late_accuracy"])),
+        ),
+    ),
     # Figure 8
-    ("at equal steps, positives only − uniform {}, − Anna Karenina {} ({}): **not reproduced** (with a draw per seed: "
-     "{}, {}, {})",
-     lambda: (signed_interval(iterations_paired("positives_only", "uniform")),
-              signed_interval(iterations_paired("positives_only", "anna_karenina")),
-              every_seed(iterations_paired("positives_only", "anna_karenina")),
-              signed_interval(iterations_paired("positives_only", "uniform", drawn(ITERATIONS))),
-              signed_interval(iterations_paired("positives_only", "anna_karenina", drawn(ITERATIONS))),
-              every_seed(iterations_paired("positives_only", "anna_karenina", drawn(ITERATIONS))))),
+    (
+        "at equal steps, positives only − uniform {}, − Anna Karenina {} ({}): **not reproduced** (with a draw per seed: "
+        "{}, {}, {})",
+        lambda: (
+            signed_interval(iterations_paired("positives_only", "uniform")),
+            signed_interval(iterations_paired("positives_only", "anna_karenina")),
+            every_seed(iterations_paired("positives_only", "anna_karenina")),
+            signed_interval(iterations_paired("positives_only", "uniform", drawn(ITERATIONS))),
+            signed_interval(iterations_paired("positives_only", "anna_karenina", drawn(ITERATIONS))),
+            every_seed(iterations_paired("positives_only", "anna_karenina", drawn(ITERATIONS))),
+        ),
+    ),
     # sample efficiency
-    ("offline TOPR on {} completions level with online GRPO on {} ({}), but SFT on positives with the same reuse "
-     "beats GRPO ({}) and TOPR (TOPR − SFT {})",
-     lambda: (f"{sample_efficiency('topr_offline_k4', 'completions_total')['mean']:,.0f}",
-              f"{sample_efficiency('grpo', 'completions_total')['mean']:,.0f}",
-              signed_interval(sample_efficiency("topr_offline_k4")), signed_interval(sample_efficiency("sft_offline_k4")),
-              signed_interval(sample_efficiency("sft_offline_k4", "topr_minus_this")))),
-    ("at 5 digits the parity is gone ({}, undecided; {}, {}, on a warm start built on another CPU)",
-     lambda: (signed_interval(d5_sample_efficiency("topr_offline_k4")),
-              signed_interval(d5_sample_efficiency("topr_offline_k4", draw="_draw_per_seed")),
-              every_seed(d5_sample_efficiency("topr_offline_k4", draw="_draw_per_seed")))),
+    (
+        "offline TOPR on {} completions level with online GRPO on {} ({}), but SFT on positives with the same reuse "
+        "beats GRPO ({}) and TOPR (TOPR − SFT {})",
+        lambda: (
+            f"{sample_efficiency('topr_offline_k4', 'completions_total')['mean']:,.0f}",
+            f"{sample_efficiency('grpo', 'completions_total')['mean']:,.0f}",
+            signed_interval(sample_efficiency("topr_offline_k4")),
+            signed_interval(sample_efficiency("sft_offline_k4")),
+            signed_interval(sample_efficiency("sft_offline_k4", "topr_minus_this")),
+        ),
+    ),
+    (
+        "at 5 digits the parity is gone ({}, undecided; {}, {}, on a warm start built on another CPU)",
+        lambda: (
+            signed_interval(d5_sample_efficiency("topr_offline_k4")),
+            signed_interval(d5_sample_efficiency("topr_offline_k4", draw="_draw_per_seed")),
+            every_seed(d5_sample_efficiency("topr_offline_k4", draw="_draw_per_seed")),
+        ),
+    ),
     # staleness
-    ("TOPR − GRPO-clip {} ({}), level up to K = 16: **reproduced** against clipping; with Figure 1's controls "
-     "TOPR − TIS {} and TOPR − SFT on positives {} ({})",
-     lambda: (signed_interval(stale_paired("fresh_b", "topr-grpo_clip/k64")),
-              every_seed(stale_paired("fresh_b", "topr-grpo_clip/k64")),
-              signed_interval(stale_paired("controls", "topr-tis/k64")),
-              signed_interval(stale_paired("controls", "topr-sft_positives/k64")),
-              every_seed(stale_paired("controls", "topr-sft_positives/k64")))),
-    ("(with an evaluation draw per seed: {} against clipping, {} against TIS, {} against SFT)",
-     lambda: tuple(signed_interval(stale_paired("controls_draw_per_seed", f"topr-{method}/k64"))
-                   for method in ("grpo_clip", "tis", "sft_positives"))),
-    ("Back-to-back reuse costs both (TOPR K = 4 − K = 1 {}), neither better; spaced reuse {}",
-     lambda: (signed_interval(stale_paired("num_iterations", "topr/k4-k1")),
-              signed_interval(stale_paired("reuse_shipped_s16", "topr-grpo_clip/k4")))),
+    (
+        "TOPR − GRPO-clip {} ({}), level up to K = 16: **reproduced** against clipping; with Figure 1's controls "
+        "TOPR − TIS {} and TOPR − SFT on positives {} ({})",
+        lambda: (
+            signed_interval(stale_paired("fresh_b", "topr-grpo_clip/k64")),
+            every_seed(stale_paired("fresh_b", "topr-grpo_clip/k64")),
+            signed_interval(stale_paired("controls", "topr-tis/k64")),
+            signed_interval(stale_paired("controls", "topr-sft_positives/k64")),
+            every_seed(stale_paired("controls", "topr-sft_positives/k64")),
+        ),
+    ),
+    (
+        "(with an evaluation draw per seed: {} against clipping, {} against TIS, {} against SFT)",
+        lambda: tuple(
+            signed_interval(stale_paired("controls_draw_per_seed", f"topr-{method}/k64"))
+            for method in ("grpo_clip", "tis", "sft_positives")
+        ),
+    ),
+    (
+        "Back-to-back reuse costs both (TOPR K = 4 − K = 1 {}), neither better; spaced reuse {}",
+        lambda: (
+            signed_interval(stale_paired("num_iterations", "topr/k4-k1")),
+            signed_interval(stale_paired("reuse_shipped_s16", "topr-grpo_clip/k4")),
+        ),
+    ),
     # asynchronous
-    ("AsyncTOPR − AsyncGRPOTrainer keeping every sample {} (K = 16), {} (K = 64), every seed",
-     lambda: (signed_interval(async_paired(ASYNC, "async_topr-async_grpo_keep/k16")),
-              signed_interval(async_paired(ASYNC, "async_topr-async_grpo_keep/k64")))),
-    ("with the controls at K = 64 TOPR − TIS {}, TOPR − SFT on positives {} ({})",
-     lambda: (signed_interval(async_paired("asynchronous/controls", "async_topr-async_tis/k64")),
-              signed_interval(async_paired("asynchronous/controls", "async_topr-async_sft_positives/k64")),
-              every_seed(async_paired("asynchronous/controls", "async_topr-async_sft_positives/k64")))),
-    ("on fresh data GRPO-clip level or ahead ({} at K = 4; {} at K = 1 with a draw per seed)",
-     lambda: (signed_interval(async_paired(ASYNC, "async_topr-async_grpo_keep/k4")),
-              signed_interval(async_paired("asynchronous/lags_draw_per_seed", "async_topr-async_grpo_keep/k1")))),
-    ("samples {} updates behind, AsyncTOPR − GRPO-clip {} ({}) and level with synchronous TOPR",
-     lambda: (server_lag("w32"), signed_interval(server("w32", "async_topr-async_grpo_keep/{pipeline}")),
-              every_seed(server("w32", "async_topr-async_grpo_keep/{pipeline}")))),
-    ("at the pipeline's own {}-{} updates the losses are level and AsyncTOPR is {}-{} below synchronous TOPR",
-     lambda: (server_lag("w1-f8"), server_lag("w1"),
-              f"{-server('w1', 'async_topr/{pipeline}-sync_topr')['mean']:.2f}",
-              f"{-server('w1-f8', 'async_topr/{pipeline}-sync_topr')['mean']:.2f}")),
+    (
+        "AsyncTOPR − AsyncGRPOTrainer keeping every sample {} (K = 16), {} (K = 64), every seed",
+        lambda: (
+            signed_interval(async_paired(ASYNC, "async_topr-async_grpo_keep/k16")),
+            signed_interval(async_paired(ASYNC, "async_topr-async_grpo_keep/k64")),
+        ),
+    ),
+    (
+        "with the controls at K = 64 TOPR − TIS {}, TOPR − SFT on positives {} ({})",
+        lambda: (
+            signed_interval(async_paired("asynchronous/controls", "async_topr-async_tis/k64")),
+            signed_interval(async_paired("asynchronous/controls", "async_topr-async_sft_positives/k64")),
+            every_seed(async_paired("asynchronous/controls", "async_topr-async_sft_positives/k64")),
+        ),
+    ),
+    (
+        "on fresh data GRPO-clip level or ahead ({} at K = 4; {} at K = 1 with a draw per seed)",
+        lambda: (
+            signed_interval(async_paired(ASYNC, "async_topr-async_grpo_keep/k4")),
+            signed_interval(async_paired("asynchronous/lags_draw_per_seed", "async_topr-async_grpo_keep/k1")),
+        ),
+    ),
+    (
+        "samples {} updates behind, AsyncTOPR − GRPO-clip {} ({}) and level with synchronous TOPR",
+        lambda: (
+            server_lag("w32"),
+            signed_interval(server("w32", "async_topr-async_grpo_keep/{pipeline}")),
+            every_seed(server("w32", "async_topr-async_grpo_keep/{pipeline}")),
+        ),
+    ),
+    (
+        "at the pipeline's own {}-{} updates the losses are level and AsyncTOPR is {}-{} below synchronous TOPR",
+        lambda: (
+            server_lag("w1-f8"),
+            server_lag("w1"),
+            f"{-server('w1', 'async_topr/{pipeline}-sync_topr')['mean']:.2f}",
+            f"{-server('w1-f8', 'async_topr/{pipeline}-sync_topr')['mean']:.2f}",
+        ),
+    ),
 )
 
 
@@ -506,18 +747,23 @@ def base_point(name: str) -> dict:
     return next(iter(evidence(name)["runs"].values()))["curve"][0]
 
 
-
 REGIME = section_claims(
-    RESULTS, "The regime: the reasoning testbed",
-    ("sampled pass@1 **{}** (4 samples x 500 held-out problems, temperature 1, evaluation seed 1234; SE across "
-     "problems {})",
-     lambda: (fixed(base_point(FIGURE1)["pass@1"]), f"{base_point(FIGURE1)['pass@1_problem_se']:.3f}")),
+    RESULTS,
+    "The regime: the reasoning testbed",
+    (
+        "sampled pass@1 **{}** (4 samples x 500 held-out problems, temperature 1, evaluation seed 1234; SE across "
+        "problems {})",
+        lambda: (fixed(base_point(FIGURE1)["pass@1"]), f"{base_point(FIGURE1)['pass@1_problem_se']:.3f}"),
+    ),
     ("Greedy accuracy is {}: greedy decoding hides", lambda: fixed(base_point(FIGURE1)["greedy_accuracy"])),
     ("where the planted error strikes most, pass@1 is {}.", lambda: fixed(base_point(FIGURE1)["pass@1_carries>=2"])),
 ) + section_claims(
-    RESULTS, "Staleness: how far off-policy TOPR and GRPO-clip can go (`experiments/staleness.py`)",
-    ("from the testbed's base model ({} on 500 held-out problems x 4 samples)",
-     lambda: fixed(evidence("staleness/fresh_b")["base"]["pass@1"])),
+    RESULTS,
+    "Staleness: how far off-policy TOPR and GRPO-clip can go (`experiments/staleness.py`)",
+    (
+        "from the testbed's base model ({} on 500 held-out problems x 4 samples)",
+        lambda: fixed(evidence("staleness/fresh_b")["base"]["pass@1"]),
+    ),
 )
 
 
@@ -533,11 +779,17 @@ def archived_gpu_support_ratios() -> tuple[str, str]:
 
 
 GPU_SUPPORT = section_claims(
-    "docs/benchmarks.md", "π on μ's support: what the exact ratio costs",
-    ("on flat rows (random weights, scale 1) the rule costs {} (top-k) and {} (top-p) of TOPR untruncated, against {} "
-     "and {} for the design it replaced", lambda: gpu_support_ratios(1) + archived_gpu_support_ratios()),
-    ("(scale 4) {} and {}; on peaked rows (scale 8) level with TOPR ({} and {}:",
-     lambda: gpu_support_ratios(4) + gpu_support_ratios(8)),
+    "docs/benchmarks.md",
+    "π on μ's support: what the exact ratio costs",
+    (
+        "on flat rows (random weights, scale 1) the rule costs {} (top-k) and {} (top-p) of TOPR untruncated, against {} "
+        "and {} for the design it replaced",
+        lambda: gpu_support_ratios(1) + archived_gpu_support_ratios(),
+    ),
+    (
+        "(scale 4) {} and {}; on peaked rows (scale 8) level with TOPR ({} and {}:",
+        lambda: gpu_support_ratios(4) + gpu_support_ratios(8),
+    ),
 )
 
 

@@ -9,8 +9,8 @@ from experiments.page_tables.evidence import evidence, markdown_table
 CANDIDATE_LABELS = {
     "word_problems_2_shot": "**word problems, two worked examples (shipped)**",
     "word_problems_0_shot": "word problems, no worked example",
-    "word_problems_0_shot_no_instruction": "word problems, no example, no \"Answer with the number.\"",
-    "plain_questions": "\"What is 7 plus 5?\" in 5 phrasings, numbers 1-12",
+    "word_problems_0_shot_no_instruction": 'word problems, no example, no "Answer with the number."',
+    "plain_questions": '"What is 7 plus 5?" in 5 phrasings, numbers 1-12',
     "gsm8k": "GSM8K test questions",
 }
 
@@ -20,38 +20,93 @@ def candidates_table() -> str:
     for name, label in CANDIDATE_LABELS.items():
         data = evidence(f"real-model/candidates-{name}")
         for row in data["results"]:
-            rows.append([label, f"{data['questions']} x {data['samples']}", str(row["top_k"] or "none"),
-                         f"{row['pass@1']:.3f} ± {row['pass@1_se']:.3f}", f"{row['questions_0<p<1']:.2f}",
-                         f"{row['mean_tokens']:.0f} (budget {data['max_new_tokens']})", f"{row['truncated']:.2f}"])
-    return markdown_table(["candidate", "questions x samples", "top_k", "sampled pass@1",
-                          "questions with 0 < p < 1", "mean tokens", "cut at the budget"], rows)
+            rows.append(
+                [
+                    label,
+                    f"{data['questions']} x {data['samples']}",
+                    str(row["top_k"] or "none"),
+                    f"{row['pass@1']:.3f} ± {row['pass@1_se']:.3f}",
+                    f"{row['questions_0<p<1']:.2f}",
+                    f"{row['mean_tokens']:.0f} (budget {data['max_new_tokens']})",
+                    f"{row['truncated']:.2f}",
+                ]
+            )
+    return markdown_table(
+        [
+            "candidate",
+            "questions x samples",
+            "top_k",
+            "sampled pass@1",
+            "questions with 0 < p < 1",
+            "mean tokens",
+            "cut at the budget",
+        ],
+        rows,
+    )
 
 
 def whole_vocabulary_table() -> str:
     data = evidence("real-model/whole-vocabulary-ratio")
-    rows = [[f"top_k {row['top_k']}" if "top_k" in row else f"top_p {row['top_p']}", str(row["sequences"]),
-             f"{row['mean_tokens']:.0f}", f"{row['ratio_median']:.3f}", f"{row['ratio_p10']:.3f}-{row['ratio_p90']:.3f}",
-             f"{row['ratio_min']:.3f}", f"{row['per_token_kept_mass_mean']:.4f}"] for row in data["results"]]
-    return markdown_table(["mu samples with", "sequences", "mean tokens",
-                          "pi/mu on the whole vocabulary: median", "10th-90th percentile", "min",
-                          "per-token kept mass (geometric mean)"], rows)
+    rows = [
+        [
+            f"top_k {row['top_k']}" if "top_k" in row else f"top_p {row['top_p']}",
+            str(row["sequences"]),
+            f"{row['mean_tokens']:.0f}",
+            f"{row['ratio_median']:.3f}",
+            f"{row['ratio_p10']:.3f}-{row['ratio_p90']:.3f}",
+            f"{row['ratio_min']:.3f}",
+            f"{row['per_token_kept_mass_mean']:.4f}",
+        ]
+        for row in data["results"]
+    ]
+    return markdown_table(
+        [
+            "mu samples with",
+            "sequences",
+            "mean tokens",
+            "pi/mu on the whole vocabulary: median",
+            "10th-90th percentile",
+            "min",
+            "per-token kept mass (geometric mean)",
+        ],
+        rows,
+    )
 
 
 def readme_run_table() -> str:
     data = evidence("real-model/readme-run")
-    rows = [[when, f"{data[when]['pass@1']:.3f} ± {data[when]['pass@1_problem_se']:.3f}",
-             f"{data[when]['greedy_accuracy']:.3f}", f"{data[when]['mean_completion_tokens']:.0f}",
-             f"{data[when]['truncated_rate']:.2f}"] for when in ("before", "after")]
-    lines = [markdown_table(["held-out (48 test problems)", "sampled pass@1 (temperature 1, 4 samples)",
-                            "greedy accuracy", "mean completion tokens", "cut at 64 tokens"], rows)]
-    lines.append(f"\n{data['steps']} steps; {data['wall_clock_s'] / 60:.0f} min wall clock, "
-                 f"{data['max_rss_kb'] / 2**20:.1f} GiB peak memory; {data['conditions']}.")
+    rows = [
+        [
+            when,
+            f"{data[when]['pass@1']:.3f} ± {data[when]['pass@1_problem_se']:.3f}",
+            f"{data[when]['greedy_accuracy']:.3f}",
+            f"{data[when]['mean_completion_tokens']:.0f}",
+            f"{data[when]['truncated_rate']:.2f}",
+        ]
+        for when in ("before", "after")
+    ]
+    lines = [
+        markdown_table(
+            [
+                "held-out (48 test problems)",
+                "sampled pass@1 (temperature 1, 4 samples)",
+                "greedy accuracy",
+                "mean completion tokens",
+                "cut at 64 tokens",
+            ],
+            rows,
+        )
+    ]
+    lines.append(
+        f"\n{data['steps']} steps; {data['wall_clock_s'] / 60:.0f} min wall clock, "
+        f"{data['max_rss_kb'] / 2**20:.1f} GiB peak memory; {data['conditions']}."
+    )
     return "\n".join(lines)
 
 
 LOSS_LABELS = {
-    "grpo-dapo": "GRPOTrainer `loss_type=\"dapo\"` (TRL's default)",
-    "grpo-grpo": "GRPOTrainer `loss_type=\"grpo\"`",
+    "grpo-dapo": 'GRPOTrainer `loss_type="dapo"` (TRL\'s default)',
+    "grpo-grpo": 'GRPOTrainer `loss_type="grpo"`',
     "topr-online": "TOPRTrainer (canonical TOPR), μ unprocessed",
     "topr-online-top-k": "TOPRTrainer, μ sampled with top_k {top_k}: π on μ's support",
     "topr-online-top-p": "TOPRTrainer, μ sampled with top_p {top_p}: π on μ's support",
@@ -64,21 +119,43 @@ def loss_speed_table() -> str:
     result, options = data["loss_only"], data["options"]
     medians, peaks = result["median_loss_backward_s"], result.get("peak_added_memory_mib", {})
     base = medians["grpo-dapo"]
-    rows = [[label.format(top_k=options.get("top_k", 50), top_p=options.get("top_p", 0.95)), f"{medians[name]:.2f}",
-             "/".join(f"{q:.2f}" for q in result["quartiles_s"][name]),
-             f"{medians[name] / base:.3f}", f"{peaks[name]:.0f}" if name in peaks else "-",
-             f"{peaks[name] / peaks['grpo-dapo']:.3f}" if name in peaks else "-"] for name, label in LOSS_LABELS.items()]
-    lines = [markdown_table(["trainer", "loss + backward, median s", "quartiles s", "time / dapo",
-                            "memory one call adds, MiB", "memory / dapo"], rows)]
-    lines.append(f"\n{options['batch_size']} completions ({options['num_generations']} per prompt) of "
-                 f"{options['completion_length']} tokens, forced to full length; {options['repeats'] * options['steps']} "
-                 f"timed calls per trainer after 3 warm-up rounds, interleaved call by call in one process; "
-                 f"float32, one thread, μ's log-probs kept from generation (an off-policy batch).")
+    rows = [
+        [
+            label.format(top_k=options.get("top_k", 50), top_p=options.get("top_p", 0.95)),
+            f"{medians[name]:.2f}",
+            "/".join(f"{q:.2f}" for q in result["quartiles_s"][name]),
+            f"{medians[name] / base:.3f}",
+            f"{peaks[name]:.0f}" if name in peaks else "-",
+            f"{peaks[name] / peaks['grpo-dapo']:.3f}" if name in peaks else "-",
+        ]
+        for name, label in LOSS_LABELS.items()
+    ]
+    lines = [
+        markdown_table(
+            [
+                "trainer",
+                "loss + backward, median s",
+                "quartiles s",
+                "time / dapo",
+                "memory one call adds, MiB",
+                "memory / dapo",
+            ],
+            rows,
+        )
+    ]
+    lines.append(
+        f"\n{options['batch_size']} completions ({options['num_generations']} per prompt) of "
+        f"{options['completion_length']} tokens, forced to full length; {options['repeats'] * options['steps']} "
+        f"timed calls per trainer after 3 warm-up rounds, interleaved call by call in one process; "
+        f"float32, one thread, μ's log-probs kept from generation (an off-policy batch)."
+    )
     return "\n".join(lines)
 
 
-SUPPORT_DESIGNS = {"cpu-smollm2-support-tiles": "the tiles (TRL's head read through a TorchFunctionMode; bins, band)",
-                   "cpu-smollm2-support-rule": "**the rule** (`topr_trl/support`: projected again, sorted)"}
+SUPPORT_DESIGNS = {
+    "cpu-smollm2-support-tiles": "the tiles (TRL's head read through a TorchFunctionMode; bins, band)",
+    "cpu-smollm2-support-rule": "**the rule** (`topr_trl/support`: projected again, sorted)",
+}
 """Two designs of pi on mu's support, each timed in its own run against TOPR without truncation in that run."""
 
 
@@ -90,14 +167,32 @@ def support_cost_table() -> str:
         data = evidence(f"benchmarks/{name}")
         result, options = data["loss_only"], data["options"]
         medians, peaks = result["median_loss_backward_s"], result.get("peak_added_memory_mib", {})
-        for setting, truncation in (("topr-online-top-k", f"top_k {options['top_k']}"),
-                                    ("topr-online-top-p", f"top_p {options['top_p']}")):
-            memory = (f"{peaks[setting] / peaks['topr-online']:.3f}" if peaks.get("topr-online") else "-")
-            rows.append([label, f"`{result['library']['commit']}`", truncation,
-                         f"{medians[setting]:.2f} / {medians['topr-online']:.2f}",
-                         f"**{medians[setting] / medians['topr-online']:.3f}**", memory])
-    return markdown_table(["design", "commit", "μ samples with", "loss + backward s (truncated / TOPR)",
-                          "time / TOPR untruncated", "memory / TOPR"], rows)
+        for setting, truncation in (
+            ("topr-online-top-k", f"top_k {options['top_k']}"),
+            ("topr-online-top-p", f"top_p {options['top_p']}"),
+        ):
+            memory = f"{peaks[setting] / peaks['topr-online']:.3f}" if peaks.get("topr-online") else "-"
+            rows.append(
+                [
+                    label,
+                    f"`{result['library']['commit']}`",
+                    truncation,
+                    f"{medians[setting]:.2f} / {medians['topr-online']:.2f}",
+                    f"**{medians[setting] / medians['topr-online']:.3f}**",
+                    memory,
+                ]
+            )
+    return markdown_table(
+        [
+            "design",
+            "commit",
+            "μ samples with",
+            "loss + backward s (truncated / TOPR)",
+            "time / TOPR untruncated",
+            "memory / TOPR",
+        ],
+        rows,
+    )
 
 
 def generation_speed_table() -> str:
@@ -107,12 +202,29 @@ def generation_speed_table() -> str:
         data = evidence(f"benchmarks/{name}")
         for row in data["results"]:
             rates = row["completions_per_second"]
-            rows.append([row["vllm_dtype"], f"{rates['vllm']:.2f}", f"{rates['transformers']:.2f}",
-                         f"**{row['ratio_vllm_over_transformers']:.2f}x**", f"{row['engine_load_seconds']:.0f} s",
-                         f"{row['completions']} x {row['completion_length']}", str(data["threads"])])
-    return markdown_table(["engine dtype", "vLLM completions/s", "transformers completions/s (float32)",
-                          "vLLM / transformers", "engine start", "completions x tokens", "threads"],
-                          rows)
+            rows.append(
+                [
+                    row["vllm_dtype"],
+                    f"{rates['vllm']:.2f}",
+                    f"{rates['transformers']:.2f}",
+                    f"**{row['ratio_vllm_over_transformers']:.2f}x**",
+                    f"{row['engine_load_seconds']:.0f} s",
+                    f"{row['completions']} x {row['completion_length']}",
+                    str(data["threads"]),
+                ]
+            )
+    return markdown_table(
+        [
+            "engine dtype",
+            "vLLM completions/s",
+            "transformers completions/s (float32)",
+            "vLLM / transformers",
+            "engine start",
+            "completions x tokens",
+            "threads",
+        ],
+        rows,
+    )
 
 
 def async_speed_table() -> str:
@@ -120,16 +232,37 @@ def async_speed_table() -> str:
     (`experiments.async_server_throughput --model smollm2`)."""
     data = evidence("benchmarks/async_server_throughput_smollm2")
     runs = data["runs"]
-    rows = [[f"{pair + 1}", f"{sync['seconds_per_step']:.1f}", f"{run['seconds_per_step']:.1f}",
-             f"{sync['samples_per_second']:.3f}", f"{run['samples_per_second']:.3f}", f"**{ratio:.2f}**"]
-            for pair, (sync, run, ratio) in enumerate(zip(runs[::2], runs[1::2], data["ratios"], strict=True))]
-    lines = [markdown_table(["pair", "synchronous s/step", "asynchronous s/step", "synchronous samples/s",
-                            "asynchronous samples/s", "asynchronous / synchronous"], rows)]
-    lines.append(f"\nMedian ratio **{data['median_ratio']:.2f}**. In the synchronous loop, generation and the weight "
-                 f"push took L = {data['L_generate_seconds_per_step']:.1f} s per step and the rest T = "
-                 f"{data['T_train_seconds_per_step']:.1f} s: the ideal ratio (L + T) / max(L, T) is "
-                 f"{data['ideal_ratio']:.2f}; the asynchronous trainer's own training took "
-                 f"{data['T_async_train_seconds_per_step']:.1f} s per step.")
+    rows = [
+        [
+            f"{pair + 1}",
+            f"{sync['seconds_per_step']:.1f}",
+            f"{run['seconds_per_step']:.1f}",
+            f"{sync['samples_per_second']:.3f}",
+            f"{run['samples_per_second']:.3f}",
+            f"**{ratio:.2f}**",
+        ]
+        for pair, (sync, run, ratio) in enumerate(zip(runs[::2], runs[1::2], data["ratios"], strict=True))
+    ]
+    lines = [
+        markdown_table(
+            [
+                "pair",
+                "synchronous s/step",
+                "asynchronous s/step",
+                "synchronous samples/s",
+                "asynchronous samples/s",
+                "asynchronous / synchronous",
+            ],
+            rows,
+        )
+    ]
+    lines.append(
+        f"\nMedian ratio **{data['median_ratio']:.2f}**. In the synchronous loop, generation and the weight "
+        f"push took L = {data['L_generate_seconds_per_step']:.1f} s per step and the rest T = "
+        f"{data['T_train_seconds_per_step']:.1f} s: the ideal ratio (L + T) / max(L, T) is "
+        f"{data['ideal_ratio']:.2f}; the asynchronous trainer's own training took "
+        f"{data['T_async_train_seconds_per_step']:.1f} s per step."
+    )
     return "\n".join(lines)
 
 
@@ -140,14 +273,31 @@ def rule_speed_table() -> str:
     for row in data["results"]:
         processing = row["processing"]
         setting = next(f"{name} {processing[name]}" for name in ("top_p", "top_k", "min_p") if processing.get(name))
-        rows.append([setting, f"{row['median_s']['baseline']:.2f}", f"{row['median_s']['this']:.2f}",
-                     f"**{row['this_over_baseline']:.2f}**", f"{row['max_abs_difference']:.0e}"])
-    return markdown_table(["μ samples with", "whole-row sort s", "floors s", "floors / whole-row sort",
-                           "largest log-prob difference"], rows) + (
+        rows.append(
+            [
+                setting,
+                f"{row['median_s']['baseline']:.2f}",
+                f"{row['median_s']['this']:.2f}",
+                f"**{row['this_over_baseline']:.2f}**",
+                f"{row['max_abs_difference']:.0e}",
+            ]
+        )
+    return markdown_table(
+        ["μ samples with", "whole-row sort s", "floors s", "floors / whole-row sort", "largest log-prob difference"],
+        rows,
+    ) + (
         f"\n\n{data['rows']} rows of {data['vocabulary']:,} logits, {data['repeats']} calls each, interleaved; "
-        f"{data['threads']} thread, {data['machine']['cpu']}.")
+        f"{data['threads']} thread, {data['machine']['cpu']}."
+    )
 
 
-TABLES = {"candidates": candidates_table, "whole-vocabulary": whole_vocabulary_table, "readme-run": readme_run_table,
-          "loss-speed": loss_speed_table, "generation-speed": generation_speed_table,
-          "support-cost": support_cost_table, "async-speed": async_speed_table, "rule-speed": rule_speed_table}
+TABLES = {
+    "candidates": candidates_table,
+    "whole-vocabulary": whole_vocabulary_table,
+    "readme-run": readme_run_table,
+    "loss-speed": loss_speed_table,
+    "generation-speed": generation_speed_table,
+    "support-cost": support_cost_table,
+    "async-speed": async_speed_table,
+    "rule-speed": rule_speed_table,
+}

@@ -27,6 +27,7 @@ from experiments.page_tables.evidence import (
 
 # --- how the pages annotate a paired difference ------------------------------------------------------------------
 
+
 def above(statistic: dict) -> int:
     return sum(value > 0 for value in statistic["values"])
 
@@ -36,7 +37,7 @@ def below(statistic: dict) -> int:
 
 
 def every_or_count(statistic: dict, every: str = "every seed", count: str = "{above} of {seeds}") -> str:
-    """"every seed" when every seed's difference has the mean's sign, else how many lie above 0 ("4 of 5")."""
+    """ "every seed" when every seed's difference has the mean's sign, else how many lie above 0 ("4 of 5")."""
     agreeing = above(statistic) if statistic["mean"] > 0 else below(statistic)
     if agreeing == len(statistic["values"]):
         return every
@@ -49,7 +50,8 @@ def described(statistic: dict, every: str = "", some: str = "", emphasised: bool
     agreeing = above(statistic) if statistic["mean"] > 0 else below(statistic)
     note = every if agreeing == len(statistic["values"]) else some
     return bold(signed_interval(statistic), emphasised) + note.format(
-        above=above(statistic), below=below(statistic), seeds=len(statistic["values"]))
+        above=above(statistic), below=below(statistic), seeds=len(statistic["values"])
+    )
 
 
 def decided(statistic: dict) -> bool:
@@ -92,8 +94,10 @@ def validation_rates(name: str, methods: list[str], rates: list[str]) -> list[li
     """Late pass@1 on the validation split by learning rate (one file per rate, `NAME{rate}`); the chosen rate (the
     highest mean over the methods) in bold. A cell whose rounding hides how close it is to the chosen rate's says by
     how much it differs."""
-    late = {rate: {method: evidence(f"{name}{rate}")["summary"][method]["late_pass@1"] for method in methods}
-            for rate in rates}
+    late = {
+        rate: {method: evidence(f"{name}{rate}")["summary"][method]["late_pass@1"] for method in methods}
+        for rate in rates
+    }
     chosen = max(rates, key=lambda rate: statistics.mean(late[rate][method]["mean"] for method in methods))
     rows = []
     for rate in rates:
@@ -110,14 +114,16 @@ def validation_rates(name: str, methods: list[str], rates: list[str]) -> list[li
 
 
 def sample_efficiency_learning_rate() -> str:
-    rows = validation_rates("sample_efficiency/val_lr", ["grpo", "topr_online", "topr_offline_k4"],
-                            ["3e-5", "1e-4", "3e-4", "1e-3"])
+    rows = validation_rates(
+        "sample_efficiency/val_lr", ["grpo", "topr_online", "topr_offline_k4"], ["3e-5", "1e-4", "3e-4", "1e-3"]
+    )
     return markdown_table(["learning rate", "online GRPO", "online TOPR", "offline TOPR, 4 passes"], rows)
 
 
 def sample_efficiency_controls_learning_rate() -> str:
-    rows = validation_rates("sample_efficiency/val_controls_lr", ["sft_offline_k4", "ppo_offline_k4"],
-                            ["3e-5", "1e-4", "3e-4", "1e-3"])
+    rows = validation_rates(
+        "sample_efficiency/val_controls_lr", ["sft_offline_k4", "ppo_offline_k4"], ["3e-5", "1e-4", "3e-4", "1e-3"]
+    )
     return markdown_table(["learning rate", "SFT on positives, 4 passes", "PPO-clip, 4 passes"], rows)
 
 
@@ -140,35 +146,58 @@ def sample_efficiency() -> str:
     for method, (label, emphasised) in SAMPLE_EFFICIENCY_METHODS.items():
         result = summary[method]
         paired = result["late_minus_grpo"]
-        rows.append([bold(label, emphasised), bold(thousands(result["completions_total"]["mean"]), emphasised),
-                     f"{result['steps']['mean']:.0f}", bold(interval(result["late_pass@1"]), emphasised),
-                     per_seed(result["late_pass@1"]["values"]),
-                     bold(signed_interval(paired), emphasised) if paired else ""])
-    return markdown_table(["method", "generated completions", "optimizer steps", "late pass@1", "per seed",
-                           "− online GRPO (paired)"], rows)
+        rows.append(
+            [
+                bold(label, emphasised),
+                bold(thousands(result["completions_total"]["mean"]), emphasised),
+                f"{result['steps']['mean']:.0f}",
+                bold(interval(result["late_pass@1"]), emphasised),
+                per_seed(result["late_pass@1"]["values"]),
+                bold(signed_interval(paired), emphasised) if paired else "",
+            ]
+        )
+    return markdown_table(
+        ["method", "generated completions", "optimizer steps", "late pass@1", "per seed", "− online GRPO (paired)"],
+        rows,
+    )
 
 
 def sample_efficiency_draw_per_seed() -> str:
     one, per = (evidence(name)["summary"] for name in (SAMPLE_EFFICIENCY, f"{SAMPLE_EFFICIENCY}_draw_per_seed"))
     every, some = ", every seed", " ({above} of {seeds} seeds above)"
-    rows = [("offline TOPR, 4 passes − online GRPO", "topr_offline_k4", "late_minus_grpo", every, some),
-            ("online TOPR − online GRPO", "topr_online", "late_minus_grpo", "", ""),
-            ("SFT on positives, 4 passes − online GRPO", "sft_offline_k4", "late_minus_grpo", every, some),
-            ("PPO-clip, 4 passes − online GRPO", "ppo_offline_k4", "late_minus_grpo", every, some),
-            ("offline TOPR − SFT on positives (same reuse)", "sft_offline_k4", "topr_minus_this", every, some),
-            ("offline TOPR − PPO-clip (same reuse)", "ppo_offline_k4", "topr_minus_this", every, some)]
-    return markdown_table(["paired late pass@1", "one draw (above)", "a draw per seed"],
-                          [[label, signed_interval(one[method][key]), described(per[method][key], every, some)]
-                           for label, method, key, every, some in rows])
+    rows = [
+        ("offline TOPR, 4 passes − online GRPO", "topr_offline_k4", "late_minus_grpo", every, some),
+        ("online TOPR − online GRPO", "topr_online", "late_minus_grpo", "", ""),
+        ("SFT on positives, 4 passes − online GRPO", "sft_offline_k4", "late_minus_grpo", every, some),
+        ("PPO-clip, 4 passes − online GRPO", "ppo_offline_k4", "late_minus_grpo", every, some),
+        ("offline TOPR − SFT on positives (same reuse)", "sft_offline_k4", "topr_minus_this", every, some),
+        ("offline TOPR − PPO-clip (same reuse)", "ppo_offline_k4", "topr_minus_this", every, some),
+    ]
+    return markdown_table(
+        ["paired late pass@1", "one draw (above)", "a draw per seed"],
+        [
+            [label, signed_interval(one[method][key]), described(per[method][key], every, some)]
+            for label, method, key, every, some in rows
+        ],
+    )
 
 
-HARDER_METHODS = {"grpo": "online GRPO", "topr_online": "online TOPR", "topr_offline_k4": "offline TOPR, 4 passes",
-                  "sft_offline_k4": "control: SFT on positives, 4 passes", "ppo_offline_k4": "control: PPO-clip, 4 passes"}
+HARDER_METHODS = {
+    "grpo": "online GRPO",
+    "topr_online": "online TOPR",
+    "topr_offline_k4": "offline TOPR, 4 passes",
+    "sft_offline_k4": "control: SFT on positives, 4 passes",
+    "ppo_offline_k4": "control: PPO-clip, 4 passes",
+}
 
 
-def harder_sample_efficiency(name: str, against_topr: bool, notes: dict[str, tuple[str, str]] | None = None,
-                             emphasis: dict[str, tuple[bool, bool]] | None = None,
-                             grpo_against_topr: bool = False) -> str:
+def harder_sample_efficiency(
+    name: str,
+    against_topr: bool,
+    notes: dict[str, tuple[str, str]] | None = None,
+    emphasis: dict[str, tuple[bool, bool]] | None = None,
+    grpo_against_topr: bool = False,
+) -> str:
     """The harder settings' sample efficiency: every method against online GRPO and, with `against_topr`, offline
     TOPR against each reuse control (and against online GRPO with `grpo_against_topr`). `notes` maps a method to
     the annotations of its two paired cells (see `annotation`), `emphasis` to which of the two is in bold."""
@@ -180,10 +209,15 @@ def harder_sample_efficiency(name: str, against_topr: bool, notes: dict[str, tup
         note_grpo, note_topr = notes.get(method, ("", ""))
         bold_grpo, bold_topr = emphasis.get(method, (False, False))
         against_grpo = result["late_minus_grpo"]
-        cells = [label, thousands(result["completions_total"]["mean"]), interval(result["late_pass@1"]),
-                 per_seed(result["late_pass@1"]["values"]),
-                 noted(bold(signed_interval(against_grpo), bold_grpo), annotation(against_grpo, note_grpo))
-                 if against_grpo else ""]
+        cells = [
+            label,
+            thousands(result["completions_total"]["mean"]),
+            interval(result["late_pass@1"]),
+            per_seed(result["late_pass@1"]["values"]),
+            noted(bold(signed_interval(against_grpo), bold_grpo), annotation(against_grpo, note_grpo))
+            if against_grpo
+            else "",
+        ]
         if against_topr:
             topr = result["topr_minus_this"]
             if method == "grpo" and grpo_against_topr:
@@ -212,24 +246,34 @@ def d4_sample_efficiency() -> str:
 
 
 def d4_sample_efficiency_draw_per_seed() -> str:
-    return harder_sample_efficiency("harder/d4_sample_efficiency_draw_per_seed", against_topr=True,
-                                    notes={"sft_offline_k4": ("", "every below"), "ppo_offline_k4": ("", "every")},
-                                    emphasis={"ppo_offline_k4": (False, True)})
+    return harder_sample_efficiency(
+        "harder/d4_sample_efficiency_draw_per_seed",
+        against_topr=True,
+        notes={"sft_offline_k4": ("", "every below"), "ppo_offline_k4": ("", "every")},
+        emphasis={"ppo_offline_k4": (False, True)},
+    )
 
 
 def d5_sample_efficiency() -> str:
-    return harder_sample_efficiency("harder/d5_sample_efficiency", against_topr=True, grpo_against_topr=True,
-                                    emphasis={"ppo_offline_k4": (False, True)})
+    return harder_sample_efficiency(
+        "harder/d5_sample_efficiency",
+        against_topr=True,
+        grpo_against_topr=True,
+        emphasis={"ppo_offline_k4": (False, True)},
+    )
 
 
 def d5_sample_efficiency_draw_per_seed() -> str:
-    return harder_sample_efficiency("harder/d5_sample_efficiency_draw_per_seed", against_topr=True,
-                                    notes={"topr_offline_k4": ("every", ""), "sft_offline_k4": ("every", ""),
-                                           "ppo_offline_k4": ("", "every")},
-                                    emphasis={"topr_offline_k4": (True, False), "ppo_offline_k4": (False, True)})
+    return harder_sample_efficiency(
+        "harder/d5_sample_efficiency_draw_per_seed",
+        against_topr=True,
+        notes={"topr_offline_k4": ("every", ""), "sft_offline_k4": ("every", ""), "ppo_offline_k4": ("", "every")},
+        emphasis={"topr_offline_k4": (True, False), "ppo_offline_k4": (False, True)},
+    )
 
 
 # --- Figure 1 and its variants (experiments/figure1.py: late[method][metric], paired["A-B"][metric]) -------------
+
 
 def late(name: str, method: str, metric: str = "accuracy") -> dict:
     return evidence(name)["late"][method][metric]
@@ -245,12 +289,22 @@ def zeros_as_integers(values: list[float]) -> str:
     return ", ".join("0" for _ in values) if not any(values) else per_seed(values)
 
 
-FIGURE1_LABELS = {"naive_reinforce": "naive REINFORCE", "ppo": "PPO-clip", "tis": "TIS",
-                  "sft_positives": "SFT on positives", "topr": "TOPR"}
+FIGURE1_LABELS = {
+    "naive_reinforce": "naive REINFORCE",
+    "ppo": "PPO-clip",
+    "tis": "TIS",
+    "sft_positives": "SFT on positives",
+    "topr": "TOPR",
+}
 
 
-def figure1_rows(name: str, columns: list[str], notes: dict[str, str] | None = None,
-                 emphasis: dict[str, set[str]] | None = None, seeds_format: Callable = per_seed) -> list[list[str]]:
+def figure1_rows(
+    name: str,
+    columns: list[str],
+    notes: dict[str, str] | None = None,
+    emphasis: dict[str, set[str]] | None = None,
+    seeds_format: Callable = per_seed,
+) -> list[list[str]]:
     """One row per method of a Figure 1 file, its cells by `columns`: "late" (late pass@1), "seeds", "carries"
     (≥ 2 carries, mean ± half-width), "carries mean", "greedy", "invalid", "paired" (TOPR − this). `notes` annotates a
     method's paired cell (see `annotation`); `emphasis` names the columns in bold per method ("label" included)."""
@@ -277,8 +331,10 @@ def figure1_rows(name: str, columns: list[str], notes: dict[str, str] | None = N
                     cell = ""
                 else:
                     difference = paired(name, f"topr-{method}")
-                    cell = noted(bold(signed_interval(difference), column in emphasised),
-                                 annotation(difference, notes.get(method, "")))
+                    cell = noted(
+                        bold(signed_interval(difference), column in emphasised),
+                        annotation(difference, notes.get(method, "")),
+                    )
                     emphasised = emphasised - {column}
             else:
                 raise ValueError(column)
@@ -290,73 +346,122 @@ def figure1_rows(name: str, columns: list[str], notes: dict[str, str] | None = N
 def d4_figure1() -> str:
     name = "harder/d4_figure1"
     start = fixed(statistics.mean(base_pass_at_1(name)), 2)
-    return markdown_table([f"method (start {start})", "late pass@1", "per seed", "TOPR − this (paired)", "invalid"],
-                          figure1_rows(name, ["late", "seeds", "paired", "invalid"]))
+    return markdown_table(
+        [f"method (start {start})", "late pass@1", "per seed", "TOPR − this (paired)", "invalid"],
+        figure1_rows(name, ["late", "seeds", "paired", "invalid"]),
+    )
 
 
 def d4_figure1_draw_per_seed() -> str:
     name = "harder/d4_figure1_draw_per_seed"
-    return markdown_table(["method", "late pass@1", "per seed", "TOPR − this (paired)", "invalid"],
-                          figure1_rows(name, ["late", "seeds", "paired", "invalid"],
-                                       notes={"ppo": "every", "tis": "{above} of {seeds}",
-                                              "sft_positives": "{above} of {seeds}"}))
+    return markdown_table(
+        ["method", "late pass@1", "per seed", "TOPR − this (paired)", "invalid"],
+        figure1_rows(
+            name,
+            ["late", "seeds", "paired", "invalid"],
+            notes={"ppo": "every", "tis": "{above} of {seeds}", "sft_positives": "{above} of {seeds}"},
+        ),
+    )
 
 
 def d5_learning_rate() -> str:
     rates = ["1e-4", "3e-4", "1e-3"]
-    means = {rate: {method: late(f"harder/d5_figure1_val_lr{rate}", method)["mean"]
-                    for method in ("sft_positives", "topr")} for rate in rates}
+    means = {
+        rate: {method: late(f"harder/d5_figure1_val_lr{rate}", method)["mean"] for method in ("sft_positives", "topr")}
+        for rate in rates
+    }
     chosen = max(rates, key=lambda rate: statistics.mean(means[rate].values()))
-    rows = [[rate, fixed(means[rate]["sft_positives"]), fixed(means[rate]["topr"]),
-             bold(fixed(statistics.mean(means[rate].values())), rate == chosen)] for rate in rates]
+    rows = [
+        [
+            rate,
+            fixed(means[rate]["sft_positives"]),
+            fixed(means[rate]["topr"]),
+            bold(fixed(statistics.mean(means[rate].values())), rate == chosen),
+        ]
+        for rate in rates
+    ]
     return markdown_table(["learning rate", "SFT on positives", "TOPR", "mean"], rows)
 
 
 def d5_figure1() -> str:
     name = "harder/d5_figure1"
     start = fixed(statistics.mean(base_pass_at_1(name)))
-    rows = figure1_rows(name, ["late", "seeds", "carries mean", "greedy", "invalid", "paired"],
-                        emphasis={"sft_positives": {"label", "late", "paired"}}, seeds_format=zeros_as_integers)
-    return markdown_table([f"method (start {start})", "late pass@1", "per seed", "≥ 2 carries", "greedy", "invalid",
-                           "TOPR − this (paired)"], rows)
+    rows = figure1_rows(
+        name,
+        ["late", "seeds", "carries mean", "greedy", "invalid", "paired"],
+        emphasis={"sft_positives": {"label", "late", "paired"}},
+        seeds_format=zeros_as_integers,
+    )
+    return markdown_table(
+        [
+            f"method (start {start})",
+            "late pass@1",
+            "per seed",
+            "≥ 2 carries",
+            "greedy",
+            "invalid",
+            "TOPR − this (paired)",
+        ],
+        rows,
+    )
 
 
 def d5_figure1_draw_per_seed() -> str:
     name = "harder/d5_figure1_draw_per_seed"
-    rows = figure1_rows(name, ["late", "seeds", "greedy", "invalid", "paired"], seeds_format=zeros_as_integers,
-                        notes={"ppo": "every", "tis": "{above} of {seeds}", "sft_positives": "{above} of {seeds}"})
+    rows = figure1_rows(
+        name,
+        ["late", "seeds", "greedy", "invalid", "paired"],
+        seeds_format=zeros_as_integers,
+        notes={"ppo": "every", "tis": "{above} of {seeds}", "sft_positives": "{above} of {seeds}"},
+    )
     return markdown_table(["method", "late pass@1", "per seed", "greedy", "invalid", "TOPR − this (paired)"], rows)
 
 
 def positive_share(name: str, method: str) -> float:
     """The mean share of positives in the fixed datasets of `method`'s runs: p, and p̃ at c = 0."""
     runs = evidence(name)["runs"]
-    return statistics.mean(run["dataset_positive_fraction"] for key, run in runs.items()
-                           if key.startswith(f"{method}/"))
+    return statistics.mean(
+        run["dataset_positive_fraction"] for key, run in runs.items() if key.startswith(f"{method}/")
+    )
 
 
 def baseline_follow_up(name: str, start_digits: int, notes: tuple[str, str], emphasis: bool) -> str:
     """The 5-digit baseline follow-up: SFT on positives, TOPR at c = 0 and TOPR with c set for p̃ = 0.5."""
     start = fixed(statistics.mean(base_pass_at_1(name)), start_digits)
     target = late(name, "topr_target")
-    rows = [["SFT on positives", interval(late(name, "sft_positives")),
-             fixed(late(name, "sft_positives", "pass@1_carries>=2")["mean"]),
-             fixed(late(name, "sft_positives", "greedy_accuracy")["mean"])],
-            [f"TOPR, c = 0 (p̃ = {positive_share(name, 'topr'):.2f})", interval(late(name, "topr")),
-             fixed(late(name, "topr", "pass@1_carries>=2")["mean"]),
-             fixed(late(name, "topr", "greedy_accuracy")["mean"])],
-            [bold("TOPR, c for p̃ = 0.5", emphasis),
-             bold(interval(target), emphasis) + f" ({per_seed(target['values'])})",
-             bold(fixed(late(name, "topr_target", "pass@1_carries>=2")["mean"]), emphasis),
-             fixed(late(name, "topr_target", "greedy_accuracy")["mean"])]]
-    for (label, comparison, note, emphasised) in (
-            ("TOPR (p̃ = 0.5) − SFT on positives (paired)", "topr_target-sft_positives", notes[0], emphasis),
-            ("TOPR (p̃ = 0.5) − TOPR (c = 0) (paired)", "topr_target-topr", notes[1], False)):
+    rows = [
+        [
+            "SFT on positives",
+            interval(late(name, "sft_positives")),
+            fixed(late(name, "sft_positives", "pass@1_carries>=2")["mean"]),
+            fixed(late(name, "sft_positives", "greedy_accuracy")["mean"]),
+        ],
+        [
+            f"TOPR, c = 0 (p̃ = {positive_share(name, 'topr'):.2f})",
+            interval(late(name, "topr")),
+            fixed(late(name, "topr", "pass@1_carries>=2")["mean"]),
+            fixed(late(name, "topr", "greedy_accuracy")["mean"]),
+        ],
+        [
+            bold("TOPR, c for p̃ = 0.5", emphasis),
+            bold(interval(target), emphasis) + f" ({per_seed(target['values'])})",
+            bold(fixed(late(name, "topr_target", "pass@1_carries>=2")["mean"]), emphasis),
+            fixed(late(name, "topr_target", "greedy_accuracy")["mean"]),
+        ],
+    ]
+    for label, comparison, note, emphasised in (
+        ("TOPR (p̃ = 0.5) − SFT on positives (paired)", "topr_target-sft_positives", notes[0], emphasis),
+        ("TOPR (p̃ = 0.5) − TOPR (c = 0) (paired)", "topr_target-topr", notes[1], False),
+    ):
         difference = paired(name, comparison)
-        rows.append([bold(label, emphasised),
-                     noted(bold(signed_interval(difference), emphasised), annotation(difference, note)),
-                     bold(signed_interval(paired(name, comparison, "pass@1_carries>=2")), emphasised),
-                     signed_interval(paired(name, comparison, "greedy_accuracy"))])
+        rows.append(
+            [
+                bold(label, emphasised),
+                noted(bold(signed_interval(difference), emphasised), annotation(difference, note)),
+                bold(signed_interval(paired(name, comparison, "pass@1_carries>=2")), emphasised),
+                signed_interval(paired(name, comparison, "greedy_accuracy")),
+            ]
+        )
     return markdown_table([f"late pass@1, 5 seeds (start {start})", "all problems", "≥ 2 carries", "greedy"], rows)
 
 
@@ -365,13 +470,15 @@ def d5_baseline() -> str:
 
 
 def d5_baseline_draw_per_seed() -> str:
-    return baseline_follow_up("harder/d5_figure1_pt05_draw_per_seed", 2,
-                              ("{above} of {seeds} above 0", "{above} of {seeds}"), emphasis=False)
+    return baseline_follow_up(
+        "harder/d5_figure1_pt05_draw_per_seed", 2, ("{above} of {seeds} above 0", "{above} of {seeds}"), emphasis=False
+    )
 
 
 def pooled(first: str, second: str, comparison: str, metric: str = "accuracy") -> dict:
     """A paired difference over the seeds of two files (the pre-registered seeds and their replication), pooled
     after the fact: each seed's difference as its file gives it."""
+
     def by_seed(name: str) -> dict[int, float]:
         if comparison in evidence(name)["paired"]:
             statistic = paired(name, comparison, metric)
@@ -395,43 +502,77 @@ def seeds_of(name: str, comparison: str) -> dict:
 def replication(first: str, second: str, notes: list[tuple[str, str, str]], header: str) -> str:
     """The baseline follow-up's pre-registered seeds, their replication and the two pooled."""
     rows = []
-    comparisons = [("TOPR (p̃ = 0.5) − SFT on positives", "topr_target-sft_positives"),
-                   ("TOPR (p̃ = 0.5) − TOPR (c = 0)", "topr_target-topr"),
-                   ("TOPR (c = 0) − SFT on positives", "topr-sft_positives")]
+    comparisons = [
+        ("TOPR (p̃ = 0.5) − SFT on positives", "topr_target-sft_positives"),
+        ("TOPR (p̃ = 0.5) − TOPR (c = 0)", "topr_target-topr"),
+        ("TOPR (c = 0) − SFT on positives", "topr-sft_positives"),
+    ]
     for (label, comparison), cell_notes in zip(comparisons, notes, strict=True):
         cells = [label]
-        for statistic, note in zip((seeds_of(first, comparison), seeds_of(second, comparison),
-                                    pooled(first, second, comparison)), cell_notes, strict=True):
+        for statistic, note in zip(
+            (seeds_of(first, comparison), seeds_of(second, comparison), pooled(first, second, comparison)),
+            cell_notes,
+            strict=True,
+        ):
             text = signed_interval(statistic)
             if note:
                 extra = ""
                 if "{carries}" in note:
                     carries = pooled(first, second, comparison, "pass@1_carries>=2")
                     extra = f"{signed_interval(carries)}, {above(carries)} of {len(carries['values'])}"
-                text += " (" + note.format(above=above(statistic), seeds=len(statistic["values"]), carries=extra,
-                                           low=signed(statistic["mean"] - statistic["ci95"])) + ")"
+                text += (
+                    " ("
+                    + note.format(
+                        above=above(statistic),
+                        seeds=len(statistic["values"]),
+                        carries=extra,
+                        low=signed(statistic["mean"] - statistic["ci95"]),
+                    )
+                    + ")"
+                )
             cells.append(text)
         rows.append(cells)
     return markdown_table(header, rows)
 
 
 def d5_replication() -> str:
-    return replication("harder/d5_figure1_pt05", "harder/d5_figure1_pt05_seeds5-9",
-                       [("{above} of {seeds} above 0", "{above} of {seeds}", "{above} of {seeds}; ≥ 2 carries {carries}"),
-                        ("", "", "{above} of {seeds}"), ("", "{above} of {seeds}", "{above} of {seeds}")],
-                       ["paired late pass@1", "seeds 0-4 (pre-registered)", "seeds 5-9 (replication)",
-                        "all 10 seeds (pooled afterwards)"])
+    return replication(
+        "harder/d5_figure1_pt05",
+        "harder/d5_figure1_pt05_seeds5-9",
+        [
+            ("{above} of {seeds} above 0", "{above} of {seeds}", "{above} of {seeds}; ≥ 2 carries {carries}"),
+            ("", "", "{above} of {seeds}"),
+            ("", "{above} of {seeds}", "{above} of {seeds}"),
+        ],
+        [
+            "paired late pass@1",
+            "seeds 0-4 (pre-registered)",
+            "seeds 5-9 (replication)",
+            "all 10 seeds (pooled afterwards)",
+        ],
+    )
 
 
 def d5_replication_draw_per_seed() -> str:
-    return replication("harder/d5_figure1_pt05_draw_per_seed", "harder/d5_figure1_pt05_seeds5-9_draw_per_seed",
-                        [("{above} of {seeds} above 0", "{above} of {seeds}; the interval reaches {low}",
-                          "{above} of {seeds}"), ("", "", "{above} of {seeds}"), ("", "", "{above} of {seeds}")],
-                        ["paired late pass@1, AMD-built warm start", "seeds 0-4", "seeds 5-9 (replication)",
-                         "all 10 seeds (pooled afterwards)"])
+    return replication(
+        "harder/d5_figure1_pt05_draw_per_seed",
+        "harder/d5_figure1_pt05_seeds5-9_draw_per_seed",
+        [
+            ("{above} of {seeds} above 0", "{above} of {seeds}; the interval reaches {low}", "{above} of {seeds}"),
+            ("", "", "{above} of {seeds}"),
+            ("", "", "{above} of {seeds}"),
+        ],
+        [
+            "paired late pass@1, AMD-built warm start",
+            "seeds 0-4",
+            "seeds 5-9 (replication)",
+            "all 10 seeds (pooled afterwards)",
+        ],
+    )
 
 
 # --- the warm start is the CPU's (4- and 5-digit warm starts built on two CPUs) -----------------------------------
+
 
 def base_points(names: list[str]) -> list[float]:
     """Every seed's base pass@1 in the files `names` (figure1-style files: each run's step 0; sample-efficiency
@@ -450,23 +591,50 @@ def base_points(names: list[str]) -> list[float]:
 
 WARM_STARTS = [
     # label, Intel-built files (one draw), digits, AMD-built files (a draw per seed)
-    ("4 digits, both planted errors", ["harder/d4_figure1"], 2,
-     ["harder/d4_figure1_draw_per_seed", "harder/d4_sample_efficiency_draw_per_seed"]),
-    ("4 digits, carry drops only (Figure 4's rerun)", ["figure1/figure4_d4_preregistered"], 3,
-     ["figure1/figure4_d4_preregistered_draw_per_seed"]),
-    ("5 digits, both planted errors", ["harder/d5_figure1"], 3,
-     ["harder/d5_figure1_draw_per_seed", "harder/d5_figure1_pt05_draw_per_seed",
-      "harder/d5_figure1_pt05_seeds5-9_draw_per_seed", "harder/d5_sample_efficiency_draw_per_seed"]),
+    (
+        "4 digits, both planted errors",
+        ["harder/d4_figure1"],
+        2,
+        ["harder/d4_figure1_draw_per_seed", "harder/d4_sample_efficiency_draw_per_seed"],
+    ),
+    (
+        "4 digits, carry drops only (Figure 4's rerun)",
+        ["figure1/figure4_d4_preregistered"],
+        3,
+        ["figure1/figure4_d4_preregistered_draw_per_seed"],
+    ),
+    (
+        "5 digits, both planted errors",
+        ["harder/d5_figure1"],
+        3,
+        [
+            "harder/d5_figure1_draw_per_seed",
+            "harder/d5_figure1_pt05_draw_per_seed",
+            "harder/d5_figure1_pt05_seeds5-9_draw_per_seed",
+            "harder/d5_sample_efficiency_draw_per_seed",
+        ],
+    ),
 ]
 
 
 def warm_starts() -> str:
     rows = []
     for label, intel, digits, amd in WARM_STARTS:
-        rows.append([label, f"{fixed(base_points(intel)[0], digits)}, {fixed(base_greedy(intel[0]), digits)}",
-                     f"{base_range(base_points(amd))}, {fixed(base_greedy(amd[0]))}"])
-    return markdown_table(["warm start", "Intel-built: sampled pass@1 (draw 1234), greedy",
-                           "AMD-built: sampled pass@1 (seeds' draws), greedy"], rows)
+        rows.append(
+            [
+                label,
+                f"{fixed(base_points(intel)[0], digits)}, {fixed(base_greedy(intel[0]), digits)}",
+                f"{base_range(base_points(amd))}, {fixed(base_greedy(amd[0]))}",
+            ]
+        )
+    return markdown_table(
+        [
+            "warm start",
+            "Intel-built: sampled pass@1 (draw 1234), greedy",
+            "AMD-built: sampled pass@1 (seeds' draws), greedy",
+        ],
+        rows,
+    )
 
 
 def collapsed(name: str, method: str) -> str:
@@ -479,6 +647,7 @@ def collapsed(name: str, method: str) -> str:
 
 def warm_start_claims() -> str:
     """What the reruns on the AMD-built warm starts say, claim by claim, beside the Intel-built runs."""
+
     def se(name: str, method: str, key: str = "late_minus_grpo") -> dict:
         return evidence(f"harder/{name}")["summary"][method][key]
 
@@ -487,58 +656,115 @@ def warm_start_claims() -> str:
 
     intel, amd = "harder/d5_figure1", "harder/d5_figure1_draw_per_seed"
     rows = [
-        ["4 digits, sample efficiency: offline TOPR vs online GRPO",
-         signed_interval(se("d4_sample_efficiency", "topr_offline_k4")),
-         signed_interval(se("d4_sample_efficiency_draw_per_seed", "topr_offline_k4")), "level: holds"],
-        ["4 digits: offline TOPR − SFT reuse / − PPO-clip reuse",
-         *(both(signed_interval(se(name, "sft_offline_k4", "topr_minus_this")),
-                signed_interval(se(name, "ppo_offline_k4", "topr_minus_this")))
-           for name in ("d4_sample_efficiency", "d4_sample_efficiency_draw_per_seed")), "holds"],
-        ["4 digits, Figure 1: TOPR − SFT / − TIS / − PPO-clip",
-         " / ".join(signed_interval(paired("harder/d4_figure1", f"topr-{m}")) for m in ("sft_positives", "tis", "ppo")),
-         " / ".join(signed_interval(paired("harder/d4_figure1_draw_per_seed", f"topr-{m}"))
-                    for m in ("sft_positives", "tis", "ppo")),
-         "holds (PPO-clip below TOPR in every seed)"],
-        ["4 digits, Figure 4 pre-registered (8 seeds): TOPR − SFT",
-         signed_interval(paired("figure1/figure4_d4_preregistered", "topr-sft_positives")),
-         signed_interval(paired("figure1/figure4_d4_preregistered_draw_per_seed", "topr-sft_positives")),
-         "undecided both times"],
-        ["5 digits, Figure 1: TOPR − SFT (Figure 4 at c = 0)",
-         noted(signed_interval(paired(intel, "topr-sft_positives")), every_or_count(paired(intel, "topr-sft_positives"))),
-         noted(signed_interval(paired(amd, "topr-sft_positives")), every_or_count(paired(amd, "topr-sft_positives"))),
-         "**does not hold**: the failure is that warm start's"],
-        ["5 digits, Figure 1: TOPR − PPO-clip / − naive REINFORCE",
-         both(signed_interval(paired(intel, "topr-ppo")), signed_interval(paired(intel, "topr-naive_reinforce"))),
-         both(signed_interval(paired(amd, "topr-ppo")), signed_interval(paired(amd, "topr-naive_reinforce"))),
-         "holds, every seed"],
-        ["5 digits, Figure 1: TOPR − TIS",
-         noted(signed_interval(paired(intel, "topr-tis")), collapsed(intel, "tis")),
-         noted(signed_interval(paired(amd, "topr-tis")), collapsed(amd, "tis")),
-         "holds in direction, not in every seed"],
-        ["5 digits: c for p̃ = 0.5 − SFT (seeds 0-4 / 5-9)",
-         both(signed_interval(paired("harder/d5_figure1_pt05", "topr_target-sft_positives")),
-              signed_interval(paired("harder/d5_figure1_pt05_seeds5-9", "topr_target-sft_positives"))),
-         both(signed_interval(paired("harder/d5_figure1_pt05_draw_per_seed", "topr_target-sft_positives")),
-              signed_interval(paired("harder/d5_figure1_pt05_seeds5-9_draw_per_seed", "topr_target-sft_positives"))),
-         "about +0.01-0.025, at the edge of deciding"],
+        [
+            "4 digits, sample efficiency: offline TOPR vs online GRPO",
+            signed_interval(se("d4_sample_efficiency", "topr_offline_k4")),
+            signed_interval(se("d4_sample_efficiency_draw_per_seed", "topr_offline_k4")),
+            "level: holds",
+        ],
+        [
+            "4 digits: offline TOPR − SFT reuse / − PPO-clip reuse",
+            *(
+                both(
+                    signed_interval(se(name, "sft_offline_k4", "topr_minus_this")),
+                    signed_interval(se(name, "ppo_offline_k4", "topr_minus_this")),
+                )
+                for name in ("d4_sample_efficiency", "d4_sample_efficiency_draw_per_seed")
+            ),
+            "holds",
+        ],
+        [
+            "4 digits, Figure 1: TOPR − SFT / − TIS / − PPO-clip",
+            " / ".join(
+                signed_interval(paired("harder/d4_figure1", f"topr-{m}")) for m in ("sft_positives", "tis", "ppo")
+            ),
+            " / ".join(
+                signed_interval(paired("harder/d4_figure1_draw_per_seed", f"topr-{m}"))
+                for m in ("sft_positives", "tis", "ppo")
+            ),
+            "holds (PPO-clip below TOPR in every seed)",
+        ],
+        [
+            "4 digits, Figure 4 pre-registered (8 seeds): TOPR − SFT",
+            signed_interval(paired("figure1/figure4_d4_preregistered", "topr-sft_positives")),
+            signed_interval(paired("figure1/figure4_d4_preregistered_draw_per_seed", "topr-sft_positives")),
+            "undecided both times",
+        ],
+        [
+            "5 digits, Figure 1: TOPR − SFT (Figure 4 at c = 0)",
+            noted(
+                signed_interval(paired(intel, "topr-sft_positives")),
+                every_or_count(paired(intel, "topr-sft_positives")),
+            ),
+            noted(
+                signed_interval(paired(amd, "topr-sft_positives")), every_or_count(paired(amd, "topr-sft_positives"))
+            ),
+            "**does not hold**: the failure is that warm start's",
+        ],
+        [
+            "5 digits, Figure 1: TOPR − PPO-clip / − naive REINFORCE",
+            both(signed_interval(paired(intel, "topr-ppo")), signed_interval(paired(intel, "topr-naive_reinforce"))),
+            both(signed_interval(paired(amd, "topr-ppo")), signed_interval(paired(amd, "topr-naive_reinforce"))),
+            "holds, every seed",
+        ],
+        [
+            "5 digits, Figure 1: TOPR − TIS",
+            noted(signed_interval(paired(intel, "topr-tis")), collapsed(intel, "tis")),
+            noted(signed_interval(paired(amd, "topr-tis")), collapsed(amd, "tis")),
+            "holds in direction, not in every seed",
+        ],
+        [
+            "5 digits: c for p̃ = 0.5 − SFT (seeds 0-4 / 5-9)",
+            both(
+                signed_interval(paired("harder/d5_figure1_pt05", "topr_target-sft_positives")),
+                signed_interval(paired("harder/d5_figure1_pt05_seeds5-9", "topr_target-sft_positives")),
+            ),
+            both(
+                signed_interval(paired("harder/d5_figure1_pt05_draw_per_seed", "topr_target-sft_positives")),
+                signed_interval(paired("harder/d5_figure1_pt05_seeds5-9_draw_per_seed", "topr_target-sft_positives")),
+            ),
+            "about +0.01-0.025, at the edge of deciding",
+        ],
     ]
-    gains = [pooled(f"harder/d5_figure1_pt05{draw}", f"harder/d5_figure1_pt05_seeds5-9{draw}", "topr_target-topr")
-             for draw in ("", "_draw_per_seed")]
-    rows.append(["5 digits: c for p̃ = 0.5 − c = 0",
-                 *(f"{signed_interval(gain)} ({len(gain['values'])} seeds)" for gain in gains),
-                 f"the gain belongs to p = {positive_share(intel, 'topr'):.2f}; at p = "
-                 f"{positive_share(amd, 'topr'):.2f} c = 0 is already near p̃ = 0.5"])
-    rows.append(["5 digits, sample efficiency: offline TOPR − online GRPO",
-                 signed_interval(se("d5_sample_efficiency", "topr_offline_k4")),
-                 noted(signed_interval(se("d5_sample_efficiency_draw_per_seed", "topr_offline_k4")),
-                       every_or_count(se("d5_sample_efficiency_draw_per_seed", "topr_offline_k4"))),
-                 "below: holds, now decided"])
-    rows.append(["5 digits: offline TOPR − SFT reuse / − PPO-clip reuse",
-                 *(both(signed_interval(se(name, "sft_offline_k4", "topr_minus_this")),
-                        signed_interval(se(name, "ppo_offline_k4", "topr_minus_this")))
-                   for name in ("d5_sample_efficiency", "d5_sample_efficiency_draw_per_seed")), "holds"])
-    return markdown_table(["claim", "Intel-built warm start, one draw", "AMD-built warm start, a draw per seed",
-                           "reading"], rows)
+    gains = [
+        pooled(f"harder/d5_figure1_pt05{draw}", f"harder/d5_figure1_pt05_seeds5-9{draw}", "topr_target-topr")
+        for draw in ("", "_draw_per_seed")
+    ]
+    rows.append(
+        [
+            "5 digits: c for p̃ = 0.5 − c = 0",
+            *(f"{signed_interval(gain)} ({len(gain['values'])} seeds)" for gain in gains),
+            f"the gain belongs to p = {positive_share(intel, 'topr'):.2f}; at p = "
+            f"{positive_share(amd, 'topr'):.2f} c = 0 is already near p̃ = 0.5",
+        ]
+    )
+    rows.append(
+        [
+            "5 digits, sample efficiency: offline TOPR − online GRPO",
+            signed_interval(se("d5_sample_efficiency", "topr_offline_k4")),
+            noted(
+                signed_interval(se("d5_sample_efficiency_draw_per_seed", "topr_offline_k4")),
+                every_or_count(se("d5_sample_efficiency_draw_per_seed", "topr_offline_k4")),
+            ),
+            "below: holds, now decided",
+        ]
+    )
+    rows.append(
+        [
+            "5 digits: offline TOPR − SFT reuse / − PPO-clip reuse",
+            *(
+                both(
+                    signed_interval(se(name, "sft_offline_k4", "topr_minus_this")),
+                    signed_interval(se(name, "ppo_offline_k4", "topr_minus_this")),
+                )
+                for name in ("d5_sample_efficiency", "d5_sample_efficiency_draw_per_seed")
+            ),
+            "holds",
+        ]
+    )
+    return markdown_table(
+        ["claim", "Intel-built warm start, one draw", "AMD-built warm start, a draw per seed", "reading"], rows
+    )
 
 
 # --- Figure 1 at 3 digits ----------------------------------------------------------------------------------------
@@ -548,26 +774,52 @@ FIGURE1 = "figure1/figure1"
 
 def figure1() -> str:
     data = evidence(FIGURE1)
-    rows = figure1_rows(FIGURE1, ["late", "seeds", "carries", "greedy", "invalid", "paired"],
-                        emphasis={"topr": {"label", "late"}})
+    rows = figure1_rows(
+        FIGURE1, ["late", "seeds", "carries", "greedy", "invalid", "paired"], emphasis={"topr": {"label", "late"}}
+    )
     far = "topr_far_off_policy"
-    label = (f"TOPR, far off-policy (μ: another model, pass@1 {data['far_behaviour_start']['pass@1']:.2f}, "
-             f"{100 * positive_share(FIGURE1, far):.0f} % positive data)")
-    rows.append([label, interval(late(FIGURE1, far)), per_seed(late(FIGURE1, far)["values"]),
-                 interval(late(FIGURE1, far, "pass@1_carries>=2")),
-                 fixed(late(FIGURE1, far, "greedy_accuracy")["mean"]), fixed(late(FIGURE1, far, "invalid_rate")["mean"]),
-                 signed_interval(paired(FIGURE1, f"topr-{far}"))])
+    label = (
+        f"TOPR, far off-policy (μ: another model, pass@1 {data['far_behaviour_start']['pass@1']:.2f}, "
+        f"{100 * positive_share(FIGURE1, far):.0f} % positive data)"
+    )
+    rows.append(
+        [
+            label,
+            interval(late(FIGURE1, far)),
+            per_seed(late(FIGURE1, far)["values"]),
+            interval(late(FIGURE1, far, "pass@1_carries>=2")),
+            fixed(late(FIGURE1, far, "greedy_accuracy")["mean"]),
+            fixed(late(FIGURE1, far, "invalid_rate")["mean"]),
+            signed_interval(paired(FIGURE1, f"topr-{far}")),
+        ]
+    )
     start = fixed(statistics.mean(base_pass_at_1(FIGURE1)))
-    return markdown_table([f"method (start {start})", "late pass@1", "per seed", "≥ 2 carries", "greedy", "invalid",
-                           "TOPR − this (paired)"], rows)
+    return markdown_table(
+        [
+            f"method (start {start})",
+            "late pass@1",
+            "per seed",
+            "≥ 2 carries",
+            "greedy",
+            "invalid",
+            "TOPR − this (paired)",
+        ],
+        rows,
+    )
 
 
 def figure1_draw_per_seed() -> str:
     drawn = f"{FIGURE1}_draw_per_seed"
-    rows = [[FIGURE1_LABELS[method], interval(late(FIGURE1, method)), interval(late(drawn, method))]
-            for method in ("topr", "tis", "sft_positives", "ppo", "naive_reinforce")]
-    for method, label in (("ppo", "PPO-clip"), ("tis", "TIS"), ("sft_positives", "SFT on positives"),
-                          ("naive_reinforce", "naive REINFORCE")):
+    rows = [
+        [FIGURE1_LABELS[method], interval(late(FIGURE1, method)), interval(late(drawn, method))]
+        for method in ("topr", "tis", "sft_positives", "ppo", "naive_reinforce")
+    ]
+    for method, label in (
+        ("ppo", "PPO-clip"),
+        ("tis", "TIS"),
+        ("sft_positives", "SFT on positives"),
+        ("naive_reinforce", "naive REINFORCE"),
+    ):
         difference = paired(drawn, f"topr-{method}")
         cell = signed_interval(difference)
         if method == "ppo":
@@ -575,47 +827,84 @@ def figure1_draw_per_seed() -> str:
             cell = f"{bold(cell)} ({every_or_count(difference)}, {signed(low)} to {signed(high)})"
         rows.append([f"TOPR − {label} (paired)", signed_interval(paired(FIGURE1, f"topr-{method}")), cell])
     bases = ", ".join(fixed(value) for value in base_pass_at_1(drawn, "topr"))
-    return markdown_table([f"late pass@1 (5 seeds; base {bases} on the seeds' draws)", "one draw (above)",
-                           "a draw per seed"], rows)
+    return markdown_table(
+        [f"late pass@1 (5 seeds; base {bases} on the seeds' draws)", "one draw (above)", "a draw per seed"], rows
+    )
 
 
 def exact_ratio() -> str:
     rows = []
     for name, label in (("exact_ratio/topk5", "top_k 5"), ("exact_ratio/topp09", "top_p 0.9")):
         weight = evidence(name)["negative_weight"]
-        rows.append([label, f"{interval(weight['topr'])} ({per_seed(weight['topr']['values'])})",
-                     interval(weight["topr_whole_vocabulary"]), interval(late(name, "topr")),
-                     interval(late(name, "topr_whole_vocabulary")),
-                     signed_interval(paired(name, "topr-topr_whole_vocabulary"))])
-    return markdown_table(["μ sampled with", "negatives' mean weight, exact (per seed)", "whole vocabulary",
-                           "late pass@1, exact", "whole vocabulary", "exact − whole (paired)"], rows)
+        rows.append(
+            [
+                label,
+                f"{interval(weight['topr'])} ({per_seed(weight['topr']['values'])})",
+                interval(weight["topr_whole_vocabulary"]),
+                interval(late(name, "topr")),
+                interval(late(name, "topr_whole_vocabulary")),
+                signed_interval(paired(name, "topr-topr_whole_vocabulary")),
+            ]
+        )
+    return markdown_table(
+        [
+            "μ sampled with",
+            "negatives' mean weight, exact (per seed)",
+            "whole vocabulary",
+            "late pass@1, exact",
+            "whole vocabulary",
+            "exact − whole (paired)",
+        ],
+        rows,
+    )
 
 
 def figure4_d4(name: str, header: str, carries_interval: bool, carries_bold: bool, notes: tuple[str, str]) -> str:
     rows = []
     for method in ("sft_positives", "topr", "tis"):
         carries = late(name, method, "pass@1_carries>=2")
-        rows.append([FIGURE1_LABELS[method], interval(late(name, method)),
-                     interval(carries) if carries_interval else fixed(carries["mean"])])
+        rows.append(
+            [
+                FIGURE1_LABELS[method],
+                interval(late(name, method)),
+                interval(carries) if carries_interval else fixed(carries["mean"]),
+            ]
+        )
     for (comparison, label, emphasised), note in zip(
-            (("topr-sft_positives", "TOPR − SFT on positives (paired)", True),
-             ("topr-tis", "TOPR − TIS (paired)", False)), notes, strict=True):
+        (("topr-sft_positives", "TOPR − SFT on positives (paired)", True), ("topr-tis", "TOPR − TIS (paired)", False)),
+        notes,
+        strict=True,
+    ):
         difference = paired(name, comparison)
-        rows.append([bold(label, emphasised),
-                     f"{bold(signed_interval(difference), emphasised)} "
-                     f"({note.format(above=above(difference), below=below(difference), seeds=len(difference['values']))})",
-                     bold(signed_interval(paired(name, comparison, "pass@1_carries>=2")), emphasised and carries_bold)])
+        rows.append(
+            [
+                bold(label, emphasised),
+                f"{bold(signed_interval(difference), emphasised)} "
+                f"({note.format(above=above(difference), below=below(difference), seeds=len(difference['values']))})",
+                bold(signed_interval(paired(name, comparison, "pass@1_carries>=2")), emphasised and carries_bold),
+            ]
+        )
     return markdown_table([header, "all problems", ">= 2 carries"], rows)
 
 
 def figure4_d4_preregistered() -> str:
-    return figure4_d4("figure1/figure4_d4_preregistered", "late pass@1 (steps 112 and 128), 8 seeds", True, True,
-                      ("{above} seeds of {seeds} above 0", "{below} of {seeds} below 0"))
+    return figure4_d4(
+        "figure1/figure4_d4_preregistered",
+        "late pass@1 (steps 112 and 128), 8 seeds",
+        True,
+        True,
+        ("{above} seeds of {seeds} above 0", "{below} of {seeds} below 0"),
+    )
 
 
 def figure4_d4_draw_per_seed() -> str:
-    return figure4_d4("figure1/figure4_d4_preregistered_draw_per_seed", "late pass@1, 8 seeds", False, False,
-                      ("{above} of {seeds} above 0", "{below} of {seeds} below 0"))
+    return figure4_d4(
+        "figure1/figure4_d4_preregistered_draw_per_seed",
+        "late pass@1, 8 seeds",
+        False,
+        False,
+        ("{above} of {seeds} above 0", "{below} of {seeds} below 0"),
+    )
 
 
 # --- Figures 5-6 (experiments/baseline_sweep.py: late["p/pt/method"], paired["p/pt"]) ----------------------------
@@ -628,8 +917,9 @@ def sweep(target: str, draw: str = "") -> str:
 
 
 def solved_baseline(name: str, key: str) -> float:
-    return statistics.mean(run["baseline"] for label, run in evidence(name)["runs"].items()
-                           if label.startswith(f"{key}/topr/"))
+    return statistics.mean(
+        run["baseline"] for label, run in evidence(name)["runs"].items() if label.startswith(f"{key}/topr/")
+    )
 
 
 def figures5_6() -> str:
@@ -639,12 +929,28 @@ def figures5_6() -> str:
     for target in TARGETS:
         data, key = evidence(sweep(target)), f"p0.67/pt{target}"
         difference = data["paired"][key]
-        rows.append([target, signed(solved_baseline(sweep(target), key)),
-                     bold(interval(data["late"][f"{key}/topr"]), target == best), interval(data["late"][f"{key}/tis"]),
-                     bold(signed_interval(difference), target == widest), signed_per_seed(difference["values"])])
+        rows.append(
+            [
+                target,
+                signed(solved_baseline(sweep(target), key)),
+                bold(interval(data["late"][f"{key}/topr"]), target == best),
+                interval(data["late"][f"{key}/tis"]),
+                bold(signed_interval(difference), target == widest),
+                signed_per_seed(difference["values"]),
+            ]
+        )
     start = fixed(evidence(sweep("0.01"))["summary"]["start_accuracy"])
-    return markdown_table([f"target p̃ (p = 0.67, start {start})", "baseline c", "TOPR, late", "TIS, late",
-                           "TOPR − TIS (paired)", "per seed"], rows)
+    return markdown_table(
+        [
+            f"target p̃ (p = 0.67, start {start})",
+            "baseline c",
+            "TOPR, late",
+            "TIS, late",
+            "TOPR − TIS (paired)",
+            "per seed",
+        ],
+        rows,
+    )
 
 
 def figures5_6_draw_per_seed() -> str:
@@ -654,13 +960,20 @@ def figures5_6_draw_per_seed() -> str:
     for target in TARGETS:
         data, key = evidence(sweep(target, "_draw_per_seed")), f"p0.67/pt{target}"
         difference = data["paired"][key]
-        rows.append([target, bold(interval(topr[target]), fixed(topr[target]["mean"]) == best),
-                     interval(data["late"][f"{key}/tis"]), bold(signed_interval(difference), decided(difference)),
-                     signed_per_seed(difference["values"])])
+        rows.append(
+            [
+                target,
+                bold(interval(topr[target]), fixed(topr[target]["mean"]) == best),
+                interval(data["late"][f"{key}/tis"]),
+                bold(signed_interval(difference), decided(difference)),
+                signed_per_seed(difference["values"]),
+            ]
+        )
     return markdown_table(["target p̃", "TOPR, late", "TIS, late", "TOPR − TIS (paired)", "per seed"], rows)
 
 
 # --- Figure 7 (experiments/figure7.py: summary[method]) ----------------------------------------------------------
+
 
 def figure7() -> str:
     data = evidence("figure7/figure7")
@@ -669,13 +982,27 @@ def figure7() -> str:
     for method, label in (("untruncated_is", "untruncated IS"), ("topr", "TOPR")):
         result = data["summary"][method]
         seeds = len(result["late_accuracy"]["values"])
-        rows.append([label, bold(interval(result["late_accuracy"]), method == "topr"),
-                     per_seed(result["late_accuracy"]["values"]), f"{len(result['collapsed_seeds'])} of {seeds}",
-                     ", ".join(f"{norm:.1f}" for norm in result["max_grad_norm"]["values"]),
-                     ", ".join(f"{ratio:.0f}" for ratio in result["largest_negative_ratio"])])
-    return markdown_table([f"{len(data['options']['seeds'])} seeds, {min(steps)}-{max(steps)} steps", "late pass@1",
-                           "per seed", "collapsed", "largest gradient norm, per seed",
-                           "largest negative ratio π/μ, per seed"], rows)
+        rows.append(
+            [
+                label,
+                bold(interval(result["late_accuracy"]), method == "topr"),
+                per_seed(result["late_accuracy"]["values"]),
+                f"{len(result['collapsed_seeds'])} of {seeds}",
+                ", ".join(f"{norm:.1f}" for norm in result["max_grad_norm"]["values"]),
+                ", ".join(f"{ratio:.0f}" for ratio in result["largest_negative_ratio"]),
+            ]
+        )
+    return markdown_table(
+        [
+            f"{len(data['options']['seeds'])} seeds, {min(steps)}-{max(steps)} steps",
+            "late pass@1",
+            "per seed",
+            "collapsed",
+            "largest gradient norm, per seed",
+            "largest negative ratio π/μ, per seed",
+        ],
+        rows,
+    )
 
 
 # --- iterations (experiments/iterations.py: summary[strategy] per iteration, late, paired) -----------------------
@@ -699,12 +1026,27 @@ def iterations() -> str:
         shares = iteration_means(ITERATIONS, strategy, "proportion_of_positives")
         rows_used = iteration_means(ITERATIONS, strategy, "rows")
         emphasised = strategy == best
-        rows.append([bold(label, emphasised), fixed(curve[0]["mean"]),
-                     *(bold(interval(point), emphasised) for point in curve[1:]),
-                     "1" if all(share == 1 for share in shares) else ", ".join(f"{share:.2f}" for share in shares),
-                     thousands(rows_used[0]) if len(set(rows_used)) == 1 else ", ".join(thousands(r) for r in rows_used)])
-    return markdown_table(["composition (32 steps per iteration)", "base", "iteration 1", "iteration 2", "iteration 3",
-                           "p per iteration", "rows per iteration"], rows)
+        rows.append(
+            [
+                bold(label, emphasised),
+                fixed(curve[0]["mean"]),
+                *(bold(interval(point), emphasised) for point in curve[1:]),
+                "1" if all(share == 1 for share in shares) else ", ".join(f"{share:.2f}" for share in shares),
+                thousands(rows_used[0]) if len(set(rows_used)) == 1 else ", ".join(thousands(r) for r in rows_used),
+            ]
+        )
+    return markdown_table(
+        [
+            "composition (32 steps per iteration)",
+            "base",
+            "iteration 1",
+            "iteration 2",
+            "iteration 3",
+            "p per iteration",
+            "rows per iteration",
+        ],
+        rows,
+    )
 
 
 def late_values(name: str, strategy: str) -> dict[int, float]:
@@ -718,13 +1060,20 @@ def iterations_pt015() -> str:
     rows = []
     for strategy, label in (("uniform", "uniform, p̃ = 15 %"), ("anna_karenina", "Anna Karenina, p̃ = 15 %")):
         difference = paired_difference(late_values(name, strategy), late_values(ITERATIONS, strategy))
-        rows.append([label, *(interval(point) for point in summary[strategy][1:]),
-                     noted(bold(signed_interval(difference)), every_or_count(difference))])
-    return markdown_table(["composition", "iteration 1", "iteration 2", "iteration 3", "p̃ = 15 % − (c = 0), paired"],
-                          rows)
+        rows.append(
+            [
+                label,
+                *(interval(point) for point in summary[strategy][1:]),
+                noted(bold(signed_interval(difference)), every_or_count(difference)),
+            ]
+        )
+    return markdown_table(
+        ["composition", "iteration 1", "iteration 2", "iteration 3", "p̃ = 15 % − (c = 0), paired"], rows
+    )
 
 
 # --- staleness (experiments/staleness.py: summary[method]["lags"][K], paired["method/kK-k1"], ...) ---------------
+
 
 def lagged(name: str, method: str, lag: int) -> dict:
     return evidence(f"staleness/{name}")["summary"][method]["lags"][str(lag)]["late_pass@1"]
@@ -736,15 +1085,23 @@ def stale_paired(name: str, key: str) -> dict:
 
 def staleness_fresh() -> str:
     files = {4: "fresh_a", 16: "fresh_b", 64: "fresh_b"}
-    rows = [["TOPR", *(bold(interval(lagged(files[k], "topr", k)), k == 64) for k in files)],
-            ["GRPO-clip", *(interval(lagged(files[k], "grpo_clip", k)) for k in files)]]
-    for label, key in (("TOPR − GRPO-clip (paired)", "topr-grpo_clip/k{k}"), ("TOPR, K − (K = 1) (paired)", "topr/k{k}-k1"),
-                       ("GRPO-clip, K − (K = 1) (paired)", "grpo_clip/k{k}-k1")):
+    rows = [
+        ["TOPR", *(bold(interval(lagged(files[k], "topr", k)), k == 64) for k in files)],
+        ["GRPO-clip", *(interval(lagged(files[k], "grpo_clip", k)) for k in files)],
+    ]
+    for label, key in (
+        ("TOPR − GRPO-clip (paired)", "topr-grpo_clip/k{k}"),
+        ("TOPR, K − (K = 1) (paired)", "topr/k{k}-k1"),
+        ("GRPO-clip, K − (K = 1) (paired)", "grpo_clip/k{k}-k1"),
+    ):
         cells = []
         for k in files:
             statistic = stale_paired(files[k], key.format(k=k))
-            cells.append(noted(bold(signed_interval(statistic)), every_or_count(statistic)) if decided(statistic)
-                         else signed_interval(statistic))
+            cells.append(
+                noted(bold(signed_interval(statistic)), every_or_count(statistic))
+                if decided(statistic)
+                else signed_interval(statistic)
+            )
         rows.append([label, *cells])
     reference = lagged("fresh_b", "topr", 1)
     return markdown_table([f"late pass@1 (K = 1: {interval(reference)} for both)", "K = 4", "K = 16", "K = 64"], rows)
@@ -754,8 +1111,15 @@ def staleness_controls() -> str:
     name = "controls"
     labels = {"topr": "TOPR", "grpo_clip": "GRPO-clip", "tis": "TIS", "sft_positives": "SFT on positives"}
     best = max(labels, key=lambda method: lagged(name, method, 64)["mean"])
-    rows = [[label, interval(lagged(name, method, 1)), bold(interval(lagged(name, method, 64)), method == best),
-             signed_interval(stale_paired(name, f"{method}/k64-k1"))] for method, label in labels.items()]
+    rows = [
+        [
+            label,
+            interval(lagged(name, method, 1)),
+            bold(interval(lagged(name, method, 64)), method == best),
+            signed_interval(stale_paired(name, f"{method}/k64-k1")),
+        ]
+        for method, label in labels.items()
+    ]
     for method in ("tis", "sft_positives"):
         cells = []
         for lag in (1, 64):
@@ -768,10 +1132,16 @@ def staleness_controls() -> str:
 
 def staleness_reuse() -> str:
     name = "num_iterations"
-    rows = [[label, *(interval(lagged(name, method, k)) for k in (4, 16, 64))]
-            for method, label in (("topr", "TOPR"), ("grpo_clip", "GRPO-clip"))]
-    rows.append(["TOPR − GRPO-clip (paired)", *(signed_interval(stale_paired(name, f"topr-grpo_clip/k{k}"))
-                                                 for k in (4, 16, 64))])
+    rows = [
+        [label, *(interval(lagged(name, method, k)) for k in (4, 16, 64))]
+        for method, label in (("topr", "TOPR"), ("grpo_clip", "GRPO-clip"))
+    ]
+    rows.append(
+        [
+            "TOPR − GRPO-clip (paired)",
+            *(signed_interval(stale_paired(name, f"topr-grpo_clip/k{k}")) for k in (4, 16, 64)),
+        ]
+    )
     for method, label in (("topr", "TOPR"), ("grpo_clip", "GRPO-clip")):
         cells = []
         for k in (4, 16, 64):
@@ -787,18 +1157,36 @@ def staleness_reuse() -> str:
 
 def staleness_reuse_spacing() -> str:
     rows = []
-    for name, label in (("reuse_shipped_s1", "back to back (S = 1), lr 3e-4"),
-                        ("reuse_shipped_s16", "spaced 16 steps apart (S = 16), lr 3e-4"),
-                        ("reuse_shipped_s1_lr75e-6", "back to back, lr 7.5e-5 (a quarter)")):
+    for name, label in (
+        ("reuse_shipped_s1", "back to back (S = 1), lr 3e-4"),
+        ("reuse_shipped_s16", "spaced 16 steps apart (S = 16), lr 3e-4"),
+        ("reuse_shipped_s1_lr75e-6", "back to back, lr 7.5e-5 (a quarter)"),
+    ):
         spaced = name == "reuse_shipped_s16"
-        rows.append([label, interval(lagged(name, "topr", 1)), bold(interval(lagged(name, "topr", 4)), spaced),
-                     interval(lagged(name, "grpo_clip", 1)), interval(lagged(name, "grpo_clip", 4)),
-                     bold(signed_interval(stale_paired(name, "topr/k4-k1")), spaced),
-                     bold(signed_interval(stale_paired(name, "topr-grpo_clip/k4")), spaced)])
+        rows.append(
+            [
+                label,
+                interval(lagged(name, "topr", 1)),
+                bold(interval(lagged(name, "topr", 4)), spaced),
+                interval(lagged(name, "grpo_clip", 1)),
+                interval(lagged(name, "grpo_clip", 4)),
+                bold(signed_interval(stale_paired(name, "topr/k4-k1")), spaced),
+                bold(signed_interval(stale_paired(name, "topr-grpo_clip/k4")), spaced),
+            ]
+        )
     base = fixed(evidence("staleness/reuse_shipped_s1")["base"]["pass@1"])
-    return markdown_table([f"shipped model (base {base} on this measure), K = 4", "TOPR K = 1", "TOPR K = 4",
-                           "GRPO-clip K = 1", "GRPO-clip K = 4", "TOPR K=4 − K=1 (paired)",
-                           "TOPR − GRPO-clip at K = 4 (paired)"], rows)
+    return markdown_table(
+        [
+            f"shipped model (base {base} on this measure), K = 4",
+            "TOPR K = 1",
+            "TOPR K = 4",
+            "GRPO-clip K = 1",
+            "GRPO-clip K = 4",
+            "TOPR K=4 − K=1 (paired)",
+            "TOPR − GRPO-clip at K = 4 (paired)",
+        ],
+        rows,
+    )
 
 
 # --- asynchronous training (experiments/async_staleness.py: summary.by_method_and_lag, summary.paired) ----------
@@ -817,41 +1205,91 @@ def async_paired(name: str, key: str) -> dict:
 
 def async_staleness() -> str:
     def late_cells(method: str, emphasised: set[int], lags: list[int] = LAGS) -> list[str]:
-        return [bold(interval(by_lag(ASYNC, f"{method}/k{k}")["late_pass@1"]), k in emphasised) if k in lags else ""
-                for k in LAGS]
+        return [
+            bold(interval(by_lag(ASYNC, f"{method}/k{k}")["late_pass@1"]), k in emphasised) if k in lags else ""
+            for k in LAGS
+        ]
 
     dropping = [by_lag(ASYNC, f"async_grpo_drop/k{k}") for k in (16, 64)]
-    rows = [["AsyncTOPRTrainer (keeps every sample)", *late_cells("async_topr", {64})],
-            ["AsyncGRPOTrainer keeping every sample (GRPO-clip)", *late_cells("async_grpo_keep", {0, 1, 4})],
-            ["AsyncGRPOTrainer as shipped (drops > 4 versions)", "as keeping", "as keeping", "as keeping",
-             f"{interval(dropping[0]['late_pass@1'])}: the run stopped after {dropping[0]['steps_mean']} steps (every "
-             f"later sample dropped), so this is its start, not a trained result",
-             f"the same: stopped after {dropping[1]['steps_mean']} steps"],
-            [bold("AsyncTOPR − GRPO-clip keeping (paired)"),
-             *(bold(signed_interval(async_paired(ASYNC, f"async_topr-async_grpo_keep/k{k}")), k in (16, 64))
-               for k in LAGS)]]
-    for method, label, emphasised in (("async_topr", "AsyncTOPR, K − (K = 0) (paired)", {64}),
-                                      ("async_grpo_keep", "GRPO-clip keeping, K − (K = 0) (paired)", {16, 64})):
-        rows.append([label, "", *(bold(signed_interval(async_paired(ASYNC, f"{method}/k{k}-k0")), k in emphasised)
-                                  for k in LAGS[1:])])
-    rows.append(["control: AsyncTOPR with TRL's token-mean aggregation",
-                 *late_cells("async_topr_token_mean", set(), lags=[0, 64])])
+    rows = [
+        ["AsyncTOPRTrainer (keeps every sample)", *late_cells("async_topr", {64})],
+        ["AsyncGRPOTrainer keeping every sample (GRPO-clip)", *late_cells("async_grpo_keep", {0, 1, 4})],
+        [
+            "AsyncGRPOTrainer as shipped (drops > 4 versions)",
+            "as keeping",
+            "as keeping",
+            "as keeping",
+            f"{interval(dropping[0]['late_pass@1'])}: the run stopped after {dropping[0]['steps_mean']} steps (every "
+            f"later sample dropped), so this is its start, not a trained result",
+            f"the same: stopped after {dropping[1]['steps_mean']} steps",
+        ],
+        [
+            bold("AsyncTOPR − GRPO-clip keeping (paired)"),
+            *(
+                bold(signed_interval(async_paired(ASYNC, f"async_topr-async_grpo_keep/k{k}")), k in (16, 64))
+                for k in LAGS
+            ),
+        ],
+    ]
+    for method, label, emphasised in (
+        ("async_topr", "AsyncTOPR, K − (K = 0) (paired)", {64}),
+        ("async_grpo_keep", "GRPO-clip keeping, K − (K = 0) (paired)", {16, 64}),
+    ):
+        rows.append(
+            [
+                label,
+                "",
+                *(bold(signed_interval(async_paired(ASYNC, f"{method}/k{k}-k0")), k in emphasised) for k in LAGS[1:]),
+            ]
+        )
+    rows.append(
+        [
+            "control: AsyncTOPR with TRL's token-mean aggregation",
+            *late_cells("async_topr_token_mean", set(), lags=[0, 64]),
+        ]
+    )
     return markdown_table(["late pass@1, 5 seeds", *(f"K = {k}" for k in LAGS)], rows)
 
 
 def async_controls() -> str:
     name = "asynchronous/controls"
-    labels = {"async_topr": "AsyncTOPR", "async_tis": "AsyncTOPR, loss_type=\"tis\"",
-              "async_sft_positives": "AsyncTOPR, loss_type=\"sft\" (positives only)"}
+    labels = {
+        "async_topr": "AsyncTOPR",
+        "async_tis": 'AsyncTOPR, loss_type="tis"',
+        "async_sft_positives": 'AsyncTOPR, loss_type="sft" (positives only)',
+    }
     best = max(labels, key=lambda method: by_lag(name, f"{method}/k64")["late_pass@1"]["mean"])
-    rows = [[label, interval(by_lag(name, f"{method}/k0")["late_pass@1"]),
-             bold(interval(by_lag(name, f"{method}/k64")["late_pass@1"]), method == best),
-             signed_interval(async_paired(name, f"{method}/k64-k0"))] for method, label in labels.items()]
-    rows.append(["TOPR − TIS (paired)", *(signed_interval(async_paired(name, f"async_topr-async_tis/k{k}"))
-                                          for k in (0, 64)), ""])
-    rows.append(["TOPR − SFT on positives (paired)",
-                 *(described(async_paired(name, f"async_topr-async_sft_positives/k{k}"), " (every seed below)",
-                             " ({below} of {seeds} below)", emphasised=k == 64) for k in (0, 64)), ""])
+    rows = [
+        [
+            label,
+            interval(by_lag(name, f"{method}/k0")["late_pass@1"]),
+            bold(interval(by_lag(name, f"{method}/k64")["late_pass@1"]), method == best),
+            signed_interval(async_paired(name, f"{method}/k64-k0")),
+        ]
+        for method, label in labels.items()
+    ]
+    rows.append(
+        [
+            "TOPR − TIS (paired)",
+            *(signed_interval(async_paired(name, f"async_topr-async_tis/k{k}")) for k in (0, 64)),
+            "",
+        ]
+    )
+    rows.append(
+        [
+            "TOPR − SFT on positives (paired)",
+            *(
+                described(
+                    async_paired(name, f"async_topr-async_sft_positives/k{k}"),
+                    " (every seed below)",
+                    " ({below} of {seeds} below)",
+                    emphasised=k == 64,
+                )
+                for k in (0, 64)
+            ),
+            "",
+        ]
+    )
     return markdown_table(["late pass@1, 5 seeds", "K = 0", "K = 64", "K = 64 − K = 0 (paired)"], rows)
 
 
@@ -861,39 +1299,81 @@ def async_draw_per_seed() -> str:
     keep = "AsyncTOPR − AsyncGRPOTrainer keeping every sample, K = {k}"
     rows = [
         # label, one draw (file, key, every, some), a draw per seed (file, key, every, some, bold)
-        (keep.format(k=64), (ASYNC, "async_topr-async_grpo_keep/k64", "", ""),
-         (drawn, "async_topr-async_grpo_keep/k64", ", every seed", " ({above} of {seeds} above)", True)),
-        ("TOPR − TIS, K = 64", (controls, "async_topr-async_tis/k64", "", ""),
-         (drawn, "async_topr-async_tis/k64", "", "", False)),
-        ("TOPR − SFT on positives, K = 64", (controls, "async_topr-async_sft_positives/k64", " (every seed below)", ""),
-         (drawn, "async_topr-async_sft_positives/k64", " (every seed below)", " ({below} of {seeds} below)", False)),
-        ("TOPR − SFT on positives, K = 0", (controls, "async_topr-async_sft_positives/k0", " (every seed below)", ""),
-         (drawn, "async_topr-async_sft_positives/k0", " (every seed below)", " ({below} of {seeds} below)", False)),
-        (keep.format(k=0), (ASYNC, "async_topr-async_grpo_keep/k0", "", ""),
-         (drawn, "async_topr-async_grpo_keep/k0", "", "", False)),
-        (keep.format(k=1), (ASYNC, "async_topr-async_grpo_keep/k1", "", ""),
-         (lags, "async_topr-async_grpo_keep/k1", " (every seed below)", " ({below} of {seeds} below)", True)),
-        (keep.format(k=4), (ASYNC, "async_topr-async_grpo_keep/k4", " (every seed below)", ""),
-         (lags, "async_topr-async_grpo_keep/k4", "", "", False)),
-        (keep.format(k=16), (ASYNC, "async_topr-async_grpo_keep/k16", "", ""),
-         (lags, "async_topr-async_grpo_keep/k16", ", every seed", " ({above} of {seeds} above)", True)),
-        ("AsyncTOPR, K = 1 − K = 0", (ASYNC, "async_topr/k1-k0", "", ""),
-         (merged, "async_topr/k1-k0", "", " ({below} of {seeds} below)", False)),
-        ("AsyncTOPR, K = 4 − K = 0", (ASYNC, "async_topr/k4-k0", " (every seed below)", ""),
-         (merged, "async_topr/k4-k0", ", every seed below", " ({below} of {seeds} below)", True)),
-        ("AsyncGRPOTrainer keeping, K = 16 − K = 0", (ASYNC, "async_grpo_keep/k16-k0", "", ""),
-         (merged, "async_grpo_keep/k16-k0", "", " ({below} of {seeds} below)", False)),
+        (
+            keep.format(k=64),
+            (ASYNC, "async_topr-async_grpo_keep/k64", "", ""),
+            (drawn, "async_topr-async_grpo_keep/k64", ", every seed", " ({above} of {seeds} above)", True),
+        ),
+        (
+            "TOPR − TIS, K = 64",
+            (controls, "async_topr-async_tis/k64", "", ""),
+            (drawn, "async_topr-async_tis/k64", "", "", False),
+        ),
+        (
+            "TOPR − SFT on positives, K = 64",
+            (controls, "async_topr-async_sft_positives/k64", " (every seed below)", ""),
+            (drawn, "async_topr-async_sft_positives/k64", " (every seed below)", " ({below} of {seeds} below)", False),
+        ),
+        (
+            "TOPR − SFT on positives, K = 0",
+            (controls, "async_topr-async_sft_positives/k0", " (every seed below)", ""),
+            (drawn, "async_topr-async_sft_positives/k0", " (every seed below)", " ({below} of {seeds} below)", False),
+        ),
+        (
+            keep.format(k=0),
+            (ASYNC, "async_topr-async_grpo_keep/k0", "", ""),
+            (drawn, "async_topr-async_grpo_keep/k0", "", "", False),
+        ),
+        (
+            keep.format(k=1),
+            (ASYNC, "async_topr-async_grpo_keep/k1", "", ""),
+            (lags, "async_topr-async_grpo_keep/k1", " (every seed below)", " ({below} of {seeds} below)", True),
+        ),
+        (
+            keep.format(k=4),
+            (ASYNC, "async_topr-async_grpo_keep/k4", " (every seed below)", ""),
+            (lags, "async_topr-async_grpo_keep/k4", "", "", False),
+        ),
+        (
+            keep.format(k=16),
+            (ASYNC, "async_topr-async_grpo_keep/k16", "", ""),
+            (lags, "async_topr-async_grpo_keep/k16", ", every seed", " ({above} of {seeds} above)", True),
+        ),
+        (
+            "AsyncTOPR, K = 1 − K = 0",
+            (ASYNC, "async_topr/k1-k0", "", ""),
+            (merged, "async_topr/k1-k0", "", " ({below} of {seeds} below)", False),
+        ),
+        (
+            "AsyncTOPR, K = 4 − K = 0",
+            (ASYNC, "async_topr/k4-k0", " (every seed below)", ""),
+            (merged, "async_topr/k4-k0", ", every seed below", " ({below} of {seeds} below)", True),
+        ),
+        (
+            "AsyncGRPOTrainer keeping, K = 16 − K = 0",
+            (ASYNC, "async_grpo_keep/k16-k0", "", ""),
+            (merged, "async_grpo_keep/k16-k0", "", " ({below} of {seeds} below)", False),
+        ),
     ]
     cells = []
     for label, (one_file, one_key, one_every, one_some), (file, key, every, some, emphasised) in rows:
-        cells.append([label, described(async_paired(one_file, one_key), one_every, one_some),
-                      described(async_paired(file, key), every, some, emphasised)])
+        cells.append(
+            [
+                label,
+                described(async_paired(one_file, one_key), one_every, one_some),
+                described(async_paired(file, key), every, some, emphasised),
+            ]
+        )
     return markdown_table(["paired late pass@1, 5 seeds", "one draw (above)", "a draw per seed"], cells)
 
 
 SERVER = "asynchronous/server_accuracy"
-PIPELINES = {"w1-f8": "push every step, 8 samples in flight", "w1": "push every step, one step in flight",
-             "w8": "push every 8 steps", "w32": "push every 32 steps"}
+PIPELINES = {
+    "w1-f8": "push every step, 8 samples in flight",
+    "w1": "push every step, one step in flight",
+    "w8": "push every 8 steps",
+    "w32": "push every 32 steps",
+}
 
 
 def seconds_per_step_after(name: str, method: str, pipeline: str, step: int = 8) -> float:
@@ -912,44 +1392,88 @@ def server_accuracy() -> str:
     summary = evidence(SERVER)["summary"]
     results, pairs = summary["by_method_and_pipeline"], summary["paired"]
     sync = results["sync_topr/sync"]
-    rows = [["synchronous TOPRTrainer, server mode", f"{sync['lag_mean']:.0f}", f"{sync['staleness_mean']:.0f}",
-             f"{bold(interval(sync['late_pass@1']))} (sync)", "", "", "", "",
-             f"{seconds_per_step_after(SERVER, 'sync_topr', 'sync'):.3f}"]]
+    rows = [
+        [
+            "synchronous TOPRTrainer, server mode",
+            f"{sync['lag_mean']:.0f}",
+            f"{sync['staleness_mean']:.0f}",
+            f"{bold(interval(sync['late_pass@1']))} (sync)",
+            "",
+            "",
+            "",
+            "",
+            f"{seconds_per_step_after(SERVER, 'sync_topr', 'sync'):.3f}",
+        ]
+    ]
     best = max(PIPELINES, key=lambda pipeline: results[f"async_topr/{pipeline}"]["late_pass@1"]["mean"])
     for pipeline, label in PIPELINES.items():
         topr, keep = results[f"async_topr/{pipeline}"], results[f"async_grpo_keep/{pipeline}"]
         lag = statistics.mean([topr["lag_mean"], keep["lag_mean"]])
         staleness = statistics.mean([topr["staleness_mean"], keep["staleness_mean"]])
-        seconds = statistics.mean(seconds_per_step_after(SERVER, method, pipeline)
-                                  for method in ("async_topr", "async_grpo_keep"))
-        differences = [pairs[f"async_topr-async_grpo_keep/{pipeline}"], pairs[f"async_topr/{pipeline}-sync_topr"],
-                       pairs[f"async_grpo_keep/{pipeline}-sync_topr"]]
-        rows.append([label, f"{lag:.0f}" if lag >= 10 else f"{lag:.1f}", f"{staleness:.1f}",
-                     bold(interval(topr["late_pass@1"]), pipeline == best), interval(keep["late_pass@1"]),
-                     *(described(difference, ", every seed" if decided(difference) else "",
-                                 " ({below} of {seeds} below)" if pipeline == "w1-f8" and index == 0 else "",
-                                 emphasised=decided(difference)) for index, difference in enumerate(differences)),
-                     f"{seconds:.2f}"])
-    return markdown_table(["pipeline", "lag (updates)", "TRL staleness (pushes)", "AsyncTOPR", "AsyncGRPOTrainer keeping",
-                           "AsyncTOPR − GRPO-clip", "AsyncTOPR − sync", "GRPO-clip − sync", "s/step after step 8"],
-                          rows)
+        seconds = statistics.mean(
+            seconds_per_step_after(SERVER, method, pipeline) for method in ("async_topr", "async_grpo_keep")
+        )
+        differences = [
+            pairs[f"async_topr-async_grpo_keep/{pipeline}"],
+            pairs[f"async_topr/{pipeline}-sync_topr"],
+            pairs[f"async_grpo_keep/{pipeline}-sync_topr"],
+        ]
+        rows.append(
+            [
+                label,
+                f"{lag:.0f}" if lag >= 10 else f"{lag:.1f}",
+                f"{staleness:.1f}",
+                bold(interval(topr["late_pass@1"]), pipeline == best),
+                interval(keep["late_pass@1"]),
+                *(
+                    described(
+                        difference,
+                        ", every seed" if decided(difference) else "",
+                        " ({below} of {seeds} below)" if pipeline == "w1-f8" and index == 0 else "",
+                        emphasised=decided(difference),
+                    )
+                    for index, difference in enumerate(differences)
+                ),
+                f"{seconds:.2f}",
+            ]
+        )
+    return markdown_table(
+        [
+            "pipeline",
+            "lag (updates)",
+            "TRL staleness (pushes)",
+            "AsyncTOPR",
+            "AsyncGRPOTrainer keeping",
+            "AsyncTOPR − GRPO-clip",
+            "AsyncTOPR − sync",
+            "GRPO-clip − sync",
+            "s/step after step 8",
+        ],
+        rows,
+    )
 
 
 # --- the stress test on the arithmetic task (late greedy accuracy) -----------------------------------------------
 
+
 def stress() -> str:
-    figure1, sweep_name, figure7_name, iterations_name = (f"stress/{name}" for name in
-                                                         ("figure1", "baseline_sweep", "figure7", "iterations"))
+    figure1, sweep_name, figure7_name, iterations_name = (
+        f"stress/{name}" for name in ("figure1", "baseline_sweep", "figure7", "iterations")
+    )
     naive = evidence(figure1)["late"]["naive_reinforce"]
     broken = sorted([naive["invalid_rate"]["mean"], naive["malformed_rate"]["mean"]])
-    figure1_cells = (f"naive REINFORCE {fixed(naive['accuracy']['mean'])} ({100 * broken[0]:.0f}-{100 * broken[1]:.0f} % "
-                     f"of answers invalid or malformed), PPO-clip {interval(late(figure1, 'ppo'))}, TIS "
-                     f"{interval(late(figure1, 'tis'))}, **SFT on positives {interval(late(figure1, 'sft_positives'))}**, "
-                     f"TOPR {interval(late(figure1, 'topr'))}")
-    figure1_paired = (f"TOPR − SFT **{signed_interval(paired(figure1, 'topr-sft_positives'))}**, TOPR − PPO-clip "
-                      f"**{signed_interval(paired(figure1, 'topr-ppo'))}**, TOPR − TIS "
-                      f"{signed_interval(paired(figure1, 'topr-tis'))}, TOPR − naive "
-                      f"{signed_interval(paired(figure1, 'topr-naive_reinforce'))}")
+    figure1_cells = (
+        f"naive REINFORCE {fixed(naive['accuracy']['mean'])} ({100 * broken[0]:.0f}-{100 * broken[1]:.0f} % "
+        f"of answers invalid or malformed), PPO-clip {interval(late(figure1, 'ppo'))}, TIS "
+        f"{interval(late(figure1, 'tis'))}, **SFT on positives {interval(late(figure1, 'sft_positives'))}**, "
+        f"TOPR {interval(late(figure1, 'topr'))}"
+    )
+    figure1_paired = (
+        f"TOPR − SFT **{signed_interval(paired(figure1, 'topr-sft_positives'))}**, TOPR − PPO-clip "
+        f"**{signed_interval(paired(figure1, 'topr-ppo'))}**, TOPR − TIS "
+        f"{signed_interval(paired(figure1, 'topr-tis'))}, TOPR − naive "
+        f"{signed_interval(paired(figure1, 'topr-naive_reinforce'))}"
+    )
     sweep_data = evidence(sweep_name)
     proportions = sorted({key.split("/")[0] for key in sweep_data["paired"]})
     points = sweep_data["paired"]
@@ -957,35 +1481,56 @@ def stress() -> str:
     level_text = f"at all {len(points)} points" if level == len(points) else f"at {level} of {len(points)} points"
     groups = []
     for proportion in proportions:
-        decided = [(key.split("/pt")[1], point) for key, point in points.items()
-                   if key.startswith(f"{proportion}/") and point["mean"] - point["ci95"] > 0]
+        decided = [
+            (key.split("/pt")[1], point)
+            for key, point in points.items()
+            if key.startswith(f"{proportion}/") and point["mean"] - point["ci95"] > 0
+        ]
         if decided:
             parts = [f"{100 * float(target):.0f} % ({signed_interval(point)})" for target, point in decided]
             listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
             groups.append(f"p = {100 * float(proportion[1:]):.0f} %, p̃ = {listed}")
-    sweep_paired = (f"TOPR − TIS ≥ 0 {level_text}; above 0 at " + ", and at ".join(groups) + "; level at p̃ ≥ 0.6")
+    sweep_paired = f"TOPR − TIS ≥ 0 {level_text}; above 0 at " + ", and at ".join(groups) + "; level at p̃ ≥ 0.6"
     ends = [sweep_data["late"][f"{proportion}/pt1/topr"] for proportion in proportions]
     sweep_cells = f"TOPR rises with p̃ on both datasets, to {interval(ends[0])} and {interval(ends[1])} at p̃ = 1"
     figure7_summary = evidence(figure7_name)["summary"]
     norms = {method: figure7_summary[method]["max_grad_norm"]["values"] for method in ("untruncated_is", "topr")}
-    figure7_cells = (f"both fall: untruncated IS {interval(figure7_summary['untruncated_is']['late_accuracy'])}, TOPR "
-                     f"{interval(figure7_summary['topr']['late_accuracy'])}")
-    figure7_paired = (f"TOPR − IS {signed_interval(figure7_summary['topr']['late_minus_untruncated_is'])}; IS's largest "
-                      f"gradient norm {min(norms['untruncated_is']):.1f}-{max(norms['untruncated_is']):.1f} per seed "
-                      f"against TOPR's {min(norms['topr']):.1f}-{max(norms['topr']):.1f}")
+    figure7_cells = (
+        f"both fall: untruncated IS {interval(figure7_summary['untruncated_is']['late_accuracy'])}, TOPR "
+        f"{interval(figure7_summary['topr']['late_accuracy'])}"
+    )
+    figure7_paired = (
+        f"TOPR − IS {signed_interval(figure7_summary['topr']['late_minus_untruncated_is'])}; IS's largest "
+        f"gradient norm {min(norms['untruncated_is']):.1f}-{max(norms['untruncated_is']):.1f} per seed "
+        f"against TOPR's {min(norms['topr']):.1f}-{max(norms['topr']):.1f}"
+    )
     iteration_late, iteration_paired = evidence(iterations_name)["late"], evidence(iterations_name)["paired"]
-    iterations_cells = (f"uniform {interval(iteration_late['uniform'])}, **positives only "
-                        f"{interval(iteration_late['positives_only'])}**, Anna Karenina "
-                        f"{interval(iteration_late['anna_karenina'])}")
-    iterations_paired = (f"positives only − uniform **{signed_interval(negated(iteration_paired['uniform-positives_only']))}**, "
-                         f"− Anna Karenina **{signed_interval(iteration_paired['positives_only-anna_karenina'])}**")
+    iterations_cells = (
+        f"uniform {interval(iteration_late['uniform'])}, **positives only "
+        f"{interval(iteration_late['positives_only'])}**, Anna Karenina "
+        f"{interval(iteration_late['anna_karenina'])}"
+    )
+    iterations_paired = (
+        f"positives only − uniform **{signed_interval(negated(iteration_paired['uniform-positives_only']))}**, "
+        f"− Anna Karenina **{signed_interval(iteration_paired['positives_only-anna_karenina'])}**"
+    )
     start = fixed(evidence(figure1)["runs"]["topr/seed0"]["curve"][0]["accuracy"])
-    rows = [["Figure 1 (`evidence/stress/figure1.*`)", figure1_cells, figure1_paired],
-            ["Figures 5-6 (`evidence/stress/baseline_sweep.*`, p = "
-             + " and ".join(f"{100 * float(p[1:]):.0f} %" for p in proportions) + ")", sweep_cells, sweep_paired],
-            [f"Figure 7 (`evidence/stress/figure7.*`, p = {100 * evidence(figure7_name)['options']['proportion']:.0f} %)",
-             figure7_cells, figure7_paired],
-            ["Iterations (`evidence/stress/iterations.*`)", iterations_cells, iterations_paired]]
+    rows = [
+        ["Figure 1 (`evidence/stress/figure1.*`)", figure1_cells, figure1_paired],
+        [
+            "Figures 5-6 (`evidence/stress/baseline_sweep.*`, p = "
+            + " and ".join(f"{100 * float(p[1:]):.0f} %" for p in proportions)
+            + ")",
+            sweep_cells,
+            sweep_paired,
+        ],
+        [
+            f"Figure 7 (`evidence/stress/figure7.*`, p = {100 * evidence(figure7_name)['options']['proportion']:.0f} %)",
+            figure7_cells,
+            figure7_paired,
+        ],
+        ["Iterations (`evidence/stress/iterations.*`)", iterations_cells, iterations_paired],
+    ]
     return markdown_table(["figure", f"late greedy accuracy (start {start})", "paired"], rows)
 
 

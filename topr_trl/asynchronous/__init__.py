@@ -13,5 +13,13 @@ from .lagged_worker import InProcessWeightTransfer, LaggedRolloutWorker  # noqa:
 from .trainer import AsyncTOPRTrainer, ConsumedSamples, with_response_template  # noqa: E402
 
 
-__all__ = ["AsyncTOPRConfig", "AsyncTOPRTrainer", "CPUSupport", "ConsumedSamples", "InProcessWeightTransfer",
-           "LaggedRolloutWorker", "tree_attention_sdpa", "with_response_template"]
+__all__ = [
+    "AsyncTOPRConfig",
+    "AsyncTOPRTrainer",
+    "CPUSupport",
+    "ConsumedSamples",
+    "InProcessWeightTransfer",
+    "LaggedRolloutWorker",
+    "tree_attention_sdpa",
+    "with_response_template",
+]

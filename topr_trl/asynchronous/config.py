@@ -56,28 +56,37 @@ class AsyncTOPRConfig(TOPRFields, AsyncGRPOConfig):
 
     max_staleness: float = field(
         default=math.inf,
-        metadata={"help": "Drop samples more than this many policy versions old (TRL's rule); inf (default) keeps "
-                          "every sample, weighed by TOPR's truncated ratio."},
+        metadata={
+            "help": "Drop samples more than this many policy versions old (TRL's rule); inf (default) keeps "
+            "every sample, weighed by TOPR's truncated ratio."
+        },
     )
     # TOPR's fields are TOPRFields'. These two take fewer values here than in TOPRConfig, so their help lists these:
     # TRL's losses are GRPOTrainer's, which this trainer is not, and the packed micro-batch has two aggregations.
     loss_type: str = field(default="topr", metadata={"help": f"The loss: one of {list(POLICY_LOSSES)}."})
     topr_loss_aggregation: str = field(
-        default="seq-mean-token-mean", metadata={"help": f"Loss aggregation: {list(ASYNC_AGGREGATIONS)}."})
+        default="seq-mean-token-mean", metadata={"help": f"Loss aggregation: {list(ASYNC_AGGREGATIONS)}."}
+    )
 
     def __post_init__(self) -> None:
         self._check_before_trl_config(tuple(POLICY_LOSSES))
         super().__post_init__()
         self._check_topr_values(ASYNC_AGGREGATIONS)
         if isinstance(self.topr_baseline, str):
-            raise ValueError(f"`topr_baseline` must be a number for the asynchronous trainer, got "
-                             f"{self.topr_baseline!r}: its samples arrive one at a time, not as a batch or a group "
-                             "(use topr_signal='advantage' for a group baseline).")
+            raise ValueError(
+                f"`topr_baseline` must be a number for the asynchronous trainer, got "
+                f"{self.topr_baseline!r}: its samples arrive one at a time, not as a batch or a group "
+                "(use topr_signal='advantage' for a group baseline)."
+            )
         staleness = self.max_staleness
-        if not (isinstance(staleness, (int, float)) and (staleness == math.inf or
-                                                          (staleness >= 0 and float(staleness).is_integer()))):
-            raise ValueError(f"`max_staleness` must be a whole number of policy versions >= 0, or inf to keep every "
-                             f"sample; got {staleness!r}.")
+        if not (
+            isinstance(staleness, (int, float))
+            and (staleness == math.inf or (staleness >= 0 and float(staleness).is_integer()))
+        ):
+            raise ValueError(
+                f"`max_staleness` must be a whole number of policy versions >= 0, or inf to keep every "
+                f"sample; got {staleness!r}."
+            )
         if staleness != math.inf:
             self.max_staleness = int(staleness)
         self._check_what_the_loss_reads()
@@ -88,8 +97,14 @@ class AsyncTOPRConfig(TOPRFields, AsyncGRPOConfig):
 
 
 # TOPRConfig fields with no counterpart in the asynchronous trainer, and the value that means "not used".
-_SYNCHRONOUS_ONLY = {"beta": 0.0, "num_iterations": 1, "use_vllm": False, "topr_behaviour_model": None,
-                     "topr_target_effective_proportion": None, "topr_offline_epochs": 1.0}
+_SYNCHRONOUS_ONLY = {
+    "beta": 0.0,
+    "num_iterations": 1,
+    "use_vllm": False,
+    "topr_behaviour_model": None,
+    "topr_target_effective_proportion": None,
+    "topr_offline_epochs": 1.0,
+}
 
 
 def async_config_from(args: TOPRConfig, **overrides) -> AsyncTOPRConfig:
@@ -100,11 +115,15 @@ def async_config_from(args: TOPRConfig, **overrides) -> AsyncTOPRConfig:
     for name, unused in _SYNCHRONOUS_ONLY.items():
         value = getattr(args, name, unused)
         if value != unused:
-            raise ValueError(f"`{name}`={value!r} has no effect on the asynchronous trainer: drop it (or train "
-                             "without --asynchronous).")
+            raise ValueError(
+                f"`{name}`={value!r} has no effect on the asynchronous trainer: drop it (or train "
+                "without --asynchronous)."
+            )
     if args.topr_signal == "reward" and isinstance(args.topr_baseline, str):
-        raise ValueError(f"`topr_baseline`={args.topr_baseline!r}: the asynchronous trainer takes a number (its "
-                         "samples arrive one at a time); use topr_signal='advantage' for a group baseline.")
+        raise ValueError(
+            f"`topr_baseline`={args.topr_baseline!r}: the asynchronous trainer takes a number (its "
+            "samples arrive one at a time); use topr_signal='advantage' for a group baseline."
+        )
     own = {f.name for f in dataclasses.fields(AsyncTOPRConfig) if f.init}
     fields = [f for f in dataclasses.fields(type(args)) if f.init]
     # what the run set (a recipe, a config file, a flag): a field left at TOPRConfig's default takes the asynchronous
@@ -112,11 +131,16 @@ def async_config_from(args: TOPRConfig, **overrides) -> AsyncTOPRConfig:
     shared = {f.name: getattr(args, f.name) for f in fields if f.name in own and getattr(args, f.name) != _default(f)}
     shared.pop("max_staleness", None)
     reference = type(args)(**shared)  # what TOPRConfig derives from the shared fields alone
-    dropped = [f"`{f.name}`={getattr(args, f.name)!r}" for f in fields if f.name not in own
-               and f.name not in _SYNCHRONOUS_ONLY and getattr(args, f.name) != getattr(reference, f.name)]
+    dropped = [
+        f"`{f.name}`={getattr(args, f.name)!r}"
+        for f in fields
+        if f.name not in own and f.name not in _SYNCHRONOUS_ONLY and getattr(args, f.name) != getattr(reference, f.name)
+    ]
     if dropped:  # all of them at once: one set field can derive another (steps_per_generation, generation_batch_size)
-        raise ValueError(f"{', '.join(dropped)} {'is' if len(dropped) == 1 else 'are'} not read by the asynchronous "
-                         "trainer: drop it (or train without --asynchronous).")
+        raise ValueError(
+            f"{', '.join(dropped)} {'is' if len(dropped) == 1 else 'are'} not read by the asynchronous "
+            "trainer: drop it (or train without --asynchronous)."
+        )
     return AsyncTOPRConfig(**{**shared, **overrides})
 
 

@@ -86,14 +86,31 @@ def segment_batched_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, sca
     # padding queries see their segment's keys, so that no row is all masked (a NaN in SDPA's backward); discarded
     visible = torch.where(row < lengths_q, visible, column < lengths_k)
     output = torch.nn.functional.scaled_dot_product_attention(
-        padded(query, slot_q, longest_q), padded(key, slot_k, longest_k), padded(value, slot_k, longest_k),
-        attn_mask=visible[:, None].to(query.device), scale=scaling)
+        padded(query, slot_q, longest_q),
+        padded(key, slot_k, longest_k),
+        padded(value, slot_k, longest_k),
+        attn_mask=visible[:, None].to(query.device),
+        scale=scaling,
+    )
     return output.transpose(1, 2).reshape(segments * longest_q, heads, size).index_select(0, slot_q).transpose(0, 1)
 
 
 def tree_attention_sdpa(
-    module, query, key, value, attention_mask, *, tree_kv_index=None, tree_cu_seqlens_q=None, tree_cu_seqlens_k=None,
-    tree_max_seqlen_q=None, tree_max_seqlen_k=None, scaling=None, sliding_window=None, softcap=None, **kwargs,
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    *,
+    tree_kv_index=None,
+    tree_cu_seqlens_q=None,
+    tree_cu_seqlens_k=None,
+    tree_max_seqlen_q=None,
+    tree_max_seqlen_k=None,
+    scaling=None,
+    sliding_window=None,
+    softcap=None,
+    **kwargs,
 ):
     """TRL's `packing.tree_attention` (same arguments, same output) computed by `torch.nn.functional.
     scaled_dot_product_attention` instead of FlashAttention-3's varlen kernel: every segment's queries attend to the
@@ -103,11 +120,14 @@ def tree_attention_sdpa(
     (generation, evaluation, a plain forward) it is transformers' own SDPA attention, so the trained model
     generates as before."""
     if tree_kv_index is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      sliding_window=sliding_window, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, sliding_window=sliding_window, **kwargs
+        )
     if softcap:
-        raise NotImplementedError("tree_attention_sdpa: attention logit soft-capping is not implemented (the model "
-                                  "sets `attn_logit_softcapping`); train it on a GPU with TRL's tree_fa3 attention.")
+        raise NotImplementedError(
+            "tree_attention_sdpa: attention logit soft-capping is not implemented (the model "
+            "sets `attn_logit_softcapping`); train it on a GPU with TRL's tree_fa3 attention."
+        )
     device = query.device
     # (1, H, N, D) -> (H, N, D); keys and values gathered along the paths: (H_kv, K, D)
     query = query[0]
@@ -122,8 +142,9 @@ def tree_attention_sdpa(
         output = segment_batched_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, scaling, sliding_window)
     else:
         mask = tree_attention_mask(cu_seqlens_q, cu_seqlens_k, key.size(1), sliding_window)
-        output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask.to(device),
-                                                                  scale=scaling)
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask.to(device), scale=scaling
+        )
     return output.transpose(0, 1).unsqueeze(0), None  # (1, N, H, D), as TRL's
 
 
@@ -164,5 +185,6 @@ class CPUSupport:
 
 def cpu_capable(trainer_class: type) -> type:
     """`trainer_class` (TRL's `AsyncGRPOTrainer` or a subclass) with `CPUSupport` mixed in, under the same name."""
-    return type(trainer_class.__name__, (CPUSupport, trainer_class), {"__module__": __name__,
-                                                                      "__doc__": trainer_class.__doc__})
+    return type(
+        trainer_class.__name__, (CPUSupport, trainer_class), {"__module__": __name__, "__doc__": trainer_class.__doc__}
+    )

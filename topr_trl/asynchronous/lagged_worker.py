@@ -120,8 +120,10 @@ class LaggedRolloutWorker:
         if seconds_per_sample < 0:
             raise ValueError(f"seconds_per_sample must be >= 0, got {seconds_per_sample!r}.")
         if lockstep and (not samples_per_version or samples_per_version % num_generations):
-            raise ValueError(f"lockstep needs samples_per_version, a multiple of num_generations ({num_generations}): "
-                             "the samples of one optimizer step times weight_sync_steps.")
+            raise ValueError(
+                f"lockstep needs samples_per_version, a multiple of num_generations ({num_generations}): "
+                "the samples of one optimizer step times weight_sync_steps."
+            )
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
@@ -163,8 +165,12 @@ class LaggedRolloutWorker:
     def sampling(self) -> SamplerProcessing:
         """How this worker turns logits into its sampling distribution (its temperature, and the top_k / top_p of
         `generation_kwargs`): the trainer scores pi on that support."""
-        return SamplerProcessing(temperature=self.temperature, top_k=self.generation_kwargs.get("top_k") or None,
-                                 top_p=self.generation_kwargs.get("top_p"), min_p=self.generation_kwargs.get("min_p"))
+        return SamplerProcessing(
+            temperature=self.temperature,
+            top_k=self.generation_kwargs.get("top_k") or None,
+            top_p=self.generation_kwargs.get("top_p"),
+            min_p=self.generation_kwargs.get("min_p"),
+        )
 
     @property
     def start_prompt(self) -> int:
@@ -216,8 +222,9 @@ class LaggedRolloutWorker:
 
     def check_health(self, stale_after_s: float) -> None:
         if self._error is not None:
-            raise RuntimeError(f"the rollout worker failed: {type(self._error).__name__}: {self._error}") \
-                from self._error
+            raise RuntimeError(
+                f"the rollout worker failed: {type(self._error).__name__}: {self._error}"
+            ) from self._error
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError("the rollout worker is not running (it was never started, or it stopped).")
         if time.time() - self._last_beat > stale_after_s:
@@ -227,8 +234,11 @@ class LaggedRolloutWorker:
     def behaviour_version(self, model_version: int) -> int:
         """The version a group started at `model_version` is sampled from: K before it, or the oldest kept."""
         wanted = model_version - self.lag
-        return max(v for v in self._versions if v <= wanted) if any(v <= wanted for v in self._versions) \
+        return (
+            max(v for v in self._versions if v <= wanted)
+            if any(v <= wanted for v in self._versions)
             else min(self._versions)
+        )
 
     def _wait_for_turn(self) -> int | None:
         """Block until a group may be generated; the current model version, or None when stopping."""
@@ -285,8 +295,9 @@ class LaggedRolloutWorker:
                             break
                         except queue.Full:
                             self._last_beat = time.time()  # waiting on the trainer is not a hang
-                self.metrics_queue.put({"rollout/generation_s": time.time() - started,
-                                        "rollout/behaviour_lag": float(version - behaviour)})
+                self.metrics_queue.put(
+                    {"rollout/generation_s": time.time() - started, "rollout/behaviour_lag": float(version - behaviour)}
+                )
                 self._last_beat = time.time()
         except BaseException as error:  # noqa: BLE001 - handed to the trainer through check_health
             self._error = error
@@ -298,31 +309,42 @@ class LaggedRolloutWorker:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._generator)))
             completions = generate_completions(
-                self.model, self.tokenizer, [prompt_ids] * self.num_generations,
-                max_new_tokens=self.max_completion_length, temperature=self.temperature, with_logps=True,
-                **self.generation_kwargs)
+                self.model,
+                self.tokenizer,
+                [prompt_ids] * self.num_generations,
+                max_new_tokens=self.max_completion_length,
+                temperature=self.temperature,
+                with_logps=True,
+                **self.generation_kwargs,
+            )
         texts = [self.tokenizer.decode(c["completion_ids"], skip_special_tokens=True) for c in completions]
         prompt = row["prompt"]
-        completion_messages = [[{"role": "assistant", "content": text}] for text in texts] \
-            if isinstance(prompt, list) else texts
+        completion_messages = (
+            [[{"role": "assistant", "content": text}] for text in texts] if isinstance(prompt, list) else texts
+        )
         columns = {key: [value] * len(texts) for key, value in row.items() if key not in ("prompt", "completion")}
-        per_function = [func(prompts=[prompt] * len(texts), completions=completion_messages, **columns)
-                        for func in self.reward_funcs]
+        per_function = [
+            func(prompts=[prompt] * len(texts), completions=completion_messages, **columns)
+            for func in self.reward_funcs
+        ]
         rewards = summed_rewards(per_function)
         advantages = group_advantages(rewards)
         samples = []
-        for completion, message, reward, advantage in zip(completions, completion_messages, rewards, advantages,
-                                                          strict=True):
+        for completion, message, reward, advantage in zip(
+            completions, completion_messages, rewards, advantages, strict=True
+        ):
             ids = completion["completion_ids"]
-            samples.append(RolloutSample(
-                prompt=prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}],
-                completion=message if isinstance(message, list) else [{"role": "assistant", "content": message}],
-                input_ids=np.asarray(list(prompt_ids) + list(ids), dtype=np.int64),
-                completion_mask=np.asarray([0] * len(prompt_ids) + [1] * len(ids), dtype=np.int64),
-                old_log_probs=np.asarray([0.0] * len(prompt_ids) + list(completion["logps"]), dtype=np.float32),
-                advantage=float(advantage),
-                model_version=behaviour_version,
-                group_id=group_id,
-                metrics={"reward": float(reward)},
-            ))
+            samples.append(
+                RolloutSample(
+                    prompt=prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}],
+                    completion=message if isinstance(message, list) else [{"role": "assistant", "content": message}],
+                    input_ids=np.asarray(list(prompt_ids) + list(ids), dtype=np.int64),
+                    completion_mask=np.asarray([0] * len(prompt_ids) + [1] * len(ids), dtype=np.int64),
+                    old_log_probs=np.asarray([0.0] * len(prompt_ids) + list(completion["logps"]), dtype=np.float32),
+                    advantage=float(advantage),
+                    model_version=behaviour_version,
+                    group_id=group_id,
+                    metrics={"reward": float(reward)},
+                )
+            )
         return samples

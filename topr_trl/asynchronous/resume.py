@@ -69,14 +69,18 @@ class RolloutLedger:
         return ResumePosition(group, self.read - trained - sum(self.dropped.values()), trained_again)
 
 
-def write_rollout_state(checkpoint: str | Path, prompt_index: int, model_version: int,
-                        position: ResumePosition, queued: int) -> dict:
+def write_rollout_state(
+    checkpoint: str | Path, prompt_index: int, model_version: int, position: ResumePosition, queued: int
+) -> dict:
     """`rollout_state.json` in `checkpoint`: TRL's two fields (`prompt_index`, the prompt this checkpoint's resumed
     run starts at; `model_version`) and this package's account of what that leaves out (`left_behind` adds the
     samples still queued)."""
-    state = {"prompt_index": int(prompt_index), "model_version": int(model_version),
-             "samples_left_behind": position.left_behind + int(queued),
-             "samples_trained_again": position.trained_again}
+    state = {
+        "prompt_index": int(prompt_index),
+        "model_version": int(model_version),
+        "samples_left_behind": position.left_behind + int(queued),
+        "samples_trained_again": position.trained_again,
+    }
     (Path(checkpoint) / ROLLOUT_STATE).write_text(json.dumps(state))
     return state
 
@@ -91,8 +95,10 @@ def describe_resume(checkpoint: str | Path, state: dict) -> str:
     line = f"resuming from {checkpoint}: the rollout restarts at prompt {state['prompt_index']}"
     left, again = state.get("samples_left_behind"), state.get("samples_trained_again")
     if left is not None:
-        line += (f"; {left} samples generated before the stop and not trained are not kept (their prompts are "
-                 "generated again from the resumed policy)")
+        line += (
+            f"; {left} samples generated before the stop and not trained are not kept (their prompts are "
+            "generated again from the resumed policy)"
+        )
     if again:
         line += f"; {again} samples of a group split across the checkpoint are trained again"
     return line

@@ -56,8 +56,15 @@ DEFAULT_PIPELINE_DEPTH = 4
 # Histogram bins of staleness (policy versions), logged as sample/staleness_<bin>_total. A negative staleness (a
 # sample stamped with a version the trainer has not reached, e.g. a worker that outlived a restart) gets its own bin.
 STALENESS_BINS: tuple[tuple[float, float, str], ...] = (
-    (-math.inf, -1, "negative"), (0, 0, "0"), (1, 1, "1"), (2, 3, "2to3"), (4, 7, "4to7"), (8, 15, "8to15"),
-    (16, 31, "16to31"), (32, 63, "32to63"), (64, math.inf, "64plus"),
+    (-math.inf, -1, "negative"),
+    (0, 0, "0"),
+    (1, 1, "1"),
+    (2, 3, "2to3"),
+    (4, 7, "4to7"),
+    (8, 15, "8to15"),
+    (16, 31, "16to31"),
+    (32, 63, "32to63"),
+    (64, math.inf, "64plus"),
 )
 STALENESS_BIN_NAMES = tuple(name for _, _, name in STALENESS_BINS)
 # Where `ConsumedSamples` stamps the policy version that generated each sample in the sample's own `metrics` (TRL's
@@ -69,8 +76,9 @@ MODEL_VERSION_KEY = "topr_trl/model_version"
 def staleness_bin_indices(staleness: torch.Tensor) -> torch.Tensor:
     """The index in STALENESS_BINS of every entry of an integer tensor of staleness (the bins are contiguous, so a
     value's bin is the number of lower edges, past the first, at or below it)."""
-    lower_edges = torch.tensor([low for low, _, _ in STALENESS_BINS[1:]], dtype=staleness.dtype,
-                               device=staleness.device)
+    lower_edges = torch.tensor(
+        [low for low, _, _ in STALENESS_BINS[1:]], dtype=staleness.dtype, device=staleness.device
+    )
     return torch.bucketize(staleness, lower_edges, right=True)
 
 
@@ -89,8 +97,15 @@ class ConsumedSamples:
     is entered in the `ledger` (dropped or not, by TRL's rule: staleness above `max_staleness`), and with
     `reward_baseline` set its `advantage` becomes the paper's signal R - c (0 for an unscored sample)."""
 
-    def __init__(self, source, model_version_fn, metrics, reward_baseline: float | None = None,
-                 ledger: RolloutLedger | None = None, max_staleness: float = math.inf):
+    def __init__(
+        self,
+        source,
+        model_version_fn,
+        metrics,
+        reward_baseline: float | None = None,
+        ledger: RolloutLedger | None = None,
+        max_staleness: float = math.inf,
+    ):
         self.source = source
         self.model_version_fn = model_version_fn
         self.metrics = metrics
@@ -133,8 +148,9 @@ class TrajectoryVersions:
         versions = [[int(sample["metrics"].pop(MODEL_VERSION_KEY, -1)) for sample in row.samples] for row in rows]
         batch = self.collate(examples)
         width = max((len(row) for row in versions), default=0)
-        batch["trajectory_model_version"] = torch.tensor([row + [-1] * (width - len(row)) for row in versions],
-                                                         dtype=torch.long).reshape(len(versions), width)
+        batch["trajectory_model_version"] = torch.tensor(
+            [row + [-1] * (width - len(row)) for row in versions], dtype=torch.long
+        ).reshape(len(versions), width)
         return batch
 
 
@@ -160,8 +176,9 @@ def gloo_weight_transfer(args: AsyncTOPRConfig):
         except Exception as error:  # raised on every process below: on the main one alone, the others would wait
             transfer = error
     if state.num_processes > 1:
-        (found,) = broadcast_object_list([transfer if isinstance(transfer, Exception) else transfer is not None],
-                                         from_process=0)
+        (found,) = broadcast_object_list(
+            [transfer if isinstance(transfer, Exception) else transfer is not None], from_process=0
+        )
         if isinstance(found, Exception):
             raise found
         if not state.is_main_process:
@@ -200,8 +217,9 @@ def with_response_template(tokenizer):
 # `n_inner` (GPT-2, None meaning 4 x hidden).
 _FLOPS_FIELDS = {
     "num_key_value_heads": lambda config: config.num_attention_heads,
-    "intermediate_size": lambda config: getattr(config, "ffn_dim", None) or getattr(config, "n_inner", None)
-    or 4 * config.hidden_size,
+    "intermediate_size": lambda config: (
+        getattr(config, "ffn_dim", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
+    ),
 }
 
 
@@ -240,14 +258,20 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
         if args is None:
             args = AsyncTOPRConfig(f"{str(model).rstrip('/').split('/')[-1]}-AsyncTOPR")
         if not isinstance(args, AsyncTOPRConfig):
-            raise TypeError(f"AsyncTOPRTrainer takes an AsyncTOPRConfig, got {type(args).__name__}: swap "
-                            "AsyncGRPOConfig for AsyncTOPRConfig (same fields, TOPR's loss, no staleness cap).")
+            raise TypeError(
+                f"AsyncTOPRTrainer takes an AsyncTOPRConfig, got {type(args).__name__}: swap "
+                "AsyncGRPOConfig for AsyncTOPRConfig (same fields, TOPR's loss, no staleness cap)."
+            )
         if needs_resolving(model):  # a .gguf file, or a packaged Hub id where the Hub cannot be reached
             model = resolve_model_source(model)
         if args.keeps_every_sample and args.max_inflight_tasks < 0:
             # TRL sizes this from max_staleness (inf here); keep its default depth instead
-            args.max_inflight_tasks = DEFAULT_PIPELINE_DEPTH * args.per_device_train_batch_size * \
-                args.gradient_accumulation_steps * PartialState().num_processes
+            args.max_inflight_tasks = (
+                DEFAULT_PIPELINE_DEPTH
+                * args.per_device_train_batch_size
+                * args.gradient_accumulation_steps
+                * PartialState().num_processes
+            )
         if args.loss_type != "topr":  # the card and the model's tags name the loss that trains, never TOPR for another
             self._name, self._paper, self._tag_names = trained_method(args.loss_type)
         if kwargs.get("weight_transfer") is None and kwargs.get("rollout_worker") is None:
@@ -266,9 +290,13 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
         self.rollout_ledger = RolloutLedger()
         if self.accelerator.is_main_process:
             self.rollout_queue = ConsumedSamples(
-                self.rollout_queue, lambda: self.model_version, self._metrics["train"],
+                self.rollout_queue,
+                lambda: self.model_version,
+                self._metrics["train"],
                 reward_baseline=args.topr_baseline if args.topr_signal == "reward" else None,
-                ledger=self.rollout_ledger, max_staleness=args.max_staleness)
+                ledger=self.rollout_ledger,
+                max_staleness=args.max_staleness,
+            )
 
     @property
     def staleness_counts(self) -> Counter[int]:
@@ -304,8 +332,9 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
         checkpoint = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         samples_per_group = getattr(self.rollout_worker, "num_generations", None) or self.args.num_generations
         position = self.rollout_ledger.resume_position(samples_per_group)
-        write_rollout_state(checkpoint, start + position.group, self.model_version, position,
-                            queued=self.rollout_queue.qsize())
+        write_rollout_state(
+            checkpoint, start + position.group, self.model_version, position, queued=self.rollout_queue.qsize()
+        )
 
     def _inner_training_loop(self, *args, **kwargs):
         """TRL's loop; a fresh ledger for each `train()`, and on resume from a checkpoint with a rollout state, a
@@ -337,13 +366,14 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
             labels = inputs["shift_labels"][inputs["attention_mask"].bool()].to(hidden.device)
             rows = inputs["token_index"][selected].to(hidden.device)[scored.to(hidden.device)]
             processed = torch.zeros(log_probs.shape, dtype=torch.float32, device=log_probs.device)
-            processed[scored] = chunked_processed_log_probs(owner, hidden[rows], labels[rows],
-                                                            self._sampler_processing,
-                                                            captured.head_dtype()).to(log_probs.device)
+            processed[scored] = chunked_processed_log_probs(
+                owner, hidden[rows], labels[rows], self._sampler_processing, captured.head_dtype()
+            ).to(log_probs.device)
             return processed, scored
 
-        return self._forward_on_mus_support(model, functools.partial(self._packed_forward, model, inputs),
-                                            packed_tokens)
+        return self._forward_on_mus_support(
+            model, functools.partial(self._packed_forward, model, inputs), packed_tokens
+        )
 
     # ------------------------------------------------------------------ the loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -360,8 +390,9 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
         aggregate_kwargs = {"aggregation": self.args.topr_loss_aggregation}
         if aggregate_kwargs["aggregation"] == "global-token-mean":
             aggregate_kwargs["num_tokens"] = (inputs["global_n_tokens"][0] / world_size).clamp(min=1.0)
-        loss, terms, mask = packed_topr_loss(log_probs, behaviour_logps, token_signal, segment_id, self._loss_spec,
-                                             **aggregate_kwargs)
+        loss, terms, mask = packed_topr_loss(
+            log_probs, behaviour_logps, token_signal, segment_id, self._loss_spec, **aggregate_kwargs
+        )
         if segment_id.numel() == 0:
             # a row with nothing to train: a zero that still joins the gradient all-reduce, and the metrics'
             # collectives below, which every other rank makes (returning here would leave them waiting)
@@ -379,7 +410,8 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
             # pi/mu of a sample not scored on a truncated mu's support would carry the bias: it is not reported
             read = reads_the_ratio(signal[:, :1], self._loss_spec) if self._sampler_processing is not None else None
             nonfinite, ratio_ranges = self._log_policy_metrics(
-                "train", terms, signal[:, :1], mask, entropies, terms.per_token_loss, aggregate_kwargs, loss, read)
+                "train", terms, signal[:, :1], mask, entropies, terms.per_token_loss, aggregate_kwargs, loss, read
+            )
             self._log_staleness_metrics(terms, signal[:, :1], mask, inputs.get("trajectory_model_version"), read)
         if nonfinite:
             self._on_nonfinite_loss(nonfinite, ratio_ranges)
@@ -392,13 +424,12 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
         since the batch holds `trajectory_model_version` on every rank or on none."""
         if versions is None:
             return
-        versions = versions.reshape(-1)[:mask.size(0)]  # this rank's row: one version per segment, in segment order
+        versions = versions.reshape(-1)[: mask.size(0)]  # this rank's row: one version per segment, in segment order
         current = torch.tensor([self.model_version], dtype=versions.dtype, device=versions.device)
         if self.accelerator.num_processes > 1:
             current = broadcast(current, from_process=0)
         bins = torch.where(versions >= 0, staleness_bin_indices(current - versions), -1)
-        sums = staleness_bin_sums(terms, signal, mask, bins, len(STALENESS_BINS), self._loss_spec.negative_weight,
-                                  read)
+        sums = staleness_bin_sums(terms, signal, mask, bins, len(STALENESS_BINS), self._loss_spec.negative_weight, read)
         totals = self.accelerator.reduce(sums, reduction="sum")
         for name, value in staleness_bin_metrics(totals.cpu(), STALENESS_BIN_NAMES).items():
             self._metrics["train"][name].append(value)
@@ -423,8 +454,14 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
         tree_kwargs["tree_max_seqlen_q"], tree_kwargs["tree_max_seqlen_k"] = inputs["tree_max_seqlens"][0].tolist()
         forward_start = time.time()
         router_kwargs = {"output_router_logits": True} if self.aux_loss_enabled else {}
-        outputs = model(input_ids=input_ids, position_ids=position_ids, shift_labels=shift_labels, fused_lm_head=True,
-                        **router_kwargs, **tree_kwargs)
+        outputs = model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            shift_labels=shift_labels,
+            fused_lm_head=True,
+            **router_kwargs,
+            **tree_kwargs,
+        )
         self._last_forward_time_s = time.time() - forward_start
         aux_loss = outputs.aux_loss if self.aux_loss_enabled else None
         return outputs.log_probs.flatten()[token_index], outputs.entropy.flatten()[token_index], selected, aux_loss
@@ -445,4 +482,3 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
         architecture: see `flops_fields`."""
         with flops_fields(self.model.config.get_text_config()):
             super()._log_step_metrics()
-

@@ -52,17 +52,21 @@ class TaskArguments(ScriptArguments):
 
     task: str | None = field(
         default=None,
-        metadata={"help": "arithmetic (the built-in task), reasoning (the built-in reasoning testbed: written "
-                          "addition with carries, the paper's regime), gsm8k or math500 (topr_trl's loaders and "
-                          "rewards), or custom (--dataset_name with a `prompt` column, and --reward_funcs). Default: "
-                          "custom when --dataset_name is given, else arithmetic."},
+        metadata={
+            "help": "arithmetic (the built-in task), reasoning (the built-in reasoning testbed: written "
+            "addition with carries, the paper's regime), gsm8k or math500 (topr_trl's loaders and "
+            "rewards), or custom (--dataset_name with a `prompt` column, and --reward_funcs). Default: "
+            "custom when --dataset_name is given, else arithmetic."
+        },
     )
     few_shot: int = field(default=0, metadata={"help": "gsm8k/math500: worked examples prepended to each prompt."})
     reward_funcs: list[str] | None = field(
         default=None,
-        metadata={"help": "Reward functions: a built-in name, 'module.function' (TRL's form) or 'module:function' "
-                          "(a module importable from the current directory) or 'path/to/file.py:function' (the .py "
-                          "may be left off). In YAML, one function may be a string. Default: the task's own."},
+        metadata={
+            "help": "Reward functions: a built-in name, 'module.function' (TRL's form) or 'module:function' "
+            "(a module importable from the current directory) or 'path/to/file.py:function' (the .py "
+            "may be left off). In YAML, one function may be a string. Default: the task's own."
+        },
     )
     task_digits: int = field(default=2, metadata={"help": "Built-in tasks: operand digits (reasoning: 3)."})
     task_train_prompts: int = field(default=1000, metadata={"help": "Built-in tasks: training prompts."})
@@ -92,34 +96,51 @@ class TaskArguments(ScriptArguments):
 class TrainScriptArguments(TaskArguments):
     offline_dataset: str | None = field(
         default=None,
-        metadata={"help": "Train on stored completions without generating (the paper's Algorithm 1): a folder "
-                          "written by `topr-trl generate`, a save_to_disk folder, a .json/.jsonl/.csv/.parquet "
-                          "file, or a Hub id. Columns: docs/offline.md, 'Offline dataset schema'. Rewards are the "
-                          "stored `reward` column unless --reward_funcs is given."},
+        metadata={
+            "help": "Train on stored completions without generating (the paper's Algorithm 1): a folder "
+            "written by `topr-trl generate`, a save_to_disk folder, a .json/.jsonl/.csv/.parquet "
+            "file, or a Hub id. Columns: docs/offline.md, 'Offline dataset schema'. Rewards are the "
+            "stored `reward` column unless --reward_funcs is given."
+        },
     )
     overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Train into an output_dir that holds a finished run (it is refused "
-                                         "otherwise)."}
+        default=False,
+        metadata={"help": "Train into an output_dir that holds a finished run (it is refused otherwise)."},
     )
     asynchronous: bool = field(
         default=False,
-        metadata={"help": "Asynchronous TOPR (topr_trl.asynchronous.AsyncTOPRTrainer on TRL's AsyncGRPOTrainer): "
-                          "a rollout worker generates ahead of training and no stale sample is dropped. With "
-                          "--vllm_server_base_url the worker is TRL's, generating on that server (start it with "
-                          "`topr-trl vllm-serve`), whose weights follow the policy; without, the stand-in that "
-                          "samples from the policy in this process (a second copy of the model)."},
+        metadata={
+            "help": "Asynchronous TOPR (topr_trl.asynchronous.AsyncTOPRTrainer on TRL's AsyncGRPOTrainer): "
+            "a rollout worker generates ahead of training and no stale sample is dropped. With "
+            "--vllm_server_base_url the worker is TRL's, generating on that server (start it with "
+            "`topr-trl vllm-serve`), whose weights follow the policy; without, the stand-in that "
+            "samples from the policy in this process (a second copy of the model)."
+        },
     )
     async_pipeline_steps: int = field(
-        default=4, metadata={"help": "--asynchronous: optimizer steps of samples the worker may generate ahead."})
+        default=4, metadata={"help": "--asynchronous: optimizer steps of samples the worker may generate ahead."}
+    )
     async_lag: int = field(
-        default=0, metadata={"help": "--asynchronous: sample from the policy this many versions older (a "
-                                     "controlled staleness, for experiments)."})
+        default=0,
+        metadata={
+            "help": "--asynchronous: sample from the policy this many versions older (a "
+            "controlled staleness, for experiments)."
+        },
+    )
     async_seconds_per_sample: float = field(
-        default=0.0, metadata={"help": "--asynchronous: the least time the worker spends per completion (stands in "
-                                       "for an inference server's speed)."})
+        default=0.0,
+        metadata={
+            "help": "--asynchronous: the least time the worker spends per completion (stands in "
+            "for an inference server's speed)."
+        },
+    )
     async_max_staleness: float = field(
-        default=float("inf"), metadata={"help": "--asynchronous: drop samples more than this many policy versions "
-                                                "old (TRL's rule); inf keeps every sample."})
+        default=float("inf"),
+        metadata={
+            "help": "--asynchronous: drop samples more than this many policy versions "
+            "old (TRL's rule); inf keeps every sample."
+        },
+    )
 
 
 @dataclass
@@ -134,28 +155,41 @@ class GenerateScriptArguments(TaskArguments):
     top_p: float = field(default=1.0, metadata={"help": "Nucleus truncation (1: none)."})
     top_k: int = field(default=0, metadata={"help": "Top-k truncation (0: none; the paper: 500)."})
     max_completion_length: int = field(
-        default=512, metadata={"help": "New tokens per completion (GRPOConfig's default, as `train` takes it; the "
-                                       "paper: 512; the built-in task: 6)."}
+        default=512,
+        metadata={
+            "help": "New tokens per completion (GRPOConfig's default, as `train` takes it; the "
+            "paper: 512; the built-in task: 6)."
+        },
     )
     max_prompts: int | None = field(default=None, metadata={"help": "Use only the first N prompts."})
     prompts_per_shard: int = field(default=64, metadata={"help": "Prompts per saved shard (the unit of resume)."})
-    backend: str = field(default="auto", metadata={"help": "auto (vLLM when installed and a GPU is present), "
-                                                            "vllm or transformers."})
+    backend: str = field(
+        default="auto", metadata={"help": "auto (vLLM when installed and a GPU is present), vllm or transformers."}
+    )
     seed: int = field(default=0, metadata={"help": "Seed of sampling and of the built-in model."})
     reward_weights: list[float] | None = field(
-        default=None, metadata={"help": "One weight per reward function (GRPOConfig's reward_weights, as `train` "
-                                        "takes them): the stored `reward` is the weighted sum (default: 1 each)."}
+        default=None,
+        metadata={
+            "help": "One weight per reward function (GRPOConfig's reward_weights, as `train` "
+            "takes them): the stored `reward` is the weighted sum (default: 1 each)."
+        },
     )
     chat_template_kwargs: str | None = field(
-        default=None, metadata={"help": "JSON object of keyword arguments for the chat template (GRPOConfig's "
-                                        "chat_template_kwargs; give training the same), e.g. '{\"enable_thinking\": "
-                                        "false}'."}
+        default=None,
+        metadata={
+            "help": "JSON object of keyword arguments for the chat template (GRPOConfig's "
+            'chat_template_kwargs; give training the same), e.g. \'{"enable_thinking": '
+            "false}'."
+        },
     )
     push_to_hub: str | None = field(default=None, metadata={"help": "Hub dataset repository to push to (private)."})
     overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Delete the generation already in output_dir and generate again (a rerun "
-                                         "with other settings, model or prompts is refused otherwise; the same "
-                                         "settings resume it)."}
+        default=False,
+        metadata={
+            "help": "Delete the generation already in output_dir and generate again (a rerun "
+            "with other settings, model or prompts is refused otherwise; the same "
+            "settings resume it)."
+        },
     )
 
 
@@ -164,10 +198,15 @@ class IterateScriptArguments(TaskArguments):
     """Iterated offline TOPR (Algorithm 1, mu_i = pi_{i-1}). Sampling uses TOPRConfig's num_generations, temperature,
     top_p, top_k and max_completion_length; training uses every other TOPRConfig field."""
 
-    iterations: int = field(default=1, metadata={"help": "Iterations K (GRPO's num_iterations, the reuse of one "
-                                                        "generation batch, keeps its meaning)."})
-    composition: str = field(default="uniform", metadata={"help": "uniform, positives_only, anna_karenina or "
-                                                                  "target_proportion."})
+    iterations: int = field(
+        default=1,
+        metadata={
+            "help": "Iterations K (GRPO's num_iterations, the reuse of one generation batch, keeps its meaning)."
+        },
+    )
+    composition: str = field(
+        default="uniform", metadata={"help": "uniform, positives_only, anna_karenina or target_proportion."}
+    )
     target_proportion: float | None = field(default=None, metadata={"help": "For composition=target_proportion."})
     prompts_per_shard: int = field(default=64, metadata={"help": "Prompts per saved shard (the unit of resume)."})
     backend: str = field(default="auto", metadata={"help": "Generation: auto, vllm or transformers."})
@@ -183,49 +222,69 @@ class EvaluateArguments:
     tokenizer: str | None = field(default=None, metadata={"help": "Tokenizer path or Hub id (default: the model's)."})
     task: str | None = field(
         default=None,
-        metadata={"help": "arithmetic (the default without --dataset_name): the built-in held-out set; reasoning: "
-                          "held-out written-addition problems; gsm8k/math/math500: the benchmark with its answer "
-                          "checker; custom (the default with --dataset_name): your prompts, scored by --reward_funcs."},
+        metadata={
+            "help": "arithmetic (the default without --dataset_name): the built-in held-out set; reasoning: "
+            "held-out written-addition problems; gsm8k/math/math500: the benchmark with its answer "
+            "checker; custom (the default with --dataset_name): your prompts, scored by --reward_funcs."
+        },
     )
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "Your prompts (a `prompt` column; other columns go to --reward_funcs), or where to load "
-                          "gsm8k/math/math500 from: a Hub id, a local .json/.jsonl/.csv/.parquet file or a folder.",
-                  "aliases": ["--dataset_source"]},
+        metadata={
+            "help": "Your prompts (a `prompt` column; other columns go to --reward_funcs), or where to load "
+            "gsm8k/math/math500 from: a Hub id, a local .json/.jsonl/.csv/.parquet file or a folder.",
+            "aliases": ["--dataset_source"],
+        },
     )
     reward_funcs: list[str] | None = field(
         default=None,
-        metadata={"help": "With --dataset_name: reward functions as `topr-trl train` takes them; a completion whose "
-                          "summed reward is > 0 counts as correct, one no function could score (None) as invalid."},
+        metadata={
+            "help": "With --dataset_name: reward functions as `topr-trl train` takes them; a completion whose "
+            "summed reward is > 0 counts as correct, one no function could score (None) as invalid."
+        },
     )
     dataset_config: str | None = field(default=None, metadata={"help": "math: dataset configuration (a subject)."})
-    dataset_test_split: str | None = field(default=None, metadata={"help": "Split to evaluate (default: test).",
-                                                                    "aliases": ["--split"]})
+    dataset_test_split: str | None = field(
+        default=None, metadata={"help": "Split to evaluate (default: test).", "aliases": ["--split"]}
+    )
     few_shot: int = field(default=0, metadata={"help": "Worked examples before each question."})
     system_prompt: str | None = field(default=None, metadata={"help": "System message (or text) before the prompt."})
     plain_prompts: bool = field(default=False, metadata={"help": "Plain-text prompts instead of chat."})
-    task_eval_prompts: int = field(default=200, metadata={"help": "arithmetic: held-out problems (those `train` "
-                                                                  "measures).", "aliases": ["--arithmetic_prompts"]})
-    task_digits: int | None = field(default=None, metadata={
-        "help": "Built-in tasks: operand digits (default 2 for arithmetic, 3 for reasoning).",
-        "aliases": ["--arithmetic_digits"]})
+    task_eval_prompts: int = field(
+        default=200,
+        metadata={
+            "help": "arithmetic: held-out problems (those `train` measures).",
+            "aliases": ["--arithmetic_prompts"],
+        },
+    )
+    task_digits: int | None = field(
+        default=None,
+        metadata={
+            "help": "Built-in tasks: operand digits (default 2 for arithmetic, 3 for reasoning).",
+            "aliases": ["--arithmetic_digits"],
+        },
+    )
     limit: int | None = field(default=None, metadata={"help": "Evaluate only the first N questions."})
     k: int = field(default=8, metadata={"help": "k of pass@k and maj@k."})
-    num_samples: int | None = field(default=None, metadata={
-        "help": "Samples per question, n >= k (default k); n > k gives standard errors at k."})
+    num_samples: int | None = field(
+        default=None, metadata={"help": "Samples per question, n >= k (default k); n > k gives standard errors at k."}
+    )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (0: greedy)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus truncation (1: none)."})
     top_k: int = field(default=0, metadata={"help": "Top-k truncation (0: none)."})
-    max_completion_length: int | None = field(default=None, metadata={
-        "help": "Completion length cap (default: the task's).", "aliases": ["--max_new_tokens"]})
+    max_completion_length: int | None = field(
+        default=None, metadata={"help": "Completion length cap (default: the task's).", "aliases": ["--max_new_tokens"]}
+    )
     stop: list[str] | None = field(default=None, metadata={"help": "Stop strings (one flag, several values)."})
     batch_size: int = field(default=64, metadata={"help": "Completions per generate call."})
     seed: int = field(default=0, metadata={"help": "Seed of sampling."})
     num_bootstrap: int = field(default=100, metadata={"help": "Bootstrap rounds of the standard errors."})
-    backend: str = field(default="auto", metadata={"help": "auto (vLLM when installed and a GPU is present), vllm "
-                                                            "or transformers."})
-    output_dir: str | None = field(default=None, metadata={"help": "Where to write results (default "
-                                                                   "outputs/eval-<task>)."})
+    backend: str = field(
+        default="auto", metadata={"help": "auto (vLLM when installed and a GPU is present), vllm or transformers."}
+    )
+    output_dir: str | None = field(
+        default=None, metadata={"help": "Where to write results (default outputs/eval-<task>)."}
+    )
     no_plot: bool = field(default=False, metadata={"help": "Skip results.png."})
     no_progress: bool = field(default=False, metadata={"help": "No progress bar."})
 
@@ -249,8 +308,7 @@ class Invocation:
 
     def moved_to_the_cpu(self) -> bool:
         """Whether the run's defaults, not the user, put it on the CPU in fp32 (`CPU_DEFAULTS`)."""
-        return "use_cpu" in self.hardware_defaults and not self.set_by_user("use_cpu") \
-            and not self.set_by_user("bf16")
+        return "use_cpu" in self.hardware_defaults and not self.set_by_user("use_cpu") and not self.set_by_user("bf16")
 
 
 # ---------------------------------------------------------------------------------------------- the parser
@@ -293,8 +351,11 @@ class CommandParser(TrlParser):
             if action.option_strings:
                 actions.setdefault(action.dest, action)
         return super().set_defaults_with_config(
-            **{key: self._as_flag_gives(actions[key], key, value) if key in actions else value
-               for key, value in values.items()})
+            **{
+                key: self._as_flag_gives(actions[key], key, value) if key in actions else value
+                for key, value in values.items()
+            }
+        )
 
     def _as_flag_gives(self, action, key: str, value):
         where = f"in the config file {self.config_file}" if self.config_file else "in the config file"
@@ -303,15 +364,19 @@ class CommandParser(TrlParser):
         if action.nargs in ("+", "*"):  # a single value means a list of one
             items = value if isinstance(value, (list, tuple)) else [value]
             try:
-                return [action.type(item) if isinstance(item, str) and action.type not in (None, str) else item
-                        for item in items]
+                return [
+                    action.type(item) if isinstance(item, str) and action.type not in (None, str) else item
+                    for item in items
+                ]
             except (TypeError, ValueError) as error:
-                raise SystemExit(f"topr-trl: {key}: {value!r} {where} is not a list of values of its type "
-                                 f"({error})") from None
+                raise SystemExit(
+                    f"topr-trl: {key}: {value!r} {where} is not a list of values of its type ({error})"
+                ) from None
         if isinstance(value, (list, tuple)) and not self._takes_list(key):
             example = f"`{key}: {value[0]}`" if len(value) == 1 else "one value"
-            raise SystemExit(f"topr-trl: {key}: {list(value)!r} {where} is a list, and {key} takes one value; "
-                             f"write {example}")
+            raise SystemExit(
+                f"topr-trl: {key}: {list(value)!r} {where} is a list, and {key} takes one value; write {example}"
+            )
         return value
 
     def _takes_list(self, key: str) -> bool:
@@ -322,17 +387,20 @@ class CommandParser(TrlParser):
             except (NameError, TypeError):  # a hint that does not resolve: the field's own check decides
                 return True
             if hint is not None:
-                return any(typing.get_origin(option) is list or option is list
-                           for option in (typing.get_args(hint) or (hint,)))
+                return any(
+                    typing.get_origin(option) is list or option is list for option in (typing.get_args(hint) or (hint,))
+                )
         return False
 
 
 def command_dataclasses(command: str) -> tuple:
-    return {"train": (TrainScriptArguments, TOPRConfig, ModelConfig),
-            "generate": (GenerateScriptArguments, ModelConfig),
-            "iterate": (IterateScriptArguments, TOPRConfig, ModelConfig),
-            "evaluate": (EvaluateArguments,),
-            "vllm-serve": (VLLMServeArguments,)}[command]
+    return {
+        "train": (TrainScriptArguments, TOPRConfig, ModelConfig),
+        "generate": (GenerateScriptArguments, ModelConfig),
+        "iterate": (IterateScriptArguments, TOPRConfig, ModelConfig),
+        "evaluate": (EvaluateArguments,),
+        "vllm-serve": (VLLMServeArguments,),
+    }[command]
 
 
 def build_parser() -> tuple[CommandParser, dict[str, CommandParser]]:
@@ -342,8 +410,12 @@ def build_parser() -> tuple[CommandParser, dict[str, CommandParser]]:
     commands = {}
     for command in COMMANDS:
         commands[command] = subparsers.add_parser(
-            command, dataclass_types=command_dataclasses(command), add_help=False, allow_abbrev=False,
-            help=command_dataclasses(command)[0].__doc__.split("\n")[0])
+            command,
+            dataclass_types=command_dataclasses(command),
+            add_help=False,
+            allow_abbrev=False,
+            help=command_dataclasses(command)[0].__doc__.split("\n")[0],
+        )
         for action in commands[command]._actions:  # HfArgumentParser gives `--no_X` the help of `--X` ("Enable X")
             if any(option.startswith("--no_") for option in action.option_strings) and action.const is False:
                 action.help = f"Turn off {action.dest} (sets it to False)."
@@ -380,7 +452,8 @@ def parse_command_line(command: str, argv: list[str], launcher: list[str] | None
         argv = argv + cpu_validation_flags(command, choice)
     try:
         *parsed, from_config, from_flags = subparser.parse_args_and_config(
-            argv, return_remaining_strings=True, separate_remaining_strings=True)
+            argv, return_remaining_strings=True, separate_remaining_strings=True
+        )
     except FileNotFoundError as error:
         raise SystemExit(f"topr-trl: config file {error.filename!r} not found") from None
     except SystemExit as error:  # a bad value: say when it came from the config file rather than a flag
@@ -393,21 +466,36 @@ def parse_command_line(command: str, argv: list[str], launcher: list[str] | None
     _refuse_unknown(subparser, from_config, from_flags)
     _refuse_settings_without_effect(parsed)
     invocation = Invocation(
-        launcher=tuple(launcher or ("topr-trl", command)), arguments=tuple(given),
-        flags=_fields_given(subparser, given), config_keys=frozenset(subparser.config_keys),
-        hardware_defaults=frozenset(hardware))
+        launcher=tuple(launcher or ("topr-trl", command)),
+        arguments=tuple(given),
+        flags=_fields_given(subparser, given),
+        config_keys=frozenset(subparser.config_keys),
+        hardware_defaults=frozenset(hardware),
+    )
     return tuple(parsed), invocation
 
 
 def _fields_given(parser: CommandParser, argv: list[str]) -> frozenset[str]:
     """The fields `argv` sets as flags, each by its field's name (`--model` is `model_name_or_path`)."""
     actions = parser._option_string_actions
-    return frozenset(actions[argument.split("=", 1)[0]].dest for argument in argv
-                     if argument.startswith("-") and argument.split("=", 1)[0] in actions)
+    return frozenset(
+        actions[argument.split("=", 1)[0]].dest
+        for argument in argv
+        if argument.startswith("-") and argument.split("=", 1)[0] in actions
+    )
 
 
-_LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
-                "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora")
+_LORA_FIELDS = (
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "lora_target_parameters",
+    "lora_modules_to_save",
+    "lora_task_type",
+    "use_rslora",
+    "use_dora",
+)
 
 
 def _refuse_settings_without_effect(parsed) -> None:
@@ -419,12 +507,16 @@ def _refuse_settings_without_effect(parsed) -> None:
             defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
             for name in _LORA_FIELDS:
                 if getattr(arguments, name, defaults.get(name)) != defaults.get(name):
-                    raise SystemExit(f"topr-trl: --{name} sets the LoRA adapter, which only --use_peft true trains "
-                                     f"(without it the whole model trains): add --use_peft true, or drop --{name}")
+                    raise SystemExit(
+                        f"topr-trl: --{name} sets the LoRA adapter, which only --use_peft true trains "
+                        f"(without it the whole model trains): add --use_peft true, or drop --{name}"
+                    )
         if getattr(arguments, "max_steps", None) == 0:
-            raise SystemExit("topr-trl: --max_steps 0 would not stop training at step 0 (TrainingArguments reads 0 "
-                             "as no limit, and trains --num_train_epochs): give a number of steps >= 1, or -1 to "
-                             "train by epochs")
+            raise SystemExit(
+                "topr-trl: --max_steps 0 would not stop training at step 0 (TrainingArguments reads 0 "
+                "as no limit, and trains --num_train_epochs): give a number of steps >= 1, or -1 to "
+                "train by epochs"
+            )
 
 
 def _in_flags(message: str, parser: CommandParser, given: list[str]) -> str:
@@ -486,7 +578,8 @@ class _RunChoice:
 def chosen_run(argv: list[str]) -> _RunChoice:
     try:
         choice, _ = CommandParser(_RunChoice, allow_abbrev=False).parse_args_and_config(
-            argv, return_remaining_strings=True)
+            argv, return_remaining_strings=True
+        )
     except FileNotFoundError as error:
         raise SystemExit(f"topr-trl: config file {error.filename!r} not found") from None
     return choice
@@ -519,8 +612,13 @@ def run_defaults(command: str, choice: _RunChoice) -> dict:
     if command != "generate":
         # the asynchronous trainer has no unscored-batch rule (its rewards arrive sample by sample): a run of it
         # keeps TOPRConfig's default there, which it does not read, rather than a setting it would refuse
-        defaults.update({name: value for name, value in CLI_TRAINING_CHECKS.items()
-                         if not (choice.asynchronous and name == "topr_unscored_batch")})
+        defaults.update(
+            {
+                name: value
+                for name, value in CLI_TRAINING_CHECKS.items()
+                if not (choice.asynchronous and name == "topr_unscored_batch")
+            }
+        )
         defaults.update(CLI_TRACKING)
     defaults["output_dir"] = default_output_dir(command, choice)
     return defaults
@@ -543,8 +641,11 @@ def cpu_validation_flags(command: str, choice: _RunChoice) -> list[str]:
         needs_gpu.append("use_vllm=True")
     if command == "generate" or not choice.dry_run or gpu_available() or not needs_gpu:
         return []
-    print(f"[topr-trl] this configuration needs a GPU ({', '.join(needs_gpu)}); none here, so it is validated with "
-          "those off", flush=True)
+    print(
+        f"[topr-trl] this configuration needs a GPU ({', '.join(needs_gpu)}); none here, so it is validated with "
+        "those off",
+        flush=True,
+    )
     flags = ["--use_cpu", "true", "--bf16", "false", "--fp16", "false"]
     return flags + ["--use_vllm", "false"] if "use_vllm=True" in needs_gpu else flags
 
@@ -564,19 +665,43 @@ def default_output_dir(command: str, choice: _RunChoice) -> str:
     generate): one folder per model and data, so runs do not overwrite each other."""
     data = choice.offline_dataset or choice.dataset_name or choice.task or BUILTIN_TASK
     default_model = TASKS[choice.task].default_model if choice.task in TASKS else None
-    model = short_name(choice.model_name_or_path or default_model) if choice.model_name_or_path or default_model \
-        else "tiny"
+    model = (
+        short_name(choice.model_name_or_path or default_model) if choice.model_name_or_path or default_model else "tiny"
+    )
     return f"outputs/{_OUTPUT_PREFIX[command]}-{model}-{short_name(data)}"
 
 
 # ---------------------------------------------------------------------------------------------- help
 # GRPOConfig / TrainingArguments fields a TOPR user sets most; `--help-all` lists the rest.
 _COMMON_TRAINING_FLAGS = (
-    "loss_type", "output_dir", "learning_rate", "lr_scheduler_type", "max_steps", "num_train_epochs",
+    "loss_type",
+    "output_dir",
+    "learning_rate",
+    "lr_scheduler_type",
+    "max_steps",
+    "num_train_epochs",
     "per_device_train_batch_size",
-    "gradient_accumulation_steps", "num_generations", "max_completion_length", "temperature", "top_p", "top_k",
-    "beta", "use_vllm", "vllm_mode", "bf16", "use_cpu", "gradient_checkpointing", "logging_steps", "save_strategy",
-    "save_steps", "eval_strategy", "eval_steps", "report_to", "seed", "push_to_hub", "hub_model_id",
+    "gradient_accumulation_steps",
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "top_p",
+    "top_k",
+    "beta",
+    "use_vllm",
+    "vllm_mode",
+    "bf16",
+    "use_cpu",
+    "gradient_checkpointing",
+    "logging_steps",
+    "save_strategy",
+    "save_steps",
+    "eval_strategy",
+    "eval_steps",
+    "report_to",
+    "seed",
+    "push_to_hub",
+    "hub_model_id",
     "resume_from_checkpoint",
 )
 _COMMON_MODEL_FLAGS = ("model_name_or_path", "dtype", "use_peft", "lora_r", "lora_alpha", "lora_target_modules")
@@ -605,8 +730,12 @@ def short_help(command: str) -> str:
             shown.add(item.name)
             default = "" if item.default is dataclasses.MISSING else f" (default: {item.default})"
             text = " ".join(str(item.metadata.get("help", "")).split()) + default
-            lines += [f"  --{item.name}"] + textwrap.wrap(text, 116, initial_indent="      ",
-                                                           subsequent_indent="      ")
-    lines += ["", "--help-all lists every option (all of GRPOConfig, TrainingArguments and ModelConfig). --debug "
-                  "shows the traceback of an error."]
+            lines += [f"  --{item.name}"] + textwrap.wrap(
+                text, 116, initial_indent="      ", subsequent_indent="      "
+            )
+    lines += [
+        "",
+        "--help-all lists every option (all of GRPOConfig, TrainingArguments and ModelConfig). --debug "
+        "shows the traceback of an error.",
+    ]
     return "\n".join(lines)

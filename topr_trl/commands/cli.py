@@ -64,8 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C outside training (which says more: `interruption.interrupted_run`)
         if debug:
             raise
-        raise interrupted("rerun the same command to start again (a train run that saved checkpoints continues "
-                          "with --resume_from_checkpoint true)") from None
+        raise interrupted(
+            "rerun the same command to start again (a train run that saved checkpoints continues "
+            "with --resume_from_checkpoint true)"
+        ) from None
     except USER_ERRORS as error:
         if debug:
             raise

@@ -31,15 +31,21 @@ def _resolve_task(options) -> str:
     """The task: as given, or `custom` for a dataset with reward functions; one line refuses what cannot be meant."""
     task = options.task or (CUSTOM_TASK if options.dataset_name or options.reward_funcs else BUILTIN_TASK)
     if task == CUSTOM_TASK and not (options.dataset_name and options.reward_funcs):
-        raise SystemExit("topr-trl: evaluating your own prompts needs --dataset_name (a file or Hub id with a `prompt` "
-                         "column) and --reward_funcs (module:function, scoring each completion: > 0 counts as "
-                         "correct); or give --task gsm8k|math|math500 to use that benchmark's answer checker")
+        raise SystemExit(
+            "topr-trl: evaluating your own prompts needs --dataset_name (a file or Hub id with a `prompt` "
+            "column) and --reward_funcs (module:function, scoring each completion: > 0 counts as "
+            "correct); or give --task gsm8k|math|math500 to use that benchmark's answer checker"
+        )
     if TASKS[task].builtin and options.dataset_name:
-        raise SystemExit(f"topr-trl: --task {task} makes its own held-out problems: drop --dataset_name, or evaluate "
-                         "your prompts with --reward_funcs (and no --task)")
+        raise SystemExit(
+            f"topr-trl: --task {task} makes its own held-out problems: drop --dataset_name, or evaluate "
+            "your prompts with --reward_funcs (and no --task)"
+        )
     if task != CUSTOM_TASK and options.reward_funcs:
-        raise SystemExit(f"topr-trl: --task {task} scores with its own answer checker: drop --reward_funcs, or "
-                         "evaluate your prompts with --dataset_name and no --task")
+        raise SystemExit(
+            f"topr-trl: --task {task} scores with its own answer checker: drop --reward_funcs, or "
+            "evaluate your prompts with --dataset_name and no --task"
+        )
     return task
 
 
@@ -74,11 +80,23 @@ def run(options) -> dict[str, Any]:
         functions = [reporting_reward(resolve_reward(name)) for name in options.reward_funcs]
         classify, answer_column = reward_classifier(functions, dataset), ROW_COLUMN
     result = evaluate_model(
-        options.model_name_or_path, tokenizer, dataset, classify, k=options.k, answer_column=answer_column,
-        num_samples=options.num_samples, temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
+        options.model_name_or_path,
+        tokenizer,
+        dataset,
+        classify,
+        k=options.k,
+        answer_column=answer_column,
+        num_samples=options.num_samples,
+        temperature=options.temperature,
+        top_p=options.top_p,
+        top_k=options.top_k,
         max_new_tokens=options.max_completion_length or task.max_new_tokens(options.task_digits),
-        batch_size=options.batch_size, seed=options.seed, show_progress=not options.no_progress,
-        num_bootstrap=options.num_bootstrap, backend=options.backend, stop_strings=options.stop,
+        batch_size=options.batch_size,
+        seed=options.seed,
+        show_progress=not options.no_progress,
+        num_bootstrap=options.num_bootstrap,
+        backend=options.backend,
+        stop_strings=options.stop,
     )
 
     result.settings.update(task=options.task, machine=machine_info())
@@ -96,11 +114,16 @@ def run(options) -> dict[str, Any]:
     print(json.dumps(summary, indent=2), flush=True)
     how = "greedy" if options.temperature == 0 else f"sampled at temperature {options.temperature:g}"
     correct = "reward > 0" if options.task == CUSTOM_TASK else "correct answer"
-    print(f"[topr-trl] pass@1 {result.pass_at_1:.3f} ({how}, {result.num_samples} samples per problem, "
-          f"{correct}) on {result.num_prompts} problems; maj@{result.k} {result.maj_at_k:.3f}; on "
-          f"{describe_machine(result.settings['machine'])}", flush=True)
-    print(f"[topr-trl] evaluation written to {paths['json']}" + (f" and {paths['plot']}" if "plot" in paths else ""),
-          flush=True)
+    print(
+        f"[topr-trl] pass@1 {result.pass_at_1:.3f} ({how}, {result.num_samples} samples per problem, "
+        f"{correct}) on {result.num_prompts} problems; maj@{result.k} {result.maj_at_k:.3f}; on "
+        f"{describe_machine(result.settings['machine'])}",
+        flush=True,
+    )
+    print(
+        f"[topr-trl] evaluation written to {paths['json']}" + (f" and {paths['plot']}" if "plot" in paths else ""),
+        flush=True,
+    )
     return summary
 
 

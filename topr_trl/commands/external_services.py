@@ -31,13 +31,17 @@ def check_trackers(report_to) -> None:
         if name in ("none", "all"):
             continue
         if name not in INTEGRATION_TO_CALLBACK:
-            raise SystemExit(f"topr-trl: --report_to {name}: unknown tracker; choose among none, "
-                             f"{', '.join(INTEGRATION_TO_CALLBACK)}")
+            raise SystemExit(
+                f"topr-trl: --report_to {name}: unknown tracker; choose among none, "
+                f"{', '.join(INTEGRATION_TO_CALLBACK)}"
+            )
         if name not in get_available_reporting_integrations():
             package = _TRACKER_PACKAGES.get(name, name)
-            raise SystemExit(f"topr-trl: --report_to {name} needs the `{package}` package, which is not installed: "
-                             f"pip install {package} (or choose --report_to tensorboard, installed with topr-trl, or "
-                             "none)")
+            raise SystemExit(
+                f"topr-trl: --report_to {name} needs the `{package}` package, which is not installed: "
+                f"pip install {package} (or choose --report_to tensorboard, installed with topr-trl, or "
+                "none)"
+            )
 
 
 def check_vllm_server_mode(training_args) -> None:
@@ -52,11 +56,15 @@ def check_vllm_server_mode(training_args) -> None:
     if backend == BACKEND or (backend == "nccl" and gpu_available()):
         return
     if backend == "nccl":
-        raise SystemExit(f"topr-trl: the vLLM server at {url} takes weights by NCCL, which needs a GPU here too: "
-                         "restart it with `topr-trl vllm-serve --model MODEL` (its gloo weight path, the default "
-                         "without a GPU)")
-    raise SystemExit(f"topr-trl: the vLLM server at {url} has no weight path the trainer can use "
-                     f"({backend or 'none'}): start it with `topr-trl vllm-serve --model MODEL`")
+        raise SystemExit(
+            f"topr-trl: the vLLM server at {url} takes weights by NCCL, which needs a GPU here too: "
+            "restart it with `topr-trl vllm-serve --model MODEL` (its gloo weight path, the default "
+            "without a GPU)"
+        )
+    raise SystemExit(
+        f"topr-trl: the vLLM server at {url} has no weight path the trainer can use "
+        f"({backend or 'none'}): start it with `topr-trl vllm-serve --model MODEL`"
+    )
 
 
 def check_hub_push(training_args) -> None:
@@ -68,11 +76,15 @@ def check_hub_push(training_args) -> None:
 
     reason = hub_unreachable_reason()
     if reason is not None:
-        raise SystemExit(f"topr-trl: --push_to_hub needs the Hugging Face Hub, which cannot be reached ({reason}); "
-                         "train without it and push the saved folder later with `hf upload REPO_ID OUTPUT_DIR`")
+        raise SystemExit(
+            f"topr-trl: --push_to_hub needs the Hugging Face Hub, which cannot be reached ({reason}); "
+            "train without it and push the saved folder later with `hf upload REPO_ID OUTPUT_DIR`"
+        )
     if get_token() is None:
-        raise SystemExit("topr-trl: --push_to_hub needs a Hugging Face token: run `hf auth login` or set HF_TOKEN "
-                         "(or train without --push_to_hub and push the saved folder later)")
+        raise SystemExit(
+            "topr-trl: --push_to_hub needs a Hugging Face token: run `hf auth login` or set HF_TOKEN "
+            "(or train without --push_to_hub and push the saved folder later)"
+        )
 
 
 @contextlib.contextmanager
@@ -87,6 +99,8 @@ def push_failure_reported(output_dir: str, pushing: bool):
         if not pushing or not saved:
             raise
         first_line = (str(error).strip().splitlines() or [""])[0]
-        raise SystemExit(f"topr-trl: the model is saved in {shown_path(output_dir)}, but pushing it to the Hub failed "
-                         f"({type(error).__name__}: {first_line}); push it later with `hf upload REPO_ID "
-                         f"{shown_path(output_dir)}`") from None
+        raise SystemExit(
+            f"topr-trl: the model is saved in {shown_path(output_dir)}, but pushing it to the Hub failed "
+            f"({type(error).__name__}: {first_line}); push it later with `hf upload REPO_ID "
+            f"{shown_path(output_dir)}`"
+        ) from None

@@ -67,14 +67,22 @@ def interrupted_run(output_dir: str, invocation: Invocation | None) -> SystemExi
     checkpoint = last_checkpoint(output_dir)
     if checkpoint is None:
         save_steps = "--save_steps" if invocation is not None else "training_args.save_steps"
-        return interrupted(f"no checkpoint was saved yet in {shown_path(output_dir)} (see {save_steps}), so "
-                           + ("a rerun of the same command starts again" if invocation is not None
-                              else "calling train again starts again"))
+        return interrupted(
+            f"no checkpoint was saved yet in {shown_path(output_dir)} (see {save_steps}), so "
+            + (
+                "a rerun of the same command starts again"
+                if invocation is not None
+                else "calling train again starts again"
+            )
+        )
     if invocation is None:
-        return interrupted(f"the last checkpoint is {shown_path(checkpoint)}; resume by calling train again with "
-                           "training_args.resume_from_checkpoint=True")
-    return interrupted(f"the last checkpoint is {shown_path(checkpoint)}; resume with: "
-                       f"{shlex.join(resume_command(invocation))}")
+        return interrupted(
+            f"the last checkpoint is {shown_path(checkpoint)}; resume by calling train again with "
+            "training_args.resume_from_checkpoint=True"
+        )
+    return interrupted(
+        f"the last checkpoint is {shown_path(checkpoint)}; resume with: {shlex.join(resume_command(invocation))}"
+    )
 
 
 def resume_command(invocation: Invocation) -> list[str]:

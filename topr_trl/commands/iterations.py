@@ -91,10 +91,18 @@ def run_iterations(
         with PartialState().main_process_first():
             try:
                 data = generation.generate_offline_dataset(
-                    behaviour_path, tokenizer, prompts, reward_funcs, folder / "data",
-                    num_completions=settings.num_completions, temperature=settings.temperature,
-                    top_p=settings.top_p, top_k=settings.top_k, max_new_tokens=settings.max_new_tokens,
-                    prompts_per_shard=settings.prompts_per_shard, backend=settings.backend,
+                    behaviour_path,
+                    tokenizer,
+                    prompts,
+                    reward_funcs,
+                    folder / "data",
+                    num_completions=settings.num_completions,
+                    temperature=settings.temperature,
+                    top_p=settings.top_p,
+                    top_k=settings.top_k,
+                    max_new_tokens=settings.max_new_tokens,
+                    prompts_per_shard=settings.prompts_per_shard,
+                    backend=settings.backend,
                     # mu samples from the prompt ids the trainer will replay (GRPOConfig's chat_template_kwargs)
                     chat_template_kwargs=getattr(settings.train_args, "chat_template_kwargs", None),
                     # the stored `reward` is what each iteration trains on: the weighted sum training would take
@@ -103,9 +111,11 @@ def run_iterations(
                 )
             except GeneratedWithOtherSettings as refusal:  # `iterate` has no --overwrite_output_dir: say its ways out
                 raise GeneratedWithOtherSettings(
-                    refusal.output_dir, refusal.changes,
+                    refusal.output_dir,
+                    refusal.changes,
                     ways_out=f"use another output_dir, or delete {folder} to redo iteration {iteration} with these "
-                             "settings") from None
+                    "settings",
+                ) from None
         data, proportion = compose(data, settings.composition, target_proportion=settings.target_proportion)
         grouped = settings.composition == "uniform"
         if settings.train_args is not None:
@@ -116,16 +126,21 @@ def run_iterations(
                 args.topr_signal = "reward"
         else:
             config = dict(
-                output_dir=str(folder / "train"), save_strategy="steps",
-                save_steps=settings.save_steps, num_generations=settings.num_completions,
-                max_completion_length=settings.max_new_tokens, temperature=settings.temperature, report_to="none",
+                output_dir=str(folder / "train"),
+                save_strategy="steps",
+                save_steps=settings.save_steps,
+                num_generations=settings.num_completions,
+                max_completion_length=settings.max_new_tokens,
+                temperature=settings.temperature,
+                report_to="none",
             )
             if not grouped:  # curated data no longer has whole groups: the paper's R - c signal
                 config.update(topr_signal="reward", topr_baseline=0.0)
             config.update(settings.train_overrides)
             args = TOPRConfig(**config)
-        trainer = TOPRTrainer(model=behaviour_path, reward_funcs=stored_reward, args=args, train_dataset=data,
-                              callbacks=callbacks)
+        trainer = TOPRTrainer(
+            model=behaviour_path, reward_funcs=stored_reward, args=args, train_dataset=data, callbacks=callbacks
+        )
         before = evaluate_policy(trainer, evaluate) if evaluate and iteration == 0 else None
         trainer.train(resume_from_checkpoint=last_checkpoint(folder / "train"))
         trainer.save_model(str(folder / "model"))

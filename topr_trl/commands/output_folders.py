@@ -33,8 +33,10 @@ def refuse_unusable_output_dir(output_dir: str) -> None:
     # the main process takes the lock (`output_dir_lock`): another process of the same launch would find it held
     holder = lock_holder(folder) if PartialState().is_main_process else None
     if holder is not None:
-        raise SystemExit(f"topr-trl: {output_dir} is in use by another run ({holder}); wait for it to finish, or "
-                         "choose another --output_dir")
+        raise SystemExit(
+            f"topr-trl: {output_dir} is in use by another run ({holder}); wait for it to finish, or "
+            "choose another --output_dir"
+        )
 
 
 def lock_holder(folder: Path) -> str | None:
@@ -61,17 +63,24 @@ def refuse_used_output_dir(output_dir: str, overwrite: bool, resume: bool) -> No
     folder = Path(output_dir)
     if overwrite or resume or not folder.is_dir():
         return
-    markers = [name for name in ("topr_summary.json", "model.safetensors", "adapter_model.safetensors")
-               if (folder / name).exists()]
+    markers = [
+        name
+        for name in ("topr_summary.json", "model.safetensors", "adapter_model.safetensors")
+        if (folder / name).exists()
+    ]
     if markers:
-        raise SystemExit(f"topr-trl: {output_dir} holds a finished run ({markers[0]}); choose another --output_dir, "
-                         "pass --overwrite_output_dir true to replace it or --resume_from_checkpoint true to "
-                         "continue it")
+        raise SystemExit(
+            f"topr-trl: {output_dir} holds a finished run ({markers[0]}); choose another --output_dir, "
+            "pass --overwrite_output_dir true to replace it or --resume_from_checkpoint true to "
+            "continue it"
+        )
     checkpoint = last_checkpoint(folder)
     if checkpoint is not None:
-        raise SystemExit(f"topr-trl: {output_dir} holds an interrupted run (last checkpoint {Path(checkpoint).name}); "
-                         "pass --resume_from_checkpoint true to continue it, --overwrite_output_dir true to start "
-                         "again from step 0, or choose another --output_dir")
+        raise SystemExit(
+            f"topr-trl: {output_dir} holds an interrupted run (last checkpoint {Path(checkpoint).name}); "
+            "pass --resume_from_checkpoint true to continue it, --overwrite_output_dir true to start "
+            "again from step 0, or choose another --output_dir"
+        )
 
 
 def checkpoint_to_resume(training_args) -> str | None:
@@ -97,8 +106,12 @@ def removed_if_left_empty(output_dir: str, logged_nothing=lambda: True):
     try:
         yield
     except BaseException:
-        if not existed and folder.is_dir() and PartialState().is_main_process \
-                and not any(path.is_file() and not bookkeeping(path) for path in folder.rglob("*")):
+        if (
+            not existed
+            and folder.is_dir()
+            and PartialState().is_main_process
+            and not any(path.is_file() and not bookkeeping(path) for path in folder.rglob("*"))
+        ):
             shutil.rmtree(folder, ignore_errors=True)
         raise
 
@@ -121,20 +134,24 @@ def output_dir_lock(output_dir: str):
     except OSError as error:
         if not isinstance(error, BlockingIOError):  # a file system without locks (some network mounts): run unlocked
             handle.close()
-            print(f"[topr-trl] {output_dir} cannot be locked ({error.strerror}): a second run into it "  # noqa: T201
-                  "would not be refused", flush=True)
+            print(
+                f"[topr-trl] {output_dir} cannot be locked ({error.strerror}): a second run into it "  # noqa: T201
+                "would not be refused",
+                flush=True,
+            )
             yield
             return
         handle.seek(0)
         holder = " ".join(handle.read().split()) or "another process"
         handle.close()
-        raise SystemExit(f"topr-trl: {output_dir} is in use by another run ({holder}); wait for it to finish, or "
-                         "choose another --output_dir") from None
+        raise SystemExit(
+            f"topr-trl: {output_dir} is in use by another run ({holder}); wait for it to finish, or "
+            "choose another --output_dir"
+        ) from None
     try:
         handle.seek(0)
         handle.truncate()
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since "
-                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         handle.flush()
         yield
     finally:

@@ -57,15 +57,20 @@ from .output_folders import (
 USER_ERRORS = (ValueError, FileNotFoundError, ImportError, ConnectionError)
 
 
-def train(script_args: TrainScriptArguments, training_args: TOPRConfig, model_args: ModelConfig,
-          invocation: Invocation | None = None) -> dict:
+def train(
+    script_args: TrainScriptArguments,
+    training_args: TOPRConfig,
+    model_args: ModelConfig,
+    invocation: Invocation | None = None,
+) -> dict:
     """`topr-trl train`: TOPR on the task or data of `script_args` (online, offline with `offline_dataset`, or
     asynchronous), saving the model, `topr_summary.json` and the curves in `training_args.output_dir`; returns the
     summary (`{"dry_run": True}` for a dry run). `invocation`: what the command line knew (None from Python)."""
     offline = script_args.offline_dataset is not None
     refuse_unusable_output_dir(training_args.output_dir)  # before what the folder holds: the lock's line first
-    refuse_used_output_dir(training_args.output_dir, script_args.overwrite_output_dir,
-                           bool(training_args.resume_from_checkpoint))
+    refuse_used_output_dir(
+        training_args.output_dir, script_args.overwrite_output_dir, bool(training_args.resume_from_checkpoint)
+    )
     check_trackers(training_args.report_to)
     if not script_args.dry_run:  # a dry run validates a recipe on a machine that may not reach the Hub or a GPU
         check_hub_push(training_args)
@@ -78,8 +83,12 @@ def train(script_args: TrainScriptArguments, training_args: TOPRConfig, model_ar
         if training_args.eval_strategy != "no":  # the stored test split, replayed and scored as the eval set
             offline_eval = load_offline_source(script_args.offline_dataset, script_args.dataset_test_split)
     model, task, train_dataset, held_out, eval_dataset, reward_funcs = load_task(
-        script_args, model_args.model_name_or_path, training_args.seed, offline=offline,
-        eval_split=training_args.eval_strategy != "no")
+        script_args,
+        model_args.model_name_or_path,
+        training_args.seed,
+        offline=offline,
+        eval_split=training_args.eval_strategy != "no",
+    )
     if offline_data is not None:  # the tokenizer only: before the policy's weights load
         check_offline_policy(script_args.offline_dataset, offline_data, model, model_args.model_name_or_path)
     if offline and script_args.reward_funcs is None:  # the paper labels the data once, at generation
@@ -89,43 +98,62 @@ def train(script_args: TrainScriptArguments, training_args: TOPRConfig, model_ar
     if script_args.asynchronous and training_args.reward_weights is not None:
         # TRL's asynchronous trainer has no reward_weights: each function carries its weight, and the workers' sum
         # of them is GRPO's weighted sum
-        reward_funcs = [weighted_reward(function, weight)
-                        for function, weight in zip(reward_funcs, training_args.reward_weights, strict=True)]
+        reward_funcs = [
+            weighted_reward(function, weight)
+            for function, weight in zip(reward_funcs, training_args.reward_weights, strict=True)
+        ]
         training_args.reward_weights = None
-    async_args = _asynchronous_config(script_args, training_args, model_args, eval_dataset) \
-        if script_args.asynchronous else None
+    async_args = (
+        _asynchronous_config(script_args, training_args, model_args, eval_dataset) if script_args.asynchronous else None
+    )
     if script_args.dry_run:
         if offline and Path(script_args.offline_dataset).expanduser().is_file():  # empty or unreadable: fail now
-            check_local_data(script_args.offline_dataset, script_args.dataset_train_split, what="offline dataset",
-                             one_split="train")
-        print(f"[topr-trl] configuration valid: task={task} model={model or 'built-in tiny model'} "
-              f"loss_type={training_args.loss_type} limits={training_args.topr_limits} "
-              f"rewards={[f.__name__ for f in reward_funcs]} offline_dataset={script_args.offline_dataset} "
-              f"output_dir={training_args.output_dir}"
-              + (f" asynchronous: max_staleness={async_args.max_staleness} pipeline_steps="
-                 f"{script_args.async_pipeline_steps} lag={script_args.async_lag}" if async_args else ""))
+            check_local_data(
+                script_args.offline_dataset, script_args.dataset_train_split, what="offline dataset", one_split="train"
+            )
+        print(
+            f"[topr-trl] configuration valid: task={task} model={model or 'built-in tiny model'} "
+            f"loss_type={training_args.loss_type} limits={training_args.topr_limits} "
+            f"rewards={[f.__name__ for f in reward_funcs]} offline_dataset={script_args.offline_dataset} "
+            f"output_dir={training_args.output_dir}"
+            + (
+                f" asynchronous: max_staleness={async_args.max_staleness} pipeline_steps="
+                f"{script_args.async_pipeline_steps} lag={script_args.async_lag}"
+                if async_args
+                else ""
+            )
+        )
         return {"dry_run": True}
     if offline:
         train_dataset, eval_dataset = offline_data, offline_eval
     else:
         for dataset in (train_dataset, eval_dataset):
-            check_fits_the_model(model, dataset, training_args.max_completion_length,
-                                 training_args.chat_template_kwargs)
+            check_fits_the_model(
+                model, dataset, training_args.max_completion_length, training_args.chat_template_kwargs
+            )
     _note_hardware(invocation, training_args)
 
     output_dir = training_args.output_dir
     trainer = None
-    with removed_if_left_empty(output_dir, lambda: trainer is None or not trainer.state.log_history), \
-            output_dir_lock(output_dir):
+    with (
+        removed_if_left_empty(output_dir, lambda: trainer is None or not trainer.state.log_history),
+        output_dir_lock(output_dir),
+    ):
         # again under the lock: a run that finished into this folder since the check above is not overwritten
         refuse_used_output_dir(output_dir, script_args.overwrite_output_dir, bool(training_args.resume_from_checkpoint))
         if async_args is not None:
-            trainer = _asynchronous_trainer(script_args, async_args, model, reward_funcs, train_dataset,
-                                            training_args.vllm_server_base_url)
+            trainer = _asynchronous_trainer(
+                script_args, async_args, model, reward_funcs, train_dataset, training_args.vllm_server_base_url
+            )
         else:
-            trainer = TOPRTrainer(model=model, reward_funcs=reward_funcs, args=training_args,
-                                  train_dataset=train_dataset, eval_dataset=eval_dataset,
-                                  peft_config=get_peft_config(model_args))
+            trainer = TOPRTrainer(
+                model=model,
+                reward_funcs=reward_funcs,
+                args=training_args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                peft_config=get_peft_config(model_args),
+            )
         trainer.add_callback(LogLastStep())
         quiet_unmeasured_metrics()
         summary: dict = {"output_dir": output_dir, "model": model, "task": task, "machine": machine_info()}
@@ -152,15 +180,20 @@ def train(script_args: TrainScriptArguments, training_args: TOPRConfig, model_ar
             summary["asynchronous"] = _asynchronous_summary(trainer)
         summary["end_of_training"] = last_logged(trainer.state.log_history, SUMMARY_METRICS)
         if summary["end_of_training"]:
-            say("at the end of training: " + ", ".join(
-                f"{key} {value:.4g}" for key, value in summary["end_of_training"].items()))
+            say(
+                "at the end of training: "
+                + ", ".join(f"{key} {value:.4g}" for key, value in summary["end_of_training"].items())
+            )
         trainer.save_state()  # trainer_state.json: every logged value, from which the curves can be redrawn
         curves = None
         if trainer.accelerator.is_main_process:
             Path(output_dir).mkdir(parents=True, exist_ok=True)
             (Path(output_dir) / "topr_summary.json").write_text(json.dumps(summary, indent=2))
-            curves = plot_curves(logged_curves(trainer.state.log_history), Path(output_dir) / "curves.png",
-                                 f"topr-trl train: {shown_path(output_dir)} ({training_args.loss_type})")
+            curves = plot_curves(
+                logged_curves(trainer.state.log_history),
+                Path(output_dir) / "curves.png",
+                f"topr-trl train: {shown_path(output_dir)} ({training_args.loss_type})",
+            )
         with push_failure_reported(output_dir, training_args.push_to_hub):
             trainer.save_model(output_dir)  # under --push_to_hub, TrainingArguments' save_model pushes the folder
             if not training_args.push_to_hub:  # (push_to_hub writes the card itself, naming the dataset too)
@@ -176,8 +209,9 @@ def train(script_args: TrainScriptArguments, training_args: TOPRConfig, model_ar
     return summary
 
 
-def generate(script_args: GenerateScriptArguments, model_args: ModelConfig, invocation: Invocation | None = None
-             ) -> dict:
+def generate(
+    script_args: GenerateScriptArguments, model_args: ModelConfig, invocation: Invocation | None = None
+) -> dict:
     """`topr-trl generate`: an offline dataset sampled from mu (the model) on the task's prompts, labelled by its
     rewards, written in resumable shards to `script_args.output_dir`; returns the summary (`{"dry_run": True}` for a
     dry run). `invocation`: what the command line knew (None from Python)."""
@@ -190,9 +224,11 @@ def generate(script_args: GenerateScriptArguments, model_args: ModelConfig, invo
     model, task, prompts, _, _, reward_funcs = load_task(script_args, model_args.model_name_or_path, script_args.seed)
     check_reward_weights(reward_funcs, script_args.reward_weights, invocation)
     if script_args.dry_run:
-        print(f"[topr-trl] configuration valid: task={task} model={model or 'built-in tiny model'} "
-              f"backend={script_args.backend} num_generations={script_args.num_generations} "
-              f"rewards={[f.__name__ for f in reward_funcs]} output_dir={script_args.output_dir}")
+        print(
+            f"[topr-trl] configuration valid: task={task} model={model or 'built-in tiny model'} "
+            f"backend={script_args.backend} num_generations={script_args.num_generations} "
+            f"rewards={[f.__name__ for f in reward_funcs]} output_dir={script_args.output_dir}"
+        )
         return {"dry_run": True}
     if not PartialState().is_main_process:  # sharded generation is resumable, not parallel: one process writes
         return {}
@@ -207,95 +243,160 @@ def generate(script_args: GenerateScriptArguments, model_args: ModelConfig, invo
     try:
         with removed_if_left_empty(script_args.output_dir), output_dir_lock(script_args.output_dir):
             dataset = generate_offline_dataset(
-                model, AutoTokenizer.from_pretrained(model), prompts, reward_funcs, script_args.output_dir,
-                num_completions=script_args.num_generations, temperature=script_args.temperature,
-                top_p=script_args.top_p, top_k=script_args.top_k, max_new_tokens=script_args.max_completion_length,
-                prompts_per_shard=script_args.prompts_per_shard, backend=script_args.backend, seed=script_args.seed,
+                model,
+                AutoTokenizer.from_pretrained(model),
+                prompts,
+                reward_funcs,
+                script_args.output_dir,
+                num_completions=script_args.num_generations,
+                temperature=script_args.temperature,
+                top_p=script_args.top_p,
+                top_k=script_args.top_k,
+                max_new_tokens=script_args.max_completion_length,
+                prompts_per_shard=script_args.prompts_per_shard,
+                backend=script_args.backend,
+                seed=script_args.seed,
                 reward_weights=script_args.reward_weights,
-                push_to_hub=script_args.push_to_hub, chat_template_kwargs=chat_template_kwargs,
+                push_to_hub=script_args.push_to_hub,
+                chat_template_kwargs=chat_template_kwargs,
                 overwrite=script_args.overwrite_output_dir,
                 # recorded in the manifest: a rerun on other prompts into this folder is refused, not resumed
                 dataset_name=script_args.dataset_name or f"built-in {task} task",
-                )
+            )
     except KeyboardInterrupt:
-        raise interrupted(f"the shards written are kept in {shown_path(script_args.output_dir)}: "
-                          f"{rerun('generate', invocation)} to resume") from None
+        raise interrupted(
+            f"the shards written are kept in {shown_path(script_args.output_dir)}: "
+            f"{rerun('generate', invocation)} to resume"
+        ) from None
     except GeneratedWithOtherSettings as refusal:  # named as the flags the user types
         raise GeneratedWithOtherSettings(
-            refusal.output_dir, refusal.changes, command_line=True,
+            refusal.output_dir,
+            refusal.changes,
+            command_line=True,
             ways_out="pass another --output_dir, or --overwrite_output_dir true to delete it and generate again",
         ) from None
-    summary = {"rows": len(dataset), "prompts": len(prompts), "proportion_of_positives":
-               proportion_of_positives(dataset), "truncated_fraction": sum(dataset["truncated"]) / len(dataset),
-               "output_dir": script_args.output_dir, "machine": machine_info()}
-    print(f"[topr-trl] generated {summary['rows']} completions for {summary['prompts']} prompts into "
-          f"{script_args.output_dir}: p={summary['proportion_of_positives']:.3f} (share of positive rewards), "
-          f"truncated {summary['truncated_fraction']:.3f}; on {describe_machine(summary['machine'])}", flush=True)
+    summary = {
+        "rows": len(dataset),
+        "prompts": len(prompts),
+        "proportion_of_positives": proportion_of_positives(dataset),
+        "truncated_fraction": sum(dataset["truncated"]) / len(dataset),
+        "output_dir": script_args.output_dir,
+        "machine": machine_info(),
+    }
+    print(
+        f"[topr-trl] generated {summary['rows']} completions for {summary['prompts']} prompts into "
+        f"{script_args.output_dir}: p={summary['proportion_of_positives']:.3f} (share of positive rewards), "
+        f"truncated {summary['truncated_fraction']:.3f}; on {describe_machine(summary['machine'])}",
+        flush=True,
+    )
     return summary
 
 
-def iterate(script_args: IterateScriptArguments, training_args: TOPRConfig, model_args: ModelConfig,
-            invocation: Invocation | None = None) -> list[dict]:
+def iterate(
+    script_args: IterateScriptArguments,
+    training_args: TOPRConfig,
+    model_args: ModelConfig,
+    invocation: Invocation | None = None,
+) -> list[dict]:
     """`topr-trl iterate`: iterated offline TOPR (Algorithm 1, mu_i = pi_{i-1}) into `training_args.output_dir`,
     resuming a folder that holds some of it; returns each iteration's summary (`[]` for a dry run). `invocation`:
     what the command line knew (None from Python)."""
     check_trackers(training_args.report_to)
     check_choice("composition", script_args.composition, COMPOSITIONS)
     check_choice("backend", script_args.backend, BACKENDS)
-    model, task, prompts, held_out, _, reward_funcs = load_task(script_args, model_args.model_name_or_path,
-                                                                training_args.seed)
+    model, task, prompts, held_out, _, reward_funcs = load_task(
+        script_args, model_args.model_name_or_path, training_args.seed
+    )
     check_reward_weights(reward_funcs, training_args.reward_weights, invocation)
     if script_args.dry_run:
-        print(f"[topr-trl] configuration valid: {script_args.iterations} iteration(s), composition="
-              f"{script_args.composition}, task={task}, model={model or 'built-in tiny model'}, "
-              f"limits={training_args.topr_limits}, output_dir={training_args.output_dir}")
+        print(
+            f"[topr-trl] configuration valid: {script_args.iterations} iteration(s), composition="
+            f"{script_args.composition}, task={task}, model={model or 'built-in tiny model'}, "
+            f"limits={training_args.topr_limits}, output_dir={training_args.output_dir}"
+        )
         return []
     refuse_unusable_output_dir(training_args.output_dir)
     check_fits_the_model(model, prompts, training_args.max_completion_length, training_args.chat_template_kwargs)
     _note_hardware(invocation, training_args)
     torch.manual_seed(training_args.seed)
     iteration_settings = IterationSettings(
-        num_iterations=script_args.iterations, num_completions=training_args.num_generations,
-        temperature=training_args.temperature, top_p=training_args.top_p, top_k=training_args.top_k or 0,
-        max_new_tokens=training_args.max_completion_length, composition=script_args.composition,
-        target_proportion=script_args.target_proportion, prompts_per_shard=script_args.prompts_per_shard,
-        backend=script_args.backend, train_args=training_args,
+        num_iterations=script_args.iterations,
+        num_completions=training_args.num_generations,
+        temperature=training_args.temperature,
+        top_p=training_args.top_p,
+        top_k=training_args.top_k or 0,
+        max_new_tokens=training_args.max_completion_length,
+        composition=script_args.composition,
+        target_proportion=script_args.target_proportion,
+        prompts_per_shard=script_args.prompts_per_shard,
+        backend=script_args.backend,
+        train_args=training_args,
         dataset_name=script_args.dataset_name or f"built-in {task} task",  # recorded with each iteration's data
     )
     evaluate, unmeasured = (task_evaluator(task, held_out) if held_out is not None else None), None
     if task == "custom":  # the user's data: measured on its held-out split, when it has one
-        held_out, unmeasured = load_test_prompts(script_args.dataset_name, script_args.dataset_test_split,
-                                                 script_args.dataset_train_split, script_args.dataset_config, prompts)
+        held_out, unmeasured = load_test_prompts(
+            script_args.dataset_name,
+            script_args.dataset_test_split,
+            script_args.dataset_train_split,
+            script_args.dataset_config,
+            prompts,
+        )
         if held_out is not None:
             held_out = held_out.select(range(min(script_args.task_eval_prompts, len(held_out))))
             evaluate = task_evaluator(
-                task, held_out, reward_funcs, reward_weights=training_args.reward_weights,
-                num_samples=HELD_OUT_SAMPLES, temperature=training_args.temperature,
-                top_p=training_args.top_p, top_k=training_args.top_k or 0,
-                max_new_tokens=training_args.max_completion_length, seed=training_args.seed,
-                chat_template_kwargs=getattr(training_args, "chat_template_kwargs", None))
-            say(f"held-out measure: the first {len(held_out)} prompts (--task_eval_prompts) of the "
-                f"{script_args.dataset_test_split!r} split, scored by --reward_funcs")
+                task,
+                held_out,
+                reward_funcs,
+                reward_weights=training_args.reward_weights,
+                num_samples=HELD_OUT_SAMPLES,
+                temperature=training_args.temperature,
+                top_p=training_args.top_p,
+                top_k=training_args.top_k or 0,
+                max_new_tokens=training_args.max_completion_length,
+                seed=training_args.seed,
+                chat_template_kwargs=getattr(training_args, "chat_template_kwargs", None),
+            )
+            say(
+                f"held-out measure: the first {len(held_out)} prompts (--task_eval_prompts) of the "
+                f"{script_args.dataset_test_split!r} split, scored by --reward_funcs"
+            )
         else:
-            unmeasured = (f"no test split: {unmeasured}. Pass --dataset_test_split SPLIT naming a held-out split "
-                          "of --dataset_name to measure each iteration before and after")
+            unmeasured = (
+                f"no test split: {unmeasured}. Pass --dataset_test_split SPLIT naming a held-out split "
+                "of --dataset_name to measure each iteration before and after"
+            )
     elif held_out is None:
-        unmeasured = (f"--task {task} has no held-out measure in iterate: measure an iteration's model with "
-                      f"`topr-trl evaluate --task {task} --model_name_or_path "
-                      f"{shown_path(training_args.output_dir)}/iteration-000/model`")
+        unmeasured = (
+            f"--task {task} has no held-out measure in iterate: measure an iteration's model with "
+            f"`topr-trl evaluate --task {task} --model_name_or_path "
+            f"{shown_path(training_args.output_dir)}/iteration-000/model`"
+        )
     quiet_unmeasured_metrics()
     try:
         with removed_if_left_empty(training_args.output_dir), output_dir_lock(training_args.output_dir):
-            summaries = run_iterations(model, prompts, reward_funcs, training_args.output_dir, iteration_settings,
-                                       evaluate=evaluate, callbacks=[LogLastStep()])
+            summaries = run_iterations(
+                model,
+                prompts,
+                reward_funcs,
+                training_args.output_dir,
+                iteration_settings,
+                evaluate=evaluate,
+                callbacks=[LogLastStep()],
+            )
     except KeyboardInterrupt:
-        raise interrupted(f"finished iterations and the current one's checkpoints are kept in "
-                          f"{shown_path(training_args.output_dir)}: {rerun('iterate', invocation)} to resume") from None
+        raise interrupted(
+            f"finished iterations and the current one's checkpoints are kept in "
+            f"{shown_path(training_args.output_dir)}: {rerun('iterate', invocation)} to resume"
+        ) from None
     except GeneratedWithOtherSettings as refusal:  # named as the flags the user types
         raise GeneratedWithOtherSettings(
-            refusal.output_dir, refusal.changes, command_line=True,
+            refusal.output_dir,
+            refusal.changes,
+            command_line=True,
             ways_out=f"pass another --output_dir, or delete {shown_path(refusal.output_dir.parent)} to redo that "
-                     "iteration with these settings") from None
+            "iteration with these settings",
+        ) from None
     problems = len(held_out) if held_out is not None else 0
     say(f"measured on {describe_machine()}")
     if unmeasured:
@@ -304,22 +405,26 @@ def iterate(script_args: IterateScriptArguments, training_args: TOPRConfig, mode
         line = f"iteration {summary['iteration']}: p={summary['proportion_of_positives']:.3f}"
         if evaluate is not None:  # mu_i = pi_{i-1}: an iteration starts where the previous one ended
             before = summary.get("evaluation_before") or (summaries[index - 1].get("evaluation") if index else None)
-            line += (f"; before: {describe_accuracy(before, problems)}; after: "
-                     f"{describe_accuracy(summary.get('evaluation'), problems)}")
+            line += (
+                f"; before: {describe_accuracy(before, problems)}; after: "
+                f"{describe_accuracy(summary.get('evaluation'), problems)}"
+            )
         say(line)
     if PartialState().is_main_process:
         curves, boundaries = iteration_curves(training_args.output_dir)
-        drawn = plot_curves(curves, Path(training_args.output_dir) / "curves.png",
-                            f"topr-trl iterate: {shown_path(training_args.output_dir)} (dashed: a new iteration)",
-                            boundaries)
+        drawn = plot_curves(
+            curves,
+            Path(training_args.output_dir) / "curves.png",
+            f"topr-trl iterate: {shown_path(training_args.output_dir)} (dashed: a new iteration)",
+            boundaries,
+        )
         if drawn:
             say(f"curves of every iteration drawn to {shown_path(drawn)}")
     return summaries
 
 
 # ---------------------------------------------------------------------------------------------- checks
-def check_reward_weights(reward_funcs: list, reward_weights: list[float] | None, invocation: Invocation | None
-                         ) -> None:
+def check_reward_weights(reward_funcs: list, reward_weights: list[float] | None, invocation: Invocation | None) -> None:
     """One weight per reward function, which GRPOTrainer checks only when it is built: a dry run checks it too, in
     the user's words (a flag, a key of the config file, or from Python the field)."""
     if reward_weights is None or len(reward_weights) == len(reward_funcs):
@@ -328,9 +433,11 @@ def check_reward_weights(reward_funcs: list, reward_weights: list[float] | None,
     given = "reward_weights"
     if invocation is not None:
         given = "--reward_weights" if "reward_weights" in invocation.flags else f"{given} (set in the config file)"
-    raise SystemExit(f"topr-trl: {given} gives {len(reward_weights)} weight(s) for {len(reward_funcs)} reward "
-                     f"function(s) ({names}): give one weight per reward function, in the order of reward_funcs, "
-                     "or no weights (all 1)")
+    raise SystemExit(
+        f"topr-trl: {given} gives {len(reward_weights)} weight(s) for {len(reward_funcs)} reward "
+        f"function(s) ({names}): give one weight per reward function, in the order of reward_funcs, "
+        "or no weights (all 1)"
+    )
 
 
 def _note_hardware(invocation: Invocation | None, training_args: TOPRConfig) -> None:
@@ -347,8 +454,13 @@ def check_fits_the_model(model: str, dataset, max_completion_length: int, chat_t
         return
     positions = model_positions(AutoConfig.from_pretrained(model))
     try:
-        check_prompts_fit(dataset["prompt"], AutoTokenizer.from_pretrained(model), positions, max_completion_length,
-                          chat_template_kwargs)
+        check_prompts_fit(
+            dataset["prompt"],
+            AutoTokenizer.from_pretrained(model),
+            positions,
+            max_completion_length,
+            chat_template_kwargs,
+        )
     except ValueError as error:
         raise SystemExit(f"topr-trl: {error}") from None
 
@@ -364,14 +476,18 @@ def check_offline_policy(source: str, data, policy: str, given: str | None) -> N
         check_stored_tokens(data, tokenizer)
     except StoredTokensMismatch as error:
         if given is None:
-            raise SystemExit(f"topr-trl: --offline_dataset {source} was sampled with "
-                             f"{behaviour or 'another model'}'s tokenizer, not the built-in tiny model's: pass "
-                             f"--model_name_or_path {behaviour or 'MODEL'} (or another model with its tokenizer) "
-                             f"to train on it") from None
+            raise SystemExit(
+                f"topr-trl: --offline_dataset {source} was sampled with "
+                f"{behaviour or 'another model'}'s tokenizer, not the built-in tiny model's: pass "
+                f"--model_name_or_path {behaviour or 'MODEL'} (or another model with its tokenizer) "
+                f"to train on it"
+            ) from None
         raise SystemExit(f"topr-trl: --model_name_or_path {given}: {error}") from None
     if behaviour is not None and given is not None and not _same_model(behaviour, policy):
-        say(f"the policy ({shown_path(policy)}) is another model than mu ({shown_path(behaviour)}, which sampled "
-            f"--offline_dataset), with the same tokenizer: pi/mu starts where the two models differ, not at 1")
+        say(
+            f"the policy ({shown_path(policy)}) is another model than mu ({shown_path(behaviour)}, which sampled "
+            f"--offline_dataset), with the same tokenizer: pi/mu starts where the two models differ, not at 1"
+        )
 
 
 def _same_model(recorded: str, policy: str) -> bool:
@@ -383,17 +499,22 @@ def _same_model(recorded: str, policy: str) -> bool:
 
 def _asynchronous_config(script_args, training_args, model_args, eval_dataset):
     """`--asynchronous`: the run's TOPRConfig as an AsyncTOPRConfig, or a one-line exit saying what it cannot do."""
-    refused = {"--offline_dataset": script_args.offline_dataset is not None, "--use_peft": model_args.use_peft,
-               "an eval_strategy (TRL's asynchronous trainer has no evaluation loop)": eval_dataset is not None}
+    refused = {
+        "--offline_dataset": script_args.offline_dataset is not None,
+        "--use_peft": model_args.use_peft,
+        "an eval_strategy (TRL's asynchronous trainer has no evaluation loop)": eval_dataset is not None,
+    }
     for what, given in refused.items():
         if given:
-            raise SystemExit(f"topr-trl: --asynchronous does not take {what}; drop it, or train without "
-                             "--asynchronous.")
+            raise SystemExit(
+                f"topr-trl: --asynchronous does not take {what}; drop it, or train without --asynchronous."
+            )
     from ..asynchronous.config import async_config_from  # noqa: PLC0415 - loads trl.experimental
 
     try:
-        return async_config_from(training_args, max_staleness=script_args.async_max_staleness, token_budget=0,
-                                 eval_strategy="no")
+        return async_config_from(
+            training_args, max_staleness=script_args.async_max_staleness, token_budget=0, eval_strategy="no"
+        )
     except ValueError as error:
         raise SystemExit(f"topr-trl: --asynchronous: {error}") from None
 
@@ -405,12 +526,20 @@ def _asynchronous_trainer(script_args, async_args, model, reward_funcs, train_da
     if server_url is not None:
         return _served_asynchronous_trainer(script_args, async_args, model, reward_funcs, train_dataset)
 
-    say(f"asynchronous: the worker generates up to {script_args.async_pipeline_steps} steps ahead"
+    say(
+        f"asynchronous: the worker generates up to {script_args.async_pipeline_steps} steps ahead"
         + (f", {script_args.async_lag} policy versions behind" if script_args.async_lag else "")
-        + ("" if async_args.keeps_every_sample else f"; samples over {async_args.max_staleness} versions old are "
-           "dropped"))
-    worker = WorkerSettings(lag=script_args.async_lag, seconds_per_sample=script_args.async_seconds_per_sample,
-                            pipeline_steps=script_args.async_pipeline_steps)
+        + (
+            ""
+            if async_args.keeps_every_sample
+            else f"; samples over {async_args.max_staleness} versions old are dropped"
+        )
+    )
+    worker = WorkerSettings(
+        lag=script_args.async_lag,
+        seconds_per_sample=script_args.async_seconds_per_sample,
+        pipeline_steps=script_args.async_pipeline_steps,
+    )
     try:
         return build_async_trainer(AsyncTOPRTrainer, str(model), reward_funcs, async_args, train_dataset, worker)
     except ValueError as error:
@@ -422,20 +551,27 @@ def _served_asynchronous_trainer(script_args, async_args, model, reward_funcs, t
     the policy through its weight path (gloo from `topr-trl vllm-serve` without a GPU, TRL's NCCL otherwise)."""
     from ..asynchronous import AsyncTOPRTrainer, with_response_template  # noqa: PLC0415 - loads trl.experimental
 
-    stand_in = {"--async_lag": script_args.async_lag,
-                "--async_seconds_per_sample": script_args.async_seconds_per_sample}
+    stand_in = {
+        "--async_lag": script_args.async_lag,
+        "--async_seconds_per_sample": script_args.async_seconds_per_sample,
+    }
     if any(stand_in.values()):
-        raise SystemExit(f"topr-trl: --asynchronous with --vllm_server_base_url generates on the server: "
-                         f"{', '.join(flag for flag, value in stand_in.items() if value)} set(s) the in-process "
-                         "stand-in worker only; drop it, or drop --vllm_server_base_url")
+        raise SystemExit(
+            f"topr-trl: --asynchronous with --vllm_server_base_url generates on the server: "
+            f"{', '.join(flag for flag, value in stand_in.items() if value)} set(s) the in-process "
+            "stand-in worker only; drop it, or drop --vllm_server_base_url"
+        )
     tokenizer = with_response_template(AutoTokenizer.from_pretrained(model))
     step = async_args.per_device_train_batch_size * async_args.gradient_accumulation_steps * async_args.world_size
     if not gpu_available():  # vLLM's CPU engine can fail on many seeded requests at once ("CPU Generator does not
         async_args.max_inflight_tasks = step  # use offset"): one step's samples in flight
-    say(f"asynchronous: TRL's rollout worker on the vLLM server at {async_args.vllm_server_base_url}, "
-        f"{async_args.max_inflight_tasks} requests in flight")
-    return AsyncTOPRTrainer(str(model), reward_funcs, async_args, train_dataset=train_dataset,
-                            processing_class=tokenizer)
+    say(
+        f"asynchronous: TRL's rollout worker on the vLLM server at {async_args.vllm_server_base_url}, "
+        f"{async_args.max_inflight_tasks} requests in flight"
+    )
+    return AsyncTOPRTrainer(
+        str(model), reward_funcs, async_args, train_dataset=train_dataset, processing_class=tokenizer
+    )
 
 
 def _asynchronous_summary(trainer) -> dict:
@@ -444,16 +580,24 @@ def _asynchronous_summary(trainer) -> dict:
     dropped = sum(entry.get("sample/dropped_stale_total") or 0 for entry in trainer.state.log_history)
     read = sum(counts.values())
     mean = sum(k * v for k, v in counts.items()) / read if read else float("nan")
-    say(f"asynchronous: {read} samples read, staleness mean {mean:.2f}, max {max(counts, default=0)} policy "
-        f"versions; {dropped:g} dropped")
+    say(
+        f"asynchronous: {read} samples read, staleness mean {mean:.2f}, max {max(counts, default=0)} policy "
+        f"versions; {dropped:g} dropped"
+    )
     return {"staleness_counts": {str(k): v for k, v in counts.items()}, "staleness_mean": mean, "dropped": dropped}
-
 
 
 # ---------------------------------------------------------------------------------------------- what a run reports
 # The last logged value of each, for the summary of a run (p~ only under topr_signal="reward").
-SUMMARY_METRICS = ("loss", "reward", "reward_std", "topr/effective_positive_proportion", "topr/positive_fraction",
-                   "topr/negative_truncated_fraction", "eval_reward")
+SUMMARY_METRICS = (
+    "loss",
+    "reward",
+    "reward_std",
+    "topr/effective_positive_proportion",
+    "topr/positive_fraction",
+    "topr/negative_truncated_fraction",
+    "eval_reward",
+)
 
 
 def last_logged(log_history: list[dict], keys) -> dict:

@@ -223,13 +223,16 @@ def load_gsm8k(
             answers.append(gsm8k_reference_answer(solution))
         except ValueError as error:
             raise ValueError(f"load_gsm8k: row {index} of {source!r}: {error}") from None
-    prompts = [build_prompt(question, examples, chat, system_prompt, instruction, _PLAIN_LABELS["gsm8k"])
-               for question in dataset[question_column]]
+    prompts = [
+        build_prompt(question, examples, chat, system_prompt, instruction, _PLAIN_LABELS["gsm8k"])
+        for question in dataset[question_column]
+    ]
     solutions = [str(solution) for solution in dataset[answer_column]]
     removed = [column for column in dataset.column_names if column in ("prompt", "answer", "solution", answer_column)]
     dataset = dataset.remove_columns(removed)
-    return _finish(dataset.add_column("prompt", prompts).add_column("answer", answers)
-                   .add_column("solution", solutions))
+    return _finish(
+        dataset.add_column("prompt", prompts).add_column("answer", answers).add_column("solution", solutions)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -244,15 +247,25 @@ def _finish(dataset: Dataset) -> Dataset:
 
 
 def _math_dataset(
-    dataset: Dataset, name: str, problem_column: str, answer_of, chat: bool, few_shot: int,
-    system_prompt: str | None, instruction: str | None,
+    dataset: Dataset,
+    name: str,
+    problem_column: str,
+    answer_of,
+    chat: bool,
+    few_shot: int,
+    system_prompt: str | None,
+    instruction: str | None,
 ) -> Dataset:
     examples = _few_shot_examples(few_shot, MATH_FEW_SHOT, name)
     answers = [answer_of(row) for row in dataset]
     keep = [index for index, answer in enumerate(answers) if answer]
     if len(keep) < len(answers):
-        logger.warning("%s: dropped %d of %d rows without a reference answer (no \\boxed{} in the solution)",
-                       name, len(answers) - len(keep), len(answers))
+        logger.warning(
+            "%s: dropped %d of %d rows without a reference answer (no \\boxed{} in the solution)",
+            name,
+            len(answers) - len(keep),
+            len(answers),
+        )
         if not keep:
             raise ValueError(f"{name}: no row has a reference answer")
         dataset = dataset.select(keep)
@@ -290,8 +303,16 @@ def load_math(
     parts = [load_data_source(source, split, name, cache_dir) for name in configs]
     dataset = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
     _require_columns(dataset, [problem_column, solution_column], "load_math")
-    return _math_dataset(dataset, "load_math", problem_column, lambda row: extract_boxed(str(row[solution_column])),
-                         chat, few_shot, system_prompt, instruction)
+    return _math_dataset(
+        dataset,
+        "load_math",
+        problem_column,
+        lambda row: extract_boxed(str(row[solution_column])),
+        chat,
+        few_shot,
+        system_prompt,
+        instruction,
+    )
 
 
 def load_math500(
@@ -312,8 +333,9 @@ def load_math500(
     `solution`). Same prompt options as `load_math`."""
     dataset = load_data_source(source, split, config, cache_dir)
     if answer_column not in dataset.column_names and solution_column not in dataset.column_names:
-        raise ValueError(f"load_math500: need a {answer_column!r} or {solution_column!r} column; the data has "
-                         f"{dataset.column_names}")
+        raise ValueError(
+            f"load_math500: need a {answer_column!r} or {solution_column!r} column; the data has {dataset.column_names}"
+        )
     _require_columns(dataset, [problem_column], "load_math500")
 
     def answer_of(row):
@@ -323,5 +345,4 @@ def load_math500(
         solution = row.get(solution_column)
         return extract_boxed(str(solution)) if solution is not None else None
 
-    return _math_dataset(dataset, "load_math500", problem_column, answer_of, chat, few_shot, system_prompt,
-                         instruction)
+    return _math_dataset(dataset, "load_math500", problem_column, answer_of, chat, few_shot, system_prompt, instruction)

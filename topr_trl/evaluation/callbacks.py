@@ -101,8 +101,10 @@ class EvaluationCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if is_deepspeed_zero3_enabled():
-            raise ValueError("EvaluationCallback does not support DeepSpeed ZeRO-3 (it generates on the main "
-                             "process only, and ZeRO-3 parameters are gathered by all processes together)")
+            raise ValueError(
+                "EvaluationCallback does not support DeepSpeed ZeRO-3 (it generates on the main "
+                "process only, and ZeRO-3 parameters are gathered by all processes together)"
+            )
         if self.at_train_begin:
             return self._evaluate(args, state, control, **kwargs)
 
@@ -135,9 +137,20 @@ class EvaluationCallback(TrainerCallback):
         tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a multimodal processor wraps its tokenizer
         max_new_tokens = self.max_new_tokens or getattr(args, "max_completion_length", None) or 256
         result = evaluate_model(
-            model, tokenizer, self.dataset, self.classify, k=self.k, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, max_new_tokens=max_new_tokens, batch_size=self.batch_size, seed=self.seed,
-            show_progress=self.show_progress, backend="transformers", **self.evaluate_kwargs,
+            model,
+            tokenizer,
+            self.dataset,
+            self.classify,
+            k=self.k,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=max_new_tokens,
+            batch_size=self.batch_size,
+            seed=self.seed,
+            show_progress=self.show_progress,
+            backend="transformers",
+            **self.evaluate_kwargs,
         )
         self.results.append((state.global_step, result))
         if self.output_dir is not None:

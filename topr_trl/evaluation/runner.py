@@ -70,8 +70,9 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _classifier(function: Callable[[str, Any], str], extract: Callable[[str], Any],
-                equivalent: Callable[[Any, Any], bool] | None) -> Callable[[str, Any], str]:
+def _classifier(
+    function: Callable[[str, Any], str], extract: Callable[[str], Any], equivalent: Callable[[Any, Any], bool] | None
+) -> Callable[[str, Any], str]:
     function.extract = extract
     function.equivalent = equivalent
     return function
@@ -88,8 +89,9 @@ def _math_classify(text: str, reference) -> str:
 gsm8k_classify = _classifier(_gsm8k_classify, extract_gsm8k_answer, gsm8k_numbers_equal)
 """GSM8K: `topr_trl.evaluation.rewards.classify_gsm8k`; votes are numbers, equal when numerically equal."""
 
-math_classify = _classifier(_math_classify, lambda text: extract_boxed(completion_text(text)) or None,
-                            math_answers_equal)
+math_classify = _classifier(
+    _math_classify, lambda text: extract_boxed(completion_text(text)) or None, math_answers_equal
+)
 """MATH: `topr_trl.evaluation.rewards.classify_math` (last `\\boxed{}`, math-verify); votes equal when equivalent."""
 
 
@@ -182,9 +184,21 @@ def _use_vllm(model, backend: str) -> bool:
     return isinstance(model, (str, Path)) and vllm_available()
 
 
-def _generate_transformers(model, tokenizer, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                           top_k: int, max_new_tokens: int, batch_size: int, seed: int, show_progress: bool,
-                           stop_strings, generate_kwargs: dict) -> list[list[dict]]:
+def _generate_transformers(
+    model,
+    tokenizer,
+    prompt_ids: list[list[int]],
+    n: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    max_new_tokens: int,
+    batch_size: int,
+    seed: int,
+    show_progress: bool,
+    stop_strings,
+    generate_kwargs: dict,
+) -> list[list[dict]]:
     """n samples for each prompt, as {"text", "num_tokens", "truncated"} dicts (`topr_trl.sampling`), in a forked RNG
     (the caller's random state, e.g. a trainer's, is left untouched) seeded with `seed`."""
     if tokenizer.pad_token_id is None:
@@ -193,8 +207,15 @@ def _generate_transformers(model, tokenizer, prompt_ids: list[list[int]], n: int
     eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids])
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
-    options = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature, top_p=top_p,
-                   top_k=top_k, stop_token_ids=sorted(eos_ids) or None, **generate_kwargs)
+    options = dict(
+        max_new_tokens=max_new_tokens,
+        do_sample=temperature > 0,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        stop_token_ids=sorted(eos_ids) or None,
+        **generate_kwargs,
+    )
     if stop_strings:
         options.update(stop_strings=list(stop_strings), tokenizer=tokenizer)
     jobs = [index for index in range(len(prompt_ids)) for _ in range(n)]
@@ -207,17 +228,29 @@ def _generate_transformers(model, tokenizer, prompt_ids: list[list[int]], n: int
                 for index, completion in zip(batch, completions, strict=True):
                     tokens, stopped = completion["completion_ids"], completion["stopped"]
                     kept = tokens[:-1] if stopped else tokens
-                    samples[index].append({
-                        "text": tokenizer.decode(kept, skip_special_tokens=True),
-                        "num_tokens": len(tokens),
-                        "truncated": not stopped and len(kept) >= max_new_tokens,
-                    })
+                    samples[index].append(
+                        {
+                            "text": tokenizer.decode(kept, skip_special_tokens=True),
+                            "num_tokens": len(tokens),
+                            "truncated": not stopped and len(kept) >= max_new_tokens,
+                        }
+                    )
                 progress.update(len(batch))
     return samples
 
 
-def _generate_vllm(model_path: str, tokenizer, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                   top_k: int, max_new_tokens: int, seed: int, stop_strings) -> list[list[dict]]:
+def _generate_vllm(
+    model_path: str,
+    tokenizer,
+    prompt_ids: list[list[int]],
+    n: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    max_new_tokens: int,
+    seed: int,
+    stop_strings,
+) -> list[list[dict]]:
     """n samples for each text with vLLM (imported here, only when chosen)."""
     from vllm import SamplingParams  # noqa: PLC0415 - optional: vLLM
 
@@ -225,12 +258,20 @@ def _generate_vllm(model_path: str, tokenizer, prompt_ids: list[list[int]], n: i
     # which vLLM 0.31's CPU runner cannot honour ("CPU Generator does not use offset" once a request's sampled token
     # is discarded, as chunked prefill does).
     llm = make_vllm_engine(model_path, seed=seed, tokenizer=getattr(tokenizer, "name_or_path", None) or None)
-    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
-                            max_tokens=max_new_tokens, stop=list(stop_strings) if stop_strings else None)
+    params = SamplingParams(
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k if top_k > 0 else -1,
+        max_tokens=max_new_tokens,
+        stop=list(stop_strings) if stop_strings else None,
+    )
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
     return [
-        [{"text": sample.text, "num_tokens": len(sample.token_ids), "truncated": sample.finish_reason == "length"}
-         for sample in output.outputs]
+        [
+            {"text": sample.text, "num_tokens": len(sample.token_ids), "truncated": sample.finish_reason == "length"}
+            for sample in output.outputs
+        ]
         for output in outputs
     ]
 
@@ -269,8 +310,14 @@ def _reported_ks(k: int) -> list[int]:
     return sorted(ks)
 
 
-def _compute_metrics(classes: list[list[str]], votes: list[list[int | None]], group_correct: list[dict[int, bool]],
-                     k: int, num_bootstrap: int, seed: int) -> tuple[dict, dict, list[int]]:
+def _compute_metrics(
+    classes: list[list[str]],
+    votes: list[list[int | None]],
+    group_correct: list[dict[int, bool]],
+    k: int,
+    num_bootstrap: int,
+    seed: int,
+) -> tuple[dict, dict, list[int]]:
     n = len(classes[0])
     correct = np.array([[answer_class == CORRECT for answer_class in row] for row in classes], dtype=bool)
     invalid = np.array([[answer_class == INVALID for answer_class in row] for row in classes], dtype=bool)
@@ -284,21 +331,24 @@ def _compute_metrics(classes: list[list[str]], votes: list[list[int | None]], gr
     def is_correct(group, question):
         return group_correct[question][group]
 
-    metrics[f"maj@{k}"] = float(np.mean([
-        expected_maj_at_k(row, question, k, is_correct) for question, row in enumerate(votes)
-    ]))
+    metrics[f"maj@{k}"] = float(
+        np.mean([expected_maj_at_k(row, question, k, is_correct) for question, row in enumerate(votes)])
+    )
     errors[f"maj@{k}"] = (
         bootstrap_maj_at_k(votes, list(range(len(votes))), k, is_correct, None, num_bootstrap, seed).standard_error
-        if k < n else None
+        if k < n
+        else None
     )
     metrics["invalid_rate"] = float(invalid.mean())
     metrics["incorrect_rate"] = float((~correct & ~invalid).mean())
     rate_se = {}
     for name, flags in (("invalid_rate", invalid), ("incorrect_rate", ~correct & ~invalid)):
         rate_se[name] = (
-            bootstrap_standard_error(flags.tolist(), 1, lambda draws: float(np.mean(draws)), num_bootstrap,
-                                     seed).standard_error
-            if n > 1 else None
+            bootstrap_standard_error(
+                flags.tolist(), 1, lambda draws: float(np.mean(draws)), num_bootstrap, seed
+            ).standard_error
+            if n > 1
+            else None
         )
     errors.update(rate_se)
     return metrics, errors, correct_count_histogram(correct).tolist()
@@ -383,51 +433,87 @@ def evaluate_model(
         tokenizer = AutoTokenizer.from_pretrained(str(model))
     prompt_ids = _prompt_ids(tokenizer, prompts)
     if vllm:
-        samples = _generate_vllm(str(model), tokenizer, prompt_ids, n, temperature, top_p, top_k, max_new_tokens, seed,
-                                 stop_strings)
+        samples = _generate_vllm(
+            str(model), tokenizer, prompt_ids, n, temperature, top_p, top_k, max_new_tokens, seed, stop_strings
+        )
     else:
         if isinstance(model, (str, Path)):
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype="auto")
             if torch.cuda.is_available():
                 model = model.to("cuda")
-        samples = _generate_transformers(model, tokenizer, prompt_ids, n, temperature, top_p, top_k, max_new_tokens,
-                                         batch_size, seed, show_progress, stop_strings, dict(generate_kwargs or {}))
+        samples = _generate_transformers(
+            model,
+            tokenizer,
+            prompt_ids,
+            n,
+            temperature,
+            top_p,
+            top_k,
+            max_new_tokens,
+            batch_size,
+            seed,
+            show_progress,
+            stop_strings,
+            dict(generate_kwargs or {}),
+        )
 
     classes, votes, group_correct, records = [], [], [], []
     for index, (prompt, reference, question_samples) in enumerate(zip(prompts, references, samples, strict=True)):
         question_texts = [sample["text"] for sample in question_samples]
         question_classes = [_as_class(classify(text, reference)) for text in question_texts]
         if extract is not None:
-            answers = [extract(text) if c != INVALID else None
-                       for text, c in zip(question_texts, question_classes, strict=True)]
+            answers = [
+                extract(text) if c != INVALID else None
+                for text, c in zip(question_texts, question_classes, strict=True)
+            ]
         else:
-            answers = [text.strip() if c != INVALID else None
-                       for text, c in zip(question_texts, question_classes, strict=True)]
+            answers = [
+                text.strip() if c != INVALID else None for text, c in zip(question_texts, question_classes, strict=True)
+            ]
         ids, correct_groups = _vote_ids(answers, question_classes, equivalent)
         classes.append(question_classes)
         votes.append(ids)
         group_correct.append(correct_groups)
-        records.append({
-            "index": index,
-            "prompt": json_safe(prompt),
-            "reference": json_safe(reference),
-            "num_correct": question_classes.count(CORRECT),
-            "num_invalid": question_classes.count(INVALID),
-            "completions": question_texts,
-            "classes": question_classes,
-            "answers": json_safe(answers),
-            "num_tokens": [sample["num_tokens"] for sample in question_samples],
-            "truncated": [sample["truncated"] for sample in question_samples],
-        })
+        records.append(
+            {
+                "index": index,
+                "prompt": json_safe(prompt),
+                "reference": json_safe(reference),
+                "num_correct": question_classes.count(CORRECT),
+                "num_invalid": question_classes.count(INVALID),
+                "completions": question_texts,
+                "classes": question_classes,
+                "answers": json_safe(answers),
+                "num_tokens": [sample["num_tokens"] for sample in question_samples],
+                "truncated": [sample["truncated"] for sample in question_samples],
+            }
+        )
     metrics, errors, histogram = _compute_metrics(classes, votes, group_correct, k, num_bootstrap, seed)
     settings = dict(
-        model=model_name, backend="vllm" if vllm else "transformers", k=k, num_samples=n, temperature=temperature,
-        top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
-        num_bootstrap=num_bootstrap, stop_strings=list(stop_strings) if stop_strings else None,
+        model=model_name,
+        backend="vllm" if vllm else "transformers",
+        k=k,
+        num_samples=n,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        seed=seed,
+        num_bootstrap=num_bootstrap,
+        stop_strings=list(stop_strings) if stop_strings else None,
         classify=getattr(classify, "__name__", type(classify).__name__),
     )
-    return EvaluationResult(k=k, num_samples=n, num_prompts=len(records), metrics=metrics, standard_errors=errors,
-                            histogram=histogram, records=records, settings=settings)
+    return EvaluationResult(
+        k=k,
+        num_samples=n,
+        num_prompts=len(records),
+        metrics=metrics,
+        standard_errors=errors,
+        histogram=histogram,
+        records=records,
+        settings=settings,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------

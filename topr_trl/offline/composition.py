@@ -12,16 +12,20 @@ from datasets import Dataset
 COMPOSITIONS = ("uniform", "positives_only", "anna_karenina", "target_proportion")
 
 
-
 def proportion_of_positives(dataset: Dataset, threshold: float = 0.0) -> float:
     """p: the share of rows whose reward is above `threshold`."""
     rewards = [r for r in dataset["reward"] if r is not None and not math.isnan(r)]
     return sum(r > threshold for r in rewards) / max(len(rewards), 1)
 
 
-
-def compose(dataset: Dataset, strategy: str = "uniform", *, target_proportion: float | None = None,
-            seed: int = 0, threshold: float = 0.0) -> tuple[Dataset, float]:
+def compose(
+    dataset: Dataset,
+    strategy: str = "uniform",
+    *,
+    target_proportion: float | None = None,
+    seed: int = 0,
+    threshold: float = 0.0,
+) -> tuple[Dataset, float]:
     """Select the rows an iteration trains on; returns the subset and its proportion of positives p.
 
     - "uniform": every row.

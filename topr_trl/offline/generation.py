@@ -48,14 +48,25 @@ _NOT_MODEL_FILES = ("training_args.bin",)
 # How each recorded setting is named in a refusal: as `generate_offline_dataset`'s arguments, or as `topr-trl
 # generate`'s flags (`iterate` uses the same ones), so that it names what the user typed. A key missing is named as
 # recorded.
-_PYTHON_NAMES = {"model.name_or_path": "model", "dataset.name": "dataset_name",
-                 "dataset.num_prompts": "the number of prompts"}
+_PYTHON_NAMES = {
+    "model.name_or_path": "model",
+    "dataset.name": "dataset_name",
+    "dataset.num_prompts": "the number of prompts",
+}
 _FLAGS = {
-    "model.name_or_path": "--model_name_or_path", "dataset.name": "--dataset_name",
-    "dataset.num_prompts": "the number of prompts (--max_prompts)", "reward_funcs": "--reward_funcs",
-    "num_completions": "--num_generations", "temperature": "--temperature", "top_p": "--top_p", "top_k": "--top_k",
-    "max_new_tokens": "--max_completion_length", "backend": "--backend", "seed": "--seed",
-    "chat_template_kwargs": "--chat_template_kwargs", "prompts_per_shard": "--prompts_per_shard",
+    "model.name_or_path": "--model_name_or_path",
+    "dataset.name": "--dataset_name",
+    "dataset.num_prompts": "the number of prompts (--max_prompts)",
+    "reward_funcs": "--reward_funcs",
+    "num_completions": "--num_generations",
+    "temperature": "--temperature",
+    "top_p": "--top_p",
+    "top_k": "--top_k",
+    "max_new_tokens": "--max_completion_length",
+    "backend": "--backend",
+    "seed": "--seed",
+    "chat_template_kwargs": "--chat_template_kwargs",
+    "prompts_per_shard": "--prompts_per_shard",
 }
 
 
@@ -71,12 +82,16 @@ class GeneratedWithOtherSettings(ValueError):
         ways_out = ways_out or "use another output_dir, or overwrite=True to delete it and generate again"
         if self.changes:
             described = "; ".join(describe_changes(self.changes, _FLAGS if command_line else _PYTHON_NAMES))
-            what = (f"{output_dir} holds a generation made with other settings ({described}), so its rows are not "
-                    "samples of this run's model and prompts")
+            what = (
+                f"{output_dir} holds a generation made with other settings ({described}), so its rows are not "
+                "samples of this run's model and prompts"
+            )
         else:
-            what = (f"{output_dir} holds a generation whose manifest ({_MANIFEST}) is missing or was written by an "
-                    "older topr-trl: it does not record the model, prompts and sampling settings that made it, so it "
-                    "cannot be checked against this run")
+            what = (
+                f"{output_dir} holds a generation whose manifest ({_MANIFEST}) is missing or was written by an "
+                "older topr-trl: it does not record the model, prompts and sampling settings that made it, so it "
+                "cannot be checked against this run"
+            )
         super().__init__(f"{what}: {ways_out}")
 
 
@@ -113,8 +128,11 @@ def _folder_digest(folder: Path, known: dict) -> str:
     the middle of a shard, as merging an adapter into some layers makes. It costs one read of the model (seconds per
     GB) on the first generation only: `known` memoizes each file's digest by size and modification time, so a
     resume reads no weights."""
-    files = sorted(path for path in folder.iterdir() if path.is_file() and path.suffix in _MODEL_FILE_SUFFIXES
-                   and path.name not in _NOT_MODEL_FILES)
+    files = sorted(
+        path
+        for path in folder.iterdir()
+        if path.is_file() and path.suffix in _MODEL_FILE_SUFFIXES and path.name not in _NOT_MODEL_FILES
+    )
     digest = hashlib.sha256()
     for path in files:
         digest.update(f"{path.name}\0{_file_sha256(path.resolve(), known)}\n".encode())
@@ -142,8 +160,10 @@ def _hub_commit(repo_id: str) -> str:
         except Exception as error:  # not cached offline, unreachable, or no such file: nor can generation load it
             failure = error
     reason = (str(failure).splitlines() or [""])[0][:200]
-    raise ValueError(f"cannot tell which revision of the model {repo_id!r} this is, to record it with the generated "
-                     f"data ({type(failure).__name__}: {reason})") from failure
+    raise ValueError(
+        f"cannot tell which revision of the model {repo_id!r} this is, to record it with the generated "
+        f"data ({type(failure).__name__}: {reason})"
+    ) from failure
 
 
 def model_identity(model, known: dict) -> dict:
@@ -152,19 +172,28 @@ def model_identity(model, known: dict) -> dict:
     model's parameters, or None for a Hub id, whose commit fixes them). `model` as `generate_offline_dataset` takes
     it: a path or Hub id, a loaded model, or a vLLM engine. `known` memoizes file digests (see `_file_sha256`)."""
     if isinstance(model, torch.nn.Module):
-        return {"name_or_path": _shown_source(str(getattr(model, "name_or_path", "") or type(model).__name__)),
-                "revision": None, "weights": f"parameters sha256:{_parameters_digest(model)}"}
+        return {
+            "name_or_path": _shown_source(str(getattr(model, "name_or_path", "") or type(model).__name__)),
+            "revision": None,
+            "weights": f"parameters sha256:{_parameters_digest(model)}",
+        }
     engine_config = getattr(getattr(model, "llm_engine", None), "model_config", None)  # a vLLM engine
     name = str(model) if isinstance(model, (str, Path)) else getattr(engine_config, "model", None)
     if name is None:  # an engine that does not say what it serves: recorded by its type only
         return {"name_or_path": type(model).__name__, "revision": None, "weights": None}
     path = Path(name).expanduser()
     if path.is_dir():
-        return {"name_or_path": str(path.resolve()), "revision": None,
-                "weights": f"files sha256:{_folder_digest(path, known)}"}
+        return {
+            "name_or_path": str(path.resolve()),
+            "revision": None,
+            "weights": f"files sha256:{_folder_digest(path, known)}",
+        }
     if path.is_file():
-        return {"name_or_path": str(path.resolve()), "revision": None,
-                "weights": f"file sha256:{_file_sha256(path.resolve(), known)}"}
+        return {
+            "name_or_path": str(path.resolve()),
+            "revision": None,
+            "weights": f"file sha256:{_file_sha256(path.resolve(), known)}",
+        }
     return {"name_or_path": name, "revision": _hub_commit(name), "weights": None}
 
 
@@ -221,8 +250,9 @@ def setting_changes(old: dict, new: dict) -> list[SettingChange]:
     if "reward_funcs" in changed:  # one weight per function: other functions have other weights
         changed = [key for key in changed if key != "reward_weights"]
     sources = {"model": new_flat.get("model.name_or_path"), "dataset": new_flat.get("dataset.name")}
-    return [SettingChange(key, old_flat.get(key), new_flat.get(key), sources.get(key.partition(".")[0]))
-            for key in changed]
+    return [
+        SettingChange(key, old_flat.get(key), new_flat.get(key), sources.get(key.partition(".")[0])) for key in changed
+    ]
 
 
 def describe_changes(changes: list[SettingChange], names: dict) -> list[str]:
@@ -236,8 +266,9 @@ def describe_changes(changes: list[SettingChange], names: dict) -> list[str]:
         elif key == "model.revision":
             texts.append(f"{owner} {source}: revision {before} -> {after}")
         elif key == "dataset.rows_sha256":
-            texts.append(f"{owner} {source}: its prompt rows changed (sha256 {str(before)[:12]}... -> "
-                         f"{str(after)[:12]}...)")
+            texts.append(
+                f"{owner} {source}: its prompt rows changed (sha256 {str(before)[:12]}... -> {str(after)[:12]}...)"
+            )
         else:
             texts.append(f"{names.get(key, key)} {_shown_value(before)} -> {_shown_value(after)}")
     return texts
@@ -248,12 +279,21 @@ def _checked_manifest(output_dir: Path, settings: dict, known: dict, overwrite: 
     earlier generation), kept when it records the same settings (the generation resumes), else refused with
     `GeneratedWithOtherSettings`."""
     manifest_file = output_dir / _MANIFEST
-    foreign = sorted(entry.name for entry in output_dir.iterdir() if not entry.name.startswith((".", "shard-"))
-                     and entry.name != _MANIFEST) if output_dir.is_dir() else []
+    foreign = (
+        sorted(
+            entry.name
+            for entry in output_dir.iterdir()
+            if not entry.name.startswith((".", "shard-")) and entry.name != _MANIFEST
+        )
+        if output_dir.is_dir()
+        else []
+    )
     if foreign:  # a trained model's folder, say: shards beside it would mix the two, and nothing here deletes it
-        raise ValueError(f"{output_dir} holds other files ({', '.join(foreign[:3])}"
-                         f"{f' and {len(foreign) - 3} more' if len(foreign) > 3 else ''}) and no generation: "
-                         "generate into a new or empty folder")
+        raise ValueError(
+            f"{output_dir} holds other files ({', '.join(foreign[:3])}"
+            f"{f' and {len(foreign) - 3} more' if len(foreign) > 3 else ''}) and no generation: "
+            "generate into a new or empty folder"
+        )
     earlier = [*output_dir.glob("shard-*"), *output_dir.glob(".shard-*.tmp")]
     if overwrite:
         for shard in earlier:
@@ -276,7 +316,6 @@ def _checked_manifest(output_dir: Path, settings: dict, known: dict, overwrite: 
     temporary = output_dir / f".{_MANIFEST}.tmp"
     temporary.write_text(json.dumps(manifest, indent=2))
     temporary.replace(manifest_file)  # atomic: another process reads the whole manifest or none
-
 
 
 def generate_offline_dataset(
@@ -344,10 +383,22 @@ def generate_offline_dataset(
     output_dir.mkdir(parents=True, exist_ok=True)
     known_digests = _recorded_file_digests(output_dir)
     settings = generation_settings(
-        model_identity(model, known_digests), dataset_name, prompts, reward_funcs, weights, tools,
-        num_completions=num_completions, temperature=temperature, top_p=top_p, top_k=top_k,
-        max_new_tokens=max_new_tokens, backend=backend, seed=seed, chat_template_kwargs=chat_template_kwargs,
-        prompts_per_shard=prompts_per_shard)
+        model_identity(model, known_digests),
+        dataset_name,
+        prompts,
+        reward_funcs,
+        weights,
+        tools,
+        num_completions=num_completions,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+        backend=backend,
+        seed=seed,
+        chat_template_kwargs=chat_template_kwargs,
+        prompts_per_shard=prompts_per_shard,
+    )
     _checked_manifest(output_dir, settings, known_digests, overwrite)
 
     num_shards = math.ceil(len(prompts) / prompts_per_shard)
@@ -360,10 +411,22 @@ def generate_offline_dataset(
             continue
         if sampler is None:
             model, sampler = _load_sampler(model, backend, seed)
-        rows = sample_rows(sampler, model, tokenizer, prompts.select(range(start, stop)), num_completions,
-                           prompts_per_batch, first_index=start, progress=progress, temperature=temperature,
-                           top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                           chat_template_kwargs=chat_template_kwargs, tools=tools)
+        rows = sample_rows(
+            sampler,
+            model,
+            tokenizer,
+            prompts.select(range(start, stop)),
+            num_completions,
+            prompts_per_batch,
+            first_index=start,
+            progress=progress,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_new_tokens,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+        )
         score_rows(rows, reward_funcs, weights)
         temporary = output_dir / f".shard-{shard:05d}.tmp"
         shutil.rmtree(temporary, ignore_errors=True)
@@ -380,16 +443,25 @@ def generate_offline_dataset(
     return dataset
 
 
-
-def generation_settings(model: dict, dataset_name: str | None, prompts: Dataset, reward_funcs: Sequence[Callable],
-                        reward_weights: Sequence[float], tools: Sequence[Callable] | None, **sampling) -> dict:
+def generation_settings(
+    model: dict,
+    dataset_name: str | None,
+    prompts: Dataset,
+    reward_funcs: Sequence[Callable],
+    reward_weights: Sequence[float],
+    tools: Sequence[Callable] | None,
+    **sampling,
+) -> dict:
     """Everything that defines a generation's rows, as its manifest records them (JSON values, so that a record
     read back compares equal): the model (`model_identity`), the prompts, the reward functions and their weights,
     the tools and the `sampling` settings (backend resolved)."""
     settings = {
         "model": model,
-        "dataset": {"name": _shown_source(dataset_name) if dataset_name else None, "num_prompts": len(prompts),
-                    "rows_sha256": prompts_digest(prompts)},
+        "dataset": {
+            "name": _shown_source(dataset_name) if dataset_name else None,
+            "num_prompts": len(prompts),
+            "rows_sha256": prompts_digest(prompts),
+        },
         "reward_funcs": [_reward_name(function) for function in reward_funcs],
         "reward_weights": [float(weight) for weight in reward_weights],
         "tools": [getattr(tool, "__name__", repr(tool)) for tool in tools or []],
@@ -431,9 +503,17 @@ def _load_sampler(model, backend: str, seed: int) -> tuple[object, Callable]:
     return model, sample_with_logps
 
 
-
-def sample_rows(sampler: Callable, model, tokenizer, prompts: Dataset, num_completions: int, prompts_per_batch: int,
-                first_index: int = 0, progress=None, **sampling) -> list[dict]:
+def sample_rows(
+    sampler: Callable,
+    model,
+    tokenizer,
+    prompts: Dataset,
+    num_completions: int,
+    prompts_per_batch: int,
+    first_index: int = 0,
+    progress=None,
+    **sampling,
+) -> list[dict]:
     """`num_completions` rows per prompt of `prompts`, sampled `prompts_per_batch` prompts at a time by `sampler`
     (`sample_with_logps` or `sample_with_logps_vllm`, given `sampling`): the prompt's columns, its `prompt_index`
     (numbered from `first_index`), the `sample_index` and the sampler's columns. `progress` (tqdm) counts prompts."""
@@ -443,8 +523,14 @@ def sample_rows(sampler: Callable, model, tokenizer, prompts: Dataset, num_compl
         samples = sampler(model, tokenizer, batch["prompt"], num_completions, **sampling)
         for offset, example in enumerate(batch):
             for sample_index in range(num_completions):
-                rows.append({**example, "prompt_index": first_index + batch_start + offset,
-                             "sample_index": sample_index, **samples[offset * num_completions + sample_index]})
+                rows.append(
+                    {
+                        **example,
+                        "prompt_index": first_index + batch_start + offset,
+                        "sample_index": sample_index,
+                        **samples[offset * num_completions + sample_index],
+                    }
+                )
         if progress is not None:
             progress.update(len(batch))
     return rows
@@ -457,8 +543,9 @@ def score_rows(rows: list[dict], reward_funcs: list[Callable], weights: list[flo
     total = [0.0] * len(rows)
     scored = [False] * len(rows)
     for function, weight in zip(reward_funcs, weights, strict=True):
-        values = function(prompts=[row["prompt"] for row in rows], completions=[row["completion"] for row in rows],
-                          **columns)
+        values = function(
+            prompts=[row["prompt"] for row in rows], completions=[row["completion"] for row in rows], **columns
+        )
         if inspect.isawaitable(values):  # an async reward function, as GRPOTrainer accepts
             values = asyncio.run(values)
         check_reward_values(_reward_name(function), values, len(rows))
@@ -470,7 +557,6 @@ def score_rows(rows: list[dict], reward_funcs: list[Callable], weights: list[flo
                 scored[i] = True
     for row, value, ok in zip(rows, total, scored, strict=True):
         row["reward"] = value if ok else math.nan
-
 
 
 def load_offline_dataset(directory: str | Path) -> Dataset:
@@ -488,7 +574,6 @@ def load_offline_dataset(directory: str | Path) -> Dataset:
 _JSON_COLUMNS = ("prompt_ids", "completion_ids", "behaviour_logps", "behaviour_sampling")
 
 
-
 def load_offline_source(source: str | Path, split: str = "train") -> Dataset:
     """The `split` of an offline dataset from `source`: the shard folder `generate_offline_dataset` writes (one
     split, `train`), or whatever `topr_trl.sources.load_data_source` loads: a `save_to_disk` folder (a DatasetDict
@@ -504,15 +589,21 @@ def load_offline_source(source: str | Path, split: str = "train") -> Dataset:
     path = Path(text).expanduser()
     if path.is_dir() and any(path.glob("shard-*")):
         if split != "train":
-            raise ValueError(f"offline dataset {text!r} is a generated shard folder, which holds one split, 'train': "
-                             f"it has no {split!r} split")
+            raise ValueError(
+                f"offline dataset {text!r} is a generated shard folder, which holds one split, 'train': "
+                f"it has no {split!r} split"
+            )
         return load_offline_dataset(path)
     if not path.exists() and (looks_like_local_data(text) or "/" not in text):  # on the Hub it is `owner/name`
-        raise FileNotFoundError(f"offline dataset {text!r} not found: give the folder `topr-trl generate` wrote, a "
-                                "save_to_disk folder, a .json/.jsonl/.csv/.parquet file or folder, or a Hub id")
+        raise FileNotFoundError(
+            f"offline dataset {text!r} not found: give the folder `topr-trl generate` wrote, a "
+            "save_to_disk folder, a .json/.jsonl/.csv/.parquet file or folder, or a Hub id"
+        )
     dataset = load_data_source(text, split, what="offline dataset", one_split="train")
     for column in _JSON_COLUMNS:  # written as JSON text where the format holds no lists or records (CSV)
-        if column in dataset.column_names and getattr(dataset.features[column], "dtype", None) in ("string",
-                                                                                                  "large_string"):
+        if column in dataset.column_names and getattr(dataset.features[column], "dtype", None) in (
+            "string",
+            "large_string",
+        ):
             dataset = dataset.map(lambda row, c=column: {c: json.loads(row[c])}, desc=f"parsing {column}")
     return dataset

@@ -21,8 +21,9 @@ from .rollout import sample_with_logps
 HELD_OUT_SAMPLES = 4  # completions sampled per held-out prompt: enough to see a mean reward move, cheap on a CPU
 
 
-def load_test_prompts(dataset_name: str, split: str, train_split: str, config: str | None,
-                      train_prompts: Dataset) -> tuple[Dataset | None, str | None]:
+def load_test_prompts(
+    dataset_name: str, split: str, train_split: str, config: str | None, train_prompts: Dataset
+) -> tuple[Dataset | None, str | None]:
     """The prompts of the held-out `split` of the user's `dataset_name`, or (None, why there are none). A single file,
     or a folder whose files are not named after splits, holds the training split only; a "test" split that holds
     the training prompts themselves (a save_to_disk folder of one dataset) is none either: measuring on the
@@ -65,22 +66,40 @@ def reward_evaluator(
 
     def evaluate(model, tokenizer) -> dict:
         with seeded_eval_sampling(model, seed):
-            rows = sample_rows(sample_with_logps, model, tokenizer, test_prompts, num_samples, prompts_per_batch,
-                               temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                               chat_template_kwargs=chat_template_kwargs)
+            rows = sample_rows(
+                sample_with_logps,
+                model,
+                tokenizer,
+                test_prompts,
+                num_samples,
+                prompts_per_batch,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                max_new_tokens=max_new_tokens,
+                chat_template_kwargs=chat_template_kwargs,
+            )
         score_rows(rows, functions, weights)
         rewards = [row["reward"] for row in rows]
         scored = [reward for reward in rewards if not math.isnan(reward)]
-        per_prompt = [statistics.fmean(values) for start in range(0, len(rewards), num_samples)
-                      if (values := [r for r in rewards[start:start + num_samples] if not math.isnan(r)])]
+        per_prompt = [
+            statistics.fmean(values)
+            for start in range(0, len(rewards), num_samples)
+            if (values := [r for r in rewards[start : start + num_samples] if not math.isnan(r)])
+        ]
         return {
             "mean_reward": statistics.fmean(scored) if scored else math.nan,
-            "mean_reward_se": statistics.stdev(per_prompt) / len(per_prompt) ** 0.5 if len(per_prompt) > 1
+            "mean_reward_se": statistics.stdev(per_prompt) / len(per_prompt) ** 0.5
+            if len(per_prompt) > 1
             else math.nan,
             "positive_share": sum(reward > 0 for reward in scored) / len(rewards),
             "unscored_share": 1 - len(scored) / len(rewards),
-            "num_problems": len(test_prompts), "num_samples": num_samples, "temperature": temperature,
-            "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens,
+            "num_problems": len(test_prompts),
+            "num_samples": num_samples,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "max_new_tokens": max_new_tokens,
             "reward_funcs": [getattr(f, "__name__", type(f).__name__) for f in functions],
         }
 

@@ -41,13 +41,20 @@ def prepare_replayed_datasets(args, reward_funcs, trainer_kwargs: dict) -> bool:
     offline = is_offline_dataset(train_dataset)
     if offline:
         if trainer_kwargs.get("rollout_func") is not None:
-            raise ValueError("An offline train_dataset (with `completion_ids` or `completion`) replaces generation: "
-                             "drop rollout_func.")
+            raise ValueError(
+                "An offline train_dataset (with `completion_ids` or `completion`) replaces generation: "
+                "drop rollout_func."
+            )
         train_dataset = trainer_kwargs["train_dataset"] = with_prompt_index(train_dataset)
-        validate_offline_dataset(train_dataset, args.num_generations, needs_whole_groups=needs_whole_groups(args),
-                                 batch_rows=args.generation_batch_size)
-    trainer_kwargs["eval_dataset"] = checked_eval_datasets(trainer_kwargs.get("eval_dataset"), args,
-                                                           uses_stored_reward, has_behaviour_model)
+        validate_offline_dataset(
+            train_dataset,
+            args.num_generations,
+            needs_whole_groups=needs_whole_groups(args),
+            batch_rows=args.generation_batch_size,
+        )
+    trainer_kwargs["eval_dataset"] = checked_eval_datasets(
+        trainer_kwargs.get("eval_dataset"), args, uses_stored_reward, has_behaviour_model
+    )
     return offline
 
 
@@ -75,8 +82,10 @@ class OfflineReplay:
         if self._offline:
             self.train_dataset = self._tokenized_for_replay(self.train_dataset, "train_dataset")
         if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {name: self._tokenized_for_replay(dataset, f"eval_dataset[{name!r}]")
-                                 for name, dataset in self.eval_dataset.items()}
+            self.eval_dataset = {
+                name: self._tokenized_for_replay(dataset, f"eval_dataset[{name!r}]")
+                for name, dataset in self.eval_dataset.items()
+            }
         elif self.eval_dataset is not None:
             self.eval_dataset = self._tokenized_for_replay(self.eval_dataset, "eval_dataset")
         replayed = [self.train_dataset] if self._offline else []
@@ -90,8 +99,9 @@ class OfflineReplay:
             return dataset
         check_stored_tokens(dataset, self.processing_class, role)
         with self.accelerator.main_process_first():  # one process writes the datasets cache, the others read it
-            return tokenize_offline_dataset(dataset, self.processing_class, self.chat_template_kwargs, self.tools,
-                                            self.chat_template, role=role)
+            return tokenize_offline_dataset(
+                dataset, self.processing_class, self.chat_template_kwargs, self.tools, self.chat_template, role=role
+            )
 
     def set_initial_training_values(self, args, dataloader):
         """HF Trainer's epoch and step counts; over stored completions the passes are `topr_offline_epochs` (Algorithm
@@ -155,7 +165,10 @@ class OfflineReplay:
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         logps, _, _ = self._get_per_token_logps_and_entropies(
-            self._behaviour_model, input_ids, attention_mask, output["completion_ids"].size(1),
+            self._behaviour_model,
+            input_ids,
+            attention_mask,
+            output["completion_ids"].size(1),
             batch_size=self.args.per_device_train_batch_size,
         )
         return logps

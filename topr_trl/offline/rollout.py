@@ -40,16 +40,27 @@ def sample_with_logps(
     sampling = SamplerProcessing(temperature, top_k or None, top_p, None, "transformers").as_row()
     prompt_ids = tokenize_prompts(tokenizer, prompts, chat_template_kwargs, tools)
     repeated = [ids for ids in prompt_ids for _ in range(num_completions)]
-    samples = generate_completions(model, tokenizer, repeated, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_p=top_p, top_k=top_k, with_logps=True)
-    return [{
-        "prompt_ids": list(ids),
-        "completion": tokenizer.decode(sample["completion_ids"], skip_special_tokens=True),
-        "completion_ids": sample["completion_ids"],
-        "behaviour_logps": sample["logps"],
-        "behaviour_sampling": sampling,
-        "truncated": not sample["stopped"],
-    } for ids, sample in zip(repeated, samples, strict=True)]
+    samples = generate_completions(
+        model,
+        tokenizer,
+        repeated,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        with_logps=True,
+    )
+    return [
+        {
+            "prompt_ids": list(ids),
+            "completion": tokenizer.decode(sample["completion_ids"], skip_special_tokens=True),
+            "completion_ids": sample["completion_ids"],
+            "behaviour_logps": sample["logps"],
+            "behaviour_sampling": sampling,
+            "truncated": not sample["stopped"],
+        }
+        for ids, sample in zip(repeated, samples, strict=True)
+    ]
 
 
 def sample_with_logps_vllm(
@@ -72,8 +83,15 @@ def sample_with_logps_vllm(
     its EOS token; one that hit `max_new_tokens` is flagged `truncated`."""
     from vllm import SamplingParams  # noqa: PLC0415 - optional: vLLM
 
-    params = SamplingParams(n=num_completions, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
-                            max_tokens=max_new_tokens, logprobs=0, skip_special_tokens=True)
+    params = SamplingParams(
+        n=num_completions,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k if top_k > 0 else -1,
+        max_tokens=max_new_tokens,
+        logprobs=0,
+        skip_special_tokens=True,
+    )
     sampling = SamplerProcessing(temperature, top_k or None, top_p, None, "vllm").as_row()
     prompt_ids = tokenize_prompts(tokenizer, prompts, chat_template_kwargs, tools)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
@@ -83,14 +101,16 @@ def sample_with_logps_vllm(
             tokens = list(sample.token_ids)
             # with logprobs=0 vLLM reports one entry per position: the sampled token's processed log-prob
             logps = [step[token].logprob for step, token in zip(sample.logprobs, tokens, strict=True)]
-            rows.append({
-                "prompt_ids": list(ids),
-                "completion": tokenizer.decode(tokens, skip_special_tokens=True),
-                "completion_ids": tokens,
-                "behaviour_logps": logps,
-                "behaviour_sampling": sampling,
-                "truncated": sample.finish_reason == "length",
-            })
+            rows.append(
+                {
+                    "prompt_ids": list(ids),
+                    "completion": tokenizer.decode(tokens, skip_special_tokens=True),
+                    "completion_ids": tokens,
+                    "behaviour_logps": logps,
+                    "behaviour_sampling": sampling,
+                    "truncated": sample.finish_reason == "length",
+                }
+            )
     return rows
 
 
@@ -102,9 +122,15 @@ def make_behaviour_rollout(model, tokenizer, max_new_tokens: int | None = None) 
         parameter.requires_grad_(False)
 
     def rollout(prompts: list, trainer) -> dict[str, list]:
-        rows = sample_with_logps(model, tokenizer, prompts, temperature=trainer.args.temperature,
-                                 max_new_tokens=max_new_tokens or trainer.args.max_completion_length,
-                                 chat_template_kwargs=trainer.chat_template_kwargs, tools=trainer.tools)
+        rows = sample_with_logps(
+            model,
+            tokenizer,
+            prompts,
+            temperature=trainer.args.temperature,
+            max_new_tokens=max_new_tokens or trainer.args.max_completion_length,
+            chat_template_kwargs=trainer.chat_template_kwargs,
+            tools=trainer.tools,
+        )
         return {
             "prompt_ids": [row["prompt_ids"] for row in rows],
             "completion_ids": [row["completion_ids"] for row in rows],

@@ -14,8 +14,9 @@ class GroupShuffleSampler(Sampler):
     `num_iterations * steps_per_generation` steps). Rows of one group stay contiguous, so GRPO's group
     statistics (`view(-1, num_generations)`) see whole groups when every group has `num_generations` rows."""
 
-    def __init__(self, group_ids: Sequence[int], batch_rows: int, repeat_count: int = 1, shuffle: bool = True,
-                 seed: int = 0):
+    def __init__(
+        self, group_ids: Sequence[int], batch_rows: int, repeat_count: int = 1, shuffle: bool = True, seed: int = 0
+    ):
         self.groups: dict[int, list[int]] = {}
         for row, group in enumerate(group_ids):
             self.groups.setdefault(group, []).append(row)

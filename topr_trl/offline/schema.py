@@ -24,13 +24,23 @@ from ..support import SamplerProcessing
 
 logger = logging.get_logger(__name__)
 
-OFFLINE_COLUMNS = ("prompt_index", "sample_index", "prompt_ids", "completion", "completion_ids", "behaviour_logps",
-                   "behaviour_sampling", "truncated", "reward")
+OFFLINE_COLUMNS = (
+    "prompt_index",
+    "sample_index",
+    "prompt_ids",
+    "completion",
+    "completion_ids",
+    "behaviour_logps",
+    "behaviour_sampling",
+    "truncated",
+    "reward",
+)
 
 
-_HOW_TO_MAKE = ("generate completions with `topr-trl generate` or topr_trl.offline.generate_offline_dataset, or add "
-                "a `completion` column (text) to the dataset")
-
+_HOW_TO_MAKE = (
+    "generate completions with `topr-trl generate` or topr_trl.offline.generate_offline_dataset, or add "
+    "a `completion` column (text) to the dataset"
+)
 
 
 class RewardReturnError(TypeError, ValueError):
@@ -43,19 +53,24 @@ def check_reward_values(name: str, values, num_completions: int | None = None) -
     a sequence of numbers (or None for a completion it cannot score), one per completion when `num_completions` is
     given."""
     expected = "a list of floats (or None), one per completion" + (
-        f" ({num_completions} here)" if num_completions is not None else "")
+        f" ({num_completions} here)" if num_completions is not None else ""
+    )
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or not hasattr(values, "__iter__"):
-        raise RewardReturnError(f"Reward function '{name}' returned {type(values).__name__} {values!r:.60}; it must "
-                                f"return {expected}.")
+        raise RewardReturnError(
+            f"Reward function '{name}' returned {type(values).__name__} {values!r:.60}; it must return {expected}."
+        )
     if num_completions is not None and len(values) != num_completions:
-        raise RewardReturnError(f"Reward function '{name}' returned {len(values)} values for {num_completions} "
-                                f"completions; it must return {expected}.")
+        raise RewardReturnError(
+            f"Reward function '{name}' returned {len(values)} values for {num_completions} "
+            f"completions; it must return {expected}."
+        )
     for value in values:
         scalar = value is None or isinstance(value, numbers.Real) or getattr(value, "ndim", None) == 0
         if not scalar or isinstance(value, (str, bytes)):
-            raise RewardReturnError(f"Reward function '{name}' returned a list holding {type(value).__name__} "
-                                    f"{value!r:.40}; it must return {expected}.")
-
+            raise RewardReturnError(
+                f"Reward function '{name}' returned a list holding {type(value).__name__} "
+                f"{value!r:.40}; it must return {expected}."
+            )
 
 
 def stored_reward(completions, reward, **kwargs) -> list[float]:
@@ -64,12 +79,10 @@ def stored_reward(completions, reward, **kwargs) -> list[float]:
     return [None if value is None or (isinstance(value, float) and math.isnan(value)) else value for value in reward]
 
 
-
 def is_offline_dataset(dataset) -> bool:
     """Whether TOPRTrainer replays the stored completions of `dataset` instead of generating from its prompts."""
     columns = getattr(dataset, "column_names", None) or ()
     return "completion_ids" in columns or "completion" in columns
-
 
 
 def check_offline_columns(dataset, role: str, uses_stored_reward: bool, has_behaviour_model: bool) -> None:
@@ -80,27 +93,40 @@ def check_offline_columns(dataset, role: str, uses_stored_reward: bool, has_beha
     stored_rewards = sorted(column for column in columns if column == "reward" or column.startswith("rewards/"))
     if not is_offline_dataset(dataset):
         if stored_rewards:
-            raise ValueError(f"{role} has stored rewards {stored_rewards} but no completions they score (neither "
-                             f"`completion_ids` nor `completion`): {_HOW_TO_MAKE}.")
+            raise ValueError(
+                f"{role} has stored rewards {stored_rewards} but no completions they score (neither "
+                f"`completion_ids` nor `completion`): {_HOW_TO_MAKE}."
+            )
         if uses_stored_reward:
-            raise ValueError(f"{role} has no `reward` column for topr_trl.offline.stored_reward (and no stored "
-                             f"completions): either give a dataset with completions and a `reward` column "
-                             f"({_HOW_TO_MAKE}), or real reward functions that score generated completions.")
+            raise ValueError(
+                f"{role} has no `reward` column for topr_trl.offline.stored_reward (and no stored "
+                f"completions): either give a dataset with completions and a `reward` column "
+                f"({_HOW_TO_MAKE}), or real reward functions that score generated completions."
+            )
         return
     if "prompt" not in columns:
-        raise ValueError(f"offline {role} has no `prompt` column: each row needs the prompt its completion answers "
-                         "(docs/offline.md, 'Offline dataset schema').")
+        raise ValueError(
+            f"offline {role} has no `prompt` column: each row needs the prompt its completion answers "
+            "(docs/offline.md, 'Offline dataset schema')."
+        )
     if uses_stored_reward and "reward" not in columns:
-        raise ValueError(f"offline {role} has no `reward` column, which topr_trl.offline.stored_reward returns: either "
-                         "add the stored rewards as a `reward` column, or pass real reward functions that score the "
-                         "completions.")
+        raise ValueError(
+            f"offline {role} has no `reward` column, which topr_trl.offline.stored_reward returns: either "
+            "add the stored rewards as a `reward` column, or pass real reward functions that score the "
+            "completions."
+        )
     if "behaviour_logps" not in columns and not has_behaviour_model:
-        hint = ("" if "completion_ids" in columns else " If `completion` holds reference answers rather than sampled "
-                "completions, rename that column to train online.")
-        raise ValueError(f"offline {role} has no `behaviour_logps` column: the log-probs of mu are needed for pi/mu. "
-                         "Generate the dataset with topr_trl.offline.generate_offline_dataset, which stores them, or "
-                         f"set topr_behaviour_model to the model that generated it.{hint}")
-
+        hint = (
+            ""
+            if "completion_ids" in columns
+            else " If `completion` holds reference answers rather than sampled "
+            "completions, rename that column to train online."
+        )
+        raise ValueError(
+            f"offline {role} has no `behaviour_logps` column: the log-probs of mu are needed for pi/mu. "
+            "Generate the dataset with topr_trl.offline.generate_offline_dataset, which stores them, or "
+            f"set topr_behaviour_model to the model that generated it.{hint}"
+        )
 
 
 def with_prompt_index(dataset: Dataset) -> Dataset:
@@ -109,10 +135,10 @@ def with_prompt_index(dataset: Dataset) -> Dataset:
     if "prompt_index" in dataset.column_names:
         return dataset
     groups: dict[str, int] = {}
-    index = [groups.setdefault(json.dumps(prompt, sort_keys=True, default=str), len(groups))
-             for prompt in dataset["prompt"]]
+    index = [
+        groups.setdefault(json.dumps(prompt, sort_keys=True, default=str), len(groups)) for prompt in dataset["prompt"]
+    ]
     return dataset.add_column("prompt_index", index)
-
 
 
 def completion_token_ids(tokenizer, completions: Sequence, truncated: Sequence | None = None) -> list[list[int]]:
@@ -124,15 +150,18 @@ def completion_token_ids(tokenizer, completions: Sequence, truncated: Sequence |
         if isinstance(completion, list) and len(completion) == 1 and isinstance(completion[0], dict):
             completion = completion[0].get("content")
         if not isinstance(completion, str):
-            raise ValueError(f"`completion` must be text or one assistant message, got {completion!r:.80}; store "
-                             "token ids as `completion_ids` instead")
+            raise ValueError(
+                f"`completion` must be text or one assistant message, got {completion!r:.80}; store "
+                "token ids as `completion_ids` instead"
+            )
         texts.append(completion)
     eos = tokenizer.eos_token_id
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
     stopped = [not (truncated is not None and truncated[i]) for i in range(len(texts))]
-    return [list(ids) + ([eos] if ended and (not ids or ids[-1] != eos) else [])
-            for ids, ended in zip(encoded, stopped, strict=True)]
-
+    return [
+        list(ids) + ([eos] if ended and (not ids or ids[-1] != eos) else [])
+        for ids, ended in zip(encoded, stopped, strict=True)
+    ]
 
 
 STORED_TOKENS_CHECKED = 32  # rows whose stored completion ids are decoded against their stored text
@@ -151,7 +180,8 @@ def check_stored_tokens(dataset: Dataset, tokenizer, role: str = "train_dataset"
         return
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's text tokenizer
     rows = dataset.select_columns(["completion", "completion_ids"]).select(
-        range(min(STORED_TOKENS_CHECKED, len(dataset))))
+        range(min(STORED_TOKENS_CHECKED, len(dataset)))
+    )
     vocabulary = len(tokenizer)
     differing = []
     for row in rows:
@@ -173,50 +203,67 @@ def check_stored_tokens(dataset: Dataset, tokenizer, role: str = "train_dataset"
             f"offline {role}: {len(differing)} of the first {len(rows)} stored `completion_ids` are not this "
             f"tokenizer's ({type(tokenizer).__name__}, {vocabulary} tokens): the first reads as {read_as} where the "
             f"stored text is {stored[:40]!r}. They were sampled with another tokenizer: train a model with mu's "
-            "tokenizer, or keep only the `completion` text, which the policy tokenizes")
+            "tokenizer, or keep only the `completion` text, which the policy tokenizes"
+        )
 
 
 def _prompt_ids_batch(batch: dict, tokenizer, chat_template_kwargs, tools, chat_template) -> dict:
     return {"prompt_ids": tokenize_prompts(tokenizer, batch["prompt"], chat_template_kwargs, tools, chat_template)}
 
 
-
 def _completion_ids_batch(batch: dict, tokenizer) -> dict:
     return {"completion_ids": completion_token_ids(tokenizer, batch["completion"], batch.get("truncated"))}
 
 
-
 def tokenize_offline_dataset(
-    dataset: Dataset, tokenizer, chat_template_kwargs: dict | None = None, tools: Sequence[Callable] | None = None,
-    chat_template: str | None = None, role: str = "train_dataset",
+    dataset: Dataset,
+    tokenizer,
+    chat_template_kwargs: dict | None = None,
+    tools: Sequence[Callable] | None = None,
+    chat_template: str | None = None,
+    role: str = "train_dataset",
 ) -> Dataset:
     """`dataset` with `prompt_ids` and `completion_ids` for replay, each tokenized once when not stored: prompts
     exactly as GRPOTrainer tokenizes them (`topr_trl.offline.rollout.tokenize_prompts` with the trainer's
     `chat_template_kwargs`, `tools` and `chat_template`), completion text by `completion_token_ids`. Checks that
     `behaviour_logps`, when stored, has one value per completion token."""
     if "prompt_ids" not in dataset.column_names:
-        dataset = dataset.map(_prompt_ids_batch, batched=True, desc=f"tokenizing the prompts of {role}",
-                              fn_kwargs=dict(tokenizer=tokenizer, chat_template_kwargs=chat_template_kwargs,
-                                             tools=tools, chat_template=chat_template))
+        dataset = dataset.map(
+            _prompt_ids_batch,
+            batched=True,
+            desc=f"tokenizing the prompts of {role}",
+            fn_kwargs=dict(
+                tokenizer=tokenizer, chat_template_kwargs=chat_template_kwargs, tools=tools, chat_template=chat_template
+            ),
+        )
     if "completion_ids" not in dataset.column_names:
-        dataset = dataset.map(_completion_ids_batch, batched=True, desc=f"tokenizing the completions of {role}",
-                              fn_kwargs=dict(tokenizer=tokenizer))
+        dataset = dataset.map(
+            _completion_ids_batch,
+            batched=True,
+            desc=f"tokenizing the completions of {role}",
+            fn_kwargs=dict(tokenizer=tokenizer),
+        )
     if "behaviour_logps" in dataset.column_names:
         table = dataset.with_format("arrow")
         tokens = pc.list_value_length(table["completion_ids"]).to_pylist()
         logps = pc.list_value_length(table["behaviour_logps"]).to_pylist()
         for row, (n_tokens, n_logps) in enumerate(zip(tokens, logps, strict=True)):
             if n_tokens != n_logps:
-                raise ValueError(f"offline {role} row {row} has {n_logps} behaviour_logps for {n_tokens} completion "
-                                 "tokens: mu's log-probs must be those of the stored (or tokenized) completion, one "
-                                 "per token, EOS included")
+                raise ValueError(
+                    f"offline {role} row {row} has {n_logps} behaviour_logps for {n_tokens} completion "
+                    "tokens: mu's log-probs must be those of the stored (or tokenized) completion, one "
+                    "per token, EOS included"
+                )
     return dataset
 
 
-
 def validate_offline_dataset(
-    dataset: Dataset, num_generations: int, needs_whole_groups: bool, batch_rows: int | None = None,
-    role: str = "train_dataset", group_size_name: str = "num_generations",
+    dataset: Dataset,
+    num_generations: int,
+    needs_whole_groups: bool,
+    batch_rows: int | None = None,
+    role: str = "train_dataset",
+    group_size_name: str = "num_generations",
 ) -> None:
     """Fail early, naming the problem, on an offline dataset (with `prompt_index`) TOPRTrainer cannot train from
     (`batch_rows`: the rows of one generation batch, GRPOConfig's `generation_batch_size`; `group_size_name`: the
@@ -247,8 +294,7 @@ def validate_offline_dataset(
 def needs_whole_groups(args) -> bool:
     """Whether the configured signal reads prompt groups (GRPO's advantage, or the group-mean baseline), so that an
     offline dataset must hold `num_generations` rows per prompt."""
-    return (args.loss_type not in POLICY_LOSSES or args.topr_signal == "advantage"
-            or args.topr_baseline == "group_mean")
+    return args.loss_type not in POLICY_LOSSES or args.topr_signal == "advantage" or args.topr_baseline == "group_mean"
 
 
 def checked_eval_datasets(eval_dataset, args, uses_stored_reward: bool, has_behaviour_model: bool):
@@ -264,12 +310,19 @@ def checked_eval_datasets(eval_dataset, args, uses_stored_reward: bool, has_beha
         if is_offline_dataset(dataset):
             dataset = with_prompt_index(dataset)
             group_size = args.num_generations_eval or args.num_generations
-            validate_offline_dataset(dataset, group_size, needs_whole_groups=needs_whole_groups(args), role=role,
-                                     group_size_name="num_generations_eval")
+            validate_offline_dataset(
+                dataset,
+                group_size,
+                needs_whole_groups=needs_whole_groups(args),
+                role=role,
+                group_size_name="num_generations_eval",
+            )
             if len(dataset) % group_size:
-                raise ValueError(f"offline {role} has {len(dataset)} rows, not a multiple of num_generations_eval="
-                                 f"{group_size} (GRPOTrainer scores eval batches in groups of that many rows): "
-                                 "set num_generations_eval to a divisor of it, or drop rows.")
+                raise ValueError(
+                    f"offline {role} has {len(dataset)} rows, not a multiple of num_generations_eval="
+                    f"{group_size} (GRPOTrainer scores eval batches in groups of that many rows): "
+                    "set num_generations_eval to a divisor of it, or drop rows."
+                )
         checked[name] = dataset
     return checked[None] if None in checked else checked
 
@@ -317,16 +370,21 @@ def stored_processing(datasets: Sequence[Dataset], trainer_processing: SamplerPr
         found.update(None if row is None else json.dumps(row, sort_keys=True) for row in dataset["behaviour_sampling"])
     stated = sorted(value for value in found if value is not None)
     if len(stated) > 1:
-        raise ValueError(f"the stored rows were sampled in {len(stated)} ways (`behaviour_sampling`: "
-                         f"{', '.join(stated[:3])}): pi is scored on the support mu sampled from, one way per run; "
-                         "train on each part apart")
+        raise ValueError(
+            f"the stored rows were sampled in {len(stated)} ways (`behaviour_sampling`: "
+            f"{', '.join(stated[:3])}): pi is scored on the support mu sampled from, one way per run; "
+            "train on each part apart"
+        )
     if not stated:
         logger.warning_once(
             "The stored rows do not say how mu sampled them (no `behaviour_sampling` column): pi/mu assumes this "
             f"trainer's settings (temperature {trainer_processing.temperature}, top_k {trainer_processing.top_k}, "
-            f"top_p {trainer_processing.top_p}, min_p {trainer_processing.min_p}). `topr-trl generate` stores them.")
+            f"top_p {trainer_processing.top_p}, min_p {trainer_processing.min_p}). `topr-trl generate` stores them."
+        )
         return trainer_processing
     if None in found:
-        raise ValueError("some stored rows say how mu sampled them (`behaviour_sampling`) and some do not: pi/mu "
-                         "needs it for every row")
+        raise ValueError(
+            "some stored rows say how mu sampled them (`behaviour_sampling`) and some do not: pi/mu "
+            "needs it for every row"
+        )
     return SamplerProcessing.from_row(json.loads(stated[0]))

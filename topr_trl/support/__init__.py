@@ -17,6 +17,14 @@ from .scoring import (
 )
 
 
-__all__ = ["SUPPORT_FILTERS", "SamplerProcessing", "captured_outputs", "chunked_processed_log_probs",
-           "completion_processed_log_probs", "fused_head_parts", "history_dependent_sampling", "on_mus_support",
-           "processed_log_probs"]
+__all__ = [
+    "SUPPORT_FILTERS",
+    "SamplerProcessing",
+    "captured_outputs",
+    "chunked_processed_log_probs",
+    "completion_processed_log_probs",
+    "fused_head_parts",
+    "history_dependent_sampling",
+    "on_mus_support",
+    "processed_log_probs",
+]

@@ -54,8 +54,10 @@ class SamplerProcessing:
 
     @classmethod
     def from_row(cls, row: dict) -> SamplerProcessing:
-        return cls(**{name: row.get(name) for name in ("temperature", "top_k", "top_p", "min_p") if
-                      row.get(name) is not None}, engine=row.get("engine") or "transformers")
+        return cls(
+            **{name: row.get(name) for name in ("temperature", "top_k", "top_p", "min_p") if row.get(name) is not None},
+            engine=row.get("engine") or "transformers",
+        )
 
 
 def history_dependent_sampling(repetition_penalty: float) -> str | None:
@@ -65,6 +67,8 @@ def history_dependent_sampling(repetition_penalty: float) -> str | None:
     the policy moved."""
     if repetition_penalty == 1.0:
         return None
-    return (f"repetition_penalty={repetition_penalty} changes mu's sampling distribution by the tokens already seen, "
-            "and pi is not scored with it: pi/mu carries the penalty's effect as well as the policy's movement "
-            "(negatives' weights are off by it). Leave repetition_penalty at 1.0 for an exact ratio.")
+    return (
+        f"repetition_penalty={repetition_penalty} changes mu's sampling distribution by the tokens already seen, "
+        "and pi is not scored with it: pi/mu carries the penalty's effect as well as the policy's movement "
+        "(negatives' weights are off by it). Leave repetition_penalty at 1.0 for an exact ratio."
+    )

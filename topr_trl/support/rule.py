@@ -90,8 +90,9 @@ def descending_groups(scaled: torch.Tensor, processing: SamplerProcessing) -> li
     return groups
 
 
-def support_length(descending: torch.Tensor, processing: SamplerProcessing, tail: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+def support_length(
+    descending: torch.Tensor, processing: SamplerProcessing, tail: torch.Tensor | None = None
+) -> torch.Tensor:
     """(N,) how many of each row's sorted logits (N, W) the sampler keeps: its filters in its engine's order
     (`SUPPORT_FILTERS`), each on the tokens the previous ones kept, each as the engines write it. `tail`, the
     logsumexp of what lies below the W (`descending_groups`), counts in top-p's sum, as one term, while no filter
@@ -106,7 +107,7 @@ def support_length(descending: torch.Tensor, processing: SamplerProcessing, tail
         kept = descending.masked_fill(position >= length.unsqueeze(-1), -torch.inf)
         if name == "top_k" and processing.top_k and processing.top_k < width:
             # a row already shorter than k has -inf at the k-th: the comparison then keeps what it kept
-            kept_by_filter = ((kept >= kept[:, processing.top_k - 1:processing.top_k]) & in_window).sum(dim=-1)
+            kept_by_filter = ((kept >= kept[:, processing.top_k - 1 : processing.top_k]) & in_window).sum(dim=-1)
         elif name == "top_p" and processing.top_p is not None and processing.top_p < 1:
             ascending = kept.flip(-1).softmax(dim=-1).cumsum(dim=-1)  # the engines' sum, smallest first
             kept_by_filter = (ascending > 1 - processing.top_p).sum(dim=-1).clamp_min(1)
@@ -119,8 +120,7 @@ def support_length(descending: torch.Tensor, processing: SamplerProcessing, tail
     return length.clamp_max(width)
 
 
-def with_the_sampled_token(normaliser: torch.Tensor, chosen: torch.Tensor, smallest_kept: torch.Tensor
-                           ) -> torch.Tensor:
+def with_the_sampled_token(normaliser: torch.Tensor, chosen: torch.Tensor, smallest_kept: torch.Tensor) -> torch.Tensor:
     """The support's logsumexp `normaliser` with the sampled token's scaled logit `chosen` added where it lies below
     the smallest kept logit (it is one of the kept ones otherwise, or tied with them)."""
     return torch.where(chosen < smallest_kept, torch.logaddexp(normaliser, chosen), normaliser)
@@ -143,4 +143,3 @@ def processed_log_probs(logits: torch.Tensor, tokens: torch.Tensor, processing: 
             normaliser[rows] = descending.masked_fill(~kept, -torch.inf).logsumexp(dim=-1)
             smallest_kept[rows] = descending.gather(-1, (length - 1).unsqueeze(-1)).squeeze(-1)
         return chosen - with_the_sampled_token(normaliser, chosen, smallest_kept)
-

@@ -45,8 +45,7 @@ def captured_outputs(module: torch.nn.Module) -> Iterator[CapturedBackbone]:
         hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
         captured.hidden.append(hidden.detach())
         device = hidden.device.type
-        captured.autocast_dtypes.append(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
-                                        else None)
+        captured.autocast_dtypes.append(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
 
     handle = module.register_forward_hook(hook)
     try:
@@ -73,8 +72,14 @@ def head_transform(owner: torch.nn.Module) -> Callable[[torch.Tensor], torch.Ten
     `logits_scaling`), then final soft-capping; the product as it is where neither applies. Elementwise and
     increasing, so the largest logits of a row are the largest products."""
     config = owner.config.get_text_config()
-    scale = next((getattr(config, name) for name in ("logit_scale", "output_multiplier", "lm_head_multiplier")
-                  if getattr(config, name, None) is not None), None)
+    scale = next(
+        (
+            getattr(config, name)
+            for name in ("logit_scale", "output_multiplier", "lm_head_multiplier")
+            if getattr(config, name, None) is not None
+        ),
+        None,
+    )
     if scale is None and getattr(config, "logits_scaling", None) is not None:
         scale = config.logits_scaling if config.model_type == "hyperclovax" else 1 / config.logits_scaling
     softcap = getattr(config, "final_logit_softcapping", None)
@@ -121,30 +126,45 @@ CORRECTION_CHUNK_ELEMENTS = 2**25
 (values and int64 indices). 682 tokens at SmolLM2's 49,152-token vocabulary, 220 at Qwen2.5's 151,936."""
 
 
-def completion_processed_log_probs(owner: torch.nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor,
-                                   attention_mask: torch.Tensor, logits_to_keep: int,
-                                   processing: SamplerProcessing, dtype: torch.dtype | None = None) -> torch.Tensor:
+def completion_processed_log_probs(
+    owner: torch.nn.Module,
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    processing: SamplerProcessing,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """`processed_log_probs` of the last `logits_to_keep` tokens of each sequence (B, logits_to_keep), 0 where
     `attention_mask` is 0: from the backbone's last hidden states (B, L, H), which predict token t at position t-1,
     projected in `dtype` (`head_projection`)."""
-    hidden = hidden[:, -logits_to_keep - 1:-1]
+    hidden = hidden[:, -logits_to_keep - 1 : -1]
     tokens = input_ids[:, -logits_to_keep:]
     positions = attention_mask[:, -logits_to_keep:].bool().nonzero(as_tuple=True)
     values = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-    values[positions] = chunked_processed_log_probs(owner, hidden[positions], tokens[positions],
-                                                    processing, dtype).to(values.device)
+    values[positions] = chunked_processed_log_probs(owner, hidden[positions], tokens[positions], processing, dtype).to(
+        values.device
+    )
     return values
 
 
-def chunked_processed_log_probs(owner: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor,
-                                processing: SamplerProcessing, dtype: torch.dtype | None = None) -> torch.Tensor:
+def chunked_processed_log_probs(
+    owner: torch.nn.Module,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    processing: SamplerProcessing,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """`processed_log_probs` for N tokens from their (N, H) hidden states, projected in `dtype` (`head_projection`),
     `CORRECTION_CHUNK_ELEMENTS` logits at a time."""
     step = max(1, CORRECTION_CHUNK_ELEMENTS // owner.config.get_text_config().vocab_size)
     with head_projection(owner, dtype) as project:
-        values = [processed_log_probs(project(hidden[start:start + step]), tokens[start:start + step].to(hidden.device),
-                                      processing)
-                  for start in range(0, hidden.size(0), step)]
+        values = [
+            processed_log_probs(
+                project(hidden[start : start + step]), tokens[start : start + step].to(hidden.device), processing
+            )
+            for start in range(0, hidden.size(0), step)
+        ]
     return torch.cat(values) if values else hidden.new_zeros(0, dtype=torch.float32)
 
 

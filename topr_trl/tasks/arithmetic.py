@@ -153,8 +153,13 @@ def accuracy(model, tokenizer, dataset: Dataset, max_new_tokens: int = 8, batch_
     for start in range(0, len(dataset), batch_size):
         rows = dataset[start : start + batch_size]
         # the prompts as GRPOTrainer tokenizes them for training (special tokens and chat template included)
-        completions = generate_completions(model, tokenizer, tokenize_prompts(tokenizer, rows["prompt"]),
-                                           max_new_tokens=max_new_tokens, do_sample=False)
+        completions = generate_completions(
+            model,
+            tokenizer,
+            tokenize_prompts(tokenizer, rows["prompt"]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
         decoded = [tokenizer.decode(c["completion_ids"], skip_special_tokens=True) for c in completions]
         stopped = [c["stopped"] for c in completions]
         for text, reference, ended in zip(decoded, rows["answer"], stopped, strict=True):
@@ -163,8 +168,11 @@ def accuracy(model, tokenizer, dataset: Dataset, max_new_tokens: int = 8, batch_
             correct += parsed == reference
             malformed += not (ended and _INTEGER.fullmatch(text.strip()))
     model.train(was_training)
-    return {"accuracy": correct / len(dataset), "invalid_rate": invalid / len(dataset),
-            "malformed_rate": malformed / len(dataset)}
+    return {
+        "accuracy": correct / len(dataset),
+        "invalid_rate": invalid / len(dataset),
+        "malformed_rate": malformed / len(dataset),
+    }
 
 
 def warm_model_key(digits: int = 2, target_accuracy: float = 0.15, seed: int = 0) -> str:
@@ -190,9 +198,13 @@ heads of 16). vLLM runs the reasoning model, the main job's."""
 
 
 def build_warm_model(
-    path: str | Path, digits: int = 2, target_accuracy: float = 0.15, max_steps: int = WARM_START_MAX_STEPS,
+    path: str | Path,
+    digits: int = 2,
+    target_accuracy: float = 0.15,
+    max_steps: int = WARM_START_MAX_STEPS,
     seed: int = 0,
-    progress=None, **model_kwargs
+    progress=None,
+    **model_kwargs,
 ):
     """Build (or load, if `path` holds one) the tiny model of the built-in task, warm-started by SFT until its
     greedy accuracy on problems outside the RL train and eval sets first reaches `target_accuracy`; the shipped
@@ -215,6 +227,8 @@ def build_warm_model(
     )
     with staged_folder(path) as staging:
         save_pretrained(model, tokenizer, staging)
-        record_build(staging, dict(digits=digits, target_accuracy=target_accuracy, max_steps=max_steps, seed=seed,
-                                   **model_kwargs))
+        record_build(
+            staging,
+            dict(digits=digits, target_accuracy=target_accuracy, max_steps=max_steps, seed=seed, **model_kwargs),
+        )
     return model, tokenizer

@@ -30,24 +30,31 @@ def resolve_task(options, model_name_or_path: str | None, offline: bool = False)
     if model_name_or_path is None and not TASKS[task].builtin:
         what = f"--dataset_name {options.dataset_name}" if options.dataset_name else f"--task {task}"
         known = " and ".join(builtin_task_names())
-        raise SystemExit(f"topr-trl: {what} selects a custom run, which needs --model_name_or_path (a Hub id or a "
-                         f"local model folder); the built-in tiny model knows only the {known} tasks")
+        raise SystemExit(
+            f"topr-trl: {what} selects a custom run, which needs --model_name_or_path (a Hub id or a "
+            f"local model folder); the built-in tiny model knows only the {known} tasks"
+        )
     if task == CUSTOM_TASK and not options.dataset_name and not offline:
-        raise SystemExit("topr-trl: a custom run needs --dataset_name (a Hub id or a local file with a `prompt` "
-                         "column) or --offline_dataset")
+        raise SystemExit(
+            "topr-trl: a custom run needs --dataset_name (a Hub id or a local file with a `prompt` "
+            "column) or --offline_dataset"
+        )
     if model_name_or_path is not None and options.task is None and not options.dataset_name and not offline:
-        raise SystemExit(f"topr-trl: --model_name_or_path {model_name_or_path} needs something to train on: "
-                         "--dataset_name FILE_OR_HUB_ID with --reward_funcs, --task "
-                         f"{'|'.join(name for name in training_task_names() if name != CUSTOM_TASK)}, or "
-                         "--offline_dataset")
+        raise SystemExit(
+            f"topr-trl: --model_name_or_path {model_name_or_path} needs something to train on: "
+            "--dataset_name FILE_OR_HUB_ID with --reward_funcs, --task "
+            f"{'|'.join(name for name in training_task_names() if name != CUSTOM_TASK)}, or "
+            "--offline_dataset"
+        )
     if task == CUSTOM_TASK and not options.reward_funcs and not offline:
-        raise SystemExit("topr-trl: a custom dataset needs --reward_funcs (e.g. my_rewards:correctness, a function "
-                         "taking completions and the dataset's columns and returning one float per completion)")
+        raise SystemExit(
+            "topr-trl: a custom dataset needs --reward_funcs (e.g. my_rewards:correctness, a function "
+            "taking completions and the dataset's columns and returning one float per completion)"
+        )
     return task
 
 
-def load_task(options, model_name_or_path: str | None, seed: int, offline: bool = False,
-              eval_split: bool = False):
+def load_task(options, model_name_or_path: str | None, seed: int, offline: bool = False, eval_split: bool = False):
     """(model, task, training prompts, held-out set of the built-in task or None, evaluation dataset for the trainer
     or None, reward functions) of the run. Without a model, builds the built-in tiny one (on the main process first
     under `accelerate launch`); with `dry_run`, validates and loads nothing."""
@@ -55,8 +62,9 @@ def load_task(options, model_name_or_path: str | None, seed: int, offline: bool 
     if model_name_or_path is None and TASKS[task].default_model is not None:  # a built-in task on a real model
         model_name_or_path = TASKS[task].default_model
     # before anything heavy, dry runs included (which convert nothing and do not ask the Hub)
-    model_name_or_path = resolve_model_source(model_name_or_path, convert=not options.dry_run,
-                                              ask_hub=not options.dry_run)
+    model_name_or_path = resolve_model_source(
+        model_name_or_path, convert=not options.dry_run, ask_hub=not options.dry_run
+    )
     check_data_source(options.dataset_name, "--dataset_name")
     reward_names = options.reward_funcs or list(TASKS[task].reward_funcs)
     # a user's function that raises stops the command in one line naming it (the Python API lets it raise as is)
@@ -66,8 +74,12 @@ def load_task(options, model_name_or_path: str | None, seed: int, offline: bool 
             check_local_data(options.dataset_name, options.dataset_train_split, config=options.dataset_config)
             if eval_split:  # a single file holds the training split only: no held-out rows to evaluate on
                 try:
-                    check_local_data(options.dataset_name, options.dataset_test_split or "test",
-                                     config=options.dataset_config, one_split=options.dataset_train_split)
+                    check_local_data(
+                        options.dataset_name,
+                        options.dataset_test_split or "test",
+                        config=options.dataset_config,
+                        one_split=options.dataset_train_split,
+                    )
                 except ValueError as error:
                     raise no_held_out_split(str(error)) from None
         return model_name_or_path, task, None, None, None, reward_funcs
@@ -91,8 +103,10 @@ def builtin_model(task: str, options, seed: int) -> str:
             if fresh and shipped:
                 say(f"installing the built-in tiny model's shipped weights into {folder}")
             elif fresh:  # seconds to minutes on an idle CPU, longer on a busy one: say what it is, and how far
-                say(f"building the built-in tiny model for these settings (once; cached in {folder}): "
-                            f"{what}; on {describe_machine()}")
+                say(
+                    f"building the built-in tiny model for these settings (once; cached in {folder}): "
+                    f"{what}; on {describe_machine()}"
+                )
 
             def progress(step: int, steps: int, loss: float) -> None:
                 say(f"  warm start step {step}/{steps}, loss {loss:.3f}, {time.time() - started:.0f} s")
@@ -128,14 +142,16 @@ def describe_accuracy(result: dict | None, num_problems: int) -> str:
         unscored = f", unscored {result['unscored_share']:.3f}" if result.get("unscored_share") else ""
         error = result.get("mean_reward_se")
         error = f" ± {error:.3f}" if error is not None and error == error else ""  # no SE from a single prompt
-        return (f"mean reward {result['mean_reward']:.3f}{error}, reward > 0 on "
-                f"{result['positive_share']:.3f}{unscored} (sampled at temperature {result['temperature']:g}, "
-                f"{result['num_samples']} samples per prompt, at most {result['max_new_tokens']} new tokens), on "
-                f"{num_problems} held-out prompts")
+        return (
+            f"mean reward {result['mean_reward']:.3f}{error}, reward > 0 on "
+            f"{result['positive_share']:.3f}{unscored} (sampled at temperature {result['temperature']:g}, "
+            f"{result['num_samples']} samples per prompt, at most {result['max_new_tokens']} new tokens), on "
+            f"{num_problems} held-out prompts"
+        )
     if "pass@1" in result:
-        return (f"sampled pass@1 {result['pass@1']:.3f} ± {result['pass@1_problem_se']:.3f} (temperature "
-                f"{result['temperature']:g}, {result['num_samples']} samples per problem), greedy accuracy "
-                f"{result['greedy_accuracy']:.3f}, on {num_problems} held-out problems")
+        return (
+            f"sampled pass@1 {result['pass@1']:.3f} ± {result['pass@1_problem_se']:.3f} (temperature "
+            f"{result['temperature']:g}, {result['num_samples']} samples per problem), greedy accuracy "
+            f"{result['greedy_accuracy']:.3f}, on {num_problems} held-out problems"
+        )
     return f"greedy accuracy {result['accuracy']:.3f} on {num_problems} held-out problems"
-
-

@@ -64,7 +64,10 @@ STEP_SEPARATOR = "|"
 ANSWER_MARK = "="
 
 SPLITS: dict[str, tuple[float, float]] = {
-    "heldout": (0.0, 0.1), "warm_start": (0.1, 0.55), "train": (0.55, 0.95), "validation": (0.95, 1.0),
+    "heldout": (0.0, 0.1),
+    "warm_start": (0.1, 0.55),
+    "train": (0.55, 0.95),
+    "validation": (0.95, 1.0),
 }
 """Each split's share of the unit interval the pair hash falls in: a problem's split depends on {a, b} only.
 "validation" is where settings (learning rate, error rates, baselines) are chosen; "heldout" only reports."""
@@ -131,13 +134,17 @@ def make_problems(num_problems: int, digits: int = 3, split: str = "train", seed
     if (high - low + 1) ** 2 <= _ENUMERATE_LIMIT:
         pool = _enumerate_split(digits, split)
         if num_problems > len(pool):
-            raise ValueError(f"the {split!r} split has only {len(pool)} problems with {digits} digit(s); "
-                             f"ask for fewer or use more digits")
+            raise ValueError(
+                f"the {split!r} split has only {len(pool)} problems with {digits} digit(s); "
+                f"ask for fewer or use more digits"
+            )
         rng.shuffle(pool)
         return pool[:num_problems]
     if num_problems > split_size(digits, split) // 2:
-        raise ValueError(f"the {split!r} split has about {split_size(digits, split)} problems with {digits} digits; "
-                         f"ask for at most half of them")
+        raise ValueError(
+            f"the {split!r} split has about {split_size(digits, split)} problems with {digits} digits; "
+            f"ask for at most half of them"
+        )
     seen: set[tuple[int, int]] = set()
     problems = []
     while len(problems) < num_problems:
@@ -165,10 +172,12 @@ def make_reasoning_dataset(num_prompts: int, digits: int = 3, split: str = "trai
     """Conversational prompts `a+b=` with the final answer as `answer` (what the reward checks), from `split`:
     "train" for RL prompts, "validation" for choosing settings, "heldout" for reporting (see `SPLITS`)."""
     problems = make_problems(num_prompts, digits, split, seed)
-    return Dataset.from_dict({
-        "prompt": [[{"role": "user", "content": prompt_text(a, b)}] for a, b in problems],
-        "answer": [str(a + b) for a, b in problems],
-    })
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": prompt_text(a, b)}] for a, b in problems],
+            "answer": [str(a + b) for a, b in problems],
+        }
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -227,9 +236,14 @@ def write_solution(a: int, b: int, dropped: Iterable[int] = (), added: Iterable[
     return _solve(a, b, lambda position: position in dropped, lambda position: position in added)[0]
 
 
-def planted_error_solution(a: int, b: int, error_rate: float, rng: random.Random,
-                           error_positions: Sequence[int] | None = None,
-                           spurious_carry_rate: float = 0.0) -> tuple[str, list[int], list[int]]:
+def planted_error_solution(
+    a: int,
+    b: int,
+    error_rate: float,
+    rng: random.Random,
+    error_positions: Sequence[int] | None = None,
+    spurious_carry_rate: float = 0.0,
+) -> tuple[str, list[int], list[int]]:
     """A warm-start solution of a+b: each carry that arrives at one of `error_positions` (None: any position) is
     dropped with probability `error_rate`, and a carry is written into each step where none arrives with probability
     `spurious_carry_rate`, independently. Returns the text, the positions dropped and the positions added (both
@@ -239,27 +253,39 @@ def planted_error_solution(a: int, b: int, error_rate: float, rng: random.Random
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {rate}")
     add = (lambda position: rng.random() < spurious_carry_rate) if spurious_carry_rate > 0 else None
-    return _solve(a, b, lambda position: (error_positions is None or position in error_positions)
-                  and rng.random() < error_rate, add)
+    return _solve(
+        a,
+        b,
+        lambda position: (error_positions is None or position in error_positions) and rng.random() < error_rate,
+        add,
+    )
 
 
-def make_warm_start_dataset(num_examples: int, digits: int = 3, error_rate: float = 0.0,
-                            error_positions: Sequence[int] | None = None, seed: int = 0,
-                            spurious_carry_rate: float = 0.0) -> Dataset:
+def make_warm_start_dataset(
+    num_examples: int,
+    digits: int = 3,
+    error_rate: float = 0.0,
+    error_positions: Sequence[int] | None = None,
+    seed: int = 0,
+    spurious_carry_rate: float = 0.0,
+) -> Dataset:
     """Warm-start (SFT) examples from the "warm_start" split: `prompt`, `answer` (the correct final answer),
     `solution` (the SFT target: the written solution, with planted errors), `dropped` (its dropped carries) and
     `added` (its spurious carries)."""
     rng = random.Random(f"planted-{seed}")
     problems = make_problems(num_examples, digits, "warm_start", seed)
-    solutions = [planted_error_solution(a, b, error_rate, rng, error_positions, spurious_carry_rate)
-                 for a, b in problems]
-    return Dataset.from_dict({
-        "prompt": [[{"role": "user", "content": prompt_text(a, b)}] for a, b in problems],
-        "answer": [str(a + b) for a, b in problems],
-        "solution": [text for text, _, _ in solutions],
-        "dropped": [dropped for _, dropped, _ in solutions],
-        "added": [added for _, _, added in solutions],
-    })
+    solutions = [
+        planted_error_solution(a, b, error_rate, rng, error_positions, spurious_carry_rate) for a, b in problems
+    ]
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": prompt_text(a, b)}] for a, b in problems],
+            "answer": [str(a + b) for a, b in problems],
+            "solution": [text for text, _, _ in solutions],
+            "dropped": [dropped for _, dropped, _ in solutions],
+            "added": [added for _, _, added in solutions],
+        }
+    )
 
 
 def max_completion_tokens(digits: int) -> int:
@@ -414,8 +440,10 @@ class WarmStartSettings:
         if self.error_positions is not None:
             positions = tuple(sorted(set(self.error_positions)))
             if not positions or not all(1 <= p <= self.digits for p in positions):
-                raise ValueError(f"error_positions must be carry positions in 1..{self.digits} (or None: all), "
-                                 f"got {self.error_positions}")
+                raise ValueError(
+                    f"error_positions must be carry positions in 1..{self.digits} (or None: all), "
+                    f"got {self.error_positions}"
+                )
             object.__setattr__(self, "error_positions", positions)
         for name in ("num_examples", "steps", "batch_size", "hidden_size", "num_layers"):
             if getattr(self, name) < 1:
@@ -437,8 +465,10 @@ class WarmStartSettings:
         positions = "all" if self.error_positions is None else "-".join(map(str, self.error_positions))
         device = "" if self.device == "cpu" else f"-{self.device.replace(':', '')}"
         spurious = f"-s{self.spurious_carry_rate:g}" if self.spurious_carry_rate else ""
-        return (f"reasoning-d{self.digits}-q{self.error_rate:g}{spurious}-at{positions}-steps{self.steps}"
-                f"-h{self.hidden_size}x{self.num_layers}-seed{self.seed}{device}-{digest}")
+        return (
+            f"reasoning-d{self.digits}-q{self.error_rate:g}{spurious}-at{positions}-steps{self.steps}"
+            f"-h{self.hidden_size}x{self.num_layers}-seed{self.seed}{device}-{digest}"
+        )
 
 
 SETTINGS_FILE = "reasoning_warm_start.json"
@@ -453,8 +483,9 @@ def warm_model_path(cache_dir: str | Path, settings: WarmStartSettings) -> Path:
     return Path(cache_dir) / (key if prebuilt_model(key) is not None else f"{key}-{machine_key()}")
 
 
-def build_reasoning_warm_model(cache_dir: str | Path, settings: WarmStartSettings | None = None, progress=None,
-                               **overrides):
+def build_reasoning_warm_model(
+    cache_dir: str | Path, settings: WarmStartSettings | None = None, progress=None, **overrides
+):
     """The tiny model warm-started by SFT on written solutions with planted errors (`WarmStartSettings`, or its
     fields as keyword arguments), installed from the shipped weights (default settings) or built once, under
     `warm_model_path(cache_dir, settings)`, and loaded from there afterwards. Returns (model, tokenizer, path); the
@@ -468,22 +499,38 @@ def build_reasoning_warm_model(cache_dir: str | Path, settings: WarmStartSetting
     recorded = path / SETTINGS_FILE
     if not (path / "config.json").exists() and not install_prebuilt(settings.key(), path):
         tokenizer = build_tokenizer()
-        model = build_model(tokenizer, hidden_size=settings.hidden_size, num_layers=settings.num_layers,
-                            seed=settings.seed).to(settings.device)
-        examples = make_warm_start_dataset(settings.num_examples, settings.digits, settings.error_rate,
-                                           settings.error_positions, seed=settings.seed,
-                                           spurious_carry_rate=settings.spurious_carry_rate)
+        model = build_model(
+            tokenizer, hidden_size=settings.hidden_size, num_layers=settings.num_layers, seed=settings.seed
+        ).to(settings.device)
+        examples = make_warm_start_dataset(
+            settings.num_examples,
+            settings.digits,
+            settings.error_rate,
+            settings.error_positions,
+            seed=settings.seed,
+            spurious_carry_rate=settings.spurious_carry_rate,
+        )
         # arithmetic.warm_start trains on its `answer` column: here the SFT target is the whole written solution
         targets = examples.select_columns(["prompt", "solution"]).rename_column("solution", "answer")
-        arithmetic.warm_start(model, tokenizer, targets, settings.steps, batch_size=settings.batch_size,
-                              lr=settings.learning_rate, seed=settings.seed, progress=progress)
+        arithmetic.warm_start(
+            model,
+            tokenizer,
+            targets,
+            settings.steps,
+            batch_size=settings.batch_size,
+            lr=settings.learning_rate,
+            seed=settings.seed,
+            progress=progress,
+        )
         with staged_folder(path) as staging:
             save_pretrained(model, tokenizer, staging)
             (staging / SETTINGS_FILE).write_text(json.dumps(settings.to_dict(), indent=2))
             record_build(staging, settings.to_dict())
     if not recorded.exists() or json.loads(recorded.read_text()) != settings.to_dict():
-        raise ValueError(f"{path} holds a model built with other settings ({recorded.name} differs from "
-                         f"{settings.to_dict()}); delete the directory or use another cache_dir")
+        raise ValueError(
+            f"{path} holds a model built with other settings ({recorded.name} differs from "
+            f"{settings.to_dict()}); delete the directory or use another cache_dir"
+        )
     return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path), path
 
 
@@ -492,8 +539,15 @@ def build_reasoning_warm_model(cache_dir: str | Path, settings: WarmStartSetting
 # ---------------------------------------------------------------------------------------------------------
 
 
-def measure_base_model(model, tokenizer, held_out: Dataset, num_samples: int = 4, temperature: float = 1.0,
-                       seed: int = 0, batch_size: int = 64) -> dict:
+def measure_base_model(
+    model,
+    tokenizer,
+    held_out: Dataset,
+    num_samples: int = 4,
+    temperature: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> dict:
     """Where a model stands on `held_out` (from `make_reasoning_dataset(..., split="heldout")`): sampled pass@1 at
     `temperature` with `num_samples` per problem and its bootstrap SE, the invalid rate, greedy accuracy, the mean
     completion length in tokens (EOS included) and the share of wrong, well-formed samples whose only error is a
@@ -503,24 +557,33 @@ def measure_base_model(model, tokenizer, held_out: Dataset, num_samples: int = 4
     problem set); `pass@1_problem_se` is the SE over problems (std of per-problem pass@1 / sqrt(problems)), the
     one to use when comparing with another problem set or asking how well the problems represent the task."""
     digits = len(str(parse_problem(held_out[0]["prompt"])[0]))
-    common = dict(max_new_tokens=max_completion_tokens(digits), batch_size=batch_size, seed=seed,
-                  show_progress=False)
-    sampled = evaluate_model(model, tokenizer, held_out, reasoning_classify, k=1, num_samples=num_samples,
-                             temperature=temperature, **common)
+    common = dict(max_new_tokens=max_completion_tokens(digits), batch_size=batch_size, seed=seed, show_progress=False)
+    sampled = evaluate_model(
+        model, tokenizer, held_out, reasoning_classify, k=1, num_samples=num_samples, temperature=temperature, **common
+    )
     greedy = evaluate_model(model, tokenizer, held_out, reasoning_classify, k=1, temperature=0.0, **common)
-    kinds = [diagnose(text, *parse_problem(record["prompt"]))["kind"]
-             for record in sampled.records for text in record["completions"]]
+    kinds = [
+        diagnose(text, *parse_problem(record["prompt"]))["kind"]
+        for record in sampled.records
+        for text in record["completions"]
+    ]
     wrong = [kind for kind in kinds if kind in (PLANTED, "other")]
     lengths = [tokens for record in sampled.records for tokens in record["num_tokens"]]
     per_problem = [record["num_correct"] / num_samples for record in sampled.records]
     return {
-        "num_problems": len(held_out), "num_samples": num_samples, "temperature": temperature,
-        "pass@1": sampled.pass_at_1, "pass@1_se": sampled.standard_errors["pass@1"],
-        "pass@1_problem_se": statistics.stdev(per_problem) / len(per_problem) ** 0.5 if len(per_problem) > 1
+        "num_problems": len(held_out),
+        "num_samples": num_samples,
+        "temperature": temperature,
+        "pass@1": sampled.pass_at_1,
+        "pass@1_se": sampled.standard_errors["pass@1"],
+        "pass@1_problem_se": statistics.stdev(per_problem) / len(per_problem) ** 0.5
+        if len(per_problem) > 1
         else float("nan"),
-        "invalid_rate": sampled.invalid_rate, "incorrect_rate": sampled.metrics["incorrect_rate"],
+        "invalid_rate": sampled.invalid_rate,
+        "incorrect_rate": sampled.metrics["incorrect_rate"],
         "planted_share": wrong.count(PLANTED) / len(wrong) if wrong else float("nan"),
-        "greedy_accuracy": greedy.pass_at_1, "greedy_invalid_rate": greedy.invalid_rate,
+        "greedy_accuracy": greedy.pass_at_1,
+        "greedy_invalid_rate": greedy.invalid_rate,
         "mean_completion_tokens": sum(lengths) / len(lengths),
         "truncated_rate": sum(t for record in sampled.records for t in record["truncated"]) / len(lengths),
     }

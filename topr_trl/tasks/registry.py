@@ -120,18 +120,28 @@ def builtin_task_names() -> tuple[str, ...]:
 
 # ------------------------------------------------------------------ the built-in tasks
 
+
 def _arithmetic_training(options, eval_split: bool) -> TrainingData:
-    return TrainingData(train=make_arithmetic_dataset(options.task_train_prompts, options.task_digits, seed=1),
-                        held_out=make_arithmetic_dataset(options.task_eval_prompts, options.task_digits, seed=2))
+    return TrainingData(
+        train=make_arithmetic_dataset(options.task_train_prompts, options.task_digits, seed=1),
+        held_out=make_arithmetic_dataset(options.task_eval_prompts, options.task_digits, seed=2),
+    )
 
 
 def _arithmetic_tiny_model(options, seed: int) -> TinyModel:
     folder = warm_model_folder(options.base_model_dir, options.task_digits, options.warm_start_accuracy, seed)
     return TinyModel(
-        folder, prebuilt_model(warm_model_key(options.task_digits, options.warm_start_accuracy, seed)) is not None,
+        folder,
+        prebuilt_model(warm_model_key(options.task_digits, options.warm_start_accuracy, seed)) is not None,
         f"SFT warm start until {options.warm_start_accuracy:.0%} greedy accuracy (at most 3,000 steps)",
-        lambda progress: build_warm_model(folder, digits=options.task_digits,
-                                          target_accuracy=options.warm_start_accuracy, seed=seed, progress=progress))
+        lambda progress: build_warm_model(
+            folder,
+            digits=options.task_digits,
+            target_accuracy=options.warm_start_accuracy,
+            seed=seed,
+            progress=progress,
+        ),
+    )
 
 
 def _arithmetic_evaluation(options):
@@ -150,16 +160,19 @@ def _reasoning_training(options, eval_split: bool) -> TrainingData:
     # train and held-out problems come from splits that are disjoint by construction
     return TrainingData(
         train=make_reasoning_dataset(options.task_train_prompts, options.task_digits, "train", seed=1),
-        held_out=make_reasoning_dataset(options.task_eval_prompts, options.task_digits, "heldout", seed=0))
+        held_out=make_reasoning_dataset(options.task_eval_prompts, options.task_digits, "heldout", seed=0),
+    )
 
 
 def _reasoning_tiny_model(options, seed: int) -> TinyModel:
     settings = WarmStartSettings(digits=options.task_digits, error_rate=options.task_error_rate, seed=seed)
     return TinyModel(
-        warm_model_path(options.base_model_dir, settings), prebuilt_model(settings.key()) is not None,
+        warm_model_path(options.base_model_dir, settings),
+        prebuilt_model(settings.key()) is not None,
         f"SFT on written solutions that drop each carry with probability {options.task_error_rate:g}, "
         f"{settings.steps} steps (1-3 min on an idle 2-core CPU)",
-        lambda progress: build_reasoning_warm_model(options.base_model_dir, settings, progress=progress))
+        lambda progress: build_reasoning_warm_model(options.base_model_dir, settings, progress=progress),
+    )
 
 
 def _reasoning_evaluation(options):
@@ -184,7 +197,8 @@ def _word_problems_training(options, eval_split: bool) -> TrainingData:
     return TrainingData(
         train=make_word_problems(options.task_train_prompts, "train", seed=1),
         held_out=make_word_problems(options.task_eval_prompts, "test"),
-        evaluation=make_word_problems(options.task_eval_prompts, "validation") if eval_split else None)
+        evaluation=make_word_problems(options.task_eval_prompts, "validation") if eval_split else None,
+    )
 
 
 def _word_problems_evaluation(options):
@@ -202,8 +216,13 @@ def _word_problems_classifier():
 def _benchmark_common(options) -> dict:
     split = options.dataset_test_split or "test"
     source = {"source": options.dataset_name} if options.dataset_name else {}
-    return dict(split=split, **source, chat=not options.plain_prompts, few_shot=options.few_shot,
-                system_prompt=options.system_prompt)
+    return dict(
+        split=split,
+        **source,
+        chat=not options.plain_prompts,
+        few_shot=options.few_shot,
+        system_prompt=options.system_prompt,
+    )
 
 
 def _gsm8k_training(options, eval_split: bool) -> TrainingData:
@@ -211,7 +230,9 @@ def _gsm8k_training(options, eval_split: bool) -> TrainingData:
     return TrainingData(
         train=load_gsm8k(options.dataset_train_split, source=source, few_shot=options.few_shot),
         evaluation=load_gsm8k(options.dataset_test_split, source=source, few_shot=options.few_shot)
-        if eval_split else None)
+        if eval_split
+        else None,
+    )
 
 
 def _gsm8k_evaluation(options):
@@ -219,8 +240,9 @@ def _gsm8k_evaluation(options):
 
 
 def _math500_training(options, eval_split: bool) -> TrainingData:
-    return TrainingData(train=load_math500(source=options.dataset_name or "HuggingFaceH4/MATH-500",
-                                           few_shot=options.few_shot))
+    return TrainingData(
+        train=load_math500(source=options.dataset_name or "HuggingFaceH4/MATH-500", few_shot=options.few_shot)
+    )
 
 
 def _math500_evaluation(options):
@@ -246,8 +268,10 @@ def load_prompts(options, split: str):
     except FileNotFoundError as error:  # not on the Hub, or the Hub out of reach: the message says what to do
         raise SystemExit(f"topr-trl: {error}") from error
     if "prompt" not in dataset.column_names:
-        raise SystemExit(f"topr-trl: dataset {options.dataset_name!r} has no `prompt` column (it has "
-                         f"{dataset.column_names}); rename the column that holds the prompts to `prompt`")
+        raise SystemExit(
+            f"topr-trl: dataset {options.dataset_name!r} has no `prompt` column (it has "
+            f"{dataset.column_names}); rename the column that holds the prompts to `prompt`"
+        )
     return dataset
 
 
@@ -260,8 +284,9 @@ def _custom_training(options, eval_split: bool) -> TrainingData:
     # the rule `iterate` measures by: a single file holds the training split only, and a test split that holds the
     # training prompts themselves is no held-out set; evaluating on either would report training rows as eval
     split = options.dataset_test_split or "test"
-    evaluation, why = load_test_prompts(options.dataset_name, split, options.dataset_train_split,
-                                        options.dataset_config, train)
+    evaluation, why = load_test_prompts(
+        options.dataset_name, split, options.dataset_train_split, options.dataset_config, train
+    )
     if evaluation is None:
         raise no_held_out_split(why)
     return TrainingData(train=train, evaluation=evaluation)
@@ -269,9 +294,11 @@ def _custom_training(options, eval_split: bool) -> TrainingData:
 
 def no_held_out_split(why: str) -> SystemExit:
     """The one line for an evaluation asked of a custom dataset with no held-out split."""
-    return SystemExit(f"topr-trl: --eval_strategy evaluates on a held-out split of --dataset_name, and there is "
-                      f"none: {' '.join(why.split())}. Pass --dataset_test_split SPLIT naming one (a folder with "
-                      f"train.jsonl and test.jsonl has 'test'), or leave --eval_strategy at 'no'")
+    return SystemExit(
+        f"topr-trl: --eval_strategy evaluates on a held-out split of --dataset_name, and there is "
+        f"none: {' '.join(why.split())}. Pass --dataset_test_split SPLIT naming one (a folder with "
+        f"train.jsonl and test.jsonl has 'test'), or leave --eval_strategy at 'no'"
+    )
 
 
 # a custom dataset's "reference" in `evaluate`: the row the reward functions read their columns from
@@ -279,11 +306,14 @@ ROW_COLUMN = "__row__"
 
 
 def _custom_evaluation(options):
-    dataset = load_data_source(options.dataset_name, options.dataset_test_split or "test",
-                               config=options.dataset_config)
+    dataset = load_data_source(
+        options.dataset_name, options.dataset_test_split or "test", config=options.dataset_config
+    )
     if "prompt" not in dataset.column_names:
-        raise ValueError(f"dataset {options.dataset_name!r} has no `prompt` column (it has "
-                         f"{dataset.column_names}); rename the column that holds the prompts to `prompt`")
+        raise ValueError(
+            f"dataset {options.dataset_name!r} has no `prompt` column (it has "
+            f"{dataset.column_names}); rename the column that holds the prompts to `prompt`"
+        )
     return dataset.add_column(ROW_COLUMN, list(range(len(dataset))))
 
 
@@ -291,27 +321,88 @@ def _fixed(tokens: int) -> Callable[[int | None], int]:
     return lambda task_digits: tokens
 
 
-register_task(Task("arithmetic", trains=True, training_data=_arithmetic_training,
-                   evaluation_data=_arithmetic_evaluation, max_new_tokens=_fixed(8),
-                   reward_funcs=("arithmetic",), classifier=_arithmetic_classifier, builtin=True,
-                   held_out_evaluator=_arithmetic_held_out, tiny_model=_arithmetic_tiny_model))
-register_task(Task("reasoning", trains=True, training_data=_reasoning_training,
-                   evaluation_data=_reasoning_evaluation, max_new_tokens=_reasoning_max_new_tokens,
-                   reward_funcs=("reasoning",), classifier=_reasoning_classifier, builtin=True,
-                   held_out_evaluator=_reasoning_held_out, tiny_model=_reasoning_tiny_model,
-                   recipe="builtin-reasoning"))
-register_task(Task("word_problems", trains=True, training_data=_word_problems_training,
-                   evaluation_data=_word_problems_evaluation, max_new_tokens=_fixed(WORD_PROBLEM_TOKENS),
-                   reward_funcs=("word_problems",), classifier=_word_problems_classifier, builtin=True,
-                   held_out_evaluator=_word_problems_held_out, recipe="builtin-word_problems",
-                   default_model=WORD_PROBLEM_MODEL))
-register_task(Task("gsm8k", trains=True, training_data=_gsm8k_training, evaluation_data=_gsm8k_evaluation,
-                   max_new_tokens=_fixed(512), reward_funcs=("topr_trl.evaluation.rewards:gsm8k_reward",),
-                   classifier=_gsm8k_classifier))
-register_task(Task("math500", trains=True, training_data=_math500_training, evaluation_data=_math500_evaluation,
-                   max_new_tokens=_fixed(1024), reward_funcs=("topr_trl.evaluation.rewards:math_reward",),
-                   classifier=_math_classifier))
-register_task(Task("math", trains=False, training_data=None, evaluation_data=_math_evaluation,
-                   max_new_tokens=_fixed(1024), classifier=_math_classifier))
-register_task(Task(CUSTOM_TASK, trains=True, training_data=_custom_training, evaluation_data=_custom_evaluation,
-                   max_new_tokens=_fixed(256)))
+register_task(
+    Task(
+        "arithmetic",
+        trains=True,
+        training_data=_arithmetic_training,
+        evaluation_data=_arithmetic_evaluation,
+        max_new_tokens=_fixed(8),
+        reward_funcs=("arithmetic",),
+        classifier=_arithmetic_classifier,
+        builtin=True,
+        held_out_evaluator=_arithmetic_held_out,
+        tiny_model=_arithmetic_tiny_model,
+    )
+)
+register_task(
+    Task(
+        "reasoning",
+        trains=True,
+        training_data=_reasoning_training,
+        evaluation_data=_reasoning_evaluation,
+        max_new_tokens=_reasoning_max_new_tokens,
+        reward_funcs=("reasoning",),
+        classifier=_reasoning_classifier,
+        builtin=True,
+        held_out_evaluator=_reasoning_held_out,
+        tiny_model=_reasoning_tiny_model,
+        recipe="builtin-reasoning",
+    )
+)
+register_task(
+    Task(
+        "word_problems",
+        trains=True,
+        training_data=_word_problems_training,
+        evaluation_data=_word_problems_evaluation,
+        max_new_tokens=_fixed(WORD_PROBLEM_TOKENS),
+        reward_funcs=("word_problems",),
+        classifier=_word_problems_classifier,
+        builtin=True,
+        held_out_evaluator=_word_problems_held_out,
+        recipe="builtin-word_problems",
+        default_model=WORD_PROBLEM_MODEL,
+    )
+)
+register_task(
+    Task(
+        "gsm8k",
+        trains=True,
+        training_data=_gsm8k_training,
+        evaluation_data=_gsm8k_evaluation,
+        max_new_tokens=_fixed(512),
+        reward_funcs=("topr_trl.evaluation.rewards:gsm8k_reward",),
+        classifier=_gsm8k_classifier,
+    )
+)
+register_task(
+    Task(
+        "math500",
+        trains=True,
+        training_data=_math500_training,
+        evaluation_data=_math500_evaluation,
+        max_new_tokens=_fixed(1024),
+        reward_funcs=("topr_trl.evaluation.rewards:math_reward",),
+        classifier=_math_classifier,
+    )
+)
+register_task(
+    Task(
+        "math",
+        trains=False,
+        training_data=None,
+        evaluation_data=_math_evaluation,
+        max_new_tokens=_fixed(1024),
+        classifier=_math_classifier,
+    )
+)
+register_task(
+    Task(
+        CUSTOM_TASK,
+        trains=True,
+        training_data=_custom_training,
+        evaluation_data=_custom_evaluation,
+        max_new_tokens=_fixed(256),
+    )
+)

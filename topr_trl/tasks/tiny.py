@@ -44,7 +44,9 @@ def build_tokenizer(alphabet: str = string.printable) -> PreTrainedTokenizerFast
     tokenizer.decoder = decoders.Fuse()
     specials = [PAD, BOS, EOS]
     trainer = trainers.BpeTrainer(
-        vocab_size=len(alphabet) + len(specials), special_tokens=specials, initial_alphabet=list(alphabet),
+        vocab_size=len(alphabet) + len(specials),
+        special_tokens=specials,
+        initial_alphabet=list(alphabet),
         show_progress=False,
     )
     tokenizer.train_from_iterator([alphabet], trainer=trainer)
@@ -62,8 +64,12 @@ smallest it runs. Part of the built-in models' keys (`topr_trl.tasks.arithmetic.
 
 
 def build_model(
-    tokenizer: PreTrainedTokenizerFast, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
-    head_dim: int = HEAD_DIM, **config_overrides
+    tokenizer: PreTrainedTokenizerFast,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    seed: int = 0,
+    head_dim: int = HEAD_DIM,
+    **config_overrides,
 ):
     """A randomly initialised Llama-architecture (Mistral) causal LM sized for CPU tests (about 0.1M parameters
     at the defaults): `hidden_size // head_dim` attention heads (at least one) of `head_dim`, half as many key-value

@@ -31,8 +31,7 @@ HOOK_KEYWORDS = ("trainer_state", "log_extra", "log_metric", "environments")
 
 
 def builtin_reward(name: str):
-    return {"arithmetic": arithmetic_reward, "reasoning": reasoning_reward,
-            "word_problems": word_problem_reward}[name]
+    return {"arithmetic": arithmetic_reward, "reasoning": reasoning_reward, "word_problems": word_problem_reward}[name]
 
 
 def resolve_reward(name: str):
@@ -44,8 +43,10 @@ def resolve_reward(name: str):
     if not location and "." in name and not name.endswith(".py"):  # TRL's spelling: trl.rewards.accuracy_reward
         location, _, function_name = name.rpartition(".")
     if not location or not function_name:
-        raise ValueError(f"unknown reward function {name!r}: use one of {list(BUILTIN_REWARDS)}, 'module:function' "
-                         "(or 'module.function') or 'path/to/file.py:function'")
+        raise ValueError(
+            f"unknown reward function {name!r}: use one of {list(BUILTIN_REWARDS)}, 'module:function' "
+            "(or 'module.function') or 'path/to/file.py:function'"
+        )
     try:
         if location.endswith(".py") or _names_a_path(location):
             path = _module_file(name, location)
@@ -57,15 +58,17 @@ def resolve_reward(name: str):
                 sys.path.insert(0, str(Path.cwd()))
             module = importlib.import_module(location)
     except (ImportError, FileNotFoundError) as error:
-        raise ValueError(f"cannot load the reward function {name!r}: {error}. Give 'module:function' with the module "
-                         "importable from the current directory (or on PYTHONPATH), or 'path/to/file.py:function'") \
-            from error
+        raise ValueError(
+            f"cannot load the reward function {name!r}: {error}. Give 'module:function' with the module "
+            "importable from the current directory (or on PYTHONPATH), or 'path/to/file.py:function'"
+        ) from error
     function = getattr(module, function_name, None)
     if not callable(function):
         available = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
         close = difflib.get_close_matches(function_name, available, n=1)
-        raise ValueError(f"{location} has no function {function_name!r}" +
-                         (f"; did you mean {close[0]!r}?" if close else ""))
+        raise ValueError(
+            f"{location} has no function {function_name!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+        )
     return function
 
 
@@ -89,9 +92,11 @@ def _module_file(name: str, location: str) -> Path:
         problem = f"{location} is not a Python file (.py)"
     else:
         problem = f"no such file {str(path) if path.suffix == '.py' else f'{location} or {location}.py'}"
-    raise ValueError(f"--reward_funcs {name}: {problem}; give the module file and the function, "
-                     "'path/to/file.py:function' (or 'module:function' for a module importable from the current "
-                     "directory)")
+    raise ValueError(
+        f"--reward_funcs {name}: {problem}; give the module file and the function, "
+        "'path/to/file.py:function' (or 'module:function' for a module importable from the current "
+        "directory)"
+    )
 
 
 class RewardFunctionError(ValueError):
@@ -104,8 +109,10 @@ def _first_failing_row(function, kwargs: dict) -> int | None:
     the failure needs the whole batch)."""
     rows = len(kwargs.get("prompts") or kwargs.get("completions") or [])
     for row in range(rows):
-        one = {key: (value[row : row + 1] if isinstance(value, list) and len(value) == rows else value)
-               for key, value in kwargs.items()}
+        one = {
+            key: (value[row : row + 1] if isinstance(value, list) and len(value) == rows else value)
+            for key, value in kwargs.items()
+        }
         one.update({key: _ignore for key in ("log_extra", "log_metric") if key in kwargs})
         try:
             function(**one)

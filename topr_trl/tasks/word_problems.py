@@ -25,8 +25,10 @@ OBJECTS = ("apples", "books", "marbles", "pencils", "stickers", "cookies", "card
 # (text, answer): one arithmetic step each; {a} > {b} where a subtraction needs it
 TEMPLATES = (
     ("{name} has {a} {obj}. {pronoun} buys {b} more. How many {obj} does {name} have now?", lambda a, b: a + b),
-    ("{name} has {a} {obj}. {pronoun} gives {b} of them to a friend. How many {obj} does {name} have left?",
-     lambda a, b: a - b),
+    (
+        "{name} has {a} {obj}. {pronoun} gives {b} of them to a friend. How many {obj} does {name} have left?",
+        lambda a, b: a - b,
+    ),
     ("There are {a} {obj} in a box. {name} puts in {b} more. How many {obj} are in the box now?", lambda a, b: a + b),
     ("{name} had {a} {obj} and lost {b} of them. How many {obj} does {name} have now?", lambda a, b: a - b),
 )
@@ -43,8 +45,10 @@ PRONOUNS = {"Mia": "She", "Ava": "She", "Emma": "She", "Lily": "She", "Zoe": "Sh
 INSTRUCTION = "Answer with the number."
 WORKED_EXAMPLES = (
     ("Ben has 4 cards. He buys 3 more. How many cards does Ben have now?", "Ben has 4 + 3 = 7 cards. The answer is 7."),
-    ("Ella had 9 stamps and lost 5 of them. How many stamps does Ella have now?",
-     "Ella has 9 - 5 = 4 stamps. The answer is 4."),
+    (
+        "Ella had 9 stamps and lost 5 of them. How many stamps does Ella have now?",
+        "Ella has 9 - 5 = 4 stamps. The answer is 4.",
+    ),
 )
 """Worked answers shown as earlier chat turns (`few_shot`): the answer's form, one equation then the number. They are
 never asked as problems."""
@@ -77,9 +81,16 @@ def _problem(rng: random.Random, max_number: int, style: str) -> tuple[str, int]
     return question, answer(a, b)
 
 
-def make_word_problems(num_problems: int, split: str, seed: int = 0, instruction: str | None = INSTRUCTION,
-                       system_prompt: str | None = None, max_number: int = MAX_NUMBER,
-                       style: str = "story", few_shot: int = FEW_SHOT) -> Dataset:
+def make_word_problems(
+    num_problems: int,
+    split: str,
+    seed: int = 0,
+    instruction: str | None = INSTRUCTION,
+    system_prompt: str | None = None,
+    max_number: int = MAX_NUMBER,
+    style: str = "story",
+    few_shot: int = FEW_SHOT,
+) -> Dataset:
     """`num_problems` distinct problems of `split` (`SPLITS`), as chat prompts with an `answer` column (the number as
     text, as GSM8K's loader gives it) and the plain `question`."""
     if split not in SPLITS:
@@ -95,11 +106,19 @@ def make_word_problems(num_problems: int, split: str, seed: int = 0, instruction
             continue
         seen.add(question)
         content = f"{question} {instruction}" if instruction else question
-        shots = [{"role": role, "content": text} for example, answer_text in WORKED_EXAMPLES[:few_shot]
-                 for role, text in (("user", f"{example} {instruction}" if instruction else example),
-                                    ("assistant", answer_text))]
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + shots + [
-            {"role": "user", "content": content}]
+        shots = [
+            {"role": role, "content": text}
+            for example, answer_text in WORKED_EXAMPLES[:few_shot]
+            for role, text in (
+                ("user", f"{example} {instruction}" if instruction else example),
+                ("assistant", answer_text),
+            )
+        ]
+        messages = (
+            ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+            + shots
+            + [{"role": "user", "content": content}]
+        )
         rows.append({"prompt": messages, "answer": str(answer), "question": question})
     if len(rows) < num_problems:
         raise ValueError(f"the {split} split has only {len(rows)} distinct word problems; ask for fewer")
@@ -108,25 +127,38 @@ def make_word_problems(num_problems: int, split: str, seed: int = 0, instruction
 
 def word_problem_reward(completions, answer, **kwargs) -> list[float]:
     """+1 for a correct final number, -1 otherwise (the paper's +1/-1 reward)."""
-    return [1.0 if classify_gsm8k(completion_text(completion), reference) == "correct" else -1.0
-            for completion, reference in zip(completions, answer, strict=True)]
+    return [
+        1.0 if classify_gsm8k(completion_text(completion), reference) == "correct" else -1.0
+        for completion, reference in zip(completions, answer, strict=True)
+    ]
 
 
-def measure_word_problems(model, tokenizer, held_out: Dataset, num_samples: int = 4, temperature: float = 1.0,
-                          seed: int = 0, batch_size: int = 64) -> dict:
+def measure_word_problems(
+    model,
+    tokenizer,
+    held_out: Dataset,
+    num_samples: int = 4,
+    temperature: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> dict:
     """Sampled pass@1 on `held_out` at `temperature` over the whole vocabulary (`num_samples` per problem), with the
     bootstrap SE over samples (`pass@1_se`) and the SE over problems (`pass@1_problem_se`), the mean completion
     length and the share cut at the budget; greedy accuracy beside it."""
     common = dict(max_new_tokens=WORD_PROBLEM_TOKENS, batch_size=batch_size, seed=seed, show_progress=False)
-    sampled = evaluate_model(model, tokenizer, held_out, gsm8k_classify, k=1, num_samples=num_samples,
-                             temperature=temperature, **common)
+    sampled = evaluate_model(
+        model, tokenizer, held_out, gsm8k_classify, k=1, num_samples=num_samples, temperature=temperature, **common
+    )
     greedy = evaluate_model(model, tokenizer, held_out, gsm8k_classify, k=1, temperature=0.0, **common)
     per_problem = [record["num_correct"] / num_samples for record in sampled.records]
     lengths = [tokens for record in sampled.records for tokens in record["num_tokens"]]
     spread = statistics.stdev(per_problem) if len(per_problem) > 1 else float("nan")
     return {
-        "num_problems": len(held_out), "num_samples": num_samples, "temperature": temperature,
-        "pass@1": sampled.pass_at_1, "pass@1_se": sampled.standard_errors["pass@1"],
+        "num_problems": len(held_out),
+        "num_samples": num_samples,
+        "temperature": temperature,
+        "pass@1": sampled.pass_at_1,
+        "pass@1_se": sampled.standard_errors["pass@1"],
         "pass@1_problem_se": spread / len(per_problem) ** 0.5,
         "problems_0<p<1": sum(0 < p < 1 for p in per_problem) / len(per_problem),
         "greedy_accuracy": greedy.pass_at_1,

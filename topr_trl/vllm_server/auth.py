@@ -41,15 +41,21 @@ class WeightPathSecret:
         return False
 
     async def __call__(self, scope, receive, send):
-        if (self.expected is None or scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS"
-                or scope["path"] in OPEN_ROUTES or self.authorised(scope)):
+        if (
+            self.expected is None
+            or scope["type"] not in ("http", "websocket")
+            or scope.get("method") == "OPTIONS"
+            or scope["path"] in OPEN_ROUTES
+            or self.authorised(scope)
+        ):
             return await self.app(scope, receive, send)
         client = scope.get("client") or ("?", 0)
-        log_line(f"refused {scope.get('method', 'websocket')} {scope['path']} from {client[0]}:{client[1]}: no valid "
-                 f"secret ({SECRET_ENV})")
+        log_line(
+            f"refused {scope.get('method', 'websocket')} {scope['path']} from {client[0]}:{client[1]}: no valid "
+            f"secret ({SECRET_ENV})"
+        )
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.start", "status": 401, "headers": [(b"content-type", b"application/json")]})
         body = b'{"error": "Unauthorized: this server requires its secret"}'
         await send({"type": "http.response.body", "body": body})

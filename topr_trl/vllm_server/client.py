@@ -34,10 +34,32 @@ long enough for a server busy generating a batch on a CPU, short of a hang."""
 # `server_generation_arguments` for the server mode it cannot build on a CPU; tests/test_vllm_server.py holds this
 # list to TRL's source.
 GRPO_VLLM_GENERATION_ARGUMENTS = (
-    "model", "accelerator", "processing_class", "mode", "structured_outputs_regex", "server_base_url", "server_host",
-    "server_port", "group_port", "server_timeout", "tensor_parallel_size", "gpu_memory_utilization",
-    "max_model_length", "max_num_seqs", "enable_sleep_mode", "model_impl", "trust_remote_code", "repetition_penalty",
-    "temperature", "top_p", "top_k", "min_p", "max_completion_length", "logprobs", "generation_kwargs")
+    "model",
+    "accelerator",
+    "processing_class",
+    "mode",
+    "structured_outputs_regex",
+    "server_base_url",
+    "server_host",
+    "server_port",
+    "group_port",
+    "server_timeout",
+    "tensor_parallel_size",
+    "gpu_memory_utilization",
+    "max_model_length",
+    "max_num_seqs",
+    "enable_sleep_mode",
+    "model_impl",
+    "trust_remote_code",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_completion_length",
+    "logprobs",
+    "generation_kwargs",
+)
 
 
 RESUME_ON_A_NEW_SERVER = "restart it, then continue the run with --resume_from_checkpoint true"
@@ -63,20 +85,26 @@ def server_weight_backend(url: str, timeout_s: float) -> str | None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            response = requests.get(f"{url}/server_info", params={"config_format": "json"}, headers=secret_headers(),
-                                    timeout=30)
+            response = requests.get(
+                f"{url}/server_info", params={"config_format": "json"}, headers=secret_headers(), timeout=30
+            )
             break
         except requests.RequestException as error:
             if time.monotonic() >= deadline:
-                raise ServerLost(f"the vLLM server at {url} cannot be reached ({type(error).__name__}) after "
-                                 f"{timeout_s:.0f} s: start it with `topr-trl vllm-serve --model MODEL`") from None
+                raise ServerLost(
+                    f"the vLLM server at {url} cannot be reached ({type(error).__name__}) after "
+                    f"{timeout_s:.0f} s: start it with `topr-trl vllm-serve --model MODEL`"
+                ) from None
             time.sleep(2)
     if response.status_code == 401:
-        raise ServerLost(f"the vLLM server at {url} refused this trainer: it requires a secret; set {SECRET_ENV} to "
-                         "the server's")
+        raise ServerLost(
+            f"the vLLM server at {url} refused this trainer: it requires a secret; set {SECRET_ENV} to the server's"
+        )
     if response.status_code == 404:
-        raise ServerLost(f"the vLLM server at {url} has no weight path (its dev-mode routes are off): start it with "
-                         "`topr-trl vllm-serve`")
+        raise ServerLost(
+            f"the vLLM server at {url} has no weight path (its dev-mode routes are off): start it with "
+            "`topr-trl vllm-serve`"
+        )
     response.raise_for_status()
     config = response.json()["vllm_config"].get("weight_transfer_config") or {}
     return config.get("backend")
@@ -108,11 +136,14 @@ class GlooVLLMClient(VLLMClient):
         return super().check_server(total_timeout, retry_interval)
 
     def _post_once(self, route: str, payload: dict) -> dict:
-        response = requests.post(f"{self.base_url}{route}", json=payload, headers=secret_headers(),
-                                 timeout=self.sync_timeout_s)
+        response = requests.post(
+            f"{self.base_url}{route}", json=payload, headers=secret_headers(), timeout=self.sync_timeout_s
+        )
         if response.status_code != 200:
-            raise ServerLost(f"the vLLM server at {self.base_url} refused {route}: {response.status_code} "
-                             f"{' '.join(response.text.split())[:500]}")
+            raise ServerLost(
+                f"the vLLM server at {self.base_url} refused {route}: {response.status_code} "
+                f"{' '.join(response.text.split())[:500]}"
+            )
         return response.json() if response.content else {}
 
     def _alongside(self, route: str, payload: dict, work) -> None:
@@ -134,12 +165,14 @@ class GlooVLLMClient(VLLMClient):
             thread.join(timeout=10)  # the server's reason, if it has one
             if isinstance(outcome.get("error"), ServerLost):
                 raise outcome["error"] from error
-            raise ServerLost(f"the weight path to the vLLM server at {self.base_url} broke: "
-                             f"{' '.join(str(error).split())[:300]}") from error
+            raise ServerLost(
+                f"the weight path to the vLLM server at {self.base_url} broke: {' '.join(str(error).split())[:300]}"
+            ) from error
         thread.join(timeout=self.sync_timeout_s)
         if thread.is_alive():
-            raise ServerLost(f"the vLLM server at {self.base_url} did not answer {route} within "
-                             f"{self.sync_timeout_s:.0f} s")
+            raise ServerLost(
+                f"the vLLM server at {self.base_url} did not answer {route} within {self.sync_timeout_s:.0f} s"
+            )
         if "error" in outcome:
             raise outcome["error"]
 
@@ -150,8 +183,13 @@ class GlooVLLMClient(VLLMClient):
         world_size = self.get_world_size() + 1
         address = local_address_towards(self.host)
         self.group_port = rendezvous_port(self.group_port)
-        init_info = {"master_address": address, "master_port": self.group_port, "world_size": world_size,
-                     "rank_offset": 1, "timeout_s": self.sync_timeout_s}
+        init_info = {
+            "master_address": address,
+            "master_port": self.group_port,
+            "world_size": world_size,
+            "rank_offset": 1,
+            "timeout_s": self.sync_timeout_s,
+        }
 
         def join():
             self.group = open_group(address, self.group_port, world_size, 0, self.sync_timeout_s)
@@ -171,8 +209,9 @@ class GlooVLLMClient(VLLMClient):
 
         if not self._updating_weights:
             self._post_once("/start_weight_update", {})
-        self._alongside("/update_weights", {"update_info": {"names": names, "dtype_names": dtype_names,
-                                                            "shapes": shapes}}, send)
+        self._alongside(
+            "/update_weights", {"update_info": {"names": names, "dtype_names": dtype_names, "shapes": shapes}}, send
+        )
         if not self._updating_weights:
             self._post_once("/finish_weight_update", {})
 
@@ -207,16 +246,26 @@ def rendezvous_port(port: int | None) -> int:
     if port is not None and is_free_port(port):
         return port
     if port is not None and port != DEFAULT_GROUP_PORT:
-        raise ValueError(f"vllm_group_port {port} is in use on this machine (another trainer's weight path?): set "
-                         f"vllm_group_port to a free port, or leave it at its default ({DEFAULT_GROUP_PORT}), which "
-                         "gives way to a free port when taken")
+        raise ValueError(
+            f"vllm_group_port {port} is in use on this machine (another trainer's weight path?): set "
+            f"vllm_group_port to a free port, or leave it at its default ({DEFAULT_GROUP_PORT}), which "
+            "gives way to a free port when taken"
+        )
     with socket.socket() as probe:
         probe.bind(("", 0))
         return probe.getsockname()[1]
 
 
-SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "intermediate_size", "tie_word_embeddings")
+SHAPE_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "tie_word_embeddings",
+)
 
 
 def check_serves(client: GlooVLLMClient, model) -> None:
@@ -225,12 +274,17 @@ def check_serves(client: GlooVLLMClient, model) -> None:
     The server's worker says what it serves (`engine.WeightSyncWorkerExtension.topr_served_model`)."""
     served = client._post_once("/collective_rpc", {"method": "topr_served_model"})["results"][0]
     trained = model.config.get_text_config().to_dict()
-    differ = [f"{key} {served['config'][key]} (server) vs {trained[key]} (trainer)" for key in SHAPE_FIELDS
-              if key in served["config"] and key in trained and served["config"][key] != trained[key]]
+    differ = [
+        f"{key} {served['config'][key]} (server) vs {trained[key]} (trainer)"
+        for key in SHAPE_FIELDS
+        if key in served["config"] and key in trained and served["config"][key] != trained[key]
+    ]
     if differ:
-        raise ValueError(f"the vLLM server at {client.base_url} serves {served['model']}, not the model being "
-                         f"trained ({'; '.join(differ)}): start it with `topr-trl vllm-serve --model` the trained "
-                         "model")
+        raise ValueError(
+            f"the vLLM server at {client.base_url} serves {served['model']}, not the model being "
+            f"trained ({'; '.join(differ)}): start it with `topr-trl vllm-serve --model` the trained "
+            "model"
+        )
 
 
 class GlooServerGeneration(VLLMGeneration):
@@ -242,8 +296,9 @@ class GlooServerGeneration(VLLMGeneration):
         if self.accelerator.is_main_process:
             url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
             try:
-                self.vllm_client = GlooVLLMClient(base_url=url, group_port=self.group_port,
-                                                  connection_timeout=self.server_timeout)
+                self.vllm_client = GlooVLLMClient(
+                    base_url=url, group_port=self.group_port, connection_timeout=self.server_timeout
+                )
             except requests.RequestException as error:
                 raise ServerLost(f"the vLLM server at {url} failed: {type(error).__name__}") from error
             check_serves(self.vllm_client, self.model)
@@ -257,8 +312,9 @@ class GlooServerGeneration(VLLMGeneration):
         try:
             return call(*args, **kwargs)
         except requests.RequestException as error:
-            raise ServerLost(f"the vLLM server at {url} stopped answering ({type(error).__name__}): "
-                             f"{RESUME_ON_A_NEW_SERVER}") from None
+            raise ServerLost(
+                f"the vLLM server at {url} stopped answering ({type(error).__name__}): {RESUME_ON_A_NEW_SERVER}"
+            ) from None
         except ServerLost as error:
             raise ServerLost(f"{error}: {RESUME_ON_A_NEW_SERVER}") from None
 
@@ -273,17 +329,32 @@ def server_generation_arguments(trainer, args) -> dict:
     """The arguments `GRPOTrainer.__init__` gives `VLLMGeneration` (`GRPO_VLLM_GENERATION_ARGUMENTS`), from the same
     trainer attributes and config fields."""
     arguments = dict(
-        model=trainer.model, accelerator=trainer.accelerator, processing_class=trainer.processing_class,
-        mode=args.vllm_mode, structured_outputs_regex=args.vllm_structured_outputs_regex,
-        server_base_url=args.vllm_server_base_url, server_host=args.vllm_server_host,
-        server_port=args.vllm_server_port, group_port=args.vllm_group_port, server_timeout=args.vllm_server_timeout,
-        tensor_parallel_size=args.vllm_tensor_parallel_size, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        model=trainer.model,
+        accelerator=trainer.accelerator,
+        processing_class=trainer.processing_class,
+        mode=args.vllm_mode,
+        structured_outputs_regex=args.vllm_structured_outputs_regex,
+        server_base_url=args.vllm_server_base_url,
+        server_host=args.vllm_server_host,
+        server_port=args.vllm_server_port,
+        group_port=args.vllm_group_port,
+        server_timeout=args.vllm_server_timeout,
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         max_model_length=args.vllm_max_model_length,
         max_num_seqs=args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation,
-        enable_sleep_mode=args.vllm_enable_sleep_mode, model_impl=args.vllm_model_impl,
-        trust_remote_code=args.trust_remote_code, repetition_penalty=trainer.repetition_penalty,
-        temperature=trainer.temperature, top_p=trainer.top_p, top_k=trainer.top_k, min_p=trainer.min_p,
-        max_completion_length=trainer.max_completion_length, logprobs=0, generation_kwargs=args.generation_kwargs)
+        enable_sleep_mode=args.vllm_enable_sleep_mode,
+        model_impl=args.vllm_model_impl,
+        trust_remote_code=args.trust_remote_code,
+        repetition_penalty=trainer.repetition_penalty,
+        temperature=trainer.temperature,
+        top_p=trainer.top_p,
+        top_k=trainer.top_k,
+        min_p=trainer.min_p,
+        max_completion_length=trainer.max_completion_length,
+        logprobs=0,
+        generation_kwargs=args.generation_kwargs,
+    )
     assert tuple(arguments) == GRPO_VLLM_GENERATION_ARGUMENTS
     return arguments
 
@@ -310,8 +381,12 @@ class GlooWeightTransfer:
 
     def init_weight_transfer(self) -> None:
         try:
-            self.client = GlooVLLMClient(base_url=self.url, group_port=self.group_port,
-                                         connection_timeout=self.sync_timeout_s, sync_timeout_s=self.sync_timeout_s)
+            self.client = GlooVLLMClient(
+                base_url=self.url,
+                group_port=self.group_port,
+                connection_timeout=self.sync_timeout_s,
+                sync_timeout_s=self.sync_timeout_s,
+            )
         except requests.RequestException as error:
             raise ServerLost(f"the vLLM server at {self.url} failed: {type(error).__name__}") from error
         self.client.init_communicator()
@@ -329,8 +404,9 @@ class GlooWeightTransfer:
             self.client.update_named_params(metadata, iter(named))
             self.client.reset_prefix_cache()
         except requests.RequestException as error:
-            raise ServerLost(f"the vLLM server at {self.url} stopped answering ({type(error).__name__}) during a "
-                             "weight sync") from None
+            raise ServerLost(
+                f"the vLLM server at {self.url} stopped answering ({type(error).__name__}) during a weight sync"
+            ) from None
 
     def resume(self) -> None:
         self.client._post_once("/resume", {})

@@ -51,20 +51,37 @@ class VLLMServeArguments(ScriptArguments):
     """Start a vLLM server whose weights follow a trainer's (`--use_vllm true --vllm_mode server`, or
     `--asynchronous`), on a CPU or a GPU. Flags as `trl vllm-serve`'s; unknown flags go to vLLM as they are."""
 
-    host: str = field(default="127.0.0.1", metadata={
-        "help": "Address to listen on. 127.0.0.1 (the default) admits this machine only; any other address (0.0.0.0 "
-                f"for every interface) requires the weight path's secret: set {SECRET_ENV} or pass --secret_file, and "
-                "give the trainer the same."})
-    enforce_eager: bool | None = field(default=None, metadata={
-        "help": "Run the model eagerly (no CUDA graphs or compilation). Default: true without a GPU, false with one "
-                "(as `trl vllm-serve`)."})
-    weight_sync: str = field(default="auto", metadata={
-        "help": "How the trainer's weights reach the server: 'gloo' (TCP, any device, across machines; this "
-                "package's engine), 'nccl' (TRL's path, CUDA on both sides), or 'auto': nccl with a GPU, gloo "
-                "without. The trainer reads the choice from the server.", "choices": list(WEIGHT_SYNCS)})
-    secret_file: str | None = field(default=None, metadata={
-        "help": f"A file holding the secret the weight path requires (instead of {SECRET_ENV}); its content is "
-                "never printed or logged."})
+    host: str = field(
+        default="127.0.0.1",
+        metadata={
+            "help": "Address to listen on. 127.0.0.1 (the default) admits this machine only; any other address (0.0.0.0 "
+            f"for every interface) requires the weight path's secret: set {SECRET_ENV} or pass --secret_file, and "
+            "give the trainer the same."
+        },
+    )
+    enforce_eager: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Run the model eagerly (no CUDA graphs or compilation). Default: true without a GPU, false with one "
+            "(as `trl vllm-serve`)."
+        },
+    )
+    weight_sync: str = field(
+        default="auto",
+        metadata={
+            "help": "How the trainer's weights reach the server: 'gloo' (TCP, any device, across machines; this "
+            "package's engine), 'nccl' (TRL's path, CUDA on both sides), or 'auto': nccl with a GPU, gloo "
+            "without. The trainer reads the choice from the server.",
+            "choices": list(WEIGHT_SYNCS),
+        },
+    )
+    secret_file: str | None = field(
+        default=None,
+        metadata={
+            "help": f"A file holding the secret the weight path requires (instead of {SECRET_ENV}); its content is "
+            "never printed or logged."
+        },
+    )
 
 
 def cuda_available() -> bool:
@@ -108,9 +125,11 @@ def refuse_unguarded_host(arguments: VLLMServeArguments) -> str:
     """The secret (`read_secret`); refuses, in one line, a server that listens beyond this machine without one."""
     secret = read_secret(arguments)
     if not loopback(arguments.host) and not secret:
-        raise ValueError(f"--host {arguments.host} lets other machines reach the server, and through it replace the "
-                         f"model that samples your training data: set {SECRET_ENV} (or pass --secret_file) here and "
-                         "for the trainer, or listen on 127.0.0.1")
+        raise ValueError(
+            f"--host {arguments.host} lets other machines reach the server, and through it replace the "
+            f"model that samples your training data: set {SECRET_ENV} (or pass --secret_file) here and "
+            "for the trainer, or listen on 127.0.0.1"
+        )
     return secret
 
 
@@ -124,7 +143,7 @@ def server_command(arguments: VLLMServeArguments, extra_args: list[str]) -> tupl
     command = build_command(arguments, extra_args)
     # vLLM's server module takes the flags of `vllm serve` with the model as --model
     serve = command.index("serve")
-    command[serve - 1: serve + 2] = ["vllm.entrypoints.openai.api_server", "--model", arguments.model]
+    command[serve - 1 : serve + 2] = ["vllm.entrypoints.openai.api_server", "--model", arguments.model]
     config = command.index("--weight-transfer-config")
     command[config + 1] = json.dumps({"backend": BACKEND if weight_sync == "gloo" else "nccl"})
     if weight_sync == "gloo":
@@ -150,20 +169,29 @@ def serve(arguments: VLLMServeArguments, extra_args: list[str]) -> None:
     shown = shlex.join(["python", *command[1:]])
     print(f"topr-trl vllm-serve: {shown}", file=sys.stderr, flush=True)
     if not loopback(arguments.host):
-        print(f"topr-trl vllm-serve: listening on {arguments.host} ({socket.gethostname()}); the weight path requires "
-              "the secret", file=sys.stderr, flush=True)
+        print(
+            f"topr-trl vllm-serve: listening on {arguments.host} ({socket.gethostname()}); the weight path requires "
+            "the secret",
+            file=sys.stderr,
+            flush=True,
+        )
     os.execve(sys.executable, command, environment)
 
 
-def launch_server(model: str, port: int, log: Path, *flags: str, env: dict[str, str] | None = None,
-                  prefix: tuple[str, ...] = ()) -> tuple:
+def launch_server(
+    model: str, port: int, log: Path, *flags: str, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
+) -> tuple:
     """Start `topr-trl vllm-serve --model MODEL --port PORT FLAGS` in a session of its own (stop every process of the
     server with `os.killpg(process.pid, ...)`), its output appended to `log`, and wait until /health answers. Returns
     (process, url). `prefix` goes before the command (e.g. `taskset -c 0`). For scripts and tests."""
     with Path(log).open("a") as output:
-        process = subprocess.Popen([*prefix, sys.executable, "-m", "topr_trl", "vllm-serve", "--model", model, "--port",
-                                    str(port), *flags], stdout=output, stderr=subprocess.STDOUT,
-                                   env=env if env is not None else dict(os.environ), start_new_session=True)
+        process = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "topr_trl", "vllm-serve", "--model", model, "--port", str(port), *flags],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env=env if env is not None else dict(os.environ),
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:

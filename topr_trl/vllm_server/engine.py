@@ -59,8 +59,10 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
 
     def __post_init__(self):
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
-            raise ValueError(f"update_info lists differ in length: {len(self.names)} names, {len(self.dtype_names)} "
-                             f"dtypes, {len(self.shapes)} shapes")
+            raise ValueError(
+                f"update_info lists differ in length: {len(self.names)} names, {len(self.dtype_names)} "
+                f"dtypes, {len(self.shapes)} shapes"
+            )
 
 
 class TransferBroken(Exception):
@@ -80,10 +82,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         rank = init_info.rank_offset + self.parallel_config.rank
-        self.group = open_group(init_info.master_address, init_info.master_port, init_info.world_size, rank,
-                                init_info.timeout_s)
-        log_line(f"weight path open (gloo, rank {rank} of {init_info.world_size}, trainer at "
-                 f"{init_info.master_address}:{init_info.master_port})")
+        self.group = open_group(
+            init_info.master_address, init_info.master_port, init_info.world_size, rank, init_info.timeout_s
+        )
+        log_line(
+            f"weight path open (gloo, rank {rank} of {init_info.world_size}, trainer at "
+            f"{init_info.master_address}:{init_info.master_port})"
+        )
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload  # noqa: PLC0415 - as vLLM's engines do
@@ -124,8 +129,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             except Exception as error:  # noqa: BLE001 - another model's tensors: take the rest, so the trainer finishes sending
                 for _ in checked(stream):
                     pass
-                stop_server(f"the pushed weights do not fit the served model {self.model_config.model!r} (tensor "
-                            f"{update_info.names[taken - 1]!r}: {type(error).__name__}: {error})")
+                stop_server(
+                    f"the pushed weights do not fit the served model {self.model_config.model!r} (tensor "
+                    f"{update_info.names[taken - 1]!r}: {type(error).__name__}: {error})"
+                )
         except TransferBroken as broken:
             stop_server(str(broken))
 
@@ -154,8 +161,11 @@ class WeightSyncWorkerExtension:
         model before its first push (`client.check_serves`)."""
         model_config = self.vllm_config.model_config
         engine = getattr(self, "weight_transfer_engine", None)
-        return {"model": model_config.model, "config": model_config.hf_text_config.to_dict(),
-                "weight_backend": BACKEND if isinstance(engine, GlooWeightTransferEngine) else None}
+        return {
+            "model": model_config.model,
+            "config": model_config.hf_text_config.to_dict(),
+            "weight_backend": BACKEND if isinstance(engine, GlooWeightTransferEngine) else None,
+        }
 
 
 WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)
