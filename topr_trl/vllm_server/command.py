@@ -54,16 +54,16 @@ class VLLMServeArguments(ScriptArguments):
     host: str = field(
         default="127.0.0.1",
         metadata={
-            "help": "Address to listen on. 127.0.0.1 (the default) admits this machine only; any other address (0.0.0.0 "
-            f"for every interface) requires the weight path's secret: set {SECRET_ENV} or pass --secret_file, and "
-            "give the trainer the same."
+            "help": "Address to listen on. 127.0.0.1 (the default) admits this machine only; any other address "
+            f"(0.0.0.0 for every interface) requires the weight path's secret: set {SECRET_ENV} or pass --secret_file, "
+            "and give the trainer the same."
         },
     )
     enforce_eager: bool | None = field(
         default=None,
         metadata={
-            "help": "Run the model eagerly (no CUDA graphs or compilation). Default: true without a GPU, false with one "
-            "(as `trl vllm-serve`)."
+            "help": "Run the model eagerly (no CUDA graphs or compilation). Default: true without a GPU, false with "
+            "one (as `trl vllm-serve`)."
         },
     )
     weight_sync: str = field(
