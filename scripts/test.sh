@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: sets up the environment if needed, then runs pytest. Extra arguments go to pytest, e.g.
-#   bash scripts/test.sh                # the linter and formatter (ruff), then the default run (slow tests left out; vLLM tests
-#                                       # skip without vLLM)
+#   bash scripts/test.sh                # the linter and formatter (ruff), the type checker (mypy), then the default run
+#                                       # (slow tests left out; vLLM tests skip without vLLM)
 #   bash scripts/test.sh -m slow        # the multi-process and DeepSpeed tests (minutes)
 #   bash scripts/test.sh --vllm         # the tests on a real vLLM engine (CPU build), in .venv-vllm, slow ones
 #                                       # left out
@@ -20,10 +20,11 @@ else
   venv="${TOPR_VENV:-.venv}"
   if [ "$#" -eq 0 ]; then
     # the linter and the formatter first, on everything they cover (pyproject.toml): a second of work, and CI's first
-    # failure to read
+    # failure to read; then the type checker on the library's core (pyproject.toml's [tool.mypy])
     "$venv/bin/python" -m ruff check --quiet . || { echo "[test] ruff check failed: fix the lines above" >&2; exit 1; }
     "$venv/bin/python" -m ruff format --check --quiet . \
       || { echo "[test] ruff format --check failed: run \`.venv/bin/ruff format .\`" >&2; exit 1; }
+    "$venv/bin/python" -m mypy || { echo "[test] mypy failed: fix the lines above" >&2; exit 1; }
     set -- -m "not slow"
   fi
 fi

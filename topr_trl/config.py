@@ -7,6 +7,7 @@ import difflib
 import math
 import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, cast
 
 from trl import GRPOConfig
 
@@ -77,6 +78,19 @@ def check_choice(field_name: str, value: object, allowed: tuple[str, ...]) -> No
 _GRPO_DELTA = GRPOConfig.__dataclass_fields__["delta"]
 
 
+class _TRLConfig(Protocol):
+    """What `TOPRFields._check_before_trl_config` reads of a config, which is TOPRFields and one of TRL's configs
+    (GRPOConfig, AsyncGRPOConfig): its `loss_type`, and TRL's fields it checks."""
+
+    loss_type: str
+
+    @property
+    def learning_rate(self) -> float: ...
+
+    @property
+    def max_completion_length(self) -> int | None: ...
+
+
 @dataclass
 class TOPRFields:
     r"""
@@ -106,11 +120,14 @@ class TOPRFields:
     )
     # Declared `str` because TRL's parser (HfArgumentParser) takes no `float | str` field, and c is a number or a mode;
     # `_check_topr_values` turns it into a float or a mode (the asynchronous config then refuses a mode: its samples
-    # arrive one at a time, not in groups).
-    topr_baseline: str = field(
-        default="0.0",
-        metadata={"help": "Baseline c for topr_signal='reward': a number, 'group_mean' or 'batch_mean'."},
-    )
+    # arrive one at a time, not in groups). Type checkers see what the constructor takes and the config then holds.
+    if TYPE_CHECKING:
+        topr_baseline: float | str = 0.0
+    else:
+        topr_baseline: str = field(
+            default="0.0",
+            metadata={"help": "Baseline c for topr_signal='reward': a number, 'group_mean' or 'batch_mean'."},
+        )
     topr_positive_weight: float = field(default=1.0, metadata={"help": "Multiplier of the positive branch."})
     topr_negative_weight: float = field(default=1.0, metadata={"help": "Multiplier of the negative branch."})
     topr_loss_aggregation: str = field(
@@ -128,7 +145,8 @@ class TOPRFields:
     kimi15_tau: float = field(default=0.1, metadata={"help": "kimi15: squared log-ratio weight."})
     # GRPOConfig's own field (PPO's dual clip), which the "ppo" loss reads and TRL's AsyncGRPOConfig lacks: GRPOConfig's
     # default and help, so that TOPRConfig's is GRPOConfig's and the asynchronous "ppo" loss reads it too.
-    delta: float | None = field(default=_GRPO_DELTA.default, metadata=dict(_GRPO_DELTA.metadata))
+    # (cast: a Field's default is typed as possibly MISSING, which GRPOConfig's `delta`, defaulting to None, is not)
+    delta: float | None = field(default=cast("float | None", _GRPO_DELTA.default), metadata=dict(_GRPO_DELTA.metadata))
 
     @property
     def uses_topr_loss(self) -> bool:
@@ -146,7 +164,7 @@ class TOPRFields:
         """The loss the trainer computes when `loss_type` is one of TOPR's registry."""
         return policy_loss_spec_of(self)
 
-    def _check_before_trl_config(self, loss_types: tuple[str, ...]) -> None:
+    def _check_before_trl_config(self: _TRLConfig, loss_types: tuple[str, ...]) -> None:
         """Before TRL's `__post_init__`: `loss_type` among what this config's trainer computes, and the values TRL's
         config takes that the run refuses later, far from the field (torch's optimizer: "Invalid learning rate";
         generate: `max_new_tokens`), refused here, naming the field."""
@@ -357,6 +375,7 @@ class TOPRConfig(TOPRFields, GRPOConfig):
             or batch % groups == 0
         ):
             return
+        assert self.steps_per_generation is not None  # GRPOConfig set it with the batch (the user set neither)
         processes = batch // (self.per_device_train_batch_size * self.steps_per_generation)
         raise ValueError(
             f"`num_generations` ({groups}) must divide the completions generated per optimizer step, "
@@ -443,7 +462,9 @@ def check_loss_knobs(args) -> None:
     for name in BRANCH_WEIGHTS:
         finite_non_negative(name, getattr(args, name))
     entry = POLICY_LOSSES.get(args.loss_type)
-    for name in entry.knobs if entry else ():
+    if entry is None:
+        return
+    for name in entry.knobs:
         if not hasattr(args, name):
             raise ValueError(
                 f"loss_type={args.loss_type!r} reads `{name}`, which {type(args).__name__} does not "

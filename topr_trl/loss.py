@@ -315,6 +315,7 @@ def register_policy_loss(
 def tapered_loss(per_token_logps, log_ratio, signal, is_positive, spec: PolicyLossSpec):
     """Eq. 7: -w(tau) s(tau) log pi(y_t), w = pi/mu truncated to [a+, b+] when s >= 0, to [a-, b-] when s < 0
     (`spec.limits`: TOPR and Table 1's rows; ROLL's `vanilla` is `naive_reinforce`, its `tis` is `tis`)."""
+    assert spec.limits is not None  # registered with limits: a config's spec holds them resolved (`resolve_limits`)
     weights = tapered_weights(log_ratio, is_positive, spec.limits)
     return -(weights * signal) * per_token_logps, weights
 

@@ -12,6 +12,7 @@ import re
 import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import overload
 from urllib.parse import urlparse
 
 import pyarrow.parquet
@@ -68,6 +69,10 @@ TOKENIZER_FILES = (
 )
 
 
+@overload
+def resolve_model_source(name: str, what: str = ..., convert: bool = ..., ask_hub: bool = ...) -> str: ...
+@overload
+def resolve_model_source(name: None, what: str = ..., convert: bool = ..., ask_hub: bool = ...) -> None: ...
 def resolve_model_source(
     name: str | None, what: str = "model", convert: bool = True, ask_hub: bool = True
 ) -> str | None:

@@ -54,7 +54,11 @@ def without_vllm(args: TOPRConfig) -> TOPRConfig:
     return unconnected
 
 
-class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrainer):
+# The ignore: TRL sets GRPOTrainer._entropy_window_stats to None in its __init__, so mypy types it None, and to a
+# tensor in its loss; the mirror of that adaptive-entropy step (`GRPOLossMirror`) types it as the tensor it holds.
+class TOPRTrainer(  # type: ignore[misc]
+    CheckpointWeights, SupportScoring, PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrainer
+):
     """
     Trainer for Tapered Off-Policy REINFORCE (TOPR, [arXiv:2503.14286](https://huggingface.co/papers/2503.14286)).
 
@@ -72,6 +76,8 @@ class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, Offli
     _tag_names = TOPR_TAG_NAMES
     _name = TOPR_NAME
     _paper = TOPR_PAPER
+    # the user's TOPRConfig (with TRL's losses, possibly a GRPOConfig: those paths read TOPR's fields by `topr_setting`)
+    args: TOPRConfig
 
     def __init__(self, model, reward_funcs=None, args: TOPRConfig | None = None, **kwargs):
         if args is None:
@@ -330,9 +336,11 @@ class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, Offli
             baseline = self._dataset_baseline
         elif target is not None:
             baseline = baseline_for_target_share(rewards, target)
+        assert self.model is not None
         if target is not None:
             self._metrics["train" if self.model.training else "eval"]["topr/baseline"].append(float(baseline))
         num_generations = self.num_generations if self.model.training else self.num_generations_eval
+        assert num_generations is not None  # GRPOConfig checked it against the batch; GRPOTrainer fills in the eval one
         return reward_signal(rewards, baseline, num_generations)
 
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
@@ -375,6 +383,7 @@ class TOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, Offli
             return torch.zeros_like(signal.reshape(-1), dtype=torch.bool)
         if self.beta != 0.0 or self.off_policy_mask_threshold is not None:
             return torch.ones_like(signal.reshape(-1), dtype=torch.bool)
+        assert self._loss_spec is not None  # called by `_topr_loss`: one of TOPR's losses
         return reads_the_ratio(signal, self._loss_spec)
 
     def _say_rollout_logprobs_are_mu(self, policy_logps, rollout_logps, mask) -> None:

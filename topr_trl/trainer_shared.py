@@ -10,10 +10,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 from datasets import Dataset
+from transformers import TrainerState
 from transformers.utils import logging
 from trl import GRPOTrainer
 
-from .config import topr_setting
+from .config import TOPRFields, topr_setting
 from .loss import POLICY_LOSSES, branch_losses
 from .offline.schema import stored_processing
 from .policy_metrics import branch_ratios, metric_sums, policy_metrics, ratio_minima, ratio_quantiles
@@ -52,6 +53,9 @@ class SupportScoring:
     and which tokens of its forward are scored). Both have TRL's `temperature` and keep `_mu_processing`'s answer as
     `_sampler_processing`."""
 
+    temperature: float
+    _sampler_processing: SamplerProcessing | None
+
     def _mu_processing(
         self, args, engine: str, replayed: Sequence[Dataset] = (), rollout_worker: object | None = None
     ) -> SamplerProcessing | None:
@@ -67,8 +71,9 @@ class SupportScoring:
         )
         if replayed:
             processing = stored_processing(replayed, processing)
-        if isinstance(getattr(rollout_worker, "sampling", None), SamplerProcessing):
-            processing = rollout_worker.sampling
+        sampling = getattr(rollout_worker, "sampling", None)
+        if isinstance(sampling, SamplerProcessing):
+            processing = sampling
         return processing if processing.differs_from(self.temperature) else None
 
     def _forward_on_mus_support(self, model, forward: Callable[[], tuple], project: SupportProjection) -> tuple:
@@ -90,6 +95,10 @@ class SupportScoring:
 class PolicyMetricsLogging:
     """TOPR's metrics and the non-finite-loss check, shared by `TOPRTrainer` and the asynchronous trainer
     (`topr_trl.asynchronous`): both have `accelerator`, `args.topr_signal`, `_loss_spec`, `_metrics` and `state`."""
+
+    # TOPRConfig or AsyncTOPRConfig (TOPRTrainer with TRL's losses may hold a GRPOConfig: read by `topr_setting`)
+    args: TOPRFields
+    state: TrainerState
 
     def _log_policy_metrics(
         self, mode, terms, signal, mask, entropies, policy_per_token, aggregate_kwargs, loss, ratio_read=None

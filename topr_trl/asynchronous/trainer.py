@@ -25,10 +25,12 @@ import math
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Protocol, cast
 
 import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast, broadcast_object_list
+from transformers import PreTrainedConfig
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl.chat_template_utils import add_response_schema, qwen3_template
@@ -120,7 +122,7 @@ class ConsumedSamples:
         self.staleness_counts[staleness] += 1
         self.ledger.record_read(sample.group_id, dropped=staleness > self.max_staleness)
         self.metrics[f"sample/staleness_{staleness_bin(staleness)}_total"].append(1.0)
-        changes = {"metrics": {**sample.metrics, MODEL_VERSION_KEY: sample.model_version}}
+        changes: dict[str, object] = {"metrics": {**sample.metrics, MODEL_VERSION_KEY: sample.model_version}}
         if self.reward_baseline is not None:
             reward = sample.metrics.get("reward", math.nan)
             changes["advantage"] = 0.0 if math.isnan(reward) else reward - self.reward_baseline
@@ -240,6 +242,15 @@ def flops_fields(config):
             delattr(config, name)
 
 
+class RepositionableWorker(Protocol):
+    """A rollout worker with `resume_at` (`LaggedRolloutWorker`): it says where this run's group 0 sits."""
+
+    @property
+    def start_prompt(self) -> int: ...
+
+    def resume_at(self, prompt_index: int, model_version: int) -> None: ...
+
+
 class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
     """
     Asynchronous TOPR: [`trl.experimental.async_grpo.AsyncGRPOTrainer`] with TOPR's loss and no stale sample thrown
@@ -253,6 +264,7 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
     _tag_names = ["trl", "async-grpo", "topr"]
     _name = "AsyncTOPR"
     _paper = TOPR_PAPER
+    args: AsyncTOPRConfig
 
     def __init__(self, model: str, reward_funcs=None, args: AsyncTOPRConfig | None = None, *pargs, **kwargs):
         if args is None:
@@ -289,11 +301,14 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
             logger.warning(history)
         self.rollout_ledger = RolloutLedger()
         if self.accelerator.is_main_process:
-            self.rollout_queue = ConsumedSamples(
+            baseline = args.topr_baseline if args.topr_signal == "reward" else None
+            assert not isinstance(baseline, str)  # a number: AsyncTOPRConfig refuses a mode
+            # TRL types its attribute as the worker's queue; its RolloutQueueDataset reads only `get` and `qsize`
+            self.rollout_queue = ConsumedSamples(  # type: ignore[assignment]
                 self.rollout_queue,
                 lambda: self.model_version,
                 self._metrics["train"],
-                reward_baseline=args.topr_baseline if args.topr_signal == "reward" else None,
+                reward_baseline=baseline,
                 ledger=self.rollout_ledger,
                 max_staleness=args.max_staleness,
             )
@@ -318,7 +333,7 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
         """The prompt this run's group 0 is (TRL's worker: its `dataset_start_index`; a worker with `resume_at`: its
         start), or None for a worker that cannot be repositioned."""
         if hasattr(self.rollout_worker, "resume_at"):
-            return self.rollout_worker.start_prompt
+            return cast(RepositionableWorker, self.rollout_worker).start_prompt
         loop_kwargs = getattr(self.rollout_worker, "_loop_kwargs", None)
         return loop_kwargs.get("dataset_start_index", 0) if isinstance(loop_kwargs, dict) else None
 
@@ -480,5 +495,6 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
     def _log_step_metrics(self) -> None:
         """TRL's step metrics, its FLOPs estimate included (`trl.trainer.utils.compute_flops_per_token`), on every
         architecture: see `flops_fields`."""
-        with flops_fields(self.model.config.get_text_config()):
+        assert self.model is not None
+        with flops_fields(cast(PreTrainedConfig, self.model.config).get_text_config()):
             super()._log_step_metrics()

@@ -9,10 +9,12 @@ import contextlib
 import copy
 from typing import Any
 
+import datasets
 import torch
+from torch.utils.data import Dataset as TorchDataset
 from transformers import AutoModelForCausalLM
 from trl.models import prepare_deepspeed, prepare_fsdp
-from trl.trainer.grpo_trainer import add_fused_lm_head
+from trl.trainer.grpo_trainer import RolloutFunc, add_fused_lm_head
 
 from ..config import TOPRConfig, topr_setting
 from ..sources import needs_resolving, resolve_model_source
@@ -75,6 +77,10 @@ def replayed_rollout(rows: list[dict], prompts: list, trainer) -> dict[str, list
 class OfflineReplay:
     """Mixed into `TOPRTrainer` (a `GRPOTrainer`) constructed with `self._offline` set (by
     `prepare_replayed_datasets`)."""
+
+    # the trainer's attributes it replaces, as transformers' Trainer and TRL's GRPOTrainer type them
+    eval_dataset: TorchDataset | dict[str, TorchDataset] | datasets.Dataset | None
+    rollout_func: RolloutFunc | None
 
     def _prepare_replay(self) -> None:
         """After GRPOTrainer's construction: replay trains on stored token ids, and what is not stored is tokenized

@@ -55,7 +55,7 @@ class SamplerProcessing:
     @classmethod
     def from_row(cls, row: dict) -> SamplerProcessing:
         return cls(
-            **{name: row.get(name) for name in ("temperature", "top_k", "top_p", "min_p") if row.get(name) is not None},
+            **{name: row[name] for name in ("temperature", "top_k", "top_p", "min_p") if row.get(name) is not None},
             engine=row.get("engine") or "transformers",
         )
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 from accelerate.utils import extract_model_from_parallel
+from transformers import PreTrainedConfig, PreTrainedModel
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from .processing import SamplerProcessing
@@ -71,7 +72,8 @@ def head_transform(owner: torch.nn.Module) -> Callable[[torch.Tensor], torch.Ten
     by the temperature: in float32 the model's logit scale (`logit_scale`, `output_multiplier`, `lm_head_multiplier`,
     `logits_scaling`), then final soft-capping; the product as it is where neither applies. Elementwise and
     increasing, so the largest logits of a row are the largest products."""
-    config = owner.config.get_text_config()
+    # torch types a Module's attributes as Tensor | Module: the owner is a transformers model, its config one of theirs
+    config = cast(PreTrainedConfig, owner.config).get_text_config()
     scale = next(
         (
             getattr(config, name)
@@ -103,7 +105,7 @@ def head_projection(owner: torch.nn.Module, dtype: torch.dtype | None = None) ->
     dtype). The weight is cast once for every call of the block. tests/test_support.py holds it to TRL's
     fused log-probs."""
     transform = head_transform(owner)
-    head = owner.get_output_embeddings()
+    head = cast(PreTrainedModel, owner).get_output_embeddings()  # the causal LM (`fused_head_parts`)
     weight, bias = head.weight, head.bias
     if hasattr(weight, "full_tensor"):  # FSDP2's DTensor
         weight = weight.full_tensor()
@@ -157,7 +159,8 @@ def chunked_processed_log_probs(
 ) -> torch.Tensor:
     """`processed_log_probs` for N tokens from their (N, H) hidden states, projected in `dtype` (`head_projection`),
     `CORRECTION_CHUNK_ELEMENTS` logits at a time."""
-    step = max(1, CORRECTION_CHUNK_ELEMENTS // owner.config.get_text_config().vocab_size)
+    vocab_size = cast(PreTrainedConfig, owner.config).get_text_config().vocab_size  # a transformers model's config
+    step = max(1, CORRECTION_CHUNK_ELEMENTS // vocab_size)
     with head_projection(owner, dtype) as project:
         values = [
             processed_log_probs(
