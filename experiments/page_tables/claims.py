@@ -226,7 +226,7 @@ def replay_speedup() -> str:
 
 
 def top_p_cost() -> str:
-    medians = benchmark("cpu-smollm2-support-rule")["loss_only"]["median_loss_backward_s"]
+    medians = benchmark("cpu-smollm2-support-floors")["loss_only"]["median_loss_backward_s"]
     return f"{medians['topr-online-top-p'] / medians['topr-online']:.2f}x"
 
 

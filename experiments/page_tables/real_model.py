@@ -115,7 +115,7 @@ LOSS_LABELS = {
 
 def loss_speed_table() -> str:
     """Loss + backward of each trainer on one shared batch of the real model (`experiments.benchmark --loss_only`)."""
-    data = evidence("benchmarks/cpu-smollm2-support-rule")
+    data = evidence("benchmarks/cpu-smollm2-support-floors")
     result, options = data["loss_only"], data["options"]
     medians, peaks = result["median_loss_backward_s"], result.get("peak_added_memory_mib", {})
     base = medians["grpo-dapo"]
@@ -153,8 +153,8 @@ def loss_speed_table() -> str:
 
 
 SUPPORT_DESIGNS = {
-    "cpu-smollm2-support-tiles": "the tiles (TRL's head read through a TorchFunctionMode; bins, band)",
-    "cpu-smollm2-support-rule": "**the rule** (`topr_trl/support`: projected again, sorted)",
+    "cpu-smollm2-support-tiles-idle": "the tiles (TRL's head read through a TorchFunctionMode; bins, band)",
+    "cpu-smollm2-support-floors": "**the rule** (`topr_trl/support`: projected again; top-p sorted above its floors)",
 }
 """Two designs of pi on mu's support, each timed in its own run against TOPR without truncation in that run."""
 
