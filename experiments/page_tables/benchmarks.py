@@ -196,16 +196,16 @@ def gpu_support() -> str:
         data = benchmark(name)
         result, options = data["loss_only"], data["options"]
         medians = result["median_loss_backward_s"]
-        commit = result.get("library", {}).get("commit", "-")
+        commit = f"`{result['library']['commit']}`" if "library" in result else "-"  # the archived run has none
+        memory = result["peak_added_memory_mib"]
         for setting, truncation in (
             ("topr-online-top-k", f"top_k {options.get('top_k', 50)}"),
             ("topr-online-top-p", f"top_p {options.get('top_p', 0.95)}"),
         ):
-            memory = result["peak_added_memory_mib"]
             rows.append(
                 [
                     design,
-                    f"`{commit}`" if commit != "-" else "-",
+                    commit,
                     f"{options.get('logit_scale', 1.0):g}",
                     truncation,
                     f"{medians[setting] * 1000:.0f} / {medians['topr-online'] * 1000:.0f}",

@@ -767,15 +767,14 @@ REGIME = section_claims(
 )
 
 
-def gpu_support_ratios(scale: int) -> tuple[str, str]:
-    """Top-k's and top-p's loss + backward against TOPR untruncated on the H200 at one logit scale."""
-    ratios = benchmark(f"gpu-h200-05b-floors-support-loss-scale{scale}")["loss_only"]["ratios"]
+def gpu_support_ratios(name: str) -> tuple[str, str]:
+    """Top-k's and top-p's loss + backward against TOPR untruncated in one H200 run (`benchmarks/<name>`)."""
+    ratios = benchmark(name)["loss_only"]["ratios"]
     return (f"{ratios['topr-online-top-k / topr-online']:.2f}x", f"{ratios['topr-online-top-p / topr-online']:.2f}x")
 
 
-def archived_gpu_support_ratios() -> tuple[str, str]:
-    ratios = benchmark("gpu-h200-05b-support-loss")["loss_only"]["ratios"]
-    return (f"{ratios['topr-online-top-k / topr-online']:.2f}x", f"{ratios['topr-online-top-p / topr-online']:.2f}x")
+def floors_at_scale(scale: int) -> tuple[str, str]:
+    return gpu_support_ratios(f"gpu-h200-05b-floors-support-loss-scale{scale}")
 
 
 GPU_SUPPORT = section_claims(
@@ -784,11 +783,11 @@ GPU_SUPPORT = section_claims(
     (
         "on flat rows (random weights, scale 1) the rule costs {} (top-k) and {} (top-p) of TOPR untruncated, against {} "
         "and {} for the design it replaced",
-        lambda: gpu_support_ratios(1) + archived_gpu_support_ratios(),
+        lambda: floors_at_scale(1) + gpu_support_ratios("gpu-h200-05b-support-loss"),
     ),
     (
         "(scale 4) {} and {}; on peaked rows (scale 8) level with TOPR ({} and {}:",
-        lambda: gpu_support_ratios(4) + gpu_support_ratios(8),
+        lambda: floors_at_scale(4) + floors_at_scale(8),
     ),
 )
 
