@@ -20,7 +20,10 @@ per-step log the mechanism reads (the negatives' mean truncated weight and trunc
 
     OMP_NUM_THREADS=1 python -m experiments.real_model_comparison --part online --seeds 0 &
     OMP_NUM_THREADS=1 python -m experiments.real_model_comparison --part online --seeds 1 &
-    python -m experiments.real_model_comparison --summarise      # every part with runs: OUTPUT_<part>.{json,png}
+    python -m experiments.real_model_comparison --summarise --learning_rate L   # OUTPUT_<part>-lr<L>.{json,png}
+
+--summarise gathers the runs of one --eval_split and one --learning_rate (settings are chosen on the validation
+split, reported on the held-out one).
 
 --smoke: one seed, 2 steps, 4 problems, to check the pipeline in minutes.
 """
@@ -345,12 +348,18 @@ def gather(options) -> dict[str, dict]:
     for part in PARTS:
         files = sorted(Path(options.runs).glob(f"{part}-*.json"))
         runs = [json.loads(path.read_text()) for path in files]
-        runs = [run for run in runs if run["options"]["eval_split"] == options.eval_split]
-        if not runs:
+        chosen = [
+            (path, run)
+            for path, run in zip(files, runs)
+            if run["options"]["eval_split"] == options.eval_split
+            and run["options"]["learning_rate"] == options.learning_rate
+        ]
+        if not chosen:
             continue
-        summary = summarise(part, runs)
-        summary["runs"] = [str(path) for path in files]
-        output = Path(f"{options.output}_{part}")
+        summary = summarise(part, [run for _, run in chosen])
+        summary["runs"] = [str(path) for path, _ in chosen]
+        split = "" if options.eval_split == "heldout" else f"-{options.eval_split}"
+        output = Path(f"{options.output}_{part}-lr{options.learning_rate:g}{split}")
         output.parent.mkdir(parents=True, exist_ok=True)
         output.with_suffix(".json").write_text(json.dumps(summary, indent=2))
         plot(runs, summary, output.with_suffix(".png"))

@@ -113,3 +113,20 @@ def test_a_method_of_another_part_is_refused(capsys):
     with pytest.raises(SystemExit):
         comparison.parse(["--part", "online", "--methods", "tis"])
     assert "the online part has ['topr', 'grpo', 'sft_positives']" in capsys.readouterr().err
+
+
+def test_the_summary_gathers_one_split_and_one_learning_rate(tmp_path):
+    """Settings are chosen on the validation split: a summary never mixes learning rates or splits."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for learning_rate, split, late in ((3e-5, "heldout", 0.5), (1e-4, "heldout", 0.9), (3e-5, "validation", 0.1)):
+        record = run("online", "topr", 0, (late, late))
+        record["options"] |= {"learning_rate": learning_rate, "eval_split": split}
+        suffix = "" if split == "heldout" else f"-{split}"
+        (runs / f"online-topr-seed0-lr{learning_rate:g}{suffix}.json").write_text(json.dumps(record))
+    output = tmp_path / "summary"
+    options = comparison.parse(["--summarise", "--runs", str(runs), "--output", str(output), "--learning_rate", "3e-5"])
+    summary = comparison.gather(options)["online"]
+    assert summary["late"]["topr"]["pass@1"]["values"] == [0.5]
+    assert summary["runs"] == [str(runs / "online-topr-seed0-lr3e-05.json")]
+    assert (tmp_path / "summary_online-lr3e-05.json").is_file()
