@@ -350,7 +350,7 @@ def gather(options) -> dict[str, dict]:
         runs = [json.loads(path.read_text()) for path in files]
         chosen = [
             (path, run)
-            for path, run in zip(files, runs)
+            for path, run in zip(files, runs, strict=True)
             if run["options"]["eval_split"] == options.eval_split
             and run["options"]["learning_rate"] == options.learning_rate
         ]
