@@ -18,15 +18,9 @@ from transformers.generation.logits_process import (
 
 from topr_trl import TOPRConfig, TOPRTrainer
 from topr_trl.offline import generate_offline_dataset, stored_reward
-from topr_trl.support import (
-    SamplerProcessing,
-    captured_outputs,
-    completion_processed_log_probs,
-    fused_head_parts,
-    processed_log_probs,
-)
+from topr_trl.support import SamplerProcessing, processed_log_probs
 from topr_trl.support.rule import descending_groups, scaled_logits, support_length
-from topr_trl.support.scoring import head_projection
+from topr_trl.support.scoring import captured_outputs, completion_processed_log_probs, fused_head_parts, head_projection
 
 from .conftest import float32_tolerance, logged_values, parity_reward, small_config_kwargs
 

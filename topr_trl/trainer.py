@@ -24,7 +24,7 @@ from .policy_metrics import (
     drift_and_mismatch_sums,
 )
 from .sources import needs_resolving, resolve_model_source
-from .support import completion_processed_log_probs, history_dependent_sampling
+from .support.scoring import completion_processed_log_probs
 from .trainer_shared import (
     TOPR_NAME,
     TOPR_PAPER,
@@ -129,9 +129,8 @@ class TOPRTrainer(  # type: ignore[misc]
         self._sampler_processing = self._mu_processing(
             args, "vllm" if self.use_vllm else "transformers", replayed=self._replayed_datasets()
         )
-        history = history_dependent_sampling(self.repetition_penalty)
-        if history and args.loss_type in POLICY_LOSSES and not self._offline:  # offline, mu is the stored rows' sampler
-            logger.warning(history)
+        if args.loss_type in POLICY_LOSSES and not self._offline:  # offline, mu is the stored rows' sampler
+            self._warn_history_dependent_sampling(self.repetition_penalty)
         if self.use_vllm and source in ("auto", "sampler"):
             # mu is vLLM's own sampling distribution, so pi/mu already corrects the train/inference mismatch;
             # TRL's separate correction on top would count it twice.

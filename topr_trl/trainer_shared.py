@@ -18,8 +18,8 @@ from .config import TOPRFields, topr_setting
 from .loss import POLICY_LOSSES, branch_losses
 from .offline.schema import stored_processing
 from .policy_metrics import branch_ratios, metric_sums, policy_metrics, ratio_minima, ratio_quantiles
-from .support import SamplerProcessing, captured_outputs, fused_head_parts, on_mus_support
-from .support.scoring import CapturedBackbone
+from .support.processing import SamplerProcessing
+from .support.scoring import CapturedBackbone, captured_outputs, fused_head_parts, on_mus_support
 
 
 logger = logging.get_logger(__name__)
@@ -75,6 +75,18 @@ class SupportScoring:
         if isinstance(sampling, SamplerProcessing):
             processing = sampling
         return processing if processing.differs_from(self.temperature) else None
+
+    @staticmethod
+    def _warn_history_dependent_sampling(repetition_penalty: float) -> None:
+        """Says so when mu's sampling depended on the tokens already seen, which pi's scoring does not replay: a
+        repetition penalty rescales the logits of every token in the prompt or the completion so far before
+        temperature and truncation, so pi/mu then carries the penalty's effect on top of how far the policy moved."""
+        if repetition_penalty != 1.0:
+            logger.warning(
+                f"repetition_penalty={repetition_penalty} changes mu's sampling distribution by the tokens already "
+                "seen, and pi is not scored with it: pi/mu carries the penalty's effect as well as the policy's "
+                "movement (negatives' weights are off by it). Leave repetition_penalty at 1.0 for an exact ratio."
+            )
 
     def _forward_on_mus_support(self, model, forward: Callable[[], tuple], project: SupportProjection) -> tuple:
         """`forward()`, TRL's forward through its fused head (its outputs begin with the log-probs), with the

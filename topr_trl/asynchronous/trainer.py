@@ -40,7 +40,7 @@ from ..checkpoint_weights import CheckpointWeights
 from ..loss import packed_topr_loss, reads_the_ratio, unpack_segments
 from ..policy_metrics import staleness_bin_metrics, staleness_bin_sums
 from ..sources import needs_resolving, resolve_model_source
-from ..support import chunked_processed_log_probs, history_dependent_sampling
+from ..support.scoring import chunked_processed_log_probs
 from ..trainer_shared import TOPR_PAPER, PolicyMetricsLogging, SupportScoring, trained_method
 from ..vllm_server import BACKEND
 from ..vllm_server.client import GlooWeightTransfer, server_weight_backend
@@ -296,9 +296,8 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
         self._loss_spec = args.policy_loss_spec
         # TRL's worker samples on vLLM; the CPU stand-in worker says how it samples
         self._sampler_processing = self._mu_processing(args, "vllm", rollout_worker=kwargs.get("rollout_worker"))
-        history = history_dependent_sampling(args.repetition_penalty)
-        if history:  # the loss is always one of TOPR's here: TRL's worker samples with the penalty
-            logger.warning(history)
+        # the loss is always one of TOPR's here: TRL's worker samples with the penalty
+        self._warn_history_dependent_sampling(args.repetition_penalty)
         self.rollout_ledger = RolloutLedger()
         if self.accelerator.is_main_process:
             baseline = args.topr_baseline if args.topr_signal == "reward" else None

@@ -6,25 +6,8 @@ the policy on the whole vocabulary, so the kept mass enters every token's ratio 
 pi/mu was ~1e-20 at learning rate 0; TRL issue #6789). `processing` says how mu sampled, `rule` is the exact rule on a
 row of logits, `scoring` runs it in the trainer's forward."""
 
-from .processing import SUPPORT_FILTERS, SamplerProcessing, history_dependent_sampling
+from .processing import SamplerProcessing
 from .rule import processed_log_probs
-from .scoring import (
-    captured_outputs,
-    chunked_processed_log_probs,
-    completion_processed_log_probs,
-    fused_head_parts,
-    on_mus_support,
-)
 
 
-__all__ = [
-    "SUPPORT_FILTERS",
-    "SamplerProcessing",
-    "captured_outputs",
-    "chunked_processed_log_probs",
-    "completion_processed_log_probs",
-    "fused_head_parts",
-    "history_dependent_sampling",
-    "on_mus_support",
-    "processed_log_probs",
-]
+__all__ = ["SamplerProcessing", "processed_log_probs"]

@@ -58,17 +58,3 @@ class SamplerProcessing:
             **{name: row[name] for name in ("temperature", "top_k", "top_p", "min_p") if row.get(name) is not None},
             engine=row.get("engine") or "transformers",
         )
-
-
-def history_dependent_sampling(repetition_penalty: float) -> str | None:
-    """What a run must be told when mu's sampling depended on the tokens already seen, which pi's scoring does not
-    replay (None when it did not): a repetition penalty rescales the logits of every token in the prompt or the
-    completion so far before temperature and truncation, so pi/mu then carries the penalty's effect on top of how far
-    the policy moved."""
-    if repetition_penalty == 1.0:
-        return None
-    return (
-        f"repetition_penalty={repetition_penalty} changes mu's sampling distribution by the tokens already seen, "
-        "and pi is not scored with it: pi/mu carries the penalty's effect as well as the policy's movement "
-        "(negatives' weights are off by it). Leave repetition_penalty at 1.0 for an exact ratio."
-    )

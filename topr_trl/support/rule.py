@@ -2,20 +2,16 @@
 
     log pi_S(y) = z_y - logsumexp_{v in S + {y}} z_v,      z = logits / T.
 
-Every filter keeps a prefix of a row's logits sorted in descending order: top-k the k largest and their ties (both
-engines keep the ties at the k-th), top-p the tokens whose ascending cumulative probability exceeds 1 - p (both
-engines sort ascending, take the softmax and its cumulative sum, and keep at least the largest), min-p those of
-probability at least min_p times the largest. So a row's support is its first `support_length` sorted logits, each
-filter applied in the generator's order to what the previous ones kept, and its normaliser is their logsumexp.
+Each filter keeps a prefix of a row's logits sorted in descending order, as both engines write it: top-k the k largest
+and their ties; top-p the tokens whose ascending cumulative probability exceeds 1 - p (at least the largest); min-p
+those of probability at least min_p times the largest. They run in the generator's order, each on what the previous
+ones kept (`support_length`). The sampled token always counts (`with_the_sampled_token`): mu gave it weight, and
+pi_S(y) = 0 would leave it no weight and no gradient.
 
-The sampled token always counts (`with_the_sampled_token`): mu gave it weight, but after the policy moved its own
-filters may drop it, and pi_S(y) = 0 would give the weight 0 and no gradient. Tied with the smallest kept logit it
-is one of the ties the cut kept (which of them is a sort's order), as the sampler kept it.
-
-The support never reaches far down a row, so only its top is sorted: top-k's k largest and their ties (`torch.topk`);
-for top-p the tokens above probability (1 - p) / (2V) (those below hold at most (1 - p) / 2 together, so the engines'
-ascending sum passes them far from 1 - p) and for min-p those above min_p times the largest. What lies below enters
-top-p's sum as one term, its logsumexp (`descending_groups`). No gradient: the ratio's value only.
+Only a row's top is sorted (`descending_groups`): top-k's k largest and their ties; for top-p the tokens above
+probability (1 - p) / (2V) (those below hold at most (1 - p) / 2 together, so the engines' ascending sum passes them
+far from 1 - p), the rest entering the sum as one term; for min-p those above min_p times the largest. Values only:
+no gradient.
 """
 
 from __future__ import annotations
@@ -42,9 +38,8 @@ WHOLE_SORT_SHARE = 0.25
 
 
 class RowGroup(NamedTuple):
-    """Rows of a block (`rows`: their indices) with their largest logits in descending order (`descending`, as many as
-    the widest row's support can hold) and the logsumexp of the rest of each row (`tail`; None where nothing a filter
-    reads is left out)."""
+    """Rows (`rows`: indices) with their largest logits in descending order, as many as the widest row's support can
+    hold, and the logsumexp of the rest of each row (`tail`; None where nothing a filter reads is left out)."""
 
     rows: torch.Tensor
     descending: torch.Tensor
@@ -93,10 +88,9 @@ def descending_groups(scaled: torch.Tensor, processing: SamplerProcessing) -> li
 def support_length(
     descending: torch.Tensor, processing: SamplerProcessing, tail: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """(N,) how many of each row's sorted logits (N, W) the sampler keeps: its filters in its engine's order
-    (`SUPPORT_FILTERS`), each on the tokens the previous ones kept, each as the engines write it. `tail`, the
-    logsumexp of what lies below the W (`descending_groups`), counts in top-p's sum, as one term, while no filter
-    before it has cut; no filter keeps it (top-p and min-p cut above it by construction)."""
+    """(N,) how many of each row's sorted logits (N, W) the sampler keeps, its filters in its engine's order
+    (`SUPPORT_FILTERS`). `tail` (`descending_groups`) counts in top-p's sum as one term while no filter before it has
+    cut; no filter keeps it (top-p and min-p cut above it by construction)."""
     width = descending.size(-1)
     if tail is not None:
         descending = torch.cat([descending, tail.unsqueeze(-1)], dim=-1)

@@ -27,9 +27,8 @@ class CapturedBackbone(NamedTuple):
     autocast_dtypes: list[torch.dtype | None]
 
     def head_dtype(self, cast_lm_head_to_fp32: bool = False) -> torch.dtype:
-        """MIRROR of the dtype of TRL 1.16's head logits (`trl/kernels/chunked_logprob.py`, `compute_dtype`;
-        float32 under `cast_lm_head_to_fp32`): autocast's where on, else the hidden states'. Another dtype would put
-        two roundings into pi/mu (a bf16 logit of 10 rounds by up to 0.03). tests/test_support.py holds it to TRL's."""
+        """MIRROR of TRL 1.16's head dtype (`compute_dtype`, trl/kernels/chunked_logprob.py): float32 under
+        `cast_lm_head_to_fp32`, else autocast's where on, else the hidden states'. Held to TRL's by a test."""
         if cast_lm_head_to_fp32:
             return torch.float32
         return self.autocast_dtypes[0] or self.hidden[0].dtype
@@ -37,9 +36,8 @@ class CapturedBackbone(NamedTuple):
 
 @contextmanager
 def captured_outputs(module: torch.nn.Module) -> Iterator[CapturedBackbone]:
-    """The outputs `module` returns while the block runs, in call order (detached last hidden states), with the
-    autocast dtype of each call: how the trainer sees the backbone's hidden states of TRL's fused-head forward
-    without running the backbone twice."""
+    """The last hidden states `module` returns while the block runs (detached, in call order) and the autocast
+    dtype of each call: the backbone of TRL's fused-head forward, seen without running it twice."""
     captured = CapturedBackbone([], [])
 
     def hook(_module, _inputs, output):
@@ -57,59 +55,32 @@ def captured_outputs(module: torch.nn.Module) -> Iterator[CapturedBackbone]:
 
 def fused_head_parts(model) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the backbone whose last hidden state TRL's fused head projects, the causal LM that owns the head) of a policy
-    as the trainer holds it (wrapped by DDP or DeepSpeed, PEFT or not): where TRL's `add_fused_lm_head` looks them
-    up (`base_model`, `get_output_embeddings()`). accelerate unwraps DDP, FSDP and DeepSpeed: a DeepSpeedEngine
-    forwards unknown attributes to its module, `get_output_embeddings` among them, but its own `config` is
-    DeepSpeed's dict."""
+    as the trainer holds it, wrapped (DDP, FSDP, DeepSpeed: a DeepSpeedEngine's own `config` is DeepSpeed's dict) or
+    not, PEFT or not: where TRL's `add_fused_lm_head` looks them up."""
     model = extract_model_from_parallel(model)
     if hasattr(model, "get_base_model"):  # PEFT
         model = model.get_base_model()
     return model.base_model, model
 
 
-def head_transform(owner: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """MIRROR of what TRL 1.16's `add_fused_lm_head` (trl/trainer/utils.py) does to the head's product before dividing
-    by the temperature: in float32 the model's logit scale (`logit_scale`, `output_multiplier`, `lm_head_multiplier`,
-    `logits_scaling`), then final soft-capping; the product as it is where neither applies. Elementwise and
-    increasing, so the largest logits of a row are the largest products."""
-    # torch types a Module's attributes as Tensor | Module: the owner is a transformers model, its config one of theirs
-    config = cast(PreTrainedConfig, owner.config).get_text_config()
-    scale = next(
-        (
-            getattr(config, name)
-            for name in ("logit_scale", "output_multiplier", "lm_head_multiplier")
-            if getattr(config, name, None) is not None
-        ),
-        None,
-    )
-    if scale is None and getattr(config, "logits_scaling", None) is not None:
-        scale = config.logits_scaling if config.model_type == "hyperclovax" else 1 / config.logits_scaling
-    softcap = getattr(config, "final_logit_softcapping", None)
-
-    def transform(product: torch.Tensor) -> torch.Tensor:
-        if scale is not None:
-            product = product.float() * scale
-        if softcap is not None:
-            product = torch.tanh(product.float() / softcap) * softcap
-        return product
-
-    return transform
-
-
 @contextmanager
 def head_projection(owner: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[Callable]:
     """MIRROR of the logits TRL 1.16's `add_fused_lm_head` (trl/trainer/utils.py) scores before dividing by the
-    temperature, as a function of (N, H) hidden states: the output embedding (and bias) in `dtype` (the head's own by
-    default; `CapturedBackbone.head_dtype` for TRL's), the product rounded to it as TRL's tiles are, then
-    `head_transform`. The logits stay in `dtype` where no scale or soft-cap applies (`processed_log_probs` reads any
-    dtype). The weight is cast once for every call of the block. tests/test_support.py holds it to TRL's
-    fused log-probs."""
-    transform = head_transform(owner)
+    temperature, as a function of (N, H) hidden states: the output embedding (and bias) cast once to `dtype` (the
+    head's own by default; `CapturedBackbone.head_dtype` for TRL's), the product rounded to it as TRL's tiles are,
+    then in float32 the model's logit scale and final soft-capping where its config has them (elementwise and
+    increasing: a row's largest logits are its largest products). tests/test_support.py holds it to TRL's."""
+    # torch types a Module's attributes as Tensor | Module: the owner is a transformers model, its config one of theirs
+    config = cast(PreTrainedConfig, owner.config).get_text_config()
+    names = ("logit_scale", "output_multiplier", "lm_head_multiplier")
+    scale = next((getattr(config, name) for name in names if getattr(config, name, None) is not None), None)
+    if scale is None and getattr(config, "logits_scaling", None) is not None:
+        scale = config.logits_scaling if config.model_type == "hyperclovax" else 1 / config.logits_scaling
+    softcap = getattr(config, "final_logit_softcapping", None)
     head = cast(PreTrainedModel, owner).get_output_embeddings()  # the causal LM (`fused_head_parts`)
     weight, bias = head.weight, head.bias
     if hasattr(weight, "full_tensor"):  # FSDP2's DTensor
-        weight = weight.full_tensor()
-        bias = bias.full_tensor() if bias is not None else None
+        weight, bias = weight.full_tensor(), (bias.full_tensor() if bias is not None else None)
     with maybe_gather_lm_head_ctx(weight, bias):
         dtype = dtype or weight.dtype
         cast_weight = weight.detach().to(dtype)
@@ -117,15 +88,19 @@ def head_projection(owner: torch.nn.Module, dtype: torch.dtype | None = None) ->
 
         def project(hidden: torch.Tensor) -> torch.Tensor:
             with torch.autocast(hidden.device.type, enabled=False):
-                product = torch.nn.functional.linear(hidden.to(cast_weight.device, dtype), cast_weight, cast_bias)
-            return transform(product)
+                logits = torch.nn.functional.linear(hidden.to(cast_weight.device, dtype), cast_weight, cast_bias)
+            if scale is not None:
+                logits = logits.float() * scale
+            if softcap is not None:
+                logits = torch.tanh(logits.float() / softcap) * softcap
+            return logits
 
         yield project
 
 
 CORRECTION_CHUNK_ELEMENTS = 2**25
-"""How many logits the scoring holds at once (tokens x vocabulary): 128 MB in float32, plus the rule's sort of them
-(values and int64 indices). 682 tokens at SmolLM2's 49,152-token vocabulary, 220 at Qwen2.5's 151,936."""
+"""Logits the scoring holds at once (tokens x vocabulary; 128 MB in float32 and the rule's sort of them): 682 tokens
+at SmolLM2's 49,152-token vocabulary, 220 at Qwen2.5's 151,936."""
 
 
 def completion_processed_log_probs(
@@ -137,9 +112,8 @@ def completion_processed_log_probs(
     processing: SamplerProcessing,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """`processed_log_probs` of the last `logits_to_keep` tokens of each sequence (B, logits_to_keep), 0 where
-    `attention_mask` is 0: from the backbone's last hidden states (B, L, H), which predict token t at position t-1,
-    projected in `dtype` (`head_projection`)."""
+    """`processed_log_probs` of each sequence's last `logits_to_keep` tokens (0 where `attention_mask` is 0) from
+    the backbone's last hidden states (B, L, H), which predict token t at position t-1."""
     hidden = hidden[:, -logits_to_keep - 1 : -1]
     tokens = input_ids[:, -logits_to_keep:]
     positions = attention_mask[:, -logits_to_keep:].bool().nonzero(as_tuple=True)
