@@ -100,7 +100,7 @@ def free_port() -> int:
 
 def start_server(model_path: str, log: Path, dtype: str) -> tuple[subprocess.Popen, str]:
     """The server on the first core, one thread."""
-    from topr_trl.vllm_server.command import launch_server
+    from topr_trl.generation.vllm_server.command import launch_server
 
     environment = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}
     return launch_server(
@@ -161,7 +161,7 @@ def task(options):
 def model_folder(options, work: str) -> str:
     """The real model's trainable folder, or a random-weight tiny model saved under `work`."""
     if options.model in REAL_MODELS:
-        from topr_trl.sources import resolve_model_source
+        from topr_trl.inputs.sources import resolve_model_source
 
         return str(resolve_model_source(REAL_MODELS[options.model], "--model"))
     from topr_trl.tasks.tiny import build_model, build_tokenizer, save_pretrained

@@ -70,7 +70,7 @@ QWEN_SHAPES = {
         hidden_size=1536, num_hidden_layers=28, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2
     ),
 }
-# The packaged pretrained model (`topr_trl.packaged_models`): trained weights, so peaked distributions, its own
+# The packaged pretrained model (`topr_trl.inputs.packaged_models`): trained weights, so peaked distributions, its own
 # tokenizer and its 49,152-token vocabulary with tied embeddings. Resolved to its cached trainable folder, not built.
 REAL_MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 QWEN_COMMON = dict(
@@ -400,7 +400,7 @@ def loss_only(options, model_path: str) -> dict:
         medians["topr-online-top-k"] / medians["topr-online-top-k, every sequence scored"]
     )
     import topr_trl
-    from topr_trl.machine import machine_info
+    from topr_trl.runtime.machine import machine_info
 
     library = Path(topr_trl.__file__).resolve().parents[1]
     commit = subprocess.run(
@@ -723,7 +723,7 @@ def main() -> None:
         options.repeats, options.steps, options.warmup, options.batch_size, options.num_generations = 1, 2, 1, 4, 4
         options.completion_length, options.prompt_length = 8, 16
     if options.model in REAL_MODELS:
-        from topr_trl.sources import resolve_model_source
+        from topr_trl.inputs.sources import resolve_model_source
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         model_path = resolve_model_source(REAL_MODELS[options.model], "--model")

@@ -333,7 +333,7 @@ def results_header(options, testbed: Testbed) -> dict:
     """What every script's JSON starts with: its options, the thread counts, the task and how it is measured."""
     import torch
 
-    from topr_trl.machine import machine_info
+    from topr_trl.runtime.machine import machine_info
 
     return {
         "options": vars(options),
@@ -821,7 +821,7 @@ def word_problems_testbed(work: Path, options) -> Testbed:
     --eval_prompts problems of the test split ("heldout") or the validation split, greedy accuracy beside it."""
     import torch
 
-    from topr_trl.sources import resolve_model_source
+    from topr_trl.inputs.sources import resolve_model_source
     from topr_trl.tasks.word_problems import (
         WORD_PROBLEM_MODEL,
         WORD_PROBLEM_TOKENS,

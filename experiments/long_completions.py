@@ -170,7 +170,7 @@ def engine_rows(
     1, whole vocabulary, with the sampled tokens' log-probs."""
     from vllm import SamplingParams
 
-    from topr_trl.sampling import free_vllm_memory, make_vllm_engine
+    from topr_trl.generation.completions import free_vllm_memory, make_vllm_engine
 
     engine = make_vllm_engine(model_path, seed=seed, enforce_eager=True)
     dtype = str(engine.llm_engine.model_config.dtype)
@@ -268,7 +268,7 @@ def measure(name: str, token_log_ratios: list[torch.Tensor], negative: list[bool
 def reasoning_measurements(options, digits: int, warm_steps: int, work: Path) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    from topr_trl.prompts import tokenize_prompts
+    from topr_trl.inputs.prompts import tokenize_prompts
     from topr_trl.tasks.reasoning import (
         WarmStartSettings,
         build_reasoning_warm_model,
@@ -332,7 +332,7 @@ def reasoning_measurements(options, digits: int, warm_steps: int, work: Path) ->
 
 
 def random_model_measurement(options, work: Path) -> dict:
-    from topr_trl.prompts import tokenize_prompts
+    from topr_trl.inputs.prompts import tokenize_prompts
     from topr_trl.tasks.reasoning import make_reasoning_dataset
     from topr_trl.tasks.tiny import build_model, build_tokenizer, save_pretrained
 

@@ -220,7 +220,7 @@ def with_cached_start(testbed, options, seed: int) -> None:
 
 
 def train(options) -> None:
-    from topr_trl.machine import machine_info
+    from topr_trl.runtime.machine import machine_info
 
     work, testbed = prepare(options)
     for seed in options.seeds:

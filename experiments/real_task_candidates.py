@@ -21,8 +21,8 @@ from pathlib import Path
 from datasets import Dataset
 
 from topr_trl.evaluation.runner import evaluate_model
-from topr_trl.machine import machine_info
-from topr_trl.sources import resolve_model_source
+from topr_trl.inputs.sources import resolve_model_source
+from topr_trl.runtime.machine import machine_info
 from topr_trl.tasks.word_problems import make_word_problems
 
 

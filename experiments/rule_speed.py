@@ -44,7 +44,7 @@ def real_logits(rows: int, seed: int):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from topr_trl.sources import resolve_model_source
+    from topr_trl.inputs.sources import resolve_model_source
     from topr_trl.tasks.word_problems import make_word_problems
 
     path = resolve_model_source("HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -72,7 +72,7 @@ def real_logits(rows: int, seed: int):
 def main(argv: list[str] | None = None) -> dict:
     import torch
 
-    from topr_trl.machine import machine_info
+    from topr_trl.runtime.machine import machine_info
     from topr_trl.support import rule
     from topr_trl.support.processing import SamplerProcessing
 

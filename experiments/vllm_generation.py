@@ -4,8 +4,8 @@
     python -m experiments.vllm_generation --measure mismatch [--num_prompts 64] [--num_generations 8]
     python -m experiments.vllm_generation --measure server_sync [--models reasoning,small,27m] [--repeats 10]
 
-`throughput`: completions per second of a warm vLLM engine (`topr_trl.sampling.make_vllm_engine`) and of batched
-transformers `generate` (`topr_trl.sampling.generate_completions`, left padding) on the same weights, prompts,
+`throughput`: completions per second of a warm vLLM engine (`topr_trl.generation.completions.make_vllm_engine`) and of batched
+transformers `generate` (`topr_trl.generation.completions.generate_completions`, left padding) on the same weights, prompts,
 temperature and length (the engine in float32 like the transformers model by default; `--vllm_dtype auto` is vLLM's
 own choice, bfloat16, which a CPU without native bfloat16 runs slowly); every completion is forced to the full length (vLLM's `min_tokens`, transformers'
 `min_new_tokens`) so that both do the same work. The rounds alternate the two backends, and the ratio vLLM/HF of
@@ -19,7 +19,7 @@ log-probs as vLLM reports them, and the policy's float32 log-probs of the same t
 TOPR's limits (positives: [1, 1], so no effect; negatives: [0, 1], so a ratio below 1 shrinks the weight). The
 engine's dtype is vLLM's default on a CPU (bfloat16, "auto") and float32 as the control that isolates the dtype.
 
-`server_sync`: the cost of one weight push into `topr-trl vllm-serve` (its gloo path, `topr_trl.vllm_server`) as
+`server_sync`: the cost of one weight push into `topr-trl vllm-serve` (its gloo path, `topr_trl.generation.vllm_server`) as
 `TOPRTrainer` makes it before each generation: the announced tensors broadcast, the server's layerwise reload (and a
 tied head's re-pack), then its prefix-cache reset. The server runs in its own process (vLLM's `auto` dtype, eager);
 each push carries the model's weights after a random step, so that every one changes the server's model. Reports
@@ -52,7 +52,7 @@ def model_path(name: str, work: Path) -> str:
     """The built-in reasoning model ("reasoning"), the packaged real model ("smollm2"), or a random-weight tiny model
     of the shape `MODELS[name]`."""
     if name in REAL_MODELS:
-        from topr_trl.sources import resolve_model_source
+        from topr_trl.inputs.sources import resolve_model_source
 
         return resolve_model_source(REAL_MODELS[name], "--models")
     if name == "reasoning":
@@ -67,7 +67,7 @@ def model_path(name: str, work: Path) -> str:
 
 
 def reasoning_prompt_ids(tokenizer, num_prompts: int, split: str = "heldout") -> list[list[int]]:
-    from topr_trl.prompts import tokenize_prompts
+    from topr_trl.inputs.prompts import tokenize_prompts
     from topr_trl.tasks.reasoning import make_reasoning_dataset
 
     return tokenize_prompts(tokenizer, make_reasoning_dataset(num_prompts, 3, split, seed=0)["prompt"])
@@ -76,7 +76,7 @@ def reasoning_prompt_ids(tokenizer, num_prompts: int, split: str = "heldout") ->
 def word_problem_prompt_ids(tokenizer, num_prompts: int) -> list[list[int]]:
     """The real task's held-out prompts (two worked examples as earlier turns, then the problem) under the chat
     template, as the trainer tokenizes them."""
-    from topr_trl.prompts import tokenize_prompts
+    from topr_trl.inputs.prompts import tokenize_prompts
     from topr_trl.tasks.word_problems import make_word_problems
 
     return tokenize_prompts(tokenizer, make_word_problems(num_prompts, "test")["prompt"])
@@ -86,7 +86,7 @@ def throughput(name: str, work: Path, num_completions: int, length: int, repeats
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import SamplingParams
 
-    from topr_trl.sampling import generate_completions, make_vllm_engine
+    from topr_trl.generation.completions import generate_completions, make_vllm_engine
 
     path = model_path(name, work)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -130,7 +130,7 @@ def throughput(name: str, work: Path, num_completions: int, length: int, repeats
         "ratio_vllm_over_transformers": median["transformers"] / median["vllm"],
     }
     del llm
-    from topr_trl.sampling import free_vllm_memory
+    from topr_trl.generation.completions import free_vllm_memory
 
     free_vllm_memory()
     return result
@@ -146,9 +146,9 @@ def quantiles(values: torch.Tensor) -> dict[str, float]:
 def mismatch(work: Path, num_prompts: int, num_generations: int, dtype: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from topr_trl.generation.completions import free_vllm_memory, make_vllm_engine
     from topr_trl.loss import PRESETS, tapered_weights
     from topr_trl.offline.rollout import sample_with_logps_vllm
-    from topr_trl.sampling import free_vllm_memory, make_vllm_engine
     from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
 
     path = model_path("reasoning", work)
@@ -203,8 +203,8 @@ def server_sync(name: str, work: Path, repeats: int) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    from topr_trl.vllm_server.client import GlooVLLMClient
-    from topr_trl.vllm_server.command import launch_server
+    from topr_trl.generation.vllm_server.client import GlooVLLMClient
+    from topr_trl.generation.vllm_server.command import launch_server
 
     path = model_path(name, work)
     model = AutoModelForCausalLM.from_pretrained(path)

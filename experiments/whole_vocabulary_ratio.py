@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from topr_trl.machine import machine_info
-from topr_trl.sources import resolve_model_source
+from topr_trl.inputs.sources import resolve_model_source
+from topr_trl.runtime.machine import machine_info
 from topr_trl.tasks.word_problems import FEW_SHOT, WORD_PROBLEM_MODEL, WORD_PROBLEM_TOKENS, make_word_problems
 
 

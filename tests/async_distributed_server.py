@@ -26,9 +26,9 @@ from accelerate import PartialState  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 
 from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer  # noqa: E402
-from topr_trl.distributed import end_process_group  # noqa: E402
+from topr_trl.generation.vllm_server import BACKEND  # noqa: E402
+from topr_trl.runtime.distributed import end_process_group  # noqa: E402
 from topr_trl.tasks.reasoning import make_reasoning_dataset, reasoning_reward  # noqa: E402
-from topr_trl.vllm_server import BACKEND  # noqa: E402
 
 
 class ServerInfo(BaseHTTPRequestHandler):

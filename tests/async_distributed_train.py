@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import topr_trl.asynchronous.trainer as async_trainer  # noqa: E402
 from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer  # noqa: E402
 from topr_trl.asynchronous.stand_in import WorkerSettings, build_async_trainer  # noqa: E402
-from topr_trl.distributed import end_process_group  # noqa: E402
+from topr_trl.runtime.distributed import end_process_group  # noqa: E402
 from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward  # noqa: E402
 
 

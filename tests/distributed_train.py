@@ -15,8 +15,8 @@ import torch  # noqa: E402
 
 import topr_trl.trainer as trainer_module  # noqa: E402
 from topr_trl import TOPRConfig, TOPRTrainer  # noqa: E402
-from topr_trl.distributed import end_process_group  # noqa: E402
 from topr_trl.offline import load_offline_dataset, stored_reward  # noqa: E402
+from topr_trl.runtime.distributed import end_process_group  # noqa: E402
 
 
 def main(model_path: str, data_dir: str, output_dir: str, results_dir: str, per_device_batch: str) -> None:

@@ -292,7 +292,7 @@ def test_a_row_with_nothing_to_train_joins_the_metrics_and_trains_nothing(tmp_pa
     """A packed row with no trained token (another rank may have some) gives a zero loss whose gradient is zero, and
     still runs the metric code, whose reductions every rank joins: returning before it would hang a multi-process
     run. Its ratio minima are +inf (no trajectory) and its branch losses NaN, left out of the mean over ranks."""
-    from topr_trl.policy_metrics import ratio_minima
+    from topr_trl.training.policy_metrics import ratio_minima
 
     batch = collate(packed_samples(seed=1))
     batch["token_index"] = torch.full_like(batch["token_index"], -1)

@@ -91,7 +91,7 @@ def test_two_processes_train_on_the_main_processs_staleness_and_sum_their_bins(l
     import torch
 
     from topr_trl.asynchronous.trainer import STALENESS_BIN_NAMES, staleness_bin_index
-    from topr_trl.policy_metrics import STALENESS_BIN_SUMS, staleness_bin_metrics
+    from topr_trl.training.policy_metrics import STALENESS_BIN_SUMS, staleness_bin_metrics
 
     completed = launch(
         [str(TRAIN_SCRIPT), MODEL, str(tmp_path / "out"), str(tmp_path), str(lag), str(STEPS)], timeout=300

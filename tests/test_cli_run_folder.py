@@ -21,8 +21,8 @@ import pytest
 from datasets import Dataset
 
 from topr_trl.commands.cli import main
+from topr_trl.commands.curves import logged_curves, plot_curves
 from topr_trl.commands.output_folders import LOCK_FILE, output_dir_lock
-from topr_trl.curves import logged_curves, plot_curves
 
 from .conftest import SHARED
 
@@ -158,7 +158,7 @@ def test_logged_curves_keep_every_logged_number_and_skip_nan():
 def test_each_reward_function_is_drawn_beside_the_sum_on_whole_steps(tmp_path):
     """TRL logs each function's mean as `rewards/<name>/mean`: the reward panel draws them with the sum (their std
     is not drawn), and the steps axis has whole-number ticks only."""
-    from topr_trl.curves import drawn_panels
+    from topr_trl.commands.curves import drawn_panels
 
     history = [
         {

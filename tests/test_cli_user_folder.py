@@ -214,7 +214,7 @@ def test_a_model_name_the_hub_cannot_be_asked_for_fails_at_once(monkeypatch):
 
     from huggingface_hub import constants
 
-    from topr_trl import sources
+    from topr_trl.inputs import sources
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: refused at once
@@ -305,7 +305,7 @@ def test_evaluate_scores_the_users_prompts_with_the_users_reward(user_dir, tiny_
         expected = ["correct" if c[:1] == answers[record["index"]][:1] else "incorrect" for c in record["completions"]]
         assert record["classes"] == expected
         assert record["reference"] == {"answer": answers[record["index"]]}  # the row's reference, not its index
-    from topr_trl.machine import machine_info
+    from topr_trl.runtime.machine import machine_info
 
     assert results["settings"]["machine"] == machine_info()
     assert "reward > 0" in capsys.readouterr().out
@@ -341,7 +341,7 @@ def test_summary_model_card_and_output_folders_of_a_custom_run(user_dir, tiny_mo
     assert (jsonl / "model.safetensors").is_file() and (parquet / "model.safetensors").is_file()
     summary = json.loads((jsonl / "topr_summary.json").read_text())
     assert set(summary["end_of_training"]) >= {"loss", "reward"} and summary["steps"] == 1
-    from topr_trl.machine import machine_info
+    from topr_trl.runtime.machine import machine_info
 
     assert summary["machine"] == machine_info()  # recorded in this process, so the same machine description
     card = (jsonl / "README.md").read_text()

@@ -334,10 +334,10 @@ def test_gpu_recipe_validates_on_a_cpu_only_machine(capsys):
 
 def test_gpu_recipe_keeps_vllm_on_a_cpu_with_vllms_cpu_build(capsys, monkeypatch):
     """With vLLM's CPU build installed, use_vllm runs here: a dry run turns off only what needs a GPU (bf16)."""
-    from topr_trl import sampling
     from topr_trl.commands import arguments
+    from topr_trl.generation import completions
 
-    monkeypatch.setattr(sampling, "vllm_cpu_build_installed", lambda: True)
+    monkeypatch.setattr(completions, "vllm_cpu_build_installed", lambda: True)
     flags = arguments.cpu_validation_flags(
         "train",
         arguments.chosen_run(

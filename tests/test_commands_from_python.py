@@ -225,7 +225,7 @@ def test_what_only_the_command_line_knows_is_said_in_python_terms_from_python(tm
 def test_the_parse_records_what_the_user_set():
     """`parse_command_line` decides once what the runs used to read from argv again: the fields set by flags (`--no_X`
     by its field) and by the config file, how the user ran the command, and what the hardware defaults set."""
-    from topr_trl.distributed import gpu_available
+    from topr_trl.runtime.distributed import gpu_available
 
     (script_args, training_args, _), invocation = parse_command_line(
         "train",

@@ -246,7 +246,7 @@ def test_command_line_gsm8k_from_a_local_file(tiny_model_path, tmp_path):
 def test_vllm_backend_samples_from_the_trainers_prompt_ids(tiny_model_path, arithmetic_dataset, monkeypatch):
     """Through the vLLM stand-in (tests/fake_vllm.py): the engine receives the prompts as GRPOTrainer's token ids,
     draws k samples of each, and its texts are scored as the transformers path scores them."""
-    from topr_trl.prompts import tokenize_prompts
+    from topr_trl.inputs.prompts import tokenize_prompts
 
     from . import fake_vllm
 

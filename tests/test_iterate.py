@@ -115,7 +115,7 @@ def test_a_finished_iterations_model_is_freed_before_the_next_generation(
 
 
 def test_last_checkpoint_of_a_folder_another_process_has_not_created_yet_is_none(tmp_path):
-    from topr_trl.distributed import last_checkpoint
+    from topr_trl.runtime.distributed import last_checkpoint
 
     assert last_checkpoint(tmp_path / "train") is None
     for step in (3, 12):

@@ -1,11 +1,13 @@
 """The package's floors, as the README's layout says them: what a TRL user imports never imports the command layer
 (the commands, their argument parsing, the built-in tasks, the iterations that drive generation and the trainer in
 turn), the offline and evaluation modules stay below the trainers, and the asynchronous trainer takes what it shares
-with `TOPRTrainer` from `trainer_shared`. Imports inside functions count: a lazy import is still an import."""
+with `TOPRTrainer` from `training.shared`. Imports inside functions count: a lazy import is still an import."""
 
 from __future__ import annotations
 
 import ast
+import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -28,7 +30,7 @@ RULES = [
     (
         lambda module: module.startswith("topr_trl.asynchronous"),
         ("topr_trl.trainer",),
-        "the asynchronous trainer shares code with TOPRTrainer through trainer_shared, not by importing it",
+        "the asynchronous trainer shares code with TOPRTrainer through training/shared.py, not by importing it",
     ),
 ]
 
@@ -75,3 +77,39 @@ def test_no_module_imports_above_its_floor(applies, forbidden, why):
             )
             violations += [f"{module} -> {target}" for target in upward]
     assert not violations, f"{why}: {violations}"
+
+
+MOST_LOOSE_MODULES = 8
+"""The top level shows the architecture: the core's modules and one package per concern, not a heap of modules."""
+
+
+def top_level() -> set[str]:
+    """The package's top-level modules (`name.py`, the package's own `__init__` and `__main__` aside) and packages
+    (`name/`)."""
+    modules = {path.name for path in PACKAGE.glob("*.py") if path.stem not in ("__init__", "__main__")}
+    packages = {f"{path.name}/" for path in PACKAGE.iterdir() if (path / "__init__.py").is_file()}
+    return modules | packages
+
+
+def named(cell: str) -> set[str]:
+    return {name for name in re.findall(r"(?<![\w/])([a-z_]+(?:\.py|/))", cell) if name != "topr_trl/"}
+
+
+def test_the_top_level_has_few_loose_modules():
+    loose = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(loose) <= MOST_LOOSE_MODULES, loose
+
+
+def test_the_readme_and_the_layout_page_name_the_top_level_as_it_is():
+    root = PACKAGE.parent
+    readme_rows = [line.split("|")[1] for line in (root / "README.md").read_text().splitlines() if line.startswith("|")]
+    in_readme = set().union(*(named(cell.replace("topr_trl/", "")) for cell in readme_rows if "`topr_trl/" in cell))
+    page = (root / "docs" / "layout.md").read_text()
+    tree = page[page.index("```\ntopr_trl/\n") :].split("```")[1]
+    # the top level is indented by two spaces; a line names its entries before its description
+    in_page = set()
+    for line in tree.splitlines():
+        if re.match(r"^  \S", line):
+            in_page |= set(itertools.takewhile(lambda word: word.endswith((".py", "/")), line.split()))
+    assert in_readme == top_level(), sorted(in_readme ^ top_level())
+    assert in_page == top_level(), sorted(in_page ^ top_level())

@@ -172,7 +172,7 @@ def test_branch_losses_have_the_stated_signs(tiny_model_path, arithmetic_dataset
 def test_effective_sample_size_fraction_and_ratio_quantiles_by_hand():
     """Kish's ESS fraction: 1 for equal ratios, 1/n when one ratio carries everything, (1+3)^2 / (2 (1+9)) = 0.8 for
     (1, 3). Quantiles per branch by linear interpolation (torch.quantile), NaN for an empty branch."""
-    from topr_trl.policy_metrics import branch_ratios, effective_sample_size_fraction, ratio_quantiles
+    from topr_trl.training.policy_metrics import branch_ratios, effective_sample_size_fraction, ratio_quantiles
 
     assert effective_sample_size_fraction(4.0, 4.0, 4) == 1.0
     assert effective_sample_size_fraction(4.0, 16.0, 4) == 0.25
@@ -192,7 +192,7 @@ def test_effective_sample_size_fraction_and_ratio_quantiles_by_hand():
 def test_drift_and_mismatch_split_the_log_ratio_by_hand():
     """log pi/mu = (log pi - log pi_gen) + (log pi_gen - log mu), each summed over the completion's tokens (the
     masked one left out), then |.| averaged over trajectories."""
-    from topr_trl.policy_metrics import drift_and_mismatch, drift_and_mismatch_sums
+    from topr_trl.training.policy_metrics import drift_and_mismatch, drift_and_mismatch_sums
 
     pi = torch.tensor([[-1.0, -2.0, -9.0], [-1.5, -1.0, -1.0]])
     pi_gen = torch.tensor([[-1.1, -2.1, 0.0], [-1.5, -1.0, -1.0]])
@@ -207,7 +207,7 @@ def test_drift_and_mismatch_split_the_log_ratio_by_hand():
 def test_ratios_by_staleness_bin_by_hand():
     """Six trajectories in three bins (one unknown, -1, left out): per bin and branch the mean pi/mu, Kish's ESS over
     both branches and the share of negatives whose weight min(1, pi/mu) is truncated (ratio above 1)."""
-    from topr_trl.policy_metrics import staleness_bin_metrics, staleness_bin_sums
+    from topr_trl.training.policy_metrics import staleness_bin_metrics, staleness_bin_sums
 
     ratios = torch.tensor([0.5, 2.0, 1.0, 4.0, 0.25, 3.0])
     signal = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, -1.0])

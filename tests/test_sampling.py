@@ -1,10 +1,10 @@
-"""The one generation loop (`topr_trl.sampling.generate_completions`) against the model's own forward pass."""
+"""The one generation loop (`topr_trl.generation.completions.generate_completions`) against the model's own forward pass."""
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from topr_trl.prompts import tokenize_prompts
-from topr_trl.sampling import generate_completions
+from topr_trl.generation.completions import generate_completions
+from topr_trl.inputs.prompts import tokenize_prompts
 
 
 def test_greedy_completions_follow_the_argmax_and_stop_at_eos_kept(tiny_model_path):

@@ -150,7 +150,7 @@ def test_a_completion_length_beyond_the_models_positions_is_refused_in_one_line(
 
     from transformers import AutoConfig
 
-    from topr_trl.prompts import model_positions
+    from topr_trl.inputs.prompts import model_positions
 
     positions = model_positions(AutoConfig.from_pretrained(in_folder / "my-model"))
     if "rope_parameters" in json.loads((in_folder / "my-model" / "config.json").read_text()):

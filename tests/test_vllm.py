@@ -176,8 +176,8 @@ def batch_of(which: str) -> dict:
 def packaged_real_model() -> tuple[str, object, object, int]:
     """SmolLM2-135M-Instruct (tied embeddings, 49,152 tokens) from its packaged copy's trainable folder, its word
     problems and their reward, 16-token completions."""
-    from topr_trl.packaged_models import ModelSourceError
-    from topr_trl.sources import resolve_model_source
+    from topr_trl.inputs.packaged_models import ModelSourceError
+    from topr_trl.inputs.sources import resolve_model_source
     from topr_trl.tasks.word_problems import make_word_problems, word_problem_reward
 
     try:
@@ -299,7 +299,7 @@ def test_colocated_vllm_samples_from_the_policys_current_weights_and_mu_is_its_s
     which, reasoning_model, tmp_path, tmp_path_factory
 ):
     """Online TOPR with `use_vllm=True, vllm_mode="colocate"` on a CPU, where TRL's per-tensor weight load fails
-    (`topr_trl.vllm_colocate`), for tied and untied output layers. After 3 steps at a learning rate that moves the
+    (`topr_trl.generation.vllm_colocate`), for tied and untied output layers. After 3 steps at a learning rate that moves the
     policy, the engine's log-probs of fixed completions equal those of the weights the last generation was synced
     from within twice their bf16 floor, and sit far from the weights one step older (a stale sync) and the initial
     ones (a skipped sync); a tied output layer is re-packed (vLLM's CPU build computes logits from a copy of it packed
@@ -329,7 +329,7 @@ def check_colocated_sync(which: str, reasoning_model, tmp_path, tmp_path_factory
     from vllm import SamplingParams
 
     from topr_trl import TOPRConfig, TOPRTrainer
-    from topr_trl.vllm_colocate import repack_tied_weights
+    from topr_trl.generation.vllm_colocate import repack_tied_weights
 
     if which.startswith("built-in"):
         model_dir, dataset, reward, length = (
@@ -443,7 +443,7 @@ def check_colocated_sync(which: str, reasoning_model, tmp_path, tmp_path_factory
 def test_a_tied_output_layer_left_at_its_first_load_is_caught(reasoning_model, tmp_path, tmp_path_factory, monkeypatch):
     """The check above fails on the bug it guards against: without the re-pack, the engine samples through the output
     layer of the first load, and its log-probs are far from the synced weights'."""
-    import topr_trl.vllm_colocate as colocate
+    import topr_trl.generation.vllm_colocate as colocate
 
     monkeypatch.setattr(colocate, "repack_tied_weights", lambda worker: [])
     with pytest.raises(AssertionError, match="synced"):

@@ -1,5 +1,5 @@
 """Server mode on a real vLLM engine (its CPU build, `bash scripts/test.sh --vllm`): `topr-trl vllm-serve` in its own
-process, the trainer's weights pushed into it over gloo after every optimizer step (`topr_trl.vllm_server`), and
+process, the trainer's weights pushed into it over gloo after every optimizer step (`topr_trl.generation.vllm_server`), and
 what goes wrong around it: a server that dies under a run, a push broken half-way, a server of another model, a
 caller without the secret, two trainer processes. Every server is started and stopped by its process id."""
 
@@ -58,7 +58,7 @@ def child_environment(**extra: str) -> dict[str, str]:
 def served(model: str, log: Path, *flags: str, port: int | None = None, env: dict | None = None):
     """`topr-trl vllm-serve --model MODEL` (in its own session, so that every process of the server stops with it);
     yields (url, process) once /health answers."""
-    from topr_trl.vllm_server.command import launch_server
+    from topr_trl.generation.vllm_server.command import launch_server
 
     server, url = launch_server(
         model, port or free_port(), log, "--gpu_memory_utilization", "0.5", *flags, env=child_environment(**(env or {}))
@@ -180,7 +180,7 @@ def test_server_mode_trains_on_a_cpu_and_the_server_holds_the_weights_of_the_las
     is the server's sampler and TRL's own correction is off, as in colocate mode: at the first step pi/mu is only the
     train/inference mismatch."""
     from topr_trl import TOPRConfig, TOPRTrainer
-    from topr_trl.vllm_server.client import GlooServerGeneration
+    from topr_trl.generation.vllm_server.client import GlooServerGeneration
 
     if which.startswith("built-in"):
         model_dir, dataset, reward, length = (
@@ -277,7 +277,7 @@ def test_seeded_requests_whose_prompts_overflow_one_step_are_served_on_a_cpu(rea
     server runs without chunked prefill on a CPU and answers every request."""
     import concurrent.futures
 
-    from topr_trl.vllm_server.command import NO_CHUNKED_PREFILL
+    from topr_trl.generation.vllm_server.command import NO_CHUNKED_PREFILL
 
     log = tmp_path / "server.log"
     with served(reasoning_model, log, "--dtype", "float32") as (url, _):
@@ -310,7 +310,7 @@ def test_the_secret_guards_every_route_but_health_and_a_server_of_another_model_
     it reaches the server, which serves another model than the trainer's (the user's Qwen2, not the built-in
     model): refused before the first push, in one line naming both."""
     from topr_trl import TOPRConfig, TOPRTrainer
-    from topr_trl.vllm_server.client import ServerLost, server_weight_backend
+    from topr_trl.generation.vllm_server.client import ServerLost, server_weight_backend
 
     secret = "s3cret-for-the-test"
     user_dir = user_model(tmp_path_factory, tied=True)[0]
@@ -358,8 +358,8 @@ def test_a_push_broken_half_way_stops_the_server_and_the_trainer_is_not_left_wai
     pusher = (
         "import os, sys, threading\n"
         "from transformers import AutoModelForCausalLM\n"
-        "from topr_trl.vllm_server.client import GlooVLLMClient\n"
-        "from topr_trl.vllm_server.transport import broadcast_bytes\n"
+        "from topr_trl.generation.vllm_server.client import GlooVLLMClient\n"
+        "from topr_trl.generation.vllm_server.transport import broadcast_bytes\n"
         "url, model, port = sys.argv[1:]\n"
         "client = GlooVLLMClient(base_url=url, group_port=int(port), connection_timeout=30)\n"
         "client.init_communicator()\n"
@@ -530,12 +530,12 @@ def test_a_second_trainer_trains_against_the_server_while_the_first_still_holds_
     """A first trainer's weight path still open (a notebook that trained once) holds GRPOConfig's default group port
     on this machine; a second trainer process, left at the default, hosts its rendezvous on a free port instead of
     failing at its first push with EADDRINUSE, and trains."""
-    from topr_trl.vllm_server.client import DEFAULT_GROUP_PORT
+    from topr_trl.generation.vllm_server.client import DEFAULT_GROUP_PORT
 
     folder = user_folder_for_server
     holder = (
         "import sys, time\n"
-        "from topr_trl.vllm_server.client import GlooVLLMClient\n"
+        "from topr_trl.generation.vllm_server.client import GlooVLLMClient\n"
         "client = GlooVLLMClient(base_url=sys.argv[1], group_port=int(sys.argv[2]), connection_timeout=60)\n"
         "client.init_communicator()\n"
         "print('holding', client.group_port, flush=True)\n"
@@ -588,7 +588,7 @@ def test_async_topr_on_trls_rollout_worker_keeps_the_server_on_the_policy(reason
     from trl.chat_template_utils import qwen3_template
 
     from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer
-    from topr_trl.vllm_server.client import GlooWeightTransfer
+    from topr_trl.generation.vllm_server.client import GlooWeightTransfer
 
     tokenizer = AutoTokenizer.from_pretrained(reasoning_model)
     tokenizer.response_template = qwen3_template  # TRL's worker parses responses of the chat templates it knows

@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-from topr_trl.vllm_server import BACKEND, SECRET_ENV
+from topr_trl.generation.vllm_server import BACKEND, SECRET_ENV
 
 
 def free_port() -> int:
@@ -29,7 +29,7 @@ def free_port() -> int:
 def test_tensors_of_every_dtype_and_shape_cross_the_gloo_group_bit_for_bit():
     """Rank 0 broadcasts, rank 1 receives by the announced names, dtypes and shapes: bfloat16 (which gloo cannot
     reduce, but bytes are bytes), a 0-d tensor, a non-contiguous view, integers; all equal bit for bit."""
-    from topr_trl.vllm_server.transport import broadcast_bytes, open_group, received
+    from topr_trl.generation.vllm_server.transport import broadcast_bytes, open_group, received
 
     generator = torch.Generator().manual_seed(0)
     sent = {
@@ -71,7 +71,7 @@ def test_tensors_of_every_dtype_and_shape_cross_the_gloo_group_bit_for_bit():
 
 
 def test_a_peer_that_never_joins_fails_the_rendezvous_after_the_timeout():
-    from topr_trl.vllm_server.transport import open_group
+    from topr_trl.generation.vllm_server.transport import open_group
 
     with pytest.raises(Exception, match="(?i)timed? ?out|timeout"):
         open_group("127.0.0.1", free_port(), 2, 0, 2)
@@ -99,7 +99,7 @@ def asgi_call(middleware, path: str, headers: dict[str, str] | None = None, meth
 
 
 def test_the_secret_is_required_on_every_route_but_health_and_the_log_line_never_holds_it(monkeypatch, capsys):
-    from topr_trl.vllm_server.auth import WeightPathSecret
+    from topr_trl.generation.vllm_server.auth import WeightPathSecret
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -126,13 +126,13 @@ def test_the_secret_is_required_on_every_route_but_health_and_the_log_line_never
 
 
 def serve_arguments(**fields):
-    from topr_trl.vllm_server.command import VLLMServeArguments
+    from topr_trl.generation.vllm_server.command import VLLMServeArguments
 
     return VLLMServeArguments(model="my-model", **fields)
 
 
 def test_vllm_serve_runs_vllms_server_module_with_the_gloo_path_on_127_0_0_1_by_default(monkeypatch):
-    from topr_trl.vllm_server import command
+    from topr_trl.generation.vllm_server import command
 
     monkeypatch.setattr(command, "cuda_available", lambda: False)
     monkeypatch.delenv(SECRET_ENV, raising=False)
@@ -140,8 +140,11 @@ def test_vllm_serve_runs_vllms_server_module_with_the_gloo_path_on_127_0_0_1_by_
     assert argv[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "my-model"]
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--enforce-eager" in argv
     assert argv[argv.index("--weight-transfer-config") + 1] == f'{{"backend": "{BACKEND}"}}'
-    assert argv[argv.index("--worker-extension-cls") + 1] == "topr_trl.vllm_server.engine.WeightSyncWorkerExtension"
-    assert argv[argv.index("--middleware") + 1] == "topr_trl.vllm_server.auth.WeightPathSecret"
+    assert (
+        argv[argv.index("--worker-extension-cls") + 1]
+        == "topr_trl.generation.vllm_server.engine.WeightSyncWorkerExtension"
+    )
+    assert argv[argv.index("--middleware") + 1] == "topr_trl.generation.vllm_server.auth.WeightPathSecret"
     assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"  # TRL's own translation, kept
     assert argv[argv.index("--max-num-seqs") + 1] == "4"  # unknown flags go to vLLM
     assert environment["VLLM_SERVER_DEV_MODE"] == "1" and SECRET_ENV not in environment
@@ -159,7 +162,7 @@ def test_vllm_serve_runs_vllms_server_module_with_the_gloo_path_on_127_0_0_1_by_
 
 
 def test_vllm_serve_beyond_this_machine_needs_the_secret_and_takes_it_from_a_file(monkeypatch, tmp_path):
-    from topr_trl.vllm_server import command
+    from topr_trl.generation.vllm_server import command
 
     monkeypatch.setattr(command, "cuda_available", lambda: False)
     monkeypatch.delenv(SECRET_ENV, raising=False)
@@ -198,7 +201,7 @@ def test_the_vllm_generation_arguments_are_those_grpo_trainer_passes():
     from trl.generation.vllm_generation import VLLMGeneration
     from trl.trainer import grpo_trainer
 
-    from topr_trl.vllm_server.client import GRPO_VLLM_GENERATION_ARGUMENTS
+    from topr_trl.generation.vllm_server.client import GRPO_VLLM_GENERATION_ARGUMENTS
 
     calls = [
         node
@@ -217,7 +220,7 @@ def test_a_server_lost_mid_run_is_one_line_with_its_address_and_how_to_go_on(not
     as CI saw once), the line names the server and says to resume on a new one; other errors pass through."""
     import requests
 
-    from topr_trl.vllm_server.client import GlooServerGeneration, ServerLost
+    from topr_trl.generation.vllm_server.client import GlooServerGeneration, ServerLost
 
     generation = object.__new__(GlooServerGeneration)  # only the call wrapper: no trainer, no server
     generation.vllm_client = type("Client", (), {"base_url": "http://127.0.0.1:9"})()
@@ -241,7 +244,7 @@ def test_the_rendezvous_port_gives_way_only_when_it_is_the_default():
     one; a port the user chose and another process holds is refused in one line naming it; a free one is kept."""
     import socket
 
-    from topr_trl.vllm_server.client import DEFAULT_GROUP_PORT, is_free_port, rendezvous_port
+    from topr_trl.generation.vllm_server.client import DEFAULT_GROUP_PORT, is_free_port, rendezvous_port
 
     with socket.socket() as other:
         other.bind(("", 0))

@@ -12,20 +12,22 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
-from .checkpoint_weights import CheckpointWeights
 from .config import TOPRConfig, topr_setting
-from .grpo_mirror import GRPOLossMirror
+from .generation.vllm_colocate import use_cpu_weight_reload
+from .generation.vllm_server.client import GlooServerGeneration, server_generation_arguments, uses_gloo_server
+from .inputs.packaged_models import converted_source
+from .inputs.sources import needs_resolving, resolve_model_source
 from .loss import POLICY_LOSSES, baseline_for_target_share, policy_per_token_loss, reads_the_ratio, reward_signal
 from .offline.replay import OfflineReplay, prepare_replayed_datasets
 from .offline.schema import checked_reward_function, is_offline_dataset
-from .packaged_models import converted_source
-from .policy_metrics import (
+from .support.scoring import completion_processed_log_probs
+from .training.checkpoint_weights import CheckpointWeights
+from .training.grpo_mirror import GRPOLossMirror
+from .training.policy_metrics import (
     drift_and_mismatch,
     drift_and_mismatch_sums,
 )
-from .sources import needs_resolving, resolve_model_source
-from .support.scoring import completion_processed_log_probs
-from .trainer_shared import (
+from .training.shared import (
     TOPR_NAME,
     TOPR_PAPER,
     TOPR_TAG_NAMES,
@@ -33,8 +35,6 @@ from .trainer_shared import (
     SupportScoring,
     trained_method,
 )
-from .vllm_colocate import use_cpu_weight_reload
-from .vllm_server.client import GlooServerGeneration, server_generation_arguments, uses_gloo_server
 
 
 logger = logging.get_logger(__name__)
@@ -69,7 +69,7 @@ class TOPRTrainer(  # type: ignore[misc]
 
     This module is what TOPR changes in GRPOTrainer: the per-token policy loss on the signal and mu of each batch
     (masking, KL, the entropy bonus, aggregation and accumulation scaling stay GRPO's, through the labelled copy in
-    `topr_trl.grpo_mirror`), the paper's signal R - c computed where the rewards are, TOPR's metrics, and the
+    `topr_trl.training.grpo_mirror`), the paper's signal R - c computed where the rewards are, TOPR's metrics, and the
     opt-in checks. A `train_dataset` or `eval_dataset` of stored completions is replayed (`topr_trl.offline.replay`).
     """
 
@@ -192,8 +192,9 @@ class TOPRTrainer(  # type: ignore[misc]
         return uses_gloo_server(args)
 
     def _connect_gloo_server(self, args) -> None:
-        """What GRPOTrainer's constructor does for server mode, with the gloo client (`topr_trl.vllm_server.client`):
-        the same `VLLMGeneration` arguments, so generation, the weight walk and the prefix-cache reset stay TRL's."""
+        """What GRPOTrainer's constructor does for server mode, with the gloo client
+        (`topr_trl.generation.vllm_server.client`): the same `VLLMGeneration` arguments, so generation, the weight walk
+        and the prefix-cache reset stay TRL's."""
         self.use_vllm = True
         self.vllm_generation = GlooServerGeneration(**server_generation_arguments(self, args))
         self._last_loaded_step = -1

@@ -3,7 +3,16 @@ real model, from docs/evidence/real-model/ and docs/evidence/benchmarks/ (`pytho
 
 from __future__ import annotations
 
-from experiments.page_tables.evidence import evidence, markdown_table
+from experiments.common import late_mean
+from experiments.page_tables.evidence import (
+    EVIDENCE,
+    evidence,
+    fixed,
+    interval,
+    markdown_table,
+    signed,
+    signed_interval,
+)
 
 
 CANDIDATE_LABELS = {
@@ -291,6 +300,143 @@ def rule_speed_table() -> str:
     )
 
 
+COMPARISON = "real-model/comparison"
+PART_LABELS = {
+    "online": "online",
+    "off_policy": "off-policy (one dataset from the frozen base model)",
+}
+METHOD_LABELS = {
+    "topr": "TOPR",
+    "grpo": "GRPO (`dapo`, TRL's default)",
+    "sft_positives": "SFT on positives",
+    "tis": "TIS",
+    "ppo": "PPO-clip",
+}
+
+
+def rate(learning_rate: float) -> str:
+    """A learning rate as the commands write it: 3e-5, 1e-4."""
+    return f"{learning_rate:.0e}".replace("e-0", "e-")
+
+
+def validation_runs() -> list[dict]:
+    """The runs on the validation split that choose the learning rate (`real_model_comparison --eval_split
+    validation`), by part, method and learning rate."""
+    paths = sorted((EVIDENCE / COMPARISON).glob("*-validation.json"))
+    runs = [evidence(f"{COMPARISON}/{path.stem}") for path in paths if not path.name.startswith("start-")]
+    order = list(PART_LABELS)
+    return sorted(runs, key=lambda run: (order.index(run["part"]), run["method"], run["options"]["learning_rate"]))
+
+
+def chosen_learning_rate(part: str) -> float:
+    """The learning rate whose TOPR run has the best late pass@1 on the validation split (the rule fixed before the
+    held-out runs)."""
+    runs = [run for run in validation_runs() if run["part"] == part and run["method"] == "topr"]
+    return max(runs, key=lambda run: late_mean(run["curve"]))["options"]["learning_rate"]
+
+
+def real_model_validation_table() -> str:
+    rows = [
+        [
+            PART_LABELS[run["part"]],
+            METHOD_LABELS[run["method"]],
+            rate(run["options"]["learning_rate"]),
+            str(run["seed"]),
+            fixed(run["curve"][0]["pass@1"]),
+            fixed(late_mean(run["curve"])),
+            fixed(late_mean(run["curve"], "greedy_accuracy")),
+            f"{run['seconds'] / 60:.0f}",
+        ]
+        for run in validation_runs()
+    ]
+    return markdown_table(
+        [
+            "part",
+            "method",
+            "learning rate",
+            "seed",
+            "validation pass@1 at the start",
+            "late pass@1",
+            "late greedy accuracy",
+            "minutes",
+        ],
+        rows,
+    )
+
+
+def comparison_summary(part: str) -> dict:
+    return evidence(f"{COMPARISON}_{part}-lr{chosen_learning_rate(part):g}")
+
+
+def spread(statistic: dict) -> str:
+    """`mean ± half-width` over seeds; the value alone for one seed (no interval)."""
+    return interval(statistic) if len(statistic["values"]) > 1 else fixed(statistic["mean"])
+
+
+def real_model_comparison_table() -> str:
+    rows = []
+    for part in PART_LABELS:
+        summary = comparison_summary(part)
+        for method, late in summary["late"].items():
+            negatives = summary["negatives"].get(method, {})
+            rows.append(
+                [
+                    PART_LABELS[part],
+                    METHOD_LABELS[method],
+                    rate(summary["options"]["learning_rate"]),
+                    str(len(late["pass@1"]["values"])),
+                    spread(summary["start"]["pass@1"]),
+                    spread(late["pass@1"]),
+                    spread(late["greedy_accuracy"]),
+                    fixed(late["mean_completion_tokens"]["mean"], 0),
+                    fixed(negatives["weight_negative"]["mean"], 2) if negatives else "",
+                    fixed(negatives["negative_truncated_fraction"]["mean"], 2) if negatives else "",
+                ]
+            )
+    return markdown_table(
+        [
+            "part",
+            "method",
+            "learning rate",
+            "seeds",
+            "held-out pass@1 at the start",
+            "late pass@1",
+            "late greedy accuracy",
+            "late tokens",
+            "negatives' mean weight",
+            "negatives truncated",
+        ],
+        rows,
+    )
+
+
+def verdict(difference: dict) -> str:
+    """What a paired interval decides: above or below zero, or undecided (it holds 0, or one seed only)."""
+    low, high = difference["mean"] - difference["ci95"], difference["mean"] + difference["ci95"]
+    if len(difference["values"]) < 2:
+        return "one seed: undecided"
+    return "above" if low > 0 else "below" if high < 0 else "undecided"
+
+
+def real_model_paired_table() -> str:
+    rows = []
+    for part in PART_LABELS:
+        summary = comparison_summary(part)
+        for pair, by_metric in summary["paired"].items():
+            first, second = pair.split("-")
+            difference = by_metric["pass@1"]
+            rows.append(
+                [
+                    PART_LABELS[part],
+                    f"{METHOD_LABELS[first]} − {METHOD_LABELS[second]}",
+                    ", ".join(str(seed) for seed in difference["seeds"]),
+                    signed_interval(difference) if len(difference["values"]) > 1 else signed(difference["mean"]),
+                    verdict(difference),
+                ]
+            )
+    return markdown_table(["part", "late pass@1 difference", "seeds", "paired mean ± 95 %", "TOPR is"], rows)
+
+
 TABLES = {
     "candidates": candidates_table,
     "whole-vocabulary": whole_vocabulary_table,
@@ -300,4 +446,5 @@ TABLES = {
     "support-cost": support_cost_table,
     "async-speed": async_speed_table,
     "rule-speed": rule_speed_table,
+    "real-model-validation": real_model_validation_table,
 }

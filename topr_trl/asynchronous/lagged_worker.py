@@ -36,8 +36,8 @@ import numpy as np
 import torch
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-from ..prompts import tokenize_prompts
-from ..sampling import generate_completions
+from ..generation.completions import generate_completions
+from ..inputs.prompts import tokenize_prompts
 from ..support import SamplerProcessing
 
 

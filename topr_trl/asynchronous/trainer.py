@@ -36,14 +36,14 @@ from transformers.utils import logging
 from trl.chat_template_utils import add_response_schema, qwen3_template
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-from ..checkpoint_weights import CheckpointWeights
+from ..generation.vllm_server import BACKEND
+from ..generation.vllm_server.client import GlooWeightTransfer, server_weight_backend
+from ..inputs.sources import needs_resolving, resolve_model_source
 from ..loss import packed_topr_loss, reads_the_ratio, unpack_segments
-from ..policy_metrics import staleness_bin_metrics, staleness_bin_sums
-from ..sources import needs_resolving, resolve_model_source
 from ..support.scoring import chunked_processed_log_probs
-from ..trainer_shared import TOPR_PAPER, PolicyMetricsLogging, SupportScoring, trained_method
-from ..vllm_server import BACKEND
-from ..vllm_server.client import GlooWeightTransfer, server_weight_backend
+from ..training.checkpoint_weights import CheckpointWeights
+from ..training.policy_metrics import staleness_bin_metrics, staleness_bin_sums
+from ..training.shared import TOPR_PAPER, PolicyMetricsLogging, SupportScoring, trained_method
 from .config import AsyncTOPRConfig
 from .cpu import CPUSupport
 from .lagged_worker import LaggedRolloutWorker
@@ -166,10 +166,10 @@ class TransferOnTheMainProcess:
 
 def gloo_weight_transfer(args: AsyncTOPRConfig):
     """The weight transfer for TRL's rollout worker against `args.vllm_server_base_url`: this package's gloo path
-    (`topr_trl.vllm_server.GlooWeightTransfer`) when the server runs it, as `topr-trl vllm-serve` does without a GPU;
-    otherwise None, and TRL builds its own (NCCL). Asked on the main process only, which alone talks to the server;
-    with several processes its answer (or its error) is broadcast, and the others pass `TransferOnTheMainProcess`
-    where it found one, so that every process takes the same branch of TRL's constructor."""
+    (`topr_trl.generation.vllm_server.GlooWeightTransfer`) when the server runs it, as `topr-trl vllm-serve` does
+    without a GPU; otherwise None, and TRL builds its own (NCCL). Asked on the main process only, which alone talks to
+    the server; with several processes its answer (or its error) is broadcast, and the others pass
+    `TransferOnTheMainProcess` where it found one, so that every process takes the same branch of TRL's constructor."""
     state = PartialState()
     transfer = None
     if state.is_main_process:
@@ -433,9 +433,10 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
         return loss
 
     def _log_staleness_metrics(self, terms, signal, mask, versions, read=None) -> None:
-        """pi/mu by the staleness of the samples at this step (`topr_trl.policy_metrics.staleness_bin_metrics`): the
-        main process's policy version (the one that counts syncs) broadcast, and one reduction; every rank joins both,
-        since the batch holds `trajectory_model_version` on every rank or on none."""
+        """pi/mu by the staleness of the samples at this step
+        (`topr_trl.training.policy_metrics.staleness_bin_metrics`): the main process's policy version (the one that
+        counts syncs) broadcast, and one reduction; every rank joins both, since the batch holds
+        `trajectory_model_version` on every rank or on none."""
         if versions is None:
             return
         versions = versions.reshape(-1)[: mask.size(0)]  # this rank's row: one version per segment, in segment order

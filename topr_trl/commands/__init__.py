@@ -11,8 +11,8 @@ Each command parses its arguments once into dataclasses and runs on them, as TRL
 The modules: `cli` (the console script: parse, then dispatch), `arguments` and `recipes/` (the one parser, the
 commands' dataclasses and the built-in runs' defaults), `runs` (what train, generate and iterate do with parsed
 arguments), `evaluate`, `iterations` (generation and the trainer in turn), `output_folders` (the run folder's lock
-and checks), `interruption` (Ctrl-C) and `external_services` (the Hub, trackers, a vLLM server). Nothing in the library
-imports from here (tests/test_layout.py).
+and checks), `interruption` (Ctrl-C), `external_services` (the Hub, trackers, a vLLM server) and `curves` (curves.png).
+Nothing in the library imports from here (tests/test_layout.py).
 """
 
 from .arguments import (

@@ -25,11 +25,11 @@ from pathlib import Path
 import yaml
 from trl import GRPOConfig, ModelConfig, ScriptArguments, TrlParser
 
-from .. import sampling
 from ..config import TOPRConfig
-from ..distributed import gpu_available
+from ..generation import completions
+from ..generation.vllm_server.command import VLLMServeArguments
+from ..runtime.distributed import gpu_available
 from ..tasks.registry import BUILTIN_TASK, TASKS, builtin_task_names
-from ..vllm_server.command import VLLMServeArguments
 
 
 COMMANDS = ("train", "generate", "iterate", "evaluate", "vllm-serve")
@@ -637,7 +637,7 @@ def cpu_validation_flags(command: str, choice: _RunChoice) -> list[str]:
     """For a dry run on a machine without a GPU: flags (above the config file) that turn off what needs one, so that
     every other key and value of a GPU recipe still validates here. Says which ones it turned off."""
     needs_gpu = [f"{name}=True" for name in ("bf16", "fp16") if getattr(choice, name)]
-    if choice.use_vllm and not sampling.vllm_cpu_build_installed():
+    if choice.use_vllm and not completions.vllm_cpu_build_installed():
         needs_gpu.append("use_vllm=True")
     if command == "generate" or not choice.dry_run or gpu_available() or not needs_gpu:
         return []

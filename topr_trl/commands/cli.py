@@ -33,8 +33,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from ..distributed import end_process_group, gpu_available
-from ..vllm_server.command import serve
+from ..generation.vllm_server.command import serve
+from ..runtime.distributed import end_process_group, gpu_available
 from .arguments import COMMANDS, build_parser, parse_command, parse_command_line
 from .evaluate import run as run_evaluate
 from .interruption import interrupted

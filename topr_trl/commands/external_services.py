@@ -11,10 +11,10 @@ from pathlib import Path
 from huggingface_hub import get_token
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
 
-from ..distributed import gpu_available
-from ..sources import hub_unreachable_reason
-from ..vllm_server import BACKEND
-from ..vllm_server.client import server_url, server_weight_backend
+from ..generation.vllm_server import BACKEND
+from ..generation.vllm_server.client import server_url, server_weight_backend
+from ..inputs.sources import hub_unreachable_reason
+from ..runtime.distributed import gpu_available
 from .output_folders import shown_path
 
 

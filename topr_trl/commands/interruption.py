@@ -11,7 +11,7 @@ import threading
 
 from transformers import TrainerCallback
 
-from ..distributed import last_checkpoint
+from ..runtime.distributed import last_checkpoint
 from .arguments import Invocation
 from .output_folders import shown_path
 

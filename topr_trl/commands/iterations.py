@@ -30,14 +30,14 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from ..config import TOPRConfig
-from ..curves import logged_curves
-from ..distributed import empty_caches, evaluate_policy, last_checkpoint, release_for_next_trainer
-from ..machine import machine_info
 from ..offline import generation
 from ..offline.composition import compose
 from ..offline.generation import GeneratedWithOtherSettings
 from ..offline.schema import stored_reward
+from ..runtime.distributed import empty_caches, evaluate_policy, last_checkpoint, release_for_next_trainer
+from ..runtime.machine import machine_info
 from ..trainer import TOPRTrainer
+from .curves import logged_curves
 
 
 @dataclass
@@ -172,7 +172,8 @@ def run_iterations(
 
 def iteration_curves(output_dir: str | Path) -> tuple[dict, list[int]]:
     """The logged curves of every iteration in `output_dir`, one after another (each iteration's steps shifted by
-    the steps before it), and the steps where iterations 1, 2, ... start: what `topr_trl.curves.plot_curves` draws."""
+    the steps before it), and the steps where iterations 1, 2, ... start: what `topr_trl.commands.curves.plot_curves`
+    draws."""
     curves: dict[str, tuple[list[int], list[float]]] = {}
     boundaries, offset = [], 0
     for state_file in sorted(Path(output_dir).glob("iteration-*/train/trainer_state.json")):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from accelerate import PartialState
 
-from ..distributed import last_checkpoint
+from ..runtime.distributed import last_checkpoint
 
 
 LOCK_FILE = ".topr-trl.lock"

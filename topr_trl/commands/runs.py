@@ -20,9 +20,9 @@ from transformers import AutoConfig, AutoTokenizer, TrainerCallback
 from trl import ModelConfig, get_peft_config
 
 from ..config import TOPRConfig, check_choice
-from ..curves import logged_curves, plot_curves
-from ..distributed import gpu_available, say
-from ..machine import describe_machine, machine_info
+from ..generation.completions import BACKENDS
+from ..inputs.prompts import check_prompts_fit, model_positions
+from ..inputs.sources import check_data_source, check_local_data
 from ..offline import (
     COMPOSITIONS,
     generate_offline_dataset,
@@ -33,13 +33,13 @@ from ..offline import (
 from ..offline.generation import GeneratedWithOtherSettings, recorded_model
 from ..offline.held_out import HELD_OUT_SAMPLES, load_test_prompts
 from ..offline.schema import StoredTokensMismatch, check_stored_tokens
-from ..prompts import check_prompts_fit, model_positions
-from ..sampling import BACKENDS
-from ..sources import check_data_source, check_local_data
+from ..runtime.distributed import gpu_available, say
+from ..runtime.machine import describe_machine, machine_info
 from ..tasks.loading import describe_accuracy, held_out_accuracy, load_task, task_evaluator
 from ..tasks.user_rewards import weighted_reward
 from ..trainer import TOPRTrainer
 from .arguments import GenerateScriptArguments, Invocation, IterateScriptArguments, TrainScriptArguments
+from .curves import logged_curves, plot_curves
 from .external_services import check_hub_push, check_trackers, check_vllm_server_mode, push_failure_reported
 from .interruption import InterruptAtStepEnd, interrupted, interrupted_run, rerun
 from .iterations import IterationSettings, iteration_curves, run_iterations

@@ -9,7 +9,7 @@
 The other columns of the source are kept (GSM8K's full reference solution moves to ``solution``, since
 ``answer`` now holds the bare number), so per-level or per-subject breakdowns stay possible.
 
-``source`` is what `topr_trl.sources.load_data_source` loads: a Hugging Face Hub dataset id, or local data: one
+``source`` is what `topr_trl.inputs.sources.load_data_source` loads: a Hugging Face Hub dataset id, or local data: one
 ``.json``/``.jsonl``/``.csv``/``.parquet`` file (it holds the requested split), a mapping ``{split: file}``, a
 ``save_to_disk`` folder, or a directory holding files named after their split (``test.jsonl``,
 ``train-00000-of-00001.parquet``, ...), as in a downloaded copy of a Hub dataset repository.
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from datasets import Dataset, concatenate_datasets
 
-from ..sources import load_data_source
+from ..inputs.sources import load_data_source
 from .rewards import extract_boxed, extract_gsm8k_answer
 
 
@@ -209,7 +209,7 @@ def load_gsm8k(
 
     `source`: a Hub id (schema `question` / `answer`, the answer ending in `#### <n>`), a local
     `.json`/`.jsonl`/`.csv`/`.parquet` file, a `{split: file}` mapping or a directory (see
-    `topr_trl.sources.load_data_source`); the answer column may also hold bare numbers. `few_shot` (0 to 8)
+    `topr_trl.inputs.sources.load_data_source`); the answer column may also hold bare numbers. `few_shot` (0 to 8)
     prepends this package's own worked examples, as user/assistant turns with `chat=True`, as
     `Question: ...\\nAnswer: ...` blocks otherwise. `instruction` (none by default) is appended to every question;
     `system_prompt` starts the prompt."""
@@ -295,7 +295,7 @@ def load_math(
     of the reference solution, via `topr_trl.evaluation.rewards.extract_boxed`); the source columns are kept. Rows whose
     solution has no box are dropped with a warning.
 
-    `source` is a Hub id or local data (see `topr_trl.sources.load_data_source`); the default Hub id and its
+    `source` is a Hub id or local data (see `topr_trl.inputs.sources.load_data_source`); the default Hub id and its
     configs are not checked here: some copies of MATH have one config per subject, so `config` may be a list of
     configs, whose splits are concatenated. `instruction` (default `MATH_INSTRUCTION`, asking for a boxed answer)
     is appended to every problem; `few_shot` (0 to 4) prepends worked examples ending in a box."""

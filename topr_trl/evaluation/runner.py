@@ -9,8 +9,8 @@ answers per question.
         --output_dir outputs/eval
 
 Generation uses transformers' `generate`, or vLLM when the model is given by path, vLLM is installed and a GPU
-is present (`backend="auto"`); vLLM is only imported then (`topr_trl.sampling.make_vllm_engine`), never when this
-module is imported.
+is present (`backend="auto"`); vLLM is only imported then (`topr_trl.generation.completions.make_vllm_engine`), never
+when this module is imported.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..prompts import tokenize_prompts
-from ..sampling import generate_completions, make_vllm_engine, seeded_eval_sampling, vllm_available
+from ..generation.completions import generate_completions, make_vllm_engine, seeded_eval_sampling, vllm_available
+from ..inputs.prompts import tokenize_prompts
 from .metrics import (
     bootstrap_maj_at_k,
     bootstrap_pass_at_k,
@@ -165,7 +165,7 @@ def json_safe(value):
 
 
 def _prompt_ids(tokenizer, prompts: Sequence) -> list[list[int]]:
-    """The prompts as token ids, exactly as GRPOTrainer tokenizes them for training (`topr_trl.prompts`)."""
+    """The prompts as token ids, exactly as GRPOTrainer tokenizes them for training (`topr_trl.inputs.prompts`)."""
     conversational = [isinstance(prompt, list) for prompt in prompts]
     if any(conversational) and not all(conversational):
         raise ValueError("the prompts mix conversational (lists of messages) and plain (strings) ones")
@@ -199,8 +199,8 @@ def _generate_transformers(
     stop_strings,
     generate_kwargs: dict,
 ) -> list[list[dict]]:
-    """n samples for each prompt, as {"text", "num_tokens", "truncated"} dicts (`topr_trl.sampling`), in a forked RNG
-    (the caller's random state, e.g. a trainer's, is left untouched) seeded with `seed`."""
+    """n samples for each prompt, as {"text", "num_tokens", "truncated"} dicts (`topr_trl.generation.completions`), in a
+    forked RNG (the caller's random state, e.g. a trainer's, is left untouched) seeded with `seed`."""
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     eos_ids = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else []

@@ -4,13 +4,13 @@
     rollout       sampling with mu's log-probs (transformers or a vLLM engine), the behaviour `rollout_func`
     composition   compose (uniform, positives_only, anna_karenina, target_proportion), proportion_of_positives
     schema        what TOPRTrainer checks and tokenizes at construction; stored_reward
-    sampler       GroupShuffleSampler, the replay order
+    group_order   GroupShuffleSampler, the replay order (whole prompt groups)
     held_out      the user's held-out prompts and the mean reward measured on them
 
 Iterations (mu_i = pi_{i-1}) drive these with the trainer, so they sit above it: `topr_trl.commands.iterations`.
 
 The names below are importable from `topr_trl.offline` itself; each is loaded from its module on first use, so that
-importing one (the trainer imports `schema` and `sampler`) does not import generation or vLLM code.
+importing one (the trainer imports `schema` and `group_order`) does not import generation or vLLM code.
 """
 
 from importlib import import_module
@@ -35,7 +35,7 @@ _EXPORTS = {
         "validate_offline_dataset",
         "with_prompt_index",
     ),
-    "sampler": ("GroupShuffleSampler",),
+    "group_order": ("GroupShuffleSampler",),
     "held_out": ("load_test_prompts", "reward_evaluator"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -26,9 +26,9 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
 from ..config import check_choice
-from ..distributed import outside_zero3_construction
-from ..sampling import BACKENDS, free_vllm_memory, make_vllm_engine, vllm_available
-from ..sources import load_data_source, looks_like_local_data
+from ..generation.completions import BACKENDS, free_vllm_memory, make_vllm_engine, vllm_available
+from ..inputs.sources import load_data_source, looks_like_local_data
+from ..runtime.distributed import outside_zero3_construction
 from .rollout import sample_with_logps, sample_with_logps_vllm
 from .schema import check_reward_values
 
@@ -345,10 +345,10 @@ def generate_offline_dataset(
     """Sample `num_completions` completions per prompt from `model` (mu), score them, save them in shards.
 
     `backend`: "transformers" (`model` a loaded causal LM), "vllm" (`model` a model path or Hub id, a loaded model
-    whose `name_or_path` is used, or a vLLM engine from `topr_trl.sampling.make_vllm_engine`), or "auto": vLLM when
-    it is installed and a GPU is present, transformers otherwise. Both write the same schema; `seed` seeds the vLLM
-    engine (seed transformers sampling with `torch.manual_seed`). An engine built here is released before returning,
-    as is a model loaded here from a path, so that training can use their GPU memory.
+    whose `name_or_path` is used, or a vLLM engine from `topr_trl.generation.completions.make_vllm_engine`), or "auto":
+    vLLM when it is installed and a GPU is present, transformers otherwise. Both write the same schema; `seed` seeds the
+    vLLM engine (seed transformers sampling with `torch.manual_seed`). An engine built here is released before
+    returning, as is a model loaded here from a path, so that training can use their GPU memory.
 
     Prompts are tokenized exactly as GRPOTrainer tokenizes them (`topr_trl.offline.rollout.tokenize_prompts`: the
     tokenizer's special tokens for plain text, the chat template for conversations); pass the training config's
@@ -576,9 +576,9 @@ _JSON_COLUMNS = ("prompt_ids", "completion_ids", "behaviour_logps", "behaviour_s
 
 def load_offline_source(source: str | Path, split: str = "train") -> Dataset:
     """The `split` of an offline dataset from `source`: the shard folder `generate_offline_dataset` writes (one
-    split, `train`), or whatever `topr_trl.sources.load_data_source` loads: a `save_to_disk` folder (a DatasetDict
-    gives `split`, or its only one), a `.json`/`.jsonl`/`.csv`/`.parquet` file (one split, `train`) or a folder of
-    such files (one format; files named after their split, `train.jsonl` and `test.jsonl`, are the splits, as
+    split, `train`), or whatever `topr_trl.inputs.sources.load_data_source` loads: a `save_to_disk` folder (a
+    DatasetDict gives `split`, or its only one), a `.json`/`.jsonl`/`.csv`/`.parquet` file (one split, `train`) or a
+    folder of such files (one format; files named after their split, `train.jsonl` and `test.jsonl`, are the splits, as
     `datasets` reads a folder; a folder with no file named after a split is one split, `train`), or a Hub dataset
     id. Raises FileNotFoundError for a path that does not exist and ValueError for one that holds nothing loadable
     or not `split`.

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 
 from datasets import Dataset
 
-from ..sampling import seeded_eval_sampling
-from ..sources import load_data_source
+from ..generation.completions import seeded_eval_sampling
+from ..inputs.sources import load_data_source
 from .generation import prompts_digest, sample_rows, score_rows
 from .rollout import sample_with_logps
 

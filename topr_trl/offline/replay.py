@@ -17,8 +17,8 @@ from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.trainer.grpo_trainer import RolloutFunc, add_fused_lm_head
 
 from ..config import TOPRConfig, topr_setting
-from ..sources import needs_resolving, resolve_model_source
-from .sampler import GroupShuffleSampler
+from ..inputs.sources import needs_resolving, resolve_model_source
+from .group_order import GroupShuffleSampler
 from .schema import (
     check_offline_columns,
     check_stored_tokens,

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..prompts import tokenize_prompts
-from ..sampling import generate_completions
+from ..generation.completions import generate_completions
+from ..inputs.prompts import tokenize_prompts
 from ..support import SamplerProcessing
 
 
@@ -75,8 +75,8 @@ def sample_with_logps_vllm(
     chat_template_kwargs: dict | None = None,
     tools: Sequence[Callable] | None = None,
 ) -> list[dict]:
-    """`sample_with_logps` with a vLLM engine (built by `topr_trl.sampling.make_vllm_engine`): the same rows, in the
-    same order.
+    """`sample_with_logps` with a vLLM engine (built by `topr_trl.generation.completions.make_vllm_engine`): the same
+    rows, in the same order.
 
     Prompts are tokenized here by `tokenize_prompts`, as the transformers path does, and passed as token ids, so
     that both paths (and the trainer) condition on identical prompts. A completion that vLLM stopped at EOS keeps

@@ -17,8 +17,8 @@ from datasets import Dataset
 from transformers.utils import logging
 from trl.trainer.utils import is_async_callable
 
+from ..inputs.prompts import tokenize_prompts
 from ..loss import POLICY_LOSSES
-from ..prompts import tokenize_prompts
 from ..support import SamplerProcessing
 
 

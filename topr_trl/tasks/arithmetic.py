@@ -16,8 +16,8 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..evaluation.rewards import CORRECT, INCORRECT, INVALID, completion_text
-from ..prompts import tokenize_prompts
-from ..sampling import generate_completions
+from ..generation.completions import generate_completions
+from ..inputs.prompts import tokenize_prompts
 from .tiny import (
     build_model,
     build_tokenizer,

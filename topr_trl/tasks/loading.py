@@ -15,10 +15,10 @@ import time
 from accelerate import PartialState
 
 from ..config import check_choice
-from ..distributed import evaluate_policy, outside_zero3_construction, say
-from ..machine import describe_machine
+from ..inputs.sources import check_data_source, check_local_data, resolve_model_source
 from ..offline.held_out import reward_evaluator
-from ..sources import check_data_source, check_local_data, resolve_model_source
+from ..runtime.distributed import evaluate_policy, outside_zero3_construction, say
+from ..runtime.machine import describe_machine
 from .registry import BUILTIN_TASK, CUSTOM_TASK, TASKS, builtin_task_names, no_held_out_split, training_task_names
 from .user_rewards import reporting_reward, resolve_reward
 

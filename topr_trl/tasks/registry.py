@@ -15,8 +15,8 @@ from pathlib import Path
 
 from ..evaluation.benchmarks import load_gsm8k, load_math, load_math500
 from ..evaluation.runner import gsm8k_classify, math_classify
+from ..inputs.sources import load_data_source
 from ..offline.held_out import load_test_prompts
-from ..sources import load_data_source
 from .arithmetic import (
     accuracy,
     arithmetic_classify,
@@ -83,7 +83,7 @@ class Task:
     # the recipe (topr_trl/commands/recipes/<name>.yaml) a built-in run of it adds to the command's own
     recipe: str | None = None
     # a built-in task's model when it is not a tiny one the package builds: a Hub id (resolved offline from its
-    # packaged copy, `topr_trl.sources.resolve_model_source`)
+    # packaged copy, `topr_trl.inputs.sources.resolve_model_source`)
     default_model: str | None = None
 
 

@@ -20,7 +20,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast
 
-from ..machine import machine_info
+from ..runtime.machine import machine_info
 
 
 BOS, EOS, PAD = "<|im_start|>", "<|im_end|>", "<pad>"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .loss import MAX_LOG_RATIO, PolicyTerms
+from ..loss import MAX_LOG_RATIO, PolicyTerms
 
 
 def _ratio_and_branches(terms: PolicyTerms, signal: torch.Tensor, mask: torch.Tensor, read: torch.Tensor | None = None):

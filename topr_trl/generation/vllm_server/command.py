@@ -31,7 +31,7 @@ import requests
 import torch
 from trl.scripts.vllm_serve import ScriptArguments, build_command
 
-from ..sources import resolve_model_source
+from ...inputs.sources import resolve_model_source
 from . import BACKEND, SECRET_ENV
 
 
@@ -147,8 +147,8 @@ def server_command(arguments: VLLMServeArguments, extra_args: list[str]) -> tupl
     config = command.index("--weight-transfer-config")
     command[config + 1] = json.dumps({"backend": BACKEND if weight_sync == "gloo" else "nccl"})
     if weight_sync == "gloo":
-        command += ["--worker-extension-cls", "topr_trl.vllm_server.engine.WeightSyncWorkerExtension"]
-    command += ["--middleware", "topr_trl.vllm_server.auth.WeightPathSecret"]
+        command += ["--worker-extension-cls", "topr_trl.generation.vllm_server.engine.WeightSyncWorkerExtension"]
+    command += ["--middleware", "topr_trl.generation.vllm_server.auth.WeightPathSecret"]
     if not cuda_available() and not any("chunked-prefill" in flag for flag in extra_args):
         command += [NO_CHUNKED_PREFILL]
     # the weight-transfer, pause and prefix-cache routes a trainer uses are vLLM's dev-mode routes
@@ -161,8 +161,8 @@ def server_command(arguments: VLLMServeArguments, extra_args: list[str]) -> tupl
 def serve(arguments: VLLMServeArguments, extra_args: list[str]) -> None:
     """Become the server `arguments` describe (the same process id: stopping it stops vLLM); `extra_args` go to
     vLLM as they are. The command line parses them (`topr-trl vllm-serve`). A Hub id the Hub cannot serve here, or a
-    .gguf file, is served from its trainable folder (`topr_trl.sources.resolve_model_source`), as the trainer loads
-    it."""
+    .gguf file, is served from its trainable folder (`topr_trl.inputs.sources.resolve_model_source`), as the trainer
+    loads it."""
     refuse_unguarded_host(arguments)  # the flags' own refusal first: instant, before a model is looked for
     arguments.model = resolve_model_source(arguments.model)
     command, environment = server_command(arguments, extra_args)

@@ -20,7 +20,7 @@ from accelerate import PartialState
 from datasets import DatasetDict, load_dataset, load_from_disk
 from huggingface_hub import constants, try_to_load_from_cache
 
-from .distributed import say
+from ..runtime.distributed import say
 from .packaged_models import PACKAGED_MODELS, ModelSourceError, is_gguf_file, packaged_file, trainable_folder
 
 
@@ -79,7 +79,7 @@ def resolve_model_source(
     """What to load for the model `name`, failing at once, in one line, on one that cannot load:
 
     - a local model folder: itself (one without config.json fails);
-    - a `.gguf` file: its trainable float32 folder, converted once and cached (`topr_trl.packaged_models`);
+    - a `.gguf` file: its trainable float32 folder, converted once and cached (`topr_trl.inputs.packaged_models`);
     - a Hub id in the local Hugging Face cache, or with the Hub reachable: itself, as transformers loads it;
     - a Hub id that a package ships (`PACKAGED_MODELS`) with the Hub out of reach: the packaged copy's trainable
       folder, said in one line;

@@ -1,9 +1,10 @@
 """The server side of the gloo weight path, imported in a vLLM server's worker process (never by the trainer).
 
-`topr-trl vllm-serve` starts vLLM with `--worker-extension-cls topr_trl.vllm_server.engine.WeightSyncWorkerExtension`:
-vLLM imports that class in each worker before it loads the model, and importing this module registers
-`GlooWeightTransferEngine` with vLLM's `WeightTransferEngineFactory`, which the worker then builds for
-`--weight-transfer-config '{"backend": "topr_gloo"}'`. vLLM's dev-mode routes drive it as they drive its NCCL engine.
+`topr-trl vllm-serve` starts vLLM with `--worker-extension-cls
+topr_trl.generation.vllm_server.engine.WeightSyncWorkerExtension`: vLLM imports that class in each worker before it
+loads the model, and importing this module registers `GlooWeightTransferEngine` with vLLM's
+`WeightTransferEngineFactory`, which the worker then builds for `--weight-transfer-config '{"backend": "topr_gloo"}'`.
+vLLM's dev-mode routes drive it as they drive its NCCL engine.
 
 What the engine does beyond moving bytes, each learned on vLLM's CPU build:
 - the layerwise reload (`initialize_layerwise_reload` ... `finalize_layerwise_reload`, as vLLM's NCCL engine), since

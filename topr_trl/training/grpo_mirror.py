@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .loss import MAX_LOG_RATIO, aggregate, log_importance_ratio
+from ..loss import MAX_LOG_RATIO, aggregate, log_importance_ratio
 
 
 # The multimodal inputs GRPOTrainer forwards to the model in its loss.

@@ -14,12 +14,12 @@ from transformers import TrainerState
 from transformers.utils import logging
 from trl import GRPOTrainer
 
-from .config import TOPRFields, topr_setting
-from .loss import POLICY_LOSSES, branch_losses
-from .offline.schema import stored_processing
+from ..config import TOPRFields, topr_setting
+from ..loss import POLICY_LOSSES, branch_losses
+from ..offline.schema import stored_processing
+from ..support.processing import SamplerProcessing
+from ..support.scoring import CapturedBackbone, captured_outputs, fused_head_parts, on_mus_support
 from .policy_metrics import branch_ratios, metric_sums, policy_metrics, ratio_minima, ratio_quantiles
-from .support.processing import SamplerProcessing
-from .support.scoring import CapturedBackbone, captured_outputs, fused_head_parts, on_mus_support
 
 
 logger = logging.get_logger(__name__)
@@ -115,10 +115,10 @@ class PolicyMetricsLogging:
     def _log_policy_metrics(
         self, mode, terms, signal, mask, entropies, policy_per_token, aggregate_kwargs, loss, ratio_read=None
     ):
-        """TOPR's metrics (`topr_trl.policy_metrics`), reduced over processes with two collectives, so every rank logs
-        every key; returns what `_on_nonfinite_loss` needs (the number of processes whose loss is not finite, and the
-        ratio ranges), which every rank agrees on. `ratio_read` (B,) leaves out of the ratio statistics the sequences
-        whose pi was not scored on mu's support (None: every sequence's pi/mu is reported)."""
+        """TOPR's metrics (`topr_trl.training.policy_metrics`), reduced over processes with two collectives, so every
+        rank logs every key; returns what `_on_nonfinite_loss` needs (the number of processes whose loss is not finite,
+        and the ratio ranges), which every rank agrees on. `ratio_read` (B,) leaves out of the ratio statistics the
+        sequences whose pi was not scored on mu's support (None: every sequence's pi/mu is reported)."""
         sums = metric_sums(terms, signal, mask, entropies, loss, self._loss_spec.negative_weight, ratio_read)
         reduced = self.accelerator.reduce(torch.stack(list(sums.values())), reduction="sum").tolist()
         totals = dict(zip(sums, reduced, strict=True))

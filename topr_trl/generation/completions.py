@@ -2,7 +2,7 @@
 
 Offline generation and the behaviour rollout (sampling, with mu's log-probs), the evaluation runner (sampled or
 greedy, with stop strings) and the built-in task's greedy accuracy all call `generate_completions`, on prompts
-tokenized by `topr_trl.prompts.tokenize_prompts`, so every path conditions on the prompts pi is trained on.
+tokenized by `topr_trl.inputs.prompts.tokenize_prompts`, so every path conditions on the prompts pi is trained on.
 
 With the `backend` "vllm" (`BACKENDS`), offline generation and the evaluation runner sample from an engine built by
 `make_vllm_engine` and released by `free_vllm_memory`, on a GPU or, with vLLM's CPU build, on a CPU. vLLM is an
@@ -18,7 +18,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from .distributed import empty_caches
+from ..runtime.distributed import empty_caches
 
 
 @torch.no_grad()
