@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from experiments.common import paired_difference
+from experiments.page_tables import real_model
 from experiments.page_tables.evidence import evidence, fixed, interval, negated, signed, signed_interval
 from experiments.page_tables.results import (
     ASYNC,
@@ -792,4 +793,41 @@ GPU_SUPPORT = section_claims(
 )
 
 
-CLAIMS: list[Claim] = README + RESULTS_EXPECT + SIDE_BY_SIDE + REGIME + GPU_SUPPORT
+# --- the real model: README.md's line and docs/results.md's section ------------------------------------------------
+
+
+def real_late(part: str, method: str) -> str:
+    """A method's late held-out pass@1 on the real model: the mean over seeds (`real_model.comparison_summary`)."""
+    return fixed(real_model.comparison_summary(part)["late"][method]["pass@1"]["mean"])
+
+
+def real_start(part: str) -> str:
+    return fixed(real_model.comparison_summary(part)["start"]["pass@1"]["mean"])
+
+
+def real_seeds(part: str) -> str:
+    seeds = real_model.comparison_summary(part)["seeds"]
+    return "one seed" if len(seeds) == 1 else f"{len(seeds)} seeds"
+
+
+REAL_MODEL = section_claims(
+    "README.md",
+    "What to expect",
+    (
+        "on held-out word problems ({} so far), online TOPR went from {} to {} sampled pass@1 where GRPO (`dapo`) at "
+        "the same learning rate fell to {}; trained 3 epochs on one dataset from the base model, TOPR reached {}, "
+        "TIS fell to {} and PPO-clip to {}",
+        lambda: (
+            real_seeds("online"),
+            real_start("online"),
+            real_late("online", "topr"),
+            real_late("online", "grpo"),
+            real_late("off_policy", "topr"),
+            real_late("off_policy", "tis"),
+            real_late("off_policy", "ppo"),
+        ),
+    ),
+)
+
+
+CLAIMS: list[Claim] = README + RESULTS_EXPECT + SIDE_BY_SIDE + REGIME + GPU_SUPPORT + REAL_MODEL

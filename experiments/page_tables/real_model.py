@@ -3,6 +3,9 @@ real model, from docs/evidence/real-model/ and docs/evidence/benchmarks/ (`pytho
 
 from __future__ import annotations
 
+import statistics
+from pathlib import Path
+
 from experiments.common import late_mean
 from experiments.page_tables.evidence import (
     EVIDENCE,
@@ -437,6 +440,53 @@ def real_model_paired_table() -> str:
     return markdown_table(["part", "late pass@1 difference", "seeds", "paired mean ± 95 %", "TOPR is"], rows)
 
 
+def negatives_table() -> str:
+    """The paper's mechanism on the real model: the negatives' mean truncated weight pi/mu (canonical TOPR: [0, 1])
+    at the first step, over the first and the last third of the steps, and the share of negatives truncated, per
+    TOPR run (each run's per-step log)."""
+    rows = []
+    for part in PART_LABELS:
+        for path in comparison_summary(part)["runs"]:
+            run = evidence(f"{COMPARISON}/{Path(path).stem}")
+            log = [entry for entry in run["negative_weights"] if entry.get("weight_negative") is not None]
+            if run["method"] != "topr" or not log:
+                continue
+            third = max(1, len(log) // 3)
+            # off-policy: the stored dataset's completions; online: those generated during the run
+            lengths = [
+                entry["completions/mean_length"] for entry in run.get("log", []) if "completions/mean_length" in entry
+            ]
+            tokens = run.get("dataset_mean_tokens") or statistics.mean(lengths)
+            rows.append(
+                [
+                    PART_LABELS[part],
+                    str(run["seed"]),
+                    f"{tokens:.0f}",
+                    fixed(log[0]["weight_negative"]),
+                    fixed(statistics.mean(entry["weight_negative"] for entry in log[:third])),
+                    fixed(statistics.mean(entry["weight_negative"] for entry in log[-third:])),
+                    fixed(
+                        statistics.mean(
+                            e["negative_truncated_fraction"] for e in log if "negative_truncated_fraction" in e
+                        ),
+                        2,
+                    ),
+                ]
+            )
+    return markdown_table(
+        [
+            "TOPR",
+            "seed",
+            "completion tokens (mean)",
+            "negatives' mean weight: first step",
+            "first third of the steps",
+            "last third",
+            "share of negatives truncated",
+        ],
+        rows,
+    )
+
+
 TABLES = {
     "candidates": candidates_table,
     "whole-vocabulary": whole_vocabulary_table,
@@ -447,4 +497,7 @@ TABLES = {
     "async-speed": async_speed_table,
     "rule-speed": rule_speed_table,
     "real-model-validation": real_model_validation_table,
+    "real-model-comparison": real_model_comparison_table,
+    "real-model-paired": real_model_paired_table,
+    "real-model-negatives": negatives_table,
 }
