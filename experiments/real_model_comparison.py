@@ -326,13 +326,16 @@ def plot(runs: list[dict], summary: dict, path: Path) -> None:
         steps = [point["step"] for point in curves[0]]
         means = [statistics.mean(curve[i]["pass@1"] for curve in curves) for i in range(len(steps))]
         axes[0].plot(steps, means, marker="o", label=method)
-        weights = [run["negative_weights"] for run in runs if run["method"] == method and run["negative_weights"]]
-        if weights:
-            axes[1].plot(
-                [entry["step"] for entry in weights[0]],
-                [statistics.mean(log[i]["weight_negative"] for log in weights) for i in range(len(weights[0]))],
-                label=method,
-            )
+        # online, a step whose completions were all correct logs no negative: average each step over the seeds
+        # that logged it
+        by_step: dict[int, list[float]] = {}
+        for run in runs:
+            if run["method"] == method:
+                for entry in run["negative_weights"]:
+                    by_step.setdefault(entry["step"], []).append(entry["weight_negative"])
+        if by_step:
+            steps = sorted(by_step)
+            axes[1].plot(steps, [statistics.mean(by_step[step]) for step in steps], label=method)
     axes[0].set_title(f"held-out {summary['measure']}", fontsize=8)
     axes[1].set_title("negatives' mean truncated weight per step")
     for axis in axes:

@@ -130,3 +130,18 @@ def test_the_summary_gathers_one_split_and_one_learning_rate(tmp_path):
     assert summary["late"]["topr"]["pass@1"]["values"] == [0.5]
     assert summary["runs"] == [str(runs / "online-topr-seed0-lr3e-05.json")]
     assert (tmp_path / "summary_online-lr3e-05.json").is_file()
+
+
+def test_the_figure_takes_seeds_whose_negatives_were_logged_at_different_steps(tmp_path):
+    """Online, a step whose completions were all correct logs no negative, so the seeds' logs differ in length (the
+    first three-seed summary failed on this)."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for seed, weights in ((0, [1.0, 0.5, 0.25]), (1, [0.2])):
+        record = run("online", "topr", seed, (0.5, 0.5), weights)
+        (runs / f"online-topr-seed{seed}-lr3e-05.json").write_text(json.dumps(record))
+    output = tmp_path / "summary"
+    options = comparison.parse(["--summarise", "--runs", str(runs), "--output", str(output), "--learning_rate", "3e-5"])
+    summary = comparison.gather(options)["online"]
+    assert summary["negatives"]["topr"]["weight_negative"]["values"] == pytest.approx([1.75 / 3, 0.2])
+    assert (tmp_path / "summary_online-lr3e-05.png").stat().st_size > 0

@@ -810,21 +810,34 @@ def real_seeds(part: str) -> str:
     return "one seed" if len(seeds) == 1 else f"{len(seeds)} seeds"
 
 
+def real_paired(part: str, pair: str) -> str:
+    """A paired late pass@1 difference A − B on the real model and what it decides (`real_model.verdict`)."""
+    difference = real_model.comparison_summary(part)["paired"][pair]["pass@1"]
+    shown = signed_interval(difference) if seeds(difference) > 1 else signed(difference["mean"])
+    decided = real_model.verdict(difference)
+    return f"{shown}, {'TOPR ' + decided if decided in ('above', 'below') else decided}"
+
+
 REAL_MODEL = section_claims(
     "README.md",
     "What to expect",
     (
-        "on held-out word problems ({} so far), online TOPR went from {} to {} sampled pass@1 where GRPO (`dapo`) at "
-        "the same learning rate fell to {}; trained 3 epochs on one dataset from the base model, TOPR reached {}, "
-        "TIS fell to {} and PPO-clip to {}",
+        "on held-out word problems, paired over {}: online, TOPR went from {} to {} sampled pass@1, GRPO (`dapo`) at "
+        "TOPR's learning rate to {} and SFT on positives to {} (TOPR − GRPO {}; TOPR − SFT {}); trained 3 epochs on one "
+        "dataset from the base model, TOPR reached {}, TIS {} and PPO-clip {} (TOPR − TIS {}; TOPR − PPO-clip {})",
         lambda: (
             real_seeds("online"),
             real_start("online"),
             real_late("online", "topr"),
             real_late("online", "grpo"),
+            real_late("online", "sft_positives"),
+            real_paired("online", "topr-grpo"),
+            real_paired("online", "topr-sft_positives"),
             real_late("off_policy", "topr"),
             real_late("off_policy", "tis"),
             real_late("off_policy", "ppo"),
+            real_paired("off_policy", "topr-tis"),
+            real_paired("off_policy", "topr-ppo"),
         ),
     ),
 )

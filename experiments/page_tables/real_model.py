@@ -15,6 +15,7 @@ from experiments.page_tables.evidence import (
     markdown_table,
     signed,
     signed_interval,
+    signed_per_seed,
 )
 
 
@@ -433,11 +434,14 @@ def real_model_paired_table() -> str:
                     PART_LABELS[part],
                     f"{METHOD_LABELS[first]} − {METHOD_LABELS[second]}",
                     ", ".join(str(seed) for seed in difference["seeds"]),
+                    signed_per_seed(difference["values"]),
                     signed_interval(difference) if len(difference["values"]) > 1 else signed(difference["mean"]),
                     verdict(difference),
                 ]
             )
-    return markdown_table(["part", "late pass@1 difference", "seeds", "paired mean ± 95 %", "TOPR is"], rows)
+    return markdown_table(
+        ["part", "late pass@1 difference", "seeds", "per seed", "paired mean ± 95 %", "TOPR is"], rows
+    )
 
 
 def negatives_table() -> str:
