@@ -813,9 +813,8 @@ def real_seeds(part: str) -> str:
 def real_paired(part: str, pair: str) -> str:
     """A paired late pass@1 difference A − B on the real model and what it decides (`real_model.verdict`)."""
     difference = real_model.comparison_summary(part)["paired"][pair]["pass@1"]
-    shown = signed_interval(difference) if seeds(difference) > 1 else signed(difference["mean"])
     decided = real_model.verdict(difference)
-    return f"{shown}, {'TOPR ' + decided if decided in ('above', 'below') else decided}"
+    return f"{real_model.paired_shown(difference)}, {'TOPR ' + decided if decided in ('above', 'below') else decided}"
 
 
 REAL_MODEL = section_claims(

@@ -422,6 +422,11 @@ def verdict(difference: dict) -> str:
     return "above" if low > 0 else "below" if high < 0 else "undecided"
 
 
+def paired_shown(difference: dict) -> str:
+    """A paired difference as the pages print it: `±mean ± half-width`, the mean alone for one seed."""
+    return signed_interval(difference) if len(difference["values"]) > 1 else signed(difference["mean"])
+
+
 def real_model_paired_table() -> str:
     rows = []
     for part in PART_LABELS:
@@ -435,7 +440,7 @@ def real_model_paired_table() -> str:
                     f"{METHOD_LABELS[first]} − {METHOD_LABELS[second]}",
                     ", ".join(str(seed) for seed in difference["seeds"]),
                     signed_per_seed(difference["values"]),
-                    signed_interval(difference) if len(difference["values"]) > 1 else signed(difference["mean"]),
+                    paired_shown(difference),
                     verdict(difference),
                 ]
             )
