@@ -340,7 +340,8 @@ def plot(runs: list[dict], summary: dict, path: Path) -> None:
     axes[1].set_title("negatives' mean truncated weight per step")
     for axis in axes:
         axis.set_xlabel("optimizer step")
-        axis.legend(fontsize=8)
+        if axis.get_legend_handles_labels()[0]:  # GRPO alone logs no negatives' weight
+            axis.legend(fontsize=8)
     figure.suptitle(f"SmolLM2-135M-Instruct, word problems, {summary['part']} (mean over seeds {summary['seeds']})")
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -97,3 +97,23 @@ def test_a_comment_in_a_code_block_is_not_a_heading():
     assert section(text, "One") == "before\n```bash\n# a shell comment\nrun\n```\nafter"
     with pytest.raises(KeyError):
         section(text, "a shell comment")
+
+
+def test_the_own_rate_control_pairs_each_seed_across_the_two_rates():
+    """The control pairs TOPR at its rate with a method at the method's own rate, which no summary does: each seed's
+    difference is TOPR's late pass@1 in the comparison's summary minus the method's in the summary of its own rate
+    (`real_model_comparison --summarise --learning_rate L`), computed here from those files instead of the runs."""
+    from experiments.page_tables import real_model
+    from experiments.page_tables.evidence import evidence
+
+    controls = [control for control in real_model.own_rate_controls() if control["difference"]]
+    assert controls
+    for control in controls:
+        assert control["learning_rate"] != control["topr_learning_rate"]
+        topr_summary = real_model.comparison_summary(control["part"])
+        own_summary = evidence(f"{real_model.COMPARISON}_{control['part']}-lr{control['learning_rate']:g}")
+        topr = dict(zip(topr_summary["seeds"], topr_summary["late"]["topr"]["pass@1"]["values"], strict=True))
+        own = dict(zip(own_summary["seeds"], own_summary["late"][control["method"]]["pass@1"]["values"], strict=True))
+        seeds = sorted(set(topr) & set(own))
+        assert control["difference"]["seeds"] == seeds
+        assert control["difference"]["values"] == pytest.approx([topr[seed] - own[seed] for seed in seeds], abs=1e-12)

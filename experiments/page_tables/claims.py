@@ -810,16 +810,31 @@ def real_seeds(part: str) -> str:
     return "one seed" if len(seeds) == 1 else f"{len(seeds)} seeds"
 
 
-def real_paired(part: str, pair: str) -> str:
-    """A paired late pass@1 difference A − B on the real model and what it decides (`real_model.verdict`)."""
-    difference = real_model.comparison_summary(part)["paired"][pair]["pass@1"]
+def with_verdict(difference: dict) -> str:
+    """A paired difference TOPR − B on the real model and what it decides (`real_model.verdict`)."""
     decided = real_model.verdict(difference)
     return f"{real_model.paired_shown(difference)}, {'TOPR ' + decided if decided in ('above', 'below') else decided}"
+
+
+def real_paired(part: str, pair: str) -> str:
+    """A pre-registered paired late pass@1 difference A − B on the real model, with its verdict."""
+    return with_verdict(real_model.comparison_summary(part)["paired"][pair]["pass@1"])
+
+
+def real_own_rate(part: str, method: str) -> tuple[str, str, str]:
+    """A method held out at its own validation-chosen rate (`real_model.own_rate_control`): the rate, its late pass@1
+    and TOPR (at TOPR's rate) − it with what that decides."""
+    control = real_model.own_rate_control(part, method)
+    return real_model.rate(control["learning_rate"]), fixed(control["late"]["mean"]), with_verdict(control["difference"])
 
 
 REAL_MODEL = section_claims(
     "README.md",
     "What to expect",
+    (
+        "GRPO at its own rate, chosen on validation ({}), reached {} (TOPR − GRPO {})",
+        lambda: real_own_rate("online", "grpo"),
+    ),
     (
         "on held-out word problems, paired over {}: online, TOPR went from {} to {} sampled pass@1, GRPO (`dapo`) at "
         "TOPR's learning rate to {} and SFT on positives to {} (TOPR − GRPO {}; TOPR − SFT {}); trained 3 epochs on one "

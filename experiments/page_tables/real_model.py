@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from experiments.common import late_mean
+from experiments.common import late_mean, mean_and_ci95, paired_difference
 from experiments.page_tables.evidence import (
     EVIDENCE,
     evidence,
@@ -332,11 +332,93 @@ def validation_runs() -> list[dict]:
     return sorted(runs, key=lambda run: (order.index(run["part"]), run["method"], run["options"]["learning_rate"]))
 
 
-def chosen_learning_rate(part: str) -> float:
-    """The learning rate whose TOPR run has the best late pass@1 on the validation split (the rule fixed before the
-    held-out runs)."""
-    runs = [run for run in validation_runs() if run["part"] == part and run["method"] == "topr"]
+def chosen_learning_rate(part: str, method: str = "topr") -> float:
+    """The learning rate whose run of `method` has the best late pass@1 on the validation split. TOPR's choice is the
+    rate of every method in the comparison (the rule fixed before the held-out runs); a method with validation runs
+    of its own also has its own choice, the control `own_rate_controls` reports; one without takes TOPR's."""
+    runs = [run for run in validation_runs() if run["part"] == part and run["method"] == method]
+    if not runs:
+        return chosen_learning_rate(part)
     return max(runs, key=lambda run: late_mean(run["curve"]))["options"]["learning_rate"]
+
+
+def held_out_late(part: str, method: str, learning_rate: float) -> dict[int, float]:
+    """Each held-out run's late pass@1 by seed, for one method at one rate (the per-run files)."""
+    paths = sorted((EVIDENCE / COMPARISON).glob(f"{part}-{method}-seed*-lr{learning_rate:g}.json"))
+    runs = [evidence(f"{COMPARISON}/{path.stem}") for path in paths]
+    return {run["seed"]: late_mean(run["curve"]) for run in runs}
+
+
+def own_rate_controls() -> list[dict]:
+    """The control for the one rate chosen on TOPR: each method whose own validation runs chose another rate, trained
+    on the held-out seeds at that rate and paired with TOPR at TOPR's rate (the comparison's TOPR runs)."""
+    controls = []
+    for part in PART_LABELS:
+        topr_rate = chosen_learning_rate(part)
+        topr = held_out_late(part, "topr", topr_rate)
+        for method in METHOD_LABELS:
+            own_rate = chosen_learning_rate(part, method)
+            if own_rate == topr_rate:
+                continue
+            late = held_out_late(part, method, own_rate)
+            controls.append(
+                {
+                    "part": part,
+                    "method": method,
+                    "learning_rate": own_rate,
+                    "topr_learning_rate": topr_rate,
+                    "late": mean_and_ci95(list(late.values())) if late else None,
+                    "difference": paired_difference(topr, late) if late else None,
+                }
+            )
+    return controls
+
+
+def own_rate_control(part: str, method: str) -> dict:
+    """One method's control (`own_rate_controls`); a KeyError names a method whose own rate is TOPR's."""
+    for control in own_rate_controls():
+        if (control["part"], control["method"]) == (part, method):
+            return control
+    raise KeyError(f"{part} {method}: its own validation choice is TOPR's rate, so it has no control")
+
+
+def own_rate_table() -> str:
+    rows = []
+    for control in own_rate_controls():
+        difference = control["difference"]
+        rows.append(
+            [
+                PART_LABELS[control["part"]],
+                METHOD_LABELS[control["method"]],
+                rate(control["learning_rate"]),
+                rate(control["topr_learning_rate"]),
+                *(
+                    [
+                        ", ".join(str(seed) for seed in difference["seeds"]),
+                        spread(control["late"]),
+                        signed_per_seed(difference["values"]),
+                        paired_shown(difference),
+                        verdict(difference),
+                    ]
+                    if difference
+                    else ["none run", "", "", "", ""]
+                ),
+            ]
+        )
+    return markdown_table(
+        [
+            "part",
+            "method",
+            "its own rate (on validation)",
+            "TOPR's rate",
+            "seeds",
+            "its late pass@1",
+            "TOPR − it, per seed",
+            "paired mean ± 95 %",
+            "TOPR is",
+        ],
+        rows,
+    )
 
 
 def real_model_validation_table() -> str:
@@ -508,5 +590,6 @@ TABLES = {
     "real-model-validation": real_model_validation_table,
     "real-model-comparison": real_model_comparison_table,
     "real-model-paired": real_model_paired_table,
+    "real-model-own-rate": own_rate_table,
     "real-model-negatives": negatives_table,
 }
