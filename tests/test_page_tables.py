@@ -117,3 +117,21 @@ def test_the_own_rate_control_pairs_each_seed_across_the_two_rates():
         seeds = sorted(set(topr) & set(own))
         assert control["difference"]["seeds"] == seeds
         assert control["difference"]["values"] == pytest.approx([topr[seed] - own[seed] for seed in seeds], abs=1e-12)
+
+
+def test_a_method_has_its_own_rate_only_where_it_ran_at_toprs_rate_too(monkeypatch):
+    from experiments.page_tables import real_model
+
+    def run(method: str, learning_rate: float, late: float) -> dict:
+        curve = [{"step": 0, "pass@1": 0.25}, {"step": 32, "pass@1": late}]
+        return {"part": "online", "method": method, "options": {"learning_rate": learning_rate}, "curve": curve}
+
+    runs = [run("topr", 3e-5, 0.7), run("topr", 1e-4, 0.1), run("grpo", 1e-5, 0.9)]
+    monkeypatch.setattr(real_model, "validation_runs", lambda: runs)
+    assert real_model.chosen_learning_rate("online") == 3e-5
+    assert real_model.chosen_learning_rate("online", "grpo") == 3e-5  # one rate, not TOPR's: nothing chosen
+    assert real_model.chosen_learning_rate("online", "sft_positives") == 3e-5  # no run of its own
+    runs.append(run("grpo", 3e-5, 0.2))
+    assert real_model.chosen_learning_rate("online", "grpo") == 1e-5
+    runs.append(run("grpo", 3e-5, 0.95))
+    assert real_model.chosen_learning_rate("online", "grpo") == 3e-5

@@ -825,7 +825,11 @@ def real_own_rate(part: str, method: str) -> tuple[str, str, str]:
     """A method held out at its own validation-chosen rate (`real_model.own_rate_control`): the rate, its late pass@1
     and TOPR (at TOPR's rate) − it with what that decides."""
     control = real_model.own_rate_control(part, method)
-    return real_model.rate(control["learning_rate"]), fixed(control["late"]["mean"]), with_verdict(control["difference"])
+    return (
+        real_model.rate(control["learning_rate"]),
+        fixed(control["late"]["mean"]),
+        with_verdict(control["difference"]),
+    )
 
 
 REAL_MODEL = section_claims(

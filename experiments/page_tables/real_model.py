@@ -335,9 +335,10 @@ def validation_runs() -> list[dict]:
 def chosen_learning_rate(part: str, method: str = "topr") -> float:
     """The learning rate whose run of `method` has the best late pass@1 on the validation split. TOPR's choice is the
     rate of every method in the comparison (the rule fixed before the held-out runs); a method with validation runs
-    of its own also has its own choice, the control `own_rate_controls` reports; one without takes TOPR's."""
+    of its own, TOPR's rate among them, also has its own choice, the control `own_rate_controls` reports; one without
+    takes TOPR's (a single rate chooses nothing)."""
     runs = [run for run in validation_runs() if run["part"] == part and run["method"] == method]
-    if not runs:
+    if method != "topr" and chosen_learning_rate(part) not in {run["options"]["learning_rate"] for run in runs}:
         return chosen_learning_rate(part)
     return max(runs, key=lambda run: late_mean(run["curve"]))["options"]["learning_rate"]
 
