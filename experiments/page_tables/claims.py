@@ -840,6 +840,10 @@ REAL_MODEL = section_claims(
         lambda: real_own_rate("online", "grpo"),
     ),
     (
+        "TIS at its own rate ({}) reached {} (TOPR − TIS {})",
+        lambda: real_own_rate("off_policy", "tis"),
+    ),
+    (
         "on held-out word problems, paired over {}: online, TOPR went from {} to {} sampled pass@1, GRPO (`dapo`) at "
         "TOPR's learning rate to {} and SFT on positives to {} (TOPR − GRPO {}; TOPR − SFT {}); trained 3 epochs on one "
         "dataset from the base model, TOPR reached {}, TIS {} and PPO-clip {} (TOPR − TIS {}; TOPR − PPO-clip {})",
