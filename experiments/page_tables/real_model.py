@@ -338,8 +338,10 @@ def chosen_learning_rate(part: str, method: str = "topr") -> float:
     of its own, TOPR's rate among them, also has its own choice, the control `own_rate_controls` reports; one without
     takes TOPR's (a single rate chooses nothing)."""
     runs = [run for run in validation_runs() if run["part"] == part and run["method"] == method]
-    if method != "topr" and chosen_learning_rate(part) not in {run["options"]["learning_rate"] for run in runs}:
-        return chosen_learning_rate(part)
+    if method != "topr":
+        topr_rate = chosen_learning_rate(part)
+        if topr_rate not in {run["options"]["learning_rate"] for run in runs}:
+            return topr_rate
     return max(runs, key=lambda run: late_mean(run["curve"]))["options"]["learning_rate"]
 
 
