@@ -100,8 +100,8 @@ def test_a_comment_in_a_code_block_is_not_a_heading():
 
 
 def test_the_own_rate_control_pairs_each_seed_across_the_two_rates():
-    """The control pairs TOPR at its rate with a method at the method's own rate, which no summary does: each seed's
-    difference is TOPR's late pass@1 in the comparison's summary minus the method's in the summary of its own rate
+    """The control pairs TOPR at one rate with a method at the method's own rate, which no summary does: each seed's
+    difference is TOPR's late pass@1 in the summary of TOPR's rate minus the method's in the summary of its own rate
     (`real_model_comparison --summarise --learning_rate L`), computed here from those files instead of the runs."""
     from experiments.page_tables import real_model
     from experiments.page_tables.evidence import evidence
@@ -109,9 +109,11 @@ def test_the_own_rate_control_pairs_each_seed_across_the_two_rates():
     controls = [control for control in real_model.own_rate_controls() if control["difference"]]
     assert controls
     for control in controls:
-        assert control["learning_rate"] != control["topr_learning_rate"]
-        topr_summary = real_model.comparison_summary(control["part"])
-        own_summary = evidence(f"{real_model.COMPARISON}_{control['part']}-lr{control['learning_rate']:g}")
+        part = control["part"]
+        comparison_rate = real_model.comparison_learning_rate(part)
+        assert {control["learning_rate"], control["topr_learning_rate"]} != {comparison_rate}
+        topr_summary = evidence(f"{real_model.COMPARISON}_{part}-lr{control['topr_learning_rate']:g}")
+        own_summary = evidence(f"{real_model.COMPARISON}_{part}-lr{control['learning_rate']:g}")
         topr = dict(zip(topr_summary["seeds"], topr_summary["late"]["topr"]["pass@1"]["values"], strict=True))
         own = dict(zip(own_summary["seeds"], own_summary["late"][control["method"]]["pass@1"]["values"], strict=True))
         seeds = sorted(set(topr) & set(own))
@@ -119,7 +121,7 @@ def test_the_own_rate_control_pairs_each_seed_across_the_two_rates():
         assert control["difference"]["values"] == pytest.approx([topr[seed] - own[seed] for seed in seeds], abs=1e-12)
 
 
-def test_a_method_has_its_own_rate_only_where_it_ran_at_toprs_rate_too(monkeypatch):
+def test_a_method_has_its_own_rate_only_where_it_ran_at_the_comparisons_rate_too(monkeypatch):
     from experiments.page_tables import real_model
 
     def run(method: str, learning_rate: float, late: float) -> dict:
@@ -128,10 +130,18 @@ def test_a_method_has_its_own_rate_only_where_it_ran_at_toprs_rate_too(monkeypat
 
     runs = [run("topr", 3e-5, 0.7), run("topr", 1e-4, 0.1), run("grpo", 1e-5, 0.9)]
     monkeypatch.setattr(real_model, "validation_runs", lambda: runs)
+    assert real_model.comparison_learning_rate("online") == 3e-5
     assert real_model.chosen_learning_rate("online") == 3e-5
-    assert real_model.chosen_learning_rate("online", "grpo") == 3e-5  # one rate, not TOPR's: nothing chosen
+    assert real_model.chosen_learning_rate("online", "grpo") == 3e-5  # one rate, not the comparison's: nothing chosen
     assert real_model.chosen_learning_rate("online", "sft_positives") == 3e-5  # no run of its own
     runs.append(run("grpo", 3e-5, 0.2))
     assert real_model.chosen_learning_rate("online", "grpo") == 1e-5
     runs.append(run("grpo", 3e-5, 0.95))
     assert real_model.chosen_learning_rate("online", "grpo") == 3e-5
+    # A rate TOPR tried after the comparison is TOPR's own choice when it wins, never the comparison's rate.
+    runs.append(run("topr", 1e-5, 0.75))
+    assert real_model.comparison_learning_rate("online") == 3e-5
+    assert real_model.chosen_learning_rate("online") == 1e-5
+    runs[:] = [run("topr", 1e-5, 0.75)]
+    with pytest.raises(KeyError, match="pre-registered"):
+        real_model.comparison_learning_rate("online")

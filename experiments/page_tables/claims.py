@@ -821,10 +821,10 @@ def real_paired(part: str, pair: str) -> str:
     return with_verdict(real_model.comparison_summary(part)["paired"][pair]["pass@1"])
 
 
-def real_own_rate(part: str, method: str) -> tuple[str, str, str]:
+def real_own_rate(part: str, method: str, topr_learning_rate: float) -> tuple[str, str, str]:
     """A method held out at its own validation-chosen rate (`real_model.own_rate_control`): the rate, its late pass@1
-    and TOPR (at TOPR's rate) − it with what that decides."""
-    control = real_model.own_rate_control(part, method)
+    and TOPR (at `topr_learning_rate`) − it with what that decides."""
+    control = real_model.own_rate_control(part, method, topr_learning_rate)
     return (
         real_model.rate(control["learning_rate"]),
         fixed(control["late"]["mean"]),
@@ -837,11 +837,15 @@ REAL_MODEL = section_claims(
     "What to expect",
     (
         "GRPO at its own rate, chosen on validation ({}), reached {} (TOPR − GRPO {})",
-        lambda: real_own_rate("online", "grpo"),
+        lambda: real_own_rate("online", "grpo", 3e-5),
     ),
     (
         "TIS at its own rate ({}) reached {} (TOPR − TIS {})",
-        lambda: real_own_rate("off_policy", "tis"),
+        lambda: real_own_rate("off_policy", "tis", 3e-5),
+    ),
+    (
+        "PPO-clip at its own rate ({}) reached {} (TOPR − PPO-clip {})",
+        lambda: real_own_rate("off_policy", "ppo", 3e-5),
     ),
     (
         "on held-out word problems, paired over {}: online, TOPR went from {} to {} sampled pass@1, GRPO (`dapo`) at "

@@ -332,17 +332,41 @@ def validation_runs() -> list[dict]:
     return sorted(runs, key=lambda run: (order.index(run["part"]), run["method"], run["options"]["learning_rate"]))
 
 
+# The rates TOPR ran on the validation split before the held-out comparison: the rule fixed then made TOPR's best
+# among them every method's rate. Rates tried afterwards are controls; they never move the comparison's rate.
+PRE_REGISTERED_RATES = (3e-5, 1e-4)
+
+
+def best_validation_rate(part: str, method: str, rates: tuple[float, ...] | None = None) -> float | None:
+    """The learning rate of `method`'s validation run with the best late pass@1 (among `rates` when given); None
+    where it has no such run."""
+    runs = [
+        run
+        for run in validation_runs()
+        if run["part"] == part
+        and run["method"] == method
+        and (rates is None or run["options"]["learning_rate"] in rates)
+    ]
+    return max(runs, key=lambda run: late_mean(run["curve"]))["options"]["learning_rate"] if runs else None
+
+
+def comparison_learning_rate(part: str) -> float:
+    """The comparison's one rate for every method: TOPR's best on validation among `PRE_REGISTERED_RATES`."""
+    chosen = best_validation_rate(part, "topr", PRE_REGISTERED_RATES)
+    if chosen is None:
+        raise KeyError(f"{part}: TOPR has no validation run at the pre-registered rates {PRE_REGISTERED_RATES}")
+    return chosen
+
+
 def chosen_learning_rate(part: str, method: str = "topr") -> float:
-    """The learning rate whose run of `method` has the best late pass@1 on the validation split. TOPR's choice is the
-    rate of every method in the comparison (the rule fixed before the held-out runs); a method with validation runs
-    of its own, TOPR's rate among them, also has its own choice, the control `own_rate_controls` reports; one without
-    takes TOPR's (a single rate chooses nothing)."""
-    runs = [run for run in validation_runs() if run["part"] == part and run["method"] == method]
-    if method != "topr":
-        topr_rate = chosen_learning_rate(part)
-        if topr_rate not in {run["options"]["learning_rate"] for run in runs}:
-            return topr_rate
-    return max(runs, key=lambda run: late_mean(run["curve"]))["options"]["learning_rate"]
+    """A method's own choice: the rate of its best validation run over every rate it tried, TOPR included. A method
+    needs a run at the comparison's rate and at least one other to have a choice of its own; one without takes the
+    comparison's rate (a single rate chooses nothing)."""
+    comparison_rate = comparison_learning_rate(part)
+    rates = {run["options"]["learning_rate"] for run in validation_runs() if (run["part"], run["method"]) == (part, method)}
+    if comparison_rate not in rates or len(rates) < 2:
+        return comparison_rate
+    return best_validation_rate(part, method)
 
 
 def held_out_late(part: str, method: str, learning_rate: float) -> dict[int, float]:
@@ -353,36 +377,43 @@ def held_out_late(part: str, method: str, learning_rate: float) -> dict[int, flo
 
 
 def own_rate_controls() -> list[dict]:
-    """The control for the one rate chosen on TOPR: each method whose own validation runs chose another rate, trained
-    on the held-out seeds at that rate and paired with TOPR at TOPR's rate (the comparison's TOPR runs)."""
+    """The control for the one rate chosen on TOPR: each method held out at its own validation choice, paired by seed
+    with TOPR at the comparison's rate and, where TOPR's own choice differs from that, at TOPR's own choice too (each
+    at its own rate). A pair where both sit at the comparison's rate is the comparison itself and is left out; a pair
+    with no held-out runs on one side has no difference ("none run")."""
     controls = []
     for part in PART_LABELS:
-        topr_rate = chosen_learning_rate(part)
-        topr = held_out_late(part, "topr", topr_rate)
-        for method in METHOD_LABELS:
-            own_rate = chosen_learning_rate(part, method)
-            if own_rate == topr_rate:
+        comparison_rate = comparison_learning_rate(part)
+        topr_rates = sorted({comparison_rate, chosen_learning_rate(part)}, reverse=True)
+        for method in comparison_summary(part)["late"]:  # the part's methods, in the comparison's order
+            if method == "topr":
                 continue
+            own_rate = chosen_learning_rate(part, method)
             late = held_out_late(part, method, own_rate)
-            controls.append(
-                {
-                    "part": part,
-                    "method": method,
-                    "learning_rate": own_rate,
-                    "topr_learning_rate": topr_rate,
-                    "late": mean_and_ci95(list(late.values())) if late else None,
-                    "difference": paired_difference(topr, late) if late else None,
-                }
-            )
+            for topr_rate in topr_rates:
+                if own_rate == topr_rate == comparison_rate:
+                    continue
+                topr = held_out_late(part, "topr", topr_rate)
+                controls.append(
+                    {
+                        "part": part,
+                        "method": method,
+                        "learning_rate": own_rate,
+                        "topr_learning_rate": topr_rate,
+                        "late": mean_and_ci95(list(late.values())) if late else None,
+                        "difference": paired_difference(topr, late) if late and topr else None,
+                    }
+                )
     return controls
 
 
-def own_rate_control(part: str, method: str) -> dict:
-    """One method's control (`own_rate_controls`); a KeyError names a method whose own rate is TOPR's."""
+def own_rate_control(part: str, method: str, topr_learning_rate: float) -> dict:
+    """One method's control against TOPR at `topr_learning_rate` (`own_rate_controls`); a KeyError names a pair the
+    control does not hold."""
     for control in own_rate_controls():
-        if (control["part"], control["method"]) == (part, method):
+        if (control["part"], control["method"], control["topr_learning_rate"]) == (part, method, topr_learning_rate):
             return control
-    raise KeyError(f"{part} {method}: its own validation choice is TOPR's rate, so it has no control")
+    raise KeyError(f"{part} {method}: no control against TOPR at {rate(topr_learning_rate)}")
 
 
 def own_rate_table() -> str:
@@ -454,7 +485,7 @@ def real_model_validation_table() -> str:
 
 
 def comparison_summary(part: str) -> dict:
-    return evidence(f"{COMPARISON}_{part}-lr{chosen_learning_rate(part):g}")
+    return evidence(f"{COMPARISON}_{part}-lr{comparison_learning_rate(part):g}")
 
 
 def spread(statistic: dict) -> str:
