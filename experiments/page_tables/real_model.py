@@ -363,7 +363,9 @@ def chosen_learning_rate(part: str, method: str = "topr") -> float:
     needs a run at the comparison's rate and at least one other to have a choice of its own; one without takes the
     comparison's rate (a single rate chooses nothing)."""
     comparison_rate = comparison_learning_rate(part)
-    rates = {run["options"]["learning_rate"] for run in validation_runs() if (run["part"], run["method"]) == (part, method)}
+    rates = {
+        run["options"]["learning_rate"] for run in validation_runs() if (run["part"], run["method"]) == (part, method)
+    }
     if comparison_rate not in rates or len(rates) < 2:
         return comparison_rate
     return best_validation_rate(part, method)
