@@ -868,6 +868,24 @@ def real_off_policy_own_rates() -> tuple[str, ...]:
     )
 
 
+def real_figure1_row() -> tuple[str, ...]:
+    """The side-by-side row of Figure 1 on the real model: each method at its own rate (the one rate for all three,
+    `real_off_policy_own_rates`), TOPR − PPO-clip decided above and in how many seeds, TOPR − TIS undecided; then at
+    the comparison's one rate, both undecided."""
+    own_rate = real_model.chosen_learning_rate("off_policy")
+    ppo, tis = (real_model.own_rate_control("off_policy", method, own_rate)["difference"] for method in ("ppo", "tis"))
+    at_one_rate = real_model.comparison_summary("off_policy")["paired"]
+    return (
+        real_off_policy_own_rates()[0],
+        real_verdict_above(ppo),
+        every_seed(ppo),
+        real_verdict_undecided(tis),
+        real_model.rate(real_model.comparison_learning_rate("off_policy")),
+        real_verdict_undecided(at_one_rate["topr-ppo"]["pass@1"]),
+        real_verdict_undecided(at_one_rate["topr-tis"]["pass@1"]),
+    )
+
+
 REAL_MODEL = section_claims(
     "README.md",
     "What to expect",
@@ -910,27 +928,7 @@ SIDE_BY_SIDE_REAL_MODEL = section_claims(
         "each method at its own rate, chosen on validation ({} for all three): TOPR − PPO-clip {} ({}): **reproduced**; "
         "− TIS {}: level. At the one rate chosen on TOPR ({}), where TIS and PPO-clip collapsed on validation: − "
         "PPO-clip {}, − TIS {}, undecided",
-        lambda: (
-            real_off_policy_own_rates()[0],
-            real_verdict_above(
-                real_model.own_rate_control("off_policy", "ppo", real_model.chosen_learning_rate("off_policy"))[
-                    "difference"
-                ]
-            ),
-            every_seed(
-                real_model.own_rate_control("off_policy", "ppo", real_model.chosen_learning_rate("off_policy"))[
-                    "difference"
-                ]
-            ),
-            real_verdict_undecided(
-                real_model.own_rate_control("off_policy", "tis", real_model.chosen_learning_rate("off_policy"))[
-                    "difference"
-                ]
-            ),
-            real_model.rate(real_model.comparison_learning_rate("off_policy")),
-            real_verdict_undecided(real_model.comparison_summary("off_policy")["paired"]["topr-ppo"]["pass@1"]),
-            real_verdict_undecided(real_model.comparison_summary("off_policy")["paired"]["topr-tis"]["pass@1"]),
-        ),
+        real_figure1_row,
     ),
     (
         "TOPR − SFT on positives {} at the one rate ({}; SFT on positives not tuned separately): **undecided**",
