@@ -821,17 +821,11 @@ def real_paired(part: str, pair: str) -> str:
     return with_verdict(real_model.comparison_summary(part)["paired"][pair]["pass@1"])
 
 
-def real_verdict_above(difference: dict) -> str:
-    """A paired difference a row calls reproduced: shown only while its interval is above zero."""
-    if real_model.verdict(difference) != "above":
-        raise ValueError(f"{real_model.paired_shown(difference)} is not above zero")
-    return real_model.paired_shown(difference)
-
-
-def real_verdict_undecided(difference: dict) -> str:
-    """A paired difference a row calls level or undecided: shown only while its interval holds zero."""
-    if real_model.verdict(difference) != "undecided":
-        raise ValueError(f"{real_model.paired_shown(difference)} is decided")
+def real_shown_if(difference: dict, decided: str) -> str:
+    """A paired difference as a row prints it, only while `real_model.verdict` still says what the row's word says
+    ("above" for reproduced, "undecided" for level or undecided)."""
+    if real_model.verdict(difference) != decided:
+        raise ValueError(f"{real_model.paired_shown(difference)} is no longer {decided}")
     return real_model.paired_shown(difference)
 
 
@@ -849,13 +843,18 @@ def real_online_own_rates() -> tuple[str, ...]:
     )
 
 
-def real_off_policy_own_rates() -> tuple[str, ...]:
-    """Off-policy, each method at its own validation choice, which the sentence says is one rate for all three: the
-    rate, TOPR's, TIS's and PPO-clip's late pass@1, and TOPR − each with its verdict."""
+def real_off_policy_own_rate() -> float:
+    """The one rate off-policy TOPR, TIS and PPO-clip each chose on validation, which the pages say is shared."""
     rates = {real_model.chosen_learning_rate("off_policy", method) for method in ("topr", "tis", "ppo")}
     if len(rates) != 1:
         raise ValueError(f"off-policy TOPR, TIS and PPO-clip chose different rates on validation: {sorted(rates)}")
-    (learning_rate,) = rates
+    return rates.pop()
+
+
+def real_off_policy_own_rates() -> tuple[str, ...]:
+    """Off-policy, each method at its own validation choice, which the sentence says is one rate for all three: the
+    rate, TOPR's, TIS's and PPO-clip's late pass@1, and TOPR − each with its verdict."""
+    learning_rate = real_off_policy_own_rate()
     tis, ppo = (real_model.own_rate_control("off_policy", method, learning_rate) for method in ("tis", "ppo"))
     topr = list(real_model.held_out_late("off_policy", "topr", learning_rate).values())
     return (
@@ -872,17 +871,17 @@ def real_figure1_row() -> tuple[str, ...]:
     """The side-by-side row of Figure 1 on the real model: each method at its own rate (the one rate for all three,
     `real_off_policy_own_rates`), TOPR − PPO-clip decided above and in how many seeds, TOPR − TIS undecided; then at
     the comparison's one rate, both undecided."""
-    own_rate = real_model.chosen_learning_rate("off_policy")
+    own_rate = real_off_policy_own_rate()
     ppo, tis = (real_model.own_rate_control("off_policy", method, own_rate)["difference"] for method in ("ppo", "tis"))
     at_one_rate = real_model.comparison_summary("off_policy")["paired"]
     return (
-        real_off_policy_own_rates()[0],
-        real_verdict_above(ppo),
+        real_model.rate(own_rate),
+        real_shown_if(ppo, "above"),
         every_seed(ppo),
-        real_verdict_undecided(tis),
+        real_shown_if(tis, "undecided"),
         real_model.rate(real_model.comparison_learning_rate("off_policy")),
-        real_verdict_undecided(at_one_rate["topr-ppo"]["pass@1"]),
-        real_verdict_undecided(at_one_rate["topr-tis"]["pass@1"]),
+        real_shown_if(at_one_rate["topr-ppo"]["pass@1"], "undecided"),
+        real_shown_if(at_one_rate["topr-tis"]["pass@1"], "undecided"),
     )
 
 
@@ -933,7 +932,9 @@ SIDE_BY_SIDE_REAL_MODEL = section_claims(
     (
         "TOPR − SFT on positives {} at the one rate ({}; SFT on positives not tuned separately): **undecided**",
         lambda: (
-            real_verdict_undecided(real_model.comparison_summary("online")["paired"]["topr-sft_positives"]["pass@1"]),
+            real_shown_if(
+                real_model.comparison_summary("online")["paired"]["topr-sft_positives"]["pass@1"], "undecided"
+            ),
             real_model.rate(real_model.comparison_learning_rate("online")),
         ),
     ),
