@@ -202,15 +202,15 @@ REAL_MODEL_ENGINE_MISMATCH = 0.5
 measured 0.023-0.028 at load and 0.10 (colocated) and 0.21 (server) after three steps at `REAL_MODEL_RATE`. The
 real-model sync cases use it instead of `bf16_floor`, whose bfloat16 forward in transformers takes minutes per 135M
 model on a CPU without native bfloat16; their wrong weights must then sit `WRONG_BEYOND_FLOORS /
-SYNCED_WITHIN_FLOORS` (15) times further from the engine than the synced ones (measured: 42-210 times)."""
+SYNCED_WITHIN_FLOORS` (5) times further from the engine than the synced ones (measured: 42-210 times)."""
 
 
 def assert_the_engine_holds_the_synced_weights(
     which: str, synced: float, stale: float, initial: float, floor: float | None
 ) -> None:
     """The engine's gap to the weights of the last sync against its gaps to the weights one step older and to the
-    initial ones: within twice their bf16 `floor` and 30 floors away; on the real model (`floor` None) within
-    `REAL_MODEL_ENGINE_MISMATCH` and 15 times further, the same separation."""
+    initial ones: within `SYNCED_WITHIN_FLOORS` of their bf16 `floor` and `WRONG_BEYOND_FLOORS` away; on the real model
+    (`floor` None) within `REAL_MODEL_ENGINE_MISMATCH` and 5 times further, the same separation."""
     print(
         f"{which}: gap to the synced weights {synced:.3g}, one step stale {stale:.3g}, initial {initial:.3g}; "
         f"floor {floor}"
@@ -225,9 +225,12 @@ def assert_the_engine_holds_the_synced_weights(
 
 # The engine's gap to the weights it holds, in units of their bf16 floor (measured 0.73-0.82 on the tied Qwen2), and
 # the least distance, in the same units, of anything the sync must not leave: one step stale, never synced, a tied
-# output layer left at its first load (measured: 330, 310 and 360 at learning rate 3e-2).
+# output layer left at its first load. Measured at learning rate 3e-2: 310-360 on the user's Qwen2; one step of the
+# trained built-in model moves it only 28-81 floors, and how far depends on what the server sampled for that step
+# (28 on a CI run). 10 floors keeps wrong weights 5 times beyond the synced bound: an engine holding them would show
+# at least 10 - 2 = 8 floors where the synced check allows 2.
 SYNCED_WITHIN_FLOORS = 2.0
-WRONG_BEYOND_FLOORS = 30.0
+WRONG_BEYOND_FLOORS = 10.0
 
 
 def test_colocated_vllm_sampling_with_top_k_gives_pi_over_mu_of_one_up_to_the_bf16_mismatch(tmp_path, tmp_path_factory):
