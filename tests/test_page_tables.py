@@ -145,3 +145,19 @@ def test_a_method_has_its_own_rate_only_where_it_ran_at_the_comparisons_rate_too
     runs[:] = [run("topr", 1e-5, 0.75)]
     with pytest.raises(KeyError, match="pre-registered"):
         real_model.comparison_learning_rate("online")
+
+
+def test_a_host_whose_readme_run_printed_other_figures_is_reported(monkeypatch):
+    """The README's real-model run is timed on several hosts and the page shows one table for all: a host whose
+    held-out figures differ raises instead of being timed under figures it did not print."""
+    import copy
+
+    from experiments.page_tables import real_model
+
+    first, second = (real_model.evidence(name) for name in real_model.README_RUNS)
+    assert real_model.readme_runs() == [first, second]
+    changed = copy.deepcopy(second)
+    changed["after"]["greedy_accuracy"] += 1 / 48  # one more problem right: 0.417 -> 0.438
+    monkeypatch.setattr(real_model, "evidence", lambda name: changed if name == real_model.README_RUNS[1] else first)
+    with pytest.raises(ValueError, match="readme-run-avx512 printed other held-out figures"):
+        real_model.readme_runs()

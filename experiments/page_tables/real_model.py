@@ -86,9 +86,13 @@ def whole_vocabulary_table() -> str:
     )
 
 
-def readme_run_table() -> str:
-    data = evidence("real-model/readme-run")
-    rows = [
+README_RUNS = ("real-model/readme-run", "real-model/readme-run-avx512")
+"""The README's real-model command, each timed from a fresh clone on its own host: the first gives the table, and every
+other must print the same figures (the same seed; what the host changes is the time)."""
+
+
+def readme_run_rows(data: dict) -> list[list[str]]:
+    return [
         [
             when,
             f"{data[when]['pass@1']:.3f} ± {data[when]['pass@1_problem_se']:.3f}",
@@ -98,23 +102,50 @@ def readme_run_table() -> str:
         ]
         for when in ("before", "after")
     ]
-    lines = [
-        markdown_table(
-            [
-                "held-out (48 test problems)",
-                "sampled pass@1 (temperature 1, 4 samples)",
-                "greedy accuracy",
-                "mean completion tokens",
-                "cut at 64 tokens",
-            ],
-            rows,
-        )
-    ]
-    lines.append(
-        f"\n{data['steps']} steps; {data['wall_clock_s'] / 60:.0f} min wall clock, "
-        f"{data['max_rss_kb'] / 2**20:.1f} GiB peak memory; {data['conditions']}."
+
+
+def readme_runs() -> list[dict]:
+    """The timed runs of the README's real-model command; raises where a host printed other figures than the first."""
+    runs = [evidence(name) for name in README_RUNS]
+    for name, run in zip(README_RUNS[1:], runs[1:], strict=True):
+        if readme_run_rows(run) != readme_run_rows(runs[0]):
+            raise ValueError(f"{name} printed other held-out figures than {README_RUNS[0]}: give it its own table")
+    return runs
+
+
+def host(run: dict) -> str:
+    return f"{run['machine']['cpu']} ({run['machine']['cpu_capability']})"
+
+
+def wall_clock(run: dict) -> str:
+    return f"{run['wall_clock_s'] / 60:.0f} min"
+
+
+def peak_memory(run: dict) -> str:
+    return f"{run['max_rss_kb'] / 2**20:.1f} GiB"
+
+
+def readme_run_table() -> str:
+    runs = readme_runs()
+    table = markdown_table(
+        [
+            "held-out (48 test problems)",
+            "sampled pass@1 (temperature 1, 4 samples)",
+            "greedy accuracy",
+            "mean completion tokens",
+            "cut at 64 tokens",
+        ],
+        readme_run_rows(runs[0]),
     )
-    return "\n".join(lines)
+    timings = "; ".join(
+        f"on an {host(run)}, {wall_clock(run)} wall clock and {peak_memory(run)} peak memory, the install "
+        f"{run['install_s']} s and the GGUF conversion {run['conversion_s']} s (inside the run's time)"
+        for run in runs
+    )
+    return (
+        f"{table}\n\n{runs[0]['steps']} steps, the same figures on every host; {timings}. "
+        f"{runs[0]['conditions'][0].upper()}{runs[0]['conditions'][1:]}."
+    )
 
 
 LOSS_LABELS = {
