@@ -136,7 +136,11 @@ def test_a_method_has_its_own_rate_only_where_it_ran_at_the_comparisons_rate_too
     assert real_model.chosen_learning_rate("online", "sft_positives") == 3e-5  # no run of its own
     runs.append(run("grpo", 3e-5, 0.2))
     assert real_model.chosen_learning_rate("online", "grpo") == 1e-5
+    # A rate run on a second seed is judged on the mean of both: 0.95 beats 1e-5's 0.9, but (0.2 + 0.95) / 2 does not.
     runs.append(run("grpo", 3e-5, 0.95))
+    assert real_model.validation_scores("online", "grpo") == pytest.approx({1e-5: 0.9, 3e-5: 0.575}, abs=1e-12)
+    assert real_model.chosen_learning_rate("online", "grpo") == 1e-5
+    runs.append(run("grpo", 1e-5, 0.1))  # a second seed at 1e-5 brings its mean to 0.5, below 3e-5's 0.575
     assert real_model.chosen_learning_rate("online", "grpo") == 3e-5
     # A rate TOPR tried after the comparison is TOPR's own choice when it wins, never the comparison's rate.
     runs.append(run("topr", 1e-5, 0.75))

@@ -368,17 +368,25 @@ def validation_runs() -> list[dict]:
 PRE_REGISTERED_RATES = (3e-5, 1e-4)
 
 
+def validation_scores(part: str, method: str) -> dict[float, float]:
+    """`method`'s late pass@1 on the validation split by learning rate: the mean over the seeds it ran at that rate
+    (a rate run on more seeds is judged on all of them, not on its luckiest run)."""
+    late_by_rate: dict[float, list[float]] = {}
+    for run in validation_runs():
+        if (run["part"], run["method"]) == (part, method):
+            late_by_rate.setdefault(run["options"]["learning_rate"], []).append(late_mean(run["curve"]))
+    return {learning_rate: statistics.mean(lates) for learning_rate, lates in late_by_rate.items()}
+
+
 def best_validation_rate(part: str, method: str, rates: tuple[float, ...] | None = None) -> float | None:
-    """The learning rate of `method`'s validation run with the best late pass@1 (among `rates` when given); None
-    where it has no such run."""
-    runs = [
-        run
-        for run in validation_runs()
-        if run["part"] == part
-        and run["method"] == method
-        and (rates is None or run["options"]["learning_rate"] in rates)
-    ]
-    return max(runs, key=lambda run: late_mean(run["curve"]))["options"]["learning_rate"] if runs else None
+    """The learning rate of `method`'s best validation score (among `rates` when given); None where it has no run
+    there."""
+    scores = {
+        learning_rate: score
+        for learning_rate, score in validation_scores(part, method).items()
+        if rates is None or learning_rate in rates
+    }
+    return max(scores, key=scores.__getitem__) if scores else None
 
 
 def comparison_learning_rate(part: str) -> float:
