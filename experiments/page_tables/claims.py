@@ -17,7 +17,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from experiments.common import paired_difference
+from experiments.common import late_mean, paired_difference
 from experiments.page_tables import real_model
 from experiments.page_tables.evidence import evidence, fixed, interval, negated, signed, signed_interval
 from experiments.page_tables.results import (
@@ -843,42 +843,75 @@ def real_online_own_rates() -> tuple[str, ...]:
     )
 
 
-def real_off_policy_own_rate() -> float:
-    """The one rate off-policy TOPR, TIS and PPO-clip each chose on validation, which the pages say is shared."""
-    rates = {real_model.chosen_learning_rate("off_policy", method) for method in ("topr", "tis", "ppo")}
+def validation_seeds(part: str, method: str, learning_rate: float) -> str:
+    """The validation seeds a method's choice of `learning_rate` rests on, as the pages write them: "seed 0",
+    "seeds 0 and 1"."""
+    found = sorted(
+        run["seed"]
+        for run in real_model.validation_runs()
+        if (run["part"], run["method"], run["options"]["learning_rate"]) == (part, method, learning_rate)
+    )
+    return f"seed {found[0]}" if len(found) == 1 else f"seeds {', '.join(map(str, found[:-1]))} and {found[-1]}"
+
+
+def real_off_policy_baselines_rate() -> float:
+    """The one rate off-policy TIS and PPO-clip each chose on validation, which the pages say is shared."""
+    rates = {real_model.chosen_learning_rate("off_policy", method) for method in ("tis", "ppo")}
     if len(rates) != 1:
-        raise ValueError(f"off-policy TOPR, TIS and PPO-clip chose different rates on validation: {sorted(rates)}")
+        raise ValueError(f"off-policy TIS and PPO-clip chose different rates on validation: {sorted(rates)}")
     return rates.pop()
 
 
+def real_off_policy_pairs(topr_rate: float) -> tuple[dict, dict]:
+    """Off-policy TOPR at `topr_rate` against TIS and PPO-clip, each at its own rate (`real_model.own_rate_control`)."""
+    return tuple(real_model.own_rate_control("off_policy", method, topr_rate) for method in ("tis", "ppo"))  # type: ignore[return-value]
+
+
 def real_off_policy_own_rates() -> tuple[str, ...]:
-    """Off-policy, each method at its own validation choice, which the sentence says is one rate for all three: the
-    rate, TOPR's, TIS's and PPO-clip's late pass@1, and TOPR − each with its verdict."""
-    learning_rate = real_off_policy_own_rate()
-    tis, ppo = (real_model.own_rate_control("off_policy", method, learning_rate) for method in ("tis", "ppo"))
-    topr = list(real_model.held_out_late("off_policy", "topr", learning_rate).values())
+    """Off-policy, each method at its own validation choice and the seeds it rests on; TOPR's, TIS's and PPO-clip's
+    late pass@1 and TOPR − each with its verdict; then TOPR at the baselines' rate: its late pass@1 and TOPR − each."""
+    topr_rate, baselines_rate = real_model.chosen_learning_rate("off_policy"), real_off_policy_baselines_rate()
+    tis, ppo = real_off_policy_pairs(topr_rate)
+    tis_there, ppo_there = real_off_policy_pairs(baselines_rate)
     return (
-        real_model.rate(learning_rate),
-        fixed(statistics.mean(topr)),
+        real_model.rate(topr_rate),
+        validation_seeds("off_policy", "topr", topr_rate),
+        real_model.rate(baselines_rate),
+        validation_seeds("off_policy", "ppo", baselines_rate),
+        real_late("off_policy", "topr")
+        if topr_rate == real_model.comparison_learning_rate("off_policy")
+        else fixed(statistics.mean(real_model.held_out_late("off_policy", "topr", topr_rate).values())),
         fixed(tis["late"]["mean"]),
         fixed(ppo["late"]["mean"]),
         with_verdict(tis["difference"]),
         with_verdict(ppo["difference"]),
+        every_seed(ppo["difference"]),
+        real_model.rate(baselines_rate),
+        fixed(statistics.mean(real_model.held_out_late("off_policy", "topr", baselines_rate).values())),
+        with_verdict(tis_there["difference"]),
+        with_verdict(ppo_there["difference"]),
+        every_seed(ppo_there["difference"]),
     )
 
 
 def real_figure1_row() -> tuple[str, ...]:
-    """The side-by-side row of Figure 1 on the real model: each method at its own rate (the one rate for all three,
-    `real_off_policy_own_rates`), TOPR − PPO-clip decided above and in how many seeds, TOPR − TIS undecided; then at
-    the comparison's one rate, both undecided."""
-    own_rate = real_off_policy_own_rate()
-    ppo, tis = (real_model.own_rate_control("off_policy", method, own_rate)["difference"] for method in ("ppo", "tis"))
+    """The side-by-side row of Figure 1 on the real model: each method at its own rate, TOPR − PPO-clip and − TIS
+    undecided; with TOPR at the baselines' rate too, TOPR − PPO-clip decided above (and in how many seeds), − TIS
+    undecided; at the comparison's one rate, both undecided."""
+    topr_rate, baselines_rate = real_model.chosen_learning_rate("off_policy"), real_off_policy_baselines_rate()
+    tis, ppo = (control["difference"] for control in real_off_policy_pairs(topr_rate))
+    tis_there, ppo_there = (control["difference"] for control in real_off_policy_pairs(baselines_rate))
     at_one_rate = real_model.comparison_summary("off_policy")["paired"]
     return (
-        real_model.rate(own_rate),
-        real_shown_if(ppo, "above"),
+        real_model.rate(topr_rate),
+        real_model.rate(baselines_rate),
+        real_shown_if(ppo, "undecided"),
         every_seed(ppo),
         real_shown_if(tis, "undecided"),
+        real_model.rate(baselines_rate),
+        real_shown_if(ppo_there, "above"),
+        every_seed(ppo_there),
+        real_shown_if(tis_there, "undecided"),
         real_model.rate(real_model.comparison_learning_rate("off_policy")),
         real_shown_if(at_one_rate["topr-ppo"]["pass@1"], "undecided"),
         real_shown_if(at_one_rate["topr-tis"]["pass@1"], "undecided"),
@@ -893,8 +926,9 @@ REAL_MODEL = section_claims(
         real_online_own_rates,
     ),
     (
-        "off-policy, all three chose {}, where TOPR reached {}, TIS {} and PPO-clip {} (TOPR − TIS {}; TOPR − "
-        "PPO-clip {})",
+        "off-policy, TOPR chose {} (validation {}) and TIS and PPO-clip {} ({}), where TOPR reached {}, TIS {} and "
+        "PPO-clip {} (TOPR − TIS {}; TOPR − PPO-clip {}, TOPR ahead in {}). With TOPR at their rate, {}, it reached {} "
+        "(TOPR − TIS {}; TOPR − PPO-clip {}, in {})",
         real_off_policy_own_rates,
     ),
     (
@@ -960,13 +994,56 @@ README_RUN = section_claims(
 )
 
 
+def seed_range(difference: dict) -> str:
+    """A paired difference's per-seed values as a range, "+0.234 to +0.453"."""
+    return f"{signed(min(difference['values']))} to {signed(max(difference['values']))}"
+
+
+def real_off_policy_topr_choice() -> tuple[str, ...]:
+    """TOPR's off-policy validation runs on the second seed at 1e-5 and 3e-5, its choice and the two rates' means."""
+    scores = real_model.validation_scores("off_policy", "topr")
+    second = {
+        run["options"]["learning_rate"]: late_mean(run["curve"])
+        for run in real_model.validation_runs()
+        if (run["part"], run["method"], run["seed"]) == ("off_policy", "topr", 1)
+    }
+    chosen = real_model.chosen_learning_rate("off_policy")
+    other = 1e-5 if chosen == 3e-5 else 3e-5
+    return (
+        fixed(second[1e-5]),
+        fixed(second[3e-5]),
+        real_model.rate(chosen),
+        fixed(scores[chosen]),
+        fixed(scores[other]),
+    )
+
+
+REAL_MODEL_SECTION = section_claims(
+    RESULTS,
+    "The real model: SmolLM2-135M-Instruct on word problems (`experiments/real_model_comparison.py`)",
+    (
+        "{} at 1e-5 and {} at 3e-5, and over the two seeds TOPR's own choice is {} ({} against {})",
+        real_off_policy_topr_choice,
+    ),
+    (
+        "three seeds this far apart leave it undecided ({})",
+        lambda: seed_range(real_off_policy_pairs(real_model.chosen_learning_rate("off_policy"))[1]["difference"]),
+    ),
+    (
+        "the seeds agree closely enough ({}) that TOPR − PPO-clip is above zero",
+        lambda: seed_range(real_off_policy_pairs(real_off_policy_baselines_rate())[1]["difference"]),
+    ),
+)
+
+
 # The side-by-side rows on the real model (after the helpers they read).
 SIDE_BY_SIDE_REAL_MODEL = section_claims(
     RESULTS,
     "The paper side by side",
     (
-        "each method at its own rate, chosen on validation ({} for all three): TOPR − PPO-clip {} ({}): **reproduced**; "
-        "− TIS {}: level. At the one rate chosen on TOPR ({}), where TIS and PPO-clip collapsed on validation: − "
+        "each method at its own rate, chosen on validation (TOPR {}, TIS and PPO-clip {}): TOPR − PPO-clip {} (ahead in "
+        "{}), − TIS {}: **undecided**. With TOPR at the baselines' rate, {}: − PPO-clip {} ({}): reproduced at that "
+        "rate; − TIS {}: level. At the one rate chosen on TOPR ({}), where TIS and PPO-clip collapsed on validation: − "
         "PPO-clip {}, − TIS {}, undecided",
         real_figure1_row,
     ),
@@ -983,5 +1060,13 @@ SIDE_BY_SIDE_REAL_MODEL = section_claims(
 
 
 CLAIMS: list[Claim] = (
-    README + README_RUN + RESULTS_EXPECT + SIDE_BY_SIDE + SIDE_BY_SIDE_REAL_MODEL + REGIME + GPU_SUPPORT + REAL_MODEL
+    README
+    + README_RUN
+    + RESULTS_EXPECT
+    + SIDE_BY_SIDE
+    + SIDE_BY_SIDE_REAL_MODEL
+    + REGIME
+    + GPU_SUPPORT
+    + REAL_MODEL
+    + REAL_MODEL_SECTION
 )

@@ -398,8 +398,8 @@ def comparison_learning_rate(part: str) -> float:
 
 
 def chosen_learning_rate(part: str, method: str = "topr") -> float:
-    """A method's own choice: the rate of its best validation run over every rate it tried, TOPR included. A method
-    needs a run at the comparison's rate and at least one other to have a choice of its own; one without takes the
+    """A method's own choice: its best validation score (`validation_scores`) over every rate it tried, TOPR
+    included. A method needs a run at the comparison's rate and at least one other to have a choice of its own; one without takes the
     comparison's rate (a single rate chooses nothing)."""
     comparison_rate = comparison_learning_rate(part)
     rates = {
@@ -419,19 +419,22 @@ def held_out_late(part: str, method: str, learning_rate: float) -> dict[int, flo
 
 def own_rate_controls() -> list[dict]:
     """The control for the one rate chosen on TOPR: each method held out at its own validation choice, paired by seed
-    with TOPR at the comparison's rate and, where TOPR's own choice differs from that, at TOPR's own choice too (each
-    at its own rate). A pair where both sit at the comparison's rate is the comparison itself and is left out; a pair
-    with no held-out runs on one side has no difference ("none run")."""
+    with TOPR at the comparison's rate, at TOPR's own choice where that differs (each at its own rate), and at the
+    method's own rate where TOPR was held out there (both at the other method's choice). A pair where both sit at the
+    comparison's rate is the comparison itself and is left out; a pair with no held-out runs on the method's side has
+    no difference ("none run")."""
     controls = []
     for part in PART_LABELS:
         comparison_rate = comparison_learning_rate(part)
-        topr_rates = sorted({comparison_rate, chosen_learning_rate(part)}, reverse=True)
         for method in comparison_summary(part)["late"]:  # the part's methods, in the comparison's order
             if method == "topr":
                 continue
             own_rate = chosen_learning_rate(part, method)
             late = held_out_late(part, method, own_rate)
-            for topr_rate in topr_rates:
+            topr_rates = {comparison_rate, chosen_learning_rate(part)}
+            if held_out_late(part, "topr", own_rate):
+                topr_rates.add(own_rate)
+            for topr_rate in sorted(topr_rates, reverse=True):
                 if own_rate == topr_rate == comparison_rate:
                     continue
                 topr = held_out_late(part, "topr", topr_rate)
