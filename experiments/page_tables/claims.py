@@ -961,10 +961,9 @@ REAL_MODEL = section_claims(
 def readme_run_timing() -> tuple[str, ...]:
     """The README's real-model command as timed: the installs' range, then each host's time (the first its memory)."""
     runs = real_model.readme_runs()
-    installs = sorted(run["install_s"] for run in runs)
     first, *others = runs
     return (
-        f"{installs[0]}-{installs[-1]} s" if installs[0] != installs[-1] else f"{installs[0]} s",
+        seconds_range([run["install_s"] for run in runs]),
         real_model.wall_clock(first),
         real_model.peak_memory(first),
         first["machine"]["cpu_capability"],
@@ -972,9 +971,14 @@ def readme_run_timing() -> tuple[str, ...]:
     )
 
 
+def seconds_range(values: list[int]) -> str:
+    """Measured seconds as the README quotes them: "50-100 s", or "50 s" where every run took the same."""
+    low, high = min(values), max(values)
+    return f"{low}-{high} s" if low != high else f"{low} s"
+
+
 def conversion_times() -> str:
-    times = sorted(run["conversion_s"] for run in real_model.readme_runs())
-    return f"{times[0]}-{times[-1]} s" if times[0] != times[-1] else f"{times[0]} s"
+    return seconds_range([run["conversion_s"] for run in real_model.readme_runs()])
 
 
 def readme_run_figures() -> tuple[str, ...]:

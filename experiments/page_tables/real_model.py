@@ -399,8 +399,8 @@ def comparison_learning_rate(part: str) -> float:
 
 def chosen_learning_rate(part: str, method: str = "topr") -> float:
     """A method's own choice: its best validation score (`validation_scores`) over every rate it tried, TOPR
-    included. A method needs a run at the comparison's rate and at least one other to have a choice of its own; one without takes the
-    comparison's rate (a single rate chooses nothing)."""
+    included. A method needs a run at the comparison's rate and at least one other to have a choice of its own; one
+    without takes the comparison's rate (a single rate chooses nothing)."""
     comparison_rate = comparison_learning_rate(part)
     rates = {
         run["options"]["learning_rate"] for run in validation_runs() if (run["part"], run["method"]) == (part, method)
