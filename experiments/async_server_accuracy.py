@@ -32,7 +32,7 @@ head start of at most one step per checkpoint). Paired by seed: async_topr again
 each asynchronous (method, W) against sync_topr.
 
     OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python -m experiments.async_server_accuracy \\
-        --seeds 0 1 2 3 4 --learning_rate 1e-4 --output docs/evidence/asynchronous/server_accuracy
+        --seeds 0 1 2 3 4 --learning_rate 1e-4 --output experiments/evidence/asynchronous/server_accuracy
     OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python -m experiments.async_server_accuracy --smoke \\
         --output /tmp/server_accuracy_smoke
 """
@@ -102,7 +102,11 @@ SMOKE = dict(
 
 def build_parser():
     parser = experiment_parser(
-        __doc__, output="docs/evidence/asynchronous/server_accuracy", epochs=None, eval_prompts=500, methods=METHODS
+        __doc__,
+        output="experiments/evidence/asynchronous/server_accuracy",
+        epochs=None,
+        eval_prompts=500,
+        methods=METHODS,
     )
     parser.set_defaults(seeds=[0, 1, 2, 3, 4], learning_rate=1e-4)
     parser.add_argument(

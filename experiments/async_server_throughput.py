@@ -21,10 +21,10 @@ the asynchronous trainer packs the synchronous step's batch, `token_budget=0`; `
 tokens as TRL's default does, so that its steps hold fewer samples). L (generation and weight push per step) and T
 (the rest of a step) are timed in the synchronous run itself; the ideal ratio is (L + T) / max(L, T).
 
-    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python -m experiments.async_server_throughput --output docs/evidence/benchmarks/async_server_throughput.json
+    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python -m experiments.async_server_throughput --output experiments/evidence/benchmarks/async_server_throughput.json
     OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python -m experiments.async_server_throughput \
         --model smollm2 --steps 6 --pairs 2 --batch_size 8 --num_generations 4 --completion_length 64 \
-        --output docs/evidence/benchmarks/async_server_throughput_smollm2.json
+        --output experiments/evidence/benchmarks/async_server_throughput_smollm2.json
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def parse(argv):
         help="keeps the model, the server's log and the runs there "
         "(default: a temporary directory, removed at the end)",
     )
-    parser.add_argument("--output", default="docs/evidence/benchmarks/async_server_throughput.json")
+    parser.add_argument("--output", default="experiments/evidence/benchmarks/async_server_throughput.json")
     return parser.parse_args(argv)
 
 

@@ -31,14 +31,14 @@ with its training seconds (evaluation excluded). Paired by seed (`experiments.pa
 against each other one at every K, and every method's K against its own K = 0. One torch thread.
 `--resummarise JSON` recomputes the summary of finished runs.
 
-    # the rerun under the method of docs/results.md (docs/evidence/asynchronous/async_staleness): shipped model, learning rate 1e-4 (chosen on
+    # the rerun under the method of experiments/README.md (experiments/evidence/asynchronous/async_staleness): shipped model, learning rate 1e-4 (chosen on
     # validation for the synchronous runs), 8 checkpoints; the keeping trainers first, then the dropping one and
     # the control
     S=experiments.async_staleness O=outputs/async_v2 common="--seeds 0 1 2 3 4 --learning_rate 1e-4 --checkpoints 8"
     OMP_NUM_THREADS=1 .venv/bin/python -m $S $common --methods async_topr async_grpo_keep --output $O/main
     OMP_NUM_THREADS=1 .venv/bin/python -m $S $common --methods async_grpo_drop --lags 16 64 --output $O/drop
     OMP_NUM_THREADS=1 .venv/bin/python -m $S $common --methods async_topr_token_mean --lags 0 64 --output $O/control
-    .venv/bin/python -m $S --merge $O/main.json $O/drop.json $O/control.json --output docs/evidence/asynchronous/async_staleness
+    .venv/bin/python -m $S --merge $O/main.json $O/drop.json $O/control.json --output experiments/evidence/asynchronous/async_staleness
     OMP_NUM_THREADS=1 .venv/bin/python -m experiments.async_staleness --smoke --output /tmp/async_staleness_smoke
 """
 
@@ -109,7 +109,11 @@ SMOKE = dict(
 
 def build_parser():
     parser = experiment_parser(
-        __doc__, output="docs/evidence/asynchronous/async_staleness", epochs=None, eval_prompts=500, methods=METHODS
+        __doc__,
+        output="experiments/evidence/asynchronous/async_staleness",
+        epochs=None,
+        eval_prompts=500,
+        methods=METHODS,
     )
     parser.set_defaults(seeds=[0, 1, 2, 3, 4])
     parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 4, 16, 64])

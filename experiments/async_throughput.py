@@ -16,7 +16,7 @@ The model is random-initialised (speed does not depend on the weights) with --hi
 character tokenizer, and completions forced to --completion_length tokens (min_new_tokens) so every step does the
 same work. One torch thread per side (OMP_NUM_THREADS=1): the trainer on one core, the worker thread on the other.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.async_throughput               # docs/evidence/benchmarks/async_throughput.json
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.async_throughput               # experiments/evidence/benchmarks/async_throughput.json
     OMP_NUM_THREADS=1 .venv/bin/python -m experiments.async_throughput --smoke --output /tmp/async_throughput.json
 """
 
@@ -57,7 +57,7 @@ def parse(argv):
     parser.add_argument("--pipeline_steps", type=int, default=4)
     parser.add_argument("--calibration_steps", type=int, default=6)
     parser.add_argument("--smoke", action="store_true", help="seconds: 4 steps, 1 pair, hidden 64")
-    parser.add_argument("--output", default="docs/evidence/benchmarks/async_throughput.json")
+    parser.add_argument("--output", default="experiments/evidence/benchmarks/async_throughput.json")
     options = parser.parse_args(argv)
     if options.smoke:
         options.steps, options.pairs, options.hidden_size, options.calibration_steps = 4, 1, 64, 3

@@ -5,9 +5,9 @@ Per seed, one dataset is sampled from mu and subsampled to each of --proportions
 1 % to 100 % (p~ = 100 % is c = -1: negatives get weight 0, i.e. SFT on positives), and TOPR and TIS are trained
 off-policy on it; final held-out accuracy per (p, p~, method).
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.baseline_sweep    # 3 seeds, writes docs/evidence/figures5-6/baseline_sweep.{json,png}
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.baseline_sweep    # 3 seeds, writes experiments/evidence/figures5-6/baseline_sweep.{json,png}
     OMP_NUM_THREADS=1 .venv/bin/python -m experiments.baseline_sweep --task arithmetic --proportions 0.1 0.5 \
-        --output docs/evidence/stress/baseline_sweep                        # the low-p stress test
+        --output experiments/evidence/stress/baseline_sweep                        # the low-p stress test
 
 The paper's claims to test: accuracy depends strongly on p~ whatever the dataset's p (so the baseline can make
 up for a badly balanced dataset); the best p~ is small but not zero (10-20 % on GSM8K); too few positives
@@ -145,7 +145,9 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = experiment_parser(__doc__, output="docs/evidence/figures5-6/baseline_sweep", epochs=3.0, methods=METHODS)
+    parser = experiment_parser(
+        __doc__, output="experiments/evidence/figures5-6/baseline_sweep", epochs=3.0, methods=METHODS
+    )
     parser.add_argument(
         "--proportions",
         type=float,

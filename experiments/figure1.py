@@ -6,8 +6,8 @@ at least 2 carries, where the planted error strikes, is reported beside the over
 with the baseline c solved once on each fixed dataset for Eq. 12's p~ = --target_effective_proportion (the paper
 sets c; the other methods use c = 0).
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.figure1          # 3 seeds, writes docs/evidence/figure1/figure1.{json,png}
-    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.figure1 --task arithmetic --output docs/evidence/stress/figure1
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.figure1          # 3 seeds, writes experiments/evidence/figure1/figure1.{json,png}
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.figure1 --task arithmetic --output experiments/evidence/stress/figure1
 
 The paper's claims to test: naive REINFORCE collapses, PPO stalls (its clipped ratio stops learning from data
 far from pi), TOPR keeps improving; far off-policy data still helps TOPR.
@@ -274,7 +274,7 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv=None) -> dict:
     parser = experiment_parser(
-        __doc__, output="docs/evidence/figure1/figure1", epochs=4.0, prompts=128, methods=METHODS
+        __doc__, output="experiments/evidence/figure1/figure1", epochs=4.0, prompts=128, methods=METHODS
     )
     parser.add_argument("--eval_every", type=int, default=32)
     parser.add_argument(

@@ -9,9 +9,9 @@ positives (before truncation), and held-out accuracy over steps. Reported per me
 checkpoints in the last quarter of the steps), how many seeds collapsed (late accuracy below the start by more
 than --collapse_margin, fixed before the run), and TOPR's paired difference to untruncated IS.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.figure7     # 3 seeds, writes docs/evidence/figure7/figure7.{json,png}
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.figure7     # 3 seeds, writes experiments/evidence/figure7/figure7.{json,png}
     OMP_NUM_THREADS=1 .venv/bin/python -m experiments.figure7 --task arithmetic --proportion 0.1 --eval_every 20 \
-        --output docs/evidence/stress/figure7                            # the low-p stress test
+        --output experiments/evidence/stress/figure7                            # the low-p stress test
 
 The paper's claim to test: with mostly negative data, untruncated IS weights on negatives grow as pi moves away
 from mu, gradient norms explode and accuracy collapses; TOPR's truncation keeps them bounded.
@@ -163,7 +163,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = experiment_parser(__doc__, output="docs/evidence/figure7/figure7", epochs=15.0, methods=METHODS)
+    parser = experiment_parser(__doc__, output="experiments/evidence/figure7/figure7", epochs=15.0, methods=METHODS)
     parser.add_argument("--proportion", type=float, default=0.4, help="share of positives kept in the dataset")
     parser.add_argument(
         "--effective_proportion",

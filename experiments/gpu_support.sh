@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU run that measures what pi on mu's support costs at the Qwen2.5-0.5B shape (docs/benchmarks.md), as one
+# The GPU run that measures what pi on mu's support costs at the Qwen2.5-0.5B shape (experiments/benchmarks.md), as one
 # command that fits a short lease on a machine without a package index.
 #
 #   bash experiments/gpu_support.sh wheels              # here: trl and datasets (and datasets' dill and multiprocess,

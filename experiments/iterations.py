@@ -6,10 +6,10 @@ Each iteration samples 8 completions for each training prompt from the current m
 TOPR pass on it with the paper's signal R - c (c = 0, or the c giving Eq. 12's p~ = --effective_proportion over
 the iteration's data; `--signal advantage`: GRPO's group advantage), and evaluates the testbed's held-out measure.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.iterations       # 3 seeds x 3 strategies x 3 iterations, docs/evidence/iterations/iterations.*
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.iterations       # 3 seeds x 3 strategies x 3 iterations, experiments/evidence/iterations/iterations.*
     OMP_NUM_THREADS=1 .venv/bin/python -m experiments.iterations --steps_per_iteration 32   # every composition 32 steps
     OMP_NUM_THREADS=1 .venv/bin/python -m experiments.iterations --task arithmetic --prompts 256 --eval_prompts 200 \
-        --output docs/evidence/stress/iterations                             # the low-p stress test
+        --output experiments/evidence/stress/iterations                             # the low-p stress test
 
 One pass over a curated iteration is fewer optimizer steps than over the uniform one (Anna Karenina keeps ~40 % of
 the rows): with --steps_per_iteration N every composition trains N steps per iteration (several passes over a small
@@ -176,7 +176,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = experiment_parser(__doc__, output="docs/evidence/iterations/iterations", epochs=None, prompts=128)
+    parser = experiment_parser(__doc__, output="experiments/evidence/iterations/iterations", epochs=None, prompts=128)
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument(

@@ -19,7 +19,7 @@ about 130 at 12), and, for the mismatch alone, a random-initialised model of the
 --random_length tokens (a near-uniform policy, as a base model on a hard task; EOS ignored).
 
     OMP_NUM_THREADS=1 .venv-vllm/bin/python -m experiments.long_completions --digits 3 12 \
-        --output docs/evidence/long_completions/long_completions
+        --output experiments/evidence/long_completions/long_completions
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def parse(argv=None):
     parser.add_argument("--random_length", type=int, default=512)
     parser.add_argument("--skip", nargs="*", default=[], choices=["mismatch", "drift", "random"])
     parser.add_argument("--work_dir", default="outputs/long_completions")
-    parser.add_argument("--output", default="docs/evidence/long_completions/long_completions")
+    parser.add_argument("--output", default="experiments/evidence/long_completions/long_completions")
     return parser.parse_args(argv)
 
 

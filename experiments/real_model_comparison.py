@@ -80,7 +80,7 @@ SMOKE = dict(seeds=[0], steps=2, prompts=2, epochs=1.0, eval_prompts=4, eval_sam
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = experiment_parser(
-        __doc__, output="docs/evidence/real-model/comparison", epochs=3.0, prompts=12, eval_prompts=48
+        __doc__, output="experiments/evidence/real-model/comparison", epochs=3.0, prompts=12, eval_prompts=48
     )
     parser.add_argument("--part", choices=list(PARTS), default="online")
     parser.add_argument("--methods", nargs="+", default=None, help="of the part's methods (default: all)")
@@ -97,7 +97,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--runs",
-        default="docs/evidence/real-model/comparison",
+        default="experiments/evidence/real-model/comparison",
         help="one JSON per run (and the base model's points per draw), skipped when present",
     )
     parser.add_argument("--summarise", action="store_true", help="gather the runs on disk into OUTPUT_<part>.json")

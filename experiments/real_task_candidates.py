@@ -4,7 +4,7 @@ chat template, temperature 1) on GSM8K's test questions and on the word problems
 the candidate whose held-out pass@1 lies in the paper's regime (0.2-0.7).
 
     OMP_NUM_THREADS=1 python -m experiments.real_task_candidates --candidate word_problems --top_k 0 500 \\
-        --questions 48 --samples 8 --out docs/evidence/real-model/candidates-word_problems.json
+        --questions 48 --samples 8 --out experiments/evidence/real-model/candidates-word_problems.json
 
 One JSON file per call: per candidate and top_k, pass@1 with its bootstrap SE over questions, the share of questions
 with 0 < p < 1, the mean completion length, the share cut at the budget, the time, and the machine.

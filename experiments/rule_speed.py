@@ -5,7 +5,7 @@ min-p processings. Reports each design's median time, the ratio, and the largest
 
     git worktree add ../old-rule 2288012~1     # the rule that sorted every row whole
     OMP_NUM_THREADS=1 python -m experiments.rule_speed --baseline_checkout ../old-rule \\
-        --output docs/evidence/benchmarks/rule-floors-vs-whole-sort.json
+        --output experiments/evidence/benchmarks/rule-floors-vs-whole-sort.json
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ and is evaluated at a few checkpoints with `evaluate_model` (temperature 1, --ev
 by the reward function as it scores them and checked against each method's formula (`expected_completions`);
 wall time is training + generation, evaluation time excluded. One CPU thread (OMP_NUM_THREADS=1).
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.sample_efficiency            # full run, docs/evidence/sample_efficiency/sample_efficiency.*
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.sample_efficiency            # full run, experiments/evidence/sample_efficiency/sample_efficiency.*
     OMP_NUM_THREADS=1 .venv/bin/python -m experiments.sample_efficiency --smoke --output outputs/sample_efficiency/smoke
 
 Run times measured on one CPU thread (2-core shared machine): building the warm model, once, ~2-3 min (cached under
@@ -439,7 +439,11 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv=None) -> dict:
     parser = experiment_parser(
-        __doc__, output="docs/evidence/sample_efficiency/sample_efficiency", epochs=None, prompts=60, eval_prompts=500
+        __doc__,
+        output="experiments/evidence/sample_efficiency/sample_efficiency",
+        epochs=None,
+        prompts=60,
+        eval_prompts=500,
     )
     # 3e-4: 40 GRPO steps take the default model from ~0.71 to ~0.87 pass@1; 1e-3 collapses it to 0 (seed 0)
     parser.add_argument(

@@ -29,7 +29,7 @@ Every run starts from the warm model that experiments/sample_efficiency.py also 
 --checkpoints evenly spaced steps. Completions
 are counted by the reward function as it scores them and checked against `expected_completions`. One CPU thread.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.staleness                   # full run, docs/evidence/staleness/staleness.*
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.staleness                   # full run, experiments/evidence/staleness/staleness.*
     OMP_NUM_THREADS=1 .venv/bin/python -m experiments.staleness --smoke --output outputs/staleness/smoke
 
 Run times measured on one CPU thread (2-core shared machine, warm model already cached): --smoke 13 s (2 methods x
@@ -46,7 +46,7 @@ result, every smaller K included (`largest_tolerated_lag`); with one seed the CI
 standard error across problems. With two seeds the t-interval (t = 12.7) is so wide that the rule says little;
 use three or more.
 
-Measured (docs/results.md, "Staleness"; 5 seeds, the shipped model, learning rate 1e-4, late pass@1, paired): at
+Measured (experiments/README.md, "Staleness"; 5 seeds, the shipped model, learning rate 1e-4, late pass@1, paired): at
 K = 1 both methods give the same curve to the last digit (on-policy, ratio 1: the gradients coincide). With fresh
 data (--lag_via steps_per_generation) TOPR at K = 64 ends above GRPO-clip in every seed and above its own K = 1.
 With num_iterations = K both lose accuracy with every K and neither is better; the cause is the back-to-back order
@@ -344,7 +344,9 @@ def update_summary(results: dict) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = experiment_parser(__doc__, output="docs/evidence/staleness/staleness", epochs=None, eval_prompts=500)
+    parser = experiment_parser(
+        __doc__, output="experiments/evidence/staleness/staleness", epochs=None, eval_prompts=500
+    )
     # the warm model cache is shared with sample_efficiency.py; 3e-4 is its learning rate
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=tuple(METHOD_TRAINERS))
     parser.add_argument(

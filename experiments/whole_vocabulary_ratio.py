@@ -8,7 +8,7 @@ This script samples, then computes that product from the model's own logits (an 
 over the whole vocabulary against one over the kept tokens, top-k by `torch.topk`, top-p by a sort).
 
     OMP_NUM_THREADS=1 python -m experiments.whole_vocabulary_ratio --prompts 32 --samples 4 \\
-        --out docs/evidence/real-model/whole-vocabulary-ratio.json
+        --out experiments/evidence/real-model/whole-vocabulary-ratio.json
 """
 
 from __future__ import annotations

@@ -113,3 +113,45 @@ def test_the_readme_and_the_layout_page_name_the_top_level_as_it_is():
             in_page |= set(itertools.takewhile(lambda word: word.endswith((".py", "/")), line.split()))
     assert in_readme == top_level(), sorted(in_readme ^ top_level())
     assert in_page == top_level(), sorted(in_page ^ top_level())
+
+
+def test_the_library_never_imports_the_lab():
+    """experiments/ is the lab: its scripts import the library, never the other way, lazily or not."""
+    importers = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
+            if any(name == "experiments" or name.startswith("experiments.") for name in names):
+                importers.append(module_name(path))
+    assert not importers, f"the library imports the lab: {importers}"
+
+
+def test_the_wheel_holds_the_library_alone(tmp_path):
+    """What `pip install` puts in site-packages: topr_trl and its metadata, none of the lab, tests or pages."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    # built from a copy of the sources beside the lab and the tests, so that the build leaves the checkout alone
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy(PACKAGE.parent / name, source / name)
+    for name in ("topr_trl", "experiments", "tests"):
+        shutil.copytree(PACKAGE.parent / name, source / name, ignore=shutil.ignore_patterns("evidence", "__pycache__"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), "."],
+        cwd=source,
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("topr_trl-*.whl")
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert {top for top in tops if not top.endswith(".dist-info")} == {"topr_trl"}, sorted(tops)

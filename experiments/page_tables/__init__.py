@@ -8,7 +8,7 @@ Two kinds of numbers:
 - **Tables**, generated whole. A page holds one between `<!-- table:NAME (python -m experiments.page_tables --write)
   -->` and `<!-- /table:NAME -->`; `--write` replaces what lies between with TABLES[NAME]() (a table may sit on several
   pages). Labels, column headers and emphasis are the generator's; every number comes from the JSON under
-  docs/evidence/ (the modules `results`, `benchmarks`, `real_model`).
+  experiments/evidence/ (the modules `results`, `benchmarks`, `real_model`).
 - **Quoted numbers in prose** (the README's "What to expect", results.md's "What to expect (for users)", ...): each
   is a `Claim` in `claims.CLAIMS`, a fragment of the sentence with `{}` where the number goes and the function that
   computes it. The check asserts the filled-in fragment appears in its section; `--write` does not touch prose.
@@ -33,19 +33,25 @@ TABLES: dict[str, Callable[[], str]] = {**real_model.TABLES, **results.TABLES, *
 
 PAGES = tuple(
     ROOT / name
-    for name in ("README.md", "docs/results.md", "docs/benchmarks.md", "docs/real-model.md", "docs/off-policy.md")
+    for name in (
+        "README.md",
+        "experiments/README.md",
+        "experiments/benchmarks.md",
+        "docs/real-model.md",
+        "docs/off-policy.md",
+    )
 )
 """The pages whose markers are filled and whose claims are checked."""
 
 UNGENERATED = {
     # page: {a table's header line: why its numbers are not generated}
-    "docs/results.md": {
+    "experiments/README.md": {
         "| the paper's claim | what this project found | regime | where |": "its cells are prose: the numbers they quote are claims (claims.py)",
         "| script (command above) | runs | wall time |": "wall times noted by hand beside other jobs, in no evidence file",
     },
-    "docs/benchmarks.md": {
-        "| generation | pass@1 before | pass@1 after | greedy after | 60 steps | whole run |": "single `topr-trl train` runs of 2026-11-24/25 whose outputs were not kept under docs/evidence/",
-        "| generation | seed 0 | seed 1 | seed 2 | mean | truncated share of negatives (last step) | 60 steps |": "`topr-trl train` runs in server mode of 2026-11-25 whose outputs were not kept under docs/evidence/",
+    "experiments/benchmarks.md": {
+        "| generation | pass@1 before | pass@1 after | greedy after | 60 steps | whole run |": "single `topr-trl train` runs of 2026-11-24/25 whose outputs were not kept under experiments/evidence/",
+        "| generation | seed 0 | seed 1 | seed 2 | mean | truncated share of negatives (last step) | 60 steps |": "`topr-trl train` runs in server mode of 2026-11-25 whose outputs were not kept under experiments/evidence/",
     },
 }
 """The tables of the pages this script answers for that it does not generate, and why: any other table there must sit

@@ -1,4 +1,4 @@
-"""The tables of docs/benchmarks.md on the tiny models, the H100 and vLLM on a CPU, from docs/evidence/benchmarks/
+"""The tables of experiments/benchmarks.md on the tiny models, the H100 and vLLM on a CPU, from experiments/evidence/benchmarks/
 (`experiments/benchmark.py`, `vllm_generation.py`, `async_server_throughput.py`, `async_throughput.py`). The tables on
 the real model are in `real_model`."""
 

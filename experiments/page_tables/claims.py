@@ -280,9 +280,9 @@ README = section_claims(
 )
 
 
-# --- docs/results.md: What to expect (for users) -------------------------------------------------------------------
+# --- experiments/README.md: What to expect (for users) -------------------------------------------------------------------
 
-RESULTS = "docs/results.md"
+RESULTS = "experiments/README.md"
 EXPECT = "What to expect (for users)"
 
 RESULTS_EXPECT = section_claims(
@@ -484,7 +484,7 @@ RESULTS_EXPECT = section_claims(
 )
 
 
-# --- docs/results.md: the paper side by side (a table whose cells are prose) --------------------------------------
+# --- experiments/README.md: the paper side by side (a table whose cells are prose) --------------------------------------
 
 
 def drawn(name: str) -> str:
@@ -742,7 +742,7 @@ SIDE_BY_SIDE = section_claims(
 )
 
 
-# --- docs/results.md: the base model, where the page describes it ---------------------------------------------------
+# --- experiments/README.md: the base model, where the page describes it ---------------------------------------------------
 def base_point(name: str) -> dict:
     """The base model's step-0 checkpoint in a file evaluated on one draw (every run's is the same)."""
     return next(iter(evidence(name)["runs"].values()))["curve"][0]
@@ -779,7 +779,7 @@ def floors_at_scale(scale: int) -> tuple[str, str]:
 
 
 GPU_SUPPORT = section_claims(
-    "docs/benchmarks.md",
+    "experiments/benchmarks.md",
     "π on μ's support: what the exact ratio costs",
     (
         "on flat rows (random weights, scale 1) the rule costs {} (top-k) and {} (top-p) of TOPR untruncated, against {} "
@@ -793,7 +793,7 @@ GPU_SUPPORT = section_claims(
 )
 
 
-# --- the real model: README.md's line and docs/results.md's section ------------------------------------------------
+# --- the real model: README.md's line and experiments/README.md's section ------------------------------------------------
 
 
 def real_late(part: str, method: str) -> str:

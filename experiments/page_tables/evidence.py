@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 ROOT = Path(__file__).resolve().parents[2]
-EVIDENCE = ROOT / "docs" / "evidence"
+EVIDENCE = ROOT / "experiments" / "evidence"
 
 MINUS = "−"
 """The pages print negative numbers with the typographic minus sign (U+2212), not the ASCII hyphen."""
@@ -28,7 +28,7 @@ _readers: list[list[str]] = []
 
 
 def evidence(name: str) -> dict:
-    """The JSON of docs/evidence/NAME.json (e.g. "figure1/figure1"), read once per process (the check reads the same
+    """The JSON of experiments/evidence/NAME.json (e.g. "figure1/figure1"), read once per process (the check reads the same
     file for many tables); each `files_read` block in progress records the name."""
     for reader in _readers:
         if name not in reader:

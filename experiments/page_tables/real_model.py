@@ -1,5 +1,5 @@
-"""The tables of docs/real-model.md, docs/off-policy.md's whole-vocabulary table and docs/benchmarks.md's tables on the
-real model, from docs/evidence/real-model/ and docs/evidence/benchmarks/ (`python -m experiments.page_tables`)."""
+"""The tables of docs/real-model.md, docs/off-policy.md's whole-vocabulary table and experiments/benchmarks.md's tables on the
+real model, from experiments/evidence/real-model/ and experiments/evidence/benchmarks/ (`python -m experiments.page_tables`)."""
 
 from __future__ import annotations
 

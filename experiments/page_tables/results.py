@@ -1,4 +1,4 @@
-"""The tables of docs/results.md, each from the evidence files its section names (docs/evidence/<claim>/).
+"""The tables of experiments/README.md, each from the evidence files its section names (experiments/evidence/<claim>/).
 
 Each function returns one table as the page lays it out; the layout (labels, columns, emphasis) is the page's, every
 number is read from the JSON each experiment script writes (`summary`, `late`, `paired`: see each script's docstring)

@@ -97,7 +97,7 @@ BACKENDS = ("auto", "transformers", "vllm")
 def vllm_available() -> bool:
     """vLLM is installed and a CUDA GPU is present: where `backend="auto"` picks it. vLLM's CPU build is used only
     when asked for (`backend="vllm"`, `use_vllm=True`): on models as small as the built-in ones its per-step overhead
-    makes it slower than transformers on a CPU (docs/benchmarks.md). Checked without importing vLLM."""
+    makes it slower than transformers on a CPU (experiments/benchmarks.md). Checked without importing vLLM."""
     return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
 
 

@@ -1,5 +1,5 @@
 """The pages' numbers against their evidence files (`experiments.page_tables`): every generated table of
-docs/results.md, docs/benchmarks.md, docs/real-model.md and docs/off-policy.md as the page holds it, every number the
+experiments/README.md, experiments/benchmarks.md, docs/real-model.md and docs/off-policy.md as the page holds it, every number the
 README's and results.md's prose quotes from an evidence file as its section says it. Reads JSON and text only.
 
 And the check itself: a number edited by hand in a table or in a sentence is reported."""
@@ -36,7 +36,7 @@ def test_every_generated_table_and_claim_is_on_a_page():
         assert any(f"<!-- table:{name} (" in text for text in texts.values()), name
     pages = {str(page.relative_to(ROOT)) for page in PAGES}
     assert {claim.page for claim in CLAIMS} <= pages
-    assert {"README.md", "docs/results.md"} <= {claim.page for claim in CLAIMS}
+    assert {"README.md", "experiments/README.md"} <= {claim.page for claim in CLAIMS}
 
 
 def altered(text: str) -> str:
@@ -56,8 +56,8 @@ def test_a_number_edited_in_a_table_is_reported(name):
 
 
 def test_a_hand_written_table_on_a_checked_page_is_reported():
-    text = (ROOT / "docs/results.md").read_text() + "\n| setting | pass@1 |\n|---|---|\n| TOPR | 0.950 |\n"
-    found = table_differences("docs/results.md", text)
+    text = (ROOT / "experiments/README.md").read_text() + "\n| setting | pass@1 |\n|---|---|\n| TOPR | 0.950 |\n"
+    found = table_differences("experiments/README.md", text)
     assert len(found) == 1 and "written by hand" in found[0], found
 
 
@@ -66,7 +66,7 @@ def test_a_marker_without_a_generator_is_reported():
     assert len(found) == 1 and "no generator" in found[0], found
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/results.md"])
+@pytest.mark.parametrize("page", ["README.md", "experiments/README.md"])
 def test_a_quoted_number_that_differs_from_its_evidence_is_reported(page):
     """Each claim, one at a time: its number misquoted in the last place, in its own section, is reported."""
     text = (ROOT / page).read_text()

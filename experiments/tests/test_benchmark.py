@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "benchmark.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmark.py"
 
 
 @pytest.mark.slow

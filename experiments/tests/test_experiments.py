@@ -49,7 +49,7 @@ def test_baseline_sweep_sets_the_effective_proportion(evidence_work_dir, tmp_pat
 def test_figure7_untruncated_importance_weights_spike_the_gradient(evidence_work_dir, tmp_path):
     from experiments import figure7
 
-    # the low-p stress test on the built-in task with its documented settings (docs/results.md), where untruncated
+    # the low-p stress test on the built-in task with its documented settings (experiments/README.md), where untruncated
     # IS's largest gradient is above TOPR's in every seed
     results = figure7.main(
         [
