@@ -2,18 +2,15 @@
 
     python -m experiments.page_tables          # prints every table
     python -m experiments.page_tables --write  # writes the tables into the pages, between their markers
-    python -m experiments.page_tables --check  # lists what differs (a table or a quoted number), exits 1 if anything
+    python -m experiments.page_tables --check  # lists what differs, exits 1 if anything
 
-Two kinds of numbers:
-- **Tables**, generated whole. A page holds one between `<!-- table:NAME (python -m experiments.page_tables --write)
-  -->` and `<!-- /table:NAME -->`; `--write` replaces what lies between with TABLES[NAME]() (a table may sit on several
-  pages). Labels, column headers and emphasis are the generator's; every number comes from the JSON under
-  experiments/evidence/ (the modules `results`, `benchmarks`, `real_model`).
-- **Quoted numbers in prose** (the README's "What to expect", results.md's "What to expect (for users)", ...): each
-  is a `Claim` in `claims.CLAIMS`, a fragment of the sentence with `{}` where the number goes and the function that
-  computes it. The check asserts the filled-in fragment appears in its section; `--write` does not touch prose.
+A page holds a table between `<!-- table:NAME (python -m experiments.page_tables --write) -->` and
+`<!-- /table:NAME -->`; `--write` replaces what lies between with TABLES[NAME]() (a table may sit on several pages).
+Labels, column headers and emphasis are the generator's; every number comes from the JSON under experiments/evidence/.
+A page quotes a measured number only inside such a table: the check reports a table written by hand and, in the prose
+of the lab's pages and of the README's "What to expect", a measured-looking number (three decimals, or a ±).
 
-tests/test_page_tables.py runs the check in the default test run.
+experiments/tests/test_page_tables.py runs the check.
 """
 
 from __future__ import annotations
@@ -23,12 +20,11 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from experiments.page_tables import benchmarks, real_model, results
-from experiments.page_tables.claims import CLAIMS, Claim
+from experiments.page_tables import benchmarks, findings, real_model, results
 from experiments.page_tables.evidence import ROOT, files_read
 
 
-TABLES: dict[str, Callable[[], str]] = {**real_model.TABLES, **results.TABLES, **benchmarks.TABLES}
+TABLES: dict[str, Callable[[], str]] = {**findings.TABLES, **real_model.TABLES, **results.TABLES, **benchmarks.TABLES}
 """Every generated table by its marker name."""
 
 PAGES = tuple(
@@ -41,21 +37,16 @@ PAGES = tuple(
         "docs/off-policy.md",
     )
 )
-"""The pages whose markers are filled and whose claims are checked."""
+"""The pages whose markers are filled and whose tables are checked."""
 
-UNGENERATED = {
-    # page: {a table's header line: why its numbers are not generated}
-    "experiments/README.md": {
-        "| the paper's claim | what this project found | regime | where |": "its cells are prose: the numbers they quote are claims (claims.py)",
-        "| script (command above) | runs | wall time |": "wall times noted by hand beside other jobs, in no evidence file",
-    },
-    "experiments/benchmarks.md": {
-        "| generation | pass@1 before | pass@1 after | greedy after | 60 steps | whole run |": "single `topr-trl train` runs of 2026-11-24/25 whose outputs were not kept under experiments/evidence/",
-        "| generation | seed 0 | seed 1 | seed 2 | mean | truncated share of negatives (last step) | 60 steps |": "`topr-trl train` runs in server mode of 2026-11-25 whose outputs were not kept under experiments/evidence/",
-    },
+PROSE_CHECKED = {
+    # page: the section whose prose may quote no measured number (None: the whole page)
+    "README.md": "What to expect",
+    "experiments/README.md": None,
+    "experiments/benchmarks.md": None,
 }
-"""The tables of the pages this script answers for that it does not generate, and why: any other table there must sit
-between markers, so that a table added by hand is caught."""
+MEASURED = re.compile(r"\d\.\d{3}|±")
+"""What a measured number looks like in prose: three decimals, or an interval."""
 
 COMMAND = "python -m experiments.page_tables --write"
 MARKED = re.compile(r"<!-- table:(?P<name>[\w.-]+) \(.*?\) -->\n(?P<body>.*?)\n<!-- /table:(?P=name) -->", re.S)
@@ -72,8 +63,7 @@ def filled(text: str) -> str:
 
 def table_differences(page: str, text: str) -> list[str]:
     """What differs between the tables a page's `text` holds and what their evidence files give, one entry per
-    table, with the lines that differ; an unknown table name, or a table of a page in UNGENERATED outside markers and
-    not listed there, is a difference too."""
+    table, with the lines that differ; an unknown table name is a difference too."""
     differences = []
     for match in MARKED.finditer(text):
         name = match["name"]
@@ -90,15 +80,6 @@ def table_differences(page: str, text: str) -> list[str]:
                 f"{page}: table {name!r} differs from {', '.join(sources)} ({COMMAND}):\n"
                 + "\n".join(line for line in diff if not line.startswith(("---", "+++", "@@")))
             )
-    if page in UNGENERATED:
-        unmarked = MARKED.sub("", text).splitlines()
-        for index, line in enumerate(unmarked):
-            starts_table = line.startswith("|") and (index == 0 or not unmarked[index - 1].startswith("|"))
-            if starts_table and line not in UNGENERATED[page]:
-                differences.append(
-                    f"{page}: the table {line[:80]!r}... is written by hand: give it a generator "
-                    f"and markers, or say in UNGENERATED why its numbers cannot be generated"
-                )
     return differences
 
 
@@ -126,25 +107,24 @@ def section(text: str, heading: str) -> str:
     raise KeyError(f"no heading {heading!r}")
 
 
-def claim_differences(page: str, text: str, claims: list[Claim] | None = None) -> list[str]:
-    """The claims on `page` whose number, computed from the evidence, is not what its section of `text` says."""
-    differences = []
-    for claim in claims if claims is not None else CLAIMS:
-        if claim.page != page:
-            continue
-        with files_read() as sources:
-            expected = claim.expected()
-        try:
-            where = section(text, claim.section)
-        except KeyError:
-            differences.append(f"{page}: no section {claim.section!r} for the claim {expected!r}")
-            continue
-        if expected not in " ".join(where.split()):
-            differences.append(
-                f"{page}, section {claim.section!r}: the evidence ({', '.join(sources)}) gives "
-                f"{expected!r}, which the section does not say"
-            )
-    return differences
+def prose_differences(page: str, text: str) -> list[str]:
+    """What a checked page (or section) writes by hand: a table outside markers, or a measured-looking number in its
+    prose. A measured number belongs in a generated table."""
+    if page not in PROSE_CHECKED:
+        return []
+    part = MARKED.sub("", text if PROSE_CHECKED[page] is None else section(text, PROSE_CHECKED[page]))
+    lines = re.sub(r"```.*?```", "", part, flags=re.S).splitlines()
+    tables = [
+        f"{page}: the table {line[:80]!r}... is written by hand: give it a generator and markers"
+        for index, line in enumerate(lines)
+        if line.startswith("|") and (index == 0 or not lines[index - 1].startswith("|"))
+    ]
+    numbers = [
+        f"{page}: the prose quotes {line.strip()[:100]!r}: move the number into a generated table beside it"
+        for line in lines
+        if not line.startswith("|") and MEASURED.search(line)
+    ]
+    return tables + numbers
 
 
 def relative(path: Path) -> str:
@@ -152,12 +132,13 @@ def relative(path: Path) -> str:
 
 
 def differences(pages: tuple[Path, ...] = PAGES) -> list[str]:
-    """Everything that differs between the pages and their evidence, and every generated table no page holds."""
+    """Everything that differs between the pages and their evidence, what the checked pages write by hand, and every
+    generated table no page holds."""
     found, names = [], set()
     for path in pages:
         text = path.read_text()
         names |= {match["name"] for match in MARKED.finditer(text)}
-        found += table_differences(relative(path), text) + claim_differences(relative(path), text)
+        found += table_differences(relative(path), text) + prose_differences(relative(path), text)
     found += [f"table {name!r} is generated but no page holds it" for name in TABLES if name not in names]
     return found
 

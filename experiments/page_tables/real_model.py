@@ -4,7 +4,6 @@ real model, from experiments/evidence/real-model/ and experiments/evidence/bench
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 
 from experiments.common import late_mean, mean_and_ci95, paired_difference
 from experiments.page_tables.evidence import (
@@ -451,15 +450,6 @@ def own_rate_controls() -> list[dict]:
     return controls
 
 
-def own_rate_control(part: str, method: str, topr_learning_rate: float) -> dict:
-    """One method's control against TOPR at `topr_learning_rate` (`own_rate_controls`); a KeyError names a pair the
-    control does not hold."""
-    for control in own_rate_controls():
-        if (control["part"], control["method"], control["topr_learning_rate"]) == (part, method, topr_learning_rate):
-            return control
-    raise KeyError(f"{part} {method}: no control against TOPR at {rate(topr_learning_rate)}")
-
-
 def own_rate_table() -> str:
     rows = []
     for control in own_rate_controls():
@@ -587,75 +577,6 @@ def paired_shown(difference: dict) -> str:
     return signed_interval(difference) if len(difference["values"]) > 1 else signed(difference["mean"])
 
 
-def real_model_paired_table() -> str:
-    rows = []
-    for part in PART_LABELS:
-        summary = comparison_summary(part)
-        for pair, by_metric in summary["paired"].items():
-            first, second = pair.split("-")
-            difference = by_metric["pass@1"]
-            rows.append(
-                [
-                    PART_LABELS[part],
-                    f"{METHOD_LABELS[first]} − {METHOD_LABELS[second]}",
-                    ", ".join(str(seed) for seed in difference["seeds"]),
-                    signed_per_seed(difference["values"]),
-                    paired_shown(difference),
-                    verdict(difference),
-                ]
-            )
-    return markdown_table(
-        ["part", "late pass@1 difference", "seeds", "per seed", "paired mean ± 95 %", "TOPR is"], rows
-    )
-
-
-def negatives_table() -> str:
-    """The paper's mechanism on the real model: the negatives' mean truncated weight pi/mu (canonical TOPR: [0, 1])
-    at the first step, over the first and the last third of the steps, and the share of negatives truncated, per
-    TOPR run (each run's per-step log)."""
-    rows = []
-    for part in PART_LABELS:
-        for path in comparison_summary(part)["runs"]:
-            run = evidence(f"{COMPARISON}/{Path(path).stem}")
-            log = [entry for entry in run["negative_weights"] if entry.get("weight_negative") is not None]
-            if run["method"] != "topr" or not log:
-                continue
-            third = max(1, len(log) // 3)
-            # off-policy: the stored dataset's completions; online: those generated during the run
-            lengths = [
-                entry["completions/mean_length"] for entry in run.get("log", []) if "completions/mean_length" in entry
-            ]
-            tokens = run.get("dataset_mean_tokens") or statistics.mean(lengths)
-            rows.append(
-                [
-                    PART_LABELS[part],
-                    str(run["seed"]),
-                    f"{tokens:.0f}",
-                    fixed(log[0]["weight_negative"]),
-                    fixed(statistics.mean(entry["weight_negative"] for entry in log[:third])),
-                    fixed(statistics.mean(entry["weight_negative"] for entry in log[-third:])),
-                    fixed(
-                        statistics.mean(
-                            e["negative_truncated_fraction"] for e in log if "negative_truncated_fraction" in e
-                        ),
-                        2,
-                    ),
-                ]
-            )
-    return markdown_table(
-        [
-            "TOPR",
-            "seed",
-            "completion tokens (mean)",
-            "negatives' mean weight: first step",
-            "first third of the steps",
-            "last third",
-            "share of negatives truncated",
-        ],
-        rows,
-    )
-
-
 TABLES = {
     "candidates": candidates_table,
     "whole-vocabulary": whole_vocabulary_table,
@@ -667,7 +588,5 @@ TABLES = {
     "rule-speed": rule_speed_table,
     "real-model-validation": real_model_validation_table,
     "real-model-comparison": real_model_comparison_table,
-    "real-model-paired": real_model_paired_table,
     "real-model-own-rate": own_rate_table,
-    "real-model-negatives": negatives_table,
 }

@@ -75,16 +75,6 @@ def base_pass_at_1(name: str, method: str | None = None) -> list[float]:
     return [run["curve"][0]["pass@1"] for key, run in runs.items() if key.startswith(f"{method}/")]
 
 
-def base_greedy(name: str) -> float:
-    runs = evidence(name)["runs"]
-    return next(iter(runs.values()))["curve"][0]["greedy_accuracy"]
-
-
-def base_range(values: list[float], digits: int = 3) -> str:
-    low, high = fixed(min(values), digits), fixed(max(values), digits)
-    return low if low == high else f"{low}-{high}"
-
-
 # --- sample efficiency (experiments/sample_efficiency.py: summary[method]) ----------------------------------------
 
 SAMPLE_EFFICIENCY = "sample_efficiency/sample_efficiency"
@@ -120,13 +110,6 @@ def sample_efficiency_learning_rate() -> str:
     return markdown_table(["learning rate", "online GRPO", "online TOPR", "offline TOPR, 4 passes"], rows)
 
 
-def sample_efficiency_controls_learning_rate() -> str:
-    rows = validation_rates(
-        "sample_efficiency/val_controls_lr", ["sft_offline_k4", "ppo_offline_k4"], ["3e-5", "1e-4", "3e-4", "1e-3"]
-    )
-    return markdown_table(["learning rate", "SFT on positives, 4 passes", "PPO-clip, 4 passes"], rows)
-
-
 SAMPLE_EFFICIENCY_METHODS = {
     # method: (label, emphasised)
     "grpo": ("online GRPO (TRL's default loss, `dapo`)", False),
@@ -159,26 +142,6 @@ def sample_efficiency() -> str:
     return markdown_table(
         ["method", "generated completions", "optimizer steps", "late pass@1", "per seed", "− online GRPO (paired)"],
         rows,
-    )
-
-
-def sample_efficiency_draw_per_seed() -> str:
-    one, per = (evidence(name)["summary"] for name in (SAMPLE_EFFICIENCY, f"{SAMPLE_EFFICIENCY}_draw_per_seed"))
-    every, some = ", every seed", " ({above} of {seeds} seeds above)"
-    rows = [
-        ("offline TOPR, 4 passes − online GRPO", "topr_offline_k4", "late_minus_grpo", every, some),
-        ("online TOPR − online GRPO", "topr_online", "late_minus_grpo", "", ""),
-        ("SFT on positives, 4 passes − online GRPO", "sft_offline_k4", "late_minus_grpo", every, some),
-        ("PPO-clip, 4 passes − online GRPO", "ppo_offline_k4", "late_minus_grpo", every, some),
-        ("offline TOPR − SFT on positives (same reuse)", "sft_offline_k4", "topr_minus_this", every, some),
-        ("offline TOPR − PPO-clip (same reuse)", "ppo_offline_k4", "topr_minus_this", every, some),
-    ]
-    return markdown_table(
-        ["paired late pass@1", "one draw (above)", "a draw per seed"],
-        [
-            [label, signed_interval(one[method][key]), described(per[method][key], every, some)]
-            for label, method, key, every, some in rows
-        ],
     )
 
 
@@ -364,25 +327,6 @@ def d4_figure1_draw_per_seed() -> str:
     )
 
 
-def d5_learning_rate() -> str:
-    rates = ["1e-4", "3e-4", "1e-3"]
-    means = {
-        rate: {method: late(f"harder/d5_figure1_val_lr{rate}", method)["mean"] for method in ("sft_positives", "topr")}
-        for rate in rates
-    }
-    chosen = max(rates, key=lambda rate: statistics.mean(means[rate].values()))
-    rows = [
-        [
-            rate,
-            fixed(means[rate]["sft_positives"]),
-            fixed(means[rate]["topr"]),
-            bold(fixed(statistics.mean(means[rate].values())), rate == chosen),
-        ]
-        for rate in rates
-    ]
-    return markdown_table(["learning rate", "SFT on positives", "TOPR", "mean"], rows)
-
-
 def d5_figure1() -> str:
     name = "harder/d5_figure1"
     start = fixed(statistics.mean(base_pass_at_1(name)))
@@ -422,56 +366,6 @@ def positive_share(name: str, method: str) -> float:
     runs = evidence(name)["runs"]
     return statistics.mean(
         run["dataset_positive_fraction"] for key, run in runs.items() if key.startswith(f"{method}/")
-    )
-
-
-def baseline_follow_up(name: str, start_digits: int, notes: tuple[str, str], emphasis: bool) -> str:
-    """The 5-digit baseline follow-up: SFT on positives, TOPR at c = 0 and TOPR with c set for p̃ = 0.5."""
-    start = fixed(statistics.mean(base_pass_at_1(name)), start_digits)
-    target = late(name, "topr_target")
-    rows = [
-        [
-            "SFT on positives",
-            interval(late(name, "sft_positives")),
-            fixed(late(name, "sft_positives", "pass@1_carries>=2")["mean"]),
-            fixed(late(name, "sft_positives", "greedy_accuracy")["mean"]),
-        ],
-        [
-            f"TOPR, c = 0 (p̃ = {positive_share(name, 'topr'):.2f})",
-            interval(late(name, "topr")),
-            fixed(late(name, "topr", "pass@1_carries>=2")["mean"]),
-            fixed(late(name, "topr", "greedy_accuracy")["mean"]),
-        ],
-        [
-            bold("TOPR, c for p̃ = 0.5", emphasis),
-            bold(interval(target), emphasis) + f" ({per_seed(target['values'])})",
-            bold(fixed(late(name, "topr_target", "pass@1_carries>=2")["mean"]), emphasis),
-            fixed(late(name, "topr_target", "greedy_accuracy")["mean"]),
-        ],
-    ]
-    for label, comparison, note, emphasised in (
-        ("TOPR (p̃ = 0.5) − SFT on positives (paired)", "topr_target-sft_positives", notes[0], emphasis),
-        ("TOPR (p̃ = 0.5) − TOPR (c = 0) (paired)", "topr_target-topr", notes[1], False),
-    ):
-        difference = paired(name, comparison)
-        rows.append(
-            [
-                bold(label, emphasised),
-                noted(bold(signed_interval(difference), emphasised), annotation(difference, note)),
-                bold(signed_interval(paired(name, comparison, "pass@1_carries>=2")), emphasised),
-                signed_interval(paired(name, comparison, "greedy_accuracy")),
-            ]
-        )
-    return markdown_table([f"late pass@1, 5 seeds (start {start})", "all problems", "≥ 2 carries", "greedy"], rows)
-
-
-def d5_baseline() -> str:
-    return baseline_follow_up("harder/d5_figure1_pt05", 3, ("every", "every"), emphasis=True)
-
-
-def d5_baseline_draw_per_seed() -> str:
-    return baseline_follow_up(
-        "harder/d5_figure1_pt05_draw_per_seed", 2, ("{above} of {seeds} above 0", "{above} of {seeds}"), emphasis=False
     )
 
 
@@ -535,42 +429,6 @@ def replication(first: str, second: str, notes: list[tuple[str, str, str]], head
     return markdown_table(header, rows)
 
 
-def d5_replication() -> str:
-    return replication(
-        "harder/d5_figure1_pt05",
-        "harder/d5_figure1_pt05_seeds5-9",
-        [
-            ("{above} of {seeds} above 0", "{above} of {seeds}", "{above} of {seeds}; ≥ 2 carries {carries}"),
-            ("", "", "{above} of {seeds}"),
-            ("", "{above} of {seeds}", "{above} of {seeds}"),
-        ],
-        [
-            "paired late pass@1",
-            "seeds 0-4 (pre-registered)",
-            "seeds 5-9 (replication)",
-            "all 10 seeds (pooled afterwards)",
-        ],
-    )
-
-
-def d5_replication_draw_per_seed() -> str:
-    return replication(
-        "harder/d5_figure1_pt05_draw_per_seed",
-        "harder/d5_figure1_pt05_seeds5-9_draw_per_seed",
-        [
-            ("{above} of {seeds} above 0", "{above} of {seeds}; the interval reaches {low}", "{above} of {seeds}"),
-            ("", "", "{above} of {seeds}"),
-            ("", "", "{above} of {seeds}"),
-        ],
-        [
-            "paired late pass@1, AMD-built warm start",
-            "seeds 0-4",
-            "seeds 5-9 (replication)",
-            "all 10 seeds (pooled afterwards)",
-        ],
-    )
-
-
 # --- the warm start is the CPU's (4- and 5-digit warm starts built on two CPUs) -----------------------------------
 
 
@@ -589,182 +447,12 @@ def base_points(names: list[str]) -> list[float]:
     return points
 
 
-WARM_STARTS = [
-    # label, Intel-built files (one draw), digits, AMD-built files (a draw per seed)
-    (
-        "4 digits, both planted errors",
-        ["harder/d4_figure1"],
-        2,
-        ["harder/d4_figure1_draw_per_seed", "harder/d4_sample_efficiency_draw_per_seed"],
-    ),
-    (
-        "4 digits, carry drops only (Figure 4's rerun)",
-        ["figure1/figure4_d4_preregistered"],
-        3,
-        ["figure1/figure4_d4_preregistered_draw_per_seed"],
-    ),
-    (
-        "5 digits, both planted errors",
-        ["harder/d5_figure1"],
-        3,
-        [
-            "harder/d5_figure1_draw_per_seed",
-            "harder/d5_figure1_pt05_draw_per_seed",
-            "harder/d5_figure1_pt05_seeds5-9_draw_per_seed",
-            "harder/d5_sample_efficiency_draw_per_seed",
-        ],
-    ),
-]
-
-
-def warm_starts() -> str:
-    rows = []
-    for label, intel, digits, amd in WARM_STARTS:
-        rows.append(
-            [
-                label,
-                f"{fixed(base_points(intel)[0], digits)}, {fixed(base_greedy(intel[0]), digits)}",
-                f"{base_range(base_points(amd))}, {fixed(base_greedy(amd[0]))}",
-            ]
-        )
-    return markdown_table(
-        [
-            "warm start",
-            "Intel-built: sampled pass@1 (draw 1234), greedy",
-            "AMD-built: sampled pass@1 (seeds' draws), greedy",
-        ],
-        rows,
-    )
-
-
 def collapsed(name: str, method: str) -> str:
     """How many of `method`'s runs ended below their start (late pass@1 under the seed's base point)."""
     bases = base_pass_at_1(name, method)
     ends = late(name, method)["values"]
     fallen = sum(end < base for end, base in zip(ends, bases, strict=True))
     return "TIS collapses" if fallen == len(ends) else f"{fallen} of {len(ends)} collapse"
-
-
-def warm_start_claims() -> str:
-    """What the reruns on the AMD-built warm starts say, claim by claim, beside the Intel-built runs."""
-
-    def se(name: str, method: str, key: str = "late_minus_grpo") -> dict:
-        return evidence(f"harder/{name}")["summary"][method][key]
-
-    def both(first: str, second: str) -> str:
-        return f"{first} / {second}"
-
-    intel, amd = "harder/d5_figure1", "harder/d5_figure1_draw_per_seed"
-    rows = [
-        [
-            "4 digits, sample efficiency: offline TOPR vs online GRPO",
-            signed_interval(se("d4_sample_efficiency", "topr_offline_k4")),
-            signed_interval(se("d4_sample_efficiency_draw_per_seed", "topr_offline_k4")),
-            "level: holds",
-        ],
-        [
-            "4 digits: offline TOPR − SFT reuse / − PPO-clip reuse",
-            *(
-                both(
-                    signed_interval(se(name, "sft_offline_k4", "topr_minus_this")),
-                    signed_interval(se(name, "ppo_offline_k4", "topr_minus_this")),
-                )
-                for name in ("d4_sample_efficiency", "d4_sample_efficiency_draw_per_seed")
-            ),
-            "holds",
-        ],
-        [
-            "4 digits, Figure 1: TOPR − SFT / − TIS / − PPO-clip",
-            " / ".join(
-                signed_interval(paired("harder/d4_figure1", f"topr-{m}")) for m in ("sft_positives", "tis", "ppo")
-            ),
-            " / ".join(
-                signed_interval(paired("harder/d4_figure1_draw_per_seed", f"topr-{m}"))
-                for m in ("sft_positives", "tis", "ppo")
-            ),
-            "holds (PPO-clip below TOPR in every seed)",
-        ],
-        [
-            "4 digits, Figure 4 pre-registered (8 seeds): TOPR − SFT",
-            signed_interval(paired("figure1/figure4_d4_preregistered", "topr-sft_positives")),
-            signed_interval(paired("figure1/figure4_d4_preregistered_draw_per_seed", "topr-sft_positives")),
-            "undecided both times",
-        ],
-        [
-            "5 digits, Figure 1: TOPR − SFT (Figure 4 at c = 0)",
-            noted(
-                signed_interval(paired(intel, "topr-sft_positives")),
-                every_or_count(paired(intel, "topr-sft_positives")),
-            ),
-            noted(
-                signed_interval(paired(amd, "topr-sft_positives")), every_or_count(paired(amd, "topr-sft_positives"))
-            ),
-            "**does not hold**: the failure is that warm start's",
-        ],
-        [
-            "5 digits, Figure 1: TOPR − PPO-clip / − naive REINFORCE",
-            both(signed_interval(paired(intel, "topr-ppo")), signed_interval(paired(intel, "topr-naive_reinforce"))),
-            both(signed_interval(paired(amd, "topr-ppo")), signed_interval(paired(amd, "topr-naive_reinforce"))),
-            "holds, every seed",
-        ],
-        [
-            "5 digits, Figure 1: TOPR − TIS",
-            noted(signed_interval(paired(intel, "topr-tis")), collapsed(intel, "tis")),
-            noted(signed_interval(paired(amd, "topr-tis")), collapsed(amd, "tis")),
-            "holds in direction, not in every seed",
-        ],
-        [
-            "5 digits: c for p̃ = 0.5 − SFT (seeds 0-4 / 5-9)",
-            both(
-                signed_interval(paired("harder/d5_figure1_pt05", "topr_target-sft_positives")),
-                signed_interval(paired("harder/d5_figure1_pt05_seeds5-9", "topr_target-sft_positives")),
-            ),
-            both(
-                signed_interval(paired("harder/d5_figure1_pt05_draw_per_seed", "topr_target-sft_positives")),
-                signed_interval(paired("harder/d5_figure1_pt05_seeds5-9_draw_per_seed", "topr_target-sft_positives")),
-            ),
-            "about +0.01-0.025, at the edge of deciding",
-        ],
-    ]
-    gains = [
-        pooled(f"harder/d5_figure1_pt05{draw}", f"harder/d5_figure1_pt05_seeds5-9{draw}", "topr_target-topr")
-        for draw in ("", "_draw_per_seed")
-    ]
-    rows.append(
-        [
-            "5 digits: c for p̃ = 0.5 − c = 0",
-            *(f"{signed_interval(gain)} ({len(gain['values'])} seeds)" for gain in gains),
-            f"the gain belongs to p = {positive_share(intel, 'topr'):.2f}; at p = "
-            f"{positive_share(amd, 'topr'):.2f} c = 0 is already near p̃ = 0.5",
-        ]
-    )
-    rows.append(
-        [
-            "5 digits, sample efficiency: offline TOPR − online GRPO",
-            signed_interval(se("d5_sample_efficiency", "topr_offline_k4")),
-            noted(
-                signed_interval(se("d5_sample_efficiency_draw_per_seed", "topr_offline_k4")),
-                every_or_count(se("d5_sample_efficiency_draw_per_seed", "topr_offline_k4")),
-            ),
-            "below: holds, now decided",
-        ]
-    )
-    rows.append(
-        [
-            "5 digits: offline TOPR − SFT reuse / − PPO-clip reuse",
-            *(
-                both(
-                    signed_interval(se(name, "sft_offline_k4", "topr_minus_this")),
-                    signed_interval(se(name, "ppo_offline_k4", "topr_minus_this")),
-                )
-                for name in ("d5_sample_efficiency", "d5_sample_efficiency_draw_per_seed")
-            ),
-            "holds",
-        ]
-    )
-    return markdown_table(
-        ["claim", "Intel-built warm start, one draw", "AMD-built warm start, a draw per seed", "reading"], rows
-    )
 
 
 # --- Figure 1 at 3 digits ----------------------------------------------------------------------------------------
@@ -805,30 +493,6 @@ def figure1() -> str:
             "TOPR − this (paired)",
         ],
         rows,
-    )
-
-
-def figure1_draw_per_seed() -> str:
-    drawn = f"{FIGURE1}_draw_per_seed"
-    rows = [
-        [FIGURE1_LABELS[method], interval(late(FIGURE1, method)), interval(late(drawn, method))]
-        for method in ("topr", "tis", "sft_positives", "ppo", "naive_reinforce")
-    ]
-    for method, label in (
-        ("ppo", "PPO-clip"),
-        ("tis", "TIS"),
-        ("sft_positives", "SFT on positives"),
-        ("naive_reinforce", "naive REINFORCE"),
-    ):
-        difference = paired(drawn, f"topr-{method}")
-        cell = signed_interval(difference)
-        if method == "ppo":
-            low, high = min(difference["values"]), max(difference["values"])
-            cell = f"{bold(cell)} ({every_or_count(difference)}, {signed(low)} to {signed(high)})"
-        rows.append([f"TOPR − {label} (paired)", signed_interval(paired(FIGURE1, f"topr-{method}")), cell])
-    bases = ", ".join(fixed(value) for value in base_pass_at_1(drawn, "topr"))
-    return markdown_table(
-        [f"late pass@1 (5 seeds; base {bases} on the seeds' draws)", "one draw (above)", "a draw per seed"], rows
     )
 
 
@@ -897,16 +561,6 @@ def figure4_d4_preregistered() -> str:
     )
 
 
-def figure4_d4_draw_per_seed() -> str:
-    return figure4_d4(
-        "figure1/figure4_d4_preregistered_draw_per_seed",
-        "late pass@1, 8 seeds",
-        False,
-        False,
-        ("{above} of {seeds} above 0", "{below} of {seeds} below 0"),
-    )
-
-
 # --- Figures 5-6 (experiments/baseline_sweep.py: late["p/pt/method"], paired["p/pt"]) ----------------------------
 
 TARGETS = ["0.01", "0.05", "0.1", "0.2", "0.35", "0.6", "1"]
@@ -951,25 +605,6 @@ def figures5_6() -> str:
         ],
         rows,
     )
-
-
-def figures5_6_draw_per_seed() -> str:
-    topr = {t: evidence(sweep(t, "_draw_per_seed"))["late"][f"p0.67/pt{t}/topr"] for t in TARGETS}
-    best = fixed(max(value["mean"] for value in topr.values()))
-    rows = []
-    for target in TARGETS:
-        data, key = evidence(sweep(target, "_draw_per_seed")), f"p0.67/pt{target}"
-        difference = data["paired"][key]
-        rows.append(
-            [
-                target,
-                bold(interval(topr[target]), fixed(topr[target]["mean"]) == best),
-                interval(data["late"][f"{key}/tis"]),
-                bold(signed_interval(difference), decided(difference)),
-                signed_per_seed(difference["values"]),
-            ]
-        )
-    return markdown_table(["target p̃", "TOPR, late", "TIS, late", "TOPR − TIS (paired)", "per seed"], rows)
 
 
 # --- Figure 7 (experiments/figure7.py: summary[method]) ----------------------------------------------------------
@@ -1054,24 +689,6 @@ def late_values(name: str, strategy: str) -> dict[int, float]:
     return {run["seed"]: run["accuracy"][-1] for run in evidence(name)["runs"].values() if run["strategy"] == strategy}
 
 
-def iterations_pt015() -> str:
-    name = f"{ITERATIONS}_pt015"
-    summary = evidence(name)["summary"]
-    rows = []
-    for strategy, label in (("uniform", "uniform, p̃ = 15 %"), ("anna_karenina", "Anna Karenina, p̃ = 15 %")):
-        difference = paired_difference(late_values(name, strategy), late_values(ITERATIONS, strategy))
-        rows.append(
-            [
-                label,
-                *(interval(point) for point in summary[strategy][1:]),
-                noted(bold(signed_interval(difference)), every_or_count(difference)),
-            ]
-        )
-    return markdown_table(
-        ["composition", "iteration 1", "iteration 2", "iteration 3", "p̃ = 15 % − (c = 0), paired"], rows
-    )
-
-
 # --- staleness (experiments/staleness.py: summary[method]["lags"][K], paired["method/kK-k1"], ...) ---------------
 
 
@@ -1128,65 +745,6 @@ def staleness_controls() -> str:
             cells.append(noted(bold(signed_interval(statistic), every and lag == 64), "every seed" if every else ""))
         rows.append([f"TOPR − {labels[method]} (paired)", *cells, ""])
     return markdown_table(["late pass@1", "K = 1", "K = 64", "K = 64 − K = 1 (paired)"], rows)
-
-
-def staleness_reuse() -> str:
-    name = "num_iterations"
-    rows = [
-        [label, *(interval(lagged(name, method, k)) for k in (4, 16, 64))]
-        for method, label in (("topr", "TOPR"), ("grpo_clip", "GRPO-clip"))
-    ]
-    rows.append(
-        [
-            "TOPR − GRPO-clip (paired)",
-            *(signed_interval(stale_paired(name, f"topr-grpo_clip/k{k}")) for k in (4, 16, 64)),
-        ]
-    )
-    for method, label in (("topr", "TOPR"), ("grpo_clip", "GRPO-clip")):
-        cells = []
-        for k in (4, 16, 64):
-            statistic = stale_paired(name, f"{method}/k{k}-k1")
-            text = bold(signed_interval(statistic), decided(statistic))
-            if decided(statistic) and k == 4 and every_or_count(statistic) == "every seed":
-                text += " (every seed)"
-            cells.append(text)
-        rows.append([f"{label}, K − (K = 1) (paired)", *cells])
-    reference = lagged(name, "topr", 1)
-    return markdown_table([f"late pass@1 (K = 1: {interval(reference)} for both)", "K = 4", "K = 16", "K = 64"], rows)
-
-
-def staleness_reuse_spacing() -> str:
-    rows = []
-    for name, label in (
-        ("reuse_shipped_s1", "back to back (S = 1), lr 3e-4"),
-        ("reuse_shipped_s16", "spaced 16 steps apart (S = 16), lr 3e-4"),
-        ("reuse_shipped_s1_lr75e-6", "back to back, lr 7.5e-5 (a quarter)"),
-    ):
-        spaced = name == "reuse_shipped_s16"
-        rows.append(
-            [
-                label,
-                interval(lagged(name, "topr", 1)),
-                bold(interval(lagged(name, "topr", 4)), spaced),
-                interval(lagged(name, "grpo_clip", 1)),
-                interval(lagged(name, "grpo_clip", 4)),
-                bold(signed_interval(stale_paired(name, "topr/k4-k1")), spaced),
-                bold(signed_interval(stale_paired(name, "topr-grpo_clip/k4")), spaced),
-            ]
-        )
-    base = fixed(evidence("staleness/reuse_shipped_s1")["base"]["pass@1"])
-    return markdown_table(
-        [
-            f"shipped model (base {base} on this measure), K = 4",
-            "TOPR K = 1",
-            "TOPR K = 4",
-            "GRPO-clip K = 1",
-            "GRPO-clip K = 4",
-            "TOPR K=4 − K=1 (paired)",
-            "TOPR − GRPO-clip at K = 4 (paired)",
-        ],
-        rows,
-    )
 
 
 # --- asynchronous training (experiments/async_staleness.py: summary.by_method_and_lag, summary.paired) ----------
@@ -1249,122 +807,6 @@ def async_staleness() -> str:
         ]
     )
     return markdown_table(["late pass@1, 5 seeds", *(f"K = {k}" for k in LAGS)], rows)
-
-
-def async_controls() -> str:
-    name = "asynchronous/controls"
-    labels = {
-        "async_topr": "AsyncTOPR",
-        "async_tis": 'AsyncTOPR, loss_type="tis"',
-        "async_sft_positives": 'AsyncTOPR, loss_type="sft" (positives only)',
-    }
-    best = max(labels, key=lambda method: by_lag(name, f"{method}/k64")["late_pass@1"]["mean"])
-    rows = [
-        [
-            label,
-            interval(by_lag(name, f"{method}/k0")["late_pass@1"]),
-            bold(interval(by_lag(name, f"{method}/k64")["late_pass@1"]), method == best),
-            signed_interval(async_paired(name, f"{method}/k64-k0")),
-        ]
-        for method, label in labels.items()
-    ]
-    rows.append(
-        [
-            "TOPR − TIS (paired)",
-            *(signed_interval(async_paired(name, f"async_topr-async_tis/k{k}")) for k in (0, 64)),
-            "",
-        ]
-    )
-    rows.append(
-        [
-            "TOPR − SFT on positives (paired)",
-            *(
-                described(
-                    async_paired(name, f"async_topr-async_sft_positives/k{k}"),
-                    " (every seed below)",
-                    " ({below} of {seeds} below)",
-                    emphasised=k == 64,
-                )
-                for k in (0, 64)
-            ),
-            "",
-        ]
-    )
-    return markdown_table(["late pass@1, 5 seeds", "K = 0", "K = 64", "K = 64 − K = 0 (paired)"], rows)
-
-
-def async_draw_per_seed() -> str:
-    controls, drawn = "asynchronous/controls", "asynchronous/controls_draw_per_seed"
-    lags, merged = "asynchronous/lags_draw_per_seed", "asynchronous/async_staleness_draw_per_seed"
-    keep = "AsyncTOPR − AsyncGRPOTrainer keeping every sample, K = {k}"
-    rows = [
-        # label, one draw (file, key, every, some), a draw per seed (file, key, every, some, bold)
-        (
-            keep.format(k=64),
-            (ASYNC, "async_topr-async_grpo_keep/k64", "", ""),
-            (drawn, "async_topr-async_grpo_keep/k64", ", every seed", " ({above} of {seeds} above)", True),
-        ),
-        (
-            "TOPR − TIS, K = 64",
-            (controls, "async_topr-async_tis/k64", "", ""),
-            (drawn, "async_topr-async_tis/k64", "", "", False),
-        ),
-        (
-            "TOPR − SFT on positives, K = 64",
-            (controls, "async_topr-async_sft_positives/k64", " (every seed below)", ""),
-            (drawn, "async_topr-async_sft_positives/k64", " (every seed below)", " ({below} of {seeds} below)", False),
-        ),
-        (
-            "TOPR − SFT on positives, K = 0",
-            (controls, "async_topr-async_sft_positives/k0", " (every seed below)", ""),
-            (drawn, "async_topr-async_sft_positives/k0", " (every seed below)", " ({below} of {seeds} below)", False),
-        ),
-        (
-            keep.format(k=0),
-            (ASYNC, "async_topr-async_grpo_keep/k0", "", ""),
-            (drawn, "async_topr-async_grpo_keep/k0", "", "", False),
-        ),
-        (
-            keep.format(k=1),
-            (ASYNC, "async_topr-async_grpo_keep/k1", "", ""),
-            (lags, "async_topr-async_grpo_keep/k1", " (every seed below)", " ({below} of {seeds} below)", True),
-        ),
-        (
-            keep.format(k=4),
-            (ASYNC, "async_topr-async_grpo_keep/k4", " (every seed below)", ""),
-            (lags, "async_topr-async_grpo_keep/k4", "", "", False),
-        ),
-        (
-            keep.format(k=16),
-            (ASYNC, "async_topr-async_grpo_keep/k16", "", ""),
-            (lags, "async_topr-async_grpo_keep/k16", ", every seed", " ({above} of {seeds} above)", True),
-        ),
-        (
-            "AsyncTOPR, K = 1 − K = 0",
-            (ASYNC, "async_topr/k1-k0", "", ""),
-            (merged, "async_topr/k1-k0", "", " ({below} of {seeds} below)", False),
-        ),
-        (
-            "AsyncTOPR, K = 4 − K = 0",
-            (ASYNC, "async_topr/k4-k0", " (every seed below)", ""),
-            (merged, "async_topr/k4-k0", ", every seed below", " ({below} of {seeds} below)", True),
-        ),
-        (
-            "AsyncGRPOTrainer keeping, K = 16 − K = 0",
-            (ASYNC, "async_grpo_keep/k16-k0", "", ""),
-            (merged, "async_grpo_keep/k16-k0", "", " ({below} of {seeds} below)", False),
-        ),
-    ]
-    cells = []
-    for label, (one_file, one_key, one_every, one_some), (file, key, every, some, emphasised) in rows:
-        cells.append(
-            [
-                label,
-                described(async_paired(one_file, one_key), one_every, one_some),
-                described(async_paired(file, key), every, some, emphasised),
-            ]
-        )
-    return markdown_table(["paired late pass@1, 5 seeds", "one draw (above)", "a draw per seed"], cells)
 
 
 SERVER = "asynchronous/server_accuracy"
@@ -1538,41 +980,17 @@ def stress() -> str:
 
 TABLES: dict[str, Callable[[], str]] = {
     "sample-efficiency-learning-rate": sample_efficiency_learning_rate,
-    "sample-efficiency-controls-learning-rate": sample_efficiency_controls_learning_rate,
     "sample-efficiency": sample_efficiency,
-    "sample-efficiency-draw-per-seed": sample_efficiency_draw_per_seed,
-    "d4-sample-efficiency": d4_sample_efficiency,
-    "d4-sample-efficiency-draw-per-seed": d4_sample_efficiency_draw_per_seed,
-    "d4-figure1": d4_figure1,
-    "d4-figure1-draw-per-seed": d4_figure1_draw_per_seed,
-    "d5-learning-rate": d5_learning_rate,
     "d5-figure1": d5_figure1,
-    "d5-figure1-draw-per-seed": d5_figure1_draw_per_seed,
-    "d5-baseline": d5_baseline,
-    "d5-baseline-draw-per-seed": d5_baseline_draw_per_seed,
-    "d5-replication": d5_replication,
-    "d5-replication-draw-per-seed": d5_replication_draw_per_seed,
-    "d5-sample-efficiency": d5_sample_efficiency,
-    "d5-sample-efficiency-draw-per-seed": d5_sample_efficiency_draw_per_seed,
-    "warm-starts": warm_starts,
-    "warm-start-claims": warm_start_claims,
     "figure1": figure1,
-    "figure1-draw-per-seed": figure1_draw_per_seed,
     "exact-ratio": exact_ratio,
     "figure4-d4": figure4_d4_preregistered,
-    "figure4-d4-draw-per-seed": figure4_d4_draw_per_seed,
     "figures5-6": figures5_6,
-    "figures5-6-draw-per-seed": figures5_6_draw_per_seed,
     "figure7": figure7,
     "iterations": iterations,
-    "iterations-pt015": iterations_pt015,
     "staleness-fresh": staleness_fresh,
     "staleness-controls": staleness_controls,
-    "staleness-reuse": staleness_reuse,
-    "staleness-reuse-spacing": staleness_reuse_spacing,
     "async-staleness": async_staleness,
-    "async-controls": async_controls,
-    "async-draw-per-seed": async_draw_per_seed,
     "server-accuracy": server_accuracy,
     "stress": stress,
 }
