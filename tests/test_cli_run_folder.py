@@ -534,3 +534,35 @@ def test_vllm_server_mode_without_a_server_fails_in_one_line_naming_it_before_an
     line = one_error_line(completed.stderr)
     assert "the vLLM server at http://127.0.0.1:9 cannot be reached" in line and "topr-trl vllm-serve" in line
     assert not (user_folder / "outputs" / "server").exists()
+
+
+def test_resuming_where_there_is_nothing_to_continue_is_refused_and_the_finished_run_kept(user_folder):
+    """`--resume_from_checkpoint true` that would not continue a run says so in one line, as the user runs it: on a
+    folder with no run (it would start from scratch), on a finished run saved without checkpoints (it would train
+    it again from step 0 and rewrite it), and on a finished run whose last checkpoint already reached `--max_steps`
+    (it would train a step past it and overwrite the model). The finished run's model is left as it was."""
+    empty = topr_trl(
+        user_run(user_folder, "nothing-here", "--max_steps", "1", "--resume_from_checkpoint", "true"), user_folder
+    )
+    _, stderr = empty.communicate(timeout=300)
+    assert empty.returncode != 0 and "nothing-here holds no checkpoint to continue from" in one_error_line(stderr)
+    assert not (user_folder / "nothing-here").exists()
+
+    for output, saving in (("unsaved", ["--save_strategy", "no"]), ("saved", ["--save_steps", "1"])):
+        finished = topr_trl(user_run(user_folder, output, "--max_steps", "1", *saving), user_folder)
+        assert finished.wait(timeout=600) == 0
+        model = (user_folder / output / "model.safetensors").read_bytes()
+        again = topr_trl(
+            user_run(user_folder, output, "--max_steps", "1", *saving, "--resume_from_checkpoint", "true"), user_folder
+        )
+        _, stderr = again.communicate(timeout=300)
+        line = one_error_line(stderr)
+        assert again.returncode != 0 and (user_folder / output / "model.safetensors").read_bytes() == model
+        if output == "unsaved":
+            assert "holds no checkpoint to continue from" in line and "--overwrite_output_dir true" in line, line
+        else:
+            assert "checkpoint-1 already reached step 1, so --max_steps 1 leaves nothing to train" in line, line
+        # the refusal of the finished folder suggests resuming only where a checkpoint is there to resume from
+        plain = topr_trl(user_run(user_folder, output, "--max_steps", "1", *saving), user_folder)
+        _, stderr = plain.communicate(timeout=300)
+        assert ("--resume_from_checkpoint" in one_error_line(stderr)) == (output == "saved")

@@ -68,23 +68,31 @@ def stored(folder: Path) -> dict:
 
 
 def test_resuming_restores_every_trained_weight(in_folder):
-    """Train one step with a checkpoint, then resume the finished run from it (no step left to train): the saved
-    model is the checkpoint, every weight of it. Before, GPTNeoX's output layer was stored as `embed_out`, not loaded
-    back as `lm_head`, and the resumed run saved the base model's output layer."""
-    run = ["train", "--model_name_or_path", "my-model", "--output_dir", "resumed", *ONE_STEP]
-    main(run)
-    checkpoint = stored(in_folder / "resumed" / "checkpoint-1")
+    """A two-step run with a checkpoint at each step, then a run resumed from its first checkpoint into another
+    folder: the model it saves is the two-step run's, every weight of it, bit for bit. Before, GPTNeoX's output layer
+    was stored as `embed_out`, not loaded back as `lm_head`, and the resumed run trained on from the base model's
+    output layer. Resuming the finished run with nothing left to train is refused in one line and leaves its model as
+    it was (it stepped past `max_steps` and overwrote the finished model)."""
+    two_steps = ["--model_name_or_path", "my-model", *ONE_STEP, "--max_steps", "2"]
+    main(["train", "--output_dir", "straight", *two_steps])
+    checkpoint = stored(in_folder / "straight" / "checkpoint-1")
     base = stored(in_folder / "my-model")
     output_layer = "embed_out.weight" if "embed_out.weight" in checkpoint else "lm_head.weight"
     assert (
         checkpoint.get(output_layer, checkpoint.get("model.decoder.embed_tokens.weight"))
         - base.get(output_layer, base.get("model.decoder.embed_tokens.weight"))
     ).abs().max() > 1e-3
-    main(run + ["--resume_from_checkpoint", "true"])
-    final = stored(in_folder / "resumed")
-    assert final.keys() == checkpoint.keys()
-    for name, weight in checkpoint.items():
-        assert final[name].equal(weight), name
+    resumed_from = str(in_folder / "straight" / "checkpoint-1")
+    main(["train", "--output_dir", "resumed", *two_steps, "--resume_from_checkpoint", resumed_from])
+    resumed, straight = stored(in_folder / "resumed"), stored(in_folder / "straight")
+    assert resumed.keys() == straight.keys() == checkpoint.keys()
+    for name, weight in straight.items():
+        assert resumed[name].equal(weight), name
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--output_dir", "straight", *two_steps, "--resume_from_checkpoint", "true"])
+    message = str(stop.value.code)
+    assert message.startswith("topr-trl: checkpoint-2 already reached step 2, so --max_steps 2") and "\n" not in message
+    assert all(stored(in_folder / "straight")[name].equal(weight) for name, weight in straight.items())
 
 
 def test_a_checkpoint_of_another_architecture_is_refused_in_one_line(in_folder, architecture_folder, tmp_path):

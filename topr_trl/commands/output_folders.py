@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import shutil
 import socket
@@ -70,9 +71,13 @@ def refuse_used_output_dir(output_dir: str, overwrite: bool, resume: bool) -> No
     ]
     if markers:
         raise SystemExit(
-            f"topr-trl: {output_dir} holds a finished run ({markers[0]}); choose another --output_dir, "
-            "pass --overwrite_output_dir true to replace it or --resume_from_checkpoint true to "
-            "continue it"
+            f"topr-trl: {output_dir} holds a finished run ({markers[0]}); choose another --output_dir, or pass "
+            "--overwrite_output_dir true to replace it"
+            + (
+                " (or --resume_from_checkpoint true with a larger --max_steps to train it further)"
+                if last_checkpoint(folder)
+                else ""
+            )
         )
     checkpoint = last_checkpoint(folder)
     if checkpoint is not None:
@@ -80,6 +85,41 @@ def refuse_used_output_dir(output_dir: str, overwrite: bool, resume: bool) -> No
             f"topr-trl: {output_dir} holds an interrupted run (last checkpoint {Path(checkpoint).name}); "
             "pass --resume_from_checkpoint true to continue it, --overwrite_output_dir true to start "
             "again from step 0, or choose another --output_dir"
+        )
+
+
+def refuse_unresumable(training_args) -> None:
+    """`--resume_from_checkpoint` that would not continue a run is refused in one line instead of doing something else
+    without a word: no checkpoint to continue from (a new run would start at step 0, and overwrite a finished one), or
+    a checkpoint that already reached the steps asked for (the trainer would step past them and overwrite the finished
+    model)."""
+    if not training_args.resume_from_checkpoint:
+        return
+    checkpoint = checkpoint_to_resume(training_args)
+    output_dir = training_args.output_dir
+    if checkpoint is None or not Path(checkpoint).is_dir():
+        where = f"{checkpoint} is not a checkpoint folder" if checkpoint else f"{output_dir} holds no checkpoint"
+        raise SystemExit(
+            f"topr-trl: --resume_from_checkpoint: {where} to continue from; drop the flag to start a new run "
+            "(with --overwrite_output_dir true over a finished one)"
+        )
+    state_file = Path(checkpoint) / "trainer_state.json"
+    if not state_file.is_file():
+        return  # transformers says what is missing when it loads the checkpoint
+    state = json.loads(state_file.read_text())
+    step, target = state.get("global_step", 0), training_args.max_steps
+    if target <= 0:  # an epoch budget: the run is done when the checkpoint reached its own step count for it
+        done = step >= state.get("max_steps", float("inf")) and training_args.num_train_epochs <= state.get(
+            "num_train_epochs", 0
+        )
+        asked = f"--num_train_epochs {training_args.num_train_epochs:g}"
+    else:
+        done, asked = step >= target, f"--max_steps {target}"
+    if done:
+        raise SystemExit(
+            f"topr-trl: {Path(checkpoint).name} already reached step {step}, so {asked} leaves nothing to train; "
+            "raise it to train further, or pass --overwrite_output_dir true (without --resume_from_checkpoint) to "
+            "start again from step 0"
         )
 
 

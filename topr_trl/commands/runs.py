@@ -46,6 +46,7 @@ from .iterations import IterationSettings, iteration_curves, run_iterations
 from .output_folders import (
     checkpoint_to_resume,
     output_dir_lock,
+    refuse_unresumable,
     refuse_unusable_output_dir,
     refuse_used_output_dir,
     removed_if_left_empty,
@@ -71,6 +72,7 @@ def train(
     refuse_used_output_dir(
         training_args.output_dir, script_args.overwrite_output_dir, bool(training_args.resume_from_checkpoint)
     )
+    refuse_unresumable(training_args)
     check_trackers(training_args.report_to)
     if not script_args.dry_run:  # a dry run validates a recipe on a machine that may not reach the Hub or a GPU
         check_hub_push(training_args)
