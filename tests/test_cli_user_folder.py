@@ -438,7 +438,7 @@ def test_evaluation_reads_the_held_out_split_and_never_the_training_rows(user_di
 # ----------------------------------------------------------------------------------------- one line, not a traceback
 def test_what_would_fail_far_into_a_run_is_refused_in_one_line_before_it(user_dir, tiny_model_path):
     """A model folder without a tokenizer (transformers builds a one-token tokenizer from the config, and the run
-    died with IndexError), a conversational prompt without `role`, an --output_dir that is a file or lies under one,
+    died with IndexError) or without weights, a conversational prompt without `role`, an --output_dir that is a file or lies under one,
     and another model's checkpoint of the same architecture: each one line, dry run or not where a dry run checks."""
     import shutil
 
@@ -452,6 +452,16 @@ def test_what_would_fail_far_into_a_run_is_refused_in_one_line_before_it(user_di
         with pytest.raises(SystemExit) as stop:
             main(["train", "--model_name_or_path", str(untokenized), *common, "--output_dir", "a", *dry])
         assert "has no tokenizer" in one_line_error(stop)
+    # a folder with its config and tokenizer but no weights (transformers' OSError at loading; the dry run passed it)
+    weightless = user_dir / "no-weights"
+    shutil.copytree(tiny_model_path, weightless, ignore=shutil.ignore_patterns("*.safetensors"))
+    generate = ["generate", "--dataset_name", "prompts.jsonl", "--reward_funcs", "my_rewards:correctness"]
+    for command in (["train", *common, "--output_dir", "w"], [*generate, "--output_dir", "g"]):
+        for dry in (["--dry_run", "true"], []):
+            with pytest.raises(SystemExit) as stop:
+                main([*command[:1], "--model_name_or_path", str(weightless), *command[1:], *dry])
+            message = one_line_error(stop)
+            assert f"{weightless} has no weights (none of model.safetensors" in message, message
 
     (user_dir / "roleless.jsonl").write_text(json.dumps({"prompt": [{"content": "1+1="}], "answer": "2"}) + "\n")
     with pytest.raises(SystemExit) as stop:

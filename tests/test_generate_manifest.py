@@ -388,3 +388,26 @@ def test_a_hub_model_is_recorded_by_the_commit_it_resolves_to(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
     with pytest.raises(ValueError, match="cannot tell which revision of the model 'me/absent'"):
         model_identity("me/absent", {})
+
+
+def test_training_on_a_generation_that_stopped_before_its_first_shard_says_to_rerun_it(user, tmp_path):
+    """A `generate` whose reward function fails at the first shard leaves its manifest and no shard: `train
+    --offline_dataset` on that folder says in one line to rerun the generation, instead of reading the manifest as
+    rows (`ArrowInvalid: JSON parse error`)."""
+    (tmp_path / "failing_rewards.py").write_text("def broken(completions, **kwargs):\n    raise RuntimeError('down')\n")
+    folder = tmp_path / "data"
+    with pytest.raises(SystemExit):
+        main(generate_argv(user, folder, "--reward_funcs", f"{tmp_path / 'failing_rewards.py'}:broken"))
+    assert (folder / "manifest.json").is_file() and not list(folder.glob("shard-*"))
+    line = cli_refusal(
+        [
+            "train",
+            "--model_name_or_path",
+            str(user / "my-model"),
+            "--offline_dataset",
+            str(folder),
+            "--output_dir",
+            str(tmp_path / "run"),
+        ]
+    )
+    assert "holds no complete shard yet" in line and "rerun the same generate command" in line, line

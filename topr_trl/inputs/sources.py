@@ -68,6 +68,16 @@ TOKENIZER_FILES = (
     "sentencepiece.bpe.model",
 )
 
+# the files transformers (and PEFT, for an adapter folder) load weights from, a sharded checkpoint by its index
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+)
+
 
 @overload
 def resolve_model_source(name: str, what: str = ..., convert: bool = ..., ask_hub: bool = ...) -> str: ...
@@ -108,6 +118,12 @@ def resolve_model_source(
             raise SystemExit(
                 f"topr-trl: {what} folder {name} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
                 "save the tokenizer beside the model (tokenizer.save_pretrained(folder))"
+            )
+        if not any((path / f).is_file() for f in WEIGHT_FILES):
+            # transformers would stop at loading with a traceback; a dry run would call the folder valid
+            raise SystemExit(
+                f"topr-trl: {what} folder {name} has no weights (none of {', '.join(WEIGHT_FILES[:4])}): save "
+                "them beside its config.json (model.save_pretrained(folder)), or give a .gguf file or a Hub id"
             )
         return name
     if looks_like_local_path(name):

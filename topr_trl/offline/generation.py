@@ -587,6 +587,12 @@ def load_offline_source(source: str | Path, split: str = "train") -> Dataset:
     columns written as JSON text (`[1, 2, 3]`) are parsed back."""
     text = str(source)
     path = Path(text).expanduser()
+    if path.is_dir() and (path / _MANIFEST).is_file() and not any(path.glob("shard-*")):
+        # a generation that stopped before its first shard: its manifest is not data
+        raise ValueError(
+            f"offline dataset {text!r} is a `topr-trl generate` folder that holds no complete shard yet (the "
+            "generation stopped before its first one): rerun the same generate command to continue it"
+        )
     if path.is_dir() and any(path.glob("shard-*")):
         if split != "train":
             raise ValueError(
