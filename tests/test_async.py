@@ -303,7 +303,7 @@ def test_a_row_with_nothing_to_train_joins_the_metrics_and_trains_nothing(tmp_pa
     assert loss.item() == 0.0
     assert all(p.grad is None or not p.grad.any() for p in trainer.model.parameters())
     logged = trainer._metrics["train"]
-    assert logged["topr/positive_fraction"] and math.isnan(logged["topr/loss_positive"][-1])
+    assert logged["topr/positive_fraction"] and not logged["topr/loss_positive"]  # NaN: left out of the log
     empty = PolicyLossSpec()
     from topr_trl.loss import packed_topr_loss
 

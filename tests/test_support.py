@@ -303,6 +303,26 @@ def test_replayed_truncated_samples_give_a_ratio_of_one_at_learning_rate_zero(
     assert max(ratios) < 0.9, ratios
 
 
+@pytest.mark.parametrize("truncation", ["top_k", "top_p"])
+def test_a_branch_whose_ratio_is_not_read_is_absent_from_the_log_not_null(
+    truncation, truncated_samples, tiny_model_path, tmp_path
+):
+    """Under top-k/top-p replay TOPR reads no positive's ratio (its weight is 1 whatever pi/mu is), so pi is not
+    scored on mu's support for them and their ratio statistics have nothing to report: `log_history` holds no
+    `topr/ratio_positive/*` key, where it held a None at every step; the negatives' are logged."""
+    args = TOPRConfig(**small_config_kwargs(tmp_path, max_steps=-1, per_device_train_batch_size=8, learning_rate=0.0))
+    trainer = TOPRTrainer(
+        model=tiny_model_path, reward_funcs=stored_reward, args=args, train_dataset=truncated_samples[truncation]
+    )
+    trainer.train()
+    steps = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert steps and all(
+        value is not None for entry in steps for key, value in entry.items() if key.startswith("topr/")
+    )
+    assert not [key for entry in steps for key in entry if key.startswith("topr/ratio_positive/")]
+    assert any("topr/ratio_negative/mean" in entry for entry in steps)
+
+
 def test_rows_sampled_two_ways_are_refused_in_one_line(truncated_samples, tiny_model_path, tmp_path):
     from datasets import concatenate_datasets
 

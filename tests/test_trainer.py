@@ -489,3 +489,22 @@ def test_a_repetition_penalty_is_said_to_bias_pi_over_mu(
     said = [record.getMessage() for record in caplog.records if "repetition_penalty" in record.getMessage()]
     assert len(said) == int(warned)
     assert not said or "repetition_penalty=1.2" in said[0] and "pi/mu" in said[0]
+
+
+def test_a_dataset_without_a_prompt_column_is_refused_at_construction_naming_its_columns(
+    tiny_model_path, arithmetic_dataset, tmp_path
+):
+    """From Python, as a user meets it: a dataset whose prompts sit under another name fails when the trainer is built,
+    in one line naming the columns and the rename, not with a bare `KeyError: 'prompt'` at the first step; the same
+    for an eval dataset, one of a dict of them included."""
+    renamed = arithmetic_dataset.rename_column("prompt", "question")
+    config = TOPRConfig(**small_config_kwargs(tmp_path / "run"))
+    for datasets, name in (
+        ({"train_dataset": renamed}, "train_dataset"),
+        ({"train_dataset": arithmetic_dataset, "eval_dataset": {"held_out": renamed}}, "eval_dataset['held_out']"),
+    ):
+        with pytest.raises(ValueError) as refusal:
+            TOPRTrainer(model=tiny_model_path, reward_funcs=parity_reward, args=config, **datasets)
+        message = str(refusal.value)
+        assert message.startswith(f"{name} has no 'prompt' column (its columns: question, answer)"), message
+        assert f"{name}.rename_column('question', 'prompt')" in message and "\n" not in message

@@ -16,6 +16,7 @@ from .config import TOPRConfig, topr_setting
 from .generation.vllm_colocate import use_cpu_weight_reload
 from .generation.vllm_server.client import GlooServerGeneration, server_generation_arguments, uses_gloo_server
 from .inputs.packaged_models import converted_source
+from .inputs.prompts import check_prompt_columns
 from .inputs.sources import needs_resolving, resolve_model_source
 from .loss import POLICY_LOSSES, baseline_for_target_share, policy_per_token_loss, reads_the_ratio, reward_signal
 from .offline.replay import OfflineReplay, prepare_replayed_datasets
@@ -98,6 +99,9 @@ class TOPRTrainer(  # type: ignore[misc]
                 "train TOPR, pass a topr_trl.TOPRConfig (loss_type='topr' by default) with the same fields."
             )
         self._name, self._paper, self._tag_names = trained_method(args.loss_type)
+        check_prompt_columns(
+            {name: kwargs[name] for name in ("train_dataset", "eval_dataset") if kwargs.get(name) is not None}
+        )
         self._offline = prepare_replayed_datasets(args, reward_funcs, kwargs)
         self._dataset_baseline = self._baseline_of_dataset(args, kwargs.get("train_dataset"))
         self._sampler_processing = None  # how mu's sampling truncated, for TOPR's losses: set below

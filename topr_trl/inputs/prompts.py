@@ -10,6 +10,23 @@ from trl import GRPOTrainer
 from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
 
 
+def check_prompt_columns(datasets: dict) -> None:
+    """Each dataset GRPOTrainer is handed (`train_dataset`, `eval_dataset` or a dict of them) has the `prompt` column
+    it reads at every step: a dataset without it is refused at construction in one line naming its columns, not with
+    a bare `KeyError: 'prompt'` at the first step. A dataset whose columns are unknown (a streamed one) is let through."""
+    for name, dataset in datasets.items():
+        if isinstance(dataset, dict):
+            check_prompt_columns({f"{name}[{key!r}]": value for key, value in dataset.items()})
+            continue
+        columns = getattr(dataset, "column_names", None)
+        if isinstance(columns, list) and "prompt" not in columns:
+            raise ValueError(
+                f"{name} has no 'prompt' column (its columns: {', '.join(columns) or 'none'}); GRPOTrainer reads the "
+                "prompts from 'prompt': rename the column that holds them, e.g. "
+                f"{name}.rename_column({(columns or ['question'])[0]!r}, 'prompt')"
+            )
+
+
 def tokenize_prompts(
     tokenizer,
     prompts: Sequence,

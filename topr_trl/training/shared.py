@@ -5,6 +5,7 @@ way (`trained_method`, TOPR's own identity in `TOPR_NAME`, `TOPR_PAPER`, `TOPR_T
 
 from __future__ import annotations
 
+import math
 import textwrap
 from collections.abc import Callable, Sequence
 
@@ -140,7 +141,10 @@ class PolicyMetricsLogging:
             ratios = self.accelerator.gather(ratios.unsqueeze(0)).transpose(0, 1).flatten(1)
         values.update(ratio_quantiles(ratios))
         for name, value in values.items():
-            self._metrics[mode][name].append(value)
+            # a branch with nothing to report (no sample, or no ratio read) is left out of the step's log, not
+            # logged as NaN, which GRPOTrainer's `log` turns into a null when the whole window has none
+            if not (name.startswith("topr/") and math.isnan(value)):
+                self._metrics[mode][name].append(value)
         ratio_ranges = (
             f"positives [{values['topr/ratio_positive/min']}, {values['topr/ratio_positive/max']}], "
             f"negatives [{values['topr/ratio_negative/min']}, {values['topr/ratio_negative/max']}]"
