@@ -645,3 +645,28 @@ def test_weighted_rewards_work_the_same_in_generate_and_asynchronous_train(user_
             ]
         )
     assert "holds other files" in one_line_error(stop) and not any((user_dir / "asynchronous").glob("shard-*"))
+
+
+def test_chat_prompts_for_a_model_without_a_chat_template_are_refused_naming_the_way_out(user_dir, tiny_model_path):
+    """Conversational prompts and a model whose tokenizer has no chat template: one line, in the dry run and in the
+    run, before any weight loads, saying to give plain-text prompts or a model with a template (transformers said
+    "Cannot use chat template functions" after loading, and the dry run called it valid). Plain text still trains."""
+    import shutil
+
+    untemplated = user_dir / "untemplated"
+    shutil.copytree(tiny_model_path, untemplated)
+    config = json.loads((untemplated / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (untemplated / "tokenizer_config.json").write_text(json.dumps(config))
+    (untemplated / "chat_template.jinja").unlink(missing_ok=True)
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+{a}="}], "answer": str(2 * a)} for a in range(4)]
+    (user_dir / "chats.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    common = ["train", "--model_name_or_path", str(untemplated), "--reward_funcs", "my_rewards:correctness", *QUICK]
+    for dry in (["--dry_run", "true"], []):
+        with pytest.raises(SystemExit) as stop:
+            main([*common, "--dataset_name", "chats.jsonl", "--output_dir", "chats", *dry])
+        message = one_line_error(stop)
+        assert "prompt row 0 is a conversation" in message and "plain text" in message, message
+    prompt_dataset().to_json(user_dir / "plain.jsonl")
+    main([*common, "--dataset_name", "plain.jsonl", "--output_dir", "plain"])
+    assert (user_dir / "plain" / "model.safetensors").is_file()

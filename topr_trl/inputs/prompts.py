@@ -3,7 +3,9 @@ trained and evaluated on."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import SimpleNamespace
 
 from trl import GRPOTrainer
@@ -13,7 +15,7 @@ from trl.chat_template_utils import get_training_chat_template, is_chat_template
 def check_prompt_columns(datasets: dict) -> None:
     """Each dataset GRPOTrainer is handed (`train_dataset`, `eval_dataset` or a dict of them) has the `prompt` column
     it reads at every step: a dataset without it is refused at construction in one line naming its columns, not with
-    a bare `KeyError: 'prompt'` at the first step. A dataset whose columns are unknown (a streamed one) is let through."""
+    a bare `KeyError: 'prompt'` at the first step. A dataset whose columns are unknown (a streamed one) passes."""
     for name, dataset in datasets.items():
         if isinstance(dataset, dict):
             check_prompt_columns({f"{name}[{key!r}]": value for key, value in dataset.items()})
@@ -73,6 +75,26 @@ def model_positions(config) -> int | None:
     return None
 
 
+def untemplated_conversation(row: int) -> str:
+    return (
+        f"prompt row {row} is a conversation (a list of messages) and the model's tokenizer has no chat template to "
+        "render it: give the prompts as plain text (a string per row), or a model whose tokenizer carries a "
+        "chat template (`chat_template` in its tokenizer_config.json, or a chat_template.jinja beside it)"
+    )
+
+
+def has_chat_template(model_folder: str) -> bool | None:
+    """Whether the tokenizer saved in `model_folder` carries a chat template, read from its files without loading
+    it (None: not a local folder, unknown)."""
+    folder = Path(model_folder).expanduser()
+    if not folder.is_dir():
+        return None
+    if any((folder / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
+        return True
+    config = folder / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
+
+
 def check_prompts_fit(
     prompts: Sequence,
     tokenizer,
@@ -85,6 +107,8 @@ def check_prompts_fit(
     plus `max_completion_length` exceed the model's `positions` (an embedding's "index out of range" in a model with
     learned positions, such as OPT)."""
     for row, prompt in enumerate(prompts):
+        if isinstance(prompt, list) and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(untemplated_conversation(row))
         if isinstance(prompt, list):
             for message in prompt:
                 if not isinstance(message, dict) or "role" not in message or "content" not in message:

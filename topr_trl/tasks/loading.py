@@ -11,11 +11,13 @@ task_error_rate, base_model_dir, dry_run). A wrong choice fails in one line star
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from accelerate import PartialState
 
 from ..config import check_choice
-from ..inputs.sources import check_data_source, check_local_data, resolve_model_source
+from ..inputs.prompts import has_chat_template, untemplated_conversation
+from ..inputs.sources import check_data_source, check_local_data, load_data_source, resolve_model_source
 from ..offline.held_out import reward_evaluator
 from ..runtime.distributed import evaluate_policy, outside_zero3_construction, say
 from ..runtime.machine import describe_machine
@@ -72,6 +74,7 @@ def load_task(options, model_name_or_path: str | None, seed: int, offline: bool 
     if options.dry_run:
         if task == CUSTOM_TASK and options.dataset_name:  # an empty or unreadable file fails here, not steps in
             check_local_data(options.dataset_name, options.dataset_train_split, config=options.dataset_config)
+            check_chat_prompts(model_name_or_path, options.dataset_name, options.dataset_train_split, options)
             if eval_split:  # a single file holds the training split only: no held-out rows to evaluate on
                 try:
                     check_local_data(
@@ -87,6 +90,20 @@ def load_task(options, model_name_or_path: str | None, seed: int, offline: bool 
         model_name_or_path = builtin_model(task, options, seed)
     data = TASKS[task].training_data(options, eval_split)
     return model_name_or_path, task, data.train, data.held_out, data.evaluation, reward_funcs
+
+
+def check_chat_prompts(model_name_or_path: str | None, dataset_name: str, split: str, options) -> None:
+    """The dry run's look at what the chat template will be asked to render: conversational prompts for a local
+    model whose tokenizer carries no chat template stop in one line (a real run checks every row once the tokenizer
+    is loaded: `check_prompts_fit`)."""
+    if model_name_or_path is None or has_chat_template(model_name_or_path) is not False:
+        return
+    if not Path(dataset_name).expanduser().exists():
+        return  # a Hub dataset: read in the run
+    rows = load_data_source(dataset_name, split, config=options.dataset_config, one_split=split)
+    row = next((index for index, prompt in enumerate(rows["prompt"]) if isinstance(prompt, list)), None)
+    if row is not None:
+        raise SystemExit(f"topr-trl: {untemplated_conversation(row)}")
 
 
 def builtin_model(task: str, options, seed: int) -> str:
