@@ -411,3 +411,46 @@ def test_training_on_a_generation_that_stopped_before_its_first_shard_says_to_re
         ]
     )
     assert "holds no complete shard yet" in line and "rerun the same generate command" in line, line
+
+
+def test_a_model_whose_tokenizer_has_no_pad_token_generates_and_trains_offline(user, tmp_path):
+    """`generate` pads with EOS where the tokenizer has no pad token, as `train` (GRPOTrainer) does: the offline path
+    is open to such a model (it stopped with transformers' `tokenizer.pad_token = ...` advice), and the completions are
+    the ones the model samples with a pad token set to EOS."""
+    model = AutoModelForCausalLM.from_pretrained(user / "my-model")
+    tokenizer = AutoTokenizer.from_pretrained(user / "my-model")
+    tokenizer.pad_token = None
+    unpadded = tmp_path / "unpadded"
+    model.save_pretrained(unpadded)
+    tokenizer.save_pretrained(unpadded)
+    assert AutoTokenizer.from_pretrained(unpadded).pad_token_id is None
+    argv = [*generate_argv(user, tmp_path / "data"), "--model_name_or_path", str(unpadded)]
+    main(argv)
+    rows = load_offline_dataset(tmp_path / "data")
+    assert len(rows) == 4 * 2
+    with_pad = tmp_path / "with-pad"
+    tokenizer.pad_token = tokenizer.eos_token
+    model.save_pretrained(with_pad)
+    tokenizer.save_pretrained(with_pad)
+    main([*generate_argv(user, tmp_path / "data-with-pad"), "--model_name_or_path", str(with_pad)])
+    assert rows["completion_ids"] == load_offline_dataset(tmp_path / "data-with-pad")["completion_ids"]
+    main(
+        [
+            "train",
+            "--model_name_or_path",
+            str(unpadded),
+            "--offline_dataset",
+            str(tmp_path / "data"),
+            "--per_device_train_batch_size",
+            "4",
+            "--num_generations",
+            "2",
+            "--max_completion_length",
+            "4",
+            "--topr_unscored_batch",
+            "train",
+            "--output_dir",
+            str(tmp_path / "run"),
+        ]
+    )
+    assert (tmp_path / "run" / "model.safetensors").is_file()

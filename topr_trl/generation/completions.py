@@ -22,6 +22,14 @@ from ..runtime.distributed import empty_caches
 
 
 @torch.no_grad()
+def left_padded(prompt_ids: Sequence[Sequence[int]], pad: int, device) -> dict[str, torch.Tensor]:
+    """`input_ids` and `attention_mask` of the prompts, left-padded with `pad` to the longest."""
+    width = max((len(ids) for ids in prompt_ids), default=0)
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + list(ids) for ids in prompt_ids], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], dtype=torch.long)
+    return {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
+
+
 def generate_completions(
     model,
     tokenizer,
@@ -49,8 +57,9 @@ def generate_completions(
     `synced_gpus=False`: the model generating here is a plain local one (mu, or the gathered policy), also under
     ZeRO-3, where transformers would otherwise wait for every rank at every step."""
     stop_ids = list(stop_token_ids) if stop_token_ids is not None else [tokenizer.eos_token_id]
-    encoded = tokenizer.pad({"input_ids": [list(ids) for ids in prompt_ids]}, padding_side="left", return_tensors="pt")
-    encoded = {key: value.to(model.device) for key, value in encoded.items()}
+    # a tokenizer without a pad token pads with EOS, as GRPOTrainer trains it (the padding is masked out either way)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    encoded = left_padded(prompt_ids, pad, model.device)
     sampling = (
         dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else dict(do_sample=False)
     )
@@ -59,7 +68,7 @@ def generate_completions(
         **sampling,
         max_new_tokens=max_new_tokens,
         eos_token_id=stop_ids,
-        pad_token_id=tokenizer.pad_token_id,
+        pad_token_id=pad,
         synced_gpus=False,
         output_scores=with_logps,
         return_dict_in_generate=True,
@@ -70,7 +79,7 @@ def generate_completions(
         # `scores` are the processed logits (masked tokens at -inf): their log-softmax is the sampling distribution
         step_logps = torch.stack([torch.log_softmax(score.float(), dim=-1) for score in output.scores], dim=1)
         token_logps = step_logps.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-    stops, pad = set(stop_ids), tokenizer.pad_token_id
+    stops = set(stop_ids)
     rows = []
     for row, tokens in enumerate(new_tokens.tolist()):
         stop = next((i for i, token in enumerate(tokens) if token in stops), None)
