@@ -726,3 +726,34 @@ def test_two_processes_train_the_real_model_under_accelerate_launch(real_model_p
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert completed.stdout.count("after training:") == 1  # printed by the main process only
     trained_from(output, steps=2)
+
+
+def test_a_lora_adapter_on_the_packaged_model_names_its_hub_id_as_its_base(tiny_model_path, tmp_path):
+    """An adapter trained on a folder converted from the packaged copy (the Hub out of reach) names the Hub id as its
+    base in adapter_config.json and in its card, so it loads on another machine; it named the local cache folder,
+    which exists on the machine that trained it only. (A stand-in folder: the tiny model with the conversion's record
+    of the packaged file, so that the test needs no conversion.)"""
+    from peft import LoraConfig
+
+    from topr_trl import TOPRConfig, TOPRTrainer
+    from topr_trl.tasks.arithmetic import make_arithmetic_dataset
+
+    from .conftest import parity_reward, small_config_kwargs
+
+    converted = tmp_path / SMOLLM2.replace("/", "--")
+    shutil.copytree(tiny_model_path, converted)
+    (converted / SOURCE_RECORD).write_text(
+        json.dumps({"path": "/site-packages/smollm2.gguf", "sha256": PACKAGED_MODELS[SMOLLM2].sha256})
+    )
+    trainer = TOPRTrainer(
+        model=str(converted),
+        reward_funcs=parity_reward,
+        args=TOPRConfig(**small_config_kwargs(tmp_path / "run", max_steps=1)),
+        train_dataset=make_arithmetic_dataset(8, digits=1, seed=0),
+        peft_config=LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    trainer.train()
+    trainer.save_model(tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == SMOLLM2
+    card = (tmp_path / "adapter" / "README.md").read_text()
+    assert str(converted) not in card and SMOLLM2 in card

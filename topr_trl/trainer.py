@@ -15,7 +15,7 @@ from trl.trainer.utils import get_config_model_id
 from .config import TOPRConfig, topr_setting
 from .generation.vllm_colocate import use_cpu_weight_reload
 from .generation.vllm_server.client import GlooServerGeneration, server_generation_arguments, uses_gloo_server
-from .inputs.packaged_models import converted_source
+from .inputs.packaged_models import converted_source, packaged_hub_id
 from .inputs.prompts import check_prompt_columns
 from .inputs.sources import needs_resolving, resolve_model_source
 from .loss import POLICY_LOSSES, baseline_for_target_share, policy_per_token_loss, reads_the_ratio, reward_signal
@@ -46,6 +46,19 @@ CARRIED_ON_ROWS = ("topr_signal", "topr_unscored")
 none). They ride on TRL's input rows from `_calculate_rewards`, the one hook that sees the gathered rewards, to
 `_generate_and_score_completions`, which builds the batch: TRL leaves no other seam between the two (it carries a
 rollout_func's extra fields on the rows the same way), and nothing is parked on the trainer between calls."""
+
+
+def name_adapters_base(model) -> dict[str, str]:
+    """A PEFT adapter on a model converted from a packaged copy (the Hub out of reach) names the packaged Hub id as
+    its base in its adapter_config.json, not the local cache folder it was loaded from, which exists on this machine
+    only; returns {cache folder: Hub id} for the card (`TOPRTrainer.save_model`)."""
+    renamed = {}
+    for config in (getattr(model, "peft_config", None) or {}).values():
+        hub_id = packaged_hub_id(config.base_model_name_or_path or "")
+        if hub_id is not None:
+            renamed[config.base_model_name_or_path] = hub_id
+            config.base_model_name_or_path = hub_id
+    return renamed
 
 
 def without_vllm(args: TOPRConfig) -> TOPRConfig:
@@ -114,6 +127,7 @@ class TOPRTrainer(  # type: ignore[misc]
             self.args = args
             self._connect_gloo_server(args)
         self._prepare_replay()
+        self._renamed_bases = name_adapters_base(self.model)
         self.reward_funcs = [
             checked_reward_function(function, name)
             for function, name in zip(self.reward_funcs, self.reward_func_names, strict=True)
@@ -219,6 +233,17 @@ class TOPRTrainer(  # type: ignore[misc]
             )
         rewards = torch.tensor([float("nan") if r is None else r for r in train_dataset["reward"]])
         return baseline_for_target_share(rewards, args.topr_target_effective_proportion)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Trainer's save (checkpoints included); an adapter's card (PEFT writes the base model's local folder) names
+        the packaged Hub id its adapter_config.json names (`name_adapters_base`)."""
+        super().save_model(output_dir, _internal_call)
+        card = Path(output_dir or self.args.output_dir) / "README.md"
+        if self._renamed_bases and self.is_world_process_zero() and card.is_file():
+            text = card.read_text()
+            for folder, hub_id in self._renamed_bases.items():
+                text = text.replace(folder, hub_id)  # `base_model:` and the `base_model:adapter:` tag
+            card.write_text(text)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card (which cites TOPR through `_paper`), plus what trained the model: the data, the reward

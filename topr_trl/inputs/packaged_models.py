@@ -77,6 +77,16 @@ def converted_source(folder: str | Path) -> str | None:
     return f"the GGUF file `{Path(record.get('path', '?')).name}` (dequantized)"
 
 
+def packaged_hub_id(folder: str | Path) -> str | None:
+    """The Hub id of the packaged model a converted folder holds (None for any other folder): what an adapter trained
+    on it names as its base, so that it loads on another machine (from the Hub, or through topr-trl without it)."""
+    record_path = Path(folder) / SOURCE_RECORD
+    if not record_path.is_file():
+        return None
+    sha256 = json.loads(record_path.read_text()).get("sha256")
+    return next((name for name, packaged in PACKAGED_MODELS.items() if packaged.sha256 == sha256), None)
+
+
 def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "topr-trl" / "models").expanduser()
 
