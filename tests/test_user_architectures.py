@@ -177,3 +177,28 @@ def test_a_completion_length_beyond_the_models_positions_is_refused_in_one_line(
         message = str(stop.value.code)
         assert message.startswith("topr-trl: ") and "\n" not in message and says in message, message
     assert not (in_folder / "too-long").exists()
+
+
+@pytest.fixture(scope="module")
+def mistral_folder(tmp_path_factory) -> Path:
+    """A user's tiny Mistral (sliding-window attention, rotary positions, 512 trained positions)."""
+    if not MAKER.is_file():
+        pytest.skip(f"the shared user-folder tool is not beside the repository ({MAKER})")
+    folder = tmp_path_factory.mktemp("mistral")
+    subprocess.run([sys.executable, str(MAKER), str(folder), "--arch", "mistral"], check=True, capture_output=True)
+    return folder
+
+
+def test_completions_past_a_rotary_models_trained_context_are_said_in_one_line(mistral_folder, monkeypatch, capsys):
+    """A rotary model runs past its `max_position_embeddings` without failing, so the run goes on (as GRPOTrainer's
+    does), but it says so in one line before any weight loads, with the length that stays within the context; a run
+    within it says nothing of the kind. (Learned positions past their table are refused: test_cli_user_folder.)"""
+    work_in(mistral_folder, monkeypatch)
+    run = ["train", "--model_name_or_path", "my-model", "--output_dir", "long", *ONE_STEP]
+    main([*run, "--max_completion_length", "600"])
+    said = [line for line in capsys.readouterr().out.splitlines() if "past the 512 the model was trained on" in line]
+    assert len(said) == 1 and "--max_completion_length 600 reach" in said[0], said
+    longest = int(said[0].split("prompts of up to ")[1].split(" ")[0])
+    assert f"lower --max_completion_length to {512 - longest} to stay within it" in said[0]
+    main([*run[:4], "within", *ONE_STEP, "--max_completion_length", str(512 - longest)])
+    assert "the model was trained on" not in capsys.readouterr().out

@@ -21,7 +21,7 @@ from trl import ModelConfig, get_peft_config
 
 from ..config import TOPRConfig, check_choice
 from ..generation.completions import BACKENDS
-from ..inputs.prompts import check_prompts_fit, model_positions
+from ..inputs.prompts import check_prompts_fit, model_positions, past_trained_context, rotary_context
 from ..inputs.sources import check_data_source, check_local_data
 from ..offline import (
     COMPOSITIONS,
@@ -454,17 +454,20 @@ def check_fits_the_model(model: str, dataset, max_completion_length: int, chat_t
     with `max_completion_length` (`check_prompts_fit`), checked before any weight loads."""
     if dataset is None or "prompt" not in dataset.column_names:
         return
-    positions = model_positions(AutoConfig.from_pretrained(model))
+    config, tokenizer = AutoConfig.from_pretrained(model), AutoTokenizer.from_pretrained(model)
     try:
         check_prompts_fit(
-            dataset["prompt"],
-            AutoTokenizer.from_pretrained(model),
-            positions,
-            max_completion_length,
-            chat_template_kwargs,
+            dataset["prompt"], tokenizer, model_positions(config), max_completion_length, chat_template_kwargs
         )
     except ValueError as error:
         raise SystemExit(f"topr-trl: {error}") from None
+    context = rotary_context(config)
+    if context is not None:
+        warning = past_trained_context(
+            dataset["prompt"], tokenizer, context, max_completion_length, chat_template_kwargs
+        )
+        if warning:
+            say(warning)
 
 
 def check_offline_policy(source: str, data, policy: str, given: str | None) -> None:

@@ -75,6 +75,33 @@ def model_positions(config) -> int | None:
     return None
 
 
+def rotary_context(config) -> int | None:
+    """The context a rotary-position model was trained on (`max_position_embeddings`), which it runs past without
+    failing but degrades beyond; None for learned positions (`model_positions`) or a config that does not say."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not any("rope" in key or "rotary" in key for key in config.to_dict()):
+        return None
+    value = getattr(config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def past_trained_context(
+    prompts: Sequence, tokenizer, context: int, max_completion_length: int, chat_template_kwargs: dict | None = None
+) -> str | None:
+    """One line saying that the longest prompt plus `max_completion_length` runs past a rotary model's trained
+    `context` (None when it fits): the run goes on, as GRPOTrainer's does, but not without a word."""
+    longest = max((len(ids) for ids in tokenize_prompts(tokenizer, prompts, chat_template_kwargs)), default=0)
+    if longest + max_completion_length <= context:
+        return None
+    room = f"lower --max_completion_length to {context - longest}" if context > longest else "shorten the prompts"
+    return (
+        f"prompts of up to {longest} tokens with --max_completion_length {max_completion_length} reach "
+        f"{longest + max_completion_length} positions, past the {context} the model was trained on "
+        f"(max_position_embeddings; rotary positions run past it, but a model degrades there): {room} to stay within "
+        "it"
+    )
+
+
 def untemplated_conversation(row: int) -> str:
     return (
         f"prompt row {row} is a conversation (a list of messages) and the model's tokenizer has no chat template to "
