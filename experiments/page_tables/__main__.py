@@ -24,7 +24,7 @@ def main() -> int:
     if args.write:
         changed = write()
         print("rewrote: " + (", ".join(relative(page) for page in changed) or "nothing (every table was current)"))
-        args.check = True  # what a table cannot fix (a quoted number in prose) is still reported
+        args.check = True  # what a table cannot fix (a number typed into prose) is still reported
     if args.check:
         found = differences()
         for difference in found:

@@ -1,6 +1,6 @@
 """Reading the evidence files and writing their numbers the way the pages print them.
 
-Every generated table and checked claim goes through these few formats, so that a page's "+0.010 ± 0.010" is the
+Every generated table goes through these few formats, so that a page's "+0.010 ± 0.010" is the
 evidence file's paired difference rounded once, in one place."""
 
 from __future__ import annotations

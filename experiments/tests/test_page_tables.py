@@ -25,7 +25,7 @@ from experiments.page_tables import (
 
 def test_every_page_says_what_its_evidence_files_give():
     """A number edited by hand, or an evidence file changed without regenerating, fails here with the lines that
-    differ (tables: `python -m experiments.page_tables --write`; a quoted number: edit the sentence)."""
+    differ (tables: `python -m experiments.page_tables --write`; a number typed into prose: move it into a table)."""
     found = differences()
     assert not found, "\n\n".join(found)
 
