@@ -165,12 +165,14 @@ def rate_state(method: str, records: list[dict]) -> dict:
     choice and whether it is final, and the rates still to run on the validation seeds."""
     by_rate = validation_scores(records).get(method, {})
     complete = {rate: statistics.mean(v) for rate, v in by_rate.items() if len(v) == len(VALIDATION_SEEDS)}
+    partial = {rate: (statistics.mean(v), len(v)) for rate, v in by_rate.items()}
     pending = [rate for rate in GRID if rate not in complete]
     if pending:
-        return {"means": complete, "chosen": None, "final": False, "to_run": pending}
+        return {"means": complete, "partial": partial, "chosen": None, "final": False, "to_run": pending}
     chosen, extension = choose_rate(complete)
     return {
         "means": complete,
+        "partial": partial,
         "chosen": chosen,
         "final": extension is None,
         "to_run": [] if extension is None else [extension],
@@ -420,6 +422,7 @@ def summarise(records: list[dict]) -> dict:
                 "chosen": s["chosen"],
                 "final": s["final"],
                 "validation_means": {f"{r:g}": v for r, v in s["means"].items()},
+                "validation_so_far": {f"{r:g}": {"mean": m, "seeds": n} for r, (m, n) in sorted(s["partial"].items())},
             }
             for method, s in states.items()
         },

@@ -7,7 +7,6 @@ project's own comparisons it says above, below or level."""
 
 from __future__ import annotations
 
-import json
 import statistics
 
 from experiments.common import paired_difference
@@ -93,9 +92,8 @@ TINY = "tiny testbed"
 def study_row() -> list[str]:
     """The pre-registered study's four verdicts in one row, or how far its runs have come."""
     labels = {"topr_whole_vocabulary": "whole vocabulary", "tis": "TIS", "ppo": "PPO-clip", "sft_positives": "SFT"}
-    summary_path = STUDY / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
-    if summary and summary["complete"]:
+    summary = study_summary()
+    if summary["complete"]:
         result = "; ".join(
             f"− {labels[row['b']]} {signed(row['difference'])} (Holm p {row['p_holm']:.3f})"
             for row in summary["comparisons"]
@@ -175,23 +173,32 @@ def findings_table() -> str:
     return markdown_table(["finding", "setting", "result (paired, 95 % interval)", "verdict"], rows)
 
 
+def study_summary() -> dict:
+    """The study's summary computed from its run files (what `real_model_study --summarise` writes)."""
+    from experiments import real_model_study
+
+    return real_model_study.summarise(real_model_study.load_runs(STUDY / "runs"))
+
+
 def study_table() -> str:
-    """The pre-registered study: each method's choice on validation and its held-out end point; the comparisons."""
-    summary_path = STUDY / "summary.json"
-    if not summary_path.is_file():
-        return "*No summary yet: `python -m experiments.real_model_study --summarise` writes it.*"
-    summary = json.loads(summary_path.read_text())
+    """The pre-registered study: each method's validation means by rate, its choice and its held-out end point; the
+    comparisons once every held-out run is in."""
+    from experiments import real_model_study
+
+    summary = study_summary()
     rows = []
     for method, choice in summary["choices"].items():
         held = summary["held_out"][method]
-        means = ", ".join(f"{rate}: {mean:.3f}" for rate, mean in choice["validation_means"].items())
+        seeds = len(real_model_study.VALIDATION_SEEDS)
+        means = ", ".join(
+            f"{rate}: {row['mean']:.3f}" + ("" if row["seeds"] == seeds else f" ({row['seeds']} of {seeds} seeds)")
+            for rate, row in choice["validation_so_far"].items()
+        )
+        chosen = (
+            "-" if choice["chosen"] is None else f"{choice['chosen']:g}" + ("" if choice["final"] else " (not final)")
+        )
         rows.append(
-            [
-                method,
-                means or "-",
-                f"{choice['chosen']:g}" + ("" if choice["final"] else " (not final)") if choice["chosen"] else "-",
-                f"{held['mean']:.3f} ({len(held['seeds'])} seeds)" if held["seeds"] else "-",
-            ]
+            [method, means or "-", chosen, f"{held['mean']:.3f} ({len(held['seeds'])} seeds)" if held["seeds"] else "-"]
         )
     table = markdown_table(["method", "validation mean by rate", "chosen rate", "held-out pass@1"], rows)
     comparisons = [
@@ -207,14 +214,8 @@ def study_table() -> str:
     if not comparisons:
         return table
     spread = statistics.mean(len(row["seeds"]) for row in summary["comparisons"])
-    return (
-        table
-        + "\n\n"
-        + markdown_table(
-            [f"comparison ({spread:.0f} seeds)", "difference [95 % interval]", "sign-flip p", "Holm p", "verdict"],
-            comparisons,
-        )
-    )
+    header = [f"comparison ({spread:.0f} seeds)", "difference [95 % interval]", "sign-flip p", "Holm p", "verdict"]
+    return table + "\n\n" + markdown_table(header, comparisons)
 
 
 TABLES = {"findings": findings_table, "real-model-study": study_table}
