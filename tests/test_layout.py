@@ -91,27 +91,19 @@ def top_level() -> set[str]:
     return modules | packages
 
 
-def named(cell: str) -> set[str]:
-    return {name for name in re.findall(r"(?<![\w/])([a-z_]+(?:\.py|/))", cell) if name != "topr_trl/"}
-
-
 def test_the_top_level_has_few_loose_modules():
     loose = sorted(path.name for path in PACKAGE.glob("*.py"))
     assert len(loose) <= MOST_LOOSE_MODULES, loose
 
 
-def test_the_readme_and_the_layout_page_name_the_top_level_as_it_is():
-    root = PACKAGE.parent
-    readme_rows = [line.split("|")[1] for line in (root / "README.md").read_text().splitlines() if line.startswith("|")]
-    in_readme = set().union(*(named(cell.replace("topr_trl/", "")) for cell in readme_rows if "`topr_trl/" in cell))
-    page = (root / "docs" / "layout.md").read_text()
+def test_the_layout_page_names_the_top_level_as_it_is():
+    page = (PACKAGE.parent / "docs" / "layout.md").read_text()
     tree = page[page.index("```\ntopr_trl/\n") :].split("```")[1]
     # the top level is indented by two spaces; a line names its entries before its description
     in_page = set()
     for line in tree.splitlines():
         if re.match(r"^  \S", line):
             in_page |= set(itertools.takewhile(lambda word: word.endswith((".py", "/")), line.split()))
-    assert in_readme == top_level(), sorted(in_readme ^ top_level())
     assert in_page == top_level(), sorted(in_page ^ top_level())
 
 
