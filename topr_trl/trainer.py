@@ -238,7 +238,7 @@ class TOPRTrainer(  # type: ignore[misc]
         """Trainer's save (checkpoints included); an adapter's card (PEFT writes the base model's local folder) names
         the packaged Hub id its adapter_config.json names (`name_adapters_base`)."""
         super().save_model(output_dir, _internal_call)
-        card = Path(output_dir or self.args.output_dir) / "README.md"
+        card = Path(str(output_dir or self.args.output_dir)) / "README.md"
         if self._renamed_bases and self.is_world_process_zero() and card.is_file():
             text = card.read_text()
             for folder, hub_id in self._renamed_bases.items():
