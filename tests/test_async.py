@@ -479,7 +479,13 @@ def test_async_topr_keeps_every_stale_sample_and_a_cap_drops_them_as_trl_does(tm
         for key in entry
         if key.startswith("sample/staleness_") and key.endswith("_total")
     }
-    assert histogram == {f"sample/staleness_{k}_total": float(v) for k, v in trainer.staleness_counts.items()}
+    # TRL logs the counts in its bins (0, 1, 2to3, ...): a busy machine lets the worker run 2 or more versions ahead
+    from topr_trl.asynchronous.trainer import staleness_bin
+
+    binned = Counter()
+    for staleness, count in trainer.staleness_counts.items():
+        binned[f"sample/staleness_{staleness_bin(staleness)}_total"] += float(count)
+    assert histogram == dict(binned)
 
     capped, _ = run_ahead(tmp_path / "cap", max_staleness=0)
     assert sum(logged_values(capped, "sample/dropped_stale_total")) > 0
