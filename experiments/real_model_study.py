@@ -60,7 +60,8 @@ GRID = (3e-6, 1e-5, 3e-5)
 """The rates every method tries on the validation seeds."""
 LADDER = (3e-7, 1e-6, 3e-6, 1e-5, 3e-5, 1e-4, 3e-4)
 """The rates an edge choice extends to, one step at a time (GRID is its middle)."""
-VALIDATION_SEEDS = (100, 101)
+VALIDATION_SEEDS = (100,)
+"""Pre-registered 100 and 101; 101 dropped by the pre-registered resize (preregistration.md, Deviations)."""
 TEST_SEEDS = tuple(range(10))
 SPLITS = {"validation": VALIDATION_SEEDS, "test": TEST_SEEDS}
 

@@ -100,8 +100,11 @@ def study_row() -> list[str]:
         )
         verdict = ", ".join(f"{labels[row['b']]}: {row['verdict']}" for row in summary["comparisons"])
     else:
+        from experiments import real_model_study as study
+
         done = len(list((STUDY / "runs").glob("*.json")))
-        result, verdict = f"running: {done} of about 80 runs on disk", "pending"
+        planned = len(study.METHODS) * (len(study.GRID) * len(study.VALIDATION_SEEDS) + len(study.TEST_SEEDS))
+        result, verdict = f"running: {done} of about {planned} runs on disk", "pending"
     return [
         "TOPR against the exact ratio's ablation, TIS, PPO-clip and SFT on positives, **pre-registered**",
         "SmolLM2-135M-Instruct, word problems, one dataset from μ (top_p 0.95), 10 held-out seeds",

@@ -67,7 +67,10 @@ def validation(method: str, means: dict[float, float]) -> list[dict]:
     return [record("validation", method, s, r, v) for r, v in means.items() for s in study.VALIDATION_SEEDS]
 
 
-def test_the_queue_holds_each_methods_pending_rates_then_its_chosen_rate_on_the_held_out_seeds():
+def test_the_queue_holds_each_methods_pending_rates_then_its_chosen_rate_on_the_held_out_seeds(monkeypatch):
+    # two validation seeds, as pre-registered before the resize: a rate is complete only when both are in
+    monkeypatch.setattr(study, "VALIDATION_SEEDS", (100, 101))
+    monkeypatch.setattr(study, "SPLITS", {"validation": (100, 101), "test": study.TEST_SEEDS})
     records = validation("topr", {3e-6: 0.2, 1e-5: 0.5, 3e-5: 0.4}) + validation("tis", {3e-6: 0.6, 1e-5: 0.5})
     records.append(record("validation", "ppo", study.VALIDATION_SEEDS[0], 3e-6, 0.1))  # one seed of one rate
     queue = study.planned_runs("validation", records)
