@@ -147,3 +147,17 @@ def test_the_wheel_holds_the_library_alone(tmp_path):
     (wheel,) = tmp_path.glob("topr_trl-*.whl")
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert {top for top in tops if not top.endswith(".dist-info")} == {"topr_trl"}, sorted(tops)
+
+
+def test_importing_the_package_loads_neither_the_gloo_client_nor_the_gguf_converter():
+    """`import topr_trl` (what every user pays) loads what training needs, not the optional paths: the gloo server
+    client loads only in server mode, the GGUF converter only when a file is converted."""
+    import subprocess
+    import sys
+
+    probe = "import sys, topr_trl; print(','.join(m for m in sys.modules if m.startswith('topr_trl')))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    modules = set(loaded.strip().split(","))
+    assert "topr_trl.trainer" in modules  # the probe imported the package
+    assert "topr_trl.generation.vllm_server.client" not in modules
+    assert "topr_trl.inputs.gguf_conversion" not in modules

@@ -18,15 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from topr_trl.inputs.packaged_models import (
-    CACHE_ENV,
-    PACKAGED_MODELS,
-    SOURCE_RECORD,
-    ModelSourceError,
-    file_sha256,
-    packaged_file,
-    trainable_folder,
-)
+from topr_trl.inputs.gguf_conversion import file_sha256, trainable_folder
+from topr_trl.inputs.packaged_models import CACHE_ENV, PACKAGED_MODELS, SOURCE_RECORD, ModelSourceError, packaged_file
 from topr_trl.inputs.sources import resolve_model_source
 
 

@@ -3,7 +3,7 @@
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from topr_trl.generation.completions import generate_completions
+from topr_trl.generation.completions import generate_completions, stored_dtype
 from topr_trl.inputs.prompts import tokenize_prompts
 
 
@@ -41,3 +41,13 @@ def test_stop_token_is_kept_and_what_follows_is_dropped(tiny_model_path):
         model, tokenizer, prompt_ids, max_new_tokens=4, do_sample=True, stop_token_ids=list(range(len(tokenizer)))
     )
     assert all(len(row["completion_ids"]) == 1 and row["stopped"] for row in rows)
+
+
+def test_a_vllm_engine_is_asked_for_the_dtype_the_model_stores(tiny_model_path, tmp_path):
+    """vLLM's "auto" would run a float32 model in bfloat16; the engines topr-trl builds ask for the stored dtype, and
+    leave "auto" to vLLM where the config names none or no config can be read."""
+    assert stored_dtype(tiny_model_path) == str(AutoModelForCausalLM.from_pretrained(tiny_model_path).dtype)[6:]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    assert stored_dtype(tmp_path / "bf16") == "bfloat16"
+    assert stored_dtype(tmp_path / "missing") == "auto"

@@ -31,10 +31,12 @@ from .conftest import SHARED, logged_values
 
 pytestmark = pytest.mark.vllm
 
-MISMATCH = 0.03
-"""Mean |log pi - log mu| per token between float32 transformers and bfloat16 vLLM for the same weights, for the
-tests that compare sampled distributions (generation, evaluation): measured 0.0006-0.0013 on the built-in reasoning
-model. The colocated sync is held to the bf16 floor of the weights it compares (`bf16_floor`), not to this."""
+ENGINE_GAP = 1e-4
+"""The most mean |log pi - log mu| per token between float32 transformers and the engine `topr-trl generate` and
+`evaluate` build, which samples in the model's stored dtype (float32 here): a bfloat16 engine, vLLM's "auto" for a
+float32 model, shows 0.0006-0.0013 on the built-in reasoning model, and sampling at another temperature far more.
+The colocated engine is TRL's, in vLLM's "auto" dtype: its sync is held to the bf16 floor of the weights it compares
+(`bf16_floor`) instead."""
 
 
 def token_logps(model, sequences: list[list[int]], prompt_lengths: list[int], temperature: float = 1.0):
@@ -86,7 +88,8 @@ def test_generate_with_vllm_writes_the_transformers_schema_with_the_samplers_log
     starts = [len(row["prompt_ids"]) for row in through_vllm]
     tempered = mean_gap(token_logps(model, sequences, starts, 1.5), through_vllm["behaviour_logps"])
     untempered = mean_gap(token_logps(model, sequences, starts, 1.0), through_vllm["behaviour_logps"])
-    assert tempered < MISMATCH < untempered, (tempered, untempered)
+    print(f"mean |log pi - log mu| per token: {tempered:.3g} at mu's temperature, {untempered:.3g} at 1")
+    assert tempered < ENGINE_GAP and untempered > 100 * ENGINE_GAP, (tempered, untempered)
 
 
 def test_evaluate_with_vllm_gives_the_transformers_pass_at_1(reasoning_model, tmp_path):

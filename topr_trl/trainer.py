@@ -14,7 +14,6 @@ from trl.trainer.utils import get_config_model_id
 
 from .config import TOPRConfig, topr_setting
 from .generation.vllm_colocate import use_cpu_weight_reload
-from .generation.vllm_server.client import GlooServerGeneration, server_generation_arguments, uses_gloo_server
 from .inputs.packaged_models import converted_source, packaged_hub_id
 from .inputs.prompts import check_prompt_columns
 from .inputs.sources import needs_resolving, resolve_model_source
@@ -206,6 +205,7 @@ class TOPRTrainer(  # type: ignore[misc]
         TRL's own server mode pushes weights by NCCL only."""
         if not (getattr(args, "use_vllm", False) and args.vllm_mode == "server"):
             return False
+        from .generation.vllm_server.client import uses_gloo_server  # noqa: PLC0415 - server mode only
 
         return uses_gloo_server(args)
 
@@ -213,6 +213,11 @@ class TOPRTrainer(  # type: ignore[misc]
         """What GRPOTrainer's constructor does for server mode, with the gloo client
         (`topr_trl.generation.vllm_server.client`): the same `VLLMGeneration` arguments, so generation, the weight walk
         and the prefix-cache reset stay TRL's."""
+        from .generation.vllm_server.client import (  # noqa: PLC0415 - server mode only
+            GlooServerGeneration,
+            server_generation_arguments,
+        )
+
         self.use_vllm = True
         self.vllm_generation = GlooServerGeneration(**server_generation_arguments(self, args))
         self._last_loaded_step = -1

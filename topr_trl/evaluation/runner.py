@@ -411,15 +411,7 @@ def evaluate_model(
     Returns an `EvaluationResult` (metrics, bootstrap standard errors with `num_bootstrap` rounds, histogram,
     one record per question with its completions, classes and answers)."""
     n = int(num_samples if num_samples is not None else k)
-    if k < 1 or n < k:
-        raise ValueError(f"need 1 <= k <= num_samples, got k={k}, num_samples={n}")
-    if batch_size < 1 or max_new_tokens < 1:
-        raise ValueError("batch_size and max_new_tokens must be positive")
-    for column in (prompt_column, answer_column):
-        if column not in dataset.column_names:
-            raise ValueError(f"the dataset has no {column!r} column (columns: {dataset.column_names})")
-    if len(dataset) == 0:
-        raise ValueError("the dataset is empty")
+    _check_evaluation_inputs(dataset, k, n, batch_size, max_new_tokens, (prompt_column, answer_column))
     extract = extract if extract is not None else getattr(classify, "extract", None)
     equivalent = equivalent if equivalent is not None else getattr(classify, "equivalent", None)
     prompts, references = list(dataset[prompt_column]), list(dataset[answer_column])
@@ -429,47 +421,77 @@ def evaluate_model(
     if tokenizer is None:
         if not isinstance(model, (str, Path)):
             raise ValueError("a tokenizer is needed with a loaded model")
-
         tokenizer = AutoTokenizer.from_pretrained(str(model))
     prompt_ids = _prompt_ids(tokenizer, prompts)
-    if vllm:
-        samples = _generate_vllm(
-            str(model), tokenizer, prompt_ids, n, temperature, top_p, top_k, max_new_tokens, seed, stop_strings
-        )
-    else:
-        if isinstance(model, (str, Path)):
-            model = AutoModelForCausalLM.from_pretrained(str(model), dtype="auto")
-            if torch.cuda.is_available():
-                model = model.to("cuda")
-        samples = _generate_transformers(
-            model,
-            tokenizer,
-            prompt_ids,
-            n,
-            temperature,
-            top_p,
-            top_k,
-            max_new_tokens,
-            batch_size,
-            seed,
-            show_progress,
-            stop_strings,
-            dict(generate_kwargs or {}),
-        )
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed)
+    samples = _sampled(
+        model, tokenizer, prompt_ids, n, vllm, batch_size, show_progress, stop_strings, generate_kwargs, sampling
+    )
+    classes, votes, group_correct, records = _classified(prompts, references, samples, classify, extract, equivalent)
+    metrics, errors, histogram = _compute_metrics(classes, votes, group_correct, k, num_bootstrap, seed)
+    settings = dict(
+        model=model_name,
+        backend="vllm" if vllm else "transformers",
+        k=k,
+        num_samples=n,
+        **sampling,
+        batch_size=batch_size,
+        num_bootstrap=num_bootstrap,
+        stop_strings=list(stop_strings) if stop_strings else None,
+        classify=getattr(classify, "__name__", type(classify).__name__),
+    )
+    return EvaluationResult(k, n, len(records), metrics, errors, histogram, records, settings)
 
+
+def _check_evaluation_inputs(dataset, k: int, n: int, batch_size: int, max_new_tokens: int, columns) -> None:
+    """One clear error for each input `evaluate_model` cannot measure."""
+    if k < 1 or n < k:
+        raise ValueError(f"need 1 <= k <= num_samples, got k={k}, num_samples={n}")
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError("batch_size and max_new_tokens must be positive")
+    for column in columns:
+        if column not in dataset.column_names:
+            raise ValueError(f"the dataset has no {column!r} column (columns: {dataset.column_names})")
+    if len(dataset) == 0:
+        raise ValueError("the dataset is empty")
+
+
+def _sampled(model, tokenizer, prompt_ids, n, vllm, batch_size, show_progress, stop_strings, generate_kwargs, sampling):
+    """n samples for each prompt, from vLLM or transformers (`_generate_vllm`, `_generate_transformers`)."""
+    if vllm:
+        return _generate_vllm(str(model), tokenizer, prompt_ids, n, stop_strings=stop_strings, **sampling)
+    return _generate_transformers(
+        _loaded(model),
+        tokenizer,
+        prompt_ids,
+        n,
+        batch_size=batch_size,
+        show_progress=show_progress,
+        stop_strings=stop_strings,
+        generate_kwargs=dict(generate_kwargs or {}),
+        **sampling,
+    )
+
+
+def _loaded(model):
+    """`model` itself when loaded, else the model at that path or Hub id, in its stored dtype (on the GPU if any)."""
+    if not isinstance(model, (str, Path)):
+        return model
+    model = AutoModelForCausalLM.from_pretrained(str(model), dtype="auto")
+    return model.to("cuda") if torch.cuda.is_available() else model
+
+
+def _classified(prompts, references, samples, classify, extract, equivalent):
+    """Each question's classes, vote ids (`_vote_ids`) and correct vote groups, and its record (prompt, reference,
+    completions, classes, answers, lengths): what the metrics and results.json are computed from."""
     classes, votes, group_correct, records = [], [], [], []
     for index, (prompt, reference, question_samples) in enumerate(zip(prompts, references, samples, strict=True)):
-        question_texts = [sample["text"] for sample in question_samples]
-        question_classes = [_as_class(classify(text, reference)) for text in question_texts]
-        if extract is not None:
-            answers = [
-                extract(text) if c != INVALID else None
-                for text, c in zip(question_texts, question_classes, strict=True)
-            ]
-        else:
-            answers = [
-                text.strip() if c != INVALID else None for text, c in zip(question_texts, question_classes, strict=True)
-            ]
+        texts = [sample["text"] for sample in question_samples]
+        question_classes = [_as_class(classify(text, reference)) for text in texts]
+        answers = [
+            None if c == INVALID else (extract(text) if extract is not None else text.strip())
+            for text, c in zip(texts, question_classes, strict=True)
+        ]
         ids, correct_groups = _vote_ids(answers, question_classes, equivalent)
         classes.append(question_classes)
         votes.append(ids)
@@ -481,39 +503,14 @@ def evaluate_model(
                 "reference": json_safe(reference),
                 "num_correct": question_classes.count(CORRECT),
                 "num_invalid": question_classes.count(INVALID),
-                "completions": question_texts,
+                "completions": texts,
                 "classes": question_classes,
                 "answers": json_safe(answers),
                 "num_tokens": [sample["num_tokens"] for sample in question_samples],
                 "truncated": [sample["truncated"] for sample in question_samples],
             }
         )
-    metrics, errors, histogram = _compute_metrics(classes, votes, group_correct, k, num_bootstrap, seed)
-    settings = dict(
-        model=model_name,
-        backend="vllm" if vllm else "transformers",
-        k=k,
-        num_samples=n,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        seed=seed,
-        num_bootstrap=num_bootstrap,
-        stop_strings=list(stop_strings) if stop_strings else None,
-        classify=getattr(classify, "__name__", type(classify).__name__),
-    )
-    return EvaluationResult(
-        k=k,
-        num_samples=n,
-        num_prompts=len(records),
-        metrics=metrics,
-        standard_errors=errors,
-        histogram=histogram,
-        records=records,
-        settings=settings,
-    )
+    return classes, votes, group_correct, records
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -124,14 +124,30 @@ CPU_MEMORY_UTILIZATION = 0.5
 """`gpu_memory_utilization` of the engines built here on vLLM's CPU build (the share of memory that must be free)."""
 
 
+def stored_dtype(model_name_or_path) -> str:
+    """The dtype a model's config stores ("auto" where it names none or cannot be read): the one transformers loads it
+    in, which a vLLM engine must sample in too. vLLM's "auto" runs a float32 model in bfloat16, so its samples and
+    log-probs would be another model's than the one trained and evaluated (on a CPU, slower too)."""
+    from transformers import AutoConfig  # noqa: PLC0415 - only where an engine is built
+
+    try:
+        config = AutoConfig.from_pretrained(str(model_name_or_path))
+    except (OSError, ValueError):  # not a model transformers can read: vLLM says why when it tries
+        return "auto"
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return str(dtype).removeprefix("torch.") if isinstance(dtype, (torch.dtype, str)) else "auto"
+
+
 def make_vllm_engine(model_name_or_path, seed: int = 0, tokenizer: str | None = None, **engine_kwargs):
     """A vLLM engine for `model_name_or_path` (its own tokenizer unless `tokenizer` names another), seeded with
-    `seed`, whose reported log-probs are those of the sampling distribution (temperature, top-k and top-p applied):
-    the same quantity `generate_completions(..., with_logps=True)` returns. `engine_kwargs` go to `vllm.LLM`."""
+    `seed`, in the model's stored dtype (`stored_dtype`), whose reported log-probs are those of the sampling
+    distribution (temperature, top-k and top-p applied): the same quantity `generate_completions(...,
+    with_logps=True)` returns. `engine_kwargs` go to `vllm.LLM`."""
     from vllm import LLM  # noqa: PLC0415 - optional: vLLM
 
     if tokenizer is not None:
         engine_kwargs["tokenizer"] = str(tokenizer)
+    engine_kwargs.setdefault("dtype", stored_dtype(model_name_or_path))
     if vllm_cpu_build_installed():
         # On a CPU, vLLM's "GPU" memory fraction is the share of the NUMA node's memory that must be free at start;
         # its default, 0.92, refuses to start beside anything else (page cache included). The KV cache itself is

@@ -21,7 +21,7 @@ from datasets import DatasetDict, load_dataset, load_from_disk
 from huggingface_hub import constants, try_to_load_from_cache
 
 from ..runtime.distributed import say
-from .packaged_models import PACKAGED_MODELS, ModelSourceError, is_gguf_file, packaged_file, trainable_folder
+from .packaged_models import PACKAGED_MODELS, ModelSourceError, is_gguf_file, packaged_file
 
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -157,6 +157,8 @@ def needs_resolving(model) -> bool:
 
 def _converted(source: Path, cache_name: str, sha256: str | None = None) -> Path:
     """`trainable_folder`, converted by the main process first under `accelerate launch` (the others reuse it)."""
+    from .gguf_conversion import trainable_folder  # noqa: PLC0415 - the converter loads only when a file is converted
+
     with PartialState().main_process_first():
         return trainable_folder(source, cache_name, sha256, say=say)
 
