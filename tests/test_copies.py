@@ -1,6 +1,7 @@
-"""docs/copies.md lists every copy of TRL code in the package and the test that holds each to TRL's original: every
-`MIRROR` label in the package has its row (the labelled function, its class, or its module named there), and every
-test a row names exists."""
+"""docs/copies.md lists every copy of TRL code in the package and the test that holds each to TRL's original, and every
+seam where TRL leaves no public way with the test that fails first: every `MIRROR` and `SEAM` label in the package has
+its row in its table (the labelled function, its class, or its module named there), and every test a row names
+exists."""
 
 from __future__ import annotations
 
@@ -8,29 +9,36 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "copies.md"
 
 
-def rows() -> dict[str, tuple[str, str]]:
-    """file -> (the copy's cell, the holding tests' cell), from the page's table."""
+SEAMS_HEADING = "## Seams"
+
+
+def rows(label: str = "MIRROR") -> dict[str, tuple[str, str]]:
+    """file -> (the copy's or seam's cell, the holding tests' cell), from the page's table for `label`: the copies
+    before the "Seams" heading, the seams after it."""
+    copies, _, seams = PAGE.read_text().partition(SEAMS_HEADING)
     table = {}
-    for line in PAGE.read_text().splitlines():
+    for line in (copies if label == "MIRROR" else seams).splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(cells) == 3 and cells[0].startswith("`topr_trl/"):
             table[re.match(r"`(topr_trl/[\w/]+\.py)`", cells[0]).group(1)] = (cells[0], cells[2])
     return table
 
 
-def mirror_labels(path: Path) -> list[str]:
-    """The names a `MIRROR` label in `path` covers: "<module>" for the module docstring, else the function or class
+def mirror_labels(path: Path, word: str = "MIRROR") -> list[str]:
+    """The names a `MIRROR` (or other `word`) label in `path` covers: "<module>" for the module docstring, else the function or class
     whose docstring carries it, or for a comment carrying it the function it is in, else the definition right after
     it (a method as Class.name)."""
     source = path.read_text()
     tree = ast.parse(source)
     labels = []
-    if "MIRROR" in (ast.get_docstring(tree) or ""):
+    if word in (ast.get_docstring(tree) or ""):
         labels.append("<module>")
     definitions = []  # (first line, name, docstring, last line, is a function) of every function and class
     for parent in ast.walk(tree):
@@ -43,9 +51,9 @@ def mirror_labels(path: Path) -> list[str]:
                     (first, name, ast.get_docstring(node) or "", node.end_lineno, not isinstance(node, ast.ClassDef))
                 )
     definitions.sort()
-    labels += [name for _, name, docstring, *_ in definitions if "MIRROR" in docstring]
+    labels += [name for _, name, docstring, *_ in definitions if word in docstring]
     for number, line in enumerate(source.splitlines(), 1):
-        if line.strip().startswith("#") and "MIRROR" in line:
+        if line.strip().startswith("#") and word in line:
             inside = [
                 (first, name) for first, name, _, last, function in definitions if function and first < number <= last
             ]
@@ -53,25 +61,26 @@ def mirror_labels(path: Path) -> list[str]:
     return labels
 
 
-def test_every_mirror_label_has_its_row():
-    table = rows()
+@pytest.mark.parametrize(("word", "at_least"), [("MIRROR", 6), ("SEAM", 5)])
+def test_every_label_has_its_row(word, at_least):
+    table = rows(word)
     missing = []
     for path in sorted((ROOT / "topr_trl").rglob("*.py")):
         relative = str(path.relative_to(ROOT))
-        for label in mirror_labels(path):
+        for label in mirror_labels(path, word):
             cell = table.get(relative, ("", ""))[0]
             names = label.split(".")
             if label == "<module>" and relative in table:
                 continue
-            if not any(f"`{name}`" in cell for name in names):
+            if not any(f"`{name}`" in cell for name in [label, *names]):
                 missing.append(f"{relative}: {label}")
-    assert not missing, f"MIRROR labels without a row in docs/copies.md: {missing}"
-    assert len(table) >= 6
+    assert not missing, f"{word} labels without a row in docs/copies.md: {missing}"
+    assert len(table) >= at_least
 
 
 def test_every_holding_test_exists():
     absent = []
-    for _, held_by in rows().values():
+    for _, held_by in [*rows("MIRROR").values(), *rows("SEAM").values()]:
         for file, name in re.findall(r"`(tests/\w+\.py)::(\w+)`", held_by):
             defined = {
                 node.name

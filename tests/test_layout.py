@@ -161,3 +161,21 @@ def test_importing_the_package_loads_neither_the_gloo_client_nor_the_gguf_conver
     assert "topr_trl.trainer" in modules  # the probe imported the package
     assert "topr_trl.generation.vllm_server.client" not in modules
     assert "topr_trl.inputs.gguf_conversion" not in modules
+
+
+def test_trls_experimental_api_is_imported_in_one_module():
+    """Every import of `trl.experimental` (absolute, or by a string importlib reads) sits in
+    `topr_trl/asynchronous/trl_async.py`: a TRL release that moves the asynchronous trainer is a one-file change."""
+    importers = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and " " not in node.value:
+                names = [node.value]
+            if any(name.startswith("trl.experimental") for name in names):
+                importers.add(path.relative_to(PACKAGE).as_posix())
+    assert importers == {"asynchronous/trl_async.py"}

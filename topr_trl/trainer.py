@@ -121,6 +121,7 @@ class TOPRTrainer(  # type: ignore[misc]
         # GRPOTrainer's constructor connects to a vLLM server by NCCL, and TRL has no seam to connect another way: it
         # is given a copy of the config that says "no vLLM", and the gloo client is connected below; the trainer then
         # holds the user's own config, untouched.
+        # SEAM: GRPOTrainer connects to a server by NCCL in its constructor; see docs/copies.md
         super().__init__(model, reward_funcs, args=without_vllm(args) if gloo_server else args, **kwargs)
         if gloo_server:
             self.args = args
@@ -334,6 +335,7 @@ class TOPRTrainer(  # type: ignore[misc]
         signal = None
         if self._loss_spec is not None and self.args.topr_signal == "reward":
             signal = self._reward_signal(rewards_per_func)[local].tolist()
+        # SEAM: R - c rides on TRL's input rows to `_generate_and_score_completions`; see docs/copies.md
         for index, row in enumerate(inputs):
             if signal is not None:
                 row["topr_signal"] = signal[index]

@@ -6,15 +6,34 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from trl.experimental.async_grpo import AsyncGRPOConfig
-
 from ..config import TOPRConfig, TOPRFields
 from ..loss import POLICY_LOSSES
+from ..validation import (
+    FIELD_CHECKS,
+    check_before_trl_config,
+    check_fields,
+    check_loss_knobs,
+    check_what_the_loss_reads,
+    choice,
+    number_baseline,
+    staleness,
+)
+from .trl_async import AsyncGRPOConfig
 
 
 # How the per-token loss of a micro-batch is reduced: the paper's per-trajectory mean of token means, or TRL's
 # asynchronous trainer's sum over the micro-batch's tokens divided by their number.
 ASYNC_AGGREGATIONS: tuple[str, ...] = ("seq-mean-token-mean", "global-token-mean")
+
+_TOPR_FIELDS = {f.name for f in dataclasses.fields(TOPRFields)}
+ASYNC_FIELD_CHECKS = {
+    **{name: check for name, check in FIELD_CHECKS.items() if name in _TOPR_FIELDS},
+    "topr_loss_aggregation": choice(ASYNC_AGGREGATIONS),
+    "topr_baseline": number_baseline,
+    "max_staleness": staleness,
+}
+"""AsyncTOPRConfig's checks: TOPRConfig's of the fields the two share (`topr_trl.validation.FIELD_CHECKS`), its two
+aggregations, a baseline that is a number, and `max_staleness`."""
 
 
 @dataclass
@@ -69,27 +88,11 @@ class AsyncTOPRConfig(TOPRFields, AsyncGRPOConfig):
     )
 
     def __post_init__(self) -> None:
-        self._check_before_trl_config(tuple(POLICY_LOSSES))
+        check_before_trl_config(self, tuple(POLICY_LOSSES))
         super().__post_init__()
-        self._check_topr_values(ASYNC_AGGREGATIONS)
-        if isinstance(self.topr_baseline, str):
-            raise ValueError(
-                f"`topr_baseline` must be a number for the asynchronous trainer, got "
-                f"{self.topr_baseline!r}: its samples arrive one at a time, not as a batch or a group "
-                "(use topr_signal='advantage' for a group baseline)."
-            )
-        staleness = self.max_staleness
-        if not (
-            isinstance(staleness, (int, float))
-            and (staleness == math.inf or (staleness >= 0 and float(staleness).is_integer()))
-        ):
-            raise ValueError(
-                f"`max_staleness` must be a whole number of policy versions >= 0, or inf to keep every "
-                f"sample; got {staleness!r}."
-            )
-        if staleness != math.inf:
-            self.max_staleness = int(staleness)
-        self._check_what_the_loss_reads()
+        check_fields(self, ASYNC_FIELD_CHECKS)
+        check_loss_knobs(self)
+        check_what_the_loss_reads(self)
 
     @property
     def keeps_every_sample(self) -> bool:

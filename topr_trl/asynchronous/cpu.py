@@ -15,7 +15,6 @@ are untouched. On a CUDA device the mixin does nothing.
 from __future__ import annotations
 
 import contextlib
-import importlib
 
 import torch
 from transformers import AttentionInterface
@@ -23,7 +22,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 
-TRL_ASYNC_TRAINER_MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
 TREE_ATTENTION_SDPA = "tree_sdpa"
 
 
@@ -156,10 +154,11 @@ def register_tree_attention_sdpa() -> None:
 
 @contextlib.contextmanager
 def _peak_flops_unknown_on_cpu():
-    """PATCH of TRL 1.16.0 `AsyncGRPOTrainer.__init__`, for the duration of the construction only: its call of
+    """SEAM (docs/copies.md): during TRL 1.16.0's `AsyncGRPOTrainer.__init__` only, its module's
     `get_peak_flops_per_device`, which asks CUDA for the device name, returns None (unknown, as TRL returns for a GPU
-    it has no table entry for) when the accelerator's device is a CPU."""
-    module = importlib.import_module(TRL_ASYNC_TRAINER_MODULE)
+    it has no table entry for) when the accelerator's device is a CPU. TRL has no other way to say "no peak FLOPs"."""
+    from .trl_async import async_trainer_module as module  # noqa: PLC0415 - TRL's experimental API, loaded here
+
     original = module.get_peak_flops_per_device
 
     def peak_flops_per_device(accelerator, dtype):

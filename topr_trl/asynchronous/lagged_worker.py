@@ -34,11 +34,11 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
-from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from ..generation.completions import generate_completions
 from ..inputs.prompts import tokenize_prompts
 from ..support import SamplerProcessing
+from .trl_async import RolloutSample
 
 
 # The reward functions' extra keyword arguments, as GRPOTrainer passes them (the dataset's other columns).

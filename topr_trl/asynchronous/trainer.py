@@ -19,6 +19,7 @@ run without CUDA.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import math
@@ -34,7 +35,6 @@ from transformers import PreTrainedConfig
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl.chat_template_utils import add_response_schema, qwen3_template
-from trl.experimental.async_grpo import AsyncGRPOTrainer
 
 from ..generation.vllm_server import BACKEND
 from ..generation.vllm_server.client import GlooWeightTransfer, server_weight_backend
@@ -48,6 +48,7 @@ from .config import AsyncTOPRConfig
 from .cpu import CPUSupport
 from .lagged_worker import LaggedRolloutWorker
 from .resume import RolloutLedger, describe_resume, read_rollout_state, write_rollout_state
+from .trl_async import AsyncGRPOTrainer
 
 
 logger = logging.get_logger(__name__)
@@ -251,6 +252,33 @@ class RepositionableWorker(Protocol):
     def resume_at(self, prompt_index: int, model_version: int) -> None: ...
 
 
+def derived_config(args: AsyncTOPRConfig, rollout_worker) -> AsyncTOPRConfig:
+    """The config the trainer runs with: the user's, or a shallow copy of it (not validated again: the user's already
+    was) where TRL would size a setting from something absent here; the user's own config is left as given.
+
+    - `max_inflight_tasks` unset with no staleness cap: TRL sizes it from max_staleness (inf here); TRL's default
+      pipeline depth is kept instead.
+    - `token_budget` unset with the CPU stand-in worker: TRL sizes it from the vLLM server's max_model_len, waiting
+      for a server the stand-in does not have (240 s, then a time-out); per_device_train_batch_size samples are
+      packed per row instead."""
+    derived = {}
+    if args.keeps_every_sample and args.max_inflight_tasks < 0:
+        derived["max_inflight_tasks"] = (
+            DEFAULT_PIPELINE_DEPTH
+            * args.per_device_train_batch_size
+            * args.gradient_accumulation_steps
+            * PartialState().num_processes
+        )
+    if args.token_budget is None and isinstance(rollout_worker, LaggedRolloutWorker):
+        derived["token_budget"] = 0
+    if not derived:
+        return args
+    run_config = copy.copy(args)
+    for name, value in derived.items():
+        setattr(run_config, name, value)
+    return run_config
+
+
 class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
     """
     Asynchronous TOPR: [`trl.experimental.async_grpo.AsyncGRPOTrainer`] with TOPR's loss and no stale sample thrown
@@ -276,22 +304,11 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
             )
         if needs_resolving(model):  # a .gguf file, or a packaged Hub id where the Hub cannot be reached
             model = resolve_model_source(model)
-        if args.keeps_every_sample and args.max_inflight_tasks < 0:
-            # TRL sizes this from max_staleness (inf here); keep its default depth instead
-            args.max_inflight_tasks = (
-                DEFAULT_PIPELINE_DEPTH
-                * args.per_device_train_batch_size
-                * args.gradient_accumulation_steps
-                * PartialState().num_processes
-            )
         if args.loss_type != "topr":  # the card and the model's tags name the loss that trains, never TOPR for another
             self._name, self._paper, self._tag_names = trained_method(args.loss_type)
         if kwargs.get("weight_transfer") is None and kwargs.get("rollout_worker") is None:
             kwargs["weight_transfer"] = gloo_weight_transfer(args)
-        if args.token_budget is None and isinstance(kwargs.get("rollout_worker"), LaggedRolloutWorker):
-            # TRL sizes an unset budget from the vLLM server's max_model_len, waiting for a server the stand-in worker
-            # does not have (240 s, then a time-out): pack per_device_train_batch_size samples per row instead
-            args.token_budget = 0
+        args = derived_config(args, kwargs.get("rollout_worker"))
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._loss_spec = args.policy_loss_spec
         # TRL's worker samples on vLLM; the CPU stand-in worker says how it samples
@@ -303,6 +320,7 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
             baseline = args.topr_baseline if args.topr_signal == "reward" else None
             assert not isinstance(baseline, str)  # a number: AsyncTOPRConfig refuses a mode
             # TRL types its attribute as the worker's queue; its RolloutQueueDataset reads only `get` and `qsize`
+            # SEAM: TRL's queue wrapped, so that each sample's staleness is read as the trainer takes it
             self.rollout_queue = ConsumedSamples(  # type: ignore[assignment]
                 self.rollout_queue,
                 lambda: self.model_version,
@@ -324,6 +342,7 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
         loader = super().get_train_dataloader()
         if self.accelerator.is_main_process:
             built = getattr(loader, "base_dataloader", loader)  # accelerate's adapter holds the DataLoader TRL built
+            # SEAM: TRL's collate function wrapped, so that the ledger learns which samples each step trains
             built.collate_fn = TrajectoryVersions(built.collate_fn, self.rollout_ledger)
         return loader
 
@@ -333,6 +352,7 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
         start), or None for a worker that cannot be repositioned."""
         if hasattr(self.rollout_worker, "resume_at"):
             return cast(RepositionableWorker, self.rollout_worker).start_prompt
+        # SEAM: TRL's worker says where it started only in its private loop arguments
         loop_kwargs = getattr(self.rollout_worker, "_loop_kwargs", None)
         return loop_kwargs.get("dataset_start_index", 0) if isinstance(loop_kwargs, dict) else None
 

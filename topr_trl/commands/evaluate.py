@@ -17,13 +17,13 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from ..config import check_choice
 from ..evaluation.runner import evaluate_model, json_safe, save_results
 from ..generation.completions import BACKENDS
 from ..inputs.sources import check_data_source, resolve_model_source
 from ..runtime.machine import describe_machine, machine_info
 from ..tasks.registry import BUILTIN_TASK, CUSTOM_TASK, ROW_COLUMN, TASKS
 from ..tasks.user_rewards import reporting_reward, resolve_reward, reward_classifier
+from ..validation import check_choice
 from .arguments import parse_command
 
 

@@ -86,58 +86,9 @@ def run_iterations(
             behaviour_path = str(folder / "model")
             continue
         started = time.time()
-        tokenizer = AutoTokenizer.from_pretrained(behaviour_path)
-        # the main process generates; the others then find every shard written and only load them
-        with PartialState().main_process_first():
-            try:
-                data = generation.generate_offline_dataset(
-                    behaviour_path,
-                    tokenizer,
-                    prompts,
-                    reward_funcs,
-                    folder / "data",
-                    num_completions=settings.num_completions,
-                    temperature=settings.temperature,
-                    top_p=settings.top_p,
-                    top_k=settings.top_k,
-                    max_new_tokens=settings.max_new_tokens,
-                    prompts_per_shard=settings.prompts_per_shard,
-                    backend=settings.backend,
-                    # mu samples from the prompt ids the trainer will replay (GRPOConfig's chat_template_kwargs)
-                    chat_template_kwargs=getattr(settings.train_args, "chat_template_kwargs", None),
-                    # the stored `reward` is what each iteration trains on: the weighted sum training would take
-                    reward_weights=getattr(settings.train_args, "reward_weights", None),
-                    dataset_name=settings.dataset_name,
-                )
-            except GeneratedWithOtherSettings as refusal:  # `iterate` has no --overwrite_output_dir: say its ways out
-                raise GeneratedWithOtherSettings(
-                    refusal.output_dir,
-                    refusal.changes,
-                    ways_out=f"use another output_dir, or delete {folder} to redo iteration {iteration} with these "
-                    "settings",
-                ) from None
+        data = _iteration_data(behaviour_path, prompts, reward_funcs, folder, iteration, settings)
         data, proportion = compose(data, settings.composition, target_proportion=settings.target_proportion)
-        grouped = settings.composition == "uniform"
-        if settings.train_args is not None:
-            args = copy.deepcopy(settings.train_args)
-            args.output_dir = str(folder / "train")
-            args.reward_weights = None  # applied at generation: the stored `reward` is already the weighted sum
-            if not grouped and args.topr_signal == "advantage":  # curated data has no whole groups: R - c
-                args.topr_signal = "reward"
-        else:
-            config = dict(
-                output_dir=str(folder / "train"),
-                save_strategy="steps",
-                save_steps=settings.save_steps,
-                num_generations=settings.num_completions,
-                max_completion_length=settings.max_new_tokens,
-                temperature=settings.temperature,
-                report_to="none",
-            )
-            if not grouped:  # curated data no longer has whole groups: the paper's R - c signal
-                config.update(topr_signal="reward", topr_baseline=0.0)
-            config.update(settings.train_overrides)
-            args = TOPRConfig(**config)
+        args = _iteration_config(settings, folder)
         trainer = TOPRTrainer(
             model=behaviour_path, reward_funcs=stored_reward, args=args, train_dataset=data, callbacks=callbacks
         )
@@ -168,6 +119,68 @@ def run_iterations(
         del trainer
         empty_caches()
     return summaries
+
+
+def _iteration_data(behaviour_path: str, prompts, reward_funcs, folder: Path, iteration: int, settings) -> Dataset:
+    """Iteration `iteration`'s offline dataset, sampled from mu = `behaviour_path` into `folder / "data"` (resumed
+    where shards are written)."""
+    tokenizer = AutoTokenizer.from_pretrained(behaviour_path)
+    # the main process generates; the others then find every shard written and only load them
+    with PartialState().main_process_first():
+        try:
+            return generation.generate_offline_dataset(
+                behaviour_path,
+                tokenizer,
+                prompts,
+                reward_funcs,
+                folder / "data",
+                num_completions=settings.num_completions,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                top_k=settings.top_k,
+                max_new_tokens=settings.max_new_tokens,
+                prompts_per_shard=settings.prompts_per_shard,
+                backend=settings.backend,
+                # mu samples from the prompt ids the trainer will replay (GRPOConfig's chat_template_kwargs)
+                chat_template_kwargs=getattr(settings.train_args, "chat_template_kwargs", None),
+                # the stored `reward` is what each iteration trains on: the weighted sum training would take
+                reward_weights=getattr(settings.train_args, "reward_weights", None),
+                dataset_name=settings.dataset_name,
+            )
+        except GeneratedWithOtherSettings as refusal:  # `iterate` has no --overwrite_output_dir: say its ways out
+            raise GeneratedWithOtherSettings(
+                refusal.output_dir,
+                refusal.changes,
+                ways_out=f"use another output_dir, or delete {folder} to redo iteration {iteration} with these "
+                "settings",
+            ) from None
+
+
+def _iteration_config(settings: IterationSettings, folder: Path) -> TOPRConfig:
+    """The config an iteration trains with: a copy of `settings.train_args` (else one built from `settings`) writing
+    into `folder / "train"`, with the paper's R - c signal where composed data has no whole groups."""
+    grouped = settings.composition == "uniform"
+    if settings.train_args is not None:
+        args = copy.deepcopy(settings.train_args)
+        args.output_dir = str(folder / "train")
+        args.reward_weights = None  # applied at generation: the stored `reward` is already the weighted sum
+        if not grouped and args.topr_signal == "advantage":  # curated data has no whole groups: R - c
+            args.topr_signal = "reward"
+    else:
+        config = dict(
+            output_dir=str(folder / "train"),
+            save_strategy="steps",
+            save_steps=settings.save_steps,
+            num_generations=settings.num_completions,
+            max_completion_length=settings.max_new_tokens,
+            temperature=settings.temperature,
+            report_to="none",
+        )
+        if not grouped:  # curated data no longer has whole groups: the paper's R - c signal
+            config.update(topr_signal="reward", topr_baseline=0.0)
+        config.update(settings.train_overrides)
+        args = TOPRConfig(**config)
+    return args
 
 
 def iteration_curves(output_dir: str | Path) -> tuple[dict, list[int]]:

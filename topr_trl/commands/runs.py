@@ -19,7 +19,7 @@ from accelerate import PartialState
 from transformers import AutoConfig, AutoTokenizer, TrainerCallback
 from trl import ModelConfig, get_peft_config
 
-from ..config import TOPRConfig, check_choice
+from ..config import TOPRConfig
 from ..generation.completions import BACKENDS
 from ..inputs.prompts import check_prompts_fit, model_positions, past_trained_context, rotary_context
 from ..inputs.sources import check_data_source, check_local_data
@@ -38,6 +38,7 @@ from ..runtime.machine import describe_machine, machine_info
 from ..tasks.loading import describe_accuracy, held_out_accuracy, load_task, task_evaluator
 from ..tasks.user_rewards import weighted_reward
 from ..trainer import TOPRTrainer
+from ..validation import check_choice
 from .arguments import GenerateScriptArguments, Invocation, IterateScriptArguments, TrainScriptArguments
 from .curves import logged_curves, plot_curves
 from .external_services import check_hub_push, check_trackers, check_vllm_server_mode, push_failure_reported
@@ -68,16 +69,7 @@ def train(
     asynchronous), saving the model, `topr_summary.json` and the curves in `training_args.output_dir`; returns the
     summary (`{"dry_run": True}` for a dry run). `invocation`: what the command line knew (None from Python)."""
     offline = script_args.offline_dataset is not None
-    refuse_unusable_output_dir(training_args.output_dir)  # before what the folder holds: the lock's line first
-    refuse_used_output_dir(
-        training_args.output_dir, script_args.overwrite_output_dir, bool(training_args.resume_from_checkpoint)
-    )
-    refuse_unresumable(training_args)
-    check_trackers(training_args.report_to)
-    if not script_args.dry_run:  # a dry run validates a recipe on a machine that may not reach the Hub or a GPU
-        check_hub_push(training_args)
-        check_vllm_server_mode(training_args)
-    check_data_source(script_args.offline_dataset, "--offline_dataset")
+    _check_training_run(script_args, training_args)
     # Loaded before any model is built, so that a wrong path fails at once.
     offline_data = offline_eval = None
     if offline and not script_args.dry_run:
@@ -109,22 +101,7 @@ def train(
         _asynchronous_config(script_args, training_args, model_args, eval_dataset) if script_args.asynchronous else None
     )
     if script_args.dry_run:
-        if offline and Path(script_args.offline_dataset).expanduser().is_file():  # empty or unreadable: fail now
-            check_local_data(
-                script_args.offline_dataset, script_args.dataset_train_split, what="offline dataset", one_split="train"
-            )
-        print(
-            f"[topr-trl] configuration valid: task={task} model={model or 'built-in tiny model'} "
-            f"loss_type={training_args.loss_type} limits={training_args.topr_limits} "
-            f"rewards={[f.__name__ for f in reward_funcs]} offline_dataset={script_args.offline_dataset} "
-            f"output_dir={training_args.output_dir}"
-            + (
-                f" asynchronous: max_staleness={async_args.max_staleness} pipeline_steps="
-                f"{script_args.async_pipeline_steps} lag={script_args.async_lag}"
-                if async_args
-                else ""
-            )
-        )
+        _say_dry_run(script_args, training_args, task, model, reward_funcs, async_args)
         return {"dry_run": True}
     if offline:
         train_dataset, eval_dataset = offline_data, offline_eval
@@ -156,59 +133,109 @@ def train(
                 eval_dataset=eval_dataset,
                 peft_config=get_peft_config(model_args),
             )
-        trainer.add_callback(LogLastStep())
-        quiet_unmeasured_metrics()
-        summary: dict = {"output_dir": output_dir, "model": model, "task": task, "machine": machine_info()}
-        say(f"measured on {describe_machine(summary['machine'])}")
-        if held_out is not None:
-            summary["held_out_problems"] = len(held_out)
-            summary["before"] = held_out_accuracy(trainer, held_out, task)
-            say(f"before training: {describe_accuracy(summary['before'], len(held_out))}")
-        interrupt = InterruptAtStepEnd()
-        trainer.add_callback(interrupt)
-        try:
-            with interrupt:
-                trainer.train(resume_from_checkpoint=checkpoint_to_resume(training_args))
-        except KeyboardInterrupt:
-            raise interrupted_run(output_dir, invocation) from None
-        except USER_ERRORS:  # a lost vLLM server: its one line starts on a line of its own, not after the progress bar
-            print(file=sys.stderr, flush=True)
-            raise
-        if held_out is not None:
-            summary["after"] = held_out_accuracy(trainer, held_out, task)
-            say(f"after training:  {describe_accuracy(summary['after'], len(held_out))}")
-        summary["steps"] = trainer.state.global_step
+        summary = _trained(trainer, training_args, invocation, model, task, held_out)
         if async_args is not None:
             summary["asynchronous"] = _asynchronous_summary(trainer)
-        summary["end_of_training"] = last_logged(trainer.state.log_history, SUMMARY_METRICS)
-        if summary["end_of_training"]:
-            say(
-                "at the end of training: "
-                + ", ".join(f"{key} {value:.4g}" for key, value in summary["end_of_training"].items())
-            )
-        trainer.save_state()  # trainer_state.json: every logged value, from which the curves can be redrawn
-        curves = None
-        if trainer.accelerator.is_main_process:
-            Path(output_dir).mkdir(parents=True, exist_ok=True)
-            (Path(output_dir) / "topr_summary.json").write_text(json.dumps(summary, indent=2))
-            curves = plot_curves(
-                logged_curves(trainer.state.log_history),
-                Path(output_dir) / "curves.png",
-                f"topr-trl train: {shown_path(output_dir)} ({training_args.loss_type})",
-            )
-        with push_failure_reported(output_dir, training_args.push_to_hub):
-            trainer.save_model(output_dir)  # under --push_to_hub, TrainingArguments' save_model pushes the folder
-            if not training_args.push_to_hub:  # (push_to_hub writes the card itself, naming the dataset too)
-                data = script_args.offline_dataset or script_args.dataset_name
-                if async_args is not None and data and Path(data).expanduser().exists():
-                    data = None  # TRL's card would link a local path to the Hub; TOPRTrainer's names it as a path
-                trainer.create_model_card(dataset_name=data)
-            say(f"model and summary saved to {shown_path(output_dir)}")
-            if curves:
-                say(f"curves drawn to {shown_path(curves)} (TensorBoard: --report_to)")
-            if training_args.push_to_hub:
-                trainer.push_to_hub(dataset_name=script_args.offline_dataset or script_args.dataset_name)
+        _save_training_run(trainer, summary, script_args, training_args, asynchronous=async_args is not None)
     return summary
+
+
+def _check_training_run(script_args: TrainScriptArguments, training_args: TOPRConfig) -> None:
+    """The refusals `train` makes before it reads any data: the output folder, the trackers, the Hub push and the
+    vLLM server (not in a dry run, which validates a recipe on a machine that may reach neither), the data path."""
+    refuse_unusable_output_dir(training_args.output_dir)  # before what the folder holds: the lock's line first
+    refuse_used_output_dir(
+        training_args.output_dir, script_args.overwrite_output_dir, bool(training_args.resume_from_checkpoint)
+    )
+    refuse_unresumable(training_args)
+    check_trackers(training_args.report_to)
+    if not script_args.dry_run:
+        check_hub_push(training_args)
+        check_vllm_server_mode(training_args)
+    check_data_source(script_args.offline_dataset, "--offline_dataset")
+
+
+def _say_dry_run(script_args, training_args: TOPRConfig, task, model, reward_funcs, async_args) -> None:
+    """A dry run's line: the recipe it validated (an empty or unreadable offline file fails here first)."""
+    if script_args.offline_dataset and Path(script_args.offline_dataset).expanduser().is_file():
+        check_local_data(
+            script_args.offline_dataset, script_args.dataset_train_split, what="offline dataset", one_split="train"
+        )
+    asynchronous = (
+        f" asynchronous: max_staleness={async_args.max_staleness} pipeline_steps="
+        f"{script_args.async_pipeline_steps} lag={script_args.async_lag}"
+        if async_args
+        else ""
+    )
+    print(
+        f"[topr-trl] configuration valid: task={task} model={model or 'built-in tiny model'} "
+        f"loss_type={training_args.loss_type} limits={training_args.topr_limits} "
+        f"rewards={[f.__name__ for f in reward_funcs]} offline_dataset={script_args.offline_dataset} "
+        f"output_dir={training_args.output_dir}" + asynchronous
+    )
+
+
+def _trained(trainer, training_args: TOPRConfig, invocation: Invocation | None, model, task, held_out) -> dict:
+    """Train `trainer` (interruptible at a step's end, resumable), with the held-out accuracy before and after where
+    the task has held-out problems; returns the run's summary."""
+    trainer.add_callback(LogLastStep())
+    quiet_unmeasured_metrics()
+    output_dir = training_args.output_dir
+    summary: dict = {"output_dir": output_dir, "model": model, "task": task, "machine": machine_info()}
+    say(f"measured on {describe_machine(summary['machine'])}")
+    if held_out is not None:
+        summary["held_out_problems"] = len(held_out)
+        summary["before"] = held_out_accuracy(trainer, held_out, task)
+        say(f"before training: {describe_accuracy(summary['before'], len(held_out))}")
+    interrupt = InterruptAtStepEnd()
+    trainer.add_callback(interrupt)
+    try:
+        with interrupt:
+            trainer.train(resume_from_checkpoint=checkpoint_to_resume(training_args))
+    except KeyboardInterrupt:
+        raise interrupted_run(output_dir, invocation) from None
+    except USER_ERRORS:  # a lost vLLM server: its one line starts on a line of its own, not after the progress bar
+        print(file=sys.stderr, flush=True)
+        raise
+    if held_out is not None:
+        summary["after"] = held_out_accuracy(trainer, held_out, task)
+        say(f"after training:  {describe_accuracy(summary['after'], len(held_out))}")
+    summary["steps"] = trainer.state.global_step
+    return summary
+
+
+def _save_training_run(trainer, summary: dict, script_args, training_args: TOPRConfig, asynchronous: bool) -> None:
+    """The end of a run: the last logged metrics into `summary`, the trainer state, topr_summary.json and the curves
+    (main process), the model and its card, and the push to the Hub where asked."""
+    output_dir = training_args.output_dir
+    summary["end_of_training"] = last_logged(trainer.state.log_history, SUMMARY_METRICS)
+    if summary["end_of_training"]:
+        say(
+            "at the end of training: "
+            + ", ".join(f"{key} {value:.4g}" for key, value in summary["end_of_training"].items())
+        )
+    trainer.save_state()  # trainer_state.json: every logged value, from which the curves can be redrawn
+    curves = None
+    if trainer.accelerator.is_main_process:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(output_dir) / "topr_summary.json").write_text(json.dumps(summary, indent=2))
+        curves = plot_curves(
+            logged_curves(trainer.state.log_history),
+            Path(output_dir) / "curves.png",
+            f"topr-trl train: {shown_path(output_dir)} ({training_args.loss_type})",
+        )
+    with push_failure_reported(output_dir, training_args.push_to_hub):
+        trainer.save_model(output_dir)  # under --push_to_hub, TrainingArguments' save_model pushes the folder
+        if not training_args.push_to_hub:  # (push_to_hub writes the card itself, naming the dataset too)
+            data = script_args.offline_dataset or script_args.dataset_name
+            if asynchronous and data and Path(data).expanduser().exists():
+                data = None  # TRL's card would link a local path to the Hub; TOPRTrainer's names it as a path
+            trainer.create_model_card(dataset_name=data)
+        say(f"model and summary saved to {shown_path(output_dir)}")
+        if curves:
+            say(f"curves drawn to {shown_path(curves)} (TensorBoard: --report_to)")
+        if training_args.push_to_hub:
+            trainer.push_to_hub(dataset_name=script_args.offline_dataset or script_args.dataset_name)
 
 
 def generate(
@@ -277,17 +304,22 @@ def generate(
             command_line=True,
             ways_out="pass another --output_dir, or --overwrite_output_dir true to delete it and generate again",
         ) from None
+    return _generation_summary(dataset, len(prompts), script_args.output_dir)
+
+
+def _generation_summary(dataset, num_prompts: int, output_dir: str) -> dict:
+    """What `generate` made (rows, prompts, p, the truncated share, the machine), said in one line."""
     summary = {
         "rows": len(dataset),
-        "prompts": len(prompts),
+        "prompts": num_prompts,
         "proportion_of_positives": proportion_of_positives(dataset),
         "truncated_fraction": sum(dataset["truncated"]) / len(dataset),
-        "output_dir": script_args.output_dir,
+        "output_dir": output_dir,
         "machine": machine_info(),
     }
     print(
         f"[topr-trl] generated {summary['rows']} completions for {summary['prompts']} prompts into "
-        f"{script_args.output_dir}: p={summary['proportion_of_positives']:.3f} (share of positive rewards), "
+        f"{output_dir}: p={summary['proportion_of_positives']:.3f} (share of positive rewards), "
         f"truncated {summary['truncated_fraction']:.3f}; on {describe_machine(summary['machine'])}",
         flush=True,
     )
@@ -335,6 +367,41 @@ def iterate(
         train_args=training_args,
         dataset_name=script_args.dataset_name or f"built-in {task} task",  # recorded with each iteration's data
     )
+    held_out, evaluate, unmeasured = _iteration_measure(
+        script_args, training_args, task, prompts, held_out, reward_funcs
+    )
+    quiet_unmeasured_metrics()
+    try:
+        with removed_if_left_empty(training_args.output_dir), output_dir_lock(training_args.output_dir):
+            summaries = run_iterations(
+                model,
+                prompts,
+                reward_funcs,
+                training_args.output_dir,
+                iteration_settings,
+                evaluate=evaluate,
+                callbacks=[LogLastStep()],
+            )
+    except KeyboardInterrupt:
+        raise interrupted(
+            f"finished iterations and the current one's checkpoints are kept in "
+            f"{shown_path(training_args.output_dir)}: {rerun('iterate', invocation)} to resume"
+        ) from None
+    except GeneratedWithOtherSettings as refusal:  # named as the flags the user types
+        raise GeneratedWithOtherSettings(
+            refusal.output_dir,
+            refusal.changes,
+            command_line=True,
+            ways_out=f"pass another --output_dir, or delete {shown_path(refusal.output_dir.parent)} to redo that "
+            "iteration with these settings",
+        ) from None
+    _report_iterations(summaries, training_args.output_dir, held_out, evaluate is not None, unmeasured)
+    return summaries
+
+
+def _iteration_measure(script_args, training_args: TOPRConfig, task, prompts, held_out, reward_funcs):
+    """The held-out problems `iterate` measures each iteration on, the measure, and the line saying why there is none
+    (None when there is): a built-in task's own measure; the user's data's test split, scored by its rewards."""
     evaluate, unmeasured = (task_evaluator(task, held_out) if held_out is not None else None), None
     if task == "custom":  # the user's data: measured on its held-out split, when it has one
         held_out, unmeasured = load_test_prompts(
@@ -374,38 +441,18 @@ def iterate(
             f"`topr-trl evaluate --task {task} --model_name_or_path "
             f"{shown_path(training_args.output_dir)}/iteration-000/model`"
         )
-    quiet_unmeasured_metrics()
-    try:
-        with removed_if_left_empty(training_args.output_dir), output_dir_lock(training_args.output_dir):
-            summaries = run_iterations(
-                model,
-                prompts,
-                reward_funcs,
-                training_args.output_dir,
-                iteration_settings,
-                evaluate=evaluate,
-                callbacks=[LogLastStep()],
-            )
-    except KeyboardInterrupt:
-        raise interrupted(
-            f"finished iterations and the current one's checkpoints are kept in "
-            f"{shown_path(training_args.output_dir)}: {rerun('iterate', invocation)} to resume"
-        ) from None
-    except GeneratedWithOtherSettings as refusal:  # named as the flags the user types
-        raise GeneratedWithOtherSettings(
-            refusal.output_dir,
-            refusal.changes,
-            command_line=True,
-            ways_out=f"pass another --output_dir, or delete {shown_path(refusal.output_dir.parent)} to redo that "
-            "iteration with these settings",
-        ) from None
+    return held_out, evaluate, unmeasured
+
+
+def _report_iterations(summaries: list[dict], output_dir: str, held_out, measured: bool, unmeasured) -> None:
+    """Each iteration's line (p, held-out accuracy before and after where `measured`) and the curves of them all."""
     problems = len(held_out) if held_out is not None else 0
     say(f"measured on {describe_machine()}")
     if unmeasured:
         say(unmeasured)
     for index, summary in enumerate(summaries):
         line = f"iteration {summary['iteration']}: p={summary['proportion_of_positives']:.3f}"
-        if evaluate is not None:  # mu_i = pi_{i-1}: an iteration starts where the previous one ended
+        if measured:  # mu_i = pi_{i-1}: an iteration starts where the previous one ended
             before = summary.get("evaluation_before") or (summaries[index - 1].get("evaluation") if index else None)
             line += (
                 f"; before: {describe_accuracy(before, problems)}; after: "
@@ -413,16 +460,15 @@ def iterate(
             )
         say(line)
     if PartialState().is_main_process:
-        curves, boundaries = iteration_curves(training_args.output_dir)
+        curves, boundaries = iteration_curves(output_dir)
         drawn = plot_curves(
             curves,
-            Path(training_args.output_dir) / "curves.png",
-            f"topr-trl iterate: {shown_path(training_args.output_dir)} (dashed: a new iteration)",
+            Path(output_dir) / "curves.png",
+            f"topr-trl iterate: {shown_path(output_dir)} (dashed: a new iteration)",
             boundaries,
         )
         if drawn:
             say(f"curves of every iteration drawn to {shown_path(drawn)}")
-    return summaries
 
 
 # ---------------------------------------------------------------------------------------------- checks

@@ -79,5 +79,6 @@ def use_cpu_weight_reload(generation) -> bool:
     generation, so the instance's method is the one seam; TRL's class is left as it is."""
     if generation.mode != "colocate" or not vllm_runs_on_cpu():
         return False
+    # SEAM: the colocated generation's own method replaced on this instance; TRL's class is untouched
     generation.sync_weights = partial(reload_colocated_weights, generation)
     return True

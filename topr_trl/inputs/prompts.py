@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import SimpleNamespace
 
-from trl import GRPOTrainer
 from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
+from trl.data_utils import is_conversational
 
 
 def check_prompt_columns(datasets: dict) -> None:
@@ -36,28 +35,31 @@ def tokenize_prompts(
     tools: Sequence[Callable] | None = None,
     chat_template: str | None = None,
 ) -> list[list[int]]:
-    """The token ids of each prompt exactly as GRPOTrainer tokenizes it for generation: TRL's own
-    `GRPOTrainer._tokenize_prompts`, run on `tokenizer` with GRPOConfig's `chat_template_kwargs` and the trainer's
-    `tools` (plain-text prompts get the tokenizer's special tokens, e.g. BOS; conversational ones the chat template
-    with the generation prompt). `chat_template`: the trainer's override (`trainer.chat_template`); by default the
-    one GRPOTrainer would pick for these tools. Text-only: images in prompts are not supported here."""
-    tools = list(tools or [])
-    if chat_template is None and tools:
-        if not is_chat_template_prefix_preserving(tokenizer):  # GRPOTrainer swaps in the same template
-            chat_template = get_training_chat_template(tokenizer)
-    # MIRROR of the attributes TRL 1.16's `GRPOTrainer._tokenize_prompts` reads, as GRPOTrainer sets them for a
-    # text-only model without environments: TRL's method runs on this view (docs/copies.md; held by
-    # tests/test_offline_sources.py against a real trainer's tokenization).
-    trainer_view = SimpleNamespace(
-        processing_class=tokenizer,
-        tools=tools,
+    """The token ids of each prompt exactly as GRPOTrainer tokenizes it for generation, with GRPOConfig's
+    `chat_template_kwargs` and the trainer's `tools`: plain-text prompts get the tokenizer's special tokens (e.g.
+    BOS), conversational ones the chat template with the generation prompt. `chat_template`: the trainer's override
+    (`trainer.chat_template`); by default the one GRPOTrainer would pick for these tools. Text-only: images in
+    prompts are not supported here.
+
+    MIRROR of the text-only branch of TRL 1.16's `GRPOTrainer._tokenize_prompts` (no environments, no images; see
+    docs/copies.md), held against a real trainer's tokenization by tests/test_offline_sources.py."""
+    prompts, tools = list(prompts), list(tools or [])
+    if not prompts:
+        return []
+    if not is_conversational({"prompt": prompts[0]}):
+        return [list(ids) for ids in tokenizer(text=prompts)["input_ids"]]
+    if chat_template is None and tools and not is_chat_template_prefix_preserving(tokenizer):
+        chat_template = get_training_chat_template(tokenizer)  # GRPOTrainer swaps in the same template
+    tokenized = tokenizer.apply_chat_template(
+        conversation=prompts,
+        tools=tools or None,  # as TRL: a Llama template renders tool boilerplate for tools=[]
         chat_template=chat_template,
-        chat_template_kwargs=dict(chat_template_kwargs or {}),
-        _is_vlm=False,
-        environment_factories=None,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        **dict(chat_template_kwargs or {}),
     )
-    prompt_ids, _, _ = GRPOTrainer._tokenize_prompts(trainer_view, list(prompts))
-    return [list(ids) for ids in prompt_ids]
+    return [list(ids) for ids in tokenized["input_ids"]]
 
 
 def model_positions(config) -> int | None:

@@ -16,6 +16,7 @@ import json
 import math
 import shutil
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,10 +26,10 @@ from datasets import Dataset, concatenate_datasets, load_from_disk
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
-from ..config import check_choice
 from ..generation.completions import BACKENDS, free_vllm_memory, make_vllm_engine, vllm_available
 from ..inputs.sources import load_data_source, looks_like_local_data
 from ..runtime.distributed import outside_zero3_construction
+from ..validation import check_choice
 from .rollout import sample_with_logps, sample_with_logps_vllm
 from .schema import check_reward_values
 
@@ -355,11 +356,10 @@ def generate_offline_dataset(
     `chat_template_kwargs` (and `tools`) so that mu is conditioned as pi will be. The ids are stored as
     `prompt_ids`, and TOPRTrainer trains on them as stored.
 
-    Defaults follow the paper (temperature 1; it uses top_k=500 and 512 new tokens). A shard is written
-    atomically once all its prompts are done, so an interrupted run restarted with the same arguments
-    resumes after the last complete shard: no row is lost or duplicated. Returns the whole dataset, which is
-    also pushed to the Hub repository `push_to_hub` when given (credentials from `huggingface-cli login` or
-    HF_TOKEN; never printed).
+    Defaults follow the paper (temperature 1; it uses top_k=500 and 512 new tokens). A shard is written atomically
+    once all its prompts are done, so an interrupted run restarted with the same arguments resumes after the last
+    complete shard: no row is lost or duplicated. Returns the whole dataset, also pushed to the Hub repository
+    `push_to_hub` when given (credentials from `huggingface-cli login` or HF_TOKEN; never printed).
 
     `output_dir/manifest.json` records what defines the data: the model (`model_identity`: path or Hub id, Hub
     commit, digest of its weights), the prompts (`dataset_name`, their number and `prompts_digest`), the reward
@@ -371,76 +371,107 @@ def generate_offline_dataset(
     check_choice("backend", backend, BACKENDS)
     if backend == "auto":
         backend = "vllm" if vllm_available() else "transformers"
-    given_model = model
     if backend == "vllm":
         prompts_per_batch = prompts_per_shard  # vLLM schedules a whole shard at once
-    sampler = None  # loaded when a shard needs it: a resumed or finished generation (other ranks) loads no model
-    reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
-    weights = list(reward_weights) if reward_weights is not None else [1.0] * len(reward_funcs)
-    if len(weights) != len(reward_funcs):
-        raise ValueError(f"{len(weights)} reward_weights for {len(reward_funcs)} reward functions")
+    reward_funcs, weights = _weighted_rewards(reward_funcs, reward_weights)
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    known_digests = _recorded_file_digests(output_dir)
-    settings = generation_settings(
-        model_identity(model, known_digests),
-        dataset_name,
-        prompts,
-        reward_funcs,
-        weights,
-        tools,
-        num_completions=num_completions,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        max_new_tokens=max_new_tokens,
-        backend=backend,
-        seed=seed,
-        chat_template_kwargs=chat_template_kwargs,
-        prompts_per_shard=prompts_per_shard,
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
+    defining = dict(sampling, backend=backend, seed=seed, chat_template_kwargs=chat_template_kwargs)
+    defining.update(num_completions=num_completions, prompts_per_shard=prompts_per_shard)
+    _claim_folder(output_dir, overwrite, model, dataset_name, prompts, reward_funcs, weights, tools, **defining)
+    shards = ShardPlan(output_dir, prompts_per_shard, prompts_per_batch, num_completions, show_progress)
+    loaded_here = _write_shards(
+        shards, model, backend, seed, tokenizer, prompts, reward_funcs, weights, sampling, chat_template_kwargs, tools
     )
-    _checked_manifest(output_dir, settings, known_digests, overwrite)
-
-    num_shards = math.ceil(len(prompts) / prompts_per_shard)
-    progress = tqdm(total=len(prompts), desc="generating", unit="prompt", disable=not show_progress)
-    for shard in range(num_shards):
-        start, stop = shard * prompts_per_shard, min((shard + 1) * prompts_per_shard, len(prompts))
-        shard_dir = output_dir / f"shard-{shard:05d}"
-        if shard_dir.exists():
-            progress.update(stop - start)
-            continue
-        if sampler is None:
-            model, sampler = _load_sampler(model, backend, seed)
-        rows = sample_rows(
-            sampler,
-            model,
-            tokenizer,
-            prompts.select(range(start, stop)),
-            num_completions,
-            prompts_per_batch,
-            first_index=start,
-            progress=progress,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            max_new_tokens=max_new_tokens,
-            chat_template_kwargs=chat_template_kwargs,
-            tools=tools,
-        )
-        score_rows(rows, reward_funcs, weights)
-        temporary = output_dir / f".shard-{shard:05d}.tmp"
-        shutil.rmtree(temporary, ignore_errors=True)
-        Dataset.from_list(rows).save_to_disk(str(temporary))
-        temporary.rename(shard_dir)  # atomic: a shard directory is either complete or absent
-    progress.close()
-    if model is not given_model:  # loaded here, so released here; a model or engine passed in stays the caller's
-        model = None
-        if backend == "vllm":
-            free_vllm_memory()
+    if loaded_here and backend == "vllm":  # an engine built here is released here; one passed in stays the caller's
+        free_vllm_memory()
     dataset = load_offline_dataset(output_dir)
     if push_to_hub:
         dataset.push_to_hub(push_to_hub, private=private)
     return dataset
+
+
+def _claim_folder(
+    output_dir: Path, overwrite: bool, model, dataset_name, prompts, reward_funcs, weights, tools, **fields
+):
+    """Create `output_dir` and check (or write) its manifest: what defines the data (`generation_settings`) must be
+    what the folder recorded, else `GeneratedWithOtherSettings` (or, with `overwrite`, the earlier data deleted)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    known_digests = _recorded_file_digests(output_dir)
+    settings = generation_settings(
+        model_identity(model, known_digests), dataset_name, prompts, reward_funcs, weights, tools, **fields
+    )
+    _checked_manifest(output_dir, settings, known_digests, overwrite)
+
+
+def _weighted_rewards(reward_funcs, reward_weights) -> tuple[list[Callable], list[float]]:
+    """The reward functions as a list, and one weight each (1 where none are given)."""
+    reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
+    weights = list(reward_weights) if reward_weights is not None else [1.0] * len(reward_funcs)
+    if len(weights) != len(reward_funcs):
+        raise ValueError(f"{len(weights)} reward_weights for {len(reward_funcs)} reward functions")
+    return reward_funcs, weights
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Where and how `generate_offline_dataset` writes its shards: `prompts_per_shard` prompts each, sampled
+    `prompts_per_batch` at a time with `num_completions` completions per prompt."""
+
+    output_dir: Path
+    prompts_per_shard: int
+    prompts_per_batch: int
+    num_completions: int
+    show_progress: bool
+
+
+def _write_shards(
+    plan: ShardPlan,
+    model,
+    backend,
+    seed,
+    tokenizer,
+    prompts,
+    reward_funcs,
+    weights,
+    sampling,
+    chat_template_kwargs,
+    tools,
+) -> bool:
+    """Sample, score and write every shard not yet on disk, each atomically (a shard directory is either complete or
+    absent); mu is loaded only when a shard needs it (a resumed or finished generation loads no model). Returns
+    whether a model or engine was loaded here (and so is the caller's to release)."""
+    sampler, loaded = None, model
+    num_shards = math.ceil(len(prompts) / plan.prompts_per_shard)
+    progress = tqdm(total=len(prompts), desc="generating", unit="prompt", disable=not plan.show_progress)
+    for shard in range(num_shards):
+        start, stop = shard * plan.prompts_per_shard, min((shard + 1) * plan.prompts_per_shard, len(prompts))
+        shard_dir = plan.output_dir / f"shard-{shard:05d}"
+        if shard_dir.exists():
+            progress.update(stop - start)
+            continue
+        if sampler is None:
+            loaded, sampler = _load_sampler(model, backend, seed)
+        rows = sample_rows(
+            sampler,
+            loaded,
+            tokenizer,
+            prompts.select(range(start, stop)),
+            plan.num_completions,
+            plan.prompts_per_batch,
+            first_index=start,
+            progress=progress,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+            **sampling,
+        )
+        score_rows(rows, reward_funcs, weights)
+        temporary = plan.output_dir / f".shard-{shard:05d}.tmp"
+        shutil.rmtree(temporary, ignore_errors=True)
+        Dataset.from_list(rows).save_to_disk(str(temporary))
+        temporary.rename(shard_dir)
+    progress.close()
+    return loaded is not model
 
 
 def generation_settings(

@@ -141,6 +141,7 @@ class OfflineReplay:
         to these rows. GRPOTrainer's one seam for completions it does not generate is `rollout_func(prompts,
         trainer)`, which sees the prompts only, so the rows travel in the bound function; the user's generator is back
         when the call returns or raises."""
+        # SEAM: rollout_func sees the prompts only, so the stored rows travel in a function bound for one call
         generator = self.rollout_func
         self.rollout_func = lambda prompts, trainer: replayed_rollout(rows, prompts, trainer)
         try:

@@ -15,12 +15,12 @@ from pathlib import Path
 
 from accelerate import PartialState
 
-from ..config import check_choice
 from ..inputs.prompts import has_chat_template, untemplated_conversation
 from ..inputs.sources import check_data_source, check_local_data, load_data_source, resolve_model_source
 from ..offline.held_out import reward_evaluator
 from ..runtime.distributed import evaluate_policy, outside_zero3_construction, say
 from ..runtime.machine import describe_machine
+from ..validation import check_choice
 from .registry import BUILTIN_TASK, CUSTOM_TASK, TASKS, builtin_task_names, no_held_out_split, training_task_names
 from .user_rewards import reporting_reward, resolve_reward
 
