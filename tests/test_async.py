@@ -973,7 +973,7 @@ def test_the_resume_position_passes_dropped_groups_and_stops_at_a_split_one():
     assert ledger.resume_position(4) == ResumePosition(group=5, left_behind=2, trained_again=2)
 
 
-def test_the_documented_python_path_without_a_server_runs_as_written(tmp_path, monkeypatch):
+def test_the_documented_python_path_without_a_server_runs_as_written(tmp_path, monkeypatch, capfd):
     """docs/asynchronous.md's block under "Without a server", run as it is written with `model`, `prompts` and
     `my_reward` a user's: before, `token_budget` unset made TRL wait 240 s for a vLLM server, then time out. The
     trainer runs on a derived config; the user's is left as written."""
@@ -990,3 +990,6 @@ def test_the_documented_python_path_without_a_server_runs_as_written(tmp_path, m
     assert namespace["trainer"].state.global_step == 2
     assert namespace["trainer"].args.token_budget == 0 and time.monotonic() - started < 120
     assert namespace["args"].token_budget is None
+    printed = capfd.readouterr().err
+    # TRL's duplicate-callback notice (the list of every callback) and transformers' deprecations of TRL's names
+    assert "there is already one" not in printed and "gradient_checkpointing" not in printed

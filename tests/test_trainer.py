@@ -2,6 +2,7 @@
 
 import logging
 import math
+import os
 
 import pytest
 import torch
@@ -508,3 +509,30 @@ def test_a_dataset_without_a_prompt_column_is_refused_at_construction_naming_its
         message = str(refusal.value)
         assert message.startswith(f"{name} has no 'prompt' column (its columns: question, answer)"), message
         assert f"{name}.rename_column('question', 'prompt')" in message and "\n" not in message
+
+
+def test_a_python_run_prints_none_of_trls_deprecation_or_deepspeed_noise(tiny_model_path, tmp_path):
+    """A user's script: config, trainer, one step, in a fresh process. transformers 5 deprecates the
+    `gradient_checkpointing` names TRL 1.16 still uses (its GRPOConfig default, its generation context) and DeepSpeed
+    logs its guess of the CPU: before, four such lines on every run; now none, while a warning of the user's own
+    still shows."""
+    import subprocess
+    import sys
+
+    script = f"""
+import warnings
+from datasets import Dataset
+from topr_trl import TOPRConfig, TOPRTrainer
+args = TOPRConfig({str(tmp_path)!r}, per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
+                  max_steps=1, report_to="none", save_strategy="no", use_cpu=True)
+prompts = Dataset.from_dict({{"prompt": ["1+1=", "2+2=", "3+3=", "4+4="]}})
+TOPRTrainer({tiny_model_path!r}, lambda completions, **kwargs: [1.0] * len(completions), args=args,
+            train_dataset=prompts).train()
+warnings.warn("the user's own", FutureWarning)
+"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("DS_ACCELERATOR", None)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "gradient_checkpointing" not in run.stderr and "Setting accelerator" not in run.stderr, run.stderr
+    assert "the user's own" in run.stderr

@@ -202,3 +202,73 @@ def test_completions_past_a_rotary_models_trained_context_are_said_in_one_line(m
     assert f"lower --max_completion_length to {512 - longest} to stay within it" in said[0]
     main([*run[:4], "within", *ONE_STEP, "--max_completion_length", str(512 - longest)])
     assert "the model was trained on" not in capsys.readouterr().out
+
+
+def made_folder(tmp_path_factory, arch: str) -> Path:
+    if not MAKER.is_file():
+        pytest.skip(f"the shared user-folder tool is not beside the repository ({MAKER})")
+    folder = tmp_path_factory.mktemp(arch)
+    subprocess.run(
+        [sys.executable, str(MAKER), str(folder), "--arch", arch], check=True, capture_output=True, timeout=600
+    )
+    return folder
+
+
+@pytest.fixture(scope="module")
+def mixtral_folder(tmp_path_factory) -> Path:
+    """A user's Mixture-of-Experts model, Mixtral with `output_router_logits` on (its config's default here)."""
+    return made_folder(tmp_path_factory, "mixtral")
+
+
+def test_a_mixtral_returning_router_logits_generates_trains_and_evaluates(mixtral_folder, monkeypatch):
+    """Mixtral's router loss cannot be computed for a cached generation step over left-padded prompts (transformers
+    raises a shape error in `load_balancing_loss_func`): before, `generate` and `evaluate` stopped at the first batch
+    and online `train` at the first batch with prompts of several lengths (8 here). Generation now skips the router
+    logits it never reads; training's forward keeps them, so the auxiliary loss still trains the router."""
+    import json
+    import math
+
+    work_in(mixtral_folder, monkeypatch)
+    assert json.loads((mixtral_folder / "my-model" / "config.json").read_text())["output_router_logits"] is True
+    data = ["--dataset_name", "data/prompts.jsonl", "--reward_funcs", "my_rewards:correctness"]
+    main(["generate", "--model_name_or_path", "my-model", *data, "--num_generations", "4", "--max_prompts", "8",
+          "--max_completion_length", "16", "--output_dir", "generated"])  # fmt: skip
+    assert len(list((mixtral_folder / "generated").glob("shard-*"))) == 1
+    main(["train", "--model_name_or_path", "my-model", *data, "--per_device_train_batch_size", "8",
+          "--num_generations", "4", "--max_completion_length", "16", "--max_steps", "2", "--topr_unscored_batch",
+          "train", "--output_dir", "trained"])  # fmt: skip
+    state = json.loads((mixtral_folder / "trained" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and all(
+        math.isfinite(entry["loss"]) for entry in state["log_history"] if "loss" in entry
+    )
+    main(["evaluate", "--model_name_or_path", "trained", *data, "--limit", "8", "--num_samples", "2", "--k", "1",
+          "--max_new_tokens", "16", "--no_plot", "--no_progress", "--output_dir", "evaluated"])  # fmt: skip
+    assert json.loads((mixtral_folder / "evaluated" / "results.json").read_text())["summary"]["num_prompts"] == 8
+
+
+def test_asynchronous_training_of_a_model_without_sdpa_is_refused_in_one_line(tmp_path_factory, monkeypatch, capsys):
+    """Gemma2 (its attention soft-caps the logits) has no SDPA attention in transformers, which the asynchronous
+    trainer's packed forward runs on without CUDA: before, transformers' advice to load it with "eager" attention,
+    which cannot help; now one line naming the way that works, before any step."""
+    work_in(made_folder(tmp_path_factory, "gemma2"), monkeypatch)
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--asynchronous", "true", "--model_name_or_path", "my-model", *ONE_STEP, "--output_dir", "run"])
+    message = str(stop.value)
+    assert "Gemma2ForCausalLM" in message and "without --asynchronous" in message and "eager" not in message
+    assert len(message.splitlines()) == 1
+    assert not (Path("run") / "trainer_state.json").exists()
+
+
+def test_the_held_out_word_problem_measure_shows_its_progress(tmp_path_factory, capfd):
+    """The real-model run's held-out measure (sampled, then greedy) takes minutes on a CPU: before, nothing was printed
+    meanwhile; now a bar of samples done and time left, for each of the two passes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from topr_trl.tasks.word_problems import make_word_problems, measure_word_problems
+
+    folder = made_folder(tmp_path_factory, "qwen2") / "my-model"
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    result = measure_word_problems(model, tokenizer, make_word_problems(3, "test"), num_samples=2)
+    bars = [line for line in capfd.readouterr().err.replace("\r", "\n").splitlines() if line.startswith("evaluate")]
+    assert result["num_problems"] == 3
+    assert any("6/6" in bar for bar in bars) and any("3/3" in bar for bar in bars), bars

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, cast
 from trl import GRPOConfig
 
 from .loss import AGGREGATIONS, POLICY_LOSSES, RATIO_LEVELS, TRL_LOSS_TYPES, PolicyLossSpec, TruncationLimits
+from .runtime.noise import quiet_trl_deprecations
 from .validation import (
     BEHAVIOUR_SOURCES,
     FIELD_CHECKS,
@@ -227,7 +228,8 @@ class TOPRConfig(TOPRFields, GRPOConfig):
         check_before_trl_config(self, loss_types())
         generation_batch_set = self.generation_batch_size is not None or self.steps_per_generation is not None
         try:
-            super().__post_init__()
+            with quiet_trl_deprecations():  # GRPOConfig's own default trips transformers' deprecation
+                super().__post_init__()
         except ValueError:
             explain_generation_batch(self, generation_batch_set)
             raise

@@ -13,6 +13,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
 from .config import TOPRConfig, topr_setting
+from .generation.completions import generate_without_router_logits
 from .generation.vllm_colocate import use_cpu_weight_reload
 from .inputs.packaged_models import converted_source, packaged_hub_id
 from .inputs.prompts import check_prompt_columns
@@ -20,6 +21,7 @@ from .inputs.sources import needs_resolving, resolve_model_source
 from .loss import POLICY_LOSSES, baseline_for_target_share, policy_per_token_loss, reads_the_ratio, reward_signal
 from .offline.replay import OfflineReplay, prepare_replayed_datasets
 from .offline.schema import checked_reward_function, is_offline_dataset
+from .runtime.noise import quiet_trl_deprecations, tell_deepspeed_the_cpu
 from .support.scoring import completion_processed_log_probs
 from .training.checkpoint_weights import CheckpointWeights
 from .training.grpo_mirror import GRPOLossMirror
@@ -122,7 +124,9 @@ class TOPRTrainer(  # type: ignore[misc]
         # is given a copy of the config that says "no vLLM", and the gloo client is connected below; the trainer then
         # holds the user's own config, untouched.
         # SEAM: GRPOTrainer connects to a server by NCCL in its constructor; see docs/copies.md
-        super().__init__(model, reward_funcs, args=without_vllm(args) if gloo_server else args, **kwargs)
+        tell_deepspeed_the_cpu()
+        with quiet_trl_deprecations():
+            super().__init__(model, reward_funcs, args=without_vllm(args) if gloo_server else args, **kwargs)
         if gloo_server:
             self.args = args
             self._connect_gloo_server(args)
@@ -134,6 +138,7 @@ class TOPRTrainer(  # type: ignore[misc]
         ]
         if self.use_vllm and args.vllm_mode == "colocate":
             use_cpu_weight_reload(self.vllm_generation)
+        generate_without_router_logits(self.model)  # GRPOTrainer's own generate fails on Mixtral's router loss
         self._said_rollout_logprobs = False  # `_say_rollout_logprobs_are_mu` speaks once
         self._loss_spec = args.policy_loss_spec if args.loss_type in POLICY_LOSSES else None
         if self._loss_spec is None:
@@ -383,7 +388,7 @@ class TOPRTrainer(  # type: ignore[misc]
         # A batch of stored completions (training or evaluation) goes through GRPOTrainer's rollout_func path, a batch
         # of prompts is generated as GRPOTrainer would (its own generation, or the user's rollout_func).
         replay = "completion_ids" in inputs[0]
-        with self._replaying(inputs) if replay else nullcontext():
+        with self._replaying(inputs) if replay else nullcontext(), quiet_trl_deprecations():
             output = super()._generate_and_score_completions(inputs)
         device = output["completion_ids"].device
         if replay and "behaviour_logps" not in inputs[0] and self._behaviour_model is not None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ..config import TOPRConfig, TOPRFields
 from ..loss import POLICY_LOSSES
+from ..runtime.noise import quiet_trl_deprecations
 from ..validation import (
     FIELD_CHECKS,
     check_before_trl_config,
@@ -89,7 +90,8 @@ class AsyncTOPRConfig(TOPRFields, AsyncGRPOConfig):
 
     def __post_init__(self) -> None:
         check_before_trl_config(self, tuple(POLICY_LOSSES))
-        super().__post_init__()
+        with quiet_trl_deprecations():  # TRL's defaults trip transformers' deprecation
+            super().__post_init__()
         check_fields(self, ASYNC_FIELD_CHECKS)
         check_loss_knobs(self)
         check_what_the_loss_reads(self)

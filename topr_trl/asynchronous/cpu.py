@@ -171,6 +171,29 @@ def _peak_flops_unknown_on_cpu():
         module.get_peak_flops_per_device = original
 
 
+def refuse_without_sdpa(model) -> None:
+    """On a CPU the packed forward runs through PyTorch's SDPA (`tree_attention_sdpa`): a model whose transformers
+    class has no SDPA attention (Gemma2, whose attention soft-caps its logits) is refused in one line, before it
+    loads, naming the ways that work. `model`: a loaded model, or a path or Hub id."""
+    from transformers import AutoConfig  # noqa: PLC0415 - only on the asynchronous CPU path
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING  # noqa: PLC0415 - as above
+
+    if hasattr(model, "config"):
+        model_class = type(model)
+    else:
+        try:
+            model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(str(model)))]
+        except (OSError, ValueError, KeyError):  # not a model transformers knows: its own loading says why
+            return
+    if not getattr(model_class, "_supports_sdpa", False):
+        raise ValueError(
+            f"the asynchronous trainer on a CPU runs TRL's packed attention through PyTorch's SDPA, which "
+            f"{model_class.__name__} does not support in transformers: train it without --asynchronous (the "
+            "synchronous trainer takes any architecture), or use one with SDPA attention (Llama and SmolLM2, "
+            "Qwen2, ...)"
+        )
+
+
 class CPUSupport:
     """Mixin before `AsyncGRPOTrainer` (or a subclass) in the bases: constructs and trains it on a CPU."""
 

@@ -40,12 +40,13 @@ from ..generation.vllm_server import BACKEND
 from ..generation.vllm_server.client import GlooWeightTransfer, server_weight_backend
 from ..inputs.sources import needs_resolving, resolve_model_source
 from ..loss import packed_topr_loss, reads_the_ratio, unpack_segments
+from ..runtime.noise import quiet_duplicate_callback_notice, quiet_trl_deprecations, tell_deepspeed_the_cpu
 from ..support.scoring import chunked_processed_log_probs
 from ..training.checkpoint_weights import CheckpointWeights
 from ..training.policy_metrics import staleness_bin_metrics, staleness_bin_sums
 from ..training.shared import TOPR_PAPER, PolicyMetricsLogging, SupportScoring, trained_method
 from .config import AsyncTOPRConfig
-from .cpu import CPUSupport
+from .cpu import CPUSupport, refuse_without_sdpa
 from .lagged_worker import LaggedRolloutWorker
 from .resume import RolloutLedger, describe_resume, read_rollout_state, write_rollout_state
 from .trl_async import AsyncGRPOTrainer
@@ -304,12 +305,16 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
             )
         if needs_resolving(model):  # a .gguf file, or a packaged Hub id where the Hub cannot be reached
             model = resolve_model_source(model)
+        if args.use_cpu or not torch.cuda.is_available():
+            refuse_without_sdpa(model)
         if args.loss_type != "topr":  # the card and the model's tags name the loss that trains, never TOPR for another
             self._name, self._paper, self._tag_names = trained_method(args.loss_type)
         if kwargs.get("weight_transfer") is None and kwargs.get("rollout_worker") is None:
             kwargs["weight_transfer"] = gloo_weight_transfer(args)
         args = derived_config(args, kwargs.get("rollout_worker"))
-        super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        tell_deepspeed_the_cpu()
+        with quiet_trl_deprecations(), quiet_duplicate_callback_notice():
+            super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._loss_spec = args.policy_loss_spec
         # TRL's worker samples on vLLM; the CPU stand-in worker says how it samples
         self._sampler_processing = self._mu_processing(args, "vllm", rollout_worker=kwargs.get("rollout_worker"))

@@ -34,7 +34,8 @@ import warnings
 from pathlib import Path
 
 from ..generation.vllm_server.command import serve
-from ..runtime.distributed import end_process_group, gpu_available
+from ..runtime.distributed import end_process_group
+from ..runtime.noise import TRL_DEPRECATIONS, tell_deepspeed_the_cpu
 from .arguments import COMMANDS, build_parser, parse_command, parse_command_line
 from .evaluate import run as run_evaluate
 from .interruption import interrupted
@@ -54,10 +55,8 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__)
         build_parser()[0].print_help()
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
-    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated")  # TRL's own default trips it
-
-    if not gpu_available():  # DeepSpeed would guess the CPU, warning "Setting accelerator to CPU" on every command
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    warnings.filterwarnings("ignore", message=TRL_DEPRECATIONS)  # the command owns its process: once, for all of it
+    tell_deepspeed_the_cpu()
     try:
         run_command(argv[0], argv[1:])  # returns nothing: a console script exits 1 on a returned value
         end_process_group()

@@ -63,6 +63,8 @@ def generate_completions(
     sampling = (
         dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else dict(do_sample=False)
     )
+    if returns_router_logits(model):  # a generating MoE model's router loss fails on padded prompts, and none is read
+        generate_kwargs.setdefault("output_router_logits", False)
     output = model.generate(
         **encoded,
         **sampling,
@@ -93,6 +95,36 @@ def generate_completions(
             completion["logps"] = token_logps[row, : len(tokens)].tolist()
         rows.append(completion)
     return rows
+
+
+def returns_router_logits(model) -> bool:
+    """Whether `model` (a Mixture-of-Experts model, Mixtral's family) returns its router logits by default
+    (`output_router_logits` in its config): each forward then computes the router's load-balancing loss, which
+    transformers cannot compute for a cached step over left-padded prompts (a shape error in
+    `load_balancing_loss_func`), and which nothing reads while generating."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(config, "output_router_logits", False))
+
+
+def generate_without_router_logits(model):
+    """Make every forward of `model` run without grad (generation, and log-prob passes that read no router loss)
+    skip the router logits unless the caller asks for them: a forward pre-hook on the causal LM inside `model` (under
+    a PEFT wrapper too), so that GRPOTrainer's own `generate` call works on a model that `returns_router_logits`.
+    Training's forward, with grad, keeps the config's choice, and TRL's request for the auxiliary loss is honoured.
+    Returns the hook's handle, or None when there is nothing to do."""
+    from transformers import PreTrainedModel  # noqa: PLC0415 - only for a model that returns router logits
+
+    lm = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if lm is None or not returns_router_logits(lm):
+        return None
+
+    def skip_router_logits(module, args, kwargs):
+        if not torch.is_grad_enabled() and "output_router_logits" not in kwargs:
+            kwargs["output_router_logits"] = False
+        return args, kwargs
+
+    return lm.register_forward_pre_hook(skip_router_logits, with_kwargs=True)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import hashlib
 import random
 import statistics
 
+from accelerate import PartialState
 from datasets import Dataset
 
 from ..evaluation.rewards import classify_gsm8k, completion_text
@@ -145,7 +146,9 @@ def measure_word_problems(
     """Sampled pass@1 on `held_out` at `temperature` over the whole vocabulary (`num_samples` per problem), with the
     bootstrap SE over samples (`pass@1_se`) and the SE over problems (`pass@1_problem_se`), the mean completion
     length and the share cut at the budget; greedy accuracy beside it."""
-    common = dict(max_new_tokens=WORD_PROBLEM_TOKENS, batch_size=batch_size, seed=seed, show_progress=False)
+    # minutes on a CPU for the real model: a bar (samples done, time left) on the main process
+    shown = PartialState().is_main_process
+    common = dict(max_new_tokens=WORD_PROBLEM_TOKENS, batch_size=batch_size, seed=seed, show_progress=shown)
     sampled = evaluate_model(
         model, tokenizer, held_out, gsm8k_classify, k=1, num_samples=num_samples, temperature=temperature, **common
     )
