@@ -179,3 +179,20 @@ def test_trls_experimental_api_is_imported_in_one_module():
             if any(name.startswith("trl.experimental") for name in names):
                 importers.add(path.relative_to(PACKAGE).as_posix())
     assert importers == {"asynchronous/trl_async.py"}
+
+
+def test_the_package_draws_text_bars_where_a_notebook_bar_cannot_draw():
+    """tqdm.auto in a notebook without ipywidgets warns "IProgress not found" before falling back to text; the
+    package's own bars (generation, evaluation) take the text bar there, and the notebook bar with ipywidgets."""
+    import importlib.util
+
+    import tqdm.std
+
+    from topr_trl.runtime.noise import progress_bar_class
+
+    if importlib.util.find_spec("ipywidgets") is None:
+        assert progress_bar_class() is tqdm.std.tqdm
+    else:
+        import tqdm.auto
+
+        assert progress_bar_class() is tqdm.auto.tqdm

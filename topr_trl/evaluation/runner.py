@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..generation.completions import generate_completions, make_vllm_engine, seeded_eval_sampling, vllm_available
 from ..inputs.prompts import tokenize_prompts
+from ..runtime.noise import progress_bar_class
 from .metrics import (
     bootstrap_maj_at_k,
     bootstrap_pass_at_k,
@@ -51,6 +51,9 @@ from .rewards import (
     gsm8k_numbers_equal,
     math_answers_equal,
 )
+
+
+tqdm = progress_bar_class()  # the notebook bar only where it can draw
 
 
 logger = logging.getLogger(__name__)

@@ -23,15 +23,18 @@ from typing import NamedTuple
 import huggingface_hub
 import torch
 from datasets import Dataset, concatenate_datasets, load_from_disk
-from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
 from ..generation.completions import BACKENDS, free_vllm_memory, make_vllm_engine, vllm_available
 from ..inputs.sources import load_data_source, looks_like_local_data
 from ..runtime.distributed import outside_zero3_construction
+from ..runtime.noise import progress_bar_class
 from ..validation import check_choice
 from .rollout import sample_with_logps, sample_with_logps_vllm
 from .schema import check_reward_values
+
+
+tqdm = progress_bar_class()
 
 
 _MANIFEST = "manifest.json"

@@ -7,11 +7,13 @@ whole process: the user's own warnings filters and loggers are left as they are.
 - DeepSpeed, when installed, guesses the accelerator at its first use and logs "Setting accelerator to CPU" where
   there is no GPU (`tell_deepspeed_the_cpu`);
 - TRL's asynchronous trainer registers one callback class twice, and transformers logs the whole callback list
-  (`quiet_duplicate_callback_notice`)."""
+  (`quiet_duplicate_callback_notice`);
+- tqdm's automatic bar warns in a notebook without ipywidgets (`progress_bar_class`, this package's own bars)."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import warnings
@@ -54,3 +56,15 @@ def quiet_duplicate_callback_notice():
         yield
     finally:
         callback_logger.removeFilter(notice)
+
+
+def progress_bar_class():
+    """tqdm's notebook bar where it can draw (ipywidgets installed), its text bar elsewhere: tqdm.auto alone warns
+    "IProgress not found" in a notebook without ipywidgets before falling back to the text bar."""
+    if importlib.util.find_spec("ipywidgets") is None:
+        from tqdm import tqdm  # noqa: PLC0415 - the choice is the point
+
+        return tqdm
+    from tqdm.auto import tqdm  # noqa: PLC0415 - as above
+
+    return tqdm
