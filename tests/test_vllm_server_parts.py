@@ -275,7 +275,7 @@ def test_against_a_gloo_server_trl_never_connects_by_nccl_and_the_users_config_i
     import trl.trainer.grpo_trainer as grpo_trainer
 
     from topr_trl import TOPRConfig, TOPRTrainer
-    from topr_trl import trainer as topr_trainer
+    from topr_trl.generation.vllm_server import client as gloo_client
 
     from .conftest import parity_reward, small_config_kwargs
 
@@ -292,8 +292,9 @@ def test_against_a_gloo_server_trl_never_connects_by_nccl_and_the_users_config_i
         def __init__(self, **kwargs):
             seen.append(("client", args.use_vllm))
 
-    monkeypatch.setattr(topr_trainer, "uses_gloo_server", lambda config: True)
-    monkeypatch.setattr(topr_trainer, "GlooServerGeneration", StandInGlooClient)
+    # the trainer imports the gloo client where server mode needs it, from its module
+    monkeypatch.setattr(gloo_client, "uses_gloo_server", lambda config: True)
+    monkeypatch.setattr(gloo_client, "GlooServerGeneration", StandInGlooClient)
     monkeypatch.setattr(grpo_trainer, "VLLMGeneration", NoNCCL)
     original_init = grpo_trainer.GRPOTrainer.__init__
 

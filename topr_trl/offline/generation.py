@@ -379,8 +379,8 @@ def generate_offline_dataset(
     reward_funcs, weights = _weighted_rewards(reward_funcs, reward_weights)
     output_dir = Path(output_dir)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
-    defining = dict(sampling, backend=backend, seed=seed, chat_template_kwargs=chat_template_kwargs)
-    defining.update(num_completions=num_completions, prompts_per_shard=prompts_per_shard)
+    defining = dict(num_completions=num_completions, **sampling, backend=backend, seed=seed)  # the manifest's order
+    defining.update(chat_template_kwargs=chat_template_kwargs, prompts_per_shard=prompts_per_shard)
     _claim_folder(output_dir, overwrite, model, dataset_name, prompts, reward_funcs, weights, tools, **defining)
     shards = ShardPlan(output_dir, prompts_per_shard, prompts_per_batch, num_completions, show_progress)
     loaded_here = _write_shards(
