@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: sets up the environment if needed, then runs pytest. Extra arguments go to pytest, e.g.
 #   bash scripts/test.sh                # the linter and formatter (ruff), the type checker (mypy), then the default run
-#                                       # (slow tests left out; vLLM tests skip without vLLM)
+#                                       # (slow tests left out; vLLM tests skip without vLLM), on two workers
+#                                       # (TOPR_TEST_WORKERS)
 #   bash scripts/test.sh -m slow        # the multi-process and DeepSpeed tests (minutes)
 #   bash scripts/test.sh --vllm         # the tests on a real vLLM engine (CPU build), in .venv-vllm, slow ones
 #                                       # left out
@@ -25,7 +26,9 @@ else
     "$venv/bin/python" -m ruff format --check --quiet . \
       || { echo "[test] ruff format --check failed: run \`.venv/bin/ruff format .\`" >&2; exit 1; }
     "$venv/bin/python" -m mypy || { echo "[test] mypy failed: fix the lines above" >&2; exit 1; }
-    set -- -m "not slow"
+    # two workers (pytest-xdist), a test file to each in turn: the default run is mostly processes started and
+    # waited for, and takes about 0.6 of one worker's time on CI's two cores
+    set -- -m "not slow" -n "${TOPR_TEST_WORKERS:-2}" --dist loadfile
   fi
 fi
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false

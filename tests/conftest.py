@@ -30,14 +30,12 @@ def pytest_collection_modifyitems(config, items):
     skipped = [item for item in items if "vllm" in item.keywords]
     for item in skipped:
         item.add_marker(skip)
-    config.stash[_VLLM_SKIPPED] = len(skipped)
-
-
-_VLLM_SKIPPED = pytest.StashKey[int]()
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    skipped = config.stash.get(_VLLM_SKIPPED, 0)
+    # counted from the reports, which reach the main process also when workers (pytest-xdist) collected the tests
+    reports = terminalreporter.stats.get("skipped", [])
+    skipped = sum("vLLM is not installed here" in str(report.longrepr) for report in reports)
     if skipped:
         terminalreporter.write_line(
             f"{skipped} vLLM tests skipped: vLLM is not installed here; run them with "

@@ -253,3 +253,23 @@ def test_only_the_command_line_reads_sys_argv():
             if isinstance(node, ast.Attribute) and node.attr == "argv" and getattr(node.value, "id", None) == "sys":
                 readers.add(str(path.relative_to(PACKAGE)))
     assert readers <= allowed, readers - allowed
+
+
+def test_a_commands_generation_ends_ctrl_c_in_one_line_and_names_a_refused_folders_settings_as_flags(tmp_path, capsys):
+    from topr_trl.commands.interruption import generation_ended_in_one_line
+    from topr_trl.offline.generation import GeneratedWithOtherSettings, SettingChange
+
+    with pytest.raises(SystemExit) as stopped, generation_ended_in_one_line("the shards are kept", lambda _: ""):
+        raise KeyboardInterrupt
+    assert stopped.value.code == 130  # as a shell reports an interrupted program
+    assert capsys.readouterr().err.strip() == "topr-trl: interrupted; the shards are kept"
+
+    folder = tmp_path / "run" / "iteration-002" / "data"
+    change = SettingChange("temperature", 0.5, 1.0, None)
+    with (
+        pytest.raises(GeneratedWithOtherSettings) as refused,
+        generation_ended_in_one_line("", lambda where: f"delete {where.parent.name}"),
+    ):
+        raise GeneratedWithOtherSettings(folder, [change])  # as the library raises it: Python's names
+    message = str(refused.value)
+    assert "--temperature 0.5 -> 1.0" in message and message.endswith(": delete iteration-002")

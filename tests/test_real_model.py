@@ -515,6 +515,7 @@ def test_colocated_vllm_on_the_real_model_with_mu_from_the_policy_gives_pi_over_
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # minutes: not in CI (setup.cfg)
 def test_offline_generate_train_and_iterate_on_the_real_model(real_model_path, tmp_path, monkeypatch):
     """Algorithm 1 on the real model by its Hub id, through the command line: `generate` samples an offline dataset
     with the paper's top_k 500 (and records how), `train --offline_dataset` replays it at learning rate 0 with pi on
@@ -658,6 +659,7 @@ def trained_from(output: Path, steps: int) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # minutes: not in CI (setup.cfg)
 def test_the_asynchronous_command_trains_the_real_model(real_model_path, tmp_path):
     """`topr-trl train --asynchronous` on the real model by its Hub id: the CPU worker generates a step ahead of the
     trainer (TRL's AsyncGRPOTrainer), every sample is trained (TOPR drops none), the saved model reloads."""
@@ -683,6 +685,7 @@ def test_the_asynchronous_command_trains_the_real_model(real_model_path, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # minutes: not in CI (setup.cfg)
 def test_two_processes_train_the_real_model_under_accelerate_launch(real_model_path, tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2 -m topr_trl train` on the real model (gloo on a CPU): both
     ranks resolve the Hub id to the packaged copy's folder (converted once, by the main process first), train two

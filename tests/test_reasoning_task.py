@@ -261,6 +261,7 @@ def test_max_completion_tokens_fits_the_longest_solution():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # minutes: not in CI (setup.cfg)
 def test_warm_start_plants_the_error_at_the_paper_regime(tmp_path, monkeypatch):
     """The recommended setting (3 digits, a quarter of carries dropped, 2,000 steps: ~2-4 CPU minutes), trained here
     rather than installed from the shipped weights, lands near two thirds sampled pass@1, and most wrong answers

@@ -464,6 +464,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+@pytest.mark.slow  # minutes: run with `bash scripts/test.sh --vllm -m "vllm and slow"`, not in CI
 def test_server_mode_on_a_cpu_generates_but_trls_weight_sync_needs_cuda(reasoning_model, tmp_path):
     """Server mode on a CPU, part by part. (1) `trl vllm-serve` cannot start with vLLM's CPU build: it runs vLLM's
     `vllm serve` command, which reads the version of a distribution named `vllm`, and the CPU build's is named

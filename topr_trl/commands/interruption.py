@@ -4,13 +4,17 @@ command that resumes it (`interrupted_run`). Called from Python, a run names the
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import signal
 import sys
 import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from transformers import TrainerCallback
 
+from ..offline.generation import GeneratedWithOtherSettings
 from ..runtime.distributed import last_checkpoint
 from .arguments import Invocation
 from .output_folders import shown_path
@@ -54,6 +58,21 @@ def interrupted(what: str) -> SystemExit:
     shell gives an interrupted program. It starts on a line of its own: the progress bar it interrupts has none."""
     print(f"\ntopr-trl: interrupted; {what}", file=sys.stderr, flush=True)  # noqa: T201 - the command's own output
     return SystemExit(130)
+
+
+@contextlib.contextmanager
+def generation_ended_in_one_line(kept: str, ways_out: Callable[[Path], str]) -> Iterator[None]:
+    """Around a command's generation: Ctrl-C ends it in `interrupted`'s line saying what was `kept`, and a folder
+    holding a generation made with other settings is refused naming the command line's flags, then `ways_out(the
+    folder)`."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise interrupted(kept) from None
+    except GeneratedWithOtherSettings as refusal:
+        raise GeneratedWithOtherSettings(
+            refusal.output_dir, refusal.changes, command_line=True, ways_out=ways_out(refusal.output_dir)
+        ) from None
 
 
 def rerun(command: str, invocation: Invocation | None) -> str:

@@ -30,7 +30,7 @@ from ..offline import (
     proportion_of_positives,
     stored_reward,
 )
-from ..offline.generation import GeneratedWithOtherSettings, recorded_model
+from ..offline.generation import recorded_model
 from ..offline.held_out import HELD_OUT_SAMPLES, load_test_prompts
 from ..offline.schema import StoredTokensMismatch, check_stored_tokens
 from ..runtime.distributed import gpu_available, say
@@ -42,7 +42,7 @@ from ..validation import check_choice
 from .arguments import GenerateScriptArguments, Invocation, IterateScriptArguments, TrainScriptArguments
 from .curves import logged_curves, plot_curves
 from .external_services import check_hub_push, check_trackers, check_vllm_server_mode, push_failure_reported
-from .interruption import InterruptAtStepEnd, interrupted, interrupted_run, rerun
+from .interruption import InterruptAtStepEnd, generation_ended_in_one_line, interrupted_run, rerun
 from .iterations import IterationSettings, iteration_curves, run_iterations
 from .output_folders import (
     checkpoint_to_resume,
@@ -269,41 +269,38 @@ def generate(
     torch.manual_seed(script_args.seed)
     if script_args.overwrite_output_dir and any(Path(script_args.output_dir).glob("shard-*")):
         say(f"--overwrite_output_dir: deleting the earlier generation in {shown_path(script_args.output_dir)}")
-    try:
-        with removed_if_left_empty(script_args.output_dir), output_dir_lock(script_args.output_dir):
-            dataset = generate_offline_dataset(
-                model,
-                AutoTokenizer.from_pretrained(model),
-                prompts,
-                reward_funcs,
-                script_args.output_dir,
-                num_completions=script_args.num_generations,
-                temperature=script_args.temperature,
-                top_p=script_args.top_p,
-                top_k=script_args.top_k,
-                max_new_tokens=script_args.max_completion_length,
-                prompts_per_shard=script_args.prompts_per_shard,
-                backend=script_args.backend,
-                seed=script_args.seed,
-                reward_weights=script_args.reward_weights,
-                push_to_hub=script_args.push_to_hub,
-                chat_template_kwargs=chat_template_kwargs,
-                overwrite=script_args.overwrite_output_dir,
-                # recorded in the manifest: a rerun on other prompts into this folder is refused, not resumed
-                dataset_name=script_args.dataset_name or f"built-in {task} task",
-            )
-    except KeyboardInterrupt:
-        raise interrupted(
-            f"the shards written are kept in {shown_path(script_args.output_dir)}: "
-            f"{rerun('generate', invocation)} to resume"
-        ) from None
-    except GeneratedWithOtherSettings as refusal:  # named as the flags the user types
-        raise GeneratedWithOtherSettings(
-            refusal.output_dir,
-            refusal.changes,
-            command_line=True,
-            ways_out="pass another --output_dir, or --overwrite_output_dir true to delete it and generate again",
-        ) from None
+    with (
+        generation_ended_in_one_line(
+            kept=f"the shards written are kept in {shown_path(script_args.output_dir)}: "
+            f"{rerun('generate', invocation)} to resume",
+            ways_out=lambda _: (
+                "pass another --output_dir, or --overwrite_output_dir true to delete it and generate again"
+            ),
+        ),
+        removed_if_left_empty(script_args.output_dir),
+        output_dir_lock(script_args.output_dir),
+    ):
+        dataset = generate_offline_dataset(
+            model,
+            AutoTokenizer.from_pretrained(model),
+            prompts,
+            reward_funcs,
+            script_args.output_dir,
+            num_completions=script_args.num_generations,
+            temperature=script_args.temperature,
+            top_p=script_args.top_p,
+            top_k=script_args.top_k,
+            max_new_tokens=script_args.max_completion_length,
+            prompts_per_shard=script_args.prompts_per_shard,
+            backend=script_args.backend,
+            seed=script_args.seed,
+            reward_weights=script_args.reward_weights,
+            push_to_hub=script_args.push_to_hub,
+            chat_template_kwargs=chat_template_kwargs,
+            overwrite=script_args.overwrite_output_dir,
+            # recorded in the manifest: a rerun on other prompts into this folder is refused, not resumed
+            dataset_name=script_args.dataset_name or f"built-in {task} task",
+        )
     return _generation_summary(dataset, len(prompts), script_args.output_dir)
 
 
@@ -371,30 +368,27 @@ def iterate(
         script_args, training_args, task, prompts, held_out, reward_funcs
     )
     quiet_unmeasured_metrics()
-    try:
-        with removed_if_left_empty(training_args.output_dir), output_dir_lock(training_args.output_dir):
-            summaries = run_iterations(
-                model,
-                prompts,
-                reward_funcs,
-                training_args.output_dir,
-                iteration_settings,
-                evaluate=evaluate,
-                callbacks=[LogLastStep()],
-            )
-    except KeyboardInterrupt:
-        raise interrupted(
-            f"finished iterations and the current one's checkpoints are kept in "
-            f"{shown_path(training_args.output_dir)}: {rerun('iterate', invocation)} to resume"
-        ) from None
-    except GeneratedWithOtherSettings as refusal:  # named as the flags the user types
-        raise GeneratedWithOtherSettings(
-            refusal.output_dir,
-            refusal.changes,
-            command_line=True,
-            ways_out=f"pass another --output_dir, or delete {shown_path(refusal.output_dir.parent)} to redo that "
-            "iteration with these settings",
-        ) from None
+    with (
+        generation_ended_in_one_line(
+            kept=f"finished iterations and the current one's checkpoints are kept in "
+            f"{shown_path(training_args.output_dir)}: {rerun('iterate', invocation)} to resume",
+            ways_out=lambda iteration: (
+                f"pass another --output_dir, or delete {shown_path(iteration.parent)} to redo "
+                "that iteration with these settings"
+            ),
+        ),
+        removed_if_left_empty(training_args.output_dir),
+        output_dir_lock(training_args.output_dir),
+    ):
+        summaries = run_iterations(
+            model,
+            prompts,
+            reward_funcs,
+            training_args.output_dir,
+            iteration_settings,
+            evaluate=evaluate,
+            callbacks=[LogLastStep()],
+        )
     _report_iterations(summaries, training_args.output_dir, held_out, evaluate is not None, unmeasured)
     return summaries
 
