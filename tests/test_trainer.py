@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
@@ -509,6 +510,41 @@ def test_a_dataset_without_a_prompt_column_is_refused_at_construction_naming_its
         message = str(refusal.value)
         assert message.startswith(f"{name} has no 'prompt' column (its columns: question, answer)"), message
         assert f"{name}.rename_column('question', 'prompt')" in message and "\n" not in message
+
+
+def test_a_dataset_routing_environments_needs_no_prompt_column(tiny_model_path, tmp_path):
+    """With `environment_factory`, GRPOTrainer takes a dataset of only an `environment` column (each environment's
+    reset() supplies the prompt): the prompt-column check stands aside, as TRL's own multi-environment tests need
+    (trl_compat: `test_train_with_multiple_environments`, with a model whose template renders tool calls)."""
+
+    class Counter:
+        def reset(self, **kwargs):
+            return "Count to three."
+
+        def count(self, x: int) -> int:
+            """
+            Count one up.
+
+            Args:
+                x: The count so far.
+
+            Returns:
+                The next count.
+            """
+            return x + 1
+
+    routing = Dataset.from_dict({"environment": ["counter", "counter"]})
+    config = TOPRConfig(**small_config_kwargs(tmp_path / "run", per_device_train_batch_size=2, num_generations=2))
+    try:
+        TOPRTrainer(
+            model=tiny_model_path,
+            reward_funcs=parity_reward,
+            args=config,
+            train_dataset=routing,
+            environment_factory={"counter": Counter},
+        )
+    except ValueError as refusal:  # TRL's own checks go on: the tiny model's chat template renders no tool calls
+        assert "'prompt' column" not in str(refusal), refusal
 
 
 def test_a_python_run_prints_none_of_trls_deprecation_or_deepspeed_noise(tiny_model_path, tmp_path):

@@ -113,9 +113,10 @@ class TOPRTrainer(  # type: ignore[misc]
                 "train TOPR, pass a topr_trl.TOPRConfig (loss_type='topr' by default) with the same fields."
             )
         self._name, self._paper, self._tag_names = trained_method(args.loss_type)
-        check_prompt_columns(
-            {name: kwargs[name] for name in ("train_dataset", "eval_dataset") if kwargs.get(name) is not None}
-        )
+        if kwargs.get("environment_factory") is None:  # with one, the environment's reset() supplies the prompts
+            check_prompt_columns(
+                {name: kwargs[name] for name in ("train_dataset", "eval_dataset") if kwargs.get(name) is not None}
+            )
         self._offline = prepare_replayed_datasets(args, reward_funcs, kwargs)
         self._dataset_baseline = self._baseline_of_dataset(args, kwargs.get("train_dataset"))
         self._sampler_processing = None  # how mu's sampling truncated, for TOPR's losses: set below
