@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from topr_trl import TOPRConfig, TOPRTrainer
 from topr_trl.loss import PRESETS, PolicyLossSpec, policy_per_token_loss
 from topr_trl.offline import generate_offline_dataset, stored_reward
+from topr_trl.training.shared import log_policy_metrics
 
 from .conftest import parity_reward, small_config_kwargs
 
@@ -36,8 +37,9 @@ def truncated_fraction_logged(trainer) -> float:
     mask = torch.ones_like(per_token_logps)
     terms = policy_per_token_loss(per_token_logps, behaviour_logps, signal, mask, trainer._loss_spec)
     loss = (terms.per_token_loss * mask).sum(1).div(3).mean()
-    trainer._log_policy_metrics(
-        "train",
+    log_policy_metrics(
+        trainer.accelerator,
+        trainer._metrics["train"],
         terms,
         signal,
         mask,
@@ -45,6 +47,8 @@ def truncated_fraction_logged(trainer) -> float:
         terms.per_token_loss,
         {"aggregation": "seq-mean-token-mean"},
         loss,
+        negative_weight=trainer._loss_spec.negative_weight,
+        reward_signal=trainer.args.topr_signal == "reward",
     )
     return trainer._metrics["train"]["topr/negative_truncated_fraction"][-1]
 

@@ -23,7 +23,7 @@ from .offline.replay import OfflineReplay, prepare_replayed_datasets
 from .offline.schema import checked_reward_function, is_offline_dataset
 from .runtime.noise import quiet_trl_deprecations, tell_deepspeed_the_cpu
 from .support.scoring import completion_processed_log_probs
-from .training.checkpoint_weights import CheckpointWeights
+from .training.checkpoint_weights import loaded_through_renaming
 from .training.grpo_mirror import GRPOLossMirror
 from .training.policy_metrics import (
     drift_and_mismatch,
@@ -33,9 +33,12 @@ from .training.shared import (
     TOPR_NAME,
     TOPR_PAPER,
     TOPR_TAG_NAMES,
-    PolicyMetricsLogging,
-    SupportScoring,
+    check_finite_loss,
+    forward_on_mus_support,
+    log_policy_metrics,
+    mu_processing,
     trained_method,
+    warn_history_dependent_sampling,
 )
 
 
@@ -71,9 +74,7 @@ def without_vllm(args: TOPRConfig) -> TOPRConfig:
 
 # The ignore: TRL sets GRPOTrainer._entropy_window_stats to None in its __init__, so mypy types it None, and to a
 # tensor in its loss; the mirror of that adaptive-entropy step (`GRPOLossMirror`) types it as the tensor it holds.
-class TOPRTrainer(  # type: ignore[misc]
-    CheckpointWeights, SupportScoring, PolicyMetricsLogging, OfflineReplay, GRPOLossMirror, GRPOTrainer
-):
+class TOPRTrainer(OfflineReplay, GRPOLossMirror, GRPOTrainer):  # type: ignore[misc]
     """
     Trainer for Tapered Off-Policy REINFORCE (TOPR, [arXiv:2503.14286](https://huggingface.co/papers/2503.14286)).
 
@@ -150,11 +151,11 @@ class TOPRTrainer(  # type: ignore[misc]
                 "topr_behaviour_source='sampler' needs a generator that returns sampling log-probs: set "
                 "use_vllm=True or pass a rollout_func that returns `logprobs`; or use 'auto' or 'policy'."
             )
-        self._sampler_processing = self._mu_processing(
-            args, "vllm" if self.use_vllm else "transformers", replayed=self._replayed_datasets()
+        self._sampler_processing = mu_processing(
+            args, self.temperature, "vllm" if self.use_vllm else "transformers", replayed=self._replayed_datasets()
         )
         if args.loss_type in POLICY_LOSSES and not self._offline:  # offline, mu is the stored rows' sampler
-            self._warn_history_dependent_sampling(self.repetition_penalty)
+            warn_history_dependent_sampling(self.repetition_penalty)
         if self.use_vllm and source in ("auto", "sampler"):
             # mu is vLLM's own sampling distribution, so pi/mu already corrects the train/inference mismatch;
             # TRL's separate correction on top would count it twice.
@@ -162,7 +163,7 @@ class TOPRTrainer(  # type: ignore[misc]
 
     def _replayed_datasets(self) -> list:
         """The datasets of stored completions this trainer replays (training offline, evaluation), whose stored rows
-        say how mu sampled them (`SupportScoring._mu_processing`)."""
+        say how mu sampled them (`topr_trl.training.shared.mu_processing`)."""
         replayed = [self.train_dataset] if self._offline else []
         replayed += list(self.eval_dataset.values()) if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
         return [dataset for dataset in replayed if is_offline_dataset(dataset)]
@@ -172,7 +173,7 @@ class TOPRTrainer(  # type: ignore[misc]
     ):
         """GRPOTrainer's log-probs (its fused head: the whole vocabulary at the trainer's temperature), plus, for
         TOPR's losses when mu's sampling truncated or used another temperature, the constant that scores pi on mu's
-        support (`SupportScoring._forward_on_mus_support`): pi/mu is then exact at learning rate 0, and the gradient
+        support (`forward_on_mus_support`): pi/mu is then exact at learning rate 0, and the gradient
         stays GRPO's. The backbone's hidden states of the same forward are projected again for the sequences
         `scored_rows` (B,) names (every one by default; none where nothing reads the log-probs' values, see
         `_rows_reading_the_ratio`)."""
@@ -204,7 +205,7 @@ class TOPRTrainer(  # type: ignore[misc]
             )
             return processed, scored[:, -logits_to_keep:]
 
-        return self._forward_on_mus_support(model, forward, completion_tokens)
+        return forward_on_mus_support(model, forward, completion_tokens)
 
     @staticmethod
     def _generates_on_gloo_server(args) -> bool:
@@ -245,6 +246,14 @@ class TOPRTrainer(  # type: ignore[misc]
             )
         rewards = torch.tensor([float("nan") if r is None else r for r in train_dataset["reward"]])
         return baseline_for_target_share(rewards, args.topr_target_effective_proportion)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if not loaded_through_renaming(self, resume_from_checkpoint, model):  # see topr_trl.training.checkpoint_weights
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self):
+        if not loaded_through_renaming(self, self.state.best_model_checkpoint):
+            super()._load_best_model()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Trainer's save (checkpoints included); an adapter's card (PEFT writes the base model's local folder) names
@@ -481,9 +490,19 @@ class TOPRTrainer(  # type: ignore[misc]
         loss, policy_per_token, aggregate_kwargs = self._grpo_loss_around_policy_term(
             inputs, mode, mask, terms.per_token_loss, per_token_logps, entropies, aux_loss, signal, behaviour_logps
         )
-        nonfinite, ratio_ranges = self._log_policy_metrics(
-            mode, terms, signal, mask, entropies, policy_per_token, aggregate_kwargs, loss, ratio_read
+        nonfinite, ratio_ranges = log_policy_metrics(
+            self.accelerator,
+            self._metrics[mode],
+            terms,
+            signal,
+            mask,
+            entropies,
+            policy_per_token,
+            aggregate_kwargs,
+            loss,
+            negative_weight=self._loss_spec.negative_weight,
+            reward_signal=self.args.topr_signal == "reward",
+            ratio_read=ratio_read,
         )
-        if nonfinite:
-            self._on_nonfinite_loss(nonfinite, ratio_ranges)
+        check_finite_loss(nonfinite, ratio_ranges, stop=self.args.topr_check_finite, step=self.state.global_step)
         return loss

@@ -42,9 +42,17 @@ from ..inputs.sources import needs_resolving, resolve_model_source
 from ..loss import packed_topr_loss, reads_the_ratio, unpack_segments
 from ..runtime.noise import quiet_duplicate_callback_notice, quiet_trl_deprecations, tell_deepspeed_the_cpu
 from ..support.scoring import chunked_processed_log_probs
-from ..training.checkpoint_weights import CheckpointWeights
+from ..training.checkpoint_weights import loaded_through_renaming
 from ..training.policy_metrics import staleness_bin_metrics, staleness_bin_sums
-from ..training.shared import TOPR_PAPER, PolicyMetricsLogging, SupportScoring, trained_method
+from ..training.shared import (
+    TOPR_PAPER,
+    check_finite_loss,
+    forward_on_mus_support,
+    log_policy_metrics,
+    mu_processing,
+    trained_method,
+    warn_history_dependent_sampling,
+)
 from .config import AsyncTOPRConfig
 from .cpu import CPUSupport, refuse_without_sdpa
 from .lagged_worker import LaggedRolloutWorker
@@ -280,7 +288,7 @@ def derived_config(args: AsyncTOPRConfig, rollout_worker) -> AsyncTOPRConfig:
     return run_config
 
 
-class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, CPUSupport, AsyncGRPOTrainer):
+class AsyncTOPRTrainer(CPUSupport, AsyncGRPOTrainer):
     """
     Asynchronous TOPR: [`trl.experimental.async_grpo.AsyncGRPOTrainer`] with TOPR's loss and no stale sample thrown
     away (see the module docstring). Same constructor as TRL's class; `args` is an [`AsyncTOPRConfig`].
@@ -317,9 +325,11 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._loss_spec = args.policy_loss_spec
         # TRL's worker samples on vLLM; the CPU stand-in worker says how it samples
-        self._sampler_processing = self._mu_processing(args, "vllm", rollout_worker=kwargs.get("rollout_worker"))
+        self._sampler_processing = mu_processing(
+            args, args.temperature, "vllm", rollout_worker=kwargs.get("rollout_worker")
+        )
         # the loss is always one of TOPR's here: TRL's worker samples with the penalty
-        self._warn_history_dependent_sampling(args.repetition_penalty)
+        warn_history_dependent_sampling(args.repetition_penalty)
         self.rollout_ledger = RolloutLedger()
         if self.accelerator.is_main_process:
             baseline = args.topr_baseline if args.topr_signal == "reward" else None
@@ -352,6 +362,14 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
         return loader
 
     # ------------------------------------------------------------------ checkpoints and resume
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if not loaded_through_renaming(self, resume_from_checkpoint, model):  # see topr_trl.training.checkpoint_weights
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self):
+        if not loaded_through_renaming(self, self.state.best_model_checkpoint):
+            super()._load_best_model()
+
     def _rollout_start(self) -> int | None:
         """The prompt this run's group 0 is (TRL's worker: its `dataset_start_index`; a worker with `resume_at`: its
         start), or None for a worker that cannot be repositioned."""
@@ -392,7 +410,7 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
 
     def _scored_packed_forward(self, model, inputs):
         """`_packed_forward`, with pi scored on the support the worker sampled from
-        (`SupportScoring._forward_on_mus_support`) when its sampling truncated, for the tokens whose weight reads
+        (`forward_on_mus_support`) when its sampling truncated, for the tokens whose weight reads
         pi/mu (`reads_the_ratio`; every sample here is off-policy): the backbone's hidden states of the same forward,
         projected again for those tokens."""
 
@@ -410,9 +428,10 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
             ).to(log_probs.device)
             return processed, scored
 
-        return self._forward_on_mus_support(
-            model, functools.partial(self._packed_forward, model, inputs), packed_tokens
-        )
+        forward = functools.partial(self._packed_forward, model, inputs)
+        if self._sampler_processing is None:
+            return forward()
+        return forward_on_mus_support(model, forward, packed_tokens)
 
     # ------------------------------------------------------------------ the loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -448,12 +467,22 @@ class AsyncTOPRTrainer(CheckpointWeights, SupportScoring, PolicyMetricsLogging, 
             signal, _ = unpack_segments(token_signal.to(log_probs.dtype), segment_id)
             # pi/mu of a sample not scored on a truncated mu's support would carry the bias: it is not reported
             read = reads_the_ratio(signal[:, :1], self._loss_spec) if self._sampler_processing is not None else None
-            nonfinite, ratio_ranges = self._log_policy_metrics(
-                "train", terms, signal[:, :1], mask, entropies, terms.per_token_loss, aggregate_kwargs, loss, read
+            nonfinite, ratio_ranges = log_policy_metrics(
+                self.accelerator,
+                self._metrics["train"],
+                terms,
+                signal[:, :1],
+                mask,
+                entropies,
+                terms.per_token_loss,
+                aggregate_kwargs,
+                loss,
+                negative_weight=self._loss_spec.negative_weight,
+                reward_signal=self.args.topr_signal == "reward",
+                ratio_read=read,
             )
             self._log_staleness_metrics(terms, signal[:, :1], mask, inputs.get("trajectory_model_version"), read)
-        if nonfinite:
-            self._on_nonfinite_loss(nonfinite, ratio_ranges)
+        check_finite_loss(nonfinite, ratio_ranges, stop=self.args.topr_check_finite, step=self.state.global_step)
         self._account_step(inputs)
         return loss
 

@@ -3,9 +3,10 @@
 transformers renames some architectures' weights when it loads them (GPTNeoX's output layer is `embed_out` on disk and
 `lm_head` in memory) and renames them back when it saves, so a checkpoint holds the on-disk names. `Trainer`'s resume
 (transformers 5.23, `_load_from_checkpoint`) reads the checkpoint with `load_state_dict(strict=False)`, which knows no
-renaming: the renamed weights stay as they were before training, with a warning as the only sign. `CheckpointWeights`
-reads such a checkpoint the way `from_pretrained` reads a model, through the renaming, and refuses in one line a
-checkpoint that would leave one of the model's weights unloaded (another architecture's, a damaged one)."""
+renaming: the renamed weights stay as they were before training, with a warning as the only sign. Both trainers'
+`_load_from_checkpoint` and `_load_best_model` call `loaded_through_renaming`, which reads such a checkpoint the way
+`from_pretrained` reads a model, through the renaming, and refuses in one line a checkpoint that would leave one of
+the model's weights unloaded (another architecture's, a damaged one)."""
 
 from __future__ import annotations
 
@@ -78,21 +79,12 @@ def load_renamed_checkpoint(model: torch.nn.Module, folder: str) -> bool:
     return True
 
 
-class CheckpointWeights:
-    """`Trainer`'s resume and best-model loading, through transformers' renaming of stored weight names (see the
-    module). DeepSpeed, FSDP and PEFT adapters load as `Trainer` loads them (adapters keep PEFT's own names)."""
-
-    def _loads_whole_models(self, model) -> bool:
-        return not (self.is_deepspeed_enabled or self.is_fsdp_enabled or hasattr(model, "peft_config"))
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        target = self.model if model is None else model
-        if self._loads_whole_models(target) and load_renamed_checkpoint(target, resume_from_checkpoint):
-            return None
-        return super()._load_from_checkpoint(resume_from_checkpoint, model)
-
-    def _load_best_model(self):
-        best = self.state.best_model_checkpoint
-        if best is not None and self._loads_whole_models(self.model) and load_renamed_checkpoint(self.model, best):
-            return None
-        return super()._load_best_model()
+def loaded_through_renaming(trainer, folder: str | None, model: torch.nn.Module | None = None) -> bool:
+    """For a trainer's `_load_from_checkpoint` and `_load_best_model`: loads `folder` into `model` (the trainer's own
+    by default) through transformers' renaming of stored weight names (see the module), True when it did; False when
+    `Trainer`'s own loading is right: no folder, every stored name the model's own, or DeepSpeed, FSDP and PEFT
+    adapters (adapters keep PEFT's own names)."""
+    model = trainer.model if model is None else model
+    if folder is None or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or hasattr(model, "peft_config"):
+        return False
+    return load_renamed_checkpoint(model, folder)

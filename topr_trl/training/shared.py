@@ -1,7 +1,8 @@
-"""What both trainers share, below them: `TOPRTrainer` (`topr_trl.trainer`) and the asynchronous trainer
-(`topr_trl.asynchronous`) score pi on mu's support the same way (`SupportScoring`), log TOPR's metrics and check the
-loss the same way (`PolicyMetricsLogging`), and their model cards name the method that trained the model the same
-way (`trained_method`, TOPR's own identity in `TOPR_NAME`, `TOPR_PAPER`, `TOPR_TAG_NAMES`)."""
+"""What both trainers share, below them, as plain functions they call: `TOPRTrainer` (`topr_trl.trainer`) and the
+asynchronous trainer (`topr_trl.asynchronous`) score pi on mu's support the same way (`mu_processing`,
+`forward_on_mus_support`), log TOPR's metrics and check the loss the same way (`log_policy_metrics`,
+`check_finite_loss`), and their model cards name the method that trained the model the same way (`trained_method`,
+TOPR's own identity in `TOPR_NAME`, `TOPR_PAPER`, `TOPR_TAG_NAMES`)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 from datasets import Dataset
-from transformers import TrainerState
 from transformers.utils import logging
 from trl import GRPOTrainer
 
-from ..config import TOPRFields, topr_setting
 from ..loss import POLICY_LOSSES, branch_losses
 from ..offline.schema import stored_processing
 from ..support.processing import SamplerProcessing
@@ -48,123 +47,117 @@ TOPR_PAPER = {
 SupportProjection = Callable[[tuple, torch.nn.Module, CapturedBackbone], tuple[torch.Tensor, torch.Tensor]]
 
 
-class SupportScoring:
-    """pi scored on the support mu sampled from (`topr_trl.support`), so that pi/mu measures how far the policy moved:
-    the same in `TOPRTrainer` and the asynchronous trainer, each passing what differs (where mu's sampling is said,
-    and which tokens of its forward are scored). Both have TRL's `temperature` and keep `_mu_processing`'s answer as
-    `_sampler_processing`."""
+def mu_processing(
+    args, temperature: float, engine: str, replayed: Sequence[Dataset] = (), rollout_worker: object | None = None
+) -> SamplerProcessing | None:
+    """How mu turned logits into its sampling distribution, when it differs from what TRL scores the policy with (the
+    whole vocabulary at the trainer's `temperature`): then pi is scored on mu's support; else None. By default the
+    config's generation settings (temperature, top_k, top_p, min_p) in `engine`'s filter order (the synchronous
+    trainer's own generation, or vLLM: TRL's rollout worker's). Offline, the `replayed` datasets' stored
+    `behaviour_sampling` (one processing for them all; rows that do not say take the config's, said once). A
+    `rollout_worker` that says how it samples (`sampling`, as the CPU stand-in `LaggedRolloutWorker` does), as it
+    says."""
+    processing = SamplerProcessing(
+        temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p, min_p=args.min_p, engine=engine
+    )
+    if replayed:
+        processing = stored_processing(replayed, processing)
+    sampling = getattr(rollout_worker, "sampling", None)
+    if isinstance(sampling, SamplerProcessing):
+        processing = sampling
+    return processing if processing.differs_from(temperature) else None
 
-    temperature: float
-    _sampler_processing: SamplerProcessing | None
 
-    def _mu_processing(
-        self, args, engine: str, replayed: Sequence[Dataset] = (), rollout_worker: object | None = None
-    ) -> SamplerProcessing | None:
-        """How mu turned logits into its sampling distribution, when it differs from what TRL scores the policy with
-        (the whole vocabulary at the trainer's temperature): then pi is scored on mu's support; else None. By default
-        the config's generation settings (temperature, top_k, top_p, min_p) in `engine`'s filter order (the
-        synchronous trainer's own generation, or vLLM: TRL's rollout worker's). Offline, the `replayed` datasets'
-        stored `behaviour_sampling` (one processing for them all; rows that do not say take the config's, said
-        once). A `rollout_worker` that says how it samples (`sampling`, as the CPU stand-in `LaggedRolloutWorker`
-        does), as it says."""
-        processing = SamplerProcessing(
-            temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p, min_p=args.min_p, engine=engine
+def warn_history_dependent_sampling(repetition_penalty: float) -> None:
+    """Says so when mu's sampling depended on the tokens already seen, which pi's scoring does not replay: a repetition
+    penalty rescales the logits of every token in the prompt or the completion so far before temperature and
+    truncation, so pi/mu then carries the penalty's effect on top of how far the policy moved."""
+    if repetition_penalty != 1.0:
+        logger.warning(
+            f"repetition_penalty={repetition_penalty} changes mu's sampling distribution by the tokens already "
+            "seen, and pi is not scored with it: pi/mu carries the penalty's effect as well as the policy's "
+            "movement (negatives' weights are off by it). Leave repetition_penalty at 1.0 for an exact ratio."
         )
-        if replayed:
-            processing = stored_processing(replayed, processing)
-        sampling = getattr(rollout_worker, "sampling", None)
-        if isinstance(sampling, SamplerProcessing):
-            processing = sampling
-        return processing if processing.differs_from(self.temperature) else None
-
-    @staticmethod
-    def _warn_history_dependent_sampling(repetition_penalty: float) -> None:
-        """Says so when mu's sampling depended on the tokens already seen, which pi's scoring does not replay: a
-        repetition penalty rescales the logits of every token in the prompt or the completion so far before
-        temperature and truncation, so pi/mu then carries the penalty's effect on top of how far the policy moved."""
-        if repetition_penalty != 1.0:
-            logger.warning(
-                f"repetition_penalty={repetition_penalty} changes mu's sampling distribution by the tokens already "
-                "seen, and pi is not scored with it: pi/mu carries the penalty's effect as well as the policy's "
-                "movement (negatives' weights are off by it). Leave repetition_penalty at 1.0 for an exact ratio."
-            )
-
-    def _forward_on_mus_support(self, model, forward: Callable[[], tuple], project: SupportProjection) -> tuple:
-        """`forward()`, TRL's forward through its fused head (its outputs begin with the log-probs), with the
-        log-probs worth pi's on mu's support where `project` scores them, from the backbone's last hidden states of
-        that same forward (captured by a hook: TRL's fused head never holds a row's logits whole, and the backbone
-        runs once). Only the values change: the gradient stays TRL's (`on_mus_support`). Without a processing to
-        score (`_sampler_processing` None), `forward()` as it is."""
-        if self._sampler_processing is None:
-            return forward()
-        backbone, owner = fused_head_parts(model)
-        with captured_outputs(backbone) as captured:
-            outputs = forward()
-        log_probs = outputs[0]
-        processed, scored = project(outputs, owner, captured)
-        return (on_mus_support(log_probs, processed.to(log_probs.device), scored.to(log_probs.device)), *outputs[1:])
 
 
-class PolicyMetricsLogging:
-    """TOPR's metrics and the non-finite-loss check, shared by `TOPRTrainer` and the asynchronous trainer
-    (`topr_trl.asynchronous`): both have `accelerator`, `args.topr_signal`, `_loss_spec`, `_metrics` and `state`."""
+def forward_on_mus_support(model, forward: Callable[[], tuple], project: SupportProjection) -> tuple:
+    """`forward()`, TRL's forward through its fused head (its outputs begin with the log-probs), with the log-probs
+    worth pi's on mu's support where `project` scores them, from the backbone's last hidden states of that same forward
+    (captured by a hook: TRL's fused head never holds a row's logits whole, and the backbone runs once). Only the
+    values change: the gradient stays TRL's (`on_mus_support`)."""
+    backbone, owner = fused_head_parts(model)
+    with captured_outputs(backbone) as captured:
+        outputs = forward()
+    log_probs = outputs[0]
+    processed, scored = project(outputs, owner, captured)
+    return (on_mus_support(log_probs, processed.to(log_probs.device), scored.to(log_probs.device)), *outputs[1:])
 
-    # TOPRConfig or AsyncTOPRConfig (TOPRTrainer with TRL's losses may hold a GRPOConfig: read by `topr_setting`)
-    args: TOPRFields
-    state: TrainerState
 
-    def _log_policy_metrics(
-        self, mode, terms, signal, mask, entropies, policy_per_token, aggregate_kwargs, loss, ratio_read=None
-    ):
-        """TOPR's metrics (`topr_trl.training.policy_metrics`), reduced over processes with two collectives, so every
-        rank logs every key; returns what `_on_nonfinite_loss` needs (the number of processes whose loss is not finite,
-        and the ratio ranges), which every rank agrees on. `ratio_read` (B,) leaves out of the ratio statistics the
-        sequences whose pi was not scored on mu's support (None: every sequence's pi/mu is reported)."""
-        sums = metric_sums(terms, signal, mask, entropies, loss, self._loss_spec.negative_weight, ratio_read)
-        reduced = self.accelerator.reduce(torch.stack(list(sums.values())), reduction="sum").tolist()
-        totals = dict(zip(sums, reduced, strict=True))
-        minima = ratio_minima(terms, signal, mask, ratio_read)
-        losses = torch.stack(branch_losses(policy_per_token, terms.is_positive, mask, **aggregate_kwargs)).float()
-        # one collective for both: each process's row is its minima then its branch losses
-        gathered = self.accelerator.gather(torch.cat([minima, losses]).unsqueeze(0))
-        all_minima, all_losses = gathered.split([minima.numel(), losses.numel()], dim=1)
-        # a process that trained no trajectory (an empty packed row) has NaN branch losses and joins the mean as none
-        values = policy_metrics(
-            totals,
-            all_minima.amin(dim=0).tolist(),
-            all_losses.nanmean(dim=0).tolist(),
-            reward_signal=self.args.topr_signal == "reward",
+def log_policy_metrics(
+    accelerator,
+    logged: dict[str, list[float]],
+    terms,
+    signal,
+    mask,
+    entropies,
+    policy_per_token,
+    aggregate_kwargs,
+    loss,
+    *,
+    negative_weight: float,
+    reward_signal: bool,
+    ratio_read=None,
+) -> tuple[int, str]:
+    """TOPR's metrics (`topr_trl.training.policy_metrics`) appended to `logged` (a trainer's `_metrics[mode]`), reduced
+    over processes with two collectives, so every rank logs every key; returns what `check_finite_loss` needs (the
+    number of processes whose loss is not finite, and the ratio ranges), which every rank agrees on. `ratio_read`
+    (B,) leaves out of the ratio statistics the sequences whose pi was not scored on mu's support (None: every
+    sequence's pi/mu is reported)."""
+    sums = metric_sums(terms, signal, mask, entropies, loss, negative_weight, ratio_read)
+    reduced = accelerator.reduce(torch.stack(list(sums.values())), reduction="sum").tolist()
+    totals = dict(zip(sums, reduced, strict=True))
+    minima = ratio_minima(terms, signal, mask, ratio_read)
+    losses = torch.stack(branch_losses(policy_per_token, terms.is_positive, mask, **aggregate_kwargs)).float()
+    # one collective for both: each process's row is its minima then its branch losses
+    gathered = accelerator.gather(torch.cat([minima, losses]).unsqueeze(0))
+    all_minima, all_losses = gathered.split([minima.numel(), losses.numel()], dim=1)
+    # a process that trained no trajectory (an empty packed row) has NaN branch losses and joins the mean as none
+    values = policy_metrics(
+        totals, all_minima.amin(dim=0).tolist(), all_losses.nanmean(dim=0).tolist(), reward_signal=reward_signal
+    )
+    ratios = branch_ratios(terms, signal, mask, ratio_read)
+    if accelerator.num_processes > 1:  # every process's ratios, NaN-padded to one length
+        ratios = accelerator.pad_across_processes(ratios, dim=1, pad_index=float("nan"))
+        ratios = accelerator.gather(ratios.unsqueeze(0)).transpose(0, 1).flatten(1)
+    values.update(ratio_quantiles(ratios))
+    for name, value in values.items():
+        # a branch with nothing to report (no sample, or no ratio read) is left out of the step's log, not logged as
+        # NaN, which GRPOTrainer's `log` turns into a null when the whole window has none
+        if not (name.startswith("topr/") and math.isnan(value)):
+            logged[name].append(value)
+    ratio_ranges = (
+        f"positives [{values['topr/ratio_positive/min']}, {values['topr/ratio_positive/max']}], "
+        f"negatives [{values['topr/ratio_negative/min']}, {values['topr/ratio_negative/max']}]"
+    )
+    return int(totals["nonfinite_loss"]), ratio_ranges
+
+
+def check_finite_loss(processes: int, ratio_ranges: str, *, stop: bool, step: int) -> None:
+    """Nothing when every process's loss is finite (`processes` 0). Otherwise GRPOTrainer trains on a non-finite loss
+    (logged as NaN); TOPRTrainer does too unless `stop` (topr_check_finite), warning once (the ratio ranges of every
+    step are logged as topr/ratio_*)."""
+    if not processes:
+        return
+    if stop:
+        raise FloatingPointError(
+            f"TOPR loss is not finite on {processes} process(es) at step {step}. Ratio ranges: {ratio_ranges}. Check "
+            "the reward functions and, in bf16/fp16, the model's logits; rerun with bf16=False to rule out overflow."
         )
-        ratios = branch_ratios(terms, signal, mask, ratio_read)
-        if self.accelerator.num_processes > 1:  # every process's ratios, NaN-padded to one length
-            ratios = self.accelerator.pad_across_processes(ratios, dim=1, pad_index=float("nan"))
-            ratios = self.accelerator.gather(ratios.unsqueeze(0)).transpose(0, 1).flatten(1)
-        values.update(ratio_quantiles(ratios))
-        for name, value in values.items():
-            # a branch with nothing to report (no sample, or no ratio read) is left out of the step's log, not
-            # logged as NaN, which GRPOTrainer's `log` turns into a null when the whole window has none
-            if not (name.startswith("topr/") and math.isnan(value)):
-                self._metrics[mode][name].append(value)
-        ratio_ranges = (
-            f"positives [{values['topr/ratio_positive/min']}, {values['topr/ratio_positive/max']}], "
-            f"negatives [{values['topr/ratio_negative/min']}, {values['topr/ratio_negative/max']}]"
-        )
-        return int(totals["nonfinite_loss"]), ratio_ranges
-
-    def _on_nonfinite_loss(self, processes: int, ratio_ranges: str) -> None:
-        """GRPOTrainer trains on a non-finite loss (logged as NaN); TOPRTrainer does too unless topr_check_finite,
-        warning once (the ratio ranges of every step are logged as topr/ratio_*)."""
-        if topr_setting(self.args, "topr_check_finite"):
-            raise FloatingPointError(
-                f"TOPR loss is not finite on {processes} process(es) at step {self.state.global_step}. Ratio ranges: "
-                f"{ratio_ranges}. Check the reward functions and, in bf16/fp16, the model's logits; rerun with "
-                "bf16=False to rule out overflow."
-            )
-        logger.warning_once(
-            "TOPR loss is not finite on some steps (logged as NaN; the ratio ranges are logged as topr/ratio_*). "
-            "Check the reward functions and, in bf16/fp16, the model's logits. Training goes on, as in GRPOTrainer "
-            "(topr_check_finite=True stops at the first such step); this is said once."
-        )
+    logger.warning_once(
+        "TOPR loss is not finite on some steps (logged as NaN; the ratio ranges are logged as topr/ratio_*). "
+        "Check the reward functions and, in bf16/fp16, the model's logits. Training goes on, as in GRPOTrainer "
+        "(topr_check_finite=True stops at the first such step); this is said once."
+    )
 
 
 def trained_method(loss_type: str) -> tuple[str, dict, list[str]]:
