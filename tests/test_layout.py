@@ -196,3 +196,38 @@ def test_the_package_draws_text_bars_where_a_notebook_bar_cannot_draw():
         import tqdm.auto
 
         assert progress_bar_class() is tqdm.auto.tqdm
+
+
+def test_a_trainer_reads_through_at_most_two_mixins():
+    """A TOPR step reads in the trainer and the few classes it names: each trainer mixes in at most two classes of
+    this package above TRL's (what both trainers share are plain functions in `training.shared`)."""
+    from trl import GRPOTrainer
+
+    from topr_trl import TOPRTrainer
+    from topr_trl.asynchronous import AsyncTOPRTrainer
+    from topr_trl.asynchronous.trl_async import AsyncGRPOTrainer
+
+    for trainer, trls in ((TOPRTrainer, GRPOTrainer), (AsyncTOPRTrainer, AsyncGRPOTrainer)):
+        ours = [base for base in trainer.__mro__[1:] if base.__module__.startswith("topr_trl") and base is not trls]
+        assert len(ours) <= 2, f"{trainer.__name__} mixes in {[base.__name__ for base in ours]}"
+
+
+def test_no_library_function_runs_over_80_lines():
+    """Short pieces: no function or method of the library is longer than 80 lines, its docstring included."""
+    long = [
+        f"{path.relative_to(PACKAGE).as_posix()}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80
+    ]
+    assert not long
+
+
+def test_the_readme_stays_short():
+    """The README is the front page, at most 200 lines; its "What to expect" at most 20 (a generated table and a
+    link to the lab's page)."""
+    lines = (PACKAGE.parent / "README.md").read_text().splitlines()
+    assert len(lines) <= 200
+    start = lines.index("## What to expect")
+    end = next(index for index in range(start + 1, len(lines)) if lines[index].startswith("## "))
+    assert end - start - 1 <= 20
