@@ -601,6 +601,7 @@ def test_train_command_runs_asynchronous_topr_and_saves_a_model_that_loads_anywh
     import json
 
     from tests.conftest import saved_model_accuracy
+    from tests.launching import builtin_run_flags
     from topr_trl.commands.cli import main
 
     output = tmp_path / "run"
@@ -610,22 +611,9 @@ def test_train_command_runs_asynchronous_topr_and_saves_a_model_that_loads_anywh
             "--asynchronous",
             "--async_lag",
             "1",
-            "--max_steps",
-            "3",
-            "--task_train_prompts",
-            "16",
-            "--task_eval_prompts",
-            "8",
-            "--warm_start_accuracy",
-            "0",
-            "--base_model_dir",
-            str(tmp_path / "base"),
-            "--output_dir",
-            str(output),
-            "--per_device_train_batch_size",
-            "8",
-            "--num_generations",
-            "4",
+            *builtin_run_flags(
+                tmp_path / "base", max_steps=3, output_dir=output, per_device_train_batch_size=8, num_generations=4
+            ),
         ]
     )
     summary = json.loads((output / "topr_summary.json").read_text())

@@ -16,32 +16,17 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from tests.launching import LAUNCH_ENVIRONMENT, accelerate_launch, builtin_run_flags
 from tests.test_async import MODEL
-from tests.test_distributed import LAUNCH_ENVIRONMENT
 
 
 TRAIN_SCRIPT = Path(__file__).with_name("async_distributed_train.py")
 SERVER_SCRIPT = Path(__file__).with_name("async_distributed_server.py")
-LAUNCH = [
-    sys.executable,
-    "-m",
-    "accelerate.commands.launch",
-    "--multi_gpu",
-    "--num_processes",
-    "2",
-    "--num_machines",
-    "1",
-    "--mixed_precision",
-    "no",
-    "--main_process_port",
-    "0",
-]
 STEPS = 4
 SAMPLES_PER_STEP = 8  # 2 processes x 4
 # The staleness each step trains at, in lockstep (one step's samples per policy version, `lag` versions old). The
@@ -55,7 +40,7 @@ def launch(arguments: list[str], timeout: float) -> subprocess.CompletedProcess:
     """`accelerate launch` in a session of its own, so that a run that hangs is ended with every process it started
     (a rank waiting in a collective outlives its launcher otherwise)."""
     process = subprocess.Popen(
-        [*LAUNCH, *arguments],
+        accelerate_launch(*arguments),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -175,22 +160,9 @@ def test_train_command_runs_asynchronous_topr_on_two_processes(tmp_path):
             "--asynchronous",
             "--async_lag",
             "1",
-            "--max_steps",
-            "3",
-            "--task_train_prompts",
-            "16",
-            "--task_eval_prompts",
-            "8",
-            "--warm_start_accuracy",
-            "0",
-            "--base_model_dir",
-            str(tmp_path / "base"),
-            "--output_dir",
-            str(output),
-            "--per_device_train_batch_size",
-            "4",
-            "--num_generations",
-            "4",
+            *builtin_run_flags(
+                tmp_path / "base", max_steps=3, output_dir=output, per_device_train_batch_size=4, num_generations=4
+            ),
         ],
         timeout=300,
     )

@@ -13,6 +13,7 @@ from topr_trl.tasks.arithmetic import arithmetic_reward
 from topr_trl.tasks.user_rewards import resolve_reward
 
 from .conftest import saved_model_accuracy
+from .launching import builtin_run_flags
 
 
 def main_generate(argv: list[str]) -> dict:
@@ -28,22 +29,9 @@ def test_train_command_runs_the_builtin_job(tmp_path):
     main(
         [
             "train",
-            "--max_steps",
-            "2",
-            "--task_train_prompts",
-            "16",
-            "--task_eval_prompts",
-            "8",
-            "--warm_start_accuracy",
-            "0",
-            "--base_model_dir",
-            str(tmp_path / "base"),
-            "--output_dir",
-            str(output),
-            "--per_device_train_batch_size",
-            "4",
-            "--num_generations",
-            "4",
+            *builtin_run_flags(
+                tmp_path / "base", max_steps=2, output_dir=output, per_device_train_batch_size=4, num_generations=4
+            ),
         ]
     )
     summary = json.loads((output / "topr_summary.json").read_text())
@@ -80,20 +68,14 @@ def test_iterate_command_runs_offline_iterations(tmp_path):
         [
             "--iterations",
             "1",
-            "--task_train_prompts",
-            "4",
-            "--task_eval_prompts",
-            "4",
-            "--num_generations",
-            "4",
-            "--per_device_train_batch_size",
-            "8",
-            "--warm_start_accuracy",
-            "0",
-            "--base_model_dir",
-            str(tmp_path / "base"),
-            "--output_dir",
-            str(tmp_path / "iterations"),
+            *builtin_run_flags(
+                tmp_path / "base",
+                4,
+                4,
+                num_generations=4,
+                per_device_train_batch_size=8,
+                output_dir=tmp_path / "iterations",
+            ),
         ]
     )
     assert len(summaries) == 1 and summaries[0]["rows"] == 16 and "evaluation" in summaries[0]
@@ -207,18 +189,7 @@ def test_iterate_runs_from_the_offline_recipe(tmp_path):
         [
             "--config",
             str(recipe),
-            "--task_train_prompts",
-            "4",
-            "--task_eval_prompts",
-            "4",
-            "--warm_start_accuracy",
-            "0",
-            "--base_model_dir",
-            str(tmp_path / "base"),
-            "--output_dir",
-            str(tmp_path / "it"),
-            "--composition",
-            "anna_karenina",
+            *builtin_run_flags(tmp_path / "base", 4, 4, output_dir=tmp_path / "it", composition="anna_karenina"),
         ]
     )
     assert summary["composition"] == "anna_karenina" and summary["rows"] <= 32
@@ -252,24 +223,16 @@ def test_subcommands_dry_run_and_validate_choices(tmp_path, capsys):
 def test_train_resumes_from_the_last_checkpoint(tmp_path):
     common = [
         "train",
-        "--task_train_prompts",
-        "16",
-        "--task_eval_prompts",
-        "4",
-        "--warm_start_accuracy",
-        "0",
-        "--base_model_dir",
-        str(tmp_path / "base"),
-        "--output_dir",
-        str(tmp_path / "run"),
-        "--per_device_train_batch_size",
-        "4",
-        "--num_generations",
-        "4",
-        "--save_strategy",
-        "steps",
-        "--save_steps",
-        "1",
+        *builtin_run_flags(
+            tmp_path / "base",
+            16,
+            4,
+            output_dir=tmp_path / "run",
+            per_device_train_batch_size=4,
+            num_generations=4,
+            save_strategy="steps",
+            save_steps=1,
+        ),
     ]
     main(common + ["--max_steps", "2"])
     second = tmp_path / "run" / "checkpoint-2" / "model.safetensors"
@@ -287,16 +250,7 @@ def test_missing_offline_dataset_is_reported(tmp_path):
                 "train",
                 "--offline_dataset",
                 str(tmp_path / "nothing"),
-                "--warm_start_accuracy",
-                "0",
-                "--task_train_prompts",
-                "4",
-                "--task_eval_prompts",
-                "4",
-                "--base_model_dir",
-                str(tmp_path / "base"),
-                "--output_dir",
-                str(tmp_path / "run"),
+                *builtin_run_flags(tmp_path / "base", 4, 4, output_dir=tmp_path / "run"),
             ]
         )
 

@@ -25,6 +25,7 @@ from topr_trl.commands.curves import logged_curves, plot_curves
 from topr_trl.commands.output_folders import LOCK_FILE, output_dir_lock
 
 from .conftest import SHARED
+from .launching import SMALL_RUN, as_flags, user_data_flags
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,16 +35,7 @@ def correctness(completions, answer, **kwargs):
     return [1.0 if c.strip()[:1] == str(a)[:1] else -1.0 for c, a in zip(completions, answer)]
 """
 # A random model's completions are mostly unscorable (the reward returns None): go on through them.
-SMALL = [
-    "--per_device_train_batch_size",
-    "4",
-    "--num_generations",
-    "4",
-    "--max_completion_length",
-    "8",
-    "--topr_unscored_batch",
-    "train",
-]
+SMALL = as_flags(**SMALL_RUN, topr_unscored_batch="train")
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +59,7 @@ def user_folder(tmp_path_factory, tiny_model_path) -> Path:
 def user_run(folder: Path, output: str, *extra: str) -> list[str]:
     return [
         "train",
-        "--model_name_or_path",
-        "my-model",
-        "--dataset_name",
-        "data/prompts.jsonl",
-        "--reward_funcs",
-        "my_rewards:correctness",
+        *user_data_flags("my-model", "data/prompts.jsonl"),
         "--output_dir",
         output,
         *SMALL,

@@ -14,6 +14,7 @@ from topr_trl.commands import cli
 from topr_trl.commands.arguments import TaskArguments
 from topr_trl.commands.cli import main
 
+from .launching import user_data_flags
 from .test_cli_user_path import PROMPTS, QUICK, generate_builtin, prompt_dataset
 
 
@@ -132,12 +133,7 @@ def test_an_interrupted_run_is_not_restarted_over_its_checkpoints(user_dir, tiny
     prompt_dataset().to_json(user_dir / "prompts.jsonl")
     command = [
         "train",
-        "--model_name_or_path",
-        tiny_model_path,
-        "--dataset_name",
-        "prompts.jsonl",
-        "--reward_funcs",
-        "my_rewards:correctness",
+        *user_data_flags(tiny_model_path, "prompts.jsonl"),
         "--output_dir",
         "run",
         *QUICK,
@@ -325,12 +321,7 @@ def test_summary_model_card_and_output_folders_of_a_custom_run(user_dir, tiny_mo
         main(
             [
                 "train",
-                "--model_name_or_path",
-                tiny_model_path,
-                "--dataset_name",
-                source,
-                "--reward_funcs",
-                "my_rewards:correctness",
+                *user_data_flags(tiny_model_path, source),
                 *QUICK,
                 "--logging_steps",
                 "1",
@@ -488,12 +479,7 @@ def test_what_would_fail_far_into_a_run_is_refused_in_one_line_before_it(user_di
         main(
             [
                 "generate",
-                "--model_name_or_path",
-                tiny_model_path,
-                "--dataset_name",
-                "prompts.jsonl",
-                "--reward_funcs",
-                "my_rewards:correctness",
+                *user_data_flags(tiny_model_path, "prompts.jsonl"),
                 "--max_completion_length",
                 "4",
                 "--output_dir",
@@ -541,12 +527,7 @@ def test_a_folder_a_live_run_holds_says_so_before_anything_else(user_dir, tiny_m
             main(
                 [
                     "train",
-                    "--model_name_or_path",
-                    tiny_model_path,
-                    "--dataset_name",
-                    "prompts.jsonl",
-                    "--reward_funcs",
-                    "my_rewards:correctness",
+                    *user_data_flags(tiny_model_path, "prompts.jsonl"),
                     *QUICK,
                     "--output_dir",
                     "live",
@@ -581,24 +562,9 @@ def test_weighted_rewards_work_the_same_in_generate_and_asynchronous_train(user_
     holds a trained model, not a generation, is refused in one line instead of writing shards beside it."""
     prompt_dataset().to_json(user_dir / "prompts.jsonl")
     rewards = ["--reward_funcs", "my_rewards:correctness", "my_rewards:correctness", "--reward_weights", "1", "0.5"]
-    main(
-        [
-            "generate",
-            "--model_name_or_path",
-            tiny_model_path,
-            "--dataset_name",
-            "prompts.jsonl",
-            *rewards,
-            "--num_generations",
-            "4",
-            "--max_prompts",
-            "2",
-            "--max_completion_length",
-            "4",
-            "--output_dir",
-            "data",
-        ]
-    )
+    model_data = ["--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl", *rewards]
+    generate = ["generate", *model_data, "--num_generations", "4", "--max_prompts", "2", "--max_completion_length", "4"]
+    main([*generate, "--output_dir", "data"])
     manifest = json.loads((user_dir / "data" / "manifest.json").read_text())
     assert manifest["settings"]["reward_weights"] == [1.0, 0.5]
     from topr_trl.offline import load_offline_dataset
@@ -608,11 +574,7 @@ def test_weighted_rewards_work_the_same_in_generate_and_asynchronous_train(user_
     main(
         [
             "train",
-            "--model_name_or_path",
-            tiny_model_path,
-            "--dataset_name",
-            "prompts.jsonl",
-            *rewards,
+            *model_data,
             *QUICK,
             "--asynchronous",
             "true",
@@ -626,24 +588,7 @@ def test_weighted_rewards_work_the_same_in_generate_and_asynchronous_train(user_
     assert logged and all(abs(value) == 1.5 for value in logged)
 
     with pytest.raises(SystemExit) as stop:
-        main(
-            [
-                "generate",
-                "--model_name_or_path",
-                tiny_model_path,
-                "--dataset_name",
-                "prompts.jsonl",
-                *rewards,
-                "--num_generations",
-                "4",
-                "--max_prompts",
-                "2",
-                "--max_completion_length",
-                "4",
-                "--output_dir",
-                "asynchronous",
-            ]
-        )
+        main([*generate, "--output_dir", "asynchronous"])
     assert "holds other files" in one_line_error(stop) and not any((user_dir / "asynchronous").glob("shard-*"))
 
 

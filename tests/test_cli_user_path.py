@@ -13,23 +13,13 @@ from topr_trl.commands import arguments, cli
 from topr_trl.commands.cli import main
 
 from .conftest import REWARD_MODULE
+from .launching import SMALL_RUN, as_flags, user_data_flags
 
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [f"{a}+{b}=" for a in range(4) for b in range(2)]
 # Small enough for a few seconds per run on a 2-core CPU; everything else is the run's own default.
-QUICK = [
-    "--max_steps",
-    "1",
-    "--per_device_train_batch_size",
-    "4",
-    "--num_generations",
-    "4",
-    "--max_completion_length",
-    "8",
-    "--report_to",
-    "none",
-]
+QUICK = as_flags(max_steps=1, **SMALL_RUN, report_to="none")
 
 
 def prompt_dataset() -> Dataset:
@@ -62,12 +52,7 @@ def test_custom_run_trains_on_the_users_data_with_trl_defaults(form, user_dir, t
     main(
         [
             "train",
-            "--model_name_or_path",
-            tiny_model_path,
-            "--dataset_name",
-            source,
-            "--reward_funcs",
-            "my_rewards:correctness",
+            *user_data_flags(tiny_model_path, source),
             *QUICK,
         ]
     )
@@ -120,12 +105,7 @@ def test_a_finished_run_is_not_overwritten_unless_asked(user_dir, tiny_model_pat
     write_prompts(user_dir, "jsonl")
     command = [
         "train",
-        "--model_name_or_path",
-        tiny_model_path,
-        "--dataset_name",
-        "prompts.jsonl",
-        "--reward_funcs",
-        "my_rewards:correctness",
+        *user_data_flags(tiny_model_path, "prompts.jsonl"),
         "--output_dir",
         "run",
         *QUICK,
@@ -250,12 +230,7 @@ def test_offline_dataset_in_each_form_trains_on_its_stored_rewards(form, generat
         (
             [
                 "train",
-                "--model_name_or_path",
-                "MODEL",
-                "--dataset_name",
-                "missing.jsonl",
-                "--reward_funcs",
-                "my_rewards:correctness",
+                *user_data_flags("MODEL", "missing.jsonl"),
             ],
             "--dataset_name missing.jsonl: no such file or folder",
         ),

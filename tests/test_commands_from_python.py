@@ -26,6 +26,8 @@ from topr_trl.commands.cli import main
 from topr_trl.commands.interruption import interrupted_run
 from topr_trl.offline import load_offline_dataset
 
+from .launching import builtin_run_flags
+
 
 PACKAGE = Path(__file__).resolve().parents[1] / "topr_trl"
 # What varies between two identical runs, or names the run's own folder.
@@ -34,20 +36,7 @@ RUN_SPECIFIC = ("output_dir", "machine", "seconds", "behaviour_model")
 
 def builtin_flags(base: Path) -> list[str]:
     """The built-in task on the tiny model, small enough for seconds (no warm start)."""
-    return [
-        "--task_train_prompts",
-        "16",
-        "--task_eval_prompts",
-        "8",
-        "--warm_start_accuracy",
-        "0",
-        "--base_model_dir",
-        str(base),
-        "--per_device_train_batch_size",
-        "4",
-        "--num_generations",
-        "4",
-    ]
+    return builtin_run_flags(base, per_device_train_batch_size=4, num_generations=4)
 
 
 def same_run(summary: dict) -> dict:
@@ -132,18 +121,7 @@ def test_generate_and_iterate_from_python_give_what_the_command_line_gives(tmp_p
     flags = [
         "--iterations",
         "1",
-        "--task_train_prompts",
-        "4",
-        "--task_eval_prompts",
-        "4",
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "8",
-        "--warm_start_accuracy",
-        "0",
-        "--base_model_dir",
-        str(tmp_path / "base"),
+        *builtin_run_flags(tmp_path / "base", 4, 4, num_generations=4, per_device_train_batch_size=8),
     ]
     main(["iterate", *flags, "--output_dir", str(tmp_path / "it-cli")])
     (summary,) = iterate(*parse_command("iterate", [*flags, "--output_dir", str(tmp_path / "it-python")]))

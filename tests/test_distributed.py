@@ -10,28 +10,18 @@ from pathlib import Path
 import pytest
 
 from .conftest import saved_model_accuracy
+from .launching import (
+    LAUNCH_ENVIRONMENT,
+    LAUNCHES,
+    SMALL_RUN,
+    USER_FOLDER_DATA,
+    accelerate_launch,
+    as_flags,
+    builtin_run_flags,
+)
 
 
 SCRIPT = Path(__file__).with_name("distributed_train.py")
-LAUNCHES = {
-    "ddp": ["--multi_gpu"],
-    "zero2": ["--use_deepspeed", "--zero_stage", "2"],
-    "zero3": ["--use_deepspeed", "--zero_stage", "3", "--zero3_init_flag", "false"],
-}
-# Unbuffered, each print reaches the pipe shared by both ranks in one write, so a line is never split by the other rank.
-# PYTHONPATH: a script run by path has its own folder first on sys.path, not the working directory, so without it the
-# ranks would import topr_trl from wherever it is installed (the editable install of another checkout) instead of
-# this one
-REPOSITORY = Path(__file__).resolve().parents[1]
-LAUNCH_ENVIRONMENT = {
-    **os.environ,
-    "DS_ACCELERATOR": "cpu",
-    "OMP_NUM_THREADS": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRL_EXPERIMENTAL_SILENCE": "1",
-    "PYTHONUNBUFFERED": "1",
-    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")])),
-}
 
 
 def run_training(results_dir: Path, data_dir: Path, model_path: str, launch: str | None) -> tuple[dict, dict]:
@@ -44,22 +34,7 @@ def run_training(results_dir: Path, data_dir: Path, model_path: str, launch: str
     if launch is None:
         command = [sys.executable, *script, "8"]
     else:
-        command = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            *LAUNCHES[launch],
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--main_process_port",
-            "0",
-            *script,
-            "4",
-        ]
+        command = accelerate_launch(*script, "4", launch=launch)
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=LAUNCH_ENVIRONMENT)
     assert completed.returncode == 0, completed.stderr[-4000:]
     results = {
@@ -182,24 +157,7 @@ def test_two_processes_compute_what_one_process_computes(
 def launch_cli(launch: str, arguments: list[str]) -> subprocess.CompletedProcess:
     # ZeRO-3 saves full weights only with zero3_save_16bit_model (set in examples/accelerate/zero3*.yaml)
     saving = ["--zero3_save_16bit_model", "true"] if launch == "zero3" else []
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        *LAUNCHES[launch],
-        *saving,
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--main_process_port",
-        "0",
-        "-m",
-        "topr_trl",
-        *arguments,
-    ]
+    command = accelerate_launch(*saving, "-m", "topr_trl", *arguments, launch=launch)
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=LAUNCH_ENVIRONMENT)
 
 
@@ -218,30 +176,18 @@ def test_cli_train_under_accelerate_launch_saves_a_checkpoint_that_loads_back(la
         launch,
         [
             "train",
-            "--max_steps",
-            "2",
-            "--save_strategy",
-            "steps",
-            "--save_steps",
-            "2",
-            "--task_train_prompts",
-            "16",
-            "--task_eval_prompts",
-            "8",
-            "--warm_start_accuracy",
-            "0.1",
-            "--base_model_dir",
-            str(tmp_path / "base"),
-            "--per_device_train_batch_size",
-            "4",
-            "--num_generations",
-            "4",
-            "--learning_rate",
-            "1e-2",
-            "--topr_signal",
-            "reward",
-            "--output_dir",
-            str(output),
+            *builtin_run_flags(
+                tmp_path / "base",
+                warm_start_accuracy=0.1,
+                max_steps=2,
+                save_strategy="steps",
+                save_steps=2,
+                per_device_train_batch_size=4,
+                num_generations=4,
+                learning_rate="1e-2",
+                topr_signal="reward",
+                output_dir=output,
+            ),
         ],
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
@@ -275,20 +221,9 @@ def test_cli_iterate_under_accelerate_launch(launch, tmp_path):
             "iterate",
             "--iterations",
             "2",
-            "--task_train_prompts",
-            "8",
-            "--task_eval_prompts",
-            "8",
-            "--warm_start_accuracy",
-            "0",
-            "--base_model_dir",
-            str(tmp_path / "base"),
-            "--num_generations",
-            "4",
-            "--per_device_train_batch_size",
-            "4",
-            "--output_dir",
-            str(tmp_path / "it"),
+            *builtin_run_flags(
+                tmp_path / "base", 8, num_generations=4, per_device_train_batch_size=4, output_dir=tmp_path / "it"
+            ),
         ],
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
@@ -344,28 +279,16 @@ def test_two_nodes_on_one_machine_train_and_save_one_model(tmp_path):
                 "-m",
                 "topr_trl",
                 "train",
-                "--model_name_or_path",
-                "my-model",
-                "--dataset_name",
-                "data/prompts.jsonl",
-                "--reward_funcs",
-                "my_rewards:correctness",
-                "--per_device_train_batch_size",
-                "4",
-                "--num_generations",
-                "4",
-                "--max_completion_length",
-                "8",
-                "--topr_unscored_batch",
-                "train",
-                "--topr_signal",
-                "reward",
-                "--learning_rate",
-                "1e-2",
-                "--max_steps",
-                "2",
-                "--output_dir",
-                "two-nodes",
+                *as_flags(
+                    model_name_or_path="my-model",
+                    **USER_FOLDER_DATA,
+                    **SMALL_RUN,
+                    topr_unscored_batch="train",
+                    topr_signal="reward",
+                    learning_rate="1e-2",
+                    max_steps=2,
+                    output_dir="two-nodes",
+                ),
             ],
             cwd=folder,
             stdout=subprocess.PIPE,

@@ -18,6 +18,7 @@ from topr_trl.offline import generate_offline_dataset, load_offline_dataset
 from topr_trl.offline.generation import GeneratedWithOtherSettings
 
 from .conftest import SHARED, cli_refusal, parity_reward
+from .launching import user_data_flags
 
 
 MAKE_USER_FOLDER = SHARED / "tools" / "user_folder" / "make_user_folder.py"
@@ -284,12 +285,7 @@ def test_a_user_running_from_their_folder_gets_one_line(user, tmp_path):
         "-m",
         "topr_trl",
         "generate",
-        "--model_name_or_path",
-        "my-model",
-        "--dataset_name",
-        "data/prompts.jsonl",
-        "--reward_funcs",
-        "my_rewards:correctness",
+        *user_data_flags("my-model", "data/prompts.jsonl"),
         "--max_prompts",
         "2",
         "--num_generations",

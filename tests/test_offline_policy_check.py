@@ -19,6 +19,7 @@ from topr_trl.offline import load_offline_dataset
 from topr_trl.offline.schema import StoredTokensMismatch, check_stored_tokens
 
 from .conftest import SHARED, work_in
+from .launching import user_data_flags
 
 
 MAKER = SHARED / "tools" / "user_folder" / "make_user_folder.py"
@@ -50,12 +51,7 @@ def generated(tmp_path_factory) -> Path:
             "-m",
             "topr_trl",
             "generate",
-            "--model_name_or_path",
-            "my-model",
-            "--dataset_name",
-            "data/prompts.jsonl",
-            "--reward_funcs",
-            "my_rewards:correctness",
+            *user_data_flags("my-model", "data/prompts.jsonl"),
             "--num_generations",
             "4",
             "--max_prompts",

@@ -690,30 +690,11 @@ def test_two_processes_train_the_real_model_under_accelerate_launch(real_model_p
     """`accelerate launch --multi_gpu --num_processes 2 -m topr_trl train` on the real model (gloo on a CPU): both
     ranks resolve the Hub id to the packaged copy's folder (converted once, by the main process first), train two
     steps of 4 completions each, and the main process alone measures, prints and saves."""
-    from .test_distributed import LAUNCH_ENVIRONMENT
+    from .launching import LAUNCH_ENVIRONMENT, accelerate_launch
 
     output = tmp_path / "run"
     completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--main_process_port",
-            "0",
-            "-m",
-            "topr_trl",
-            "train",
-            *REAL_RUN_FLAGS,
-            "--output_dir",
-            str(output),
-        ],
+        accelerate_launch("-m", "topr_trl", "train", *REAL_RUN_FLAGS, "--output_dir", str(output)),
         capture_output=True,
         text=True,
         timeout=1200,

@@ -14,34 +14,22 @@ import safetensors.torch
 from topr_trl.commands.cli import main
 
 from .conftest import SHARED, work_in
+from .launching import SMALL_RUN, USER_FOLDER_DATA, as_flags
 
 
 MAKER = SHARED / "tools" / "user_folder" / "make_user_folder.py"
 ARCHITECTURES = {"gptneox": ["--arch", "gptneox", "--untied"], "opt": ["--arch", "opt"]}
 # a reward of -1 for every completion and the signal R - 0: every sample pushes its tokens down, so one step moves
 # every layer the completions reach, the output layer included
-ONE_STEP = [
-    "--dataset_name",
-    "data/prompts.jsonl",
-    "--reward_funcs",
-    "my_rewards:correctness",
-    "--per_device_train_batch_size",
-    "4",
-    "--num_generations",
-    "4",
-    "--max_completion_length",
-    "8",
-    "--topr_unscored_batch",
-    "train",
-    "--topr_signal",
-    "reward",
-    "--learning_rate",
-    "1e-2",
-    "--max_steps",
-    "1",
-    "--save_steps",
-    "1",
-]
+ONE_STEP = as_flags(
+    **USER_FOLDER_DATA,
+    **SMALL_RUN,
+    topr_unscored_batch="train",
+    topr_signal="reward",
+    learning_rate="1e-2",
+    max_steps=1,
+    save_steps=1,
+)
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))

@@ -314,6 +314,48 @@ def test_colocated_vllm_samples_from_the_policys_current_weights_and_mu_is_its_s
     check_colocated_sync(which, reasoning_model, tmp_path, tmp_path_factory, repacked=True)
 
 
+def assert_the_engine_starts_from_the_weights_on_disk(
+    which: str, gap_at_load: float, model_dir, initial_state, sequences, prompt
+) -> None:
+    """Before training, the engine's log-probs of `sequences` sit within the packaged model's engine mismatch of the
+    trainer's initial weights, or within the bf16 floor's band for the others: the floor's scale on this machine."""
+    assert gap_at_load < (
+        REAL_MODEL_ENGINE_MISMATCH
+        if which.startswith("packaged")
+        else SYNCED_WITHIN_FLOORS * bf16_floor(model_dir, initial_state, sequences, len(prompt))
+    )
+
+
+def assert_the_first_steps_ratios_are_the_engines_mismatch(trainer, which: str) -> None:
+    """At the first step (pi the weights the engine sampled with) pi/mu is the engine's bfloat16 mismatch alone: near
+    1, and not exactly 1 (mu is the engine's, not the trainer's). Multiplied over the completion it is 0.07-0.11 per
+    token on the real model (measured), so its band is wider there (measured 0.66-1.54 over 16 tokens)."""
+    first = trainer.state.log_history[0]
+    ratios = [
+        first[f"topr/ratio_{sign}/{stat}"]
+        for sign in ("positive", "negative")
+        for stat in ("min", "max")
+        if first.get(f"topr/ratio_{sign}/{stat}") is not None
+    ]
+    band = (0.5, 2.0) if which.startswith("packaged") else (0.8, 1.25)
+    assert ratios and all(band[0] < ratio < band[1] for ratio in ratios), ratios
+    assert any(abs(ratio - 1) > 1e-4 for ratio in ratios)
+
+
+def tied_model_prompt(tokenizer, which: str) -> list[int]:
+    """A prompt's token ids for the tied-embedding models the weight-sync tests take (`which`): the built-in model's
+    own held-out problem, or a question in the packaged model's chat template, or as plain text for the others."""
+    if which.startswith("built-in"):
+        conversation = make_reasoning_dataset(1, 3, "heldout")[0]["prompt"]
+    elif which.startswith("packaged"):
+        conversation = [{"role": "user", "content": "What is 3 plus 4?"}]
+    else:
+        return tokenizer("What is 3 plus 4?")["input_ids"]
+    return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
+
+
 def output_layer_reads_its_weight(worker) -> bool:
     """Run on an engine's worker: whether its output layer's GEMM reads the weight Parameter as it is now, or a copy
     packed at load (vLLM's CPU build packs one for oneDNN or its own kernel on some CPUs, not on others). The weight
@@ -329,6 +371,16 @@ def output_layer_reads_its_weight(worker) -> bool:
     return bool(torch.allclose(after, -before, atol=1e-2, rtol=1e-2))
 
 
+def sync_case(which: str, reasoning_model: str, tmp_path_factory) -> tuple:
+    """The model folder, dataset, reward and completion length of a weight-sync test's model (`which`): the built-in
+    reasoning model, the packaged real model, or a user's tied or untied Qwen2."""
+    if which.startswith("built-in"):
+        return reasoning_model, make_reasoning_dataset(48, 3), reasoning_reward, max_completion_tokens(3)
+    if which.startswith("packaged"):
+        return packaged_real_model()
+    return user_model(tmp_path_factory, tied="(tied)" in which)
+
+
 def check_colocated_sync(which: str, reasoning_model, tmp_path, tmp_path_factory, repacked: bool) -> None:
     """The sync test's body; `repacked=False` is the guard's run with the tied re-pack switched off, which is skipped
     where this CPU's output layer reads its weight in place (no packed copy that could go stale)."""
@@ -337,17 +389,7 @@ def check_colocated_sync(which: str, reasoning_model, tmp_path, tmp_path_factory
     from topr_trl import TOPRConfig, TOPRTrainer
     from topr_trl.generation.vllm_colocate import repack_tied_weights
 
-    if which.startswith("built-in"):
-        model_dir, dataset, reward, length = (
-            reasoning_model,
-            make_reasoning_dataset(48, 3),
-            reasoning_reward,
-            max_completion_tokens(3),
-        )
-    elif which.startswith("packaged"):
-        model_dir, dataset, reward, length = packaged_real_model()
-    else:
-        model_dir, dataset, reward, length = user_model(tmp_path_factory, tied="(tied)" in which)
+    model_dir, dataset, reward, length = sync_case(which, reasoning_model, tmp_path_factory)
     snapshots = WeightSnapshots()
     args = TOPRConfig(
         str(tmp_path),
@@ -374,24 +416,7 @@ def check_colocated_sync(which: str, reasoning_model, tmp_path, tmp_path_factory
             "on this CPU vLLM's output layer computes from its weight itself, not from a copy packed at load: "
             "a tied output layer cannot go stale, so there is nothing for the re-pack to fix"
         )
-    if which.startswith("built-in"):
-        prompt = tokenizer.apply_chat_template(
-            make_reasoning_dataset(1, 3, "heldout")[0]["prompt"],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-        )["input_ids"]
-    else:
-        prompt = (
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": "What is 3 plus 4?"}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            )["input_ids"]
-            if which.startswith("packaged")
-            else tokenizer("What is 3 plus 4?")["input_ids"]
-        )
+    prompt = tied_model_prompt(tokenizer, which)
     sampled = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=4, max_tokens=20, seed=0), use_tqdm=False)
     sequences = [prompt + list(sample.token_ids) for sample in sampled[0].outputs]
 
@@ -414,25 +439,10 @@ def check_colocated_sync(which: str, reasoning_model, tmp_path, tmp_path_factory
     initial_state = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
     # before training the engine holds the weights it loaded from disk: the floor's scale on this machine
     gap_at_load = gap_to(initial_state, engine_logps())
-    assert gap_at_load < (
-        REAL_MODEL_ENGINE_MISMATCH
-        if which.startswith("packaged")
-        else SYNCED_WITHIN_FLOORS * bf16_floor(model_dir, initial_state, sequences, len(prompt))
-    )
+    assert_the_engine_starts_from_the_weights_on_disk(which, gap_at_load, model_dir, initial_state, sequences, prompt)
     trainer.train()
 
-    first = trainer.state.log_history[0]
-    ratios = [
-        first[f"topr/ratio_{sign}/{stat}"]
-        for sign in ("positive", "negative")
-        for stat in ("min", "max")
-        if first.get(f"topr/ratio_{sign}/{stat}") is not None
-    ]
-    # the engine's bfloat16 mismatch, multiplied over the completion: on the real model 0.07-0.11 per token
-    # (measured), so its band is wider (measured 0.66-1.54 over 16 tokens)
-    band = (0.5, 2.0) if which.startswith("packaged") else (0.8, 1.25)
-    assert ratios and all(band[0] < ratio < band[1] for ratio in ratios), ratios
-    assert any(abs(ratio - 1) > 1e-4 for ratio in ratios)
+    assert_the_first_steps_ratios_are_the_engines_mismatch(trainer, which)
 
     engine = engine_logps()
     assert len(snapshots.states) == 3
@@ -586,47 +596,54 @@ class NoWeightSync:
         pass
 
 
+def async_trainer_on_server(reasoning_model: str, url: str, output_dir, trainer_kwargs=None, **settings):
+    """AsyncTOPRTrainer with TRL's own rollout worker on the built-in reasoning model, against the vLLM server at
+    `url`: 16 samples a step in groups of 8, one step's requests in flight, 4 steps, `settings` over these. TRL's worker
+    parses every completion as a chat response and knows the response format of a list of chat templates only; the
+    built-in tokenizer's ChatML responses end as Qwen's do, so it is given Qwen's format."""
+    from trl.chat_template_utils import qwen3_template
+
+    from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(reasoning_model)
+    tokenizer.response_template = qwen3_template
+    defaults = {
+        "use_cpu": True,
+        "bf16": False,
+        "vllm_server_base_url": url,
+        "per_device_train_batch_size": 16,
+        "num_generations": 8,
+        "learning_rate": 1e-3,
+        # at 4 steps' worth of requests in flight vLLM's CPU engine can crash on TRL's seeded requests ("CPU Generator
+        # does not use offset") when it splits a prefill: keep one step's (a plain vLLM server keeps chunked prefill;
+        # `topr-trl vllm-serve` turns it off on a CPU, NO_CHUNKED_PREFILL)
+        "max_inflight_tasks": 16,
+        "max_completion_length": max_completion_tokens(3),
+        "max_steps": 4,
+        "logging_steps": 1,
+        "report_to": "none",
+        "save_strategy": "no",
+    }
+    args = AsyncTOPRConfig(str(output_dir), **{**defaults, **settings})
+    return AsyncTOPRTrainer(
+        reasoning_model,
+        reasoning_reward,
+        args,
+        train_dataset=make_reasoning_dataset(64, 3),
+        processing_class=tokenizer,
+        **(trainer_kwargs or {}),
+    )
+
+
 def test_async_topr_trains_on_trls_own_vllm_worker_against_the_cpu_engine(reasoning_model, tmp_path):
     """TRL's asynchronous rollout worker (a spawned process sending /v1/completions requests to a vLLM server) with
     the CPU engine, trained by AsyncTOPRTrainer with TRL's default batching. TRL's weight transfer is NCCL (a GPU), so
     here a no-op transfer leaves the engine on the base model: mu is fixed and every later step is off-policy, the
     regime TOPR is for. Nothing is dropped however stale the samples get, and mu's log-probs are vLLM's: at the first
     step (pi = the base model) pi/mu is only the float32/bfloat16 mismatch."""
-    from trl.chat_template_utils import qwen3_template
-
-    from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer
-
-    # TRL's worker parses every completion as a chat response and knows the response format of a list of chat
-    # templates only; the built-in tokenizer's ChatML responses end as Qwen's do, so it is given Qwen's format
-    tokenizer = AutoTokenizer.from_pretrained(reasoning_model)
-    tokenizer.response_template = qwen3_template
     with vllm_server(reasoning_model, tmp_path) as url:
-        args = AsyncTOPRConfig(
-            str(tmp_path / "out"),
-            use_cpu=True,
-            bf16=False,
-            vllm_server_base_url=url,
-            per_device_train_batch_size=16,
-            num_generations=8,
-            learning_rate=1e-3,
-            # at 4 steps' worth of requests in flight vLLM's CPU engine can crash on TRL's seeded
-            # requests ("CPU Generator does not use offset") when it splits a prefill: keep one
-            # step's (this plain vLLM server keeps chunked prefill; `topr-trl vllm-serve` turns it
-            # off on a CPU, NO_CHUNKED_PREFILL)
-            max_inflight_tasks=16,
-            max_completion_length=max_completion_tokens(3),
-            max_steps=4,
-            logging_steps=1,
-            report_to="none",
-            save_strategy="no",
-        )
-        trainer = AsyncTOPRTrainer(
-            reasoning_model,
-            reasoning_reward,
-            args,
-            train_dataset=make_reasoning_dataset(64, 3),
-            processing_class=tokenizer,
-            weight_transfer=NoWeightSync(),
+        trainer = async_trainer_on_server(
+            reasoning_model, url, tmp_path / "out", trainer_kwargs={"weight_transfer": NoWeightSync()}
         )
         trainer.train()
     history = [entry for entry in trainer.state.log_history if "loss" in entry]

@@ -22,19 +22,23 @@ from transformers import AutoModelForCausalLM
 
 from topr_trl.tasks.reasoning import make_reasoning_dataset, max_completion_tokens, reasoning_reward
 
+from .launching import accelerate_launch
 from .test_cli_run_folder import one_error_line, user_run
 from .test_vllm import (
-    REAL_MODEL_ENGINE_MISMATCH,
     REAL_MODEL_RATE,
     SYNCED_WITHIN_FLOORS,
     WRONG_BEYOND_FLOORS,
     WeightSnapshots,
     assert_the_engine_holds_the_synced_weights,
+    assert_the_engine_starts_from_the_weights_on_disk,
+    assert_the_first_steps_ratios_are_the_engines_mismatch,
+    async_trainer_on_server,
     batch_of,
     bf16_floor,
     free_port,
     mean_gap,
-    packaged_real_model,
+    sync_case,
+    tied_model_prompt,
     token_logps,
     user_model,
 )
@@ -96,6 +100,23 @@ def server_logps(url: str, sequences: list[list[int]], prompt_length: int, heade
     return rows
 
 
+def server_mode_config(output_dir, url: str, **settings):
+    """TOPRConfig for TOPRTrainer generating on the server at `url` (`use_vllm`, server mode, a free group port), on a
+    CPU in float32, with `settings`."""
+    from topr_trl import TOPRConfig
+
+    return TOPRConfig(
+        str(output_dir),
+        use_cpu=True,
+        bf16=False,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=url,
+        vllm_group_port=free_port(),
+        **settings,
+    )
+
+
 def sampled_sequences(url: str, prompt: list[int], n: int = 4, length: int = 20) -> list[list[int]]:
     name = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     reply = requests.post(
@@ -114,19 +135,14 @@ def test_a_float32_server_sampling_with_top_k_or_top_p_gives_pi_over_mu_of_one_a
     same support, and at learning rate 0 every ratio is 1 within 1e-4 for top_k 3 and for top_p 0.9. Scored over the
     whole vocabulary instead (before pi was put on mu's support) the same ratios are the kept mass multiplied over
     the completion: below 1e-3 at top_k 3, below 0.5 at top_p 0.9."""
-    from topr_trl import TOPRConfig, TOPRTrainer
+    from topr_trl import TOPRTrainer
 
     model_dir, dataset, reward, length = user_model(tmp_path_factory, tied=True)
     with served(model_dir, tmp_path / "server.log", "--dtype", "float32") as (url, _):
         for sampling in ({"top_k": 3}, {"top_p": 0.9}):
-            args = TOPRConfig(
-                str(tmp_path / "out"),
-                use_cpu=True,
-                bf16=False,
-                use_vllm=True,
-                vllm_mode="server",
-                vllm_server_base_url=url,
-                vllm_group_port=free_port(),
+            args = server_mode_config(
+                tmp_path / "out",
+                url,
                 per_device_train_batch_size=16,
                 num_generations=8,
                 max_completion_length=length,
@@ -180,30 +196,15 @@ def test_server_mode_trains_on_a_cpu_and_the_server_holds_the_weights_of_the_las
     the weights one step older (a stale push) and the initial ones (no push), for tied and untied output layers. mu
     is the server's sampler and TRL's own correction is off, as in colocate mode: at the first step pi/mu is only the
     train/inference mismatch."""
-    from topr_trl import TOPRConfig, TOPRTrainer
+    from topr_trl import TOPRTrainer
     from topr_trl.generation.vllm_server.client import GlooServerGeneration
 
-    if which.startswith("built-in"):
-        model_dir, dataset, reward, length = (
-            reasoning_model,
-            make_reasoning_dataset(48, 3),
-            reasoning_reward,
-            max_completion_tokens(3),
-        )
-    elif which.startswith("packaged"):
-        model_dir, dataset, reward, length = packaged_real_model()
-    else:
-        model_dir, dataset, reward, length = user_model(tmp_path_factory, tied="(tied)" in which)
+    model_dir, dataset, reward, length = sync_case(which, reasoning_model, tmp_path_factory)
     with served(model_dir, tmp_path / "server.log") as (url, _):
         snapshots = WeightSnapshots()
-        args = TOPRConfig(
-            str(tmp_path / "out"),
-            use_cpu=True,
-            bf16=False,
-            use_vllm=True,
-            vllm_mode="server",
-            vllm_server_base_url=url,
-            vllm_group_port=free_port(),
+        args = server_mode_config(
+            tmp_path / "out",
+            url,
             **batch_of(which),
             max_completion_length=length,
             max_steps=3,
@@ -219,24 +220,7 @@ def test_server_mode_trains_on_a_cpu_and_the_server_holds_the_weights_of_the_las
         assert isinstance(trainer.vllm_generation, GlooServerGeneration)
         assert not trainer.vllm_importance_sampling_correction
         tokenizer = trainer.processing_class
-        if which.startswith("built-in"):
-            prompt = tokenizer.apply_chat_template(
-                make_reasoning_dataset(1, 3, "heldout")[0]["prompt"],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            )["input_ids"]
-        else:
-            prompt = (
-                tokenizer.apply_chat_template(
-                    [{"role": "user", "content": "What is 3 plus 4?"}],
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=True,
-                )["input_ids"]
-                if which.startswith("packaged")
-                else tokenizer("What is 3 plus 4?")["input_ids"]
-            )
+        prompt = tied_model_prompt(tokenizer, which)
         sequences = sampled_sequences(url, prompt)
 
         def gap_to(state, served_logps) -> float:
@@ -246,26 +230,13 @@ def test_server_mode_trains_on_a_cpu_and_the_server_holds_the_weights_of_the_las
 
         initial_state = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
         gap_at_load = gap_to(initial_state, server_logps(url, sequences, len(prompt)))
-        assert gap_at_load < (
-            REAL_MODEL_ENGINE_MISMATCH
-            if which.startswith("packaged")
-            else SYNCED_WITHIN_FLOORS * bf16_floor(model_dir, initial_state, sequences, len(prompt))
+        assert_the_engine_starts_from_the_weights_on_disk(
+            which, gap_at_load, model_dir, initial_state, sequences, prompt
         )
         trainer.train()
         held = server_logps(url, sequences, len(prompt))
 
-    first = trainer.state.log_history[0]
-    ratios = [
-        first[f"topr/ratio_{sign}/{stat}"]
-        for sign in ("positive", "negative")
-        for stat in ("min", "max")
-        if first.get(f"topr/ratio_{sign}/{stat}") is not None
-    ]
-    # the engine's bfloat16 mismatch, multiplied over the completion: on the real model 0.07-0.11 per token
-    # (measured), so its band is wider (measured 0.66-1.54 over 16 tokens)
-    band = (0.5, 2.0) if which.startswith("packaged") else (0.8, 1.25)
-    assert ratios and all(band[0] < ratio < band[1] for ratio in ratios), ratios
-    assert any(abs(ratio - 1) > 1e-4 for ratio in ratios)
+    assert_the_first_steps_ratios_are_the_engines_mismatch(trainer, which)
     assert len(snapshots.states) == 3
     floor = None if which.startswith("packaged") else bf16_floor(model_dir, snapshots.states[2], sequences, len(prompt))
     assert_the_engine_holds_the_synced_weights(which, *(gap_to(snapshots.states[i], held) for i in (2, 1, 0)), floor)
@@ -310,7 +281,7 @@ def test_the_secret_guards_every_route_but_health_and_a_server_of_another_model_
     secret), any request without it; /health stays open; a trainer without it is told in one line. A trainer holding
     it reaches the server, which serves another model than the trainer's (the user's Qwen2, not the built-in
     model): refused before the first push, in one line naming both."""
-    from topr_trl import TOPRConfig, TOPRTrainer
+    from topr_trl import TOPRTrainer
     from topr_trl.generation.vllm_server.client import ServerLost, server_weight_backend
 
     secret = "s3cret-for-the-test"
@@ -329,14 +300,9 @@ def test_the_secret_guards_every_route_but_health_and_a_server_of_another_model_
             server_weight_backend(url, 10)
 
         monkeypatch.setenv(SECRET_ENV, secret)
-        args = TOPRConfig(
-            str(tmp_path / "out"),
-            use_cpu=True,
-            bf16=False,
-            use_vllm=True,
-            vllm_mode="server",
-            vllm_server_base_url=url,
-            vllm_group_port=free_port(),
+        args = server_mode_config(
+            tmp_path / "out",
+            url,
             per_device_train_batch_size=8,
             num_generations=8,
             max_steps=1,
@@ -474,19 +440,7 @@ def test_two_trainer_processes_train_against_one_server(user_folder_for_server, 
     folder = user_folder_for_server
     with served(str(folder / "my-model"), tmp_path / "server.log") as (url, _):
         launched = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "accelerate.commands.launch",
-                "--multi_gpu",
-                "--num_processes",
-                "2",
-                "--num_machines",
-                "1",
-                "--mixed_precision",
-                "no",
-                "--main_process_port",
-                "0",
+            accelerate_launch(
                 "-m",
                 "topr_trl",
                 *user_run(
@@ -510,7 +464,7 @@ def test_two_trainer_processes_train_against_one_server(user_folder_for_server, 
                     "--logging_steps",
                     "1",
                 ),
-            ],
+            ),
             cwd=folder,
             capture_output=True,
             text=True,
@@ -589,13 +543,10 @@ def test_async_topr_on_trls_rollout_worker_keeps_the_server_on_the_policy(reason
     completions equal the final policy's within twice their bf16 floor, and sit far from the initial weights; no
     sample is dropped and the staleness of every sample is counted."""
     from transformers import AutoTokenizer
-    from trl.chat_template_utils import qwen3_template
 
-    from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer
     from topr_trl.generation.vllm_server.client import GlooWeightTransfer
 
     tokenizer = AutoTokenizer.from_pretrained(reasoning_model)
-    tokenizer.response_template = qwen3_template  # TRL's worker parses responses of the chat templates it knows
     prompt = tokenizer.apply_chat_template(
         make_reasoning_dataset(1, 3, "heldout")[0]["prompt"],
         add_generation_prompt=True,
@@ -604,29 +555,8 @@ def test_async_topr_on_trls_rollout_worker_keeps_the_server_on_the_policy(reason
     )["input_ids"]
     with served(reasoning_model, tmp_path / "server.log") as (url, _):
         sequences = sampled_sequences(url, prompt)
-        args = AsyncTOPRConfig(
-            str(tmp_path / "out"),
-            use_cpu=True,
-            bf16=False,
-            vllm_server_base_url=url,
-            per_device_train_batch_size=16,
-            num_generations=8,
-            learning_rate=3e-2,
-            topr_signal="reward",
-            topr_baseline=0.5,
-            max_inflight_tasks=16,  # one step's requests in flight: a shorter test
-            max_completion_length=max_completion_tokens(3),
-            max_steps=4,
-            logging_steps=1,
-            report_to="none",
-            save_strategy="no",
-        )
-        trainer = AsyncTOPRTrainer(
-            reasoning_model,
-            reasoning_reward,
-            args,
-            train_dataset=make_reasoning_dataset(64, 3),
-            processing_class=tokenizer,
+        trainer = async_trainer_on_server(
+            reasoning_model, url, tmp_path / "out", learning_rate=3e-2, topr_signal="reward", topr_baseline=0.5
         )
         assert isinstance(trainer.weight_transfer, GlooWeightTransfer)
         initial = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
@@ -660,39 +590,18 @@ def test_async_topr_on_trls_worker_sampling_with_top_k_or_top_p_gives_pi_over_mu
     learning rate 0: the worker's settings reach vLLM's sampler, the trainer scores pi on that support in vLLM's filter
     order, and every ratio is 1 within 1e-4 (scored over the whole vocabulary instead, the top-k run's ratios were
     0.24-0.996)."""
-    from transformers import AutoTokenizer
-    from trl.chat_template_utils import qwen3_template
-
-    from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer
     from topr_trl.support import SamplerProcessing
 
-    tokenizer = AutoTokenizer.from_pretrained(reasoning_model)
-    tokenizer.response_template = qwen3_template
     with served(reasoning_model, tmp_path / "server.log", "--dtype", "float32") as (url, _):
-        args = AsyncTOPRConfig(
-            str(tmp_path / "out"),
-            use_cpu=True,
-            bf16=False,
-            vllm_server_base_url=url,
-            per_device_train_batch_size=16,
-            num_generations=8,
+        trainer = async_trainer_on_server(
+            reasoning_model,
+            url,
+            tmp_path / "out",
             learning_rate=0.0,
             **truncation,
             topr_signal="reward",
             topr_baseline=0.5,
-            max_inflight_tasks=16,
-            max_completion_length=max_completion_tokens(3),
             max_steps=2,
-            logging_steps=1,
-            report_to="none",
-            save_strategy="no",
-        )
-        trainer = AsyncTOPRTrainer(
-            reasoning_model,
-            reasoning_reward,
-            args,
-            train_dataset=make_reasoning_dataset(64, 3),
-            processing_class=tokenizer,
         )
         assert trainer._sampler_processing == SamplerProcessing(
             **{"top_k": None, "top_p": 1.0, **truncation}, engine="vllm"
