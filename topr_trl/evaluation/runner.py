@@ -27,7 +27,13 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..generation.completions import generate_completions, make_vllm_engine, seeded_eval_sampling, vllm_available
+from ..generation.completions import (
+    generate_completions,
+    make_vllm_engine,
+    seeded_eval_sampling,
+    vllm_available,
+    vllm_sampling_params,
+)
 from ..inputs.prompts import tokenize_prompts
 from ..runtime.noise import progress_bar_class
 from .metrics import (
@@ -255,19 +261,12 @@ def _generate_vllm(
     stop_strings,
 ) -> list[list[dict]]:
     """n samples for each text with vLLM (imported here, only when chosen)."""
-    from vllm import SamplingParams  # noqa: PLC0415 - optional: vLLM
-
     # The engine is built here, seeded with `seed`, so its samples are reproducible without a per-request seed,
     # which vLLM 0.31's CPU runner cannot honour ("CPU Generator does not use offset" once a request's sampled token
     # is discarded, as chunked prefill does).
     llm = make_vllm_engine(model_path, seed=seed, tokenizer=getattr(tokenizer, "name_or_path", None) or None)
-    params = SamplingParams(
-        n=n,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k if top_k > 0 else -1,
-        max_tokens=max_new_tokens,
-        stop=list(stop_strings) if stop_strings else None,
+    params = vllm_sampling_params(
+        n, temperature, top_p, top_k, max_new_tokens, stop=list(stop_strings) if stop_strings else None
     )
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
     return [

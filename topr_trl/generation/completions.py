@@ -170,6 +170,16 @@ def stored_dtype(model_name_or_path) -> str:
     return str(dtype).removeprefix("torch.") if isinstance(dtype, (torch.dtype, str)) else "auto"
 
 
+def vllm_sampling_params(n: int, temperature: float, top_p: float, top_k: int, max_new_tokens: int, **more):
+    """vLLM's `SamplingParams` for `n` samples at these settings, in this package's convention (`top_k` 0: no top-k,
+    which vLLM spells -1); `more` are vLLM's own (`logprobs`, `stop`, ...)."""
+    from vllm import SamplingParams  # noqa: PLC0415 - optional: vLLM
+
+    return SamplingParams(
+        n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1, max_tokens=max_new_tokens, **more
+    )
+
+
 def make_vllm_engine(model_name_or_path, seed: int = 0, tokenizer: str | None = None, **engine_kwargs):
     """A vLLM engine for `model_name_or_path` (its own tokenizer unless `tokenizer` names another), seeded with
     `seed`, in the model's stored dtype (`stored_dtype`), whose reported log-probs are those of the sampling

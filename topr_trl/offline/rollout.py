@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..generation.completions import generate_completions
+from ..generation.completions import generate_completions, vllm_sampling_params
 from ..inputs.prompts import tokenize_prompts
 from ..support import SamplerProcessing
 
@@ -81,16 +81,8 @@ def sample_with_logps_vllm(
     Prompts are tokenized here by `tokenize_prompts`, as the transformers path does, and passed as token ids, so
     that both paths (and the trainer) condition on identical prompts. A completion that vLLM stopped at EOS keeps
     its EOS token; one that hit `max_new_tokens` is flagged `truncated`."""
-    from vllm import SamplingParams  # noqa: PLC0415 - optional: vLLM
-
-    params = SamplingParams(
-        n=num_completions,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k if top_k > 0 else -1,
-        max_tokens=max_new_tokens,
-        logprobs=0,
-        skip_special_tokens=True,
+    params = vllm_sampling_params(
+        num_completions, temperature, top_p, top_k, max_new_tokens, logprobs=0, skip_special_tokens=True
     )
     sampling = SamplerProcessing(temperature, top_k or None, top_p, None, "vllm").as_row()
     prompt_ids = tokenize_prompts(tokenizer, prompts, chat_template_kwargs, tools)
