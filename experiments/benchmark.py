@@ -55,6 +55,14 @@ RATIOS = {
     # what recomputing mu's log-probs costs when an offline dataset has none stored
     "topr-replay-recompute / topr-replay": ("topr-replay-recompute", "topr-replay"),
 }
+# The figures the shared-prompt benchmark writes at the top of its JSON (the task's recipe: 8 completions a prompt).
+SHARED_PROMPT_KEYS = (
+    "loss_backward_vs_grpo",
+    "loss_backward_vs_grpo_4",
+    "step_vs_grpo",
+    "flops_bound",
+    "flops_bound_4",
+)
 MODEL_SHAPES = {
     "tiny": dict(hidden_size=64, num_layers=2),
     "small": dict(hidden_size=256, num_layers=4),
@@ -431,6 +439,166 @@ def loss_only(options, model_path: str) -> dict:
     return result
 
 
+def shared_prompt_flops_bound(config, batch: dict) -> float:
+    """The model FLOPs of the shared-prompt loss + backward over the padded one's on `batch` (`model_flops_per_token`'s
+    convention): the backbone runs each distinct prompt but its last token once, and every row's last prompt token and
+    completion against the whole context, where the padded forward runs every row whole; the head projects the same
+    completion tokens in both (TRL's fused head scores only them)."""
+    prompts, completions = batch["prompt_ids"], batch["completion_ids"]
+    rows, prompt_length, completion_length = prompts.size(0), prompts.size(1), completions.size(1)
+    distinct = len({tuple(row) for row in torch_rows(prompts, batch["prompt_mask"])})
+    head = config.hidden_size * config.vocab_size
+    backbone = model_flops_per_token(config, 0)["parameters"] - head
+    attention = 4 * config.num_hidden_layers * config.hidden_size
+
+    def forward(tokens: int, context: int) -> float:
+        return tokens * (2 * backbone + attention * context)
+
+    scored_head = 2 * head * float(batch["completion_mask"].sum())
+    full = prompt_length + completion_length
+    padded = forward(rows * full, full) + scored_head
+    shared = forward(distinct * (prompt_length - 1), prompt_length) + forward(rows * (completion_length + 1), full)
+    return (shared + scored_head) / padded
+
+
+def torch_rows(ids, mask) -> list[tuple]:
+    """Each row's (ids, mask) as a tuple of ints: what makes two prompts the same one."""
+    return [tuple(row) for row in zip(ids.tolist(), mask.tolist(), strict=True) for row in [row[0] + row[1]]]
+
+
+def interleaved_loss_backward(trainers: dict, batch: dict, repeats: int, warmup: int) -> tuple[dict, dict]:
+    """Each trainer's loss + backward on `batch`, call by call in turn (`warmup` rounds untimed): the seconds of each
+    call, and the memory one call adds (`AddedMemory`, where it can be measured)."""
+    import torch
+
+    def call(trainer) -> None:
+        trainer.compute_loss(trainer.model, batch).backward()
+        trainer.model.zero_grad(set_to_none=True)
+
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    for repeat in range(repeats + warmup):
+        for name, trainer in trainers.items():
+            start = time.perf_counter()
+            call(trainer)
+            if repeat >= warmup:
+                times[name].append(time.perf_counter() - start)
+    watch = AddedMemory(torch, False)
+    memory: dict[str, float] = {}
+    if watch.available:
+        for name, trainer in trainers.items():
+            watch.start()
+            call(trainer)
+            memory[name] = watch.peak_mib()
+    return times, memory
+
+
+def shared_prompt(options, model_path: str) -> dict:
+    """TOPRTrainer with the shared-prompt forward (`topr_shared_prompt_forward`) against `trl.GRPOTrainer` (`dapo`)
+    on the real model's two-shot word problems and the completions it samples: loss + backward on the same off-policy
+    batch at each number of completions per prompt (interleaved call by call, with TOPRTrainer's padded forward
+    beside them), the memory one call adds, and the FLOPs bound; then whole online steps (generation, loss,
+    backward, optimizer), the trainers alternated round by round from the same seed."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    import torch
+    from transformers import AutoConfig, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from topr_trl import TOPRConfig, TOPRTrainer
+    from topr_trl.tasks.word_problems import make_word_problems, word_problem_reward
+
+    dataset = make_word_problems(64, "train")
+    config = AutoConfig.from_pretrained(model_path)
+
+    def common(generations: int, **more) -> dict:
+        return dict(
+            output_dir=tempfile.mkdtemp(),
+            per_device_train_batch_size=options.batch_size,
+            num_generations=generations,
+            max_completion_length=options.completion_length,
+            temperature=1.0,
+            report_to="none",
+            use_cpu=True,
+            bf16=False,
+            gradient_checkpointing=False,
+            logging_steps=1,
+            save_strategy="no",
+            seed=0,
+            **more,
+        )
+
+    def build(name: str, generations: int, **more):
+        if name == "grpo-dapo":
+            return GRPOTrainer(
+                model_path,
+                word_problem_reward,
+                GRPOConfig(loss_type="dapo", **common(generations, **more)),
+                train_dataset=dataset,
+            )
+        shared = name == "topr-shared-prompt"
+        args = TOPRConfig(topr_shared_prompt_forward=shared, **common(generations, **more))
+        return TOPRTrainer(model_path, word_problem_reward, args=args, train_dataset=dataset)
+
+    names = ("grpo-dapo", "topr-shared-prompt", "topr-padded")
+    result: dict = {"per_prompt": {}}
+    for generations in options.shared_prompt_generations:
+        trainers = {name: build(name, generations) for name in names}
+        first = trainers["topr-padded"]
+        batch = first._prepare_inputs(next(iter(first.get_train_dataloader())))
+        with torch.no_grad():  # an off-policy batch: mu's log-probs kept from generation time, as reused data has
+            batch = {**batch, "old_per_token_logps": first._policy_logps_and_entropies(first.model, batch)[0]}
+        times, memory = interleaved_loss_backward(trainers, batch, options.repeats, options.warmup)
+        medians = {name: statistics.median(values) for name, values in times.items()}
+        result["per_prompt"][str(generations)] = {
+            "prompt_tokens": int(batch["prompt_mask"].sum()) // options.batch_size,
+            "padded_prompt_length": batch["prompt_ids"].size(1),
+            "completion_tokens_mean": float(batch["completion_mask"].sum()) / options.batch_size,
+            "padded_completion_length": batch["completion_ids"].size(1),
+            "median_loss_backward_s": medians,
+            "loss_backward_s": times,
+            "peak_added_memory_mib": memory,
+            "loss_backward_vs_grpo": medians["topr-shared-prompt"] / medians["grpo-dapo"],
+            "padded_vs_grpo": medians["topr-padded"] / medians["grpo-dapo"],
+            "flops_bound": shared_prompt_flops_bound(config, batch),
+        }
+        print(
+            f"[benchmark] {generations} per prompt: " + json.dumps(result["per_prompt"][str(generations)]), flush=True
+        )
+
+    class StepTimes(TrainerCallback):
+        def __init__(self):
+            self.seconds: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds.append(time.perf_counter() - self.start)
+
+    generations = options.shared_prompt_generations[0]
+    steps: dict[str, list[float]] = {"grpo-dapo": [], "topr-shared-prompt": []}
+    for _ in range(options.step_rounds):
+        for name in steps:
+            timer = StepTimes()
+            trainer = build(name, generations, max_steps=options.steps)
+            trainer.add_callback(timer)
+            trainer.train()
+            steps[name] += timer.seconds[1:]  # the first step of each run warms up
+    step_medians = {name: statistics.median(values) for name, values in steps.items()}
+    eight = result["per_prompt"].get("8", next(iter(result["per_prompt"].values())))
+    four = result["per_prompt"].get("4")
+    result.update(
+        loss_backward_vs_grpo=eight["loss_backward_vs_grpo"],
+        loss_backward_vs_grpo_4=four["loss_backward_vs_grpo"] if four else None,
+        flops_bound=eight["flops_bound"],
+        flops_bound_4=four["flops_bound"] if four else None,
+        step_s=steps,
+        median_step_s=step_medians,
+        step_vs_grpo=step_medians["topr-shared-prompt"] / step_medians["grpo-dapo"],
+        step_completions_per_prompt=generations,
+    )
+    return result
+
+
 def support_only(options) -> dict:
     """What the rule costs per completion token, apart from the head projection: `processed_log_probs` (top-k on the
     k largest logits, top-p on the sorted row) against the log-softmax over the whole vocabulary (what scoring without
@@ -700,6 +868,15 @@ def main() -> None:
         action="store_true",
         help="time the rule alone against the whole-vocabulary log-softmax (flat and peaked logits)",
     )
+    parser.add_argument(
+        "--shared_prompt",
+        action="store_true",
+        help="the shared-prompt forward against GRPOTrainer on the real model's word problems (--model smollm2)",
+    )
+    parser.add_argument(
+        "--shared_prompt_generations", type=int, nargs="+", default=[8, 4], help="--shared_prompt: completions a prompt"
+    )
+    parser.add_argument("--step_rounds", type=int, default=2, help="--shared_prompt: rounds of whole online steps")
     parser.add_argument("--output", help="write the results as JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -730,6 +907,14 @@ def main() -> None:
     else:
         model_path = tempfile.mkdtemp(prefix="topr-bench-model-")
         build_model(options.model, model_path, options.logit_scale)
+    if options.shared_prompt:
+        result = shared_prompt(options, model_path)
+        print(
+            f"loss + backward / GRPOTrainer's: {result['loss_backward_vs_grpo']:.3f} (FLOPs bound "
+            f"{result['flops_bound']:.3f}); whole step: {result['step_vs_grpo']:.3f}"
+        )
+        write_output(options, {"shared_prompt": result, **{key: result[key] for key in SHARED_PROMPT_KEYS}})
+        return
     if options.loss_only:
         result = loss_only(options, model_path)
         timed = "forward" if options.forward_only else "loss+backward"

@@ -192,6 +192,13 @@ class TOPRConfig(TOPRFields, GRPOConfig):
             a `ValueError` naming the reward function, and a non-finite TOPR loss a `FloatingPointError` that
             reports the ratio ranges. Off by default (GRPOTrainer's behaviour: a non-finite loss is trained on and
             logged as NaN, and TOPRTrainer warns once); the `topr-trl` command line turns it on.
+        topr_shared_prompt_forward (`bool`, *optional*, defaults to `False`):
+            In the training forward (the policy's, and mu's or the reference model's where they run), compute each
+            distinct prompt of a batch once for all the completions that share it, through transformers' cache,
+            instead of once per completion: the same log-probs, entropies and gradients as GRPOTrainer's padded
+            forward up to float rounding, at a fraction of the cost where prompts are long against completions
+            (`num_generations` completions of one prompt). Where it cannot compute the same thing (multimodal
+            inputs, gradient checkpointing, a mixture of experts' auxiliary loss) the padded forward runs, said once.
         cispo_epsilon_low (`float`, *optional*, defaults to `0.1`):
             `loss_type="cispo_two_sided"`: the stop-gradient ratio is clipped below at 1 - `cispo_epsilon_low`.
         cispo_epsilon_high (`float`, *optional*, defaults to `0.1`):
@@ -221,6 +228,14 @@ class TOPRConfig(TOPRFields, GRPOConfig):
         metadata={
             "help": f"A training batch no reward function could score (all None/NaN): "
             f"{list(UNSCORED_BATCH_ACTIONS)} ('train': GRPOTrainer's behaviour; the CLI: 'error')."
+        },
+    )
+
+    topr_shared_prompt_forward: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute each distinct prompt once for the completions that share it in the training forward "
+            "(the same log-probs and gradients as the padded forward; faster where prompts are long)."
         },
     )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from .offline.schema import checked_reward_function, is_offline_dataset
 from .runtime.noise import quiet_trl_deprecations, tell_deepspeed_the_cpu
 from .support.scoring import completion_processed_log_probs
 from .training.checkpoint_weights import loaded_through_renaming
-from .training.grpo_mirror import GRPOLossMirror
+from .training.grpo_mirror import MULTIMODAL_KEYS, GRPOLossMirror
 from .training.policy_metrics import (
     drift_and_mismatch,
     drift_and_mismatch_sums,
@@ -40,6 +41,7 @@ from .training.shared import (
     trained_method,
     warn_history_dependent_sampling,
 )
+from .training.shared_prompt import chunked_shared_prompt_logps, tail_hidden_states, why_the_padded_forward_runs
 
 
 logger = logging.get_logger(__name__)
@@ -177,15 +179,7 @@ class TOPRTrainer(OfflineReplay, GRPOLossMirror, GRPOTrainer):  # type: ignore[m
         stays GRPO's. The backbone's hidden states of the same forward are projected again for the sequences
         `scored_rows` (B,) names (every one by default; none where nothing reads the log-probs' values, see
         `_rows_reading_the_ratio`)."""
-        forward = functools.partial(
-            super()._get_per_token_logps_and_entropies,
-            model,
-            input_ids,
-            attention_mask,
-            logits_to_keep,
-            *args,
-            **kwargs,
-        )
+        forward, shared = self._training_forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         if self._sampler_processing is None or (scored_rows is not None and not bool(scored_rows.any())):
             return forward()
         scored = attention_mask
@@ -194,9 +188,10 @@ class TOPRTrainer(OfflineReplay, GRPOLossMirror, GRPOTrainer):  # type: ignore[m
 
         def completion_tokens(outputs, owner, captured):
             """pi's log-probs on mu's support of the completion tokens of the scored sequences (B, logits_to_keep)."""
+            hidden = tail_hidden_states(captured.hidden) if shared else captured.hidden
             processed = completion_processed_log_probs(
                 owner,
-                torch.cat(captured.hidden),
+                torch.cat(hidden),
                 input_ids,
                 scored,
                 logits_to_keep,
@@ -206,6 +201,45 @@ class TOPRTrainer(OfflineReplay, GRPOLossMirror, GRPOTrainer):  # type: ignore[m
             return processed, scored[:, -logits_to_keep:]
 
         return forward_on_mus_support(model, forward, completion_tokens)
+
+    def _training_forward(
+        self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+    ) -> tuple[Callable[[], tuple], bool]:
+        """The forward `_get_per_token_logps_and_entropies` runs, and whether it is the shared-prompt one: with
+        `topr_shared_prompt_forward`, each distinct prompt computed once for the rows that share it
+        (`topr_trl.training.shared_prompt`), where that computes what GRPOTrainer's padded forward does; else (and
+        said once where it cannot) GRPOTrainer's own."""
+        padded = functools.partial(
+            super()._get_per_token_logps_and_entropies,
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            *args,
+            **kwargs,
+        )
+        if args or not topr_setting(self.args, "topr_shared_prompt_forward"):
+            return padded, False
+        reason = why_the_padded_forward_runs(
+            model,
+            input_ids.size(1) - logits_to_keep,
+            bool(kwargs.get("compute_aux_loss")),
+            multimodal=any(kwargs.get(key) is not None for key in MULTIMODAL_KEYS),
+        )
+        if reason is not None:
+            logger.warning_once(f"topr_shared_prompt_forward: {reason}, so the padded forward runs (said once).")
+            return padded, False
+        shared = functools.partial(
+            chunked_shared_prompt_logps,
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            kwargs.get("batch_size"),
+            bool(kwargs.get("compute_entropy")),
+            self.accelerator.autocast,
+        )
+        return shared, True
 
     @staticmethod
     def _generates_on_gloo_server(args) -> bool:

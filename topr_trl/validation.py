@@ -366,6 +366,7 @@ FIELD_CHECKS: dict[str, Check] = {
     "topr_target_effective_proportion": share_or_none,
     "topr_offline_epochs": positive,
     "topr_unscored_batch": choice(UNSCORED_BATCH_ACTIONS),
+    "topr_shared_prompt_forward": flag,
 }
 """TOPRConfig's own fields and their checks, run in this order after GRPOConfig's `__post_init__` (`check_fields`);
 the checks that read several fields follow (`check_across_fields`). AsyncTOPRConfig derives its table from this one."""
