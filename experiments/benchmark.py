@@ -9,6 +9,8 @@ are interleaved round by round so that machine noise hits all of them alike. Com
     python -m experiments.benchmark --interleaved --repeats 5 --steps 20   # whole steps alternated in one process
     python -m experiments.benchmark --model qwen2.5-0.5b --device cuda --bf16 --prompt_length 512 --completion_length 512
     python -m experiments.benchmark --model smollm2 --loss_only    # the packaged real model (trained weights)
+    python -m experiments.benchmark --model smollm2 --shared_prompt --batch_size 8 --completion_length 64 \
+        --repeats 5 --steps 4 --output experiments/evidence/benchmarks/cpu-smollm2-shared-prompt.json
 
 Prints a table (median and spread of seconds per step, tokens per second, peak memory) and the ratios
 TOPR/GRPO, and writes them as JSON with `--output`.
@@ -466,7 +468,9 @@ def torch_rows(ids, mask) -> list[tuple]:
     return [tuple(row) for row in zip(ids.tolist(), mask.tolist(), strict=True) for row in [row[0] + row[1]]]
 
 
-def interleaved_loss_backward(trainers: dict, batch: dict, repeats: int, warmup: int) -> tuple[dict, dict]:
+def interleaved_loss_backward(
+    trainers: dict, batch: dict, repeats: int, warmup: int, cuda: bool = False
+) -> tuple[dict, dict]:
     """Each trainer's loss + backward on `batch`, call by call in turn (`warmup` rounds untimed): the seconds of each
     call, and the memory one call adds (`AddedMemory`, where it can be measured)."""
     import torch
@@ -474,6 +478,8 @@ def interleaved_loss_backward(trainers: dict, batch: dict, repeats: int, warmup:
     def call(trainer) -> None:
         trainer.compute_loss(trainer.model, batch).backward()
         trainer.model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
 
     times: dict[str, list[float]] = {name: [] for name in trainers}
     for repeat in range(repeats + warmup):
@@ -482,7 +488,7 @@ def interleaved_loss_backward(trainers: dict, batch: dict, repeats: int, warmup:
             call(trainer)
             if repeat >= warmup:
                 times[name].append(time.perf_counter() - start)
-    watch = AddedMemory(torch, False)
+    watch = AddedMemory(torch, cuda)
     memory: dict[str, float] = {}
     if watch.available:
         for name, trainer in trainers.items():
@@ -508,6 +514,7 @@ def shared_prompt(options, model_path: str) -> dict:
 
     dataset = make_word_problems(64, "train")
     config = AutoConfig.from_pretrained(model_path)
+    cuda = options.device == "cuda"
 
     def common(generations: int, **more) -> dict:
         return dict(
@@ -517,8 +524,8 @@ def shared_prompt(options, model_path: str) -> dict:
             max_completion_length=options.completion_length,
             temperature=1.0,
             report_to="none",
-            use_cpu=True,
-            bf16=False,
+            use_cpu=not cuda,
+            bf16=options.bf16,
             gradient_checkpointing=False,
             logging_steps=1,
             save_strategy="no",
@@ -546,7 +553,7 @@ def shared_prompt(options, model_path: str) -> dict:
         batch = first._prepare_inputs(next(iter(first.get_train_dataloader())))
         with torch.no_grad():  # an off-policy batch: mu's log-probs kept from generation time, as reused data has
             batch = {**batch, "old_per_token_logps": first._policy_logps_and_entropies(first.model, batch)[0]}
-        times, memory = interleaved_loss_backward(trainers, batch, options.repeats, options.warmup)
+        times, memory = interleaved_loss_backward(trainers, batch, options.repeats, options.warmup, cuda)
         medians = {name: statistics.median(values) for name, values in times.items()}
         result["per_prompt"][str(generations)] = {
             "prompt_tokens": int(batch["prompt_mask"].sum()) // options.batch_size,

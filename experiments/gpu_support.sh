@@ -5,7 +5,7 @@
 #   bash experiments/gpu_support.sh wheels              # here: trl and datasets (and datasets' dill and multiprocess,
 #                                                       # which GPU images lack) as Python 3.12 wheels in .whl/
 #   bash experiments/gpu_support.sh run OUT             # there: installs .whl/ into /tmp/site where trl or datasets
-#                                                       # is missing, then writes at most 6 files to OUT
+#                                                       # is missing, then writes at most 7 files to OUT
 #   bash experiments/gpu_support.sh run OUT --smoke --device cpu   # the same steps on tiny shapes, on a CPU
 #
 # Each step runs under its own time limit, so that what finished is kept when a later step does not:
@@ -16,6 +16,9 @@
 #   support-loss-scale{4,1,8}.json loss + backward and the memory a call adds, top-k 50 and top-p 0.95 against TOPR
 #                                  untruncated and GRPO on the same batch (`experiments.benchmark --loss_only`), the
 #                                  logits scaled 4x (rows between flat and peaked), 1x (random weights: flat) and 8x;
+#   shared-prompt.json             TOPRTrainer with topr_shared_prompt_forward against GRPOTrainer (dapo) on the
+#                                  word problems' two-shot prompts, 8 and 4 completions a prompt: loss + backward,
+#                                  whole steps, the memory a call adds (`experiments.benchmark --shared_prompt`);
 #   log.txt                        the whole output.
 # Planned at about five minutes on an H100, model builds included (not yet run on one); the steps' limits add up to
 # under nine.
@@ -118,5 +121,10 @@ step "the rule alone" "$rule_limit" "$python" -m experiments.benchmark --device 
 loss_backward 4
 loss_backward 1
 loss_backward 8
+shared_shape=(--model qwen2.5-0.5b --batch_size 8 --completion_length 64 --repeats 5 --steps 4 --step_rounds 1)
+[ "$smoke" = 1 ] && shared_shape=(--model tiny --batch_size 8 --completion_length 8 --repeats 1 --warmup 0 --steps 2 \
+  --step_rounds 1)
+step "shared prompt" "$((2 * loss_limit))" "$python" -m experiments.benchmark --device "$device" "${precision[@]}" \
+  --shared_prompt "${shared_shape[@]}" --output "$out/shared-prompt.json"
 echo "== done: $([ "$failed" = 0 ] && echo 'every step passed' || echo 'a step failed (above)')"
 exit "$failed"
