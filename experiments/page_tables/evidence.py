@@ -1,15 +1,13 @@
-"""Reading the evidence files and writing their numbers the way the pages print them.
-
-Every generated table goes through these few formats, so that a page's "+0.010 ± 0.010" is the
-evidence file's paired difference rounded once, in one place."""
+"""Reading the evidence files and writing their numbers the way the pages print them: every table goes through these
+few formats, so that a page's "+0.010 ± 0.010" is the evidence file's paired difference rounded once, in one place."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,65 +22,45 @@ def _read(name: str) -> dict:
     return json.loads((EVIDENCE / f"{name}.json").read_text())
 
 
-_readers: list[list[str]] = []
+READ: list[str] = []
+"""The evidence files read since the list was last cleared, in order: what a difference names as its source."""
 
 
 def evidence(name: str) -> dict:
-    """The JSON of experiments/evidence/NAME.json (e.g. "figure1/figure1"), read once per process (the check reads the same
-    file for many tables); each `files_read` block in progress records the name."""
-    for reader in _readers:
-        if name not in reader:
-            reader.append(name)
+    """experiments/evidence/NAME.json, parsed once per process (the check reads one file for many tables)."""
+    if name not in READ:
+        READ.append(name)
     return _read(name)
 
 
-@contextlib.contextmanager
-def files_read() -> Iterator[list[str]]:
-    """The evidence files read inside the block, in order: what a difference names as its source."""
-    reader: list[str] = []
-    _readers.append(reader)
-    try:
-        yield reader
-    finally:
-        _readers.remove(reader)
-
-
-def with_minus(text: str) -> str:
-    return text.replace("-", MINUS)
-
-
 def fixed(value: float, digits: int = 3) -> str:
-    """A number as the pages print a measured value: `digits` decimals, the typographic minus."""
-    return with_minus(f"{value:.{digits}f}")
+    """A measured value: `digits` decimals, the typographic minus."""
+    return f"{value:.{digits}f}".replace("-", MINUS)
 
 
 def signed(value: float, digits: int = 3) -> str:
-    """A difference: always signed ("+0.010", "−0.033"); a value that rounds to zero keeps its sign ("−0.000")."""
-    return with_minus(f"{value:+.{digits}f}")
+    """A difference, always signed ("+0.010", "−0.033"); one that rounds to zero keeps its sign ("−0.000")."""
+    return f"{value:+.{digits}f}".replace("-", MINUS)
 
 
-def interval(statistic: dict, digits: int = 3) -> str:
+def interval(statistic: dict) -> str:
     """`mean ± half-width` of an `experiments.common.mean_and_ci95` dictionary."""
-    return f"{fixed(statistic['mean'], digits)} ± {statistic['ci95']:.{digits}f}"
+    return f"{fixed(statistic['mean'])} ± {statistic['ci95']:.3f}"
 
 
-def signed_interval(statistic: dict, digits: int = 3, negate: bool = False) -> str:
-    """A paired difference's `±mean ± half-width`; `negate` reads B − A from a file that stored A − B."""
-    mean = -statistic["mean"] if negate else statistic["mean"]
-    return f"{signed(mean, digits)} ± {statistic['ci95']:.{digits}f}"
+def signed_interval(statistic: dict) -> str:
+    """A paired difference's `±mean ± half-width`."""
+    return f"{signed(statistic['mean'])} ± {statistic['ci95']:.3f}"
 
 
-def negated(statistic: dict) -> dict:
-    """A paired difference read the other way round (B − A from A − B): the interval's half-width is the same."""
-    return {**statistic, "mean": -statistic["mean"], "values": [-value for value in statistic["values"]]}
+def listed(values: list[float], cell: Callable[[float], str] = fixed) -> str:
+    """Values one after another ("0.964, 0.948"), each written by `cell`."""
+    return ", ".join(cell(value) for value in values)
 
 
-def per_seed(values: list[float], digits: int = 3) -> str:
-    return ", ".join(fixed(value, digits) for value in values)
-
-
-def signed_per_seed(values: list[float], digits: int = 3) -> str:
-    return ", ".join(signed(value, digits) for value in values)
+def decided(difference: dict) -> bool:
+    """The pages' rule for a decided comparison: over more than one seed, its 95 % interval excludes 0."""
+    return len(difference["values"]) > 1 and abs(difference["mean"]) > difference["ci95"]
 
 
 def bold(text: str, emphasised: bool = True) -> str:
@@ -95,3 +73,17 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
         return "|" + "".join(f" {cell} |" if cell else " |" for cell in cells)
 
     return "\n".join([line(headers), "|" + "---|" * len(headers), *(line(row) for row in rows)])
+
+
+Cell = str | Callable[[Any], str]
+"""How a column writes a row's cell: a format template of the row's fields ("{median:.2f} s"), or a function of it.
+A template prints an ASCII hyphen: a value that can be negative goes through `fixed` or `signed`."""
+
+
+def table(columns: dict[str, Cell], rows: Iterable[Any]) -> str:
+    """A table of one row per item of `rows`, its columns by header."""
+
+    def cell(column: Cell, row: Any) -> str:
+        return column.format_map(row) if isinstance(column, str) else column(row)
+
+    return markdown_table(list(columns), [[cell(column, row) for column in columns.values()] for row in rows])

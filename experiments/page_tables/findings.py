@@ -1,22 +1,28 @@
-"""The findings table (the README's "What to expect" and the top of experiments/README.md): one row per finding, its
-setting, its result and its verdict, every number and every verdict read from the evidence files.
-
-A paired difference decides where its 95 % interval over seeds excludes 0 (the pre-registered study decides by its
-own Holm-adjusted test instead). For a claim of the paper the verdict says whether it was reproduced; for the
-project's own comparisons it says above, below or level."""
+"""The findings table (the README's "What to expect" and the top of experiments/README.md), one row per finding read
+from the evidence files, and the pre-registered real-model study's table. A paired difference decides where its 95 %
+interval excludes 0 (the study decides by its own Holm-adjusted test); a claim of the paper is reproduced or not, the
+project's own comparisons are above, below or level."""
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
-from experiments.common import paired_difference
-from experiments.page_tables import real_model
-from experiments.page_tables.evidence import EVIDENCE, evidence, markdown_table, signed, signed_interval
-from experiments.page_tables.results import FIGURE1, TARGETS, paired, stale_paired, sweep
+from experiments import real_model_study as study
+from experiments.common import late_mean, paired_difference
+from experiments.page_tables.evidence import EVIDENCE, decided, evidence, markdown_table, signed, signed_interval
+from experiments.page_tables.results import (
+    FIGURE1,
+    FIGURE1_LABELS,
+    TARGETS,
+    paired,
+    stale_paired,
+    sweep_late,
+    sweep_paired,
+)
 
 
-def decided(difference: dict) -> bool:
-    return len(difference["values"]) > 1 and abs(difference["mean"]) > difference["ci95"]
+TINY = "tiny testbed"
 
 
 def claim_verdict(difference: dict) -> str:
@@ -36,11 +42,23 @@ def seeds(difference: dict) -> str:
     return f"{len(difference['values'])} seeds"
 
 
+def paired_row(finding: str, setting: str, label: str, difference: dict, verdict: Callable[[dict], str]) -> list[str]:
+    return [finding, f"{setting}, {seeds(difference)}", f"{label} {signed_interval(difference)}", verdict(difference)]
+
+
+FIGURE1_FINDINGS = {
+    # the method TOPR is compared with: (the finding, how its verdict reads)
+    "ppo": ("TOPR beats PPO-clip on one fixed off-policy dataset (Figure 1)", claim_verdict),
+    "tis": ("TIS is level with TOPR where positives are common (Figure 6)", level_verdict),
+    "sft_positives": ("Negatives add to what positives teach (Figure 4)", claim_verdict),
+}
+
+
 def low_target_row() -> list[str]:
     """TOPR − TIS at p̃ 1-20 % (Figures 5-6): the range of the paired means, and the p̃ where each is decided above."""
-    differences = {target: evidence(sweep(target))["paired"][f"p0.67/pt{target}"] for target in TARGETS[:4]}
+    differences = {target: sweep_paired(target) for target in TARGETS[:4]}
     means = [difference["mean"] for difference in differences.values()]
-    above = [target for target, d in differences.items() if decided(d) and d["mean"] > 0]
+    above = [target for target, difference in differences.items() if decided(difference) and difference["mean"] > 0]
     if len(above) == len(differences):
         verdict = "**reproduced**"
     elif above:
@@ -49,44 +67,93 @@ def low_target_row() -> list[str]:
         verdict = "**not reproduced** (undecided)"
     return [
         "TOPR tolerates a low p̃ far better than TIS (Figures 5-6)",
-        f"{TINY}, p̃ {TARGETS[0]}-{TARGETS[3]}, {len(differences[TARGETS[0]]['values'])} seeds",
+        f"{TINY}, p̃ {TARGETS[0]}-{TARGETS[3]}, {seeds(differences[TARGETS[0]])}",
         f"TOPR − TIS {signed(min(means))} to {signed(max(means))}",
         verdict,
     ]
 
 
-def best_targets() -> str:
-    """The p̃ whose late pass@1 lies within 0.01 of the best (Figures 5-6's sweep)."""
-    means = {target: evidence(sweep(target))["late"][f"p0.67/pt{target}/topr"]["mean"] for target in TARGETS}
-    best = max(means.values())
-    near = [target for target in TARGETS if best - means[target] <= 0.01]
-    return near[0] if len(near) == 1 else f"{near[0]}-{near[-1]}"
+def best_target_row() -> list[str]:
+    """The p̃ whose late pass@1 lies within 0.01 of the best (Figures 5-6's sweep), against the paper's 10-20 %."""
+    means = {target: sweep_late(target, "topr")["mean"] for target in TARGETS}
+    near = [target for target in TARGETS if max(means.values()) - means[target] <= 0.01]
+    best = near[0] if len(near) == 1 else f"{near[0]}-{near[-1]}"
+    verdict = "**reproduced**" if best in ("0.1", "0.2", "0.1-0.2") else "**not reproduced**"
+    return ["p̃ of 10-20 % works best (Eq. 12)", f"{TINY}, p̃ {TARGETS[0]}-{TARGETS[-1]}", f"best p̃ {best}", verdict]
 
 
 def figure7_row() -> list[str]:
     summary = evidence("figure7/figure7")["summary"]
     topr, untruncated = summary["topr"]["max_grad_norm"]["mean"], summary["untruncated_is"]["max_grad_norm"]["mean"]
-    verdict = "**reproduced**" if untruncated > 5 * topr else "**not reproduced**"
     return [
         "Truncation bounds the gradient where untruncated IS spikes (Figure 7)",
         f"{TINY}, {len(summary['topr']['max_grad_norm']['values'])} seeds",
         f"largest gradient norm {topr:.1f} against {untruncated:.1f}",
-        verdict,
+        "**reproduced**" if untruncated > 5 * topr else "**not reproduced**",
     ]
 
 
-def real_model_off_policy(method: str) -> dict:
-    """The earlier real-model runs (3 seeds): TOPR − `method` off-policy, each at its own validation choice."""
-    topr_rate = real_model.chosen_learning_rate("off_policy")
-    own_rate = real_model.chosen_learning_rate("off_policy", method)
+# --- the earlier real-model runs (experiments/real_model_comparison.py, not pre-registered) -----------------------
+
+EARLIER = "real-model/comparison"
+PRE_REGISTERED_RATES = (3e-5, 1e-4)
+"""The rates TOPR ran on validation before the held-out comparison; rates tried afterwards never move its rate."""
+
+
+def validation_runs() -> list[dict]:
+    """The earlier runs on the validation split (`--eval_split validation`), which choose the learning rates."""
+    paths = sorted((EVIDENCE / EARLIER).glob("*-validation.json"))
+    return [evidence(f"{EARLIER}/{path.stem}") for path in paths if not path.name.startswith("start-")]
+
+
+def validation_scores(part: str, method: str) -> dict[float, float]:
+    """Late validation pass@1 by rate, the mean over every seed run at that rate (not its luckiest run)."""
+    late_by_rate: dict[float, list[float]] = {}
+    for run in validation_runs():
+        if (run["part"], run["method"]) == (part, method):
+            late_by_rate.setdefault(run["options"]["learning_rate"], []).append(late_mean(run["curve"]))
+    return {rate: statistics.mean(lates) for rate, lates in late_by_rate.items()}
+
+
+def comparison_learning_rate(part: str) -> float:
+    """The earlier comparison's one rate for every method: TOPR's best on validation among `PRE_REGISTERED_RATES`."""
+    scores = {rate: score for rate, score in validation_scores(part, "topr").items() if rate in PRE_REGISTERED_RATES}
+    if not scores:
+        raise KeyError(f"{part}: TOPR has no validation run at the pre-registered rates {PRE_REGISTERED_RATES}")
+    return max(scores, key=scores.__getitem__)
+
+
+def chosen_learning_rate(part: str, method: str = "topr") -> float:
+    """A method's own choice, its best validation score over every rate it tried; one without a run at the
+    comparison's rate and at another takes the comparison's rate (a single rate chooses nothing)."""
+    comparison_rate, scores = comparison_learning_rate(part), validation_scores(part, method)
+    if comparison_rate not in scores or len(scores) < 2:
+        return comparison_rate
+    return max(scores, key=scores.__getitem__)
+
+
+def held_out_late(part: str, method: str, learning_rate: float) -> dict[int, float]:
+    """Each held-out run's late pass@1 by seed, for one method at one rate."""
+    paths = sorted((EVIDENCE / EARLIER).glob(f"{part}-{method}-seed*-lr{learning_rate:g}.json"))
+    return {run["seed"]: late_mean(run["curve"]) for run in (evidence(f"{EARLIER}/{path.stem}") for path in paths)}
+
+
+def earlier_off_policy(method: str) -> dict:
+    """TOPR − `method` off-policy, each at its own validation choice, paired by seed."""
     return paired_difference(
-        real_model.held_out_late("off_policy", "topr", topr_rate),
-        real_model.held_out_late("off_policy", method, own_rate),
+        held_out_late("off_policy", "topr", chosen_learning_rate("off_policy")),
+        held_out_late("off_policy", method, chosen_learning_rate("off_policy", method)),
     )
 
 
+# --- the pre-registered real-model study (experiments/real_model_study.py) ----------------------------------------
+
 STUDY = EVIDENCE / "real-model-study"
-TINY = "tiny testbed"
+
+
+def study_summary() -> dict:
+    """The study's summary computed from its run files (what `real_model_study --summarise` writes)."""
+    return study.summarise(study.load_runs(STUDY / "runs"))
 
 
 def study_row() -> list[str]:
@@ -94,14 +161,12 @@ def study_row() -> list[str]:
     labels = {"topr_whole_vocabulary": "whole vocabulary", "tis": "TIS", "ppo": "PPO-clip", "sft_positives": "SFT"}
     summary = study_summary()
     if summary["complete"]:
+        comparisons = summary["comparisons"]
         result = "; ".join(
-            f"− {labels[row['b']]} {signed(row['difference'])} (Holm p {row['p_holm']:.3f})"
-            for row in summary["comparisons"]
+            f"− {labels[row['b']]} {signed(row['difference'])} (Holm p {row['p_holm']:.3f})" for row in comparisons
         )
-        verdict = ", ".join(f"{labels[row['b']]}: {row['verdict']}" for row in summary["comparisons"])
+        verdict = ", ".join(f"{labels[row['b']]}: {row['verdict']}" for row in comparisons)
     else:
-        from experiments import real_model_study as study
-
         done = len(list((STUDY / "runs").glob("*.json")))
         planned = len(study.METHODS) * (len(study.GRID) * len(study.VALIDATION_SEEDS) + len(study.TEST_SEEDS))
         result, verdict = f"running: {done} of about {planned} runs on disk", "pending"
@@ -113,93 +178,19 @@ def study_row() -> list[str]:
     ]
 
 
-def findings_table() -> str:
-    figure1 = {method: paired(FIGURE1, f"topr-{method}") for method in ("ppo", "tis", "sft_positives")}
-    on_policy = evidence("sample_efficiency/sample_efficiency")["summary"]["topr_online"]["late_minus_grpo"]
-    stale = stale_paired("fresh_b", "topr-grpo_clip/k64")
-    real = {method: real_model_off_policy(method) for method in ("ppo", "tis")}
-    loss_ratio = evidence("benchmarks/gpu-h100-15b-loss")["loss_only"]["ratios"]["topr-online / grpo-grpo"]
-    tiny = TINY
-    rows = [
-        [
-            "TOPR beats PPO-clip on one fixed off-policy dataset (Figure 1)",
-            f"{tiny}, {seeds(figure1['ppo'])}",
-            f"TOPR − PPO-clip {signed_interval(figure1['ppo'])}",
-            claim_verdict(figure1["ppo"]),
-        ],
-        [
-            "TIS is level with TOPR where positives are common (Figure 6)",
-            f"{tiny}, {seeds(figure1['tis'])}",
-            f"TOPR − TIS {signed_interval(figure1['tis'])}",
-            level_verdict(figure1["tis"]),
-        ],
-        [
-            "Negatives add to what positives teach (Figure 4)",
-            f"{tiny}, {seeds(figure1['sft_positives'])}",
-            f"TOPR − SFT on positives {signed_interval(figure1['sft_positives'])}",
-            claim_verdict(figure1["sft_positives"]),
-        ],
-        low_target_row(),
-        [
-            "p̃ of 10-20 % works best (Eq. 12)",
-            f"{tiny}, p̃ {TARGETS[0]}-{TARGETS[-1]}",
-            f"best p̃ {best_targets()}",
-            "**reproduced**" if best_targets() in ("0.1", "0.2", "0.1-0.2") else "**not reproduced**",
-        ],
-        figure7_row(),
-        [
-            "On-policy, TOPR and GRPO",
-            f"{tiny}, online, {seeds(on_policy)}",
-            f"TOPR − GRPO {signed_interval(on_policy)}",
-            level_verdict(on_policy),
-        ],
-        [
-            "μ 63 updates behind: TOPR and GRPO-clip",
-            f"{tiny}, {seeds(stale)}",
-            f"TOPR − GRPO-clip {signed_interval(stale)}",
-            level_verdict(stale),
-        ],
-        [
-            "Figure 1 on a real model (earlier runs, not pre-registered)",
-            f"SmolLM2-135M-Instruct, each method at its own rate, {seeds(real['ppo'])}",
-            f"TOPR − PPO-clip {signed_interval(real['ppo'])}; − TIS {signed_interval(real['tis'])}",
-            f"PPO-clip: {level_verdict(real['ppo'])}; TIS: {level_verdict(real['tis'])}",
-        ],
-        study_row(),
-        [
-            "TOPR's loss + backward costs what GRPO's does",
-            "Qwen2.5-1.5B shape, one H100",
-            f"{loss_ratio:.3f}x GRPOTrainer's",
-            "level" if abs(loss_ratio - 1) < 0.02 else ("dearer" if loss_ratio > 1 else "cheaper"),
-        ],
-    ]
-    return markdown_table(["finding", "setting", "result (paired, 95 % interval)", "verdict"], rows)
-
-
-def study_summary() -> dict:
-    """The study's summary computed from its run files (what `real_model_study --summarise` writes)."""
-    from experiments import real_model_study
-
-    return real_model_study.summarise(real_model_study.load_runs(STUDY / "runs"))
-
-
 def study_table() -> str:
-    """The pre-registered study: each method's validation means by rate, its choice and its held-out end point; the
-    comparisons once every held-out run is in."""
-    from experiments import real_model_study
-
-    summary = study_summary()
+    """Each method's validation means by rate, its choice and its held-out end point; the comparisons once every
+    held-out run is in."""
+    summary, planned = study_summary(), len(study.VALIDATION_SEEDS)
     rows = []
     for method, choice in summary["choices"].items():
         held = summary["held_out"][method]
-        seeds = len(real_model_study.VALIDATION_SEEDS)
         means = ", ".join(
-            f"{rate}: {row['mean']:.3f}" + ("" if row["seeds"] == seeds else f" ({row['seeds']} of {seeds} seeds)")
+            f"{rate}: {row['mean']:.3f}" + ("" if row["seeds"] == planned else f" ({row['seeds']} of {planned} seeds)")
             for rate, row in choice["validation_so_far"].items()
         )
-        chosen = (
-            "-" if choice["chosen"] is None else f"{choice['chosen']:g}" + ("" if choice["final"] else " (not final)")
-        )
+        chosen = "-" if choice["chosen"] is None else f"{choice['chosen']:g}"
+        chosen += "" if choice["final"] or choice["chosen"] is None else " (not final)"
         rows.append(
             [method, means or "-", chosen, f"{held['mean']:.3f} ({len(held['seeds'])} seeds)" if held["seeds"] else "-"]
         )
@@ -219,6 +210,38 @@ def study_table() -> str:
     spread = statistics.mean(len(row["seeds"]) for row in summary["comparisons"])
     header = [f"comparison ({spread:.0f} seeds)", "difference [95 % interval]", "sign-flip p", "Holm p", "verdict"]
     return table + "\n\n" + markdown_table(header, comparisons)
+
+
+def findings_table() -> str:
+    on_policy = evidence("sample_efficiency/sample_efficiency")["summary"]["topr_online"]["late_minus_grpo"]
+    stale = stale_paired("fresh_b", "topr-grpo_clip/k64")
+    real = {method: earlier_off_policy(method) for method in ("ppo", "tis")}
+    loss_ratio = evidence("benchmarks/gpu-h100-15b-loss")["loss_only"]["ratios"]["topr-online / grpo-grpo"]
+    rows = [
+        *(
+            paired_row(finding, TINY, f"TOPR − {FIGURE1_LABELS[method]}", paired(FIGURE1, f"topr-{method}"), verdict)
+            for method, (finding, verdict) in FIGURE1_FINDINGS.items()
+        ),
+        low_target_row(),
+        best_target_row(),
+        figure7_row(),
+        paired_row("On-policy, TOPR and GRPO", f"{TINY}, online", "TOPR − GRPO", on_policy, level_verdict),
+        paired_row("μ 63 updates behind: TOPR and GRPO-clip", TINY, "TOPR − GRPO-clip", stale, level_verdict),
+        [
+            "Figure 1 on a real model (earlier runs, not pre-registered)",
+            f"SmolLM2-135M-Instruct, each method at its own rate, {seeds(real['ppo'])}",
+            f"TOPR − PPO-clip {signed_interval(real['ppo'])}; − TIS {signed_interval(real['tis'])}",
+            f"PPO-clip: {level_verdict(real['ppo'])}; TIS: {level_verdict(real['tis'])}",
+        ],
+        study_row(),
+        [
+            "TOPR's loss + backward costs what GRPO's does",
+            "Qwen2.5-1.5B shape, one H100",
+            f"{loss_ratio:.3f}x GRPOTrainer's",
+            "level" if abs(loss_ratio - 1) < 0.02 else ("dearer" if loss_ratio > 1 else "cheaper"),
+        ],
+    ]
+    return markdown_table(["finding", "setting", "result (paired, 95 % interval)", "verdict"], rows)
 
 
 TABLES = {"findings": findings_table, "real-model-study": study_table}

@@ -42,7 +42,7 @@ def altered(text: str) -> str:
     return text[:index] + str((int(text[index]) + 1) % 10) + text[index + 1 :]
 
 
-@pytest.mark.parametrize("name", ["sample-efficiency", "figure7", "async-server", "loss-speed"])
+@pytest.mark.parametrize("name", ["sample-efficiency", "figure7", "async-speed", "loss-speed"])
 def test_a_number_edited_in_a_table_is_reported(name):
     page = next(page for page in PAGES if f"<!-- table:{name} (" in page.read_text())
     text = page.read_text()
@@ -107,56 +107,55 @@ def test_a_comment_in_a_code_block_is_not_a_heading():
         section(text, "a shell comment")
 
 
-def test_the_own_rate_control_pairs_each_seed_across_the_two_rates():
-    """The control pairs TOPR at one rate with a method at the method's own rate, which no summary does: each seed's
-    difference is TOPR's late pass@1 in the summary of TOPR's rate minus the method's in the summary of its own rate
-    (`real_model_comparison --summarise --learning_rate L`), computed here from those files instead of the runs."""
-    from experiments.page_tables import real_model
+def test_the_earlier_real_model_row_pairs_each_seed_across_the_two_rates():
+    """The findings row on the earlier real-model runs pairs TOPR at its own rate with each method at the method's own
+    rate, which no summary does: each seed's difference is TOPR's late pass@1 in the summary of TOPR's rate minus the
+    method's in the summary of its own rate (`real_model_comparison --summarise --learning_rate L`), computed here
+    from those files instead of the runs."""
+    from experiments.page_tables import findings
     from experiments.page_tables.evidence import evidence
 
-    controls = [control for control in real_model.own_rate_controls() if control["difference"]]
-    assert controls
-    for control in controls:
-        part = control["part"]
-        comparison_rate = real_model.comparison_learning_rate(part)
-        assert {control["learning_rate"], control["topr_learning_rate"]} != {comparison_rate}
-        topr_summary = evidence(f"{real_model.COMPARISON}_{part}-lr{control['topr_learning_rate']:g}")
-        own_summary = evidence(f"{real_model.COMPARISON}_{part}-lr{control['learning_rate']:g}")
-        topr = dict(zip(topr_summary["seeds"], topr_summary["late"]["topr"]["pass@1"]["values"], strict=True))
-        own = dict(zip(own_summary["seeds"], own_summary["late"][control["method"]]["pass@1"]["values"], strict=True))
+    def late_by_seed(learning_rate: float, method: str) -> dict[int, float]:
+        summary = evidence(f"{findings.EARLIER}_off_policy-lr{learning_rate:g}")
+        return dict(zip(summary["seeds"], summary["late"][method]["pass@1"]["values"], strict=True))
+
+    topr = late_by_seed(findings.chosen_learning_rate("off_policy"), "topr")
+    for method in ("ppo", "tis"):
+        own = late_by_seed(findings.chosen_learning_rate("off_policy", method), method)
+        difference = findings.earlier_off_policy(method)
         seeds = sorted(set(topr) & set(own))
-        assert control["difference"]["seeds"] == seeds
-        assert control["difference"]["values"] == pytest.approx([topr[seed] - own[seed] for seed in seeds], abs=1e-12)
+        assert difference["seeds"] == seeds and len(seeds) > 1
+        assert difference["values"] == pytest.approx([topr[seed] - own[seed] for seed in seeds], abs=1e-12)
 
 
 def test_a_method_has_its_own_rate_only_where_it_ran_at_the_comparisons_rate_too(monkeypatch):
-    from experiments.page_tables import real_model
+    from experiments.page_tables import findings
 
     def run(method: str, learning_rate: float, late: float) -> dict:
         curve = [{"step": 0, "pass@1": 0.25}, {"step": 32, "pass@1": late}]
         return {"part": "online", "method": method, "options": {"learning_rate": learning_rate}, "curve": curve}
 
     runs = [run("topr", 3e-5, 0.7), run("topr", 1e-4, 0.1), run("grpo", 1e-5, 0.9)]
-    monkeypatch.setattr(real_model, "validation_runs", lambda: runs)
-    assert real_model.comparison_learning_rate("online") == 3e-5
-    assert real_model.chosen_learning_rate("online") == 3e-5
-    assert real_model.chosen_learning_rate("online", "grpo") == 3e-5  # one rate, not the comparison's: nothing chosen
-    assert real_model.chosen_learning_rate("online", "sft_positives") == 3e-5  # no run of its own
+    monkeypatch.setattr(findings, "validation_runs", lambda: runs)
+    assert findings.comparison_learning_rate("online") == 3e-5
+    assert findings.chosen_learning_rate("online") == 3e-5
+    assert findings.chosen_learning_rate("online", "grpo") == 3e-5  # one rate, not the comparison's: nothing chosen
+    assert findings.chosen_learning_rate("online", "sft_positives") == 3e-5  # no run of its own
     runs.append(run("grpo", 3e-5, 0.2))
-    assert real_model.chosen_learning_rate("online", "grpo") == 1e-5
+    assert findings.chosen_learning_rate("online", "grpo") == 1e-5
     # A rate run on a second seed is judged on the mean of both: 0.95 beats 1e-5's 0.9, but (0.2 + 0.95) / 2 does not.
     runs.append(run("grpo", 3e-5, 0.95))
-    assert real_model.validation_scores("online", "grpo") == pytest.approx({1e-5: 0.9, 3e-5: 0.575}, abs=1e-12)
-    assert real_model.chosen_learning_rate("online", "grpo") == 1e-5
+    assert findings.validation_scores("online", "grpo") == pytest.approx({1e-5: 0.9, 3e-5: 0.575}, abs=1e-12)
+    assert findings.chosen_learning_rate("online", "grpo") == 1e-5
     runs.append(run("grpo", 1e-5, 0.1))  # a second seed at 1e-5 brings its mean to 0.5, below 3e-5's 0.575
-    assert real_model.chosen_learning_rate("online", "grpo") == 3e-5
+    assert findings.chosen_learning_rate("online", "grpo") == 3e-5
     # A rate TOPR tried after the comparison is TOPR's own choice when it wins, never the comparison's rate.
     runs.append(run("topr", 1e-5, 0.75))
-    assert real_model.comparison_learning_rate("online") == 3e-5
-    assert real_model.chosen_learning_rate("online") == 1e-5
+    assert findings.comparison_learning_rate("online") == 3e-5
+    assert findings.chosen_learning_rate("online") == 1e-5
     runs[:] = [run("topr", 1e-5, 0.75)]
     with pytest.raises(KeyError, match="pre-registered"):
-        real_model.comparison_learning_rate("online")
+        findings.comparison_learning_rate("online")
 
 
 def test_a_host_whose_readme_run_printed_other_figures_is_reported(monkeypatch):
