@@ -151,7 +151,7 @@ def test_what_the_shared_forward_cannot_take_is_named():
     assert "multimodal" in why_the_padded_forward_runs(model, 7, compute_aux_loss=False, multimodal=True)
     assert "load-balancing" in why_the_padded_forward_runs(model, 7, compute_aux_loss=True, multimodal=False)
     assert "one token" in why_the_padded_forward_runs(model, 1, compute_aux_loss=False, multimodal=False)
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     assert "gradient checkpointing" in why_the_padded_forward_runs(model, 7, compute_aux_loss=False, multimodal=False)
     assert why_the_padded_forward_runs(model.eval(), 7, compute_aux_loss=False, multimodal=False) is None
 
@@ -245,7 +245,7 @@ def test_gradient_checkpointing_runs_the_padded_forward_and_says_so_once(
 
     padded, shared = trainer_pair(tiny_model_path, arithmetic_dataset, tmp_path, gradient_checkpointing=True)
     for trainer in (padded, shared):  # what `Trainer.train` does with gradient_checkpointing=True
-        trainer.model.gradient_checkpointing_enable()
+        trainer.model.activation_checkpointing_enable()
     with caplog.at_level(logging.WARNING):
         assert_the_trainers_agree(padded, shared, shares=False)
         assert_the_trainers_agree(padded, shared, shares=False)

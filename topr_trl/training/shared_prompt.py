@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from accelerate.utils import extract_model_from_parallel
+
+from ..support.scoring import fused_head_parts
 
 
 def why_the_padded_forward_runs(model, prompt_length: int, compute_aux_loss: bool, multimodal: bool) -> str | None:
@@ -30,8 +31,12 @@ def why_the_padded_forward_runs(model, prompt_length: int, compute_aux_loss: boo
         return "a mixture of experts' load-balancing loss is computed over whole padded rows"
     if prompt_length < 2:
         return "prompts of one token leave nothing to share"
-    unwrapped = extract_model_from_parallel(model)
-    if getattr(unwrapped, "is_gradient_checkpointing", False) and unwrapped.training:
+    _, causal_lm = fused_head_parts(model)  # unwrapped (DDP, DeepSpeed, PEFT): the model transformers checkpoints
+    # transformers 5 names it activation checkpointing (the older name warns); GRPOConfig's field keeps the old name
+    checkpointing = getattr(causal_lm, "is_activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(causal_lm, "is_gradient_checkpointing", False)
+    if checkpointing and causal_lm.training:
         return "gradient checkpointing drops the cache transformers would hand from the prompts to the completions"
     return None
 
