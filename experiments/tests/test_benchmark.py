@@ -169,6 +169,36 @@ def test_model_flops_follow_the_palm_convention():
     assert with_reference["update"] - online["update"] == flops["forward"] * 4 * 5
 
 
+def test_the_shared_prompt_flops_bound_counts_each_distinct_prompt_once():
+    """Hand count on the 1-layer model above: 4 rows of 3 prompt and 2 completion tokens, 2 distinct prompts, 7
+    completion tokens scored. Per token the backbone costs 2 x 576 (656 parameters less the 80 of the head) plus
+    4 x 1 x 8 per key; the head 2 x 80 per scored token, alike in both."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from experiments import benchmark
+
+    config = SimpleNamespace(
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=16,
+        vocab_size=10,
+    )
+    prompts = torch.tensor([[5, 6, 7], [5, 6, 7], [0, 8, 9], [0, 8, 9]])
+    batch = {
+        "prompt_ids": prompts,
+        "prompt_mask": (prompts > 0).long(),
+        "completion_ids": torch.ones(4, 2, dtype=torch.long),
+        "completion_mask": torch.tensor([[1, 1], [1, 1], [1, 1], [1, 0]]),
+    }
+    padded = 20 * (1152 + 32 * 5) + 160 * 7  # every row whole: 4 x 5 tokens against 5 keys
+    shared = 2 * 2 * (1152 + 32 * 3) + 4 * 3 * (1152 + 32 * 5) + 160 * 7  # 2 prompts but their last token; 4 tails
+    assert benchmark.shared_prompt_flops_bound(config, batch) == pytest.approx(shared / padded, rel=1e-12)
+
+
 @pytest.mark.parametrize("shape,published_parameters", [("qwen2.5-0.5b", 494_032_768), ("qwen2.5-1.5b", 1_543_714_304)])
 def test_qwen_shaped_models_have_the_published_parameter_counts(shape, published_parameters):
     """The GPU benchmark's models are Qwen2.5 as published, LM head and 151,936-token vocabulary included (built on
@@ -196,7 +226,7 @@ def test_the_gpu_script_answers_a_wrong_call_with_its_usage_in_one_line(tmp_path
 
 @pytest.mark.slow
 def test_the_gpu_script_runs_every_step_and_leaves_what_a_lease_brings_back(tmp_path):
-    """`experiments/gpu_support.sh run OUT --smoke --device cpu`: every step passes, OUT holds the six files a lease
+    """`experiments/gpu_support.sh run OUT --smoke --device cpu`: every step passes, OUT holds the seven files a lease
     brings back (no more), the rule's timings cover both shapes and both truncations, and each loss file's ratios are
     its medians' quotients."""
     out = tmp_path / "out"
@@ -217,6 +247,7 @@ def test_the_gpu_script_runs_every_step_and_leaves_what_a_lease_brings_back(tmp_
         "support-loss-scale1.json",
         "support-loss-scale4.json",
         "support-loss-scale8.json",
+        "shared-prompt.json",
     }
     rule = json.loads((out / "support-rule.json").read_text())["support_only"]["timings"]
     assert set(rule) == {"flat top_k 50", "flat top_p 0.95", "peaked top_k 50", "peaked top_p 0.95"}
@@ -227,3 +258,9 @@ def test_the_gpu_script_runs_every_step_and_leaves_what_a_lease_brings_back(tmp_
         assert loss["ratios"]["topr-online-top-p / topr-online"] == pytest.approx(
             medians["topr-online-top-p"] / medians["topr-online"], rel=1e-12
         )
+    shared = json.loads((out / "shared-prompt.json").read_text())
+    for generations, row in shared["shared_prompt"]["per_prompt"].items():
+        medians = row["median_loss_backward_s"]
+        assert row["loss_backward_vs_grpo"] == pytest.approx(medians["topr-shared-prompt"] / medians["grpo-dapo"])
+        assert 0 < row["flops_bound"] < 1, generations
+    assert shared["loss_backward_vs_grpo"] == shared["shared_prompt"]["per_prompt"]["8"]["loss_backward_vs_grpo"]
