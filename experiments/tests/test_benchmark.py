@@ -141,20 +141,24 @@ def test_the_memory_a_call_adds_is_what_it_holds_at_its_peak_on_a_cpu():
     assert nothing < 3
 
 
+# A 1-layer model counted by hand: d=8, 2 heads of 4, 1 KV head, MLP 16, vocabulary 10.
+ONE_LAYER = dict(
+    hidden_size=8,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    intermediate_size=16,
+    vocab_size=10,
+)
+
+
 def test_model_flops_follow_the_palm_convention():
     """Hand count for a 1-layer model: d=8, 2 heads of 4, 1 KV head, MLP 16, vocabulary 10, sequence 5."""
     from types import SimpleNamespace
 
     from experiments import benchmark
 
-    config = SimpleNamespace(
-        hidden_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=16,
-        vocab_size=10,
-    )
+    config = SimpleNamespace(**ONE_LAYER)
     attention = 8 * 4 * (2 + 2) + 2 * 4 * 8  # q, k, v projections + output projection
     parameters = attention + 3 * 8 * 16 + 8 * 10  # + gated MLP + LM head
     flops = benchmark.model_flops_per_token(config, sequence_length=5)
@@ -179,14 +183,7 @@ def test_the_shared_prompt_flops_bound_counts_each_distinct_prompt_once():
 
     from experiments import benchmark
 
-    config = SimpleNamespace(
-        hidden_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=16,
-        vocab_size=10,
-    )
+    config = SimpleNamespace(**ONE_LAYER)
     prompts = torch.tensor([[5, 6, 7], [5, 6, 7], [0, 8, 9], [0, 8, 9]])
     batch = {
         "prompt_ids": prompts,
