@@ -1,6 +1,6 @@
 """Run by test_distributed.py, under `accelerate launch` (2 CPU processes) and as a plain 1-process script: trains
 TOPRTrainer on a stored offline dataset (so that both runs see the same completions, rewards and mu) with the given
-per-device batch, and writes per rank the logged losses (JSON) and the full, gathered parameters (torch file).
+per-device batch (and, with a sixth argument `shared`, `topr_shared_prompt_forward`), and writes per rank the logged losses (JSON) and the full, gathered parameters (torch file).
 Files, not stdout: the ranks share one pipe, and their buffered writes can interleave within a line."""
 
 import json
@@ -19,7 +19,9 @@ from topr_trl.offline import load_offline_dataset, stored_reward  # noqa: E402
 from topr_trl.runtime.distributed import end_process_group  # noqa: E402
 
 
-def main(model_path: str, data_dir: str, output_dir: str, results_dir: str, per_device_batch: str) -> None:
+def main(
+    model_path: str, data_dir: str, output_dir: str, results_dir: str, per_device_batch: str, forward: str = "padded"
+) -> None:
     # Plain SGD without clipping: a parameter update is linear in the gradient, so a gradient scaled or averaged
     # wrongly across processes shows in the parameters (Adam's normalised step and clipping would hide a scale).
     args = TOPRConfig(
@@ -39,6 +41,7 @@ def main(model_path: str, data_dir: str, output_dir: str, results_dir: str, per_
         bf16=False,
         gradient_checkpointing=False,
         seed=0,
+        topr_shared_prompt_forward=forward == "shared",
     )
     trainer = TOPRTrainer(
         model=model_path, reward_funcs=stored_reward, args=args, train_dataset=load_offline_dataset(data_dir)
@@ -48,6 +51,10 @@ def main(model_path: str, data_dir: str, output_dir: str, results_dir: str, per_
     scored = []
     scoring = trainer_module.completion_processed_log_probs
     trainer_module.completion_processed_log_probs = lambda *a, **k: scored.append(1) or scoring(*a, **k)
+    # and how many forwards computed each prompt once (`topr_shared_prompt_forward`)
+    shared = []
+    sharing = trainer_module.chunked_shared_prompt_logps
+    trainer_module.chunked_shared_prompt_logps = lambda *a, **k: shared.append(1) or sharing(*a, **k)
     trainer.train()
     parameters = dict(trainer.model.named_parameters())
     if trainer.is_deepspeed_enabled and trainer.accelerator.deepspeed_plugin.zero_stage == 3:
@@ -65,6 +72,7 @@ def main(model_path: str, data_dir: str, output_dir: str, results_dir: str, per_
         "losses": losses,
         "steps": trainer.state.global_step,
         "support_scored": len(scored),
+        "shared_prompt_forwards": len(shared),
     }
     torch.save(gathered, os.path.join(results_dir, f"parameters-rank{rank}.pt"))
     with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as handle:
@@ -75,4 +83,4 @@ def main(model_path: str, data_dir: str, output_dir: str, results_dir: str, per_
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    main(*sys.argv[1:7])

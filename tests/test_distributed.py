@@ -24,7 +24,9 @@ from .launching import (
 SCRIPT = Path(__file__).with_name("distributed_train.py")
 
 
-def run_training(results_dir: Path, data_dir: Path, model_path: str, launch: str | None) -> tuple[dict, dict]:
+def run_training(
+    results_dir: Path, data_dir: Path, model_path: str, launch: str | None, forward: str = "padded"
+) -> tuple[dict, dict]:
     """tests/distributed_train.py on the global batch of 8 rows: 1 process x 8 rows (launch None), or 2 x 4 rows
     under `accelerate launch`. Returns rank 0's logged losses and its full parameters."""
     import torch
@@ -32,9 +34,9 @@ def run_training(results_dir: Path, data_dir: Path, model_path: str, launch: str
     results_dir.mkdir()
     script = [str(SCRIPT), model_path, str(data_dir), str(results_dir / "out"), str(results_dir)]
     if launch is None:
-        command = [sys.executable, *script, "8"]
+        command = [sys.executable, *script, "8", forward]
     else:
-        command = accelerate_launch(*script, "4", launch=launch)
+        command = accelerate_launch(*script, "4", forward, launch=launch)
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=LAUNCH_ENVIRONMENT)
     assert completed.returncode == 0, completed.stderr[-4000:]
     results = {
@@ -116,6 +118,27 @@ def test_under_two_processes_each_rank_scores_pi_on_mus_support(launch, top_k_da
     second_rank = json.loads((tmp_path / "two" / "rank1.json").read_text())
     for run in (reference, result, second_rank):
         assert run["support_scored"] > 0, run
+    torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
+    for name, value in parameters.items():
+        torch.testing.assert_close(value, reference_parameters[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["ddp", "zero2"])
+def test_the_shared_prompt_forward_on_two_processes_trains_what_one_padded_process_does(
+    launch, one_process_run, offline_data, tiny_model_path, tmp_path
+):
+    """`topr_shared_prompt_forward` under DDP and ZeRO-2 (two forwards, the prompts' and the tails', before one
+    backward on each rank): the per-step losses and the final parameters are those of one process with the padded
+    forward, within the tolerance two processes against one already take (above)."""
+    import torch
+
+    (reference, reference_parameters) = one_process_run
+    result, parameters = run_training(tmp_path / "two", offline_data, tiny_model_path, launch, forward="shared")
+    second_rank = json.loads((tmp_path / "two" / "rank1.json").read_text())
+    assert result["shared_prompt_forwards"] > 0 and second_rank["shared_prompt_forwards"] > 0
+    assert reference["shared_prompt_forwards"] == 0
+    assert result["steps"] == reference["steps"] == 4
     torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
     for name, value in parameters.items():
         torch.testing.assert_close(value, reference_parameters[name], rtol=1e-5, atol=1e-6, msg=name)
