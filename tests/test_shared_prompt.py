@@ -190,8 +190,8 @@ def loss_and_gradients(trainer, inputs) -> tuple[torch.Tensor, dict[str, torch.T
     return loss.detach(), gradients
 
 
-def tokens_through_the_backbone(trainer, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
-    """`loss_and_gradients`, and how many token positions the model's backbone ran."""
+def tokens_through_the_backbone(trainer, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[int]]:
+    """`loss_and_gradients`, and the token positions of each of the backbone's passes."""
     from topr_trl.support.scoring import fused_head_parts
 
     positions = []
@@ -203,20 +203,27 @@ def tokens_through_the_backbone(trainer, inputs) -> tuple[torch.Tensor, dict[str
         loss, gradients = loss_and_gradients(trainer, inputs)
     finally:
         handle.remove()
-    return loss, gradients, sum(positions)
+    return loss, gradients, positions
 
 
-def assert_the_trainers_agree(padded, shared, shares: bool = True) -> None:
-    """The same off-policy batch (mu's log-probs moved off pi's, so that every branch of the loss reads the ratio)
-    through both trainers: the same loss and gradients, the shared-prompt trainer's backbone running fewer token
-    positions where it `shares`."""
+def assert_the_trainers_agree(padded, shared, shares: bool = True, distinct: bool = False) -> None:
+    """The same off-policy batch (mu's log-probs moved off pi's, so that every branch of the loss reads the ratio;
+    with `distinct`, each row's prompt made its own) through both trainers: the same loss and gradients, the
+    shared-prompt trainer's backbone running fewer token positions where it `shares`, as many where not."""
     torch.manual_seed(0)
     inputs = padded._prepare_inputs(next(iter(padded.get_train_dataloader())))
+    if distinct:  # the last prompt token of row i becomes token i + 3 of the vocabulary
+        prompt_ids = inputs["prompt_ids"].clone()
+        prompt_ids[:, -1] = torch.arange(3, 3 + prompt_ids.size(0))
+        inputs = {**inputs, "prompt_ids": prompt_ids}
     mask = inputs["completion_mask"].float()
     inputs = {**inputs, "old_per_token_logps": -torch.rand_like(mask) * mask}
     expected_loss, expected, padded_positions = tokens_through_the_backbone(padded, inputs)
     loss, gradients, shared_positions = tokens_through_the_backbone(shared, inputs)
-    assert (shared_positions < padded_positions) if shares else (shared_positions == padded_positions)
+    if shares:
+        assert sum(shared_positions) < sum(padded_positions)
+    else:
+        assert shared_positions == padded_positions  # the same passes over the same rows
     torch.testing.assert_close(loss, expected_loss, **float32_tolerance(expected_loss, BACKWARD_ROUNDINGS))
     assert gradients.keys() == expected.keys()
     for name, wanted in expected.items():
@@ -251,3 +258,9 @@ def test_gradient_checkpointing_runs_the_padded_forward_and_says_so_once(
         assert_the_trainers_agree(padded, shared, shares=False)
     said = [record for record in caplog.records if "topr_shared_prompt_forward" in record.getMessage()]
     assert len(said) == 1 and "gradient checkpointing" in said[0].getMessage()
+
+
+def test_rows_that_share_no_prompt_run_the_padded_forward_once(tiny_model_path, arithmetic_dataset, tmp_path):
+    """Every row with a prompt of its own (one completion each): nothing to compute once, so the shared-prompt
+    trainer runs GRPOTrainer's forward as it is, no second pass."""
+    assert_the_trainers_agree(*trainer_pair(tiny_model_path, arithmetic_dataset, tmp_path), shares=False, distinct=True)

@@ -41,7 +41,12 @@ from .training.shared import (
     trained_method,
     warn_history_dependent_sampling,
 )
-from .training.shared_prompt import chunked_shared_prompt_logps, tail_hidden_states, why_the_padded_forward_runs
+from .training.shared_prompt import (
+    chunked_shared_prompt_logps,
+    distinct_prompts,
+    tail_hidden_states,
+    why_the_padded_forward_runs,
+)
 
 
 logger = logging.get_logger(__name__)
@@ -220,6 +225,8 @@ class TOPRTrainer(OfflineReplay, GRPOLossMirror, GRPOTrainer):  # type: ignore[m
         )
         if args or not topr_setting(self.args, "topr_shared_prompt_forward"):
             return padded, False
+        if distinct_prompts(input_ids, attention_mask, logits_to_keep)[0].size(0) == input_ids.size(0):
+            return padded, False  # no two rows share a prompt (one completion each): nothing to compute once
         reason = why_the_padded_forward_runs(
             model,
             input_ids.size(1) - logits_to_keep,

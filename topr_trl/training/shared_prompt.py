@@ -41,6 +41,14 @@ def why_the_padded_forward_runs(model, prompt_length: int, compute_aux_loss: boo
     return None
 
 
+def distinct_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int):
+    """The distinct prompts (ids then mask, one row each) of (B, P + C) rows, and each row's index among them."""
+    prompt_length = input_ids.size(1) - logits_to_keep
+    return torch.unique(
+        torch.cat([input_ids[:, :prompt_length], attention_mask[:, :prompt_length]], dim=1), dim=0, return_inverse=True
+    )
+
+
 def shared_prompt_logps(
     model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, compute_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -48,11 +56,7 @@ def shared_prompt_logps(
     (B, P + C) rows computes them (`model` with TRL's fused head), each distinct prompt (its ids and mask) computed
     once. Prompts are left-padded, so each row's last prompt token is real."""
     prompt_length = input_ids.size(1) - logits_to_keep
-    prompts, rows = torch.unique(
-        torch.cat([input_ids[:, :prompt_length], attention_mask[:, :prompt_length]], dim=1),
-        dim=0,
-        return_inverse=True,
-    )
+    prompts, rows = distinct_prompts(input_ids, attention_mask, logits_to_keep)
     # the prompts but their last token: a one-position head, since only the cache is read
     cache = model(
         input_ids=prompts[:, : prompt_length - 1],
