@@ -11,6 +11,8 @@ are interleaved round by round so that machine noise hits all of them alike. Com
     python -m experiments.benchmark --model smollm2 --loss_only    # the packaged real model (trained weights)
     python -m experiments.benchmark --model smollm2 --shared_prompt --batch_size 8 --completion_length 64 \
         --repeats 5 --steps 4 --output experiments/evidence/benchmarks/cpu-smollm2-shared-prompt.json
+    python -m experiments.benchmark --model smollm2 --shared_prompt --memory_only --batch_size 8 \
+        --completion_length 64 --output experiments/evidence/benchmarks/cpu-smollm2-shared-prompt-memory.json
 
 Prints a table (median and spread of seconds per step, tokens per second, peak memory) and the ratios
 TOPR/GRPO, and writes them as JSON with `--output`.
@@ -61,6 +63,8 @@ RATIOS = {
 SHARED_PROMPT_KEYS = (
     "loss_backward_vs_grpo",
     "loss_backward_vs_grpo_4",
+    "peak_added_memory_vs_grpo",
+    "peak_added_memory_vs_grpo_4",
     "step_vs_grpo",
     "flops_bound",
     "flops_bound_4",
@@ -468,108 +472,178 @@ def torch_rows(ids, mask) -> list[tuple]:
     return [tuple(row) for row in zip(ids.tolist(), mask.tolist(), strict=True) for row in [row[0] + row[1]]]
 
 
-def interleaved_loss_backward(
-    trainers: dict, batch: dict, repeats: int, warmup: int, cuda: bool = False
-) -> tuple[dict, dict]:
-    """Each trainer's loss + backward on `batch`, call by call in turn (`warmup` rounds untimed): the seconds of each
-    call, and the memory one call adds (`AddedMemory`, where it can be measured)."""
+def loss_backward(trainer, batch: dict, cuda: bool = False) -> None:
+    """One loss + backward of `trainer` on `batch`, its gradients then freed."""
     import torch
 
-    def call(trainer) -> None:
-        trainer.compute_loss(trainer.model, batch).backward()
-        trainer.model.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
+    trainer.compute_loss(trainer.model, batch).backward()
+    trainer.model.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
 
+
+def interleaved_loss_backward(trainers: dict, batch: dict, repeats: int, warmup: int, cuda: bool = False) -> dict:
+    """Each trainer's loss + backward on `batch`, call by call in turn (`warmup` rounds untimed): the seconds of each
+    call. (Memory is measured apart, one process per trainer: `peak_added_memory`.)"""
     times: dict[str, list[float]] = {name: [] for name in trainers}
     for repeat in range(repeats + warmup):
         for name, trainer in trainers.items():
             start = time.perf_counter()
-            call(trainer)
+            loss_backward(trainer, batch, cuda)
             if repeat >= warmup:
                 times[name].append(time.perf_counter() - start)
+    return times
+
+
+SHARED_PROMPT_TRAINERS = ("grpo-dapo", "topr-shared-prompt", "topr-padded")
+
+
+def shared_prompt_trainer(name: str, generations: int, spec: dict, model_path: str, **more):
+    """One of `SHARED_PROMPT_TRAINERS` on the word problems: `trl.GRPOTrainer` (`dapo`), or TOPRTrainer with or
+    without the shared-prompt forward; `spec` holds the batch size, completion length, device and bf16."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl import GRPOConfig, GRPOTrainer
+
+    from topr_trl import TOPRConfig, TOPRTrainer
+    from topr_trl.tasks.word_problems import make_word_problems, word_problem_reward
+
+    common = dict(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=spec["batch_size"],
+        num_generations=generations,
+        max_completion_length=spec["completion_length"],
+        temperature=1.0,
+        report_to="none",
+        use_cpu=spec["device"] != "cuda",
+        bf16=spec["bf16"],
+        gradient_checkpointing=False,
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        **more,
+    )
+    dataset = make_word_problems(64, "train")
+    if name == "grpo-dapo":
+        return GRPOTrainer(
+            model_path, word_problem_reward, GRPOConfig(loss_type="dapo", **common), train_dataset=dataset
+        )
+    args = TOPRConfig(topr_shared_prompt_forward=name == "topr-shared-prompt", **common)
+    return TOPRTrainer(model_path, word_problem_reward, args=args, train_dataset=dataset)
+
+
+def memory_probe(probe: dict) -> float | None:
+    """In a process of its own: the memory one loss + backward of one trainer adds on the stored batch (after one
+    warm-up call), or None where `AddedMemory` cannot measure. The watch is set up before any tensor exists, so that
+    the mmap threshold it fixes holds for every allocation."""
+    import torch
+
+    cuda = probe["spec"]["device"] == "cuda"
     watch = AddedMemory(torch, cuda)
-    memory: dict[str, float] = {}
-    if watch.available:
-        for name, trainer in trainers.items():
-            watch.start()
-            call(trainer)
-            memory[name] = watch.peak_mib()
-    return times, memory
+    trainer = shared_prompt_trainer(probe["name"], probe["generations"], probe["spec"], probe["model_path"])
+    batch = torch.load(probe["batch"], map_location="cuda" if cuda else "cpu", weights_only=False)
+    loss_backward(trainer, batch, cuda)
+    if not watch.available:
+        return None
+    watch.start()
+    loss_backward(trainer, batch, cuda)
+    return watch.peak_mib()
+
+
+def peak_added_memory(generations: int, batch: dict, spec: dict, model_path: str) -> dict[str, float | None]:
+    """Per trainer of `SHARED_PROMPT_TRAINERS`, the memory one loss + backward on `batch` adds (`memory_probe`), each
+    in its own process: a process's resident peak never comes down, so one trainer's cannot hide another's."""
+    import torch
+
+    stored = Path(tempfile.mkdtemp(prefix="topr-bench-batch-")) / "batch.pt"
+    torch.save({key: value.cpu() if torch.is_tensor(value) else value for key, value in batch.items()}, stored)
+    peaks = {}
+    for name in SHARED_PROMPT_TRAINERS:
+        probe = dict(name=name, generations=generations, spec=spec, model_path=model_path, batch=str(stored))
+        completed = subprocess.run(
+            [sys.executable, __file__, "--memory_probe", json.dumps(probe)],
+            capture_output=True,
+            text=True,
+        )
+        lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
+        if completed.returncode != 0 or not lines:
+            sys.exit(f"the memory probe of {name} failed:\n{completed.stderr[-3000:]}")
+        peaks[name] = json.loads(lines[-1][len("RESULT ") :])
+        print(f"[benchmark] {generations} per prompt, {name}: one call adds {peaks[name]} MiB", flush=True)
+    return peaks
+
+
+def shared_prompt_batch(generations: int, spec: dict, model_path: str) -> dict:
+    """The off-policy batch every trainer of the shared-prompt benchmark is measured on: TOPRTrainer's first batch of
+    sampled completions, mu's log-probs kept from generation time as reused data has them."""
+    import torch
+
+    trainer = shared_prompt_trainer("topr-padded", generations, spec, model_path)
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    with torch.no_grad():
+        return {**batch, "old_per_token_logps": trainer._policy_logps_and_entropies(trainer.model, batch)[0]}
 
 
 def shared_prompt(options, model_path: str) -> dict:
     """TOPRTrainer with the shared-prompt forward (`topr_shared_prompt_forward`) against `trl.GRPOTrainer` (`dapo`)
     on the real model's two-shot word problems and the completions it samples: loss + backward on the same off-policy
     batch at each number of completions per prompt (interleaved call by call, with TOPRTrainer's padded forward
-    beside them), the memory one call adds, and the FLOPs bound; then whole online steps (generation, loss,
-    backward, optimizer), the trainers alternated round by round from the same seed."""
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    beside them), the memory one call adds (one process per trainer) and the FLOPs bound; then, unless
+    `--memory_only`, whole online steps (`shared_prompt_steps`)."""
     import torch
-    from transformers import AutoConfig, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoConfig
 
-    from topr_trl import TOPRConfig, TOPRTrainer
-    from topr_trl.tasks.word_problems import make_word_problems, word_problem_reward
-
-    dataset = make_word_problems(64, "train")
     config = AutoConfig.from_pretrained(model_path)
+    spec = {key: getattr(options, key) for key in ("batch_size", "completion_length", "device", "bf16")}
     cuda = options.device == "cuda"
-
-    def common(generations: int, **more) -> dict:
-        return dict(
-            output_dir=tempfile.mkdtemp(),
-            per_device_train_batch_size=options.batch_size,
-            num_generations=generations,
-            max_completion_length=options.completion_length,
-            temperature=1.0,
-            report_to="none",
-            use_cpu=not cuda,
-            bf16=options.bf16,
-            gradient_checkpointing=False,
-            logging_steps=1,
-            save_strategy="no",
-            seed=0,
-            **more,
-        )
-
-    def build(name: str, generations: int, **more):
-        if name == "grpo-dapo":
-            return GRPOTrainer(
-                model_path,
-                word_problem_reward,
-                GRPOConfig(loss_type="dapo", **common(generations, **more)),
-                train_dataset=dataset,
-            )
-        shared = name == "topr-shared-prompt"
-        args = TOPRConfig(topr_shared_prompt_forward=shared, **common(generations, **more))
-        return TOPRTrainer(model_path, word_problem_reward, args=args, train_dataset=dataset)
-
-    names = ("grpo-dapo", "topr-shared-prompt", "topr-padded")
     result: dict = {"per_prompt": {}}
     for generations in options.shared_prompt_generations:
-        trainers = {name: build(name, generations) for name in names}
-        first = trainers["topr-padded"]
-        batch = first._prepare_inputs(next(iter(first.get_train_dataloader())))
-        with torch.no_grad():  # an off-policy batch: mu's log-probs kept from generation time, as reused data has
-            batch = {**batch, "old_per_token_logps": first._policy_logps_and_entropies(first.model, batch)[0]}
-        times, memory = interleaved_loss_backward(trainers, batch, options.repeats, options.warmup, cuda)
-        medians = {name: statistics.median(values) for name, values in times.items()}
-        result["per_prompt"][str(generations)] = {
+        batch = shared_prompt_batch(generations, spec, model_path)
+        row: dict = {
             "prompt_tokens": int(batch["prompt_mask"].sum()) // options.batch_size,
             "padded_prompt_length": batch["prompt_ids"].size(1),
             "completion_tokens_mean": float(batch["completion_mask"].sum()) / options.batch_size,
             "padded_completion_length": batch["completion_ids"].size(1),
-            "median_loss_backward_s": medians,
-            "loss_backward_s": times,
-            "peak_added_memory_mib": memory,
-            "loss_backward_vs_grpo": medians["topr-shared-prompt"] / medians["grpo-dapo"],
-            "padded_vs_grpo": medians["topr-padded"] / medians["grpo-dapo"],
             "flops_bound": shared_prompt_flops_bound(config, batch),
         }
-        print(
-            f"[benchmark] {generations} per prompt: " + json.dumps(result["per_prompt"][str(generations)]), flush=True
-        )
+        if not options.memory_only:
+            trainers = {
+                name: shared_prompt_trainer(name, generations, spec, model_path) for name in SHARED_PROMPT_TRAINERS
+            }
+            times = interleaved_loss_backward(trainers, batch, options.repeats, options.warmup, cuda)
+            medians = {name: statistics.median(values) for name, values in times.items()}
+            row.update(
+                median_loss_backward_s=medians,
+                loss_backward_s=times,
+                loss_backward_vs_grpo=medians["topr-shared-prompt"] / medians["grpo-dapo"],
+                padded_vs_grpo=medians["topr-padded"] / medians["grpo-dapo"],
+            )
+            del trainers
+        memory = peak_added_memory(generations, batch, spec, model_path)
+        row["peak_added_memory_mib"] = memory
+        if memory["grpo-dapo"] and memory["topr-shared-prompt"] is not None:
+            row["peak_added_memory_vs_grpo"] = memory["topr-shared-prompt"] / memory["grpo-dapo"]
+        row["peak_added_memory_measured_as"] = AddedMemory(torch, cuda).measured_as
+        result["per_prompt"][str(generations)] = row
+        print(f"[benchmark] {generations} per prompt: " + json.dumps(row), flush=True)
+    eight = result["per_prompt"].get("8", next(iter(result["per_prompt"].values())))
+    four = result["per_prompt"].get("4")
+    result.update(
+        loss_backward_vs_grpo=eight.get("loss_backward_vs_grpo"),
+        loss_backward_vs_grpo_4=four.get("loss_backward_vs_grpo") if four else None,
+        peak_added_memory_vs_grpo=eight.get("peak_added_memory_vs_grpo"),
+        peak_added_memory_vs_grpo_4=four.get("peak_added_memory_vs_grpo") if four else None,
+        flops_bound=eight["flops_bound"],
+        flops_bound_4=four["flops_bound"] if four else None,
+    )
+    if not options.memory_only:
+        result.update(shared_prompt_steps(options.shared_prompt_generations[0], spec, model_path, options))
+    return result
+
+
+def shared_prompt_steps(generations: int, spec: dict, model_path: str, options) -> dict:
+    """Whole online steps (generation, loss, backward, optimizer) of GRPOTrainer and TOPRTrainer with the shared
+    prompt, the trainers alternated round by round from the same seed; each run's first step warms up."""
+    from transformers import TrainerCallback
 
     class StepTimes(TrainerCallback):
         def __init__(self):
@@ -581,29 +655,21 @@ def shared_prompt(options, model_path: str) -> dict:
         def on_step_end(self, args, state, control, **kwargs):
             self.seconds.append(time.perf_counter() - self.start)
 
-    generations = options.shared_prompt_generations[0]
     steps: dict[str, list[float]] = {"grpo-dapo": [], "topr-shared-prompt": []}
     for _ in range(options.step_rounds):
         for name in steps:
             timer = StepTimes()
-            trainer = build(name, generations, max_steps=options.steps)
+            trainer = shared_prompt_trainer(name, generations, spec, model_path, max_steps=options.steps)
             trainer.add_callback(timer)
             trainer.train()
-            steps[name] += timer.seconds[1:]  # the first step of each run warms up
-    step_medians = {name: statistics.median(values) for name, values in steps.items()}
-    eight = result["per_prompt"].get("8", next(iter(result["per_prompt"].values())))
-    four = result["per_prompt"].get("4")
-    result.update(
-        loss_backward_vs_grpo=eight["loss_backward_vs_grpo"],
-        loss_backward_vs_grpo_4=four["loss_backward_vs_grpo"] if four else None,
-        flops_bound=eight["flops_bound"],
-        flops_bound_4=four["flops_bound"] if four else None,
+            steps[name] += timer.seconds[1:]
+    medians = {name: statistics.median(values) for name, values in steps.items()}
+    return dict(
         step_s=steps,
-        median_step_s=step_medians,
-        step_vs_grpo=step_medians["topr-shared-prompt"] / step_medians["grpo-dapo"],
+        median_step_s=medians,
+        step_vs_grpo=medians["topr-shared-prompt"] / medians["grpo-dapo"],
         step_completions_per_prompt=generations,
     )
-    return result
 
 
 def support_only(options) -> dict:
@@ -884,8 +950,14 @@ def main() -> None:
         "--shared_prompt_generations", type=int, nargs="+", default=[8, 4], help="--shared_prompt: completions a prompt"
     )
     parser.add_argument("--step_rounds", type=int, default=2, help="--shared_prompt: rounds of whole online steps")
+    parser.add_argument(
+        "--memory_only",
+        action="store_true",
+        help="--shared_prompt: the batches and the memory one loss + backward adds, no timing",
+    )
     parser.add_argument("--output", help="write the results as JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--memory_probe", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.logit_scale != 1 and options.model not in QWEN_SHAPES:
         parser.error(
@@ -893,6 +965,9 @@ def main() -> None:
         )
     if options.worker:
         print("RESULT " + json.dumps(worker(json.loads(options.worker))), flush=True)
+        return
+    if options.memory_probe:
+        print("RESULT " + json.dumps(memory_probe(json.loads(options.memory_probe))), flush=True)
         return
     if options.support_only:
         result = support_only(options)
@@ -916,11 +991,10 @@ def main() -> None:
         build_model(options.model, model_path, options.logit_scale)
     if options.shared_prompt:
         result = shared_prompt(options, model_path)
-        print(
-            f"loss + backward / GRPOTrainer's: {result['loss_backward_vs_grpo']:.3f} (FLOPs bound "
-            f"{result['flops_bound']:.3f}); whole step: {result['step_vs_grpo']:.3f}"
+        print(", ".join(f"{key} {result[key]}" for key in SHARED_PROMPT_KEYS if key in result))
+        write_output(
+            options, {"shared_prompt": result, **{key: result[key] for key in SHARED_PROMPT_KEYS if key in result}}
         )
-        write_output(options, {"shared_prompt": result, **{key: result[key] for key in SHARED_PROMPT_KEYS}})
         return
     if options.loss_only:
         result = loss_only(options, model_path)

@@ -814,7 +814,7 @@ def test_an_async_run_on_trls_worker_stopped_mid_way_resumes_on_the_server_and_t
         monkeypatch.setattr(async_trainer.logger, "warning", lambda message, *a, **k: said.append(str(message)))
         second = trainer_on(url)
         second.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
-    assert second.state.global_step == 4 and second._rollout_start() == position
+    assert second.state.global_step == 4 and second.rollout_ledger.start_prompt == position
     trained_second = Counter({position + g: n for g, n in second.rollout_ledger.trained.items()})
     assert sum(trained_second.values()) == 2 * 16 and min(trained_second) >= position
     assert all(n == group for n in trained_second.values())  # whole groups; samples ahead were read whole

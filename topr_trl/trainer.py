@@ -6,6 +6,7 @@ import copy
 import functools
 from collections.abc import Callable
 from contextlib import nullcontext
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -52,11 +53,11 @@ from .training.shared_prompt import (
 logger = logging.get_logger(__name__)
 
 
-CARRIED_ON_ROWS = ("topr_signal", "topr_unscored")
-"""What TOPR derives from the rewards, per row: R - c, and the mark of a skipped unscored batch (on every row or
-none). They ride on TRL's input rows from `_calculate_rewards`, the one hook that sees the gathered rewards, to
-`_generate_and_score_completions`, which builds the batch: TRL leaves no other seam between the two (it carries a
-rollout_func's extra fields on the rows the same way), and nothing is parked on the trainer between calls."""
+DERIVED_FROM_REWARDS: ContextVar[dict[str, torch.Tensor] | None] = ContextVar("topr_derived_from_rewards", default=None)
+"""What TOPR derives from the rewards within one `_generate_and_score_completions` call: `topr_signal` (this
+process's rows' R - c) and `topr_unscored` (the mark of a skipped unscored batch). `_calculate_rewards`, the hook
+that sees the gathered rewards, fills it; the call that opened it puts it on the batch it returns. It lives for that
+call only: nothing is written on TRL's input rows, nothing parked on the trainer."""
 
 
 def name_adapters_base(model) -> dict[str, str]:
@@ -376,8 +377,8 @@ class TOPRTrainer(OfflineReplay, GRPOLossMirror, GRPOTrainer):  # type: ignore[m
     # ------------------------------------------------------------------ rewards and the paper's signal
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """GRPO's rewards (gathered over processes), checked; what TOPR derives from them is computed here, where they
-        are, and travels on the batch's rows (`CARRIED_ON_ROWS`): each row's signal R - c, and the mark of a skipped
-        unscored batch."""
+        are, and handed to the batch through `DERIVED_FROM_REWARDS`: this process's signal R - c, and the mark of a
+        skipped unscored batch."""
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         infinite = torch.isinf(rewards_per_func)
         if topr_setting(self.args, "topr_check_finite") and infinite.any():
@@ -386,17 +387,14 @@ class TOPRTrainer(OfflineReplay, GRPOLossMirror, GRPOTrainer):  # type: ignore[m
                 f"Reward function '{name}' returned an infinite reward. Return a finite number, or None (or NaN) for "
                 "a completion it cannot score: such a completion is then left out of the update."
             )
-        skip = self.model.training and torch.isnan(rewards_per_func).all() and self._unscored_batch_is_skipped()
-        local = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
-        signal = None
+        derived = DERIVED_FROM_REWARDS.get()
+        if derived is None:  # called outside `_generate_and_score_completions`: nothing to hand on
+            return rewards_per_func
+        if self.model.training and torch.isnan(rewards_per_func).all() and self._unscored_batch_is_skipped():
+            derived["topr_unscored"] = torch.ones(len(inputs), dtype=torch.bool, device=rewards_per_func.device)
         if self._loss_spec is not None and self.args.topr_signal == "reward":
-            signal = self._reward_signal(rewards_per_func)[local].tolist()
-        # SEAM: R - c rides on TRL's input rows to `_generate_and_score_completions`; see docs/copies.md
-        for index, row in enumerate(inputs):
-            if signal is not None:
-                row["topr_signal"] = signal[index]
-            if skip:
-                row["topr_unscored"] = True
+            start = self.accelerator.process_index * len(inputs)
+            derived["topr_signal"] = self._reward_signal(rewards_per_func)[start : start + len(inputs)]
         return rewards_per_func
 
     def _unscored_batch_is_skipped(self) -> bool:
@@ -439,15 +437,17 @@ class TOPRTrainer(OfflineReplay, GRPOLossMirror, GRPOTrainer):  # type: ignore[m
         # A batch of stored completions (training or evaluation) goes through GRPOTrainer's rollout_func path, a batch
         # of prompts is generated as GRPOTrainer would (its own generation, or the user's rollout_func).
         replay = "completion_ids" in inputs[0]
-        with self._replaying(inputs) if replay else nullcontext(), quiet_trl_deprecations():
-            output = super()._generate_and_score_completions(inputs)
+        derived: dict[str, torch.Tensor] = {}
+        opened = DERIVED_FROM_REWARDS.set(derived)
+        try:
+            with self._replaying(inputs) if replay else nullcontext(), quiet_trl_deprecations():
+                output = super()._generate_and_score_completions(inputs)
+        finally:
+            DERIVED_FROM_REWARDS.reset(opened)
         device = output["completion_ids"].device
         if replay and "behaviour_logps" not in inputs[0] and self._behaviour_model is not None:
             output["sampling_per_token_logps"] = self._behaviour_logps(output)
-        for key in CARRIED_ON_ROWS:  # taken off every row: none goes on to TRL
-            values = [row.pop(key) for row in inputs if key in row]
-            if values:
-                output[key] = torch.tensor(values, device=device)
+        output.update({key: value.to(device) for key, value in derived.items()})
         if (
             not replay
             and self.rollout_func is not None

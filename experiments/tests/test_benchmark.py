@@ -260,4 +260,7 @@ def test_the_gpu_script_runs_every_step_and_leaves_what_a_lease_brings_back(tmp_
         medians = row["median_loss_backward_s"]
         assert row["loss_backward_vs_grpo"] == pytest.approx(medians["topr-shared-prompt"] / medians["grpo-dapo"])
         assert 0 < row["flops_bound"] < 1, generations
+        memory = row["peak_added_memory_mib"]  # one process per trainer: a number each, or None where unmeasurable
+        assert set(memory) == {"grpo-dapo", "topr-shared-prompt", "topr-padded"}, generations
+        assert all(value is None or value >= 0 for value in memory.values()), memory
     assert shared["loss_backward_vs_grpo"] == shared["shared_prompt"]["per_prompt"]["8"]["loss_backward_vs_grpo"]

@@ -40,8 +40,10 @@ class RolloutLedger:
     def __init__(self):
         self.reset()
 
-    def reset(self) -> None:
-        """Empty, for a new `train()` (whose worker numbers its groups from 0 again)."""
+    def reset(self, start_prompt: int | None = 0) -> None:
+        """Empty, for a new `train()` (whose worker numbers its groups from 0 again), whose group 0 is prompt
+        `start_prompt` of the dataset (None: a worker that cannot be repositioned)."""
+        self.start_prompt = start_prompt
         self.read = 0
         self.dropped: Counter[int] = Counter()
         self.trained: Counter[int] = Counter()

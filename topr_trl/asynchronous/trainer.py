@@ -31,6 +31,7 @@ from typing import Protocol, cast
 import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast, broadcast_object_list
+from datasets import Dataset
 from transformers import PreTrainedConfig
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
@@ -57,7 +58,7 @@ from .config import AsyncTOPRConfig
 from .cpu import CPUSupport, refuse_without_sdpa
 from .lagged_worker import LaggedRolloutWorker
 from .resume import RolloutLedger, describe_resume, read_rollout_state, write_rollout_state
-from .trl_async import AsyncGRPOTrainer
+from .trl_async import AsyncGRPOTrainer, AsyncRolloutWorker
 
 
 logger = logging.get_logger(__name__)
@@ -370,20 +371,11 @@ class AsyncTOPRTrainer(CPUSupport, AsyncGRPOTrainer):
         if not loaded_through_renaming(self, self.state.best_model_checkpoint):
             super()._load_best_model()
 
-    def _rollout_start(self) -> int | None:
-        """The prompt this run's group 0 is (TRL's worker: its `dataset_start_index`; a worker with `resume_at`: its
-        start), or None for a worker that cannot be repositioned."""
-        if hasattr(self.rollout_worker, "resume_at"):
-            return cast(RepositionableWorker, self.rollout_worker).start_prompt
-        # SEAM: TRL's worker says where it started only in its private loop arguments
-        loop_kwargs = getattr(self.rollout_worker, "_loop_kwargs", None)
-        return loop_kwargs.get("dataset_start_index", 0) if isinstance(loop_kwargs, dict) else None
-
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint, with `rollout_state.json` written from what the optimizer steps trained
         (`topr_trl.asynchronous.resume`): TRL's position counts the micro-batch read ahead as trained."""
         super()._save_checkpoint(model, trial)
-        start = self._rollout_start() if self.accelerator.is_main_process else None
+        start = self.rollout_ledger.start_prompt if self.accelerator.is_main_process else None
         if start is None:
             return
         checkpoint = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
@@ -396,7 +388,6 @@ class AsyncTOPRTrainer(CPUSupport, AsyncGRPOTrainer):
     def _inner_training_loop(self, *args, **kwargs):
         """TRL's loop; a fresh ledger for each `train()`, and on resume from a checkpoint with a rollout state, a
         worker with `resume_at` repositioned (TRL repositions its own) and one line saying what the stop cost."""
-        self.rollout_ledger.reset()
         checkpoint = kwargs.get("resume_from_checkpoint")
         state = read_rollout_state(checkpoint) if checkpoint is not None else None
         if state is not None and self.accelerator.is_main_process:
@@ -406,7 +397,18 @@ class AsyncTOPRTrainer(CPUSupport, AsyncGRPOTrainer):
                 self.rollout_worker.update_model_version(self.model_version)
                 self._groups_before_resume = state["prompt_index"]
             logger.warning(describe_resume(checkpoint, state))
+        self.rollout_ledger.reset(self._start_prompt(state))
         return super()._inner_training_loop(*args, **kwargs)
+
+    def _start_prompt(self, state: dict | None) -> int | None:
+        """The prompt this run's group 0 is: a worker with `resume_at` says so; TRL's worker starts at the checkpoint's
+        rollout state for a `datasets.Dataset` (its own `_inner_training_loop`), at 0 otherwise; None for a worker
+        that cannot be repositioned."""
+        if hasattr(self.rollout_worker, "resume_at"):
+            return cast(RepositionableWorker, self.rollout_worker).start_prompt
+        if isinstance(self.rollout_worker, AsyncRolloutWorker):
+            return state["prompt_index"] if state is not None and isinstance(self.train_dataset, Dataset) else 0
+        return None
 
     def _scored_packed_forward(self, model, inputs):
         """`_packed_forward`, with pi scored on the support the worker sampled from

@@ -4,7 +4,7 @@ change here alone. `tests/test_layout.py` holds every other module of the packag
 
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl.experimental.async_grpo import async_grpo_trainer as async_trainer_module
-from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker, RolloutSample
 
 
-__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "RolloutSample", "async_trainer_module"]
+__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "AsyncRolloutWorker", "RolloutSample", "async_trainer_module"]
