@@ -522,7 +522,7 @@ def shared_prompt_trainer(name: str, generations: int, spec: dict, model_path: s
         seed=0,
         **more,
     )
-    dataset = make_word_problems(64, "train")
+    dataset = make_word_problems(64, "train", few_shot=spec["few_shot"])
     if name == "grpo-dapo":
         return GRPOTrainer(
             model_path, word_problem_reward, GRPOConfig(loss_type="dapo", **common), train_dataset=dataset
@@ -593,7 +593,7 @@ def shared_prompt(options, model_path: str) -> dict:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
-    spec = {key: getattr(options, key) for key in ("batch_size", "completion_length", "device", "bf16")}
+    spec = {key: getattr(options, key) for key in ("batch_size", "completion_length", "device", "bf16", "few_shot")}
     cuda = options.device == "cuda"
     result: dict = {"per_prompt": {}}
     for generations in options.shared_prompt_generations:
@@ -950,6 +950,12 @@ def main() -> None:
         "--shared_prompt_generations", type=int, nargs="+", default=[8, 4], help="--shared_prompt: completions a prompt"
     )
     parser.add_argument("--step_rounds", type=int, default=2, help="--shared_prompt: rounds of whole online steps")
+    parser.add_argument(
+        "--few_shot",
+        type=int,
+        default=2,
+        help="--shared_prompt: worked examples in each prompt (0: the question alone)",
+    )
     parser.add_argument(
         "--memory_only",
         action="store_true",

@@ -546,6 +546,7 @@ def test_reward_signal_trains_on_r_minus_c(tmp_path):
         AsyncTOPRTrainer,
         AsyncTOPRConfig(**async_kwargs(tmp_path, topr_signal="reward", topr_baseline=0.25, max_steps=1)),
     )
+    trainer.get_train_dataloader()  # the queue is read through `ConsumedSamples` from where TRL's dataloader is built
     source = trainer.rollout_queue
 
     @dataclasses.dataclass

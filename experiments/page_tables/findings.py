@@ -1,6 +1,5 @@
 """The findings table (README's "What to expect", experiments/README.md) and the pre-registered study's table. A paired
-difference decides where its 95 % interval excludes 0 (the study by its Holm-adjusted test); a claim of the paper is
-reproduced or not, the project's own comparisons above, below or level."""
+difference decides where its 95 % interval excludes 0 (the study: Holm); a paper's claim is reproduced or not."""
 
 from __future__ import annotations
 
@@ -123,8 +122,7 @@ def comparison_learning_rate(part: str) -> float:
 
 
 def chosen_learning_rate(part: str, method: str = "topr") -> float:
-    """A method's own choice, its best validation score over every rate it tried; one without a run at the
-    comparison's rate and at another takes the comparison's rate (a single rate chooses nothing)."""
+    """A method's best validation score over its rates; with no run at the comparison's rate and another, that one."""
     comparison_rate, scores = comparison_learning_rate(part), validation_scores(part, method)
     if comparison_rate not in scores or len(scores) < 2:
         return comparison_rate
@@ -216,7 +214,8 @@ def findings_table() -> str:
     stale = stale_paired("fresh_b", "topr-grpo_clip/k64")
     real = {method: earlier_off_policy(method) for method in ("ppo", "tis")}
     loss_ratio = evidence("benchmarks/gpu-h100-15b-loss")["loss_only"]["ratios"]["topr-online / grpo-grpo"]
-    shared = evidence("benchmarks/cpu-smollm2-shared-prompt")
+    memory = evidence("benchmarks/cpu-smollm2-shared-prompt-memory")  # timed apart: one process per trainer
+    shared = {**memory, **evidence("benchmarks/cpu-smollm2-shared-prompt")}
     rows = [
         *(
             paired_row(finding, TINY, f"TOPR − {FIGURE1_LABELS[method]}", paired(FIGURE1, f"topr-{method}"), verdict)
@@ -243,7 +242,8 @@ def findings_table() -> str:
         [
             "Loss + backward with each prompt computed once (`topr_shared_prompt_forward`)",
             "SmolLM2-135M-Instruct, two-shot word problems, 8 completions a prompt, CPU",
-            f"{shared['loss_backward_vs_grpo']:.3f}x GRPOTrainer's (FLOPs bound {shared['flops_bound']:.3f})",
+            f"{shared['loss_backward_vs_grpo']:.3f}x GRPOTrainer's (FLOPs bound {shared['flops_bound']:.3f}), peak memory "
+            f"{shared['peak_added_memory_vs_grpo']:.3f}x",
             "cheaper" if shared["loss_backward_vs_grpo"] < 1 else "not cheaper",
         ],
     ]

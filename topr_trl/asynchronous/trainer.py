@@ -332,19 +332,6 @@ class AsyncTOPRTrainer(CPUSupport, AsyncGRPOTrainer):
         # the loss is always one of TOPR's here: TRL's worker samples with the penalty
         warn_history_dependent_sampling(args.repetition_penalty)
         self.rollout_ledger = RolloutLedger()
-        if self.accelerator.is_main_process:
-            baseline = args.topr_baseline if args.topr_signal == "reward" else None
-            assert not isinstance(baseline, str)  # a number: AsyncTOPRConfig refuses a mode
-            # TRL types its attribute as the worker's queue; its RolloutQueueDataset reads only `get` and `qsize`
-            # SEAM: TRL's queue wrapped, so that each sample's staleness is read as the trainer takes it
-            self.rollout_queue = ConsumedSamples(  # type: ignore[assignment]
-                self.rollout_queue,
-                lambda: self.model_version,
-                self._metrics["train"],
-                reward_baseline=baseline,
-                ledger=self.rollout_ledger,
-                max_staleness=args.max_staleness,
-            )
 
     @property
     def staleness_counts(self) -> Counter[int]:
@@ -353,13 +340,28 @@ class AsyncTOPRTrainer(CPUSupport, AsyncGRPOTrainer):
         return self.rollout_queue.staleness_counts if isinstance(self.rollout_queue, ConsumedSamples) else Counter()
 
     def get_train_dataloader(self):
-        """TRL's rollout dataloader, its collate function wrapped by `TrajectoryVersions` on the main process, the one
-        that iterates and collates (TRL dispatches the batches)."""
+        """TRL's rollout dataloader, on the main process (the one that takes samples from the queue and collates them;
+        TRL dispatches the batches) built over the queue wrapped by `ConsumedSamples`, its collate function wrapped
+        by `TrajectoryVersions`: each sample's staleness is read as the trainer takes it, and the ledger learns which
+        samples each step trains."""
+        if not self.accelerator.is_main_process:
+            return super().get_train_dataloader()
+        # SEAM: TRL's queue and collate function wrapped where its dataloader is built; see docs/copies.md
+        if not isinstance(self.rollout_queue, ConsumedSamples):  # once: a second train() builds on the same queue
+            baseline = self.args.topr_baseline if self.args.topr_signal == "reward" else None
+            assert not isinstance(baseline, str)  # a number: AsyncTOPRConfig refuses a mode
+            # TRL types its attribute as the worker's queue; its RolloutQueueDataset reads only `get` and `qsize`
+            self.rollout_queue = ConsumedSamples(  # type: ignore[assignment]
+                self.rollout_queue,
+                lambda: self.model_version,
+                self._metrics["train"],
+                reward_baseline=baseline,
+                ledger=self.rollout_ledger,
+                max_staleness=self.args.max_staleness,
+            )
         loader = super().get_train_dataloader()
-        if self.accelerator.is_main_process:
-            built = getattr(loader, "base_dataloader", loader)  # accelerate's adapter holds the DataLoader TRL built
-            # SEAM: TRL's collate function wrapped, so that the ledger learns which samples each step trains
-            built.collate_fn = TrajectoryVersions(built.collate_fn, self.rollout_ledger)
+        built = getattr(loader, "base_dataloader", loader)  # accelerate's adapter holds the DataLoader TRL built
+        built.collate_fn = TrajectoryVersions(built.collate_fn, self.rollout_ledger)
         return loader
 
     # ------------------------------------------------------------------ checkpoints and resume
