@@ -635,7 +635,7 @@ def shared_prompt(options, model_path: str) -> dict:
         flops_bound=eight["flops_bound"],
         flops_bound_4=four["flops_bound"] if four else None,
     )
-    if not options.memory_only:
+    if not options.memory_only and options.step_rounds > 0:
         result.update(shared_prompt_steps(options.shared_prompt_generations[0], spec, model_path, options))
     return result
 
@@ -949,7 +949,9 @@ def main() -> None:
     parser.add_argument(
         "--shared_prompt_generations", type=int, nargs="+", default=[8, 4], help="--shared_prompt: completions a prompt"
     )
-    parser.add_argument("--step_rounds", type=int, default=2, help="--shared_prompt: rounds of whole online steps")
+    parser.add_argument(
+        "--step_rounds", type=int, default=2, help="--shared_prompt: rounds of whole online steps (0: none)"
+    )
     parser.add_argument(
         "--few_shot",
         type=int,
