@@ -627,7 +627,7 @@ def shared_prompt(options, model_path: str) -> dict:
         print(f"[benchmark] {generations} per prompt: " + json.dumps(row), flush=True)
     eight = result["per_prompt"].get("8", next(iter(result["per_prompt"].values())))
     four = result["per_prompt"].get("4")
-    result.update(
+    headline = dict(
         loss_backward_vs_grpo=eight.get("loss_backward_vs_grpo"),
         loss_backward_vs_grpo_4=four.get("loss_backward_vs_grpo") if four else None,
         peak_added_memory_vs_grpo=eight.get("peak_added_memory_vs_grpo"),
@@ -635,6 +635,7 @@ def shared_prompt(options, model_path: str) -> dict:
         flops_bound=eight["flops_bound"],
         flops_bound_4=four["flops_bound"] if four else None,
     )
+    result.update({key: value for key, value in headline.items() if value is not None})  # --memory_only: no times
     if not options.memory_only and options.step_rounds > 0:
         result.update(shared_prompt_steps(options.shared_prompt_generations[0], spec, model_path, options))
     return result
