@@ -198,7 +198,9 @@ class TOPRConfig(TOPRFields, GRPOConfig):
             instead of once per completion: the same log-probs, entropies and gradients as GRPOTrainer's padded
             forward up to float rounding, at a fraction of the cost where prompts are long against completions
             (`num_generations` completions of one prompt). Where it cannot compute the same thing (multimodal
-            inputs, gradient checkpointing, a mixture of experts' auxiliary loss) the padded forward runs, said once.
+            inputs, gradient checkpointing, a mixture of experts' auxiliary loss) the padded forward runs, said once:
+            set `gradient_checkpointing=False` (GRPOConfig defaults to `True`) for it to train. Off by default for
+            that reason: under GRPOConfig's defaults it would train nothing differently.
         cispo_epsilon_low (`float`, *optional*, defaults to `0.1`):
             `loss_type="cispo_two_sided"`: the stop-gradient ratio is clipped below at 1 - `cispo_epsilon_low`.
         cispo_epsilon_high (`float`, *optional*, defaults to `0.1`):
