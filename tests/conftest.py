@@ -93,6 +93,14 @@ def small_config_kwargs(output_dir, **overrides) -> dict:
     return kwargs
 
 
+def small_trainer(model, reward_funcs, train_dataset, output_dir, **overrides):
+    """A TOPRTrainer of `model` on `train_dataset`, configured by `small_config_kwargs(output_dir, **overrides)`."""
+    from topr_trl import TOPRConfig, TOPRTrainer
+
+    args = TOPRConfig(**small_config_kwargs(output_dir, **overrides))
+    return TOPRTrainer(model=model, reward_funcs=reward_funcs, train_dataset=train_dataset, args=args)
+
+
 FLOAT32_EPS = 2.0**-23  # torch.finfo(torch.float32).eps = 1.19e-7: one rounding, relative
 
 
@@ -119,6 +127,15 @@ def float32_tolerance(expected, roundings: int, scale: float | None = None) -> d
 def logged_values(trainer, key) -> list[float]:
     """Every value logged under `key` (TRL logs an empty metric, NaN, as None)."""
     return [entry[key] for entry in trainer.state.log_history if entry.get(key) is not None]
+
+
+# The smallest and largest sequence ratio pi/mu of each logged step, on the positive and the negative samples.
+RATIO_EXTREMES = tuple(f"topr/ratio_{branch}/{end}" for branch in ("positive", "negative") for end in ("min", "max"))
+
+
+def ratio_extremes(log_history: list[dict]) -> list[float]:
+    """Every value logged under RATIO_EXTREMES in `log_history` (a trainer state's), key by key."""
+    return [entry[key] for key in RATIO_EXTREMES for entry in log_history if entry.get(key) is not None]
 
 
 def parity_reward(completions, **kwargs) -> list[float]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -55,6 +56,19 @@ SMALL_RUN = {"per_device_train_batch_size": 4, "num_generations": 4, "max_comple
 USER_FOLDER_DATA = {"dataset_name": "data/prompts.jsonl", "reward_funcs": "my_rewards:correctness"}
 
 
+def run_cli(argv: list[str], cwd: Path, timeout: int = 600, environment=None, **env) -> subprocess.CompletedProcess:
+    """`python -m topr_trl ARGV` run to its end from the user's folder `cwd` (its modules importable), its output
+    captured; in `environment` (this process's by default) with `env` on top."""
+    return subprocess.run(
+        [sys.executable, "-m", "topr_trl", *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**(os.environ if environment is None else environment), "PYTHONPATH": str(cwd), **env},
+    )
+
+
 def as_flags(**options) -> list[str]:
     """Command-line flags, in order: each `name=value` as `--name value`."""
     return [item for name, value in options.items() for item in (f"--{name}", str(value))]
@@ -66,6 +80,13 @@ def builtin_run_flags(base: Path, train_prompts: int = 16, eval_prompts: int = 8
     return as_flags(
         task_train_prompts=train_prompts, task_eval_prompts=eval_prompts, warm_start_accuracy=0, base_model_dir=base
     ) + as_flags(**flags)
+
+
+def builtin_generate_flags(base: Path) -> list[str]:
+    """The flags of a short `generate` on the built-in task: 4 of 6 problems, 4 completions each by transformers, in
+    shards of 2 prompts, no warm start, the built-in model kept under `base`."""
+    problems = dict(task_train_prompts=6, max_prompts=4, num_generations=4, warm_start_accuracy=0, base_model_dir=base)
+    return as_flags(**problems, backend="transformers", prompts_per_shard=2)
 
 
 def user_data_flags(model, dataset) -> list[str]:

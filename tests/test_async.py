@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import float32_tolerance, logged_values
+from tests.conftest import float32_tolerance, logged_values, ratio_extremes
 from topr_trl.asynchronous import AsyncTOPRConfig, AsyncTOPRTrainer, LaggedRolloutWorker
 from topr_trl.asynchronous.cpu import cpu_capable, segment_batched_attention, tree_attention_mask, tree_attention_sdpa
 from topr_trl.asynchronous.lagged_worker import group_advantages, summed_rewards
@@ -863,16 +863,7 @@ def test_a_worker_sampling_with_truncation_gives_pi_over_mu_of_one_at_learning_r
         worker,
     )
     trainer.train()
-    ratios = [
-        value
-        for key in (
-            "topr/ratio_positive/min",
-            "topr/ratio_positive/max",
-            "topr/ratio_negative/min",
-            "topr/ratio_negative/max",
-        )
-        for value in logged_values(trainer, key)
-    ]
+    ratios = ratio_extremes(trainer.state.log_history)
     assert ratios and all(abs(ratio - 1) < 1e-4 for ratio in ratios), ratios
     assert trainer._sampler_processing == worker.sampling
     assert not logged_values(trainer, "topr/ratio_positive/mean")  # not scored: not reported

@@ -13,7 +13,7 @@ from topr_trl.tasks.arithmetic import arithmetic_reward
 from topr_trl.tasks.user_rewards import resolve_reward
 
 from .conftest import saved_model_accuracy
-from .launching import builtin_run_flags
+from .launching import builtin_generate_flags, builtin_run_flags
 
 
 def main_generate(argv: list[str]) -> dict:
@@ -118,26 +118,7 @@ def test_generate_then_train_offline_with_lora(tmp_path):
     from safetensors.torch import load_file
 
     base = tmp_path / "base"
-    summary = main_generate(
-        [
-            "--task_train_prompts",
-            "6",
-            "--max_prompts",
-            "4",
-            "--num_generations",
-            "4",
-            "--warm_start_accuracy",
-            "0",
-            "--base_model_dir",
-            str(base),
-            "--backend",
-            "transformers",
-            "--prompts_per_shard",
-            "2",
-            "--output_dir",
-            str(tmp_path / "data"),
-        ]
-    )
+    summary = main_generate([*builtin_generate_flags(base), "--output_dir", str(tmp_path / "data")])
     assert summary["rows"] == 16
     data = load_offline_dataset(tmp_path / "data")
     assert summary["proportion_of_positives"] == sum(reward > 0 for reward in data["reward"]) / 16

@@ -28,6 +28,16 @@ def custom_run(model: str, *flags: str, data: str = "prompts.jsonl") -> list[str
     return ["train", "--model_name_or_path", model, "--dataset_name", data, *flags]
 
 
+def data_file_refusal(model: str, name: str, dry_run: bool) -> str:
+    """The one line a quick run of `model` on the data file `name` (with the user's reward, `--dry_run` or not)
+    stops with."""
+    return cli_refusal(
+        custom_run(
+            model, "--reward_funcs", "my_rewards:correctness", *QUICK, "--dry_run", str(dry_run).lower(), data=name
+        )
+    )
+
+
 def run_as_a_user(argv: list[str], cwd: Path) -> str:
     """`python -m topr_trl ARGV` from the user's folder: it must fail with exactly one `topr-trl:` line on stderr
     and no traceback; returns that line."""
@@ -127,18 +137,7 @@ def test_unreadable_data_file_is_refused_naming_the_file_and_line(
     name, content, expected, dry_run, user_dir, tiny_model_path
 ):
     (user_dir / name).write_bytes(content)
-    message = cli_refusal(
-        custom_run(
-            tiny_model_path,
-            "--reward_funcs",
-            "my_rewards:correctness",
-            *QUICK,
-            "--dry_run",
-            str(dry_run).lower(),
-            data=name,
-        )
-    )
-    assert expected in message
+    assert expected in data_file_refusal(tiny_model_path, name, dry_run)
 
 
 @pytest.mark.parametrize("dry_run", [True, False])
@@ -157,18 +156,7 @@ def test_unreadable_data_file_is_refused_naming_the_file_and_line(
 )
 def test_empty_data_file_is_refused_naming_the_file(name, write, expected, dry_run, user_dir, tiny_model_path):
     write(user_dir / name)
-    message = cli_refusal(
-        custom_run(
-            tiny_model_path,
-            "--reward_funcs",
-            "my_rewards:correctness",
-            *QUICK,
-            "--dry_run",
-            str(dry_run).lower(),
-            data=name,
-        )
-    )
-    assert expected in message
+    assert expected in data_file_refusal(tiny_model_path, name, dry_run)
 
 
 def test_empty_offline_dataset_file_is_refused_by_a_dry_run(user_dir):

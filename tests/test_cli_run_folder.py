@@ -25,7 +25,7 @@ from topr_trl.commands.curves import logged_curves, plot_curves
 from topr_trl.commands.output_folders import LOCK_FILE, output_dir_lock
 
 from .conftest import SHARED
-from .launching import SMALL_RUN, as_flags, user_data_flags
+from .launching import SMALL_RUN, as_flags, run_cli, user_data_flags
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,14 +101,7 @@ def test_a_run_leaves_its_curves_tensorboard_files_state_and_last_loss(user_fold
     """Two steps at TRL's logging interval of 10: the last step is logged anyway, so the summary has the loss; the
     curves' picture is written and its path printed; TensorBoard's files (the default tracker) hold the same logged
     values as the trainer's state."""
-    completed = subprocess.run(
-        [sys.executable, "-m", "topr_trl", *user_run(user_folder, "outputs/leaves", "--max_steps", "2")],
-        cwd=user_folder,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": str(user_folder)},
-    )
+    completed = run_cli(user_run(user_folder, "outputs/leaves", "--max_steps", "2"), user_folder)
     assert completed.returncode == 0, completed.stderr[-3000:]
     run = user_folder / "outputs" / "leaves"
     summary = json.loads((run / "topr_summary.json").read_text())
@@ -195,14 +188,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_it
     lock = user_folder / "outputs" / "shared" / LOCK_FILE
     try:
         wait_for(lambda: lock.is_file() and "pid" in lock.read_text(), first)
-        second = subprocess.run(
-            [sys.executable, "-m", "topr_trl", *user_run(user_folder, "outputs/shared", "--max_steps", "1")],
-            cwd=user_folder,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env={**os.environ, "PYTHONPATH": str(user_folder)},
-        )
+        second = run_cli(user_run(user_folder, "outputs/shared", "--max_steps", "1"), user_folder)
         assert second.returncode == 1
         line = one_error_line(second.stderr)
         assert f"outputs/shared is in use by another run (pid {first.pid} " in line and "--output_dir" in line
@@ -211,18 +197,8 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_it
         first.kill()  # SIGKILL: no Python code of the run's runs, as in a crash or an out-of-memory kill
         first.wait()
     # The kernel released the dead run's lock: the folder is free (here overwritten, since it holds the dead run).
-    third = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "topr_trl",
-            *user_run(user_folder, "outputs/shared", "--max_steps", "1", "--overwrite_output_dir", "true"),
-        ],
-        cwd=user_folder,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": str(user_folder)},
+    third = run_cli(
+        user_run(user_folder, "outputs/shared", "--max_steps", "1", "--overwrite_output_dir", "true"), user_folder
     )
     assert third.returncode == 0, third.stderr[-3000:]
 
@@ -292,14 +268,7 @@ def test_ctrl_c_says_where_the_last_checkpoint_is_and_the_command_that_resumes_i
     assert command == ["topr-trl", *argv, "--resume_from_checkpoint", "true"]
     # The printed command resumes the run (one more step than the checkpoint's, to be quick).
     step = int(checkpoint.rsplit("-", 1)[1])
-    resumed = subprocess.run(
-        [sys.executable, "-m", "topr_trl", *command[1:], "--max_steps", str(step + 1)],
-        cwd=user_folder,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": str(user_folder)},
-    )
+    resumed = run_cli([*command[1:], "--max_steps", str(step + 1)], user_folder)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads((user_folder / output / "topr_summary.json").read_text())
     assert summary["steps"] == step + 1
@@ -346,18 +315,11 @@ def _interrupt_twice(before) -> None:
 # ----------------------------------------------------------------------------------------- the Hub, trackers
 def test_push_to_hub_without_the_hub_fails_before_training_in_one_line(user_folder):
     env = {key: value for key, value in os.environ.items() if key != "HF_HUB_OFFLINE"}
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "topr_trl",
-            *user_run(user_folder, "outputs/pushed", "--max_steps", "1", "--push_to_hub", "true"),
-        ],
-        cwd=user_folder,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**env, "PYTHONPATH": str(user_folder), "HF_ENDPOINT": "http://127.0.0.1:9"},
+    completed = run_cli(
+        user_run(user_folder, "outputs/pushed", "--max_steps", "1", "--push_to_hub", "true"),
+        user_folder,
+        environment=env,
+        HF_ENDPOINT="http://127.0.0.1:9",
     )
     assert completed.returncode == 1
     line = one_error_line(completed.stderr)
@@ -491,31 +453,22 @@ def test_a_folder_that_cannot_be_locked_runs_unlocked_and_says_so(tmp_path, monk
 def test_vllm_server_mode_without_a_server_fails_in_one_line_naming_it_before_anything_loads(user_folder):
     """Server mode with no server at the address: the run stops before the model loads, in one line naming the
     address and the command that starts one, after waiting `--vllm_server_timeout` for it (TRL's own wait)."""
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "topr_trl",
-            *user_run(
-                user_folder,
-                "outputs/server",
-                "--max_steps",
-                "1",
-                "--use_vllm",
-                "true",
-                "--vllm_mode",
-                "server",
-                "--vllm_server_base_url",
-                "http://127.0.0.1:9",
-                "--vllm_server_timeout",
-                "3",
-            ),
-        ],
-        cwd=user_folder,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": str(user_folder)},
+    completed = run_cli(
+        user_run(
+            user_folder,
+            "outputs/server",
+            "--max_steps",
+            "1",
+            "--use_vllm",
+            "true",
+            "--vllm_mode",
+            "server",
+            "--vllm_server_base_url",
+            "http://127.0.0.1:9",
+            "--vllm_server_timeout",
+            "3",
+        ),
+        user_folder,
     )
     assert completed.returncode == 1
     line = one_error_line(completed.stderr)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,8 +12,8 @@ from topr_trl.commands import cli
 from topr_trl.commands.arguments import TaskArguments
 from topr_trl.commands.cli import main
 
-from .launching import user_data_flags
-from .test_cli_user_path import PROMPTS, QUICK, generate_builtin, prompt_dataset
+from .launching import run_cli, user_data_flags
+from .test_cli_user_path import OFFLINE_STEP, PROMPTS, QUICK, generate_builtin, prompt_dataset
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,17 +25,6 @@ def fragile(prompts, completions, **kwargs):
             raise KeyError("no grader for " + prompt)
     return [0.0 for _ in completions]
 """
-
-
-def run_cli(argv: list[str], cwd: Path, timeout: int = 600, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "topr_trl", *argv],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(cwd), **env},
-    )
 
 
 def one_line_error(stop: pytest.ExceptionInfo) -> str:
@@ -76,12 +63,7 @@ def test_offline_folder_trains_on_train_and_evaluates_on_test(offline_folder, us
         "my_rewards:correctness",
         "--base_model_dir",
         str(offline_folder / "base"),
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "16",
-        "--max_steps",
-        "1",
+        *OFFLINE_STEP,
         "--task_eval_prompts",
         "4",
     ]
@@ -256,29 +238,16 @@ def test_a_raising_reward_function_is_reported_in_one_line(user_dir, tiny_model_
 # ----------------------------------------------------------------------------------------- evaluate
 def test_evaluate_scores_the_users_prompts_with_the_users_reward(user_dir, tiny_model_path, capsys):
     prompt_dataset().to_json(user_dir / "prompts.jsonl")
+    evaluate = ["evaluate", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl"]
     with pytest.raises(SystemExit) as stop:
-        main(["evaluate", "--model_name_or_path", tiny_model_path, "--dataset_name", "prompts.jsonl"])
+        main(evaluate)
     assert "needs --dataset_name" in one_line_error(stop) and "--reward_funcs" in str(stop.value.code)
     with pytest.raises(SystemExit) as stop:
-        main(
-            [
-                "evaluate",
-                "--model_name_or_path",
-                tiny_model_path,
-                "--dataset_name",
-                "prompts.jsonl",
-                "--task",
-                "arithmetic",
-            ]
-        )
+        main([*evaluate, "--task", "arithmetic"])
     assert "drop --dataset_name" in one_line_error(stop)
     main(
         [
-            "evaluate",
-            "--model_name_or_path",
-            tiny_model_path,
-            "--dataset_name",
-            "prompts.jsonl",
+            *evaluate,
             "--dataset_test_split",
             "train",
             "--reward_funcs",

@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [f"{a}+{b}=" for a in range(4) for b in range(2)]
 # Small enough for a few seconds per run on a 2-core CPU; everything else is the run's own default.
 QUICK = as_flags(max_steps=1, **SMALL_RUN, report_to="none")
+# One step of `train --offline_dataset` on 16 stored rows, in groups of 4 completions.
+OFFLINE_STEP = as_flags(num_generations=4, per_device_train_batch_size=16, max_steps=1)
 
 
 def prompt_dataset() -> Dataset:
@@ -174,12 +176,7 @@ def test_offline_dataset_in_each_form_trains_on_its_stored_rewards(form, generat
             str(source),
             "--base_model_dir",
             str(generated / "base"),
-            "--num_generations",
-            "4",
-            "--per_device_train_batch_size",
-            "16",
-            "--max_steps",
-            "1",
+            *OFFLINE_STEP,
             "--logging_steps",
             "1",
             "--task_eval_prompts",
@@ -197,6 +194,10 @@ def test_offline_dataset_in_each_form_trains_on_its_stored_rewards(form, generat
     assert logged["reward"] == pytest.approx(sum(data["reward"]) / len(data), abs=1e-6)
 
 
+# `train` of the user's model (MODEL: the tiny model's path) on their prompts, with no reward yet.
+TRAIN_MODEL_ON_PROMPTS = ["train", "--model_name_or_path", "MODEL", "--dataset_name", "prompts.jsonl"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -204,27 +205,11 @@ def test_offline_dataset_in_each_form_trains_on_its_stored_rewards(form, generat
         (["train", "--loss_type", "toprr"], "Did you mean 'topr'"),
         (["train", "--config", "missing.yaml"], "config file 'missing.yaml' not found"),
         (
-            [
-                "train",
-                "--model_name_or_path",
-                "MODEL",
-                "--dataset_name",
-                "prompts.jsonl",
-                "--reward_funcs",
-                "nosuchmod:fn",
-            ],
+            [*TRAIN_MODEL_ON_PROMPTS, "--reward_funcs", "nosuchmod:fn"],
             "cannot load the reward function 'nosuchmod:fn'",
         ),
         (
-            [
-                "train",
-                "--model_name_or_path",
-                "MODEL",
-                "--dataset_name",
-                "prompts.jsonl",
-                "--reward_funcs",
-                "my_rewards:correctnes",
-            ],
+            [*TRAIN_MODEL_ON_PROMPTS, "--reward_funcs", "my_rewards:correctnes"],
             "did you mean 'correctness'",
         ),
         (
@@ -234,7 +219,7 @@ def test_offline_dataset_in_each_form_trains_on_its_stored_rewards(form, generat
             ],
             "--dataset_name missing.jsonl: no such file or folder",
         ),
-        (["train", "--model_name_or_path", "MODEL", "--dataset_name", "prompts.jsonl"], "needs --reward_funcs"),
+        (TRAIN_MODEL_ON_PROMPTS, "needs --reward_funcs"),
         (["train", "--model_name_or_path", "MODEL"], "needs something to train on"),
         (["train", "--offline_dataset", "nothing_here"], "offline dataset 'nothing_here' not found"),
         (["generate", "--backend", "vlm", "--dry_run", "true"], "Did you mean 'vllm'"),

@@ -26,7 +26,7 @@ from topr_trl.commands.cli import main
 from topr_trl.commands.interruption import interrupted_run
 from topr_trl.offline import load_offline_dataset
 
-from .launching import builtin_run_flags
+from .launching import as_flags, builtin_generate_flags, builtin_run_flags
 
 
 PACKAGE = Path(__file__).resolve().parents[1] / "topr_trl"
@@ -94,22 +94,7 @@ def test_train_takes_dataclasses_built_by_hand(tmp_path):
 
 def test_generate_and_iterate_from_python_give_what_the_command_line_gives(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["garbage", "--iterations", "7"])
-    flags = [
-        "--task_train_prompts",
-        "6",
-        "--max_prompts",
-        "4",
-        "--num_generations",
-        "4",
-        "--warm_start_accuracy",
-        "0",
-        "--base_model_dir",
-        str(tmp_path / "base"),
-        "--backend",
-        "transformers",
-        "--prompts_per_shard",
-        "2",
-    ]
+    flags = builtin_generate_flags(tmp_path / "base")
     main(["generate", *flags, "--output_dir", str(tmp_path / "data-cli")])
     summary = generate(*parse_command("generate", [*flags, "--output_dir", str(tmp_path / "data-python")]))
     assert summary["rows"] == 16 and summary["prompts"] == 4
@@ -146,14 +131,7 @@ def test_an_interrupted_train_from_python_names_the_argument_that_resumes_it(tmp
     output = tmp_path / "run"
     flags = [
         *builtin_flags(tmp_path / "base"),
-        "--max_steps",
-        "3",
-        "--save_strategy",
-        "steps",
-        "--save_steps",
-        "1",
-        "--output_dir",
-        str(output),
+        *as_flags(max_steps=3, save_strategy="steps", save_steps=1, output_dir=output),
     ]
     script_args, training_args, model_args = parse_command("train", flags)
     with pytest.raises(SystemExit) as stop:

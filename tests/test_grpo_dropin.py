@@ -149,12 +149,21 @@ def assert_same_outcome(grpo: dict, topr: dict) -> None:
         assert other == value or (isinstance(value, float) and math.isnan(value) and math.isnan(other)), key
 
 
-def run_both(model_path, tmp_path, caplog, trainer_kwargs, generate=None, **config_overrides):
+def run_both(
+    model_path, tmp_path, caplog, trainer_kwargs, generate=None, topr_config_class=TOPRConfig, **config_overrides
+):
     grpo = outcome(
         GRPOTrainer, GRPOConfig, model_path, tmp_path / "grpo", trainer_kwargs, config_overrides, caplog, generate
     )
     topr = outcome(
-        TOPRTrainer, TOPRConfig, model_path, tmp_path / "topr", trainer_kwargs, config_overrides, caplog, generate
+        TOPRTrainer,
+        topr_config_class,
+        model_path,
+        tmp_path / "topr",
+        trainer_kwargs,
+        config_overrides,
+        caplog,
+        generate,
     )
     assert_same_outcome(grpo, topr)
     return grpo, topr
@@ -454,27 +463,15 @@ def test_default_output_dir_and_card_name_topr(tiny_model_path, arithmetic_datas
 
 def test_a_grpo_config_works_with_the_topr_trainer(tiny_model_path, arithmetic_dataset, tmp_path, caplog):
     """Only the trainer's name swapped: a GRPOConfig with TRL's loss gives GRPOTrainer's run, outcome for outcome."""
-    grpo = outcome(
-        GRPOTrainer,
-        GRPOConfig,
+    grpo, topr = run_both(  # the outcomes are asserted the same
         tiny_model_path,
-        tmp_path / "grpo",
-        dict(reward_funcs=[none_for_odd, parity_reward], train_dataset=arithmetic_dataset),
-        {},
+        tmp_path,
         caplog,
-    )
-    topr = outcome(
-        TOPRTrainer,
-        GRPOConfig,
-        tiny_model_path,
-        tmp_path / "topr",
         dict(reward_funcs=[none_for_odd, parity_reward], train_dataset=arithmetic_dataset),
-        {},
-        caplog,
+        topr_config_class=GRPOConfig,
     )
     warned = [record.getMessage() for record in caplog.records if record.name.startswith("topr_trl")]
     assert len(warned) == 1 and "trains TRL's loss_type='dapo'" in warned[0] and "not TOPR" in warned[0]
-    assert_same_outcome(grpo, topr)
     for name, parameter in grpo["trainer"].model.named_parameters():
         torch.testing.assert_close(topr["trainer"].model.get_parameter(name), parameter, rtol=1e-6, atol=1e-7)
 

@@ -7,7 +7,7 @@ from transformers import TrainerCallback
 
 from topr_trl.commands.iterations import IterationSettings, run_iterations
 
-from .conftest import parity_reward
+from .conftest import parity_reward, ratio_extremes
 
 
 def settings(**overrides):
@@ -139,15 +139,5 @@ def test_an_iteration_sampled_with_truncation_trains_on_a_ratio_of_one_at_learni
         settings(train_overrides=overrides, **truncation),
     )
     history = json.loads((tmp_path / "iteration-000" / "train" / "trainer_state.json").read_text())["log_history"]
-    ratios = [
-        entry[key]
-        for entry in history
-        for key in (
-            "topr/ratio_positive/min",
-            "topr/ratio_positive/max",
-            "topr/ratio_negative/min",
-            "topr/ratio_negative/max",
-        )
-        if entry.get(key) is not None
-    ]
+    ratios = ratio_extremes(history)
     assert ratios and all(ratio == pytest.approx(1.0, abs=1e-4) for ratio in ratios), ratios

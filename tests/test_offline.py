@@ -17,7 +17,7 @@ from topr_trl.offline import (
     stored_reward,
 )
 
-from .conftest import parity_reward, small_config_kwargs
+from .conftest import parity_reward, small_config_kwargs, small_trainer
 
 
 @pytest.fixture(scope="module")
@@ -165,12 +165,7 @@ def test_offline_dataset_with_uneven_groups_needs_the_reward_signal(
     dataset = generate(behaviour, arithmetic_dataset.select(range(4)), tmp_path / "data")
     dataset = dataset.select([i for i in range(len(dataset)) if i != 3])
     with pytest.raises(ValueError, match="num_generations"):
-        TOPRTrainer(
-            model=tiny_model_path,
-            reward_funcs=stored_reward,
-            train_dataset=dataset,
-            args=TOPRConfig(**small_config_kwargs(tmp_path / "run")),
-        )
+        small_trainer(tiny_model_path, stored_reward, dataset, tmp_path / "run")
     args = TOPRConfig(**small_config_kwargs(tmp_path / "run2", topr_signal="reward", topr_baseline=0.0, max_steps=1))
     TOPRTrainer(model=tiny_model_path, reward_funcs=stored_reward, train_dataset=dataset, args=args).train()
 
@@ -180,12 +175,7 @@ def test_dataset_without_behaviour_logps_is_rejected(behaviour, tiny_model_path,
         "behaviour_logps"
     )
     with pytest.raises(ValueError, match="behaviour_logps"):
-        TOPRTrainer(
-            model=tiny_model_path,
-            reward_funcs=stored_reward,
-            train_dataset=dataset,
-            args=TOPRConfig(**small_config_kwargs(tmp_path / "run")),
-        )
+        small_trainer(tiny_model_path, stored_reward, dataset, tmp_path / "run")
 
 
 def test_dataset_smaller_than_one_batch_is_rejected_with_the_fix(

@@ -4,7 +4,6 @@ shared tool's Qwen2 with a byte-level BPE tokenizer)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from topr_trl.offline import load_offline_dataset
 from topr_trl.offline.schema import StoredTokensMismatch, check_stored_tokens
 
 from .conftest import SHARED, work_in
-from .launching import user_data_flags
+from .launching import run_cli, user_data_flags
 
 
 MAKER = SHARED / "tools" / "user_folder" / "make_user_folder.py"
@@ -45,11 +44,8 @@ def generated(tmp_path_factory) -> Path:
         pytest.skip(f"the shared user-folder tool is not beside the repository ({MAKER})")
     folder = tmp_path_factory.mktemp("offline-user")
     subprocess.run([sys.executable, str(MAKER), str(folder)], check=True, capture_output=True, timeout=600)
-    completed = subprocess.run(
+    completed = run_cli(
         [
-            sys.executable,
-            "-m",
-            "topr_trl",
             "generate",
             *user_data_flags("my-model", "data/prompts.jsonl"),
             "--num_generations",
@@ -61,11 +57,7 @@ def generated(tmp_path_factory) -> Path:
             "--output_dir",
             "data-mu",
         ],
-        cwd=folder,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": str(folder)},
+        folder,
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
     from transformers import AutoModelForCausalLM

@@ -24,7 +24,7 @@ from topr_trl.offline import (
 from topr_trl.offline.rollout import make_behaviour_rollout
 from topr_trl.tasks.tiny import CHAT_TEMPLATE, build_model, build_tokenizer, save_pretrained
 
-from .conftest import logged_values, parity_reward, small_config_kwargs
+from .conftest import logged_values, parity_reward, small_config_kwargs, small_trainer
 
 
 PLAIN_PROMPTS = Dataset.from_dict({"prompt": ["1+2=", "3+4=", "5+6=", "7+8="], "answer": ["3", "7", "11", "15"]})
@@ -315,12 +315,7 @@ def test_shared_prompt_tokenization_is_grpo_trainers(bos_model_path, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(bos_model_path)
     conversational = [[{"role": "user", "content": "1+2="}], [{"role": "user", "content": "30+4="}]]
     for kwargs in ({}, {"style": "brief"}):
-        trainer = TOPRTrainer(
-            model=bos_model_path,
-            reward_funcs=parity_reward,
-            train_dataset=PLAIN_PROMPTS,
-            args=TOPRConfig(**small_config_kwargs(tmp_path, chat_template_kwargs=kwargs)),
-        )
+        trainer = small_trainer(bos_model_path, parity_reward, PLAIN_PROMPTS, tmp_path, chat_template_kwargs=kwargs)
         for prompts in (list(PLAIN_PROMPTS["prompt"]), conversational):
             assert tokenize_prompts(tokenizer, prompts, kwargs) == [
                 list(ids) for ids in trainer._tokenize_prompts(prompts)[0]
@@ -342,20 +337,25 @@ def test_behaviour_rollout_of_the_policy_itself_gives_ratio_one(bos_model_path, 
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
-def test_offline_eval_dataset_replays_its_stored_completions(generated, tiny_model_path, tmp_path):
-    stored = load_offline_dataset(generated)
-    labels = [1.0, -1.0, -1.0, 0.5, 1.0, 1.0, -1.0, 0.0]
-    eval_data = stored.remove_columns("reward").add_column("reward", labels)
-    args = TOPRConfig(
+def evaluated_config(output_dir, per_device_eval_batch_size: int) -> TOPRConfig:
+    """Two steps on 8 rows each, evaluated after each step in batches of `per_device_eval_batch_size`."""
+    return TOPRConfig(
         **small_config_kwargs(
-            tmp_path,
+            output_dir,
             per_device_train_batch_size=8,
-            per_device_eval_batch_size=4,
+            per_device_eval_batch_size=per_device_eval_batch_size,
             max_steps=2,
             eval_strategy="steps",
             eval_steps=1,
         )
     )
+
+
+def test_offline_eval_dataset_replays_its_stored_completions(generated, tiny_model_path, tmp_path):
+    stored = load_offline_dataset(generated)
+    labels = [1.0, -1.0, -1.0, 0.5, 1.0, 1.0, -1.0, 0.0]
+    eval_data = stored.remove_columns("reward").add_column("reward", labels)
+    args = evaluated_config(tmp_path, per_device_eval_batch_size=4)
     trainer = TOPRTrainer(
         model=tiny_model_path, reward_funcs=stored_reward, args=args, train_dataset=stored, eval_dataset=eval_data
     )
@@ -369,16 +369,7 @@ def test_prompt_eval_dataset_during_offline_training_generates_from_the_policy(
     generated, tiny_model_path, arithmetic_dataset, tmp_path
 ):
     stored = load_offline_dataset(generated)
-    args = TOPRConfig(
-        **small_config_kwargs(
-            tmp_path,
-            per_device_train_batch_size=8,
-            per_device_eval_batch_size=8,
-            max_steps=2,
-            eval_strategy="steps",
-            eval_steps=1,
-        )
-    )
+    args = evaluated_config(tmp_path, per_device_eval_batch_size=8)
     trainer = TOPRTrainer(
         model=tiny_model_path,
         reward_funcs=parity_reward,
@@ -414,12 +405,7 @@ def test_reward_function_with_a_wrong_return_type_fails_at_its_first_call(
     def bad_reward(completions, **kwargs):
         return returned
 
-    trainer = TOPRTrainer(
-        model=tiny_model_path,
-        reward_funcs=bad_reward,
-        train_dataset=arithmetic_dataset,
-        args=TOPRConfig(**small_config_kwargs(tmp_path, per_device_train_batch_size=8)),
-    )
+    trainer = small_trainer(tiny_model_path, bad_reward, arithmetic_dataset, tmp_path, per_device_train_batch_size=8)
     with pytest.raises((TypeError, ValueError), match=re.escape(message)) as raised:
         trainer.train()
     assert trainer.state.global_step == 0
@@ -434,20 +420,10 @@ def test_async_reward_function_keeps_working_and_is_checked(tiny_model_path, ari
     async def async_scalar(completions, **kwargs):
         return 1.0
 
-    trainer = TOPRTrainer(
-        model=tiny_model_path,
-        reward_funcs=async_parity,
-        train_dataset=arithmetic_dataset,
-        args=TOPRConfig(**small_config_kwargs(tmp_path / "ok")),
-    )
+    trainer = small_trainer(tiny_model_path, async_parity, arithmetic_dataset, tmp_path / "ok")
     trainer.train()
     assert len(logged(trainer, "rewards/async_parity/mean")) == 2  # TRL's name, from __name__
-    trainer = TOPRTrainer(
-        model=tiny_model_path,
-        reward_funcs=async_scalar,
-        train_dataset=arithmetic_dataset,
-        args=TOPRConfig(**small_config_kwargs(tmp_path / "bad")),
-    )
+    trainer = small_trainer(tiny_model_path, async_scalar, arithmetic_dataset, tmp_path / "bad")
     with pytest.raises(TypeError, match="Reward function 'async_scalar' returned float"):
         trainer.train()
 
@@ -467,12 +443,7 @@ def test_unscored_steps_stop_training_online_and_offline_when_asked(
         args=TOPRConfig(**small_config_kwargs(tmp_path / "mixed", **stop)),
     )
     trainer.train()  # one function scores: nothing to refuse
-    trainer = TOPRTrainer(
-        model=tiny_model_path,
-        reward_funcs=none_reward,
-        train_dataset=arithmetic_dataset,
-        args=TOPRConfig(**small_config_kwargs(tmp_path / "online", **stop)),
-    )
+    trainer = small_trainer(tiny_model_path, none_reward, arithmetic_dataset, tmp_path / "online", **stop)
     with pytest.raises(
         ValueError,
         match=r"got None/NaN from every reward function \('none_reward'\).*"

@@ -250,23 +250,14 @@ def test_online_pi_over_mu_is_one_at_learning_rate_zero_under_truncation(truncat
     from topr_trl import TOPRTrainer
     from topr_trl.tasks.word_problems import word_problem_reward
 
-    from .conftest import logged_values
+    from .conftest import ratio_extremes
 
     args = real_config(tmp_path, learning_rate=0.0, steps_per_generation=2, max_steps=1, **truncation)
     trainer = TOPRTrainer(
         model=SMOLLM2, reward_funcs=word_problem_reward, args=args, train_dataset=word_problem_dataset()
     )
     trainer.train()
-    ratios = [
-        value
-        for key in (
-            "topr/ratio_positive/min",
-            "topr/ratio_positive/max",
-            "topr/ratio_negative/min",
-            "topr/ratio_negative/max",
-        )
-        for value in logged_values(trainer, key)
-    ]
+    ratios = ratio_extremes(trainer.state.log_history)
     assert ratios and all(r == pytest.approx(1.0, abs=1e-4) for r in ratios), ratios
 
 
@@ -523,6 +514,8 @@ def test_offline_generate_train_and_iterate_on_the_real_model(real_model_path, t
     before and after."""
     from topr_trl.commands import cli
 
+    from .conftest import ratio_extremes
+
     monkeypatch.chdir(tmp_path)
     data = tmp_path / "data"
     summary = cli.run_command(
@@ -569,17 +562,7 @@ def test_offline_generate_train_and_iterate_on_the_real_model(real_model_path, t
         ],
     )
     history = json.loads((tmp_path / "train" / "trainer_state.json").read_text())["log_history"]
-    ratios = [
-        entry[key]
-        for entry in history
-        for key in (
-            "topr/ratio_positive/min",
-            "topr/ratio_positive/max",
-            "topr/ratio_negative/min",
-            "topr/ratio_negative/max",
-        )
-        if entry.get(key) is not None
-    ]
+    ratios = ratio_extremes(history)
     assert trained["steps"] == 2 and ratios and all(r == pytest.approx(1.0, abs=1e-4) for r in ratios), ratios
     summaries = cli.run_command(
         "iterate",

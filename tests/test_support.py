@@ -22,7 +22,7 @@ from topr_trl.support import SamplerProcessing, processed_log_probs
 from topr_trl.support.rule import descending_groups, scaled_logits, support_length
 from topr_trl.support.scoring import captured_outputs, completion_processed_log_probs, fused_head_parts, head_projection
 
-from .conftest import float32_tolerance, logged_values, parity_reward, small_config_kwargs
+from .conftest import float32_tolerance, parity_reward, ratio_extremes, small_config_kwargs
 
 
 def sampler_support(logits: torch.Tensor, processing: SamplerProcessing) -> torch.Tensor:
@@ -147,6 +147,15 @@ def test_the_correction_is_the_kept_mass_and_zero_without_truncation():
     )
 
 
+# A tiny decoder's shape: 97 tokens, width 32, 4 attention heads over 2 key-value heads.
+TINY_SHAPE = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+
+
+def tiny_causal_lm(model_class, config_class, **config):
+    """A random-init `model_class` of TINY_SHAPE, its config class given `config` too."""
+    return model_class(config_class(**TINY_SHAPE, **config))
+
+
 @pytest.mark.parametrize("family", ["qwen2_tied", "gemma2_softcapped"])
 def test_the_head_is_the_one_trls_fused_log_probs_use(family):
     """The mirror of TRL's fused head: log-softmax(head_logits / T) at the labels equals TRL's fused log-probs
@@ -161,29 +170,10 @@ def test_the_head_is_the_one_trls_fused_log_probs_use(family):
 
     torch.manual_seed(0)
     if family == "qwen2_tied":
-        model = Qwen2ForCausalLM(
-            Qwen2Config(
-                vocab_size=97,
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                tie_word_embeddings=True,
-            )
-        )
+        model = tiny_causal_lm(Qwen2ForCausalLM, Qwen2Config, num_hidden_layers=2, tie_word_embeddings=True)
     else:
-        model = Gemma2ForCausalLM(
-            Gemma2Config(
-                vocab_size=97,
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=8,
-                final_logit_softcapping=3.0,
-            )
+        model = tiny_causal_lm(
+            Gemma2ForCausalLM, Gemma2Config, num_hidden_layers=2, head_dim=8, final_logit_softcapping=3.0
         )
         assert model.config.final_logit_softcapping == 3.0
     add_fused_lm_head(model, temperature=0.7)
@@ -213,17 +203,7 @@ def test_under_autocast_the_head_projects_in_trls_dtype():
     from trl.trainer.utils import add_fused_lm_head
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=97,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-        )
-    )
+    model = tiny_causal_lm(Qwen2ForCausalLM, Qwen2Config, num_hidden_layers=2, tie_word_embeddings=True)
     with torch.no_grad():  # logits of a few units, as a trained model's: bf16 rounds them by up to 2^-8 of that
         model.get_output_embeddings().weight.mul_(50)
     add_fused_lm_head(model, temperature=1.0)
@@ -270,16 +250,7 @@ def truncated_samples(tiny_model_path, arithmetic_dataset, tmp_path_factory):
 
 def ratios_at_learning_rate_zero(trainer) -> list[float]:
     trainer.train()
-    return [
-        value
-        for key in (
-            "topr/ratio_positive/min",
-            "topr/ratio_positive/max",
-            "topr/ratio_negative/min",
-            "topr/ratio_negative/max",
-        )
-        for value in logged_values(trainer, key)
-    ]
+    return ratio_extremes(trainer.state.log_history)
 
 
 @pytest.mark.parametrize("truncation", ["top_k", "top_p"])
@@ -396,16 +367,7 @@ def test_the_log_probs_in_chunks_equal_the_log_probs_at_once(monkeypatch):
     import topr_trl.support.scoring as support
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=97,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
+    model = tiny_causal_lm(Qwen2ForCausalLM, Qwen2Config, num_hidden_layers=1)
     hidden, tokens = torch.randn(11, 32), torch.randint(0, 97, (11,))
     processing = SamplerProcessing(top_k=4, top_p=0.8)
     at_once = support.chunked_processed_log_probs(model, hidden, tokens, processing)

@@ -13,7 +13,7 @@ from trl import GRPOConfig, GRPOTrainer
 from topr_trl import TOPRConfig, TOPRTrainer
 from topr_trl.offline.rollout import make_behaviour_rollout
 
-from .conftest import logged_values, parity_reward, small_config_kwargs
+from .conftest import logged_values, parity_reward, small_config_kwargs, small_trainer
 
 
 def train_once(trainer_class, config_class, model_path, dataset, output_dir, **overrides):
@@ -70,12 +70,7 @@ def test_trl_loss_types_compute_exactly_what_grpo_computes(loss_type, tiny_model
         train_dataset=arithmetic_dataset,
         args=GRPOConfig(**small_config_kwargs(tmp_path / "g", **overrides)),
     )
-    topr = TOPRTrainer(
-        model=tiny_model_path,
-        reward_funcs=parity_reward,
-        train_dataset=arithmetic_dataset,
-        args=TOPRConfig(**small_config_kwargs(tmp_path / "t", **overrides)),
-    )
+    topr = small_trainer(tiny_model_path, parity_reward, arithmetic_dataset, tmp_path / "t", **overrides)
     inputs = make_inputs(grpo)
     with torch.no_grad():  # move the policy away from mu so that ratios and clipping are exercised
         for p in list(grpo.model.parameters()) + list(topr.model.parameters()):
@@ -102,11 +97,14 @@ def test_ppo_variant_reproduces_grpo_loss(tiny_model_path, arithmetic_dataset, t
         train_dataset=arithmetic_dataset,
         args=GRPOConfig(**small_config_kwargs(tmp_path / "g", loss_type="grpo", **common)),
     )
-    topr = TOPRTrainer(
-        model=tiny_model_path,
-        reward_funcs=parity_reward,
-        train_dataset=arithmetic_dataset,
-        args=TOPRConfig(**small_config_kwargs(tmp_path / "t", loss_type="ppo", topr_ratio_level="token", **common)),
+    topr = small_trainer(
+        tiny_model_path,
+        parity_reward,
+        arithmetic_dataset,
+        tmp_path / "t",
+        loss_type="ppo",
+        topr_ratio_level="token",
+        **common,
     )
     inputs = make_inputs(grpo)
     with torch.no_grad():
@@ -222,12 +220,7 @@ def test_infinite_reward_raises_a_clear_error_when_checked(tiny_model_path, arit
     def broken_reward(completions, **kwargs):
         return [math.inf] * len(completions)
 
-    trainer = TOPRTrainer(
-        model=tiny_model_path,
-        reward_funcs=broken_reward,
-        train_dataset=arithmetic_dataset,
-        args=TOPRConfig(**small_config_kwargs(tmp_path, topr_check_finite=True)),
-    )
+    trainer = small_trainer(tiny_model_path, broken_reward, arithmetic_dataset, tmp_path, topr_check_finite=True)
     with pytest.raises(ValueError, match="broken_reward.*infinite"):
         trainer.train()
     # GRPOTrainer's behaviour by default: it trains on (the loss is NaN), and TOPRTrainer warns
@@ -238,12 +231,7 @@ def test_infinite_reward_raises_a_clear_error_when_checked(tiny_model_path, arit
         args=GRPOConfig(**small_config_kwargs(tmp_path / "grpo")),
     )
     grpo.train()
-    trainer = TOPRTrainer(
-        model=tiny_model_path,
-        reward_funcs=broken_reward,
-        train_dataset=arithmetic_dataset,
-        args=TOPRConfig(**small_config_kwargs(tmp_path / "default")),
-    )
+    trainer = small_trainer(tiny_model_path, broken_reward, arithmetic_dataset, tmp_path / "default")
     trainer.train()
     assert trainer.state.global_step == grpo.state.global_step == 2
 
@@ -298,12 +286,7 @@ def test_lora_training_changes_only_adapter_weights(tiny_model_path, arithmetic_
 
 
 def test_nan_loss_stops_training_with_a_clear_error_when_checked(tiny_model_path, arithmetic_dataset, tmp_path, caplog):
-    trainer = TOPRTrainer(
-        model=tiny_model_path,
-        reward_funcs=parity_reward,
-        train_dataset=arithmetic_dataset,
-        args=TOPRConfig(**small_config_kwargs(tmp_path, per_device_train_batch_size=8)),
-    )
+    trainer = small_trainer(tiny_model_path, parity_reward, arithmetic_dataset, tmp_path, per_device_train_batch_size=8)
     batch = next(iter(trainer.get_train_dataloader()))
     inputs = trainer._prepare_inputs(batch)
     with torch.no_grad():
@@ -346,12 +329,7 @@ def test_target_effective_proportion_needs_the_reward_signal(tmp_path):
 
 
 def test_model_card_cites_topr(tiny_model_path, arithmetic_dataset, tmp_path):
-    trainer = TOPRTrainer(
-        model=tiny_model_path,
-        reward_funcs=parity_reward,
-        train_dataset=arithmetic_dataset,
-        args=TOPRConfig(**small_config_kwargs(tmp_path)),
-    )
+    trainer = small_trainer(tiny_model_path, parity_reward, arithmetic_dataset, tmp_path)
     trainer.create_model_card(model_name="tiny-topr")
     card = (tmp_path / "README.md").read_text()
     assert "2503.14286" in card and "Tapered Off-Policy REINFORCE" in card
@@ -395,12 +373,7 @@ def test_the_card_and_tags_name_the_loss_that_trained_never_topr_for_another(
 
 def test_a_topr_config_gives_no_warning_and_a_topr_card(tiny_model_path, arithmetic_dataset, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="topr_trl"):
-        trainer = TOPRTrainer(
-            model=tiny_model_path,
-            reward_funcs=parity_reward,
-            train_dataset=arithmetic_dataset,
-            args=TOPRConfig(**small_config_kwargs(tmp_path)),
-        )
+        trainer = small_trainer(tiny_model_path, parity_reward, arithmetic_dataset, tmp_path)
     assert not [record for record in caplog.records if "not TOPR" in record.getMessage()]
     assert "topr" in trainer.model.model_tags
 
@@ -427,12 +400,7 @@ def test_training_leaves_no_state_beyond_what_grpo_trainer_keeps(signal, tiny_mo
     grpo = attributes_gained(GRPOTrainer, GRPOConfig, {})
     assert topr == grpo and grpo  # GRPOTrainer does gain some (its buffers), TOPR none of its own
     rows = [dict(row) for row in arithmetic_dataset.select(range(8))]
-    trainer = TOPRTrainer(
-        model=tiny_model_path,
-        reward_funcs=parity_reward,
-        train_dataset=arithmetic_dataset,
-        args=TOPRConfig(**small_config_kwargs(tmp_path / "rows", topr_signal=signal)),
-    )
+    trainer = small_trainer(tiny_model_path, parity_reward, arithmetic_dataset, tmp_path / "rows", topr_signal=signal)
     output = trainer._generate_and_score_completions(rows)
     assert not any(key.startswith("topr_") for row in rows for key in row)
     assert ("topr_signal" in output) == (signal == "reward")
@@ -482,12 +450,7 @@ def test_a_repetition_penalty_is_said_to_bias_pi_over_mu(
     """mu sampled with a repetition penalty depends on the tokens already seen, which pi's scoring does not replay:
     the run says once that pi/mu carries the penalty (GRPOTrainer accepts the setting, so TOPRTrainer trains on)."""
     with caplog.at_level(logging.WARNING, logger="topr_trl"):
-        TOPRTrainer(
-            model=tiny_model_path,
-            reward_funcs=parity_reward,
-            train_dataset=arithmetic_dataset,
-            args=TOPRConfig(**small_config_kwargs(tmp_path, repetition_penalty=penalty)),
-        )
+        small_trainer(tiny_model_path, parity_reward, arithmetic_dataset, tmp_path, repetition_penalty=penalty)
     said = [record.getMessage() for record in caplog.records if "repetition_penalty" in record.getMessage()]
     assert len(said) == int(warned)
     assert not said or "repetition_penalty=1.2" in said[0] and "pi/mu" in said[0]
